@@ -1,0 +1,221 @@
+"""Attention for packed sequences in torchtune models, on CPU and GPU.
+
+A pack ``[P1 R1 P2 R2 ... PAD]`` needs block-causal attention: a token sees earlier tokens of its
+own sequence only. `grpo.packing.pack_sequences` describes that mask in one of three forms:
+
+- ``"dense"``: a bool ``[L, L]`` tensor (True = may attend). Works with stock torchtune on any
+  device, but costs O(L^2) memory and SDPA computes every masked-out block anyway.
+- ``"flex"``: a FlexAttention ``BlockMask``, O(L) memory, and fully masked blocks are skipped.
+- ``"varlen"``: a `VarlenMask` holding the block lengths; attention runs once per sequence with
+  ``is_causal=True`` SDPA, so compute is ``sum(len_i^2)`` instead of ``L^2``.
+
+Why this module exists: torchtune 0.6.1 chooses its attention function once, when each
+``MultiHeadAttention`` is built (``_sdpa_or_flex_attention``), and uses FlexAttention only when
+``torchtune.utils._import_guard._SUPPORTS_FLEX_ATTENTION`` holds, which requires CUDA with compute
+capability >= 7.5. On CPU it sends every mask to SDPA as ``mask[:, None, :, :]``, which a
+``BlockMask`` or a `VarlenMask` cannot serve. `use_packed_attention` replaces that function on
+each attention module of a model with `packed_attention`, which understands all three forms on
+every device and otherwise behaves exactly like torchtune's (SDPA for tensors and ``None``).
+
+FlexAttention on CPU: torch 2.13 runs it forward only (it raises "FlexAttention does not support
+backward on CPU" when an input requires grad). Use ``"flex"`` on CPU for no-grad forwards such as
+the reference model, and ``"varlen"`` (or ``"dense"``) to train on CPU. FlexAttention is always
+run compiled: uncompiled it materialises the full score matrix, which defeats its purpose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+__all__ = ["VarlenMask", "packed_attention", "use_packed_attention"]
+
+
+@dataclass(frozen=True)
+class VarlenMask:
+    """Block-causal mask given by the lengths of consecutive blocks of one packed row.
+
+    Token ``i`` may attend to token ``j`` iff both lie in the same block and ``j <= i``. The
+    lengths are Python ints: attention splits on them in every layer, and ints avoid a
+    device-to-host sync per layer.
+
+    Args:
+        block_lens (tuple[int, ...]): Length of each block, in order; they sum to the packed
+            length. A tail padding block is one more block.
+
+    Raises:
+        ValueError: If there is no block or a length is not a positive int.
+
+    Example:
+        >>> VarlenMask((3, 2)).to_dense().int()
+        tensor([[1, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0],
+                [1, 1, 1, 0, 0],
+                [0, 0, 0, 1, 0],
+                [0, 0, 0, 1, 1]], dtype=torch.int32)
+    """
+
+    block_lens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.block_lens:
+            raise ValueError("VarlenMask: block_lens is empty")
+        for index, length in enumerate(self.block_lens):
+            if not isinstance(length, int) or length < 1:
+                raise ValueError(
+                    f"VarlenMask: block_lens[{index}] must be a positive int, got {length!r}"
+                )
+
+    @property
+    def seq_len(self) -> int:
+        """Total length of the packed row."""
+        return sum(self.block_lens)
+
+    def to_dense(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The same mask as a bool ``[L, L]`` tensor (True = may attend)."""
+        lengths = torch.tensor(self.block_lens, device=device)
+        block_ids = torch.repeat_interleave(
+            torch.arange(len(self.block_lens), device=device), lengths
+        )
+        positions = torch.arange(self.seq_len, device=device)
+        return (block_ids[:, None] == block_ids[None, :]) & (
+            positions[:, None] >= positions[None, :]
+        )
+
+
+_compiled_flex_attention: Callable | None = None
+
+
+def _get_compiled_flex_attention() -> Callable:
+    """Compile FlexAttention once per process, on first use.
+
+    ``dynamic`` is left to torch.compile's default: the first shape is compiled static (best
+    kernels when packs are padded to a fixed budget) and a second shape triggers a single
+    dynamic-shape recompile instead of one compile per pack length.
+    """
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention
+
+
+# Flex attention is only fast compiled, and torch.compile cannot nest: keep it out of any
+# compiled region around it (as torchtune does) so a compiled model still uses the kernel.
+@torch.compiler.disable(recursive=False)
+def _flex_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask
+) -> torch.Tensor:
+    return _get_compiled_flex_attention()(q, k, v, block_mask=block_mask)
+
+
+def _varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, dropout_p: float
+) -> torch.Tensor:
+    """Causal SDPA on each block separately; a Python loop over sequences, not tokens."""
+    seq_len = q.shape[2]
+    if seq_len != mask.seq_len or k.shape[2] != mask.seq_len:
+        raise ValueError(
+            f"VarlenMask covers {mask.seq_len} tokens but queries have {seq_len} and keys "
+            f"{k.shape[2]}; pass the mask built for this pack"
+        )
+    lens = list(mask.block_lens)
+    outputs = [
+        F.scaled_dot_product_attention(
+            q_block, k_block, v_block, dropout_p=dropout_p, is_causal=True
+        )
+        for q_block, k_block, v_block in zip(q.split(lens, 2), k.split(lens, 2), v.split(lens, 2))
+    ]
+    return torch.cat(outputs, dim=2)
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | BlockMask | VarlenMask | None,
+    dropout_p: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """Attention that honours every mask form `pack_sequences` builds, on any device.
+
+    Same signature as the function torchtune's ``MultiHeadAttention`` stores in
+    ``_attention_call``; q, k and v arrive as ``[b, n_heads, s, head_dim]`` (k and v already
+    expanded for grouped-query attention).
+
+    Args:
+        q (torch.Tensor): Queries.
+        k (torch.Tensor): Keys.
+        v (torch.Tensor): Values.
+        mask: ``None`` (causal if ``is_causal``), a bool ``[b, s, s]`` tensor (True = may
+            attend), a FlexAttention ``BlockMask`` or a `VarlenMask`.
+        dropout_p (float): Attention dropout; FlexAttention supports none.
+        is_causal (bool): Causal masking when ``mask`` is ``None``.
+
+    Returns:
+        torch.Tensor: ``[b, n_heads, s, head_dim]``.
+
+    Raises:
+        ValueError: Dropout with a ``BlockMask``, or a `VarlenMask` of the wrong length.
+        NotImplementedError: A ``BlockMask`` on CPU with gradients required.
+    """
+    if isinstance(mask, VarlenMask):
+        return _varlen_attention(q, k, v, mask, dropout_p)
+    if isinstance(mask, BlockMask):
+        if dropout_p > 0.0:
+            raise ValueError(f"FlexAttention does not support dropout, got dropout_p={dropout_p}")
+        needs_grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+        )
+        if q.device.type == "cpu" and needs_grad:
+            raise NotImplementedError(
+                f"FlexAttention has no CPU backward in torch {torch.__version__}: run this "
+                "forward under torch.no_grad(), or pack with mask_kind='varlen' (or 'dense') "
+                "to train on CPU"
+            )
+        return _flex_attention(q, k, v, mask)
+    if mask is not None:
+        mask = mask[:, None, :, :]  # broadcast over heads, as torchtune does
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
+    )
+
+
+def use_packed_attention(model: nn.Module) -> nn.Module:
+    """Make every torchtune attention module of ``model`` use `packed_attention`.
+
+    Needed for ``"varlen"`` masks on every device and for ``"flex"`` masks on CPU (stock
+    torchtune 0.6.1 handles ``BlockMask`` on CUDA only); harmless for dense masks, whose path is
+    unchanged. Idempotent; modifies ``model`` in place.
+
+    Args:
+        model (nn.Module): A model containing torchtune ``MultiHeadAttention`` modules.
+
+    Returns:
+        nn.Module: ``model`` itself.
+
+    Raises:
+        ValueError: If the model has no torchtune ``MultiHeadAttention``.
+
+    Example:
+        >>> model = use_packed_attention(qwen2(...))
+        >>> logits = model(**packed_forward_inputs(pack_sequences(seqs, "cpu", 0, mask_kind="varlen")))
+    """
+    from torchtune.modules import MultiHeadAttention
+
+    num_patched = 0
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            # An instance attribute set in MultiHeadAttention.__init__, not a submodule.
+            module._attention_call = packed_attention
+            num_patched += 1
+    if num_patched == 0:
+        raise ValueError(
+            f"use_packed_attention: {type(model).__name__} contains no torchtune "
+            "MultiHeadAttention module"
+        )
+    return model

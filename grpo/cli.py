@@ -1,0 +1,308 @@
+"""The ``grpo`` command, in the style of torchtune's ``tune``.
+
+    grpo ls                                     recipes and their configs
+    grpo run async_grpo --config NAME k=v ...   validate the config, then run the recipe
+    grpo validate NAME [k=v ...]                check a config without running anything
+    grpo cp NAME DEST [--force]                 copy a config or recipe to edit it
+    grpo plot RUN_DIR                           write the standard plots of a run
+
+A recipe is a Python file with a ``recipe_main(cfg)`` function: a name (``async_grpo``) means
+``recipes/async_grpo.py`` in the repo (or ``$GRPO_RECIPES_DIR``), anything ending in ``.py`` is
+a path. A config is a name (``configs/NAME.yaml``) or a path to a YAML file.
+
+Exit status: 0 on success, 1 when a command could not do its job (a file would be
+overwritten, plotting failed), 2 for bad usage or any config problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.util
+import os
+import re
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+from grpo.config import (
+    ConfigError,
+    configs_dir,
+    list_configs,
+    load_config,
+    repo_root,
+    run_recipe,
+    split_overrides,
+    validate_config,
+)
+
+# A config names its recipe in its launch comment: "#   grpo run async_grpo --config ...".
+_LAUNCH_LINE = re.compile(r"^#.*\bgrpo run\s+(\S+)\s+--config\b", re.MULTILINE)
+
+
+class CommandError(Exception):
+    """A command failed in an expected way; the message is printed, no traceback."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# --------------------------------------------------------------------------------------------
+# Recipes
+# --------------------------------------------------------------------------------------------
+
+
+def recipes_dir() -> Path:
+    """Folder of named recipes: ``$GRPO_RECIPES_DIR`` if set, else ``<repo>/recipes``."""
+    return Path(os.environ.get("GRPO_RECIPES_DIR") or repo_root() / "recipes")
+
+
+def list_recipes() -> list[str]:
+    """Names of the recipes in `recipes_dir` (``*.py`` not starting with ``_``), sorted."""
+    folder = recipes_dir()
+    if not folder.is_dir():
+        return []
+    return sorted(path.stem for path in folder.glob("*.py") if not path.name.startswith("_"))
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """Turn a recipe name or a ``.py`` path into the path of an existing file.
+
+    Args:
+        name_or_path (str): ``async_grpo`` or ``path/to/recipe.py``.
+
+    Returns:
+        Path: The recipe file.
+
+    Raises:
+        CommandError: If there is no such recipe; the message lists the known ones.
+    """
+    known = list_recipes()
+    listing = ", ".join(known) or f"none in {recipes_dir()}"
+    if name_or_path.endswith(".py") or os.sep in name_or_path or "/" in name_or_path:
+        path = Path(name_or_path).expanduser()
+        if path.is_file():
+            return path
+        raise CommandError(f"recipe file {name_or_path} not found. Recipes: {listing}", 2)
+    path = recipes_dir() / f"{name_or_path}.py"
+    if path.is_file():
+        return path
+    close = difflib.get_close_matches(name_or_path, known, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise CommandError(f"unknown recipe {name_or_path!r}.{hint} Recipes: {listing}", 2)
+
+
+def load_recipe_main(path: Path):
+    """Import a recipe file by path and return its ``recipe_main``.
+
+    Args:
+        path (Path): The recipe file.
+
+    Returns:
+        Callable[[DictConfig], Any]: The recipe's entry point.
+
+    Raises:
+        CommandError: If the file has no callable ``recipe_main``.
+    """
+    module_name = f"grpo_recipe_{re.sub(r'[^0-9a-zA-Z_]', '_', path.stem)}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise CommandError(f"cannot import recipe {path}", 2)
+    module: ModuleType = importlib.util.module_from_spec(spec)
+    # Registered before running it, so dataclasses and pickling inside the recipe can find it.
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    recipe_main = getattr(module, "recipe_main", None)
+    if not callable(recipe_main):
+        raise CommandError(f"recipe {path} defines no recipe_main(cfg) function", 2)
+    return recipe_main
+
+
+def _config_recipe(path: Path) -> str | None:
+    match = _LAUNCH_LINE.search(path.read_text(encoding="utf-8", errors="replace"))
+    return match.group(1) if match else None
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+
+
+def _run_cmd(args: argparse.Namespace) -> int:
+    recipe_main = load_recipe_main(find_recipe(args.recipe))
+    return run_recipe(recipe_main, args.config, args.overrides, prog="grpo run")
+
+
+def _validate_cmd(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    validate_config(cfg)
+    print("Config is well-formed!")
+    return 0
+
+
+def _ls_cmd(args: argparse.Namespace) -> int:
+    recipes = list_recipes()
+    by_recipe: dict[str, list[str]] = {name: [] for name in recipes}
+    unassigned: list[str] = []
+    for name in list_configs():
+        recipe = _config_recipe(configs_dir() / f"{name}.yaml")
+        if recipe:
+            by_recipe.setdefault(recipe, []).append(name)
+        else:
+            unassigned.append(name)
+    rows = []
+    for recipe, configs in by_recipe.items():
+        shown = recipe if recipe in recipes else f"{recipe} (missing)"
+        rows += [(shown if i == 0 else "", config) for i, config in enumerate(configs or ["<>"])]
+    rows += [("<no recipe>" if i == 0 else "", c) for i, c in enumerate(unassigned)]
+    width = max([len("RECIPE"), *(len(recipe) for recipe, _ in rows)]) + 2
+    print(f"{'RECIPE':<{width}}CONFIG")
+    for recipe, config in rows:
+        print(f"{recipe:<{width}}{config}")
+    return 0
+
+
+def _cp_cmd(args: argparse.Namespace) -> int:
+    name = args.name
+    candidates = []
+    if not name.endswith(".yaml") and (recipes_dir() / f"{name.removesuffix('.py')}.py").is_file():
+        candidates.append(recipes_dir() / f"{name.removesuffix('.py')}.py")
+    if (
+        not name.endswith(".py")
+        and (configs_dir() / f"{name.removesuffix('.yaml')}.yaml").is_file()
+    ):
+        candidates.append(configs_dir() / f"{name.removesuffix('.yaml')}.yaml")
+    if not candidates:
+        known = list_recipes() + list_configs()
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise CommandError(f"no recipe or config named {name!r}.{hint} See `grpo ls`.", 2)
+    if len(candidates) > 1:
+        raise CommandError(
+            f"{name!r} is both a recipe and a config; write {name}.py or {name}.yaml", 2
+        )
+    source = candidates[0]
+    destination = Path(args.destination).expanduser()
+    if destination.is_dir() or args.destination.endswith(("/", os.sep)):
+        destination = destination / source.name
+    elif destination.suffix != source.suffix:
+        destination = destination.with_name(destination.name + source.suffix)
+    if destination.exists() and not args.force:
+        raise CommandError(f"{destination} already exists; use --force to overwrite it")
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, destination)
+    print(f"Copied {source} to {destination}")
+    return 0
+
+
+def _plot_cmd(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise CommandError(f"run folder {run_dir} does not exist", 2)
+    try:
+        # Imported here: matplotlib is slow to import and only this command needs it.
+        from grpo.plotting import plot_run
+    except ImportError as exc:
+        raise CommandError(f"plotting is unavailable: {exc}") from None
+    written = plot_run(run_dir)
+    for path in written or []:
+        print(path)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Parser and entry point
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``grpo`` argument parser with its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="grpo",
+        description="Asynchronous GRPO training: run recipes, manage and check configs.",
+        epilog="Example: grpo run async_grpo --config tiny_arithmetic_cpu orchestration.num_steps=5",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = commands.add_parser(
+        "run",
+        help="run a recipe with a config",
+        description="Load and validate a config, then call the recipe's recipe_main(cfg).",
+        epilog="Example: grpo run async_grpo --config tiny_arithmetic_cpu inference.group_size=4",
+    )
+    run.add_argument("recipe", help="recipe name (see `grpo ls`) or path to a .py file")
+    run.add_argument("--config", required=True, help="config name or path to a YAML file")
+    run.add_argument("overrides", nargs="*", help="key.sub=value or ~key overrides")
+    run.set_defaults(func=_run_cmd, takes_overrides=True)
+
+    validate = commands.add_parser(
+        "validate",
+        help="check a config without running anything",
+        description="Load a config with overrides and report every problem at once.",
+    )
+    validate.add_argument("config", help="config name or path to a YAML file")
+    validate.add_argument("overrides", nargs="*", help="key.sub=value or ~key overrides")
+    validate.set_defaults(func=_validate_cmd, takes_overrides=True)
+
+    ls = commands.add_parser(
+        "ls",
+        help="list recipes and their configs",
+        description="List recipes and the configs written for them (a config names its "
+        "recipe in its `grpo run RECIPE --config ...` comment).",
+    )
+    ls.set_defaults(func=_ls_cmd)
+
+    cp = commands.add_parser(
+        "cp",
+        help="copy a config or recipe to edit it",
+        description="Copy a named config or recipe to a file or folder.",
+        epilog="Example: grpo cp tiny_arithmetic_cpu my_run.yaml",
+    )
+    cp.add_argument("name", help="config or recipe name (see `grpo ls`)")
+    cp.add_argument("destination", help="file or existing folder")
+    cp.add_argument("--force", action="store_true", help="overwrite the destination")
+    cp.set_defaults(func=_cp_cmd)
+
+    plot = commands.add_parser(
+        "plot",
+        help="plot the metrics of a run",
+        description="Write the standard plots of a run (rewards, loss, KL, lag, ...) as PNGs.",
+    )
+    plot.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl)")
+    plot.set_defaults(func=_plot_cmd)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``grpo`` console script.
+
+    Args:
+        argv (Sequence[str] | None): Arguments; None reads ``sys.argv[1:]``.
+
+    Returns:
+        int: The exit status.
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if getattr(args, "takes_overrides", False):
+        args.overrides = split_overrides(parser, args.overrides, extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"grpo {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except CommandError as exc:
+        print(f"grpo {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

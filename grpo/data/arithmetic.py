@@ -1,0 +1,187 @@
+"""Seeded synthetic arithmetic problems (``What is 37 + 48?`` -> ``"85"``); no files needed.
+
+Difficulty comes from two independent draws per problem: the operation (``+``, ``-``, ``*``)
+and the number of digits of each operand (by default every digit count in
+``[min_value, max_value]`` is equally likely, so 1-digit operands are not drowned by the far more
+numerous 2-digit ones: with 0..99, a quarter of the problems are 1-digit by 1-digit, half mix
+sizes and a quarter are 2-digit by 2-digit). Multiplication and multi-digit operands leave a small model room to
+improve after it has mastered single-digit sums.
+
+The train/test split is a function of the question text alone (a hash), so the two splits never
+share a question whatever seeds or sizes they were generated with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from grpo.data.dataset import PromptDataset
+from grpo.data.templates import PromptTemplate, resolve_template
+
+OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+SPLITS = ("train", "test")
+
+
+def question_split(question: str, test_fraction: float) -> str:
+    """The split a question belongs to: ``"test"`` for a ``test_fraction`` share of questions.
+
+    Uses a stable hash (not Python's salted ``hash``) so the answer is the same in every process.
+    """
+    digest = hashlib.blake2b(question.encode("utf-8"), digest_size=8).digest()
+    return "test" if int.from_bytes(digest, "big") / 2**64 < test_fraction else "train"
+
+
+def _parse_weights(name: str, spec: Sequence | Mapping, allowed: Sequence | None) -> dict:
+    """``("+", "-")`` -> ``{"+": 1.0, "-": 1.0}``; a mapping is taken as explicit weights."""
+    weights = dict(spec) if isinstance(spec, Mapping) else {key: 1.0 for key in spec}
+    if not weights:
+        raise ValueError(f"{name} must not be empty")
+    for key, weight in weights.items():
+        if allowed is not None and key not in allowed:
+            raise ValueError(f"{name}: unsupported value {key!r}; expected one of {list(allowed)}")
+        if not float(weight) >= 0:
+            raise ValueError(f"{name}: weight of {key!r} must be >= 0, got {weight!r}")
+    if sum(float(weight) for weight in weights.values()) <= 0:
+        raise ValueError(f"{name}: weights must not all be zero, got {weights}")
+    return {key: float(weight) for key, weight in weights.items()}
+
+
+def _digit_intervals(digits: int, min_value: int, max_value: int) -> list[tuple[int, int]]:
+    """Closed intervals of the integers in ``[min_value, max_value]`` with ``digits`` digits."""
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    high = 10**digits - 1
+    candidates = [(low, high), (-high, -max(low, 1))]  # non-negative and negative parts
+    intervals = []
+    for start, end in candidates:
+        start, end = max(start, min_value), min(end, max_value)
+        if start <= end:
+            intervals.append((start, end))
+    return intervals
+
+
+def _sample(rng: random.Random, intervals: list[tuple[int, int]]) -> int:
+    """Uniform integer from a union of disjoint closed intervals."""
+    offset = rng.randrange(sum(end - start + 1 for start, end in intervals))
+    for start, end in intervals:
+        if offset <= end - start:
+            return start + offset
+        offset -= end - start + 1
+    raise AssertionError("unreachable: offset beyond the intervals")
+
+
+def _operand_text(value: int) -> str:
+    return f"({value})" if value < 0 else str(value)
+
+
+def arithmetic_dataset(
+    num_examples: int = 10000,
+    seed: int = 0,
+    operations: Sequence[str] | Mapping[str, float] = ("+", "-", "*"),
+    min_value: int = 0,
+    max_value: int = 99,
+    split: str = "train",
+    test_fraction: float = 0.1,
+    operand_digits: Mapping[int, float] | None = None,
+    unique: bool = False,
+    template: str | Mapping[str, Any] | PromptTemplate | None = None,
+) -> PromptDataset:
+    """Generate seeded arithmetic problems with integer answers.
+
+    Args:
+        num_examples (int): Number of problems.
+        seed (int): Seed of the generator; the same arguments always give the same problems.
+        operations (Sequence[str] | Mapping[str, float]): Operations drawn uniformly, or a
+            mapping from operation to weight. Supported: ``+``, ``-``, ``*``.
+        min_value (int): Smallest operand (may be negative; negative operands are written in
+            parentheses, ``What is 3 - (-5)?``).
+        max_value (int): Largest operand.
+        split (str): ``"train"`` or ``"test"``. The splits are disjoint: a question belongs to
+            ``"test"`` when a stable hash of its text falls in the ``test_fraction`` share.
+        test_fraction (float): Share of the question space reserved for ``"test"``, in (0, 1).
+        operand_digits (Mapping[int, float] | None): Weight of each digit count, drawn
+            independently for each operand, e.g. ``{1: 0.3, 2: 0.7}``. ``None`` weighs every
+            digit count present in ``[min_value, max_value]`` equally. Counts with no integer in
+            the range are ignored.
+        unique (bool): Never repeat a question within the dataset. Off by default: problems
+            are then independent draws from the configured mix, whereas with ``unique`` a small
+            level (there are only 100 single-digit sums) runs dry and the mix shifts towards the
+            larger levels.
+        template: Prompt template, a name, a ``_component_`` mapping or a callable; defaults
+            to ``"answer_only"``.
+
+    Returns:
+        PromptDataset: Examples ``{"question": "What is 37 + 48?", "answer": "85"}``.
+
+    Raises:
+        ValueError: On an invalid argument, or when ``unique`` is set and the split holds fewer
+            than ``num_examples`` distinct questions.
+
+    Example:
+        >>> ds = arithmetic_dataset(num_examples=2, seed=0, operations=("+",), max_value=9)
+        >>> sorted(ds[0])
+        ['answer', 'prompt', 'question']
+    """
+    if num_examples < 1:
+        raise ValueError(f"num_examples must be >= 1, got {num_examples}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    if min_value > max_value:
+        raise ValueError(f"min_value ({min_value}) must be <= max_value ({max_value})")
+    operation_weights = _parse_weights("operations", operations, allowed=list(OPERATIONS))
+
+    max_digits = len(str(max(abs(min_value), abs(max_value))))
+    if operand_digits is None:
+        operand_digits = {digits: 1.0 for digits in range(1, max_digits + 1)}
+    digit_weights = {
+        int(digits): weight
+        for digits, weight in _parse_weights("operand_digits", operand_digits, None).items()
+    }
+    # Keep only the digit counts that have integers in [min_value, max_value].
+    levels = {
+        digits: (weight, _digit_intervals(digits, min_value, max_value))
+        for digits, weight in digit_weights.items()
+        if digits >= 1 and weight > 0 and _digit_intervals(digits, min_value, max_value)
+    }
+    if not levels:
+        raise ValueError(
+            f"operand_digits {dict(operand_digits)} has no digit count with integers in "
+            f"[{min_value}, {max_value}]"
+        )
+
+    rng = random.Random(seed)
+    op_names, op_weights = list(operation_weights), list(operation_weights.values())
+    digit_counts = list(levels)
+    digit_count_weights = [levels[digits][0] for digits in digit_counts]
+    examples: list[dict[str, str]] = []
+    seen: set[str] = set()
+    # Generous cap so a too-small question space fails loudly instead of looping forever.
+    max_draws = 1000 + 50 * num_examples
+    draws = 0
+    while len(examples) < num_examples:
+        if draws >= max_draws:
+            raise ValueError(
+                f"could only draw {len(examples)} distinct {split!r} questions of the "
+                f"{num_examples} asked for after {draws} draws: the question space is too "
+                f"small; widen [min_value, max_value], add operations, or set unique=False"
+            )
+        draws += 1
+        op = rng.choices(op_names, op_weights)[0]
+        left_digits, right_digits = rng.choices(digit_counts, digit_count_weights, k=2)
+        left, right = _sample(rng, levels[left_digits][1]), _sample(rng, levels[right_digits][1])
+        question = f"What is {_operand_text(left)} {op} {_operand_text(right)}?"
+        if question_split(question, test_fraction) != split:
+            continue
+        if unique:
+            if question in seen:
+                continue
+            seen.add(question)
+        examples.append({"question": question, "answer": str(OPERATIONS[op](left, right))})
+    return PromptDataset(
+        examples, resolve_template(template, default="answer_only"), name=f"arithmetic[{split}]"
+    )

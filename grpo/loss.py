@@ -1,0 +1,682 @@
+"""The GRPO loss on packed batches, and the chunked path from hidden states to logprobs.
+
+Only response tokens carry loss terms, so the output projection is applied to the hidden
+states at response positions only, a chunk of tokens at a time: the full ``[L, V]`` logits of a
+pack are never built. The projection and log-softmax of a chunk are recomputed in the backward
+pass instead of being kept, so the memory of the vocabulary projection is ``O(chunk_size * V)``
+whatever the number of response tokens.
+
+The loss itself (`GRPOWithChunkedOutputLoss.compute_loss_from_logprobs`) works on flat
+per-token tensors aligned with ``PackedTrajectory.targets``:
+
+    ratio_t   = exp(pi_t - behaviour_t)
+    policy_t  = -min(ratio_t * A_t, clamp(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
+    kl_t      = k1 | k2 | k3 estimate of KL(pi || ref) at token t
+    loss      = aggregate(policy) + kl_coeff * aggregate(kl)
+
+Every aggregation is a weighted token sum divided by a normaliser, which is what makes
+gradient accumulation exact: pass the whole batch's normaliser (`batch_loss_normalizer`) to
+every micro-batch and the micro-batch losses add up to the whole-batch loss.
+
+Example:
+    >>> loss_fn = GRPOWithChunkedOutputLoss(epsilon_high=0.28)
+    >>> normalizer = loss_fn.batch_loss_normalizer(torch.cat([p.response_lens for p in packs]))
+    >>> for packed in packs:
+    ...     hidden = model_hidden_states(model, packed)
+    ...     stats = loss_fn(hidden, output_projection_weight(model), packed, normalizer)
+    ...     stats.loss.backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+
+from grpo.packing import packed_forward_inputs
+from grpo.types import GRPOStats, PackedTrajectory
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+DEFAULT_CHUNK_SIZE = 512
+
+# exp() of a log-ratio above ~88 overflows fp32, and an inf in the unselected branch of the
+# clipped objective turns its zero gradient into NaN (0 * inf). Tokens this far off-policy are
+# degenerate anyway, so log-ratios are clamped to +-20 before exp (as in verl).
+_MAX_LOG_RATIO = 20.0
+
+
+# --------------------------------------------------------------------------------------------
+# Hidden states -> response logprobs
+# --------------------------------------------------------------------------------------------
+
+
+class _ChunkedLinearLogprobs(torch.autograd.Function):
+    """``log_softmax(hidden @ weight.T)[t, targets[t]]``, a chunk of rows at a time.
+
+    Forward keeps no logits; backward recomputes each chunk's logits and uses
+    ``d logprob / d logits = onehot(target) - softmax(logits)``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size):
+        # At least fp32 (bf16 logits are upcast); float64 inputs stay float64.
+        compute_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        logprobs = torch.empty(hidden.shape[0], dtype=compute_dtype, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = start + chunk_size
+            logits = (hidden[start:end] @ weight.t()).to(compute_dtype)
+            target_logits = logits.gather(1, targets[start:end, None]).squeeze(1)
+            logprobs[start:end] = target_logits - torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunk_size = chunk_size
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs):
+        hidden, weight, targets = ctx.saved_tensors
+        needs_hidden_grad, needs_weight_grad = ctx.needs_input_grad[:2]
+        grad_hidden = torch.zeros_like(hidden) if needs_hidden_grad else None
+        grad_weight = torch.zeros_like(weight) if needs_weight_grad else None
+        compute_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        grad_logprobs = grad_logprobs.to(compute_dtype)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = start + ctx.chunk_size
+            hidden_chunk = hidden[start:end]
+            grad_chunk = grad_logprobs[start:end, None]
+            logits = (hidden_chunk @ weight.t()).to(compute_dtype)
+            grad_logits = logits.softmax(dim=-1).mul_(-grad_chunk)
+            grad_logits.scatter_add_(1, targets[start:end, None], grad_chunk)
+            grad_logits = grad_logits.to(hidden.dtype)
+            if needs_hidden_grad:
+                grad_hidden[start:end] = grad_logits @ weight
+            if needs_weight_grad:
+                grad_weight.addmm_(grad_logits.t(), hidden_chunk)
+        return grad_hidden, grad_weight, None, None
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def _response_positions(
+    length: int, response_mask: torch.Tensor, targets: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """Indices ``t - 1`` of every response token ``t``: where its logprob is read from."""
+    if response_mask.dim() != 1 or response_mask.numel() != length:
+        raise ValueError(
+            f"response_mask must have shape ({length},), got {tuple(response_mask.shape)}"
+        )
+    if targets.dim() != 1:
+        raise ValueError(f"targets must be 1-D, got shape {tuple(targets.shape)}")
+    # The one place where the shift happens: the logits at t-1 predict the token at t.
+    positions = response_mask[1:].bool().nonzero().squeeze(-1).to(device)
+    if positions.numel() != targets.numel():
+        raise ValueError(
+            f"response_mask[1:] selects {positions.numel()} positions but there are "
+            f"{targets.numel()} targets (the first token of a pack cannot be a response token)"
+        )
+    return positions
+
+
+def response_logprobs_from_hidden(
+    hidden_states: torch.Tensor,
+    output_weight: torch.Tensor,
+    response_mask: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Logprobs of the response tokens of a pack, projecting to the vocabulary in chunks.
+
+    Selects ``hidden_states[:-1][response_mask[1:]]`` (the hidden state before each response
+    token), projects ``chunk_size`` of them at a time with ``output_weight`` and takes the fp32
+    log-softmax at ``targets``. The chunk logits are recomputed in backward, never stored.
+
+    Args:
+        hidden_states (torch.Tensor): Final (post-norm) hidden states of one packed row,
+            ``[L, D]`` or ``[1, L, D]``.
+        output_weight (torch.Tensor): Output projection weight ``[V, D]`` (no bias).
+        response_mask (torch.Tensor): Bool ``[L]``, True on response tokens.
+        targets (torch.Tensor): Response token ids in pack order, ``[T]``.
+        chunk_size (int): Response tokens projected at once.
+
+    Returns:
+        torch.Tensor: Logprobs ``[T]`` in fp32 (float64 for float64 inputs), differentiable
+        w.r.t. ``hidden_states`` and ``output_weight``.
+
+    Raises:
+        ValueError: On mismatched shapes, or if ``response_mask`` and ``targets`` disagree.
+
+    Example:
+        >>> hidden = torch.randn(10, 16)
+        >>> weight = torch.randn(32, 16)
+        >>> response_mask = torch.tensor([0, 0, 0, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+        >>> targets = torch.randint(0, 32, (5,))
+        >>> response_logprobs_from_hidden(hidden, weight, response_mask, targets, 2).shape
+        torch.Size([5])
+    """
+    _check_chunk_size(chunk_size)
+    if hidden_states.dim() == 3:
+        if hidden_states.shape[0] != 1:
+            raise ValueError(
+                f"hidden_states must be one packed row [1, L, D], got {tuple(hidden_states.shape)}"
+            )
+        hidden_states = hidden_states[0]
+    if hidden_states.dim() != 2:
+        raise ValueError(
+            f"hidden_states must be [L, D] or [1, L, D], got {tuple(hidden_states.shape)}"
+        )
+    if output_weight.dim() != 2 or output_weight.shape[1] != hidden_states.shape[1]:
+        raise ValueError(
+            f"output_weight must be [V, {hidden_states.shape[1]}], got {tuple(output_weight.shape)}"
+        )
+    positions = _response_positions(
+        hidden_states.shape[0], response_mask, targets, hidden_states.device
+    )
+    selected = hidden_states.index_select(0, positions).to(output_weight.dtype)
+    return _ChunkedLinearLogprobs.apply(
+        selected, output_weight, targets.to(selected.device).long(), chunk_size
+    )
+
+
+def response_logprobs_from_logits(
+    logits: torch.Tensor, response_mask: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Logprobs of the response tokens from full logits (reference path for checks).
+
+    Args:
+        logits (torch.Tensor): ``[L, V]`` or ``[1, L, V]`` logits of one packed row.
+        response_mask (torch.Tensor): Bool ``[L]``, True on response tokens.
+        targets (torch.Tensor): Response token ids in pack order, ``[T]``.
+
+    Returns:
+        torch.Tensor: fp32 logprobs ``[T]``.
+    """
+    if logits.dim() == 3:
+        logits = logits[0]
+    positions = _response_positions(logits.shape[0], response_mask, targets, logits.device)
+    logprobs = (
+        logits.index_select(0, positions)
+        .to(torch.promote_types(logits.dtype, torch.float32))
+        .log_softmax(dim=-1)
+    )
+    return logprobs.gather(1, targets.to(logits.device).long()[:, None]).squeeze(1)
+
+
+def output_projection_weight(
+    model_or_projection: nn.Module | Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """The ``[V, D]`` weight of a torchtune model's output projection.
+
+    Accepts a ``TransformerDecoder`` (its ``output`` is used), an ``nn.Linear`` without bias,
+    or a ``TiedLinear`` (tied embeddings: the embedding weight).
+
+    Under FSDP2 read it after the model's forward: the output projection then belongs to the
+    root group, whose parameters stay unsharded until backward.
+
+    Raises:
+        TypeError: For a projection that is not a bias-free linear map.
+    """
+    projection = getattr(model_or_projection, "output", model_or_projection)
+    # torchtune's TiedLinear is a plain callable holding the embedding module.
+    if hasattr(projection, "tied_module"):
+        return projection.tied_module.weight
+    if isinstance(projection, nn.Linear):
+        if projection.bias is not None:
+            raise TypeError(
+                "output projection has a bias; only bias-free projections are supported"
+            )
+        return projection.weight
+    raise TypeError(
+        f"unsupported output projection {type(projection).__name__}; expected nn.Linear "
+        "(bias=False) or torchtune TiedLinear"
+    )
+
+
+def response_logprobs_from_projection(
+    hidden_states: torch.Tensor,
+    output_projection: nn.Module | Callable[..., torch.Tensor],
+    response_mask: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """`response_logprobs_from_hidden` taking the projection module instead of its weight."""
+    weight = output_projection_weight(output_projection)
+    return response_logprobs_from_hidden(hidden_states, weight, response_mask, targets, chunk_size)
+
+
+@contextlib.contextmanager
+def _skip_output_projection(model: nn.Module) -> Iterator[None]:
+    """Make a torchtune ``TransformerDecoder`` return its final-norm output, not logits."""
+    if hasattr(model, "skip_output_layer"):  # torchtune versions that support it natively
+        previous = model.skip_output_layer
+        model.skip_output_layer = True
+        try:
+            yield
+        finally:
+            model.skip_output_layer = previous
+        return
+    # torchtune 0.6.1: forward ends with `self.unembed(h)` = norm then output. An instance
+    # attribute shadows the method for this call only; the norm module (and any hooks on it)
+    # still runs. A lambda, not the module itself, so nn.Module does not register a submodule.
+    previous = model.__dict__.get("unembed")  # an override set by someone else stays
+    model.unembed = lambda hidden: model.norm(hidden)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del model.unembed
+        else:
+            model.unembed = previous
+
+
+def model_hidden_states(model: nn.Module, packed: PackedTrajectory) -> torch.Tensor:
+    """Run a torchtune ``TransformerDecoder`` on a pack and return post-norm hidden states.
+
+    Args:
+        model (nn.Module): A torchtune ``TransformerDecoder``.
+        packed (PackedTrajectory): The pack; `grpo.packing.packed_forward_inputs` turns its
+            block-causal mask and restarting position ids into ``mask`` and ``input_pos``.
+
+    Returns:
+        torch.Tensor: ``[L, D]`` hidden states after the final norm.
+    """
+    with _skip_output_projection(model):
+        hidden = model(**packed_forward_inputs(packed))
+    if isinstance(hidden, list):  # output_hidden_states set: the final output is last
+        hidden = hidden[-1]
+    return hidden[0]
+
+
+def model_response_logprobs(
+    model: nn.Module, packed: PackedTrajectory, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """Response logprobs of a pack under a torchtune model, through the chunked projection.
+
+    Args:
+        model (nn.Module): A torchtune ``TransformerDecoder``.
+        packed (PackedTrajectory): The pack.
+        chunk_size (int): Response tokens projected at once.
+
+    Returns:
+        torch.Tensor: fp32 logprobs ``[packed.num_response_tokens]`` aligned with
+        ``packed.targets``; differentiable unless called under ``torch.no_grad()``.
+    """
+    hidden = model_hidden_states(model, packed)
+    return response_logprobs_from_hidden(
+        hidden, output_projection_weight(model), packed.response_mask, packed.targets, chunk_size
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Loss
+# --------------------------------------------------------------------------------------------
+
+
+class GRPOWithChunkedOutputLoss(nn.Module):
+    """GRPO / PPO clipped surrogate with a KL penalty to a reference, on packed batches.
+
+    Args:
+        epsilon_low (float): Lower clip range: ratios below ``1 - epsilon_low`` stop pushing
+            down tokens with negative advantage. In ``[0, 1)``.
+        epsilon_high (float): Upper clip range, ``>= 0``; DAPO "clip-higher" sets it above
+            ``epsilon_low`` (e.g. 0.28) to leave room for rare tokens to grow.
+        kl_coeff (float): Weight ``beta`` of the KL-to-reference term, ``>= 0``. Default 0.0:
+            with verifiable rewards the clipped ratio already limits each update and recent
+            recipes (DAPO, Dr. GRPO) drop the KL term; set e.g. 0.04 (DeepSeekMath GRPO) to keep
+            the policy near the reference. With 0.0, ``ref_logprobs`` may be None.
+        kl_estimator (str): ``"k1"`` (``pi - ref``), ``"k2"`` (``0.5 * (pi - ref)^2``) or
+            ``"k3"`` (``exp(ref - pi) - (ref - pi) - 1``, unbiased and non-negative).
+        aggregation (str): ``"token_mean"`` (all tokens weigh the same), ``"seq_mean_token_mean"``
+            (mean per sequence, then over sequences) or ``"seq_mean_token_sum_norm"``
+            (Dr. GRPO: token sum per sequence / ``max_response_len``, then mean over sequences).
+        chunk_size (int): Response tokens projected to the vocabulary at once in `forward`.
+        max_response_len (int | None): The Dr. GRPO constant; required by, and only used by,
+            ``"seq_mean_token_sum_norm"``.
+
+    Raises:
+        ValueError: If a value is out of range, naming the key and what is allowed.
+    """
+
+    def __init__(
+        self,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        kl_coeff: float = 0.0,
+        kl_estimator: str = "k3",
+        aggregation: str = "token_mean",
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        max_response_len: int | None = None,
+    ) -> None:
+        super().__init__()
+        for key, value in (
+            ("epsilon_low", epsilon_low),
+            ("epsilon_high", epsilon_high),
+            ("kl_coeff", kl_coeff),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{key} must be a number, got {value!r}")
+        if not 0.0 <= epsilon_low < 1.0:
+            raise ValueError(f"epsilon_low must be in [0, 1), got {epsilon_low!r}")
+        if epsilon_high < 0.0:
+            raise ValueError(f"epsilon_high must be >= 0, got {epsilon_high!r}")
+        if kl_coeff < 0.0:
+            raise ValueError(f"kl_coeff must be >= 0, got {kl_coeff!r}")
+        if kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        _check_chunk_size(chunk_size)
+        if max_response_len is not None and (
+            isinstance(max_response_len, bool)
+            or not isinstance(max_response_len, int)
+            or max_response_len < 1
+        ):
+            raise ValueError(f"max_response_len must be a positive int, got {max_response_len!r}")
+        if aggregation == "seq_mean_token_sum_norm" and max_response_len is None:
+            raise ValueError(
+                "max_response_len is required when aggregation='seq_mean_token_sum_norm' "
+                "(the Dr. GRPO constant: the generation's max new tokens)"
+            )
+        self.epsilon_low = float(epsilon_low)
+        self.epsilon_high = float(epsilon_high)
+        self.kl_coeff = float(kl_coeff)
+        self.kl_estimator = kl_estimator
+        self.aggregation = aggregation
+        self.chunk_size = chunk_size
+        self.max_response_len = max_response_len
+
+    def extra_repr(self) -> str:
+        return (
+            f"epsilon_low={self.epsilon_low}, epsilon_high={self.epsilon_high}, "
+            f"kl_coeff={self.kl_coeff}, kl_estimator={self.kl_estimator!r}, "
+            f"aggregation={self.aggregation!r}, chunk_size={self.chunk_size}, "
+            f"max_response_len={self.max_response_len}"
+        )
+
+    # ---- normalisation ----------------------------------------------------------------------
+
+    def batch_loss_normalizer(self, response_lens: torch.Tensor | Sequence[int]) -> int:
+        """The count a whole batch's loss is divided by, for gradient accumulation.
+
+        ``token_mean``: number of response tokens. ``seq_*``: number of sequences (an empty
+        response counts as a sequence with zero loss).
+
+        Args:
+            response_lens (torch.Tensor | Sequence[int]): Response lengths of EVERY sequence of
+                the batch, across all its micro-batches.
+
+        Returns:
+            int: Pass it as ``loss_normalizer`` to every micro-batch of the batch.
+        """
+        lens = torch.as_tensor(response_lens)
+        if self.aggregation == "token_mean":
+            return int(lens.sum())
+        return lens.numel()
+
+    def _token_weights(
+        self, num_tokens: int, response_lens: torch.Tensor | None, device: torch.device
+    ) -> tuple[torch.Tensor | None, int]:
+        """Per-token weights and the local normaliser count of the configured aggregation.
+
+        Every aggregation is ``sum_t weight_t * x_t / normalizer``: weight 1 for token_mean,
+        ``1 / len(seq)`` for seq_mean_token_mean and ``1 / max_response_len`` for Dr. GRPO.
+        """
+        if self.aggregation == "token_mean":
+            return None, num_tokens
+        if response_lens is None:
+            raise ValueError(f"response_lens is required when aggregation={self.aggregation!r}")
+        response_lens = torch.as_tensor(response_lens, device=device).long()
+        if response_lens.dim() != 1 or int(response_lens.sum()) != num_tokens:
+            raise ValueError(
+                f"response_lens must be 1-D and sum to the {num_tokens} response tokens, got "
+                f"shape {tuple(response_lens.shape)} summing to {int(response_lens.sum())}"
+            )
+        num_sequences = response_lens.numel()
+        if self.aggregation == "seq_mean_token_mean":
+            per_sequence = 1.0 / response_lens.clamp(min=1).float()
+        else:
+            per_sequence = torch.full_like(
+                response_lens, 1.0 / self.max_response_len, dtype=torch.float32
+            )
+        weights = per_sequence.repeat_interleave(response_lens, output_size=num_tokens)
+        return weights, num_sequences
+
+    # ---- the loss ---------------------------------------------------------------------------
+
+    def _kl(self, pi_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+        """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3)."""
+        log_ratio = ref_logprobs - pi_logprobs
+        if self.kl_estimator == "k1":
+            return -log_ratio
+        if self.kl_estimator == "k2":
+            return 0.5 * log_ratio.square()
+        log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return torch.exp(log_ratio) - log_ratio - 1.0
+
+    def compute_loss_from_logprobs(
+        self,
+        pi_logprobs: torch.Tensor,
+        ref_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor,
+        behavior_logprobs: torch.Tensor | None = None,
+        *,
+        response_lens: torch.Tensor | None = None,
+        loss_normalizer: float | int | torch.Tensor | None = None,
+        return_pi_logprobs: bool = False,
+    ) -> GRPOStats:
+        """The GRPO loss from flat per-token logprobs.
+
+        Args:
+            pi_logprobs (torch.Tensor): Current policy logprobs ``[T]`` (carries the graph).
+            ref_logprobs (torch.Tensor | None): Reference logprobs ``[T]``; may be None only
+                when ``kl_coeff == 0``.
+            advantages (torch.Tensor): Per-token advantages ``[T]``.
+            behavior_logprobs (torch.Tensor | None): Logprobs of the policy that sampled the
+                tokens ``[T]``. None means on-policy: ratio ``exp(pi - pi.detach())`` (value 1,
+                gradient of pi).
+            response_lens (torch.Tensor | None): Tokens per sequence ``[N]`` (summing to ``T``);
+                required by the ``seq_*`` aggregations.
+            loss_normalizer (float | int | torch.Tensor | None): The whole batch's count (see
+                `batch_loss_normalizer`) when accumulating gradients over micro-batches; None
+                normalises within this call.
+            return_pi_logprobs (bool): Put detached ``pi_logprobs`` in ``metadata``.
+
+        Returns:
+            GRPOStats: ``loss`` (with graph), ``policy_loss``, ``kl_loss``; token means of
+            ``ratios`` (``exp(pi - behaviour)``), ``clipfrac`` and ``approx_policy_kls``
+            (``0.5 * (pi - behaviour)^2``, a second-order estimate of KL(behaviour || pi)).
+            ``metadata`` holds ``num_tokens``, ``num_sequences``, ``loss_normalizer``,
+            ``normalizer_count`` (this call's share of the normaliser), ``kl_to_ref`` (token
+            mean of the KL estimate) and optionally ``pi_logprobs``; see `combine_stats`.
+
+        Raises:
+            ValueError: On mismatched shapes or missing inputs.
+        """
+        num_tokens = pi_logprobs.numel()
+        if pi_logprobs.dim() != 1:
+            raise ValueError(f"pi_logprobs must be 1-D [T], got {tuple(pi_logprobs.shape)}")
+        for name, value in (
+            ("ref_logprobs", ref_logprobs),
+            ("advantages", advantages),
+            ("behavior_logprobs", behavior_logprobs),
+        ):
+            if value is not None and tuple(value.shape) != (num_tokens,):
+                raise ValueError(
+                    f"{name} must have shape ({num_tokens},) like pi_logprobs, got "
+                    f"{tuple(value.shape)}"
+                )
+        if ref_logprobs is None and self.kl_coeff > 0:
+            raise ValueError(f"ref_logprobs is required when kl_coeff={self.kl_coeff} > 0")
+
+        device = pi_logprobs.device
+        pi_logprobs = pi_logprobs.float()
+        # Inputs computed elsewhere are constants of the loss: never let gradient reach them.
+        advantages = advantages.detach().to(device, torch.float32)
+        if behavior_logprobs is None:
+            behavior_logprobs = pi_logprobs.detach()
+        else:
+            behavior_logprobs = behavior_logprobs.detach().to(device, torch.float32)
+        if ref_logprobs is not None:
+            ref_logprobs = ref_logprobs.detach().to(device, torch.float32)
+
+        weights, normalizer_count = self._token_weights(num_tokens, response_lens, device)
+        if loss_normalizer is None:
+            normalizer = float(max(normalizer_count, 1))
+        else:
+            normalizer = float(loss_normalizer)
+            if not normalizer > 0:
+                raise ValueError(f"loss_normalizer must be > 0, got {loss_normalizer!r}")
+
+        def aggregate(per_token: torch.Tensor) -> torch.Tensor:
+            if weights is not None:
+                per_token = per_token * weights
+            return per_token.sum() / normalizer
+
+        log_ratio = (pi_logprobs - behavior_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        ratio = torch.exp(log_ratio)
+        unclipped = ratio * advantages
+        clipped = ratio.clamp(1.0 - self.epsilon_low, 1.0 + self.epsilon_high) * advantages
+        # min() picks the clipped term exactly where it is strictly smaller; select with the
+        # same mask so that clipfrac counts the tokens whose gradient the clip removed.
+        is_clipped = clipped < unclipped
+        policy_loss = aggregate(-torch.where(is_clipped, clipped, unclipped))
+
+        if ref_logprobs is not None:
+            kl = self._kl(pi_logprobs, ref_logprobs)
+            kl_to_ref = kl.detach().sum() / max(num_tokens, 1)
+        else:
+            kl = None
+            kl_to_ref = torch.zeros((), device=device)
+        if self.kl_coeff > 0:
+            kl_loss = self.kl_coeff * aggregate(kl)
+        else:
+            # Not 0 * kl: an inf estimate would turn into NaN.
+            kl_loss = torch.zeros((), device=device)
+        loss = policy_loss + kl_loss
+
+        with torch.no_grad():
+            token_count = max(num_tokens, 1)
+            behaviour_gap = pi_logprobs.detach() - behavior_logprobs
+            metadata = {
+                "num_tokens": num_tokens,
+                "num_sequences": (
+                    int(torch.as_tensor(response_lens).numel())
+                    if response_lens is not None
+                    else None
+                ),
+                "loss_normalizer": normalizer,
+                "normalizer_count": normalizer_count,
+                "kl_to_ref": kl_to_ref,
+            }
+            if return_pi_logprobs:
+                metadata["pi_logprobs"] = pi_logprobs.detach()
+            return GRPOStats(
+                loss=loss,
+                policy_loss=policy_loss,
+                kl_loss=kl_loss,
+                ratios=ratio.detach().sum() / token_count,
+                clipfrac=is_clipped.float().sum() / token_count,
+                approx_policy_kls=(0.5 * behaviour_gap.square()).sum() / token_count,
+                metadata=metadata,
+            )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        output_weight: torch.Tensor | nn.Module,
+        packed: PackedTrajectory,
+        loss_normalizer: float | int | torch.Tensor | None = None,
+        *,
+        return_pi_logprobs: bool = False,
+    ) -> GRPOStats:
+        """The GRPO loss of one pack from its final hidden states.
+
+        Args:
+            hidden_states (torch.Tensor): Post-norm hidden states ``[L, D]`` or ``[1, L, D]``
+                (see `model_hidden_states`).
+            output_weight (torch.Tensor | nn.Module): The output projection weight ``[V, D]``, or
+                the projection / model it belongs to (see `output_projection_weight`).
+            packed (PackedTrajectory): Carries ``response_mask``, ``targets``,
+                ``ref_logprobs``, ``advantages``, ``behavior_logprobs`` and ``response_lens``.
+            loss_normalizer (float | int | torch.Tensor | None): See
+                `compute_loss_from_logprobs`.
+            return_pi_logprobs (bool): Put detached ``pi_logprobs`` in ``metadata``.
+
+        Returns:
+            GRPOStats: See `compute_loss_from_logprobs`.
+
+        Raises:
+            ValueError: If the pack has no advantages.
+        """
+        if packed.advantages is None:
+            raise ValueError("packed.advantages is None: the loss needs a scored pack")
+        if not isinstance(output_weight, torch.Tensor):
+            output_weight = output_projection_weight(output_weight)
+        pi_logprobs = response_logprobs_from_hidden(
+            hidden_states, output_weight, packed.response_mask, packed.targets, self.chunk_size
+        )
+        return self.compute_loss_from_logprobs(
+            pi_logprobs,
+            packed.ref_logprobs,
+            packed.advantages,
+            packed.behavior_logprobs,
+            response_lens=packed.response_lens,
+            loss_normalizer=loss_normalizer,
+            return_pi_logprobs=return_pi_logprobs,
+        )
+
+
+def combine_stats(stats: Sequence[GRPOStats]) -> GRPOStats:
+    """Exact whole-batch stats from the stats of its micro-batches (detached, for logging).
+
+    Token means (``ratios``, ``clipfrac``, ``approx_policy_kls``, ``kl_to_ref``) are weighted by
+    each call's ``num_tokens``. A loss part is ``sum(part * loss_normalizer) /
+    sum(normalizer_count)``: the plain sum when every call used the whole batch's normaliser,
+    and the exact batch mean when each call normalised by its own count.
+
+    Args:
+        stats (Sequence[GRPOStats]): Stats returned by `GRPOWithChunkedOutputLoss`.
+
+    Returns:
+        GRPOStats: Combined stats; ``metadata`` holds the summed counts.
+
+    Raises:
+        ValueError: If ``stats`` is empty or lacks the counts in ``metadata``.
+    """
+    if not stats:
+        raise ValueError("combine_stats: stats is empty")
+    for index, item in enumerate(stats):
+        if not item.metadata or "num_tokens" not in item.metadata:
+            raise ValueError(f"combine_stats: stats[{index}] has no num_tokens in metadata")
+    num_tokens = sum(item.metadata["num_tokens"] for item in stats)
+    normalizer_count = sum(item.metadata["normalizer_count"] for item in stats)
+
+    def loss_part(name: str) -> torch.Tensor:
+        total = sum(
+            getattr(item, name).detach() * item.metadata["loss_normalizer"] for item in stats
+        )
+        return total / max(normalizer_count, 1)
+
+    def token_mean(getter) -> torch.Tensor:
+        total = sum(getter(item).detach() * item.metadata["num_tokens"] for item in stats)
+        return total / max(num_tokens, 1)
+
+    num_sequences = [item.metadata.get("num_sequences") for item in stats]
+    return GRPOStats(
+        loss=loss_part("loss"),
+        policy_loss=loss_part("policy_loss"),
+        kl_loss=loss_part("kl_loss"),
+        ratios=token_mean(lambda item: item.ratios),
+        clipfrac=token_mean(lambda item: item.clipfrac),
+        approx_policy_kls=token_mean(lambda item: item.approx_policy_kls),
+        metadata={
+            "num_tokens": num_tokens,
+            "num_sequences": None if None in num_sequences else sum(num_sequences),
+            "normalizer_count": normalizer_count,
+            "kl_to_ref": token_mean(lambda item: item.metadata["kl_to_ref"]),
+        },
+    )

@@ -1,0 +1,701 @@
+"""The generation actor: a vLLM engine sampling GRPO groups from its own shard of the prompts.
+
+Data flow::
+
+    PromptStream(worker shard) -> torchtune tokenizer -> vLLM (n = group_size per prompt)
+        -> one GroupedUnscoredTrajectories per prompt -> rollout queue (blocking, bounded)
+
+Choices that other actors rely on:
+
+* Prompt token ids come from torchtune's tokenizer (`grpo.models.load_tokenizer`), the one the
+  reference and training actors use, and reach vLLM as ``TokensPrompt``; vLLM's own tokenizer
+  only detokenizes for stop strings.
+* A response holds the tokens vLLM sampled, unpadded, INCLUDING the token that ended it (the
+  eos token, or the token that completed a stop string such as ``</answer>``): the policy is
+  trained on stopping, and the ratio of that token is part of the loss. A response cut by
+  ``max_generated_tokens`` simply ends there.
+* Behaviour logprobs are vLLM's ``raw_logprobs``: log-softmax of the unscaled logits, the
+  quantity the trainer's forward computes, whatever the sampling temperature.
+* ``sequence_id`` is ``f"w{worker_id}-{n}"`` and ``group_id`` is
+  ``worker_id + num_workers * k`` for the worker's k-th prompt, so both are unique across
+  workers with no coordination. Every group's request seed is derived from ``seed`` and its
+  ``group_id``: a resumed stream regenerates exactly the same samples from the same weights.
+* New weights arrive through `receive_weights` at any time and are applied only between
+  generation batches; every trajectory carries the ``policy_version`` that generated it.
+
+The orchestrator makes it a Ray actor (``ray.remote(num_cpus=..., num_gpus=...)
+(SyncLLMCollector)`` or `SyncLLMCollector.as_remote`) and calls `generate_batch` in a loop, or
+calls `run` on an actor with ``max_concurrency >= 2`` so `stop` and `receive_weights` can
+reach it while it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
+from grpo.workers.weight_sync import (
+    WORKER_EXTENSION_CLS,
+    WeightReceiver,
+    WeightSyncError,
+    WeightUpdate,
+)
+
+log = logging.getLogger(__name__)
+
+# vLLM settings that make a CPU engine start in seconds and fit beside other processes.
+CPU_ENGINE_DEFAULTS: dict[str, Any] = {
+    # No CUDA graphs or torch.compile on CPU: compilation takes minutes, eager is fast enough.
+    "enforce_eager": True,
+    # CPU kernels run float32 exactly; bf16 logprobs would differ from the fp32 trainer.
+    "dtype": "float32",
+    # An explicit KV cache size. The default sizes it as a fraction of the NUMA node's memory
+    # minus this process's RSS, which fails as soon as other processes hold memory.
+    "kv_cache_memory_bytes": 512 * 2**20,
+}
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "worker_extension_cls": WORKER_EXTENSION_CLS,
+    "logprobs_mode": "raw_logprobs",
+}
+
+
+def engine_kwargs(
+    engine_args: Mapping[str, Any] | None, seed: int, on_cpu: bool | None = None
+) -> dict[str, Any]:
+    """The keyword arguments for ``vllm.LLM``: defaults, then ``engine_args`` on top.
+
+    Args:
+        engine_args (Mapping[str, Any] | None): User settings; they win over every default.
+        seed (int): Engine seed (per-request seeds make sampling reproducible anyway).
+        on_cpu (bool | None): Apply `CPU_ENGINE_DEFAULTS`; default: when CUDA is unavailable.
+
+    Returns:
+        dict[str, Any]: Arguments for ``vllm.LLM(model=..., **kwargs)``.
+    """
+    if on_cpu is None:
+        on_cpu = not torch.cuda.is_available()
+    kwargs: dict[str, Any] = {"seed": seed, **ENGINE_DEFAULTS}
+    if on_cpu:
+        kwargs.update(CPU_ENGINE_DEFAULTS)
+    kwargs.update(dict(engine_args or {}))
+    return kwargs
+
+
+def _resolve_dataset(dataset: Any) -> Sequence[dict[str, Any]]:
+    """A dataset object, or a ``_component_`` config node built with `grpo.config.instantiate`."""
+    if isinstance(dataset, Mapping):
+        from grpo.config import instantiate
+
+        return instantiate(dataset)
+    if dataset is None or not isinstance(dataset, Sequence):
+        raise TypeError(
+            "dataset must be a sequence of {'question', 'answer'} dicts (e.g. a PromptDataset) "
+            f"or a mapping with a _component_ key, got {type(dataset).__name__}"
+        )
+    return dataset
+
+
+def _call_logger(metric_logger: Any, metrics: dict[str, float], step: int) -> None:
+    """Log to a Ray actor handle (``log_dict.remote``) or a local logger (``log_dict``)."""
+    log_dict = metric_logger.log_dict
+    if hasattr(log_dict, "remote"):
+        log_dict.remote(metrics, step=step, actor="inference")
+    else:
+        log_dict(metrics, step=step, actor="inference")
+
+
+class CollectorStopped(RuntimeError):
+    """`stop` was called while the collector waited on a full rollout queue."""
+
+
+class SyncLLMCollector:
+    """Generates GRPO groups with vLLM from one shard of a prompt dataset.
+
+    Args:
+        worker_id (int): Index of this collector, in ``[0, num_workers)``.
+        num_workers (int): Number of collectors sharing the dataset.
+        model_dir (str): Hugging Face model folder (weights, config, tokenizer files).
+        engine_args (Mapping[str, Any] | None): Passed to ``vllm.LLM``; merged over
+            `CPU_ENGINE_DEFAULTS` (on CPU) and `ENGINE_DEFAULTS`. Without ``max_model_len``
+            it is ``max_prompt_tokens + max_generated_tokens`` when ``max_prompt_tokens`` is
+            given.
+        dataset: A sequence of examples (``PromptDataset``) or a ``_component_`` config node.
+        template: Optional ``question -> prompt`` callable; by default each example's
+            ``"prompt"`` (rendered by the dataset's template) is used.
+        group_size (int): Responses sampled per prompt.
+        max_generated_tokens (int): Most tokens per response.
+        temperature (float): Sampling temperature.
+        top_p (float): Nucleus sampling mass.
+        rollout_queue: Where groups go: anything with ``put(item, block=True, timeout=...)``
+            raising ``queue.Full`` on timeout (``ray.util.queue.Queue``, ``queue.Queue``).
+        seed (int): Seeds the prompt order and every request's sampler.
+        queue_put_timeout_s (float): Seconds of one blocking put; on timeout the collector
+            counts a wait, checks `stop`, and tries again. Groups are never dropped.
+        max_prompt_tokens (int | None): Longer prompts are skipped (counted in
+            ``inference/skipped_long_prompts``); default ``max_model_len -
+            max_generated_tokens``.
+        metric_logger: Optional `MetricLogger` actor handle (or local instance).
+        stop (Sequence[str] | None): Stop strings; default the template's ``stop`` attribute
+            (``("</answer>",)`` for the shipped templates). The tokens that complete one are
+            kept in the response.
+        weight_transport (str): ``"object_store"`` (see `grpo.workers.weight_sync`).
+        verify_weights (bool): Check the checksum of every received update.
+
+    Raises:
+        ValueError: On inconsistent sizes (worker id out of range, a shard that is empty, no
+            room for a prompt in ``max_model_len``).
+
+    Example:
+        >>> collector = SyncLLMCollector(0, 1, "tiny", engine_args={}, dataset=dataset,
+        ...                              group_size=4, max_generated_tokens=16, rollout_queue=q)
+        >>> collector.generate_batch(8)["inference/num_groups"]
+        8.0
+    """
+
+    def __init__(
+        self,
+        worker_id: int,
+        num_workers: int,
+        model_dir: str | os.PathLike,
+        engine_args: Mapping[str, Any] | None = None,
+        dataset: Any = None,
+        template: Any = None,
+        group_size: int = 8,
+        max_generated_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        rollout_queue: Any = None,
+        seed: int = 0,
+        queue_put_timeout_s: float = 30.0,
+        max_prompt_tokens: int | None = None,
+        metric_logger: Any = None,
+        stop: Sequence[str] | None = None,
+        weight_transport: str = "object_store",
+        verify_weights: bool = True,
+    ) -> None:
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if max_generated_tokens < 1:
+            raise ValueError(f"max_generated_tokens must be >= 1, got {max_generated_tokens}")
+        if queue_put_timeout_s <= 0:
+            raise ValueError(f"queue_put_timeout_s must be > 0, got {queue_put_timeout_s}")
+        # The engine runs inside this process: start-up in seconds instead of a separate
+        # engine-core process (~25 s on CPU), and weight updates pass tensors by reference.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        from grpo.data.stream import PromptStream
+        from grpo.models import load_tokenizer
+
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+        self.model_dir = str(model_dir)
+        self.group_size = group_size
+        self.max_generated_tokens = max_generated_tokens
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.rollout_queue = rollout_queue
+        self.seed = seed
+        self.queue_put_timeout_s = float(queue_put_timeout_s)
+        self.metric_logger = metric_logger
+        self.verify_weights = verify_weights
+
+        self.dataset = _resolve_dataset(dataset)
+        self.template = template
+        self.stream = PromptStream(self.dataset, worker_id, num_workers, seed=seed)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        if stop is None:
+            dataset_template = template or getattr(self.dataset, "template", None)
+            stop = getattr(dataset_template, "stop", ())
+        self.stop_strings = list(stop)
+
+        kwargs = engine_kwargs(engine_args, seed)
+        if "max_model_len" not in kwargs and max_prompt_tokens is not None:
+            kwargs["max_model_len"] = max_prompt_tokens + max_generated_tokens
+        start = time.perf_counter()
+        self.llm = LLM(model=self.model_dir, **kwargs)
+        self.engine_start_s = time.perf_counter() - start
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        if max_prompt_tokens is None:
+            max_prompt_tokens = self.max_model_len - max_generated_tokens
+        if max_prompt_tokens < 1 or max_prompt_tokens + max_generated_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_prompt_tokens={max_prompt_tokens} + max_generated_tokens="
+                f"{max_generated_tokens} must fit in vLLM's max_model_len={self.max_model_len}"
+            )
+        self.max_prompt_tokens = max_prompt_tokens
+
+        self.weights = WeightReceiver(weight_transport)
+        self.policy_version = 0
+        self.sequence_counter = 0
+        self.group_counter = 0
+        self.batch_counter = 0
+        # Cumulative counters, readable while a batch runs (e.g. by a test or `stats`).
+        self.totals: dict[str, float] = {
+            "generated_tokens": 0.0,
+            "groups_put": 0.0,
+            "queue_put_waits": 0.0,
+            "queue_put_wait_s": 0.0,
+            "skipped_long_prompts": 0.0,
+            "weight_updates": 0.0,
+        }
+        self._stop_event = threading.Event()
+        # vLLM's engine is not thread-safe; a threaded actor serialises calls on it here.
+        self._engine_lock = threading.RLock()
+
+    @classmethod
+    def as_remote(cls, **options: Any) -> Any:
+        """This class as a Ray actor class that can take `stop` and weights while it runs.
+
+        Args:
+            **options: ``ray.remote`` options (``num_cpus``, ``num_gpus``, ...);
+                ``max_concurrency`` defaults to 4.
+
+        Returns:
+            The Ray actor class; call ``.remote(...)`` with the constructor's arguments.
+        """
+        import ray
+
+        return ray.remote(**{"max_concurrency": 4, **options})(cls)
+
+    # ------------------------------------------------------------------ weights
+
+    def receive_weights(
+        self,
+        weights: Any,
+        version: int,
+        checksum: str | None = None,
+        probe: dict[str, Any] | None = None,
+    ) -> bool:
+        """Queue new weights; they are applied before the next generation batch.
+
+        Args:
+            weights: ``dict[str, Tensor]`` under HF names, or a Ray ``ObjectRef`` to one.
+            version (int): Their policy version; must exceed the current one.
+            checksum (str | None): `state_dict_checksum` of the weights, checked on load.
+            probe (dict | None): Optional logprob check, see `WeightUpdate`.
+
+        Returns:
+            bool: False if the version is not newer than the newest seen (then ignored).
+        """
+        update = WeightUpdate(version=int(version), weights=weights, checksum=checksum, probe=probe)
+        accepted = self.weights.offer(update, self.policy_version)
+        if not accepted:
+            log.warning(
+                "collector %d ignored weights of version %s: it already has version %d or newer",
+                self.worker_id, version, self.policy_version,
+            )
+        return accepted
+
+    def apply_pending_weights(self) -> float:
+        """Load pending weights, if any, into the engine and bump ``policy_version``.
+
+        Returns:
+            float: Seconds spent (0.0 if nothing was pending).
+
+        Raises:
+            WeightSyncError: If the checksum or the probe does not match; ``policy_version``
+                is then left unchanged.
+        """
+        with self._engine_lock:
+            start = time.perf_counter()
+            applied = self.weights.apply_pending(self.llm, verify=self.verify_weights)
+            if applied is None:
+                return 0.0
+            if applied.probe is not None:
+                self._check_probe(applied.probe, applied.version)
+            self.policy_version = applied.version
+            self.totals["weight_updates"] += 1
+            return time.perf_counter() - start
+
+    def _check_probe(self, probe: dict[str, Any], version: int) -> None:
+        got = torch.tensor(self.probe_logprobs(probe["token_ids"]))
+        expected = torch.tensor(probe["logprobs"], dtype=torch.float32)
+        max_diff = float((got - expected).abs().max()) if got.numel() else 0.0
+        if got.shape != expected.shape or max_diff > float(probe.get("atol", 1e-3)):
+            raise WeightSyncError(
+                f"weights of version {version}: the engine's probe logprobs differ from the "
+                f"sender's by {max_diff:.3g} (atol {probe.get('atol', 1e-3)}); the engine does "
+                "not compute with the sent weights"
+            )
+
+    def get_weights_checksum(self) -> str | None:
+        """`state_dict_checksum` of the weights the engine was last loaded with."""
+        with self._engine_lock:
+            return self.llm.collective_rpc("grpo_weights_checksum")[0]
+
+    def get_policy_version(self) -> int:
+        """Version of the weights the engine holds."""
+        return self.policy_version
+
+    def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """The engine's logprob of every token of ``token_ids`` after the first.
+
+        The trainer computes the same numbers with its model to check that the engine really
+        computes with the synced weights (a checksum only proves they arrived).
+
+        Args:
+            token_ids (Sequence[int]): At least two token ids.
+
+        Returns:
+            list[float]: ``len(token_ids) - 1`` logprobs, from unscaled logits.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        token_ids = [int(t) for t in token_ids]
+        if len(token_ids) < 2:
+            raise ValueError(f"probe_logprobs needs at least 2 token ids, got {len(token_ids)}")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        with self._engine_lock:
+            [output] = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False
+            )
+        # prompt_logprobs[0] is None (nothing precedes the first token); entry i maps the
+        # actual token i (and possibly the top candidates) to its logprob.
+        return [
+            float(entry[token].logprob)
+            for token, entry in zip(token_ids[1:], output.prompt_logprobs[1:])
+        ]
+
+    # ------------------------------------------------------------------ generation
+
+    def _prompt_token_ids(self, item: Mapping[str, Any]) -> list[int]:
+        text = self.template(item["question"]) if self.template else item.get("prompt")
+        if text is None:
+            raise KeyError(
+                f"example {item.get('index')} has no 'prompt' and the collector has no template"
+            )
+        # add_eos=False: the prompt continues into the response. (Qwen2 has no bos token.)
+        return self.tokenizer.encode(text, add_bos=True, add_eos=False)
+
+    def _next_prompts(self, num_prompts: int) -> list[tuple[dict[str, Any], list[int]]]:
+        """The next ``num_prompts`` examples of the shard that fit, with their token ids."""
+        prompts: list[tuple[dict[str, Any], list[int]]] = []
+        skipped_in_a_row = 0
+        while len(prompts) < num_prompts:
+            [item] = self.stream.next_batch(1)
+            token_ids = self._prompt_token_ids(item)
+            if len(token_ids) > self.max_prompt_tokens:
+                self.totals["skipped_long_prompts"] += 1
+                skipped_in_a_row += 1
+                if skipped_in_a_row >= len(self.stream):
+                    raise ValueError(
+                        f"collector {self.worker_id}: every prompt of its shard is longer than "
+                        f"max_prompt_tokens={self.max_prompt_tokens}"
+                    )
+                continue
+            skipped_in_a_row = 0
+            prompts.append((item, token_ids))
+        return prompts
+
+    def _request_seed(self, group_id: int) -> int:
+        # vLLM gives the n samples of a request the seeds seed, seed+1, ..., seed+n-1, so
+        # spacing groups by group_size keeps every sample's seed distinct.
+        return (self.seed * 1_000_003 + group_id * self.group_size) % 2**62
+
+    def _sampling_params(self, group_id: int, max_tokens: int) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=self.group_size,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            logprobs=0,  # the sampled token's logprob only
+            seed=self._request_seed(group_id),
+            stop=self.stop_strings or None,
+            include_stop_str_in_output=True,
+            # torchtune's stop tokens (<|im_end|>, <|endoftext|>), in case the model folder's
+            # generation_config names only one of them.
+            stop_token_ids=list(self.tokenizer.stop_tokens),
+        )
+
+    def _build_group(
+        self, item: Mapping[str, Any], prompt_ids: list[int], group_id: int, completions: Any
+    ) -> GroupedUnscoredTrajectories:
+        prompt_tokens = torch.tensor(prompt_ids, dtype=torch.long)
+        trajectories = []
+        for completion in completions:
+            token_ids = list(completion.token_ids)
+            if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
+                raise RuntimeError(
+                    f"vLLM returned {0 if completion.logprobs is None else len(completion.logprobs)}"
+                    f" logprobs for {len(token_ids)} tokens (group {group_id})"
+                )
+            logprobs = torch.tensor(
+                [entry[token].logprob for token, entry in zip(token_ids, completion.logprobs)],
+                dtype=torch.float32,
+            )
+            sequence_id = f"w{self.worker_id}-{self.sequence_counter}"
+            self.sequence_counter += 1
+            trajectories.append(
+                UnscoredTrajectory(
+                    prompt_tokens=prompt_tokens,
+                    response_tokens=torch.tensor(token_ids, dtype=torch.long),
+                    prompt_len=len(prompt_ids),
+                    response_len=len(token_ids),
+                    logprobs=logprobs,
+                    answer=item["answer"],
+                    sequence_id=sequence_id,
+                    policy_version=self.policy_version,
+                    group_id=group_id,
+                )
+            )
+        return GroupedUnscoredTrajectories.from_trajectories(trajectories)
+
+    def _put(self, group: GroupedUnscoredTrajectories, batch: dict[str, float]) -> None:
+        """Blocking put, retried on timeout; waits are added to ``batch`` and ``totals``."""
+        if self.rollout_queue is None:
+            raise RuntimeError(f"collector {self.worker_id} has no rollout_queue to put groups on")
+        start = time.perf_counter()
+        try:
+            while True:
+                try:
+                    self.rollout_queue.put(group, block=True, timeout=self.queue_put_timeout_s)
+                    return
+                except queue.Full:  # ray.util.queue.Full subclasses queue.Full
+                    batch["waits"] += 1
+                    self.totals["queue_put_waits"] += 1
+                    if self._stop_event.is_set():
+                        raise CollectorStopped(
+                            f"collector {self.worker_id} stopped while group {group.group_id} "
+                            "waited on a full rollout queue"
+                        ) from None
+        finally:
+            waited = time.perf_counter() - start
+            batch["wait_s"] += waited
+            self.totals["queue_put_wait_s"] += waited
+
+    def generate_batch(self, num_prompts: int) -> dict[str, float]:
+        """Apply pending weights, sample ``group_size`` responses for the next prompts, queue them.
+
+        Args:
+            num_prompts (int): Prompts to take from the shard (one group each).
+
+        Returns:
+            dict[str, float]: This batch's metrics (also sent to the metric logger):
+            ``inference/*`` and ``queues/rollout_queue_put_*``.
+
+        Raises:
+            CollectorStopped: If `stop` was called while the queue stayed full; the groups
+                not yet queued are counted in ``inference/groups_not_queued`` and logged.
+            WeightSyncError: If pending weights fail verification.
+        """
+        if num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+        from vllm.inputs import TokensPrompt
+
+        weight_update_s = self.apply_pending_weights()
+        prompts = self._next_prompts(num_prompts)
+        group_ids = [
+            self.worker_id + self.num_workers * (self.group_counter + i) for i in range(num_prompts)
+        ]
+        self.group_counter += num_prompts
+        params = [
+            self._sampling_params(group_id, self.max_generated_tokens) for group_id in group_ids
+        ]
+        with self._engine_lock:
+            start = time.perf_counter()
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts], params, use_tqdm=False
+            )
+            generation_s = time.perf_counter() - start
+
+        groups = [
+            self._build_group(item, ids, group_id, output.outputs)
+            for (item, ids), group_id, output in zip(prompts, group_ids, outputs)
+        ]
+        response_lens = [t.response_len for g in groups for t in g.trajectories]
+        truncated = sum(
+            c.finish_reason == "length" for output in outputs for c in output.outputs
+        )
+        generated = sum(response_lens)
+        self.totals["generated_tokens"] += generated
+        self.batch_counter += 1
+
+        put = {"waits": 0.0, "wait_s": 0.0}
+        queued = 0
+        try:
+            for group in groups:
+                self._put(group, put)
+                queued += 1
+                self.totals["groups_put"] += 1
+        finally:
+            metrics = {
+                "inference/worker_id": float(self.worker_id),
+                "inference/policy_version": float(self.policy_version),
+                "inference/num_groups": float(queued),
+                "inference/groups_not_queued": float(len(groups) - queued),
+                "inference/generated_tokens": float(generated),
+                "inference/prompt_tokens": float(sum(len(ids) for _, ids in prompts)),
+                "inference/tokens_per_second": generated / max(generation_s, 1e-9),
+                "inference/time_generation (s)": generation_s,
+                "inference/time_weight_update (s)": weight_update_s,
+                "inference/response_length_mean": generated / len(response_lens),
+                "inference/response_length_max": float(max(response_lens)),
+                "inference/truncated_fraction": truncated / len(response_lens),
+                "inference/skipped_long_prompts": self.totals["skipped_long_prompts"],
+                "queues/rollout_queue_put_wait_s": put["wait_s"],
+                "queues/rollout_queue_put_waits": put["waits"],
+            }
+            if queued < len(groups):
+                log.warning(
+                    "collector %d: %d generated groups were not queued because it was stopped",
+                    self.worker_id, len(groups) - queued,
+                )
+            if self.metric_logger is not None:
+                _call_logger(self.metric_logger, metrics, self.batch_counter)
+        return metrics
+
+    def run(self, num_prompts: int, num_batches: int | None = None) -> dict[str, float]:
+        """Generate batches until `stop` is called (or ``num_batches`` are done).
+
+        Pending weights are applied before every batch. On a Ray actor, create it with
+        ``max_concurrency >= 2`` (`as_remote`) so `stop` and `receive_weights` get through.
+
+        Args:
+            num_prompts (int): Prompts per batch.
+            num_batches (int | None): Stop after this many batches; None: until stopped.
+
+        Returns:
+            dict[str, float]: `stats` at the end.
+        """
+        done = 0
+        while not self._stop_event.is_set() and (num_batches is None or done < num_batches):
+            try:
+                self.generate_batch(num_prompts)
+            except CollectorStopped:
+                break
+            done += 1
+        return self.stats()
+
+    def stop(self) -> None:
+        """Ask `run` (and a put waiting on a full queue) to end after the current step."""
+        self._stop_event.set()
+
+    def shutdown(self) -> None:
+        """Shut the vLLM engine down now (idempotent).
+
+        In-process engines share vLLM's global distributed state: an engine shut down by the
+        garbage collector tears that state down under any other engine of the process, so
+        code holding several collectors in one process (tests) closes them explicitly, last
+        created first.
+        """
+        with self._engine_lock:
+            llm, self.llm = self.llm, None
+            if llm is not None:
+                llm.llm_engine.engine_core.shutdown()
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether `stop` was called."""
+        return self._stop_event.is_set()
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters since start (tokens, groups, queue waits, weight updates)."""
+        return {
+            **self.totals,
+            "policy_version": float(self.policy_version),
+            "batches": float(self.batch_counter),
+            "engine_start_s": self.engine_start_s,
+            "weight_updates_superseded": float(self.weights.num_superseded),
+        }
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(
+        self, dataset_items: Sequence[Mapping[str, Any]], max_generated_tokens: int | None = None
+    ) -> list[str]:
+        """Greedy completions of held-out examples with the current weights.
+
+        Pending weights are applied first. Scoring is the caller's job.
+
+        Args:
+            dataset_items (Sequence[Mapping[str, Any]]): Examples with ``"prompt"`` (or
+                ``"question"`` when the collector has a template).
+            max_generated_tokens (int | None): Budget per completion; default the collector's.
+
+        Returns:
+            list[str]: One completion per example, decoded with torchtune's tokenizer like
+            the reference actor decodes training responses (special tokens dropped). A prompt
+            that does not fit the engine's context gets ``""``.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.apply_pending_weights()
+        budget = max_generated_tokens or self.max_generated_tokens
+        prompt_ids = [self._prompt_token_ids(item) for item in dataset_items]
+        fits = [i for i, ids in enumerate(prompt_ids) if len(ids) < self.max_model_len]
+        if len(fits) < len(prompt_ids):
+            log.warning(
+                "collector %d: %d evaluation prompts do not fit max_model_len=%d",
+                self.worker_id, len(prompt_ids) - len(fits), self.max_model_len,
+            )
+        params = [
+            SamplingParams(
+                n=1,
+                max_tokens=min(budget, self.max_model_len - len(prompt_ids[i])),
+                temperature=0.0,
+                stop=self.stop_strings or None,
+                include_stop_str_in_output=True,
+                stop_token_ids=list(self.tokenizer.stop_tokens),
+            )
+            for i in fits
+        ]
+        completions = [""] * len(prompt_ids)
+        if fits:
+            with self._engine_lock:
+                outputs = self.llm.generate(
+                    [TokensPrompt(prompt_token_ids=prompt_ids[i]) for i in fits],
+                    params,
+                    use_tqdm=False,
+                )
+            for i, output in zip(fits, outputs):
+                token_ids = list(output.outputs[0].token_ids)
+                completions[i] = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return completions
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        """Stream position, id counters and policy version, for an exact resume."""
+        return {
+            "worker_id": self.worker_id,
+            "num_workers": self.num_workers,
+            "stream": self.stream.state_dict(),
+            "sequence_counter": self.sequence_counter,
+            "group_counter": self.group_counter,
+            "batch_counter": self.batch_counter,
+            "policy_version": self.policy_version,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (from `state_dict`).
+
+        ``policy_version`` is restored as saved: the engine must then hold that version's
+        weights (``model_dir`` is the checkpoint saved with it, or the trainer re-sends them).
+
+        Raises:
+            ValueError: If the state belongs to another worker layout.
+        """
+        for key in ("worker_id", "num_workers"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"collector state has {key}={state[key]!r} but this collector has "
+                    f"{key}={getattr(self, key)!r}"
+                )
+        self.stream.load_state_dict(state["stream"])
+        self.sequence_counter = int(state["sequence_counter"])
+        self.group_counter = int(state["group_counter"])
+        self.batch_counter = int(state.get("batch_counter", 0))
+        self.policy_version = int(state["policy_version"])

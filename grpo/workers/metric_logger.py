@@ -1,0 +1,651 @@
+"""The metric logger: one sink for every actor's metrics, on disk and on W&B.
+
+Every actor sends its metrics to one `MetricLogger` (a Ray actor made by the orchestrator with
+``ray.remote(num_cpus=0)(MetricLogger)``). The logger writes them to ``metrics.jsonl`` in the run
+folder, one JSON object per line, flushed at every write so that a killed run keeps its log, and,
+when asked, to Weights & Biases.
+
+Steps. The actors do not share a clock: the trainer counts optimizer steps, the reference actor
+counts scored batches, each collector counts generation rounds, and their calls reach the logger
+in any order. The JSONL keeps each call's step as given (plus the ``actor`` that sent it). W&B
+drops a ``log(..., step=s)`` whose ``s`` is lower than a step already logged, so the logger never
+passes ``step=`` to W&B. It declares one step metric per namespace with ``define_metric``
+instead (``train_actor_*`` and ``eval/*`` on ``train_step``, ``ref_actor_*`` on ``ref_step``,
+``inference/*`` on ``inference_step``, see `STEP_METRIC_RULES`) and sends that step metric's
+value with every ``log`` call. W&B's own ``_step`` then just counts calls (always increasing),
+and each chart uses its namespace's step as x axis, so an actor running behind loses nothing.
+
+Example:
+    >>> logger = MetricLogger(log_dir="runs/demo", project="grpo", use_wandb=False)
+    >>> logger.log_dict({"train_actor_training/loss": 0.25}, step=1, actor="train")
+    >>> logger.close()
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import math
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The step metrics W&B plots against (see the module docstring).
+TRAIN_STEP = "train_step"
+REF_STEP = "ref_step"
+INFERENCE_STEP = "inference_step"
+# Step metric of a key that no rule covers and whose call named no known actor.
+GLOBAL_STEP = "global_step"
+
+# (W&B metric name or glob, step metric), checked in order: exact names before the namespace
+# globs that would otherwise claim them. The `queues/` keys come from different actors, so each
+# one is routed to the actor that logs it.
+STEP_METRIC_RULES: tuple[tuple[str, str], ...] = (
+    ("queues/train_replay_buffer_size", TRAIN_STEP),
+    ("queues/replay_buffer_*", TRAIN_STEP),
+    ("queues/rollout_queue_size", REF_STEP),
+    ("train_actor_*", TRAIN_STEP),
+    ("ref_actor_*", REF_STEP),
+    ("inference/*", INFERENCE_STEP),
+    ("eval/*", TRAIN_STEP),
+)
+
+# The ``actor`` argument of `MetricLogger.log_dict` -> the step metric of keys no rule covers.
+ACTOR_STEP_METRIC: dict[str, str] = {
+    "train": TRAIN_STEP,
+    "ref": REF_STEP,
+    "inference": INFERENCE_STEP,
+    "eval": TRAIN_STEP,
+}
+
+# The metric names each actor logs: the contract between the actors, the plots and the tests.
+# Names with ``{name}`` are templates filled with a reward function's name (see
+# `reward_metric_names`). Actors may log more keys than these (e.g. ``.../memory/*``); these are
+# the ones other code relies on.
+METRIC_NAMES: dict[str, tuple[str, ...]] = {
+    # PyTorchActorModel, keyed on the optimizer step (`train_step`).
+    "train": (
+        "train_actor_training/loss",
+        "train_actor_training/policy_loss",
+        "train_actor_training/kl_loss",
+        "train_actor_training/ratios",
+        "train_actor_training/clipfrac",
+        "train_actor_training/approx_policy_kls",
+        "train_actor_training/response_lengths",
+        "train_actor_training/policy_age_mean",
+        "train_actor_training/policy_age_max",
+        "train_actor_training/grad_norm",
+        "train_actor_training/lr",
+        "train_actor_performance/total_step_time (s)",
+        "train_actor_performance/time_grpo_steps (s)",
+        "train_actor_performance/pct_time_grpo_steps (%)",
+        "train_actor_performance/tokens_per_second",
+        "train_actor_performance/time_weight_sync (s)",
+        "train_actor_performance/pct_time_weight_sync (%)",
+        "train_actor_performance/padded_tokens_percentage (%)",
+        "train_actor_performance/time_waiting_buffer (s)",
+        "train_actor_performance/pct_time_waiting_buffer (%)",
+        "train_actor_performance/time_weight_gather (s)",
+        "train_actor_performance/pct_time_weight_gather (%)",
+        "queues/train_replay_buffer_size",
+        "queues/replay_buffer_dropped_stale",
+    ),
+    # RefActor, keyed on its own step (`ref_step`).
+    "ref": (
+        "ref_actor_performance/total_rollout_time (s)",
+        "ref_actor_performance/time_model_running (s)",
+        "ref_actor_performance/pct_time_model_running (%)",
+        "ref_actor_performance/time_waiting_buffer (s)",
+        "ref_actor_performance/pct_time_waiting_buffer (%)",
+        "ref_actor_performance/total_tokens_processed",
+        "queues/rollout_queue_size",
+        "ref_actor_rewards/rewards_mean",
+        "ref_actor_rewards/successes_mean",
+        "ref_actor_rewards/rewards_func_{name}_mean",
+        "ref_actor_rewards/successes_func_{name}_mean",
+    ),
+    # SyncLLMCollector (vLLM), keyed on its generation round (`inference_step`).
+    "inference": (
+        "inference/tokens_per_second",
+        "inference/time_generation (s)",
+        "inference/time_weight_update (s)",
+        "inference/policy_version",
+        "inference/response_length_mean",
+    ),
+    # Held-out evaluation, keyed on the train step whose weights were evaluated.
+    "eval": (
+        "eval/accuracy",
+        "eval/num_examples",
+    ),
+}
+
+# Keys a metric may not use: they are the JSONL record's own fields.
+RESERVED_KEYS = frozenset({"step", "time", "actor"})
+
+# What stdout shows when `stdout_keys` is not given: a few headline numbers per actor.
+DEFAULT_STDOUT_KEYS: tuple[str, ...] = (
+    "train_actor_training/loss",
+    "train_actor_training/kl_loss",
+    "train_actor_training/policy_age_mean",
+    "train_actor_performance/tokens_per_second",
+    "ref_actor_rewards/rewards_mean",
+    "ref_actor_rewards/successes_mean",
+    "inference/tokens_per_second",
+    "eval/accuracy",
+)
+
+_WANDB_MODES = ("online", "offline", "disabled")
+_TABLE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def reward_metric_names(func_name: str) -> tuple[str, str]:
+    """The per-function reward and success metric names of a reward function.
+
+    Args:
+        func_name (str): The reward function's name, as in ``reward_metadata["func_names"]``.
+
+    Returns:
+        tuple[str, str]: ``(rewards key, successes key)``.
+
+    Example:
+        >>> reward_metric_names("math_correct")
+        ('ref_actor_rewards/rewards_func_math_correct_mean', 'ref_actor_rewards/successes_func_math_correct_mean')
+    """
+    return (
+        f"ref_actor_rewards/rewards_func_{func_name}_mean",
+        f"ref_actor_rewards/successes_func_{func_name}_mean",
+    )
+
+
+def is_known_metric(key: str) -> bool:
+    """Whether `key` is one of `METRIC_NAMES` (templates match any function name).
+
+    Args:
+        key (str): A metric name.
+
+    Returns:
+        bool: True if some actor's list names it.
+    """
+    for names in METRIC_NAMES.values():
+        for name in names:
+            if key == name or (
+                "{name}" in name and fnmatch.fnmatchcase(key, name.replace("{name}", "*"))
+            ):
+                return True
+    return False
+
+
+def step_metric_for(key: str, actor: str | None = None) -> str:
+    """The W&B step metric (x axis) that metric `key` is plotted against.
+
+    Args:
+        key (str): A metric name.
+        actor (str | None): The actor that logged it (a key of `ACTOR_STEP_METRIC`); decides
+            for keys that no rule of `STEP_METRIC_RULES` covers.
+
+    Returns:
+        str: ``"train_step"``, ``"ref_step"``, ``"inference_step"`` or ``"global_step"``.
+
+    Example:
+        >>> step_metric_for("ref_actor_rewards/rewards_mean")
+        'ref_step'
+    """
+    rule = _rule_for(key)
+    if rule is not None:
+        return rule[1]
+    return ACTOR_STEP_METRIC.get(actor or "", GLOBAL_STEP)
+
+
+def _rule_for(key: str) -> tuple[str, str] | None:
+    for pattern, step_metric in STEP_METRIC_RULES:
+        if fnmatch.fnmatchcase(key, pattern):
+            return pattern, step_metric
+    return None
+
+
+def ratio_metrics(prefix: str, durations: Mapping[str, float], total: float) -> dict[str, float]:
+    """Percent-of-total entries for a set of timings, named like ``{prefix}/pct_{name} (%)``.
+
+    One place for the ``time / total * 100`` arithmetic of the performance metrics, with the
+    zero-total guard (a step that took no measurable time reports 0 %, not a division error).
+
+    Args:
+        prefix (str): Metric namespace, e.g. ``"train_actor_performance"``.
+        durations (Mapping[str, float]): Seconds per timing, keyed by name (``"time_x"`` or
+            ``"time_x (s)"``; the ``" (s)"`` suffix is dropped).
+        total (float): Seconds of the whole step.
+
+    Returns:
+        dict[str, float]: ``{f"{prefix}/pct_{name} (%)": 100 * seconds / total}``.
+
+    Example:
+        >>> ratio_metrics("ref_actor_performance", {"time_model_running": 1.5}, total=2.0)
+        {'ref_actor_performance/pct_time_model_running (%)': 75.0}
+    """
+    metrics = {}
+    for name, seconds in durations.items():
+        name = name.removesuffix(" (s)")
+        # `total > 0` is False for NaN as well, so a broken timer reads 0 % rather than NaN.
+        metrics[f"{prefix}/pct_{name} (%)"] = 100.0 * seconds / total if total > 0 else 0.0
+    return metrics
+
+
+def _resolve_mode(mode: str) -> str:
+    """W&B mode: ``WANDB_MODE`` in the environment wins over the config (tests, CI)."""
+    env_mode = os.environ.get("WANDB_MODE")
+    if env_mode:
+        mode = "offline" if env_mode == "dryrun" else env_mode
+    if mode not in _WANDB_MODES:
+        raise ValueError(f"W&B mode must be one of {_WANDB_MODES}, got {mode!r}")
+    return mode
+
+
+def _to_jsonable(value: Any) -> Any:
+    """Config values -> JSON/YAML-safe containers (Paths and other objects become strings)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+    except ImportError:
+        pass
+    if isinstance(value, Mapping):
+        return {str(k): _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_to_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+class MetricLogger:
+    """Writes metrics to ``metrics.jsonl`` (always), W&B (optional) and stdout (a few keys).
+
+    Use it directly, or as a Ray actor: ``ray.remote(num_cpus=0)(MetricLogger).remote(...)``.
+
+    Files in `log_dir`:
+        ``metrics.jsonl``: one ``{"step", "time", "actor"?, **metrics}`` object per call,
+        appended (a resumed run continues its file). Non-finite values are written as ``null``
+        (JSON has no NaN) and counted (`get_nonfinite_counts`).
+        ``tables/{table_name}.jsonl``: one ``{"step", "time", "columns", "rows"}`` per call.
+        ``summary.json``: what `log_summary` received, merged.
+        ``config.yaml`` / ``config.json``: the run config.
+        ``wandb/``: the W&B run folder, when W&B is on.
+
+    Args:
+        log_dir (str | Path): The run folder (created if missing).
+        project (str): W&B project.
+        run_name (str | None): W&B run name (W&B picks one if None).
+        mode (str): W&B mode, ``"online"``, ``"offline"`` or ``"disabled"``. A ``WANDB_MODE``
+            environment variable overrides it, so ``WANDB_MODE=offline`` works without network.
+        config (Mapping | None): Run config: stored as the W&B run config and written to
+            ``config.yaml`` and ``config.json``. An OmegaConf config is resolved first.
+        stdout_every_n (int): Print every n-th step of each actor to stdout; 0 prints nothing.
+        stdout_keys (Collection[str] | None): Metric names or globs printed to stdout
+            (`DEFAULT_STDOUT_KEYS` if None).
+        use_wandb (bool): Log to W&B too. wandb is imported only then. A W&B failure (import,
+            init, or later a log call) is reported once; logging goes on to JSONL and stdout
+            and W&B stays off for the rest of the run. Online mode without an API key or
+            network fails at init (after W&B's own init timeout) and is handled the same way.
+
+    Raises:
+        ValueError: On an unknown W&B mode or a negative `stdout_every_n`.
+
+    Example:
+        >>> logger = MetricLogger("runs/demo", project="grpo", mode="offline", use_wandb=True)
+        >>> logger.log_dict({"ref_actor_rewards/rewards_mean": 0.5}, step=3, actor="ref")
+        >>> logger.close()
+    """
+
+    def __init__(
+        self,
+        log_dir: str | Path,
+        project: str = "grpo",
+        run_name: str | None = None,
+        mode: str = "online",
+        config: Mapping[str, Any] | None = None,
+        stdout_every_n: int = 1,
+        stdout_keys: Collection[str] | None = None,
+        use_wandb: bool = True,
+    ) -> None:
+        if stdout_every_n < 0:
+            raise ValueError(f"stdout_every_n must be >= 0, got {stdout_every_n}")
+        self.log_dir = Path(log_dir).expanduser().resolve()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.stdout_every_n = stdout_every_n
+        self.stdout_keys = tuple(DEFAULT_STDOUT_KEYS if stdout_keys is None else stdout_keys)
+        self.mode = _resolve_mode(mode) if use_wandb else "disabled"
+
+        self._log_path = self.log_dir / "metrics.jsonl"
+        # Line-buffered append; `_write_line` flushes explicitly as well.
+        self._file = open(self._log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        self._table_files: dict[str, Any] = {}
+        # A resumed run keeps the summary it had.
+        summary_path = self.log_dir / "summary.json"
+        self._summary: dict[str, Any] = (
+            json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        )
+        self._nonfinite_counts: Counter[str] = Counter()
+        self._closed = False
+
+        self.config = _to_jsonable(config) if config is not None else None
+        if self.config is not None:
+            self._write_config(self.config)
+
+        self._wandb = None  # the wandb module, once imported
+        self._wandb_run = None
+        self._wandb_defined: set[str] = set()
+        if self.mode != "disabled":
+            self._init_wandb(project, run_name)
+
+    # ---------------------------------------------------------------- public API
+
+    def log_dict(self, metrics: Mapping[str, Any], step: int, actor: str | None = None) -> None:
+        """Log one step's metrics.
+
+        Args:
+            metrics (Mapping[str, Any]): Metric name -> number (int, float, bool, a one-element
+                tensor or numpy scalar), string or None.
+            step (int): The calling actor's step.
+            actor (str | None): Who logs (``"train"``, ``"ref"``, ``"inference"``, ``"eval"``
+                or any other name): written to the JSONL and used to pick the W&B step metric
+                of keys outside `STEP_METRIC_RULES`.
+
+        Raises:
+            RuntimeError: If the logger is closed.
+            TypeError: If `step` is not an int or a value is not a scalar.
+            ValueError: If a key is ``step``, ``time`` or ``actor``.
+        """
+        self._check_open()
+        step = _check_step(step)
+        record: dict[str, Any] = {"step": step, "time": time.time()}
+        if actor is not None:
+            record["actor"] = str(actor)
+        for key, value in metrics.items():
+            if not isinstance(key, str):
+                raise TypeError(f"metric names must be str, got {key!r} ({type(key).__name__})")
+            if key in RESERVED_KEYS:
+                raise ValueError(
+                    f"metric name {key!r} is reserved for the record itself "
+                    f"({sorted(RESERVED_KEYS)}); rename it"
+                )
+            record[key] = self._json_value(key, _scalar(key, value), step)
+        self._write_line(self._file, record)
+
+        if self._wandb_run is not None:
+            wandb_metrics = {key: _scalar(key, value) for key, value in metrics.items()}
+            self._wandb_log(wandb_metrics, step, actor)
+        self._print(record, step, actor)
+
+    def log_table(
+        self,
+        rows: Sequence[Sequence[Any]],
+        columns: Sequence[str],
+        table_name: str,
+        step: int,
+        actor: str | None = None,
+    ) -> None:
+        """Log a table (e.g. per-sample debug rows): W&B table + ``tables/{table_name}.jsonl``.
+
+        Args:
+            rows (Sequence[Sequence[Any]]): One list of cell values per row.
+            columns (Sequence[str]): Column names; every row has this many cells.
+            table_name (str): Name of the table (letters, digits, ``_``, ``.``, ``-``).
+            step (int): The calling actor's step.
+            actor (str | None): Who logs (see `log_dict`).
+
+        Raises:
+            RuntimeError: If the logger is closed.
+            ValueError: On a bad table name or a row of the wrong length.
+        """
+        self._check_open()
+        step = _check_step(step)
+        if not _TABLE_NAME.match(table_name):
+            raise ValueError(
+                f"table name {table_name!r} must match {_TABLE_NAME.pattern} "
+                "(it names a file under tables/)"
+            )
+        columns = [str(c) for c in columns]
+        rows = [list(row) for row in rows]
+        for index, row in enumerate(rows):
+            if len(row) != len(columns):
+                raise ValueError(
+                    f"table {table_name!r}: row {index} has {len(row)} cells, "
+                    f"expected {len(columns)} (columns {columns})"
+                )
+        count_key = f"table/{table_name}"
+        record = {
+            "step": step,
+            "time": time.time(),
+            **({"actor": str(actor)} if actor is not None else {}),
+            "columns": columns,
+            "rows": [[self._json_cell(count_key, cell, step) for cell in row] for row in rows],
+        }
+        if table_name not in self._table_files:
+            (self.log_dir / "tables").mkdir(exist_ok=True)
+            path = self.log_dir / "tables" / f"{table_name}.jsonl"
+            self._table_files[table_name] = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        self._write_line(self._table_files[table_name], record)
+
+        if self._wandb_run is not None:
+            try:
+                table = self._wandb.Table(columns=columns, data=record["rows"])
+            except Exception as error:  # noqa: BLE001 - W&B must never stop training
+                self._wandb_failed(f"building table {table_name!r}", error)
+            else:
+                self._wandb_log({table_name: table}, step, actor)
+
+    def log_summary(self, summary: Mapping[str, Any]) -> None:
+        """Record run-level results (final accuracy, totals): ``summary.json`` and W&B summary.
+
+        Args:
+            summary (Mapping[str, Any]): Name -> JSON-able value; merged with earlier calls.
+
+        Raises:
+            RuntimeError: If the logger is closed.
+        """
+        self._check_open()
+        for key, value in summary.items():
+            self._summary[str(key)] = self._json_cell(str(key), _to_jsonable(_unwrap(value)), None)
+        self._write_summary()
+        if self._wandb_run is not None:
+            try:
+                self._wandb_run.summary.update({k: _unwrap(v) for k, v in summary.items()})
+            except Exception as error:  # noqa: BLE001
+                self._wandb_failed("updating the summary", error)
+
+    def get_log_path(self) -> Path:
+        """The ``metrics.jsonl`` this logger writes."""
+        return self._log_path
+
+    def get_nonfinite_counts(self) -> dict[str, int]:
+        """How many NaN/inf values each metric (or ``table/{name}``) had, written as null."""
+        return dict(self._nonfinite_counts)
+
+    def close(self) -> None:
+        """Finish the W&B run and close the files. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._nonfinite_counts:
+            self._summary["logger/nonfinite_values"] = sum(self._nonfinite_counts.values())
+            self._write_summary()
+        if self._wandb_run is not None:
+            try:
+                self._wandb_run.finish()
+            except Exception as error:  # noqa: BLE001
+                self._wandb_failed("finishing the run", error)
+            self._wandb_run = None
+        self._file.close()
+        for table_file in self._table_files.values():
+            table_file.close()
+
+    def __enter__(self) -> MetricLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- files
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"MetricLogger for {self._log_path} is closed")
+
+    @staticmethod
+    def _write_line(file: Any, record: dict[str, Any]) -> None:
+        # allow_nan=False: a non-finite value that slipped past the sanitiser fails loudly
+        # here instead of writing `NaN`, which is not JSON.
+        file.write(json.dumps(record, allow_nan=False) + "\n")
+        file.flush()
+
+    def _write_config(self, config: dict[str, Any]) -> None:
+        import yaml
+
+        (self.log_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (self.log_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def _write_summary(self) -> None:
+        # Write-then-rename so a reader never sees half a file.
+        path = self.log_dir / "summary.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self._summary, indent=2, allow_nan=False) + "\n")
+        tmp.replace(path)
+
+    def _json_value(self, key: str, value: Any, step: int | None) -> Any:
+        """A metric value for JSON: non-finite floats become None and are counted."""
+        if isinstance(value, float) and not math.isfinite(value):
+            if self._nonfinite_counts[key] == 0:
+                log.warning("metric %r is %s at step %s: written as null", key, value, step)
+            self._nonfinite_counts[key] += 1
+            return None
+        return value
+
+    def _json_cell(self, key: str, value: Any, step: int | None) -> Any:
+        """Like `_json_value` for table cells and summary values, which may be nested."""
+        value = _unwrap(value)
+        if callable(getattr(value, "tolist", None)):  # multi-element tensors and arrays
+            value = value.tolist()
+        if isinstance(value, (list, tuple)):
+            return [self._json_cell(key, v, step) for v in value]
+        if isinstance(value, Mapping):
+            return {str(k): self._json_cell(key, v, step) for k, v in value.items()}
+        if isinstance(value, float):
+            return self._json_value(key, value, step)
+        if value is None or isinstance(value, (bool, int, str)):
+            return value
+        return str(value)
+
+    # ---------------------------------------------------------------- stdout
+
+    def _print(self, record: dict[str, Any], step: int, actor: str | None) -> None:
+        if self.stdout_every_n == 0 or step % self.stdout_every_n != 0:
+            return
+        shown = [
+            (key, value)
+            for key, value in record.items()
+            if key not in RESERVED_KEYS
+            and any(fnmatch.fnmatchcase(key, pattern) for pattern in self.stdout_keys)
+        ]
+        if not shown:
+            return
+        # Last path component only: "train_actor_training/loss" -> "loss".
+        parts = [f"{key.rsplit('/', 1)[-1]}={_format_number(value)}" for key, value in shown]
+        print(f"[{actor or 'step'} {step}] " + " ".join(parts), flush=True)
+
+    # ---------------------------------------------------------------- W&B
+
+    def _init_wandb(self, project: str, run_name: str | None) -> None:
+        try:
+            import wandb
+        except ImportError as error:
+            self._wandb_failed("importing wandb", error)
+            return
+        try:
+            run = wandb.init(
+                project=project,
+                name=run_name,
+                config=self.config,
+                mode=self.mode,
+                dir=str(self.log_dir),
+                # Each logger owns its run, even when a process holds more than one.
+                reinit="create_new",
+            )
+            for step_metric in (TRAIN_STEP, REF_STEP, INFERENCE_STEP, GLOBAL_STEP):
+                run.define_metric(step_metric, hidden=True)
+            for pattern, step_metric in STEP_METRIC_RULES:
+                run.define_metric(pattern, step_metric=step_metric)
+        except Exception as error:  # noqa: BLE001 - no network, bad key, ...: keep logging
+            self._wandb_failed(f"starting the run (project {project!r}, mode {self.mode!r})", error)
+            return
+        self._wandb = wandb
+        self._wandb_run = run
+        log.info("W&B run %s (%s) in %s", run.name, self.mode, self.log_dir / "wandb")
+
+    def _wandb_log(self, metrics: dict[str, Any], step: int, actor: str | None) -> None:
+        payload = dict(metrics)
+        try:
+            for key in metrics:
+                step_metric = step_metric_for(key, actor)
+                # W&B needs the x value in the same call; a call can carry two step metrics
+                # (e.g. a key routed to train_step logged by the ref actor), both = `step`.
+                payload.setdefault(step_metric, step)
+                if _rule_for(key) is None and key not in self._wandb_defined:
+                    self._wandb_run.define_metric(key, step_metric=step_metric)
+                    self._wandb_defined.add(key)
+            # No `step=`: W&B's own step just counts calls, see the module docstring.
+            self._wandb_run.log(payload)
+        except Exception as error:  # noqa: BLE001
+            self._wandb_failed(f"logging step {step}", error)
+
+    def _wandb_failed(self, what: str, error: BaseException) -> None:
+        """Report a W&B failure once and turn W&B off; JSONL and stdout carry on."""
+        log.warning(
+            "W&B failed while %s: %s: %s. W&B logging is off for the rest of this run; "
+            "metrics still go to %s",
+            what,
+            type(error).__name__,
+            error,
+            self._log_path,
+        )
+        self._wandb_run = None
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(_unwrap(step), int):
+        raise TypeError(f"step must be an int, got {step!r} ({type(step).__name__})")
+    return int(_unwrap(step))
+
+
+def _unwrap(value: Any) -> Any:
+    """One-element tensors and numpy scalars -> Python numbers; anything else unchanged."""
+    item = getattr(value, "item", None)
+    if callable(item) and not isinstance(value, (bool, int, float, str)):
+        size = getattr(value, "size", None)
+        numel = value.numel() if hasattr(value, "numel") else (size if isinstance(size, int) else 1)
+        if numel == 1:
+            return item()
+    return value
+
+
+def _scalar(key: str, value: Any) -> Any:
+    value = _unwrap(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(
+        f"metric {key!r}: expected a number, a string or None, got {type(value).__name__} "
+        f"{getattr(value, 'shape', '')}".rstrip()
+    )
+
+
+def _format_number(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "nan" if value is None else str(value)

@@ -1,0 +1,245 @@
+"""The reference actor: reference logprobs, rewards and group advantages.
+
+It takes whole groups from the rollout queue (a group is never split across advantage
+computations), packs them with `grpo.packing`, runs the frozen reference model once per
+pack, scores every sample with every reward function and adds the `ScoredTrajectory`s to the
+replay buffer, a whole group at a time.
+"""
+
+from __future__ import annotations
+
+import queue as std_queue
+import time
+from typing import Any
+
+import torch
+
+from grpo.config import instantiate
+from grpo.loss import model_response_logprobs
+from grpo.models import build_model, load_tokenizer
+from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
+from grpo.rewards import batched_rewards, group_advantages
+from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory
+
+
+def _get(rollout_queue: Any, timeout: float | None) -> Any | None:
+    """One item from a Ray or stdlib queue, or None if none arrives within ``timeout``.
+
+    ``ray.util.queue.Empty`` subclasses ``queue.Empty``, so one except clause serves both.
+    """
+    try:
+        if not timeout:
+            return rollout_queue.get_nowait()
+        return rollout_queue.get(block=True, timeout=timeout)
+    except std_queue.Empty:
+        return None
+
+
+def _call(target: Any, method: str, *args: Any) -> Any:
+    """Call ``method`` on a Ray actor handle (and wait) or on a local object."""
+    bound = getattr(target, method)
+    if hasattr(bound, "remote"):
+        import ray
+
+        return ray.get(bound.remote(*args))
+    return bound(*args)
+
+
+class RefActor:
+    """Scores generated groups. Wrap with ``ray.remote`` to run it as an actor.
+
+    Args:
+        model_dir (str): HF-format folder of the frozen reference model.
+        reward_functions (list): Reward functions, or ``_component_`` nodes of them.
+        rollout_queue: Queue of `GroupedUnscoredTrajectories` (``get(block, timeout)``).
+        replay_buffer: The `ReplayBuffer` actor handle (or a local instance, for tests).
+        target_tokens_per_batch (int): Token budget of one reference forward.
+        reward_timeout_s (float | None): Per-sample timeout of each reward function.
+        reward_weights (list[float] | None): Weights of the functions in the total reward.
+        dtype (str): ``"float32"`` or ``"bfloat16"``.
+        mask_kind (str): ``"dense"`` or ``"flex"``.
+        max_groups_per_step (int): Most groups scored by one `step` call.
+        queue_get_timeout_s (float): How long `step` waits for the first group.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_dir: str,
+        reward_functions: list[Any],
+        rollout_queue: Any,
+        replay_buffer: Any,
+        target_tokens_per_batch: int,
+        reward_timeout_s: float | None = 10.0,
+        reward_weights: list[float] | None = None,
+        dtype: str = "float32",
+        mask_kind: str = "dense",
+        max_groups_per_step: int = 4,
+        queue_get_timeout_s: float = 0.5,
+    ) -> None:
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        torch_dtype = torch.bfloat16 if dtype in ("bf16", "bfloat16") else torch.float32
+        self.model = build_model(model_dir, dtype=torch_dtype, device=self.device).eval()
+        for parameter in self.model.parameters():
+            parameter.requires_grad_(False)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.reward_fns = [
+            instantiate(fn) if isinstance(fn, dict) or hasattr(fn, "keys") else fn
+            for fn in reward_functions
+        ]
+        self.reward_weights = reward_weights
+        self.reward_timeout_s = reward_timeout_s
+        self.rollout_queue = rollout_queue
+        self.replay_buffer = replay_buffer
+        self.target_tokens_per_batch = target_tokens_per_batch
+        self.mask_kind = mask_kind
+        self.max_groups_per_step = max_groups_per_step
+        self.queue_get_timeout_s = queue_get_timeout_s
+        self.steps_run = 0
+        self._pending: list[list[ScoredTrajectory]] = []
+        self.reward_failures: dict[str, int] = {}
+
+    @torch.no_grad()
+    def reference_logprobs(self, trajectories: list[Any]) -> dict[str, torch.Tensor]:
+        """Reference logprobs of each trajectory's response, keyed by ``sequence_id``."""
+        plan = plan_packs(
+            [t.total_len for t in trajectories],
+            self.target_tokens_per_batch,
+            groups=[t.group_id for t in trajectories],
+        )
+        by_id = {}
+        for pack_indices in plan:
+            members = [trajectories[i] for i in pack_indices]
+            packed = pack_sequences(
+                members, self.device, self.tokenizer.pad_id, mask_kind=self.mask_kind
+            )
+            logprobs = model_response_logprobs(self.model, packed)
+            for traj, lp in zip(members, unpack_response_logprobs(packed, logprobs)):
+                by_id[traj.sequence_id] = lp.float().cpu()
+        return by_id
+
+    def score_groups(
+        self, groups: list[GroupedUnscoredTrajectories]
+    ) -> tuple[list[list[ScoredTrajectory]], dict[str, float]]:
+        """Reference logprobs, rewards and advantages of whole groups.
+
+        Args:
+            groups (list[GroupedUnscoredTrajectories]): Groups to score.
+
+        Returns:
+            tuple: The scored groups (same order) and timing/reward metrics.
+        """
+        trajectories = [t for g in groups for t in g.trajectories]
+        model_start = time.perf_counter()
+        ref_logprobs = self.reference_logprobs(trajectories)
+        time_model_running = time.perf_counter() - model_start
+
+        completions = [
+            self.tokenizer.decode(t.response_tokens.tolist(), skip_special_tokens=True)
+            for t in trajectories
+        ]
+        reward_batch = batched_rewards(
+            self.reward_fns,
+            completions,
+            [t.answer for t in trajectories],
+            timeout_s=self.reward_timeout_s,
+        )
+        rewards, successes = reward_batch.rewards, reward_batch.successes
+        total_reward = reward_batch.total(self.reward_weights)
+        metadata = {"func_names": list(reward_batch.func_names)}
+
+        scored_groups, offset = [], 0
+        for group in groups:
+            size = len(group.trajectories)
+            advantages = group_advantages(total_reward[offset : offset + size])
+            scored = []
+            for i, traj in enumerate(group.trajectories):
+                row = offset + i
+                scored.append(
+                    ScoredTrajectory(
+                        prompt_tokens=traj.prompt_tokens,
+                        response_tokens=traj.response_tokens,
+                        prompt_len=traj.prompt_len,
+                        response_len=traj.response_len,
+                        logprobs=traj.logprobs,
+                        ref_logprobs=ref_logprobs[traj.sequence_id],
+                        rewards=rewards[row],
+                        advantages=advantages[i],
+                        successes=successes[row],
+                        answer=traj.answer,
+                        sequence_id=traj.sequence_id,
+                        group_id=traj.group_id,
+                        reward_metadata=metadata,
+                        policy_version=traj.policy_version,
+                    )
+                )
+            scored_groups.append(scored)
+            offset += size
+
+        for name in reward_batch.func_names:
+            failures = reward_batch.num_timeouts[name] + reward_batch.num_exceptions[name]
+            self.reward_failures[name] = self.reward_failures.get(name, 0) + failures
+        metrics = {
+            "ref_actor_performance/time_model_running (s)": time_model_running,
+            "ref_actor_performance/total_tokens_processed": float(
+                sum(g.total_tokens for g in groups)
+            ),
+            "ref_actor_rewards/rewards_mean": float(total_reward.mean()),
+            "ref_actor_rewards/successes_mean": float(successes.mean()),
+        }
+        for column, name in enumerate(reward_batch.func_names):
+            metrics[f"ref_actor_rewards/rewards_func_{name}_mean"] = float(rewards[:, column].mean())
+            metrics[f"ref_actor_rewards/successes_func_{name}_mean"] = float(
+                successes[:, column].mean()
+            )
+            metrics[f"ref_actor_rewards/failures_func_{name}"] = float(
+                self.reward_failures.get(name, 0)
+            )
+        return scored_groups, metrics
+
+    def _add_to_buffer(self, group: list[ScoredTrajectory]) -> bool:
+        return _call(self.replay_buffer, "add", group)
+
+    def step(self) -> dict[str, float] | None:
+        """Score up to ``max_groups_per_step`` groups from the queue into the buffer.
+
+        Groups the buffer had no room for stay pending and go first next time, so nothing
+        is lost while the trainer catches up.
+
+        Returns:
+            dict | None: Metrics, or None when there was nothing to do.
+        """
+        step_start = time.perf_counter()
+        self._pending = [g for g in self._pending if not self._add_to_buffer(g)]
+        if self._pending:
+            return None  # buffer still full: don't take more from the queue
+
+        groups = []
+        first = _get(self.rollout_queue, self.queue_get_timeout_s)
+        time_waiting = time.perf_counter() - step_start
+        if first is None:
+            return None
+        groups.append(first)
+        while len(groups) < self.max_groups_per_step:
+            more = _get(self.rollout_queue, None)
+            if more is None:
+                break
+            groups.append(more)
+
+        scored_groups, metrics = self.score_groups(groups)
+        self._pending = [g for g in scored_groups if not self._add_to_buffer(g)]
+        self.steps_run += 1
+        total = time.perf_counter() - step_start
+        metrics.update(
+            {
+                "ref_actor_performance/total_rollout_time (s)": total,
+                "ref_actor_performance/time_waiting_buffer (s)": time_waiting,
+                "ref_actor_performance/pct_time_model_running (%)": 100.0
+                * metrics["ref_actor_performance/time_model_running (s)"]
+                / total,
+                "ref_actor_performance/pct_time_waiting_buffer (%)": 100.0 * time_waiting / total,
+                "ref_actor_performance/groups_scored": float(len(groups)),
+                "queues/rollout_queue_size": float(self.rollout_queue.qsize()),
+            }
+        )
+        return metrics

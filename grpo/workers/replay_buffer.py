@@ -1,0 +1,175 @@
+"""The replay buffer between the reference actor and the trainer.
+
+It holds unpacked `ScoredTrajectory`s. Two flaws of earlier designs shape it:
+sampling is without replacement (each trajectory is trained on exactly once by default), and
+staleness is bounded: a trajectory generated more than `max_policy_lag` policy versions ago
+is dropped, and counted, instead of being trained on.
+
+Groups are added atomically: `add` takes a whole group or nothing, so the caller can apply
+back-pressure (wait and retry) when the buffer is full rather than lose data.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Any
+
+from grpo.types import ScoredTrajectory
+
+
+class ReplayBuffer:
+    """A bounded buffer of scored trajectories, sampled without replacement.
+
+    Run it as a Ray actor (``ray.remote(num_cpus=0)(ReplayBuffer)``) or use it directly.
+
+    Args:
+        capacity (int): Most trajectories held at once.
+        max_policy_lag (int): A trajectory whose ``policy_version`` is more than this many
+            versions behind the trainer's current version is dropped at sampling time.
+        sampling (str): ``"fifo"`` (oldest first: lowest policy lag, deterministic) or
+            ``"random"`` (uniform without replacement, seeded).
+        seed (int): Seed of the ``"random"`` sampler.
+        reuse_count (int): How many times each trajectory is trained on (1 = exactly once).
+
+    Raises:
+        ValueError: On a non-positive capacity, a negative lag or an unknown sampling mode.
+
+    Example:
+        >>> buffer = ReplayBuffer(capacity=256, max_policy_lag=2)
+        >>> buffer.add(group)  # list of ScoredTrajectory
+        True
+        >>> batch = buffer.sample(8, current_policy_version=0)
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        max_policy_lag: int,
+        sampling: str = "fifo",
+        seed: int = 0,
+        reuse_count: int = 1,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"replay_buffer_size must be >= 1, got {capacity}")
+        if max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag must be >= 0, got {max_policy_lag}")
+        if sampling not in ("fifo", "random"):
+            raise ValueError(f"sampling must be 'fifo' or 'random', got {sampling!r}")
+        if reuse_count < 1:
+            raise ValueError(f"reuse_count must be >= 1, got {reuse_count}")
+        self.capacity = capacity
+        self.max_policy_lag = max_policy_lag
+        self.sampling = sampling
+        self.reuse_count = reuse_count
+        self._rng = random.Random(seed)
+        # Each entry is [trajectory, times it may still be sampled].
+        self._items: deque[list[Any]] = deque()
+        self.num_added = 0
+        self.num_sampled = 0
+        self.num_dropped_stale = 0
+        self.num_rejected_full = 0
+        self._last_policy_ages: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, trajectories: list[ScoredTrajectory]) -> bool:
+        """Add a whole group, or nothing if it does not fit.
+
+        Args:
+            trajectories (list[ScoredTrajectory]): The group to add.
+
+        Returns:
+            bool: True if added; False if the buffer had no room (nothing was added, the
+            caller keeps the group and retries later).
+
+        Raises:
+            ValueError: If the group alone is larger than the capacity (it could never fit).
+        """
+        if len(trajectories) > self.capacity:
+            raise ValueError(
+                f"a group of {len(trajectories)} trajectories can never fit a replay buffer "
+                f"of capacity {self.capacity}: raise orchestration.replay_buffer_size"
+            )
+        if len(self._items) + len(trajectories) > self.capacity:
+            self.num_rejected_full += 1
+            return False
+        for trajectory in trajectories:
+            self._items.append([trajectory, self.reuse_count])
+        self.num_added += len(trajectories)
+        return True
+
+    def _drop_stale(self, current_policy_version: int) -> None:
+        oldest_allowed = current_policy_version - self.max_policy_lag
+        kept = deque(item for item in self._items if item[0].policy_version >= oldest_allowed)
+        self.num_dropped_stale += len(self._items) - len(kept)
+        self._items = kept
+
+    def sample(self, n: int, current_policy_version: int) -> list[ScoredTrajectory] | None:
+        """Take ``n`` trajectories without replacement, after dropping stale ones.
+
+        Args:
+            n (int): Number of trajectories wanted.
+            current_policy_version (int): The trainer's current policy version.
+
+        Returns:
+            list[ScoredTrajectory] | None: ``n`` trajectories, or None if fewer are available
+            (nothing is removed then).
+        """
+        if n < 1:
+            raise ValueError(f"sample size must be >= 1, got {n}")
+        self._drop_stale(current_policy_version)
+        if len(self._items) < n:
+            return None
+        if self.sampling == "fifo":
+            positions = list(range(n))
+        else:
+            positions = sorted(self._rng.sample(range(len(self._items)), n))
+        items = list(self._items)
+        chosen = [items[i] for i in positions]
+        for item in chosen:
+            item[1] -= 1
+        self._items = deque(item for item in items if item[1] > 0)
+        batch = [item[0] for item in chosen]
+        self.num_sampled += n
+        self._last_policy_ages = [current_policy_version - t.policy_version for t in batch]
+        return batch
+
+    def stats(self) -> dict[str, float]:
+        """Size, counters and the policy age of the last sampled batch."""
+        ages = self._last_policy_ages
+        return {
+            "size": len(self._items),
+            "capacity": self.capacity,
+            "added": self.num_added,
+            "sampled": self.num_sampled,
+            "dropped_stale": self.num_dropped_stale,
+            "rejected_full": self.num_rejected_full,
+            "policy_age_mean": sum(ages) / len(ages) if ages else 0.0,
+            "policy_age_max": max(ages) if ages else 0,
+        }
+
+    def free_slots(self) -> int:
+        """How many more trajectories fit."""
+        return self.capacity - len(self._items)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Contents, counters and sampler state, for checkpointing."""
+        return {
+            "items": [(trajectory, remaining) for trajectory, remaining in self._items],
+            "rng_state": self._rng.getstate(),
+            "counters": {
+                "num_added": self.num_added,
+                "num_sampled": self.num_sampled,
+                "num_dropped_stale": self.num_dropped_stale,
+                "num_rejected_full": self.num_rejected_full,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        self._items = deque([trajectory, remaining] for trajectory, remaining in state["items"])
+        self._rng.setstate(state["rng_state"])
+        for name, value in state["counters"].items():
+            setattr(self, name, value)

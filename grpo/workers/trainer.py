@@ -1,0 +1,388 @@
+"""The trainer: `PyTorchActorModel`, one per training worker.
+
+Each step it gets a whole batch of `ScoredTrajectory`s (the same Ray object for every
+worker), takes its share, packs it into micro-batches of at most `target_tokens_per_batch`
+tokens, and accumulates gradients normalised by the whole batch's count (tokens or
+sequences), so the update does not depend on how the batch was split into packs or across
+workers. With several workers the model is sharded with FSDP2 (gloo on CPU, NCCL on GPU).
+
+Packing and the loss come from `grpo.packing` and `grpo.loss`; nothing here re-implements them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from grpo.config import instantiate
+from grpo.loss import model_response_logprobs
+from grpo.models import build_model, load_hf_config, save_hf_checkpoint, tune_to_hf_state_dict
+from grpo.packing import pack_sequences, plan_packs
+from grpo.types import PackedTrajectory, ScoredTrajectory
+from grpo.workers.weight_sync import state_dict_checksum
+
+
+class ResponseLogprobModel(nn.Module):
+    """Wraps a torchtune decoder so one forward returns response-token logprobs.
+
+    FSDP2 unshards the root module's own parameters (embeddings, final norm, output
+    projection) only inside the root's forward; doing the chunked output projection inside
+    this forward keeps it correct when the wrapper is the FSDP root.
+
+    Args:
+        model (nn.Module): A torchtune ``TransformerDecoder``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, packed: PackedTrajectory) -> torch.Tensor:
+        return model_response_logprobs(self.model, packed)
+
+
+def _set_seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class PyTorchActorModel:
+    """One training worker. Wrap with ``ray.remote`` to run it as an actor.
+
+    Args:
+        rank (int): This worker's rank.
+        world_size (int): Number of training workers.
+        model_dir (str): HF-format checkpoint folder of the starting policy.
+        optimizer (dict): ``_component_`` node of the optimizer (params are passed in).
+        lr_scheduler (dict | None): ``_component_`` node of the LR schedule; it receives
+            ``optimizer`` and ``num_training_steps``.
+        loss (dict): ``_component_`` node of the loss (`GRPOWithChunkedOutputLoss`).
+        num_steps (int): Training steps of the run (sizes the LR schedule).
+        target_tokens_per_batch (int): Token budget of one packed micro-batch.
+        pad_token_id (int): Padding token id.
+        ppo_epochs (int): Optimizer steps per batch.
+        clip_grad_norm (float | None): Max gradient norm; None disables clipping.
+        dtype (str): ``"float32"`` or ``"bfloat16"``.
+        seed (int): Seed of model-independent randomness.
+        mask_kind (str): ``"dense"`` or ``"flex"`` attention mask for packs.
+        max_nonfinite_in_a_row (int): Consecutive non-finite losses tolerated before the
+            step raises.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        model_dir: str,
+        optimizer: dict[str, Any],
+        lr_scheduler: dict[str, Any] | None,
+        loss: dict[str, Any],
+        num_steps: int,
+        target_tokens_per_batch: int,
+        pad_token_id: int,
+        ppo_epochs: int = 1,
+        clip_grad_norm: float | None = 1.0,
+        dtype: str = "float32",
+        seed: int = 0,
+        mask_kind: str = "dense",
+        max_nonfinite_in_a_row: int = 3,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.model_dir = str(model_dir)
+        self.hf_config = load_hf_config(self.model_dir)
+        self.target_tokens_per_batch = target_tokens_per_batch
+        self.pad_token_id = pad_token_id
+        self.ppo_epochs = ppo_epochs
+        self.clip_grad_norm = clip_grad_norm
+        self.mask_kind = mask_kind
+        self.max_nonfinite_in_a_row = max_nonfinite_in_a_row
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        dtype_by_name = {"float32": torch.float32, "fp32": torch.float32,
+                         "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+        if dtype not in dtype_by_name:
+            raise ValueError(f"training.dtype must be one of {sorted(dtype_by_name)}, got {dtype!r}")
+        self.dtype = dtype_by_name[dtype]
+        self._component_nodes = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "loss": loss}
+        self.num_steps = num_steps
+        self.seed = seed
+        self.steps_run = 0
+        self.policy_version = 0
+        self.num_nonfinite_skipped = 0
+        self._nonfinite_in_a_row = 0
+
+    def setup(self, dist_init_method: str | None = None) -> None:
+        """Join the process group (several workers), build the model, optimizer and loss.
+
+        Separate from ``__init__`` because rank 0's address is known only once it exists.
+
+        Args:
+            dist_init_method (str | None): ``tcp://host:port`` of rank 0; required when
+                ``world_size > 1``.
+        """
+        world_size, rank = self.world_size, self.rank
+        if world_size > 1:
+            if dist_init_method is None:
+                raise ValueError("dist_init_method is required when num_training_workers > 1")
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend, init_method=dist_init_method, rank=rank, world_size=world_size
+            )
+        # Same seed on every rank: identical initial weights before sharding.
+        _set_seed(self.seed)
+        decoder = build_model(self.model_dir, dtype=self.dtype, device=self.device)
+        self.policy = ResponseLogprobModel(decoder)
+        if world_size > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in decoder.layers:
+                fully_shard(layer)
+            fully_shard(self.policy)
+        self.policy.train()
+
+        nodes = self._component_nodes
+        self.loss_fn = instantiate(nodes["loss"])
+        self.optimizer = instantiate(nodes["optimizer"], self.policy.parameters())
+        self.lr_scheduler = (
+            instantiate(
+                nodes["lr_scheduler"],
+                self.optimizer,
+                num_training_steps=self.num_steps * self.ppo_epochs,
+            )
+            if nodes["lr_scheduler"]
+            else None
+        )
+
+    # ------------------------------------------------------------------ training
+
+    def _plan_micro_batches(
+        self, batch: list[ScoredTrajectory]
+    ) -> tuple[list[list[ScoredTrajectory]], int]:
+        """This rank's packs, and how many micro-batches every rank must run.
+
+        Each rank plans every rank's share (they all see the whole batch), so they agree on
+        the number of forward/backward passes without communicating.
+        """
+        shards = [batch[r :: self.world_size] for r in range(self.world_size)]
+        plans = [
+            plan_packs([t.total_len for t in shard], self.target_tokens_per_batch)
+            if shard
+            else []
+            for shard in shards
+        ]
+        mine = [[shards[self.rank][i] for i in pack] for pack in plans[self.rank]]
+        return mine, max(len(plan) for plan in plans)
+
+    def train_step(
+        self, batch: list[ScoredTrajectory], time_waiting_buffer: float = 0.0
+    ) -> dict[str, float]:
+        """Run ``ppo_epochs`` optimizer steps on one batch.
+
+        Args:
+            batch (list[ScoredTrajectory]): The whole batch (identical on every worker).
+            time_waiting_buffer (float): Seconds the orchestrator waited for this batch.
+
+        Returns:
+            dict[str, float]: Metrics of the step (``train_actor_*`` names), summed over
+            workers.
+
+        Raises:
+            FloatingPointError: After ``max_nonfinite_in_a_row`` consecutive non-finite steps.
+        """
+        step_start = time.perf_counter()
+        micro_batches, num_micro_batches = self._plan_micro_batches(batch)
+        packs = [
+            pack_sequences(mb, self.device, self.pad_token_id, mask_kind=self.mask_kind)
+            for mb in micro_batches
+        ]
+        # Normalise by the WHOLE batch's count (tokens or sequences), so gradients do not
+        # depend on how the batch is split into packs or across workers.
+        normalizer = self.loss_fn.batch_loss_normalizer([t.response_len for t in batch])
+        # Sums over micro-batches and epochs: loss parts, and token-weighted stats.
+        totals = torch.zeros(7, dtype=torch.float64)
+        grad_norm = torch.tensor(0.0)
+        skipped = False
+        grpo_start = time.perf_counter()
+        for _epoch in range(self.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+            for index in range(num_micro_batches):
+                # A rank with fewer packs repeats one with zero weight so that FSDP's
+                # collectives line up across ranks.
+                is_filler = index >= len(packs)
+                packed = packs[index % len(packs)] if packs else None
+                if packed is None:
+                    raise RuntimeError(
+                        f"trainer[{self.rank}] got no sequences: training.batch_size must be "
+                        f">= num_training_workers"
+                    )
+                stats = self.loss_fn.compute_loss_from_logprobs(
+                    self.policy(packed),
+                    packed.ref_logprobs,
+                    packed.advantages,
+                    packed.behavior_logprobs,
+                    response_lens=packed.response_lens,
+                    loss_normalizer=normalizer,
+                )
+                # FSDP averages gradients over ranks; the loss is already normalised by the
+                # whole batch, so multiply by the world size to get the sum.
+                scale = 0.0 if is_filler else float(self.world_size)
+                (stats.loss * scale).backward()
+                if is_filler:
+                    continue
+                epoch_loss += stats.loss.detach().double()
+                tokens = float(stats.metadata["num_tokens"])
+                totals += torch.tensor(
+                    [
+                        float(stats.loss.detach()),
+                        float(stats.policy_loss.detach()),
+                        float(stats.kl_loss.detach()),
+                        float(stats.ratios) * tokens,
+                        float(stats.clipfrac) * tokens,
+                        float(stats.approx_policy_kls) * tokens,
+                        tokens,
+                    ],
+                    dtype=torch.float64,
+                )
+            total_loss = float(self._all_reduce_sum(epoch_loss))
+            grad_norm = self._clip_and_norm()
+            if not (math.isfinite(total_loss) and math.isfinite(float(grad_norm))):
+                skipped = True
+                self.optimizer.zero_grad(set_to_none=True)
+                continue
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        time_grpo_steps = time.perf_counter() - grpo_start
+        totals = self._all_reduce_sum(totals)
+
+        if skipped:
+            self.num_nonfinite_skipped += 1
+            self._nonfinite_in_a_row += 1
+            if self._nonfinite_in_a_row >= self.max_nonfinite_in_a_row:
+                raise FloatingPointError(
+                    f"{self._nonfinite_in_a_row} training steps in a row had a non-finite "
+                    f"loss or gradient norm (last at step {self.steps_run})"
+                )
+        else:
+            self._nonfinite_in_a_row = 0
+        self.steps_run += 1
+
+        epochs, num_tokens = self.ppo_epochs, max(float(totals[6]), 1.0)
+        real_tokens = sum(p.actual_total_tokens for p in packs)
+        packed_tokens = sum(p.packed_seq_len for p in packs)
+        response_tokens = sum(t.response_len for t in batch)
+        ages = [self.policy_version - t.policy_version for t in batch]
+        return {
+            "train_actor_training/loss": float(totals[0]) / epochs,
+            "train_actor_training/policy_loss": float(totals[1]) / epochs,
+            "train_actor_training/kl_loss": float(totals[2]) / epochs,
+            "train_actor_training/ratios": float(totals[3]) / num_tokens,
+            "train_actor_training/clipfrac": float(totals[4]) / num_tokens,
+            "train_actor_training/approx_policy_kls": float(totals[5]) / num_tokens,
+            "train_actor_training/grad_norm": float(grad_norm),
+            "train_actor_training/lr": self.optimizer.param_groups[0]["lr"],
+            "train_actor_training/response_lengths": response_tokens / len(batch),
+            "train_actor_training/policy_age_mean": sum(ages) / len(ages),
+            "train_actor_training/policy_age_max": float(max(ages)),
+            "train_actor_training/num_micro_batches": float(len(packs)),
+            "train_actor_training/nonfinite_steps_skipped": float(self.num_nonfinite_skipped),
+            "train_actor_performance/total_step_time (s)": (
+                time.perf_counter() - step_start + time_waiting_buffer
+            ),
+            "train_actor_performance/time_grpo_steps (s)": time_grpo_steps,
+            "train_actor_performance/time_waiting_buffer (s)": time_waiting_buffer,
+            "train_actor_performance/tokens_per_second": (
+                response_tokens * epochs / time_grpo_steps if time_grpo_steps else 0.0
+            ),
+            "train_actor_performance/padded_tokens_percentage (%)": (
+                100.0 * (packed_tokens - real_tokens) / packed_tokens if packed_tokens else 0.0
+            ),
+        }
+
+    def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            value = value.to(self.device, copy=True)
+            dist.all_reduce(value)
+        return value.cpu()
+
+    def _clip_and_norm(self) -> torch.Tensor:
+        max_norm = self.clip_grad_norm if self.clip_grad_norm else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return norm.detach().float().cpu()
+
+    # ------------------------------------------------------------------ weights
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights in torchtune names, on CPU.
+
+        Collective: with several workers every rank must call it.
+        """
+        state = {}
+        for name, tensor in self.policy.model.state_dict().items():
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            state[name] = tensor.detach().to("cpu", copy=True)
+        return state
+
+    def gather_hf_weights(self) -> dict[str, Any] | None:
+        """Gather full weights in HF names for the collectors and bump the policy version.
+
+        Every rank must call it (the gather is collective); rank 0 returns
+        ``{"weights": hf_state_dict, "version": int, "checksum": ...}``, others None.
+        """
+        start = time.perf_counter()
+        tune_state = self.full_state_dict()
+        self.policy_version += 1
+        if self.rank != 0:
+            return None
+        hf_state = tune_to_hf_state_dict(tune_state, self.hf_config)
+        return {
+            "weights": hf_state,
+            "version": self.policy_version,
+            "checksum": state_dict_checksum(hf_state),
+            "time_weight_gather (s)": time.perf_counter() - start,
+        }
+
+    def weights_checksum(self) -> Any:
+        """Checksum of the current weights, in the same definition the collectors use."""
+        hf_state = tune_to_hf_state_dict(self.full_state_dict(), self.hf_config)
+        return state_dict_checksum(hf_state) if self.rank == 0 else None
+
+    def save_hf_checkpoint(self, out_dir: str) -> str | None:
+        """Write the current policy as an HF-format folder (atomically; rank 0 writes)."""
+        tune_state = self.full_state_dict()
+        if self.rank != 0:
+            return None
+        save_hf_checkpoint(tune_state, self.model_dir, out_dir)
+        return str(out_dir)
+
+    def get_policy_version(self) -> int:
+        return self.policy_version
+
+    def get_dist_address(self) -> str:
+        """``tcp://ip:port`` on this worker's node for ``init_process_group``."""
+        import socket
+
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return f"tcp://{ip}:{port}"
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+

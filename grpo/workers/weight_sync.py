@@ -1,0 +1,356 @@
+"""Moving the trainer's weights into the collectors' vLLM engines, and proving they arrived.
+
+Three pieces:
+
+* `state_dict_checksum`: one definition of "these weights", used by the trainer on the state
+  dict it sends and by the vLLM worker on the tensors it actually loads.
+* `WeightSyncWorkerExtension`: methods added to vLLM's worker (engine argument
+  ``worker_extension_cls``) and called through ``LLM.collective_rpc``; they reload weights in
+  place and report the checksum.
+* `WeightPublisher` (trainer side) and `WeightReceiver` (collector side): the transport. The
+  ``"object_store"`` transport puts the HF state dict into Ray's object store once and hands
+  the same reference to every collector; the collector keeps the newest update pending and
+  applies it between generation batches. An ``"nccl"`` transport (GPU broadcast) fits the same
+  interface and is described in `NCCL_TRANSPORT_PLAN`; it is not implemented.
+
+Why the checksum is over the sent HF state dict and not over vLLM's parameters: vLLM fuses
+``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``, pads the vocabulary,
+and on CPU it repacks every linear weight into a oneDNN handle and leaves an empty
+``weight`` parameter behind. vLLM's parameters can therefore not be hashed back into HF names.
+The checksum proves the worker received exactly the trainer's tensors and handed them to the
+loader. That the engine then computes with them is a separate, functional check: compare
+`SyncLLMCollector.probe_logprobs` with the trainer's own forward (the tests do).
+
+This module imports neither vLLM nor Ray at import time: the trainer imports
+`state_dict_checksum` from here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+WORKER_EXTENSION_CLS = "grpo.workers.weight_sync.WeightSyncWorkerExtension"
+TRANSPORTS = ("object_store", "nccl")
+
+NCCL_TRANSPORT_PLAN = (
+    "the 'nccl' weight transport is not implemented; use transport='object_store'. On GPUs it "
+    "would use vLLM's NCCL weight-transfer engine (engine arg weight_transfer_config="
+    "{'backend': 'nccl'}): once at start-up, trainer rank 0 and every collector's vLLM workers "
+    "join one NCCL group (LLM.collective_rpc('init_weight_transfer_engine', ...) on the "
+    "collectors, NCCLTrainerWeightTransferEngine.trainer_init on the trainer); at every sync "
+    "the trainer sends only names, dtypes and shapes through Ray, the collectors call "
+    "start_weight_update / update_weights / finish_weight_update while the trainer broadcasts "
+    "the tensors GPU to GPU, and the checksum is checked as for the object store."
+)
+
+
+class WeightSyncError(RuntimeError):
+    """Weights did not arrive intact (checksum mismatch) or the engine does not use them."""
+
+
+def state_dict_checksum(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> str:
+    """SHA-256 of a set of named tensors, independent of their order, device and float width.
+
+    Tensors are visited in sorted-name order; each contributes its name, its shape and the
+    bytes of its values cast to float32 (integer and bool tensors too). Casting bf16 or fp16
+    to float32 is exact, so a bf16 state dict and its float32 upcast hash the same, and the
+    trainer (whatever its dtype) and the vLLM worker agree exactly, with no tolerance.
+
+    Args:
+        named_tensors (Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]): HF
+            names to tensors, e.g. ``tune_to_hf_state_dict(model.state_dict(), hf_config)``.
+
+    Returns:
+        str: 64 hex digits.
+
+    Raises:
+        ValueError: If a name appears twice.
+
+    Example:
+        >>> state_dict_checksum({"w": torch.ones(2)}) == state_dict_checksum(
+        ...     {"w": torch.ones(2, dtype=torch.bfloat16)})
+        True
+    """
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    names = [name for name, _ in items]
+    if len(set(names)) != len(names):
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        raise ValueError(f"state_dict_checksum: duplicate tensor names {duplicates[:5]}")
+    digest = hashlib.sha256()
+    for name, tensor in sorted(items, key=lambda item: item[0]):
+        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        digest.update(f"{name}\0{tuple(values.shape)}\0".encode())
+        digest.update(memoryview(values.numpy()).cast("B"))
+    return digest.hexdigest()
+
+
+class WeightSyncWorkerExtension:
+    """Methods mixed into vLLM's worker class; call them with ``LLM.collective_rpc``.
+
+    Enable with ``LLM(..., worker_extension_cls=WORKER_EXTENSION_CLS)``. Method names carry a
+    ``grpo_`` prefix because vLLM refuses extensions that shadow worker attributes (the GPU
+    worker has its own ``update_weights``).
+
+    Example:
+        >>> [checksum] = llm.collective_rpc("grpo_update_weights", args=(hf_state_dict,))
+    """
+
+    def grpo_update_weights(
+        self, weights: Mapping[str, torch.Tensor], compute_checksum: bool = True
+    ) -> str | None:
+        """Load HF-named weights into the running model in place.
+
+        Args:
+            weights (Mapping[str, torch.Tensor]): Full state dict under HF names (as stored in
+                the model folder's safetensors), on any device.
+            compute_checksum (bool): Hash the received tensors with `state_dict_checksum`.
+
+        Returns:
+            str | None: The checksum of the loaded tensors, or None if not computed.
+        """
+        checksum = state_dict_checksum(weights) if compute_checksum else None
+        runner = self.model_runner
+        if hasattr(runner, "reload_weights"):
+            # Handles fused projections (qkv, gate_up), tensor-parallel sharding and the
+            # post-load processing (CPU weight repacking) layer by layer.
+            runner.reload_weights(weights_iterator=iter(weights.items()))
+        else:  # older vLLM: plain load; fine on GPU, where weights are not repacked
+            runner.get_model().load_weights(weights=iter(weights.items()))
+        _refresh_vocab_projections(runner.get_model())
+        self._grpo_weights_checksum = checksum
+        self._grpo_weights_updated = True
+        return checksum
+
+    def grpo_weights_checksum(self) -> str | None:
+        """Checksum of the weights the model holds.
+
+        Before any update these are the model folder's safetensors, hashed from the files;
+        after an update, the checksum computed when it was loaded (None if it was loaded with
+        ``compute_checksum=False``).
+        """
+        if getattr(self, "_grpo_weights_updated", False):
+            return self._grpo_weights_checksum
+        from grpo.models import load_hf_state_dict
+
+        checksum = state_dict_checksum(load_hf_state_dict(self.model_config.model))
+        self._grpo_weights_checksum = checksum
+        return checksum
+
+
+def _refresh_vocab_projections(model: torch.nn.Module) -> None:
+    """Rebuild the matmul kernels of vocabulary layers after an in-place reload.
+
+    On CPU vLLM turns each linear weight into a packed oneDNN copy when it is loaded. With
+    tied embeddings ``lm_head`` shares ``embed_tokens.weight`` but is never loaded by name, so
+    an in-place reload updates the shared tensor and leaves ``lm_head`` computing logits with
+    a packed copy of the OLD weights: sampling and logprobs then silently use stale output
+    projections. Re-running the (idempotent, weight-keeping) post-load step of every
+    unquantized vocabulary layer rebuilds the packed copy; on GPU it is a no-op.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and isinstance(
+            getattr(module, "quant_method", None), UnquantizedEmbeddingMethod
+        ):
+            module.quant_method.process_weights_after_loading(module)
+
+
+@dataclass
+class WeightUpdate:
+    """One published version of the policy weights.
+
+    Args:
+        version (int): Policy version the weights belong to.
+        weights (Any): ``dict[str, Tensor]`` under HF names, or a Ray ``ObjectRef`` to one.
+        checksum (str | None): `state_dict_checksum` of the weights, checked after loading.
+        probe (dict | None): Optional functional check, ``{"token_ids": list[int],
+            "logprobs": list[float], "atol": float}``: after loading, the engine's logprobs of
+            ``token_ids[1:]`` must match ``logprobs`` (the trainer's own forward).
+    """
+
+    version: int
+    weights: Any
+    checksum: str | None = None
+    probe: dict[str, Any] | None = None
+
+
+@dataclass
+class AppliedUpdate:
+    """What applying a `WeightUpdate` did: version, loaded checksum, seconds, probe to check."""
+
+    version: int
+    checksum: str | None
+    seconds: float
+    probe: dict[str, Any] | None = None
+
+
+def _check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown weight transport {transport!r}; expected one of {TRANSPORTS}")
+    if transport == "nccl":
+        raise NotImplementedError(NCCL_TRANSPORT_PLAN)
+
+
+class WeightPublisher:
+    """Trainer side: send one version of the weights to every collector.
+
+    Args:
+        transport (str): ``"object_store"`` (Ray object store; CPU and GPU) or ``"nccl"``
+            (not implemented, see `NCCL_TRANSPORT_PLAN`).
+        compute_checksum (bool): Attach `state_dict_checksum` so collectors verify the load
+            (one SHA-256 pass over the weights on each side; switch off for very large models).
+
+    Raises:
+        ValueError: On an unknown transport.
+        NotImplementedError: For ``"nccl"``.
+
+    Example:
+        >>> publisher = WeightPublisher()
+        >>> ray.get(publisher.publish(hf_state_dict, version=3, collectors=collectors))
+    """
+
+    def __init__(self, transport: str = "object_store", compute_checksum: bool = True) -> None:
+        _check_transport(transport)
+        self.transport = transport
+        self.compute_checksum = compute_checksum
+
+    def publish(
+        self,
+        hf_state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        collectors: Iterable[Any],
+        probe: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Put the weights into the object store once and offer them to every collector.
+
+        Args:
+            hf_state_dict (Mapping[str, torch.Tensor]): Full weights under HF names, on CPU.
+            version (int): The policy version they define.
+            collectors (Iterable[Any]): Ray actor handles with ``receive_weights``.
+            probe (dict | None): Optional functional check, see `WeightUpdate`.
+
+        Returns:
+            list[Any]: One ``ObjectRef`` per collector; each resolves once that collector has
+            queued the update (it is applied before its next generation batch).
+        """
+        import ray
+
+        checksum = state_dict_checksum(hf_state_dict) if self.compute_checksum else None
+        # One copy in the object store, shared by every collector; each collector's task
+        # argument is the reference, which Ray resolves on the collector's node.
+        weights_ref = ray.put(dict(hf_state_dict))
+        return [
+            collector.receive_weights.remote(weights_ref, version, checksum, probe)
+            for collector in collectors
+        ]
+
+
+class WeightReceiver:
+    """Collector side: hold the newest pending update and apply it to a vLLM engine.
+
+    `offer` may be called from any thread (a Ray actor with ``max_concurrency > 1`` receives
+    weights while it generates); `apply_pending` runs on the thread that owns the engine,
+    between generation batches. An offered version at or below the newest one already seen is
+    ignored, and a pending update replaced by a newer one before it was applied is counted in
+    ``num_superseded`` (the newer weights are complete, so nothing is lost).
+
+    Args:
+        transport (str): Must match the publisher's.
+
+    Raises:
+        ValueError: On an unknown transport.
+        NotImplementedError: For ``"nccl"``.
+    """
+
+    def __init__(self, transport: str = "object_store") -> None:
+        _check_transport(transport)
+        self.transport = transport
+        self._lock = threading.Lock()
+        self._pending: WeightUpdate | None = None
+        self._newest_version: int | None = None
+        self.num_superseded = 0
+        self.num_ignored = 0
+
+    def offer(self, update: WeightUpdate, current_version: int) -> bool:
+        """Keep ``update`` as the pending one if it is newer than everything seen so far.
+
+        Args:
+            update (WeightUpdate): The update.
+            current_version (int): The version the engine holds now.
+
+        Returns:
+            bool: Whether it was kept.
+        """
+        with self._lock:
+            newest = max(current_version, -1 if self._newest_version is None else self._newest_version)
+            if update.version <= newest:
+                self.num_ignored += 1
+                return False
+            if self._pending is not None:
+                self.num_superseded += 1
+            self._pending = update
+            self._newest_version = update.version
+            return True
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether an update waits to be applied."""
+        with self._lock:
+            return self._pending is not None
+
+    def apply_pending(self, llm: Any, verify: bool = True) -> AppliedUpdate | None:
+        """Load the pending update, if any, into ``llm`` and check its checksum.
+
+        Args:
+            llm: A ``vllm.LLM`` started with ``worker_extension_cls=WORKER_EXTENSION_CLS``.
+            verify (bool): Compute the checksum on the worker and compare it with the sent one.
+
+        Returns:
+            AppliedUpdate | None: None if nothing was pending.
+
+        Raises:
+            WeightSyncError: If a worker's checksum differs from the sent one. The engine then
+                holds the received (unverified) tensors; the caller must not label its
+                samples with the new version.
+        """
+        with self._lock:
+            update, self._pending = self._pending, None
+        if update is None:
+            return None
+        start = time.perf_counter()
+        weights = update.weights
+        if not isinstance(weights, Mapping):  # an ObjectRef that was not resolved on arrival
+            import ray
+
+            weights = ray.get(weights)
+        compute = verify and update.checksum is not None
+        checksums = llm.collective_rpc("grpo_update_weights", args=(weights, compute))
+        # Cached KV blocks were computed with the old weights; a prompt sharing a prefix with
+        # an earlier one would otherwise reuse them.
+        llm.reset_prefix_cache()
+        if compute:
+            for rank, checksum in enumerate(checksums):
+                if checksum != update.checksum:
+                    raise WeightSyncError(
+                        f"weights of version {update.version}: vLLM worker {rank} loaded tensors "
+                        f"with checksum {checksum}, the sender's checksum is {update.checksum}"
+                    )
+        return AppliedUpdate(
+            version=update.version,
+            checksum=checksums[0] if compute else None,
+            seconds=time.perf_counter() - start,
+            probe=update.probe,
+        )

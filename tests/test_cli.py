@@ -1,0 +1,282 @@
+"""The `grpo` command: ls, cp, validate, run, plot; in-process through `main`, plus one
+subprocess run of the installed console script."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo.cli import list_recipes, main, recipes_dir
+from grpo.config import configs_dir, list_configs, repo_root
+
+# Every component is `builtins.dict`: it imports instantly and takes any keyword.
+DICT = "builtins.dict"
+
+# A recipe that records the config it was given, resolved, as JSON in output_dir.
+RECIPE_SOURCE = '''
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from grpo.config import parse
+
+
+@parse
+def recipe_main(cfg):
+    """Write the config this recipe received."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "received.json").write_text(json.dumps(OmegaConf.to_container(cfg, resolve=True)))
+    return 0
+
+
+if __name__ == "__main__":
+    recipe_main()
+'''
+
+
+def make_model_dir(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    (folder / "vocab.json").write_text("{}")
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+def small_config(model_dir: Path, output_dir: Path) -> dict:
+    component = {"_component_": DICT}
+    return {
+        "base_model_path": str(model_dir),
+        "output_dir": str(output_dir),
+        "target_tokens_per_batch": 128,
+        "ray": {"num_cpus": 4, "num_gpus": 0},
+        "orchestration": {"num_steps": 2, "replay_buffer_size": 16},
+        "inference": {"group_size": 4, "max_prompt_tokens": 16, "max_generated_tokens": 8},
+        "training": {
+            "batch_size": 8,
+            "optimizer": {"_component_": DICT, "lr": 0.1},
+            "loss": {"_component_": DICT, "kl_estimator": "k3"},
+        },
+        "reward_functions": [component],
+        "dataset": {"_component_": DICT, "size": 4},
+        "tokenizer": {"_component_": DICT, "model_dir": "${base_model_path}", "max_seq_len": 32},
+        "model": {"_component_": DICT, "model_dir": "${base_model_path}"},
+        "metric_logger": {"_component_": DICT, "log_dir": "${output_dir}"},
+    }
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch):
+    """Temporary recipes and configs folders, with one recipe and two configs."""
+    recipes = tmp_path / "recipes"
+    configs = tmp_path / "configs"
+    recipes.mkdir()
+    configs.mkdir()
+    (recipes / "record.py").write_text(RECIPE_SOURCE)
+    (recipes / "_helpers.py").write_text("")  # private: not a recipe
+    config = small_config(make_model_dir(tmp_path / "model"), tmp_path / "out")
+    text = yaml.safe_dump(config)
+    (configs / "small.yaml").write_text(f"# To launch:\n#   grpo run record --config small\n{text}")
+    (configs / "orphan.yaml").write_text(text)
+    monkeypatch.setenv("GRPO_RECIPES_DIR", str(recipes))
+    monkeypatch.setenv("GRPO_CONFIGS_DIR", str(configs))
+    return tmp_path
+
+
+def received(workspace: Path) -> dict:
+    return json.loads((workspace / "out" / "received.json").read_text())
+
+
+# ------------------------------------------------------------------------------ ls
+
+
+def test_ls_groups_configs_under_their_recipe(workspace, capsys):
+    assert main(["ls"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["RECIPE", "CONFIG"]
+    assert lines[1].split() == ["record", "small"]
+    assert lines[2].split() == ["<no", "recipe>", "orphan"]
+    assert len(lines) == 3
+
+
+def test_ls_lists_the_repo_recipes_and_configs(capsys):
+    assert recipes_dir() == repo_root() / "recipes"
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    for name in list_recipes() + list_configs():
+        assert name in out
+    assert "async_grpo" in list_recipes()
+
+
+# ------------------------------------------------------------------------------ cp
+
+
+def test_cp_copies_and_refuses_to_overwrite(workspace, tmp_path, capsys):
+    destination = tmp_path / "mine.yaml"
+    assert main(["cp", "small", str(destination)]) == 0
+    assert destination.read_text() == (workspace / "configs" / "small.yaml").read_text()
+
+    destination.write_text("edited")
+    assert main(["cp", "small", str(destination)]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert destination.read_text() == "edited"  # untouched
+
+    assert main(["cp", "small", str(destination), "--force"]) == 0
+    assert destination.read_text() == (workspace / "configs" / "small.yaml").read_text()
+
+
+def test_cp_into_a_folder_or_without_suffix(workspace, tmp_path):
+    folder = tmp_path / "copies"
+    folder.mkdir()
+    assert main(["cp", "record", str(folder)]) == 0
+    assert (folder / "record.py").read_text() == RECIPE_SOURCE
+    assert main(["cp", "small", str(tmp_path / "nested" / "run")]) == 0
+    assert (tmp_path / "nested" / "run.yaml").is_file()
+
+
+def test_cp_unknown_name(workspace, capsys):
+    assert main(["cp", "smal", "x.yaml"]) == 2
+    assert "did you mean 'small'" in capsys.readouterr().err.lower()
+
+
+# ------------------------------------------------------------------------------ validate
+
+
+def test_validate_ok(workspace, capsys):
+    assert main(["validate", "small", "inference.group_size=8"]) == 0
+    assert capsys.readouterr().out.strip() == "Config is well-formed!"
+
+
+def test_validate_reports_every_problem(workspace, capsys):
+    status = main(["validate", "small", "inference.group_size=1", "inference.top_p=0"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "inference.group_size: must be >= 2" in err
+    assert "inference.top_p: must be in (0, 1]" in err
+    assert "Traceback" not in err
+
+
+def test_validate_unknown_config_lists_names(workspace, capsys):
+    assert main(["validate", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "orphan" in err and "small" in err
+
+
+# ------------------------------------------------------------------------------ run
+
+
+def test_run_recipe_by_name_with_overrides(workspace):
+    status = main(["run", "record", "--config", "small", "inference.group_size=8", "seed=5"])
+    assert status == 0
+    cfg = received(workspace)
+    assert cfg["inference"]["group_size"] == 8
+    assert cfg["seed"] == 5
+    assert cfg["tokenizer"]["model_dir"] == cfg["base_model_path"]  # interpolation resolved
+    assert cfg["inference"]["top_p"] == 1.0  # schema default filled
+
+
+def test_run_recipe_by_path_and_config_by_path(workspace, tmp_path):
+    recipe = tmp_path / "elsewhere" / "my_recipe.py"
+    recipe.parent.mkdir()
+    shutil.copy(workspace / "recipes" / "record.py", recipe)
+    config = workspace / "configs" / "orphan.yaml"
+    assert main(["run", str(recipe), "--config", str(config), "~training.loss.kl_estimator"]) == 0
+    assert "kl_estimator" not in received(workspace)["training"]["loss"]
+
+
+def test_run_config_error_exits_2_without_running(workspace, capsys):
+    status = main(["run", "record", "--config", "small", "inference.grup_size=4"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "did you mean inference.group_size?" in err and "Traceback" not in err
+    assert not (workspace / "out" / "received.json").exists()
+
+    assert main(["run", "record", "--config", "small", "training.batch_size=0"]) == 2
+    assert "training.batch_size: must be >= 1" in capsys.readouterr().err
+
+
+def test_run_unknown_recipe_and_missing_recipe_main(workspace, tmp_path, capsys):
+    assert main(["run", "recrod", "--config", "small"]) == 2
+    assert "did you mean 'record'" in capsys.readouterr().err.lower()
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    assert main(["run", str(empty), "--config", "small"]) == 2
+    assert "recipe_main" in capsys.readouterr().err
+
+
+def test_run_rejects_unknown_flags(workspace):
+    with pytest.raises(SystemExit) as info:
+        main(["run", "record", "--config", "small", "--steps", "3"])
+    assert info.value.code == 2
+
+
+def test_recipe_file_runs_as_a_script(workspace, monkeypatch):
+    # `python recipes/record.py --config small key=value`, through its __main__ block.
+    recipe = workspace / "recipes" / "record.py"
+    monkeypatch.setattr(sys, "argv", [str(recipe), "--config", "small", "seed=7"])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_path(str(recipe), run_name="__main__")
+    assert info.value.code == 0
+    assert received(workspace)["seed"] == 7
+
+
+# ------------------------------------------------------------------------------ plot
+
+
+def test_plot_calls_plot_run(workspace, tmp_path, monkeypatch, capsys):
+    calls = []
+    fake = types.ModuleType("grpo.plotting")
+    fake.plot_run = lambda run_dir: calls.append(Path(run_dir)) or [Path(run_dir) / "a.png"]
+    monkeypatch.setitem(sys.modules, "grpo.plotting", fake)
+    assert main(["plot", str(tmp_path)]) == 0
+    assert calls == [tmp_path]
+    assert str(tmp_path / "a.png") in capsys.readouterr().out
+
+
+def test_plot_errors(workspace, tmp_path, monkeypatch, capsys):
+    assert main(["plot", str(tmp_path / "no_run")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "grpo.plotting", None)  # import fails
+    assert main(["plot", str(tmp_path)]) == 1
+    assert "plotting is unavailable" in capsys.readouterr().err
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "run" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ console script
+
+
+def test_console_script_validate(workspace):
+    script = Path(sys.executable).parent / "grpo"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "grpo"]
+    config = str(workspace / "configs" / "small.yaml")
+    ok = subprocess.run([*command, "validate", config], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "Config is well-formed!" in ok.stdout
+    bad = subprocess.run(
+        [*command, "validate", config, "inference.temperature=-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2
+    assert "inference.temperature: must be > 0" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_configs_dir_follows_environment(workspace):
+    assert configs_dir() == workspace / "configs"
+    assert list_configs() == ["orphan", "small"]

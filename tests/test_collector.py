@@ -1,0 +1,300 @@
+"""SyncLLMCollector on a tiny Qwen2 with vLLM on CPU: groups, logprobs, shards, queue bound."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+import torch
+
+from grpo.data import PromptStream, arithmetic_dataset
+from grpo.testing import build_tiny_qwen2
+
+pytestmark = pytest.mark.slow
+
+GROUP_SIZE = 4
+MAX_GENERATED_TOKENS = 12
+NUM_EXAMPLES = 24
+ENGINE_ARGS = {"kv_cache_memory_bytes": 64 * 2**20}
+
+
+class RecordingLogger:
+    """Stands in for the MetricLogger actor: keeps every logged dict."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, dict[str, float], str | None]] = []
+
+    def log_dict(self, metrics: dict[str, float], step: int, actor: str | None = None) -> None:
+        self.records.append((step, dict(metrics), actor))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "tiny_qwen2")
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    # unique: every prompt text is distinct, so "disjoint shards" can be checked on prompts.
+    return arithmetic_dataset(num_examples=NUM_EXAMPLES, seed=0, unique=True)
+
+
+def make_collector(model_dir, dataset, worker_id, num_workers, **overrides):
+    from grpo.workers.collector import SyncLLMCollector
+
+    kwargs = dict(
+        worker_id=worker_id,
+        num_workers=num_workers,
+        model_dir=model_dir,
+        engine_args=ENGINE_ARGS,
+        dataset=dataset,
+        group_size=GROUP_SIZE,
+        max_generated_tokens=MAX_GENERATED_TOKENS,
+        temperature=1.0,
+        top_p=1.0,
+        rollout_queue=queue.Queue(),
+        seed=0,
+        queue_put_timeout_s=0.2,
+        max_prompt_tokens=64,
+        metric_logger=RecordingLogger(),
+    )
+    kwargs.update(overrides)
+    return SyncLLMCollector(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def collectors(model_dir, dataset):
+    # Two engines in one process share vLLM's global state: both live for the whole module and
+    # are shut down together at the end (see SyncLLMCollector.shutdown).
+    first = make_collector(model_dir, dataset, worker_id=0, num_workers=2)
+    second = make_collector(model_dir, dataset, worker_id=1, num_workers=2)
+    yield first, second
+    second.shutdown()
+    first.shutdown()
+
+
+@pytest.fixture(scope="module")
+def collector(collectors):
+    return collectors[0]
+
+
+@pytest.fixture(scope="module")
+def tune_model(model_dir):
+    from grpo.models import build_model
+
+    return build_model(model_dir, dtype=torch.float32).eval()
+
+
+def drain(rollout_queue, count, timeout=30.0):
+    return [rollout_queue.get(timeout=timeout) for _ in range(count)]
+
+
+def upcoming_prompts(collector, count):
+    """The examples the collector's stream yields next, read from a copy of its state."""
+    stream = PromptStream(collector.dataset, collector.worker_id, collector.num_workers, seed=0)
+    stream.load_state_dict(collector.stream.state_dict())
+    return stream.next_batch(count)
+
+
+def torchtune_response_logprobs(model, trajectory):
+    tokens = torch.cat([trajectory.prompt_tokens, trajectory.response_tokens])
+    with torch.no_grad():
+        logits = model(tokens[None])[0].float()
+    # The logprob of token t is read from the logits at t - 1.
+    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, tokens[1:, None])[:, 0]
+    return logprobs[trajectory.prompt_len - 1 :]
+
+
+def test_groups_have_the_expected_structure(collector):
+    expected_items = upcoming_prompts(collector, 3)
+    first_group_counter = collector.group_counter
+    metrics = collector.generate_batch(3)
+    groups = drain(collector.rollout_queue, 3)
+    assert collector.rollout_queue.empty()
+
+    stop_tokens = set(collector.tokenizer.stop_tokens)
+    sequence_ids = set()
+    for k, (group, item) in enumerate(zip(groups, expected_items)):
+        assert group.group_id == 0 + 2 * (first_group_counter + k)  # worker 0 of 2: even ids
+        assert len(group.trajectories) == GROUP_SIZE
+        expected_prompt = collector.tokenizer.encode(item["prompt"], add_bos=True, add_eos=False)
+        for trajectory in group.trajectories:
+            assert trajectory.prompt_tokens.tolist() == expected_prompt
+            assert trajectory.answer == item["answer"]
+            assert trajectory.policy_version == 0
+            assert trajectory.group_id == group.group_id
+            assert 1 <= trajectory.response_len <= MAX_GENERATED_TOKENS
+            assert trajectory.response_len == len(trajectory.response_tokens)
+            assert trajectory.response_len == len(trajectory.logprobs)
+            assert bool((trajectory.logprobs <= 0).all()) and bool(trajectory.logprobs.isfinite().all())
+            response = trajectory.response_tokens.tolist()
+            # No padding and nothing after a stop token; a stop token, if any, is kept last.
+            assert not stop_tokens & set(response[:-1])
+            if trajectory.response_len < MAX_GENERATED_TOKENS:
+                text = collector.tokenizer.decode(response)
+                assert response[-1] in stop_tokens or any(s in text for s in collector.stop_strings)
+            assert trajectory.sequence_id.startswith("w0-")
+            sequence_ids.add(trajectory.sequence_id)
+        assert group.total_tokens == sum(t.prompt_len + t.response_len for t in group.trajectories)
+    assert len(sequence_ids) == 3 * GROUP_SIZE
+
+    generated = sum(t.response_len for g in groups for t in g.trajectories)
+    assert metrics["inference/generated_tokens"] == generated
+    assert metrics["inference/response_length_mean"] == pytest.approx(generated / (3 * GROUP_SIZE))
+    assert metrics["inference/num_groups"] == 3
+    step, logged, actor = collector.metric_logger.records[-1]
+    assert actor == "inference" and step == collector.batch_counter
+    for key in (
+        "inference/tokens_per_second",
+        "inference/time_generation (s)",
+        "inference/time_weight_update (s)",
+        "inference/policy_version",
+        "inference/response_length_mean",
+        "queues/rollout_queue_put_wait_s",
+        "queues/rollout_queue_put_waits",
+    ):
+        assert key in logged, key
+
+
+def test_behaviour_logprobs_match_a_torchtune_forward(collector, tune_model):
+    collector.generate_batch(2)
+    groups = drain(collector.rollout_queue, 2)
+    max_diff = 0.0
+    for group in groups:
+        for trajectory in group.trajectories:
+            expected = torchtune_response_logprobs(tune_model, trajectory)
+            max_diff = max(max_diff, float((expected - trajectory.logprobs).abs().max()))
+    assert max_diff < 1e-3, max_diff
+
+
+def test_sampling_is_seeded_and_resumes_exactly(collector):
+    state = collector.state_dict()
+    collector.generate_batch(2)
+    first = drain(collector.rollout_queue, 2)
+    collector.generate_batch(2)
+    later = drain(collector.rollout_queue, 2)
+
+    collector.load_state_dict(state)
+    collector.generate_batch(2)
+    again = drain(collector.rollout_queue, 2)
+    for a, b in zip(first, again):
+        assert a.group_id == b.group_id
+        for ta, tb in zip(a.trajectories, b.trajectories):
+            assert ta.sequence_id == tb.sequence_id
+            assert torch.equal(ta.prompt_tokens, tb.prompt_tokens)
+            assert torch.equal(ta.response_tokens, tb.response_tokens)
+            torch.testing.assert_close(ta.logprobs, tb.logprobs)
+    # The samples of one prompt differ from each other, and later batches move on.
+    assert len({tuple(t.response_tokens.tolist()) for t in first[0].trajectories}) > 1
+    assert {g.group_id for g in later}.isdisjoint(g.group_id for g in first)
+    with pytest.raises(ValueError, match="worker_id"):
+        collector.load_state_dict({**state, "worker_id": 1})
+
+
+def test_two_workers_read_disjoint_shards(collectors, dataset):
+    prompts_by_worker, group_ids_by_worker = [], []
+    for worker in collectors:
+        worker.load_state_dict({**worker.state_dict(), "stream": {"epoch": 0, "position": 0}})
+        shard_size = len(worker.stream)
+        worker.generate_batch(shard_size)  # one full epoch of the shard
+        groups = drain(worker.rollout_queue, shard_size)
+        prompts_by_worker.append({tuple(g.trajectories[0].prompt_tokens.tolist()) for g in groups})
+        group_ids_by_worker.append({g.group_id for g in groups})
+        assert len(prompts_by_worker[-1]) == shard_size
+    assert prompts_by_worker[0].isdisjoint(prompts_by_worker[1])
+    assert group_ids_by_worker[0].isdisjoint(group_ids_by_worker[1])
+    all_prompts = {
+        tuple(collectors[0].tokenizer.encode(dataset[i]["prompt"], add_bos=True, add_eos=False))
+        for i in range(len(dataset))
+    }
+    assert prompts_by_worker[0] | prompts_by_worker[1] == all_prompts
+
+
+def test_full_ray_queue_blocks_the_collector_and_loses_nothing(collector):
+    ray = pytest.importorskip("ray")
+    from ray.util.queue import Queue
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        rollout_queue = Queue(maxsize=2)
+        collector.rollout_queue = rollout_queue
+        num_prompts = 5
+        waits_before = collector.totals["queue_put_waits"]
+        result: dict = {}
+        worker = threading.Thread(
+            target=lambda: result.update(collector.generate_batch(num_prompts)), daemon=True
+        )
+        worker.start()
+        # No consumer yet: the collector must stop at maxsize and keep retrying its put.
+        deadline = time.monotonic() + 90
+        while collector.totals["queue_put_waits"] - waits_before < 3:
+            assert rollout_queue.size() <= 2
+            assert time.monotonic() < deadline, "the collector never waited on the full queue"
+            time.sleep(0.05)
+        assert rollout_queue.size() == 2
+        assert worker.is_alive()
+
+        received = []
+        while len(received) < num_prompts:
+            assert rollout_queue.size() <= 2
+            received.append(rollout_queue.get(timeout=30))
+            time.sleep(0.1)  # a slow consumer: the collector keeps hitting the bound
+        worker.join(timeout=30)
+        assert not worker.is_alive()
+        assert rollout_queue.empty()
+        assert len({g.group_id for g in received}) == num_prompts
+        assert all(len(g.trajectories) == GROUP_SIZE for g in received)
+        assert result["inference/num_groups"] == num_prompts
+        assert result["inference/groups_not_queued"] == 0
+        assert result["queues/rollout_queue_put_waits"] >= 3
+        assert result["queues/rollout_queue_put_wait_s"] >= 3 * collector.queue_put_timeout_s * 0.9
+    finally:
+        collector.rollout_queue = queue.Queue()
+        if started_ray:
+            ray.shutdown()
+
+
+def test_stop_ends_a_run_blocked_on_a_full_queue(collector):
+    collector.rollout_queue = queue.Queue(maxsize=1)
+    groups_before = collector.totals["groups_put"]
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(collector.run(num_prompts=2)))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while collector.rollout_queue.qsize() < 1 or collector.totals["queue_put_waits"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    collector.stop()
+    runner.join(timeout=30)
+    try:
+        assert not runner.is_alive()
+        assert collector.should_stop
+        # One group was queued, the other was reported as not queued, none vanished silently.
+        assert result["groups_put"] - groups_before == 1
+        assert collector.metric_logger.records[-1][1]["inference/groups_not_queued"] == 1
+    finally:
+        collector._stop_event.clear()
+        collector.rollout_queue = queue.Queue()
+
+
+def test_evaluate_is_greedy_decoding(collector, tune_model, dataset):
+    items = [dataset[i] for i in range(3)]
+    completions = collector.evaluate(items, max_generated_tokens=8)
+    assert completions == collector.evaluate(items, max_generated_tokens=8)
+
+    stop_tokens = set(collector.tokenizer.stop_tokens)
+    for item, completion in zip(items, completions):
+        tokens = collector.tokenizer.encode(item["prompt"], add_bos=True, add_eos=False)
+        generated = []
+        with torch.no_grad():
+            for _ in range(8):
+                next_token = int(tune_model(torch.tensor([tokens + generated]))[0, -1].argmax())
+                generated.append(next_token)
+                text = collector.tokenizer.decode(generated)
+                if next_token in stop_tokens or any(s in text for s in collector.stop_strings):
+                    break
+        assert completion == collector.tokenizer.decode(generated, skip_special_tokens=True)

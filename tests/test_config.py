@@ -1,0 +1,673 @@
+"""Config loading, overrides, validation, instantiation and the schema reference."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from grpo.config import (
+    REQUIRED,
+    SCHEMA,
+    Component,
+    ComponentList,
+    ConfigError,
+    Field,
+    InstantiationError,
+    Section,
+    config_reference_markdown,
+    configs_dir,
+    instantiate,
+    list_configs,
+    load_config,
+    parse,
+    repo_root,
+    run_recipe_cli,
+    validate_config,
+)
+
+# Small stand-ins for the real components, so these tests import nothing heavy.
+COMPONENTS_SOURCE = """
+class Template:
+    def __init__(self, chat=False):
+        self.chat = chat
+
+
+def make_dataset(num_examples=10, seed=0, template=None):
+    return {"num_examples": num_examples, "seed": seed, "template": template}
+
+
+def load_tokenizer(model_dir, max_seq_len=None):
+    return ("tokenizer", model_dir, max_seq_len)
+
+
+def build_model(model_dir):
+    return ("model", model_dir)
+
+
+class Reward:
+    def __init__(self, weight=1.0, name=None):
+        self.weight = weight
+
+
+class Loss:
+    def __init__(self, epsilon_low=0.2, epsilon_high=0.2, kl_coeff=0.0, kl_estimator="k3",
+                 aggregation="token_mean"):
+        self.epsilon_low = epsilon_low
+
+
+class Logger:
+    def __init__(self, log_dir=None, project="grpo", mode="offline"):
+        self.log_dir = log_dir
+
+
+def explode(value=0):
+    raise RuntimeError("boom")
+"""
+COMPONENTS = "grpo_test_config_components"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_components(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("components")
+    (folder / f"{COMPONENTS}.py").write_text(COMPONENTS_SOURCE)
+    sys.path.insert(0, str(folder))
+    yield
+    sys.path.remove(str(folder))
+    sys.modules.pop(COMPONENTS, None)
+
+
+def make_model_dir(folder: Path, max_position_embeddings: int = 512) -> Path:
+    """A folder that passes the model-folder checks (the files are not real weights)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "qwen2", "max_position_embeddings": max_position_embeddings}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "vocab.json").write_text("{}")
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    return make_model_dir(tmp_path / "model")
+
+
+def valid_config(model_dir: Path, output_dir: Path) -> dict:
+    """A small config that passes validation, built from the stand-in components."""
+    return {
+        "base_model_path": str(model_dir),
+        "output_dir": str(output_dir),
+        "target_tokens_per_batch": 256,
+        "eval_every_n_steps": 2,
+        "ray": {"num_cpus": 8, "num_gpus": 0},
+        "orchestration": {"num_steps": 3, "replay_buffer_size": 64},
+        "inference": {
+            "batch_size": 2,
+            "group_size": 4,
+            "max_prompt_tokens": 32,
+            "max_generated_tokens": 16,
+            "engine_args": {"enforce_eager": True, "max_model_len": 128},
+        },
+        "training": {
+            "batch_size": 8,
+            "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.0},
+            "loss": {"_component_": f"{COMPONENTS}.Loss", "kl_estimator": "k2"},
+        },
+        "reward_functions": [
+            {"_component_": f"{COMPONENTS}.Reward"},
+            {"_component_": f"{COMPONENTS}.Reward", "weight": 0.5},
+        ],
+        "dataset": {
+            "_component_": f"{COMPONENTS}.make_dataset",
+            "seed": "${seed}",
+            "template": {"_component_": f"{COMPONENTS}.Template", "chat": True},
+        },
+        "eval_dataset": {"_component_": f"{COMPONENTS}.make_dataset", "num_examples": 3},
+        "tokenizer": {
+            "_component_": f"{COMPONENTS}.load_tokenizer",
+            "model_dir": "${base_model_path}",
+            "max_seq_len": 64,
+        },
+        "model": {"_component_": f"{COMPONENTS}.build_model", "model_dir": "${base_model_path}"},
+        "metric_logger": {"_component_": f"{COMPONENTS}.Logger", "log_dir": "${output_dir}"},
+    }
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture
+def config_path(tmp_path, model_dir) -> Path:
+    return write_config(tmp_path / "run.yaml", valid_config(model_dir, tmp_path / "out"))
+
+
+def problems_of(cfg, **kwargs) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg, **kwargs)
+    return info.value.problems
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+def test_load_by_path_fills_schema_defaults(config_path):
+    cfg = load_config(config_path)
+    assert isinstance(cfg, DictConfig)
+    assert cfg.inference.group_size == 4  # from the file
+    top_p = SCHEMA.fields["inference"].fields["top_p"]
+    assert cfg.inference.top_p == top_p.default  # absent from the file: schema default
+    assert cfg.training.lr_scheduler is None  # optional component, default null
+    # A component node in the file is never merged with the schema's default node.
+    assert cfg.training.loss._component_ == f"{COMPONENTS}.Loss"
+    assert set(cfg.training.loss) == {"_component_", "kl_estimator"}
+
+
+def test_load_by_name_from_configs_dir(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setenv("GRPO_CONFIGS_DIR", str(tmp_path))
+    write_config(tmp_path / "my_run.yaml", valid_config(model_dir, tmp_path / "out"))
+    assert list_configs() == ["my_run"]
+    assert load_config("my_run").orchestration.num_steps == 3
+
+
+def test_shipped_configs_are_listed_and_load():
+    names = list_configs()
+    assert configs_dir() == repo_root() / "configs"
+    assert {"tiny_arithmetic_cpu", "qwen2_5_0_5b_gsm8k"} <= set(names)
+    for name in names:
+        cfg = load_config(name)
+        assert Path(cfg.base_model_path).is_absolute()
+        assert cfg.tokenizer.model_dir == cfg.base_model_path  # ${base_model_path}
+
+
+def test_unknown_config_name_lists_available_names():
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_arithmetic")
+    message = str(info.value)
+    assert "did you mean 'tiny_arithmetic_cpu'" in message.lower()
+    for name in list_configs():
+        assert name in message
+
+
+def test_missing_config_path_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_config_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+
+
+def test_overrides_are_typed_like_yaml(config_path):
+    cfg = load_config(
+        config_path,
+        [
+            "inference.group_size=16",
+            "training.optimizer.lr=1e-5",
+            "debug_logging_enabled=true",
+            "eval_every_n_steps=null",
+            "training.optimizer.betas=[0.8, 0.95]",
+            "inference.temperature=0.7",
+            "output_dir=${base_model_path}/out",
+            "seed=None",
+        ],
+    )
+    assert cfg.inference.group_size == 16 and isinstance(cfg.inference.group_size, int)
+    assert cfg.training.optimizer.lr == pytest.approx(1e-5)
+    assert isinstance(cfg.training.optimizer.lr, float)
+    assert cfg.debug_logging_enabled is True
+    assert cfg.eval_every_n_steps is None
+    assert list(cfg.training.optimizer.betas) == [0.8, 0.95]
+    assert cfg.inference.temperature == pytest.approx(0.7)
+    assert cfg.output_dir == f"{cfg.base_model_path}/out"
+    assert cfg.seed is None
+
+
+def test_overrides_may_add_keys_inside_open_nodes(config_path):
+    cfg = load_config(
+        config_path,
+        [
+            "training.optimizer.fused=false",  # a component keyword
+            "inference.engine_args.max_num_seqs=32",  # passed through to vLLM
+            "inference.max_prompt_tokens=48",  # a schema key
+            "reward_functions.1.weight=2.0",
+            "reward_functions[0].name=correct",
+        ],
+    )
+    assert cfg.training.optimizer.fused is False
+    assert cfg.inference.engine_args.max_num_seqs == 32
+    assert cfg.inference.max_prompt_tokens == 48
+    assert cfg.reward_functions[1].weight == 2.0
+    assert cfg.reward_functions[0].name == "correct"
+
+
+def test_component_shorthand_replaces_the_component(config_path):
+    cfg = load_config(config_path, [f"dataset={COMPONENTS}.build_model"])
+    assert cfg.dataset._component_ == f"{COMPONENTS}.build_model"
+    assert cfg.dataset.seed == cfg.seed  # the other keys stay
+
+
+def test_new_component_node_from_overrides(tmp_path, model_dir):
+    config = valid_config(model_dir, tmp_path / "out")
+    config["eval_dataset"] = None
+    cfg = load_config(
+        write_config(tmp_path / "c.yaml", config),
+        [f"eval_dataset._component_={COMPONENTS}.make_dataset", "eval_dataset.num_examples=2"],
+    )
+    assert instantiate(cfg.eval_dataset)["num_examples"] == 2
+
+
+def test_unknown_override_key_suggests_the_right_one(config_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(config_path, ["inference.grup_size=4", "group_size=4", "bogus.key=1"])
+    problems = info.value.problems
+    assert len(problems) == 3  # every bad override, at once
+    assert "inference.grup_size" in problems[0]
+    assert "did you mean inference.group_size?" in problems[0]
+    assert "did you mean inference.group_size?" in problems[1]
+    assert "bogus" in problems[2]
+
+
+def test_malformed_overrides(config_path):
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(config_path, ["inference.group_size"])
+    with pytest.raises(ConfigError, match="is a value"):
+        load_config(config_path, ["seed.value=3"])
+    with pytest.raises(ConfigError, match="index"):
+        load_config(config_path, ["reward_functions.5.weight=1"])
+
+
+def test_tilde_removes_keys(config_path):
+    cfg = load_config(
+        config_path,
+        ["~training.optimizer.weight_decay", "~eval_dataset", "~inference.group_size"],
+    )
+    assert "weight_decay" not in cfg.training.optimizer
+    # Keys the schema knows fall back to their default.
+    assert cfg.eval_dataset is None
+    assert cfg.inference.group_size == SCHEMA.fields["inference"].fields["group_size"].default
+
+
+def test_tilde_on_a_missing_key_is_an_error(config_path):
+    with pytest.raises(ConfigError, match="did you mean training.optimizer.weight_decay"):
+        load_config(config_path, ["~training.optimizer.weight_decy"])
+
+
+def test_interpolation_follows_overrides(config_path, tmp_path):
+    other = make_model_dir(tmp_path / "other_model")
+    cfg = load_config(config_path, [f"base_model_path={other}"])
+    assert cfg.tokenizer.model_dir == str(other)
+    assert cfg.model.model_dir == str(other)
+    assert cfg.dataset.seed == cfg.seed
+
+
+def test_relative_model_path_resolves_against_cwd_then_repo(tmp_path, config_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    make_model_dir(tmp_path / "local_model")
+    cfg = load_config(config_path, ["base_model_path=local_model", "output_dir=runs/a"])
+    assert cfg.base_model_path == str(tmp_path / "local_model")
+    assert cfg.output_dir == str(tmp_path / "runs/a")
+    # Not in the current directory, but in the repo: the repo's folder.
+    cfg = load_config(config_path, ["base_model_path=configs"])
+    assert cfg.base_model_path == str(repo_root() / "configs")
+    # Nowhere: kept relative to the current directory, so the error names that path.
+    cfg = load_config(config_path, ["base_model_path=no_such_model"])
+    assert cfg.base_model_path == str(tmp_path / "no_such_model")
+
+
+# ------------------------------------------------------------------------------ validation
+
+
+def test_valid_config_passes(config_path):
+    validate_config(load_config(config_path))
+
+
+def test_every_problem_is_reported_at_once(config_path, tmp_path):
+    cfg = load_config(
+        config_path,
+        [
+            "inference.group_size=1",
+            "inference.temperature=0",
+            "inference.top_p=1.5",
+            "orchestration.max_policy_lag=-1",
+            "orchestration.num_ref_workers=0",
+            "training.loss.aggregation=token_sum",
+            "seed=abc",
+            f"base_model_path={tmp_path / 'missing_model'}",
+        ],
+    )
+    cfg.inference.grup_size = 4  # a typo in the file
+    problems = problems_of(cfg)
+    expected_keys = [
+        "inference.grup_size",
+        "inference.group_size",
+        "inference.temperature",
+        "inference.top_p",
+        "orchestration.max_policy_lag",
+        "orchestration.num_ref_workers",
+        "training.loss.aggregation",
+        "seed",
+        "base_model_path",
+    ]
+    assert len(problems) == len(expected_keys), problems
+    for key in expected_keys:
+        assert sum(problem.startswith(f"{key}:") for problem in problems) == 1, (key, problems)
+    text = "\n".join(problems)
+    assert "did you mean inference.group_size?" in text
+    assert str(tmp_path / "missing_model") in text
+    assert "did you mean 'token_mean'" in text
+
+
+def test_relations_between_keys(config_path):
+    cfg = load_config(
+        config_path,
+        [
+            "target_tokens_per_batch=40",  # < 32 prompt + 16 generated
+            "orchestration.num_training_workers=3",  # 8 trajectories do not split in 3
+            "orchestration.replay_buffer_size=4",  # < training.batch_size
+            "inference.engine_args.max_model_len=32",
+            "~eval_dataset",  # eval_every_n_steps is still set
+            "inference.engine_args.model=/elsewhere",
+        ],
+    )
+    problems = problems_of(cfg)
+    text = "\n".join(problems)
+    assert len(problems) == 6, problems
+    assert "target_tokens_per_batch: 40" in text and "= 48" in text
+    assert "training.batch_size: 8 is not divisible" in text
+    assert "orchestration.replay_buffer_size: 4" in text
+    assert "inference.engine_args.max_model_len: 32" in text
+    assert "eval_every_n_steps" in text
+    assert "inference.engine_args.model" in text
+
+
+def test_training_batch_need_not_be_a_multiple_of_group_size(config_path):
+    # Advantages are computed per group before the buffer, so a step may mix groups.
+    validate_config(load_config(config_path, ["training.batch_size=6", "inference.group_size=4"]))
+
+
+def test_prompt_bound_falls_back_to_tokenizer_max_seq_len(config_path):
+    cfg = load_config(config_path, ["inference.max_prompt_tokens=null"])
+    validate_config(cfg)  # tokenizer.max_seq_len (64) + 16 <= 256
+    cfg = load_config(
+        config_path, ["inference.max_prompt_tokens=null", "target_tokens_per_batch=70"]
+    )
+    assert any("tokenizer.max_seq_len (64)" in p for p in problems_of(cfg))
+    cfg = load_config(config_path, ["inference.max_prompt_tokens=null", "~tokenizer.max_seq_len"])
+    assert any(p.startswith("inference.max_prompt_tokens:") for p in problems_of(cfg))
+
+
+def test_model_folder_files_and_positions(tmp_path, config_path):
+    incomplete = tmp_path / "incomplete"
+    incomplete.mkdir()
+    (incomplete / "config.json").write_text("{}")
+    problems = problems_of(load_config(config_path, [f"base_model_path={incomplete}"]))
+    assert len(problems) == 1
+    assert str(incomplete) in problems[0]
+    for name in ("vocab.json", "merges.txt", "*.safetensors"):
+        assert name in problems[0]
+
+    short = make_model_dir(tmp_path / "short", max_position_embeddings=40)
+    problems = problems_of(load_config(config_path, [f"base_model_path={short}"]))
+    assert len(problems) == 1 and "max_position_embeddings (40)" in problems[0]
+
+
+def test_file_checks_can_be_skipped(config_path, tmp_path):
+    cfg = load_config(config_path, [f"base_model_path={tmp_path / 'nowhere'}"])
+    validate_config(cfg, check_files=False)
+
+
+def test_component_paths_and_keywords_are_checked(config_path):
+    cfg = load_config(
+        config_path,
+        [
+            f"dataset._component_={COMPONENTS}.make_datset",
+            "training.loss.epsilon=0.1",
+            "reward_functions.1.wieght=2",
+            "model._component_=no_such_package.build",
+            "tokenizer._component_=torch.optim.NoSuchOptimizer",
+        ],
+    )
+    problems = problems_of(cfg)
+    text = "\n".join(problems)
+    assert len(problems) == 5, problems
+    assert f"dataset._component_: cannot import '{COMPONENTS}.make_datset'" in text
+    assert "did you mean 'make_dataset'" in text
+    assert "training.loss.epsilon:" in text and "did you mean epsilon_" in text
+    assert "reward_functions[1].wieght:" in text and "did you mean weight" in text
+    assert "model._component_: cannot import 'no_such_package.build'" in text
+    assert "tokenizer._component_" in text and "NoSuchOptimizer" in text
+    # Without importing, only the structure is checked.
+    validate_config(cfg, check_components=False)
+
+
+def test_nested_component_nodes_are_checked(config_path):
+    cfg = load_config(config_path, ["dataset.template.chatty=true"])
+    problems = problems_of(cfg)
+    assert len(problems) == 1 and problems[0].startswith("dataset.template.chatty:")
+
+
+def test_missing_required_keys_and_bad_nodes(config_path):
+    cfg = load_config(config_path, ["~dataset", "~orchestration.num_steps"])
+    cfg.reward_functions = []
+    cfg.metric_logger = "not a node"
+    problems = problems_of(cfg)
+    text = "\n".join(problems)
+    assert len(problems) == 4, problems
+    assert "dataset: required" in text
+    assert "orchestration.num_steps: required" in text
+    assert "reward_functions: expected a non-empty list" in text
+    assert "metric_logger: expected a mapping with a _component_ key" in text
+
+
+def test_broken_interpolation_names_the_key(config_path):
+    cfg = load_config(config_path, ["output_dir=${no_such_key}/x"])
+    problems = problems_of(cfg)
+    # Reported at the key itself and at metric_logger.log_dir, which interpolates it.
+    assert any(p.startswith("output_dir:") and "no_such_key" in p for p in problems)
+    assert all("no_such_key" in p for p in problems), problems
+
+
+def test_local_ray_cluster_must_fit_the_actors(config_path):
+    cfg = load_config(config_path, ["ray.num_cpus=2", "orchestration.num_inference_workers=2"])
+    problems = problems_of(cfg)
+    assert len(problems) == 1 and problems[0].startswith("ray.num_cpus: the actors need 4")
+    # Joining an existing cluster: its size is not known here, so no check.
+    validate_config(load_config(config_path, ["ray.num_cpus=2", "ray.address=auto"]))
+    cfg = load_config(config_path, ["training.num_gpus=1", "ray.num_gpus=0.5"])
+    assert problems_of(cfg)[0].startswith("ray.num_gpus: the actors need 1")
+
+
+def test_ray_address_and_reward_weights(config_path):
+    cfg = load_config(config_path, ["ray.address=localhost", "ref.reward_weights=[1.0]"])
+    text = "\n".join(problems_of(cfg))
+    assert "ray.address: must be null" in text
+    assert "ref.reward_weights: 1 weights for 2 reward_functions" in text
+    for address in ("auto", "ray://head:10001", "10.0.0.1:6379"):
+        validate_config(load_config(config_path, [f"ray.address={address}"]))
+
+
+def test_validate_accepts_a_plain_dict(tmp_path, model_dir):
+    validate_config(valid_config(model_dir, tmp_path / "out"))
+
+
+def test_resume_path_must_exist(config_path, tmp_path):
+    problems = problems_of(load_config(config_path, [f"resume_from_checkpoint={tmp_path}/ckpt"]))
+    assert len(problems) == 1 and problems[0].startswith("resume_from_checkpoint:")
+    (tmp_path / "ckpt").mkdir()
+    validate_config(load_config(config_path, [f"resume_from_checkpoint={tmp_path}/ckpt"]))
+    validate_config(load_config(config_path, ["resume_from_checkpoint=true"]))
+
+
+@pytest.mark.parametrize(
+    "name", ["tiny_arithmetic_cpu", "qwen2_5_0_5b_gsm8k", "qwen2_5_1_5b_gsm8k", "qwen2_5_3b_gsm8k"]
+)
+def test_shipped_configs_validate_against_the_real_components(name, tmp_path):
+    # The real components (grpo.loss, grpo.models, ...) are imported: this catches a config
+    # keyword the code does not take. The model folder and cluster size stand in for the real
+    # ones, which this machine does not have.
+    model_dir = make_model_dir(tmp_path / "model", max_position_embeddings=32768)
+    cfg = load_config(name, [f"base_model_path={model_dir}", "ray.num_cpus=64", "ray.num_gpus=8"])
+    validate_config(cfg)
+
+
+def test_tiny_config_points_at_the_shipped_model():
+    cfg = load_config("tiny_arithmetic_cpu")
+    assert cfg.base_model_path.endswith("assets/tiny_arithmetic_qwen2")
+    assert cfg.inference.group_size >= 2
+    assert cfg.training.num_gpus == 0 and cfg.inference.num_gpus == 0
+
+
+# ------------------------------------------------------------------------------ instantiate
+
+
+def test_instantiate_builds_nested_components(config_path):
+    cfg = load_config(config_path)
+    dataset = instantiate(cfg.dataset)
+    assert dataset["seed"] == cfg.seed  # interpolation resolved
+    assert type(dataset["template"]).__name__ == "Template"  # nested node built first
+    assert dataset["template"].chat is True
+    rewards = [instantiate(node) for node in cfg.reward_functions]
+    assert [reward.weight for reward in rewards] == [1.0, 0.5]
+
+
+def test_instantiate_positional_args_and_kwarg_overrides(config_path):
+    cfg = load_config(config_path)
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = instantiate(cfg.training.optimizer, params, lr=0.5)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert optimizer.param_groups[0]["lr"] == 0.5  # the keyword wins over the config
+    assert optimizer.param_groups[0]["weight_decay"] == 0.0  # from the config
+    assert (
+        instantiate({"_component_": f"{COMPONENTS}.make_dataset"}, num_examples=4)["num_examples"]
+        == 4
+    )
+
+
+def test_instantiate_none_is_none():
+    assert instantiate(None) is None
+
+
+def test_instantiate_bad_path_names_key_and_component(config_path):
+    cfg = load_config(config_path, [f"training.loss._component_={COMPONENTS}.Los"])
+    with pytest.raises(InstantiationError) as info:
+        instantiate(cfg.training.loss)
+    message = str(info.value)
+    assert message.startswith("training.loss._component_:")
+    assert f"{COMPONENTS}.Los" in message and "did you mean 'Loss'" in message
+
+
+def test_instantiate_bad_keyword_names_key_and_component(config_path):
+    cfg = load_config(config_path, ["training.loss.kl_coef=0.1"])
+    with pytest.raises(InstantiationError) as info:
+        instantiate(cfg.training.loss)
+    message = str(info.value)
+    assert message.startswith("training.loss:")
+    assert f"{COMPONENTS}.Loss" in message
+    assert "'kl_coef' (did you mean 'kl_coeff'?)" in message
+
+
+def test_instantiate_error_in_a_list_item_names_its_index(config_path):
+    cfg = load_config(config_path, ["reward_functions.1.wieght=2"])
+    with pytest.raises(InstantiationError, match=r"^reward_functions\[1\]: cannot call "):
+        instantiate(cfg.reward_functions[1])
+    # A plain dict (as actors receive nodes) has no key: the message names the component.
+    node = OmegaConf.to_container(cfg.reward_functions[1])
+    with pytest.raises(InstantiationError, match=rf"^cannot call {COMPONENTS}\.Reward: "):
+        instantiate(node)
+
+
+def test_instantiate_nested_failure_names_the_nested_key(config_path):
+    cfg = load_config(config_path, ["dataset.template.chatty=1"])
+    with pytest.raises(InstantiationError, match=r"^dataset\.template: "):
+        instantiate(cfg.dataset)
+
+
+def test_instantiate_without_component_key():
+    with pytest.raises(InstantiationError, match="_component_"):
+        instantiate(OmegaConf.create({"lr": 1.0}))
+
+
+def test_errors_inside_a_component_keep_their_type_and_gain_a_note():
+    node = OmegaConf.create({"thing": {"_component_": f"{COMPONENTS}.explode"}})
+    with pytest.raises(RuntimeError, match="boom") as info:
+        instantiate(node.thing)
+    if sys.version_info >= (3, 11):
+        assert any("thing" in note and "explode" in note for note in info.value.__notes__)
+
+
+# ------------------------------------------------------------------------------ recipes
+
+
+def test_run_recipe_cli_and_parse_decorator(config_path, capsys):
+    received = []
+
+    def recipe_main(cfg):
+        received.append(cfg)
+
+    def exit_status(argv):
+        with pytest.raises(SystemExit) as info:
+            run_recipe_cli(recipe_main, argv)
+        return info.value.code
+
+    assert exit_status(["--config", str(config_path), "inference.group_size=8"]) == 0
+    assert received[0].inference.group_size == 8
+    # Overrides may come before --config too; the last one wins.
+    assert exit_status(["seed=3", "--config", str(config_path), "seed=4"]) == 0
+    assert received[1].seed == 4
+
+    assert exit_status(["--config", str(config_path), "inference.grup_size=8"]) == 2
+    assert len(received) == 2  # config errors never reach the recipe
+    err = capsys.readouterr().err
+    assert "did you mean inference.group_size?" in err and "Traceback" not in err
+
+    wrapped = parse(recipe_main)
+    wrapped(received[0])  # called with a config (as `grpo run` does): runs the recipe
+    assert received[-1] is received[0]
+
+
+# ------------------------------------------------------------------------------ reference
+
+
+def _schema_entries(section: Section, prefix: str = ""):
+    for key, spec in section.fields.items():
+        if isinstance(spec, Section):
+            yield from _schema_entries(spec, f"{prefix}{key}.")
+        else:
+            yield prefix + key, spec
+
+
+def test_reference_markdown_documents_every_key():
+    markdown = config_reference_markdown()
+    entries = list(_schema_entries(SCHEMA))
+    assert len(entries) > 40
+    for path, spec in entries:
+        rows = [line for line in markdown.splitlines() if line.startswith(f"| `{path}` |")]
+        assert len(rows) == 1, path
+        assert spec.doc in rows[0]
+        if isinstance(spec, Field) and spec.default is not REQUIRED:
+            assert f"`{json.dumps(spec.default)}`" in rows[0], path
+        if isinstance(spec, Component):
+            if isinstance(spec.default, dict):
+                assert spec.default["_component_"] in rows[0]
+            for name, kwarg in spec.kwargs.items():
+                assert f"| `{path}.{name}` |" in markdown and kwarg.doc in markdown
+        if isinstance(spec, ComponentList):
+            assert "list of components" in rows[0]
+
+
+def test_reference_markdown_tables_are_well_formed():
+    # A "|" inside a description would split its row into extra cells.
+    for line in config_reference_markdown().splitlines():
+        if line.startswith("|"):
+            assert line.count("|") == 5, line

@@ -1,0 +1,577 @@
+"""MetricLogger: JSONL records, non-finite handling, tables, config, stdout, W&B routing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from grpo.workers.metric_logger import (
+    GLOBAL_STEP,
+    INFERENCE_STEP,
+    METRIC_NAMES,
+    REF_STEP,
+    STEP_METRIC_RULES,
+    TRAIN_STEP,
+    MetricLogger,
+    is_known_metric,
+    ratio_metrics,
+    reward_metric_names,
+    step_metric_for,
+)
+
+
+def _strict_json_lines(path: Path) -> list[dict]:
+    """Parse a JSONL file, failing on NaN/Infinity tokens (which are not JSON)."""
+
+    def reject(token: str) -> None:
+        raise AssertionError(f"{path} holds the non-JSON token {token}")
+
+    return [json.loads(line, parse_constant=reject) for line in path.read_text().splitlines()]
+
+
+def _logger(tmp_path: Path, **kwargs) -> MetricLogger:
+    kwargs.setdefault("use_wandb", False)
+    kwargs.setdefault("stdout_every_n", 0)
+    return MetricLogger(log_dir=tmp_path / "run", **kwargs)
+
+
+# ---------------------------------------------------------------- JSONL
+
+
+def test_log_dict_writes_one_record_per_call_with_steps_as_given(tmp_path):
+    logger = _logger(tmp_path)
+    before = time.time()
+    logger.log_dict(
+        {"train_actor_training/loss": 0.25, "queues/train_replay_buffer_size": 12},
+        step=5,
+        actor="train",
+    )
+    # The ref actor runs behind the trainer: its lower step is kept as given.
+    logger.log_dict({"ref_actor_rewards/rewards_mean": 0.5}, step=2, actor="ref")
+    logger.log_dict({"custom/value": 3, "custom/name": "gsm8k", "custom/flag": True}, step=7)
+    after = time.time()
+    logger.close()
+
+    records = _strict_json_lines(logger.get_log_path())
+    assert logger.get_log_path() == (tmp_path / "run" / "metrics.jsonl").resolve()
+    assert [r["step"] for r in records] == [5, 2, 7]
+    assert [r.get("actor") for r in records] == ["train", "ref", None]
+    assert "actor" not in records[2]
+    assert records[0]["train_actor_training/loss"] == 0.25
+    assert records[0]["queues/train_replay_buffer_size"] == 12
+    assert records[1]["ref_actor_rewards/rewards_mean"] == 0.5
+    assert records[2] == {
+        **records[2],
+        "custom/value": 3,
+        "custom/name": "gsm8k",
+        "custom/flag": True,
+    }
+    for record in records:
+        assert before <= record["time"] <= after
+        assert list(record)[:2] == ["step", "time"]
+
+
+def test_every_write_is_on_disk_before_close(tmp_path):
+    # A killed run keeps its log: each record is flushed when written.
+    logger = _logger(tmp_path)
+    for step in range(3):
+        logger.log_dict({"train_actor_training/loss": float(step)}, step=step, actor="train")
+        on_disk = _strict_json_lines(logger.get_log_path())
+        assert [r["step"] for r in on_disk] == list(range(step + 1))
+    logger.close()
+
+
+def test_reopening_appends(tmp_path):
+    first = _logger(tmp_path)
+    first.log_dict({"eval/accuracy": 0.1}, step=0, actor="eval")
+    first.close()
+    second = _logger(tmp_path)
+    second.log_dict({"eval/accuracy": 0.2}, step=10, actor="eval")
+    second.close()
+    records = _strict_json_lines(second.get_log_path())
+    assert [(r["step"], r["eval/accuracy"]) for r in records] == [(0, 0.1), (10, 0.2)]
+
+
+def test_nonfinite_values_are_null_and_counted(tmp_path, caplog):
+    logger = _logger(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="grpo.workers.metric_logger"):
+        logger.log_dict({"a": float("nan"), "b": float("inf"), "c": 1.5}, step=0)
+        logger.log_dict(
+            {"a": torch.tensor(float("nan")), "b": -math.inf, "c": np.float32("nan")}, step=1
+        )
+    records = _strict_json_lines(logger.get_log_path())
+    assert records[0]["a"] is None and records[0]["b"] is None and records[0]["c"] == 1.5
+    assert records[1]["a"] is None and records[1]["b"] is None and records[1]["c"] is None
+    assert logger.get_nonfinite_counts() == {"a": 2, "b": 2, "c": 1}
+    # Reported once per metric, not once per value.
+    warnings = [r.getMessage() for r in caplog.records if "written as null" in r.getMessage()]
+    assert len(warnings) == 3
+    logger.close()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["logger/nonfinite_values"] == 5
+
+
+def test_tensors_and_numpy_scalars_become_numbers(tmp_path):
+    logger = _logger(tmp_path)
+    logger.log_dict(
+        {"t": torch.tensor(0.5), "n": np.float32(0.25), "i": np.int64(7), "one": torch.ones(1)},
+        step=np.int64(3),
+    )
+    logger.close()
+    (record,) = _strict_json_lines(logger.get_log_path())
+    assert record["step"] == 3
+    assert (record["t"], record["n"], record["i"], record["one"]) == (0.5, 0.25, 7, 1.0)
+
+
+def test_bad_inputs_are_rejected_with_their_name(tmp_path):
+    logger = _logger(tmp_path)
+    with pytest.raises(TypeError, match="'train_actor_training/ratios'"):
+        logger.log_dict({"train_actor_training/ratios": torch.ones(3)}, step=0)
+    with pytest.raises(ValueError, match="'step'"):
+        logger.log_dict({"step": 1}, step=0)
+    with pytest.raises(TypeError, match="step must be an int"):
+        logger.log_dict({"x": 1.0}, step=1.5)
+    logger.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        logger.log_dict({"x": 1.0}, step=0)
+
+
+def test_log_table_writes_rows_per_step(tmp_path):
+    logger = _logger(tmp_path)
+    columns = ["Sequence ID", "Response", "Advantages", "Pi Logprob"]
+    logger.log_table(
+        [["s0", "42", torch.tensor(1.0), -0.5], ["s1", "41", -1.0, float("nan")]],
+        columns,
+        "per_sample_debug_table",
+        step=3,
+        actor="train",
+    )
+    logger.log_table(
+        [["s2", "7", 0.0, torch.tensor([-0.5, -0.25])]], columns, "per_sample_debug_table", step=4
+    )
+    with pytest.raises(ValueError, match="row 0 has 2 cells, expected 4"):
+        logger.log_table([["s3", "1"]], columns, "per_sample_debug_table", step=5)
+    with pytest.raises(ValueError, match="table name '../evil'"):
+        logger.log_table([], columns, "../evil", step=5)
+    logger.close()
+
+    records = _strict_json_lines(tmp_path / "run" / "tables" / "per_sample_debug_table.jsonl")
+    assert [r["step"] for r in records] == [3, 4]
+    assert records[0]["actor"] == "train"
+    assert records[0]["columns"] == columns
+    assert records[0]["rows"] == [["s0", "42", 1.0, -0.5], ["s1", "41", -1.0, None]]
+    assert records[1]["rows"] == [["s2", "7", 0.0, [-0.5, -0.25]]]
+    assert logger.get_nonfinite_counts() == {"table/per_sample_debug_table": 1}
+    # Tables do not go into the scalar log.
+    assert _strict_json_lines(logger.get_log_path()) == []
+
+
+def test_config_written_as_yaml_and_json(tmp_path):
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create(
+        {"model": {"path": "tiny"}, "lr": 1e-5, "group_size": 4, "out": "${model.path}/out"}
+    )
+    logger = _logger(tmp_path, config=config)
+    logger.close()
+    expected = {"model": {"path": "tiny"}, "lr": 1e-5, "group_size": 4, "out": "tiny/out"}
+    assert json.loads((tmp_path / "run" / "config.json").read_text()) == expected
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text()) == expected
+
+    plain = MetricLogger(
+        tmp_path / "plain", config={"dir": tmp_path, "ids": (1, 2)}, use_wandb=False
+    )
+    plain.close()
+    assert json.loads((tmp_path / "plain" / "config.json").read_text()) == {
+        "dir": str(tmp_path),
+        "ids": [1, 2],
+    }
+
+
+def test_summary_merges_and_close_is_idempotent(tmp_path):
+    logger = _logger(tmp_path)
+    logger.log_summary({"final/accuracy": torch.tensor(0.75)})
+    logger.log_summary({"total_steps": 100, "final/accuracy": 0.8})
+    logger.close()
+    logger.close()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary == {"final/accuracy": 0.8, "total_steps": 100}
+    with pytest.raises(RuntimeError, match="closed"):
+        logger.log_summary({"x": 1})
+    resumed = _logger(tmp_path)
+    resumed.log_summary({"total_steps": 200})
+    resumed.close()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary == {"final/accuracy": 0.8, "total_steps": 200}
+
+
+def test_stdout_prints_selected_keys_every_n_steps(tmp_path, capsys):
+    logger = _logger(
+        tmp_path,
+        stdout_every_n=2,
+        stdout_keys=["train_actor_training/loss", "ref_actor_rewards/rewards_func_*"],
+    )
+    logger.log_dict(
+        {"train_actor_training/loss": 0.123456, "train_actor_training/lr": 1e-5},
+        step=1,
+        actor="train",
+    )
+    logger.log_dict(
+        {"train_actor_training/loss": 0.5, "train_actor_training/lr": 1e-5}, step=2, actor="train"
+    )
+    logger.log_dict(
+        {"ref_actor_rewards/rewards_func_math_mean": 0.25, "ref_actor_rewards/rewards_mean": 0.3},
+        step=4,
+        actor="ref",
+    )
+    logger.log_dict({"inference/tokens_per_second": 100.0}, step=4, actor="inference")
+    logger.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["[train 2] loss=0.5", "[ref 4] rewards_func_math_mean=0.25"]
+
+
+def test_bad_constructor_arguments(tmp_path):
+    with pytest.raises(ValueError, match="W&B mode must be one of"):
+        MetricLogger(tmp_path, mode="sometimes", use_wandb=True)
+    with pytest.raises(ValueError, match="stdout_every_n"):
+        MetricLogger(tmp_path, stdout_every_n=-1, use_wandb=False)
+
+
+# ---------------------------------------------------------------- helpers and names
+
+
+def test_ratio_metrics_matches_seed_names_and_guards_zero_total():
+    metrics = ratio_metrics(
+        "train_actor_performance",
+        {"time_grpo_steps": 1.5, "time_weight_sync (s)": 0.25, "time_waiting_buffer": 0.0},
+        total=2.0,
+    )
+    assert metrics == {
+        "train_actor_performance/pct_time_grpo_steps (%)": 75.0,
+        "train_actor_performance/pct_time_weight_sync (%)": 12.5,
+        "train_actor_performance/pct_time_waiting_buffer (%)": 0.0,
+    }
+    assert all(key in METRIC_NAMES["train"] for key in metrics)
+    ref = ratio_metrics("ref_actor_performance", {"time_model_running": 1.0}, total=0.0)
+    assert ref == {"ref_actor_performance/pct_time_model_running (%)": 0.0}
+    assert set(ref) <= set(METRIC_NAMES["ref"])
+    nan_total = ratio_metrics("p", {"time_x": 1.0}, total=float("nan"))
+    assert nan_total == {"p/pct_time_x (%)": 0.0}
+
+
+def test_metric_names_hold_the_seed_contract():
+    seed_train = [
+        "train_actor_training/loss",
+        "train_actor_training/policy_loss",
+        "train_actor_training/kl_loss",
+        "train_actor_training/ratios",
+        "train_actor_training/clipfrac",
+        "train_actor_training/approx_policy_kls",
+        "train_actor_training/response_lengths",
+        "train_actor_performance/total_step_time (s)",
+        "train_actor_performance/time_grpo_steps (s)",
+        "train_actor_performance/tokens_per_second",
+        "train_actor_performance/time_weight_sync (s)",
+        "train_actor_performance/padded_tokens_percentage (%)",
+        "train_actor_performance/time_waiting_buffer (s)",
+        "train_actor_performance/pct_time_waiting_buffer (%)",
+        "train_actor_performance/time_weight_gather (s)",
+        "queues/train_replay_buffer_size",
+    ]
+    seed_ref = [
+        "ref_actor_performance/total_rollout_time (s)",
+        "ref_actor_performance/time_model_running (s)",
+        "ref_actor_performance/time_waiting_buffer (s)",
+        "ref_actor_performance/total_tokens_processed",
+        "queues/rollout_queue_size",
+        "ref_actor_rewards/rewards_mean",
+        "ref_actor_rewards/successes_mean",
+    ]
+    assert set(seed_train) <= set(METRIC_NAMES["train"])
+    assert set(seed_ref) <= set(METRIC_NAMES["ref"])
+    for extra in [
+        "train_actor_training/policy_age_mean",
+        "train_actor_training/grad_norm",
+        "train_actor_training/lr",
+        "queues/replay_buffer_dropped_stale",
+    ]:
+        assert extra in METRIC_NAMES["train"]
+    assert "eval/accuracy" in METRIC_NAMES["eval"]
+    assert "inference/tokens_per_second" in METRIC_NAMES["inference"]
+    rewards_key, successes_key = reward_metric_names("math_correct")
+    assert rewards_key == "ref_actor_rewards/rewards_func_math_correct_mean"
+    assert successes_key == "ref_actor_rewards/successes_func_math_correct_mean"
+    assert is_known_metric(rewards_key) and is_known_metric(successes_key)
+    assert not is_known_metric("ref_actor_rewards/rewards_func_math_correct")
+    assert not is_known_metric("train_actor_training/typo")
+    # No name appears under two actors.
+    all_names = [name for names in METRIC_NAMES.values() for name in names]
+    assert len(all_names) == len(set(all_names))
+
+
+def test_every_listed_metric_has_its_actors_step():
+    expected = {
+        "train": TRAIN_STEP,
+        "ref": REF_STEP,
+        "inference": INFERENCE_STEP,
+        "eval": TRAIN_STEP,
+    }
+    for actor, names in METRIC_NAMES.items():
+        for name in names:
+            assert step_metric_for(name.replace("{name}", "f")) == expected[actor], name
+
+
+def test_step_metric_for_rules_and_fallbacks():
+    assert step_metric_for("queues/rollout_queue_size") == REF_STEP
+    assert step_metric_for("queues/train_replay_buffer_size") == TRAIN_STEP
+    assert step_metric_for("train_actor_performance/memory/peak_alloc") == TRAIN_STEP
+    assert step_metric_for("per_sample_debug_table", actor="train") == TRAIN_STEP
+    assert step_metric_for("collector/restarts", actor="inference") == INFERENCE_STEP
+    assert step_metric_for("collector/restarts") == GLOBAL_STEP
+    assert step_metric_for("collector/restarts", actor="somebody") == GLOBAL_STEP
+    # A rule beats the caller's actor: the ref actor reporting a train key keeps train_step.
+    assert step_metric_for("train_actor_training/loss", actor="ref") == TRAIN_STEP
+
+
+# ---------------------------------------------------------------- W&B (fake module)
+
+
+class _FakeRun:
+    def __init__(self, **init_kwargs):
+        self.init_kwargs = init_kwargs
+        self.name = "fake-run"
+        self.defined: dict[str, str | None] = {}
+        self.logged: list[dict] = []
+        self.summary: dict = {}
+        self.finished = 0
+        self.fail_log = False
+
+    def define_metric(self, name, step_metric=None, hidden=False):
+        self.defined[name] = step_metric
+
+    def log(self, data, step=None, commit=None):
+        assert step is None, "the logger must not pass step= to W&B"
+        if self.fail_log:
+            raise ConnectionError("W&B backend went away")
+        self.logged.append(dict(data))
+
+    def finish(self):
+        self.finished += 1
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    module = types.ModuleType("wandb")
+    module.runs = []
+
+    def init(**kwargs):
+        run = _FakeRun(**kwargs)
+        module.runs.append(run)
+        return run
+
+    module.init = init
+    module.Table = lambda columns, data: ("table", tuple(columns), tuple(map(tuple, data)))
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    return module
+
+
+def test_wandb_gets_per_namespace_step_metrics(tmp_path, fake_wandb):
+    logger = _logger(
+        tmp_path, use_wandb=True, mode="offline", project="p", run_name="r", config={"lr": 0.1}
+    )
+    (run,) = fake_wandb.runs
+    assert run.init_kwargs["mode"] == "offline"
+    assert run.init_kwargs["project"] == "p" and run.init_kwargs["name"] == "r"
+    assert run.init_kwargs["config"] == {"lr": 0.1}
+    assert run.init_kwargs["dir"] == str((tmp_path / "run").resolve())
+    for pattern, step_metric in STEP_METRIC_RULES:
+        assert run.defined[pattern] == step_metric
+
+    logger.log_dict(
+        {"train_actor_training/loss": 1.0, "queues/train_replay_buffer_size": 3},
+        step=10,
+        actor="train",
+    )
+    logger.log_dict(
+        {"ref_actor_rewards/rewards_mean": float("nan"), "queues/rollout_queue_size": 2},
+        step=4,
+        actor="ref",
+    )
+    logger.log_dict({"collector/restarts": 1}, step=3, actor="inference")
+    logger.log_table([[1, "a"]], ["id", "text"], "per_token_debug_table", step=10, actor="train")
+    logger.log_summary({"final/accuracy": 0.5})
+    logger.close()
+    logger.close()
+
+    train_call, ref_call, collector_call, table_call = run.logged
+    assert train_call == {
+        "train_actor_training/loss": 1.0,
+        "queues/train_replay_buffer_size": 3,
+        TRAIN_STEP: 10,
+    }
+    # An earlier step after a later one: carried by ref_step, so W&B keeps it. NaN goes to W&B
+    # as NaN (W&B accepts it); only the JSONL needs null.
+    assert ref_call[REF_STEP] == 4 and TRAIN_STEP not in ref_call
+    assert math.isnan(ref_call["ref_actor_rewards/rewards_mean"])
+    assert collector_call == {"collector/restarts": 1, INFERENCE_STEP: 3}
+    assert run.defined["collector/restarts"] == INFERENCE_STEP
+    assert table_call == {
+        "per_token_debug_table": ("table", ("id", "text"), ((1, "a"),)),
+        TRAIN_STEP: 10,
+    }
+    assert run.summary == {"final/accuracy": 0.5}
+    assert run.finished == 1
+
+
+def test_wandb_mode_comes_from_the_environment_first(tmp_path, fake_wandb, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = _logger(tmp_path, use_wandb=True, mode="online")
+    assert logger.mode == "offline"
+    assert fake_wandb.runs[0].init_kwargs["mode"] == "offline"
+    logger.close()
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    disabled = _logger(tmp_path, use_wandb=True, mode="online")
+    assert len(fake_wandb.runs) == 1  # disabled: wandb not even started
+    disabled.close()
+
+
+def test_use_wandb_false_never_imports_wandb(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` would raise ImportError
+    with caplog.at_level(logging.WARNING, logger="grpo.workers.metric_logger"):
+        logger = _logger(tmp_path, use_wandb=False)
+        logger.log_dict({"x": 1.0}, step=0)
+        logger.close()
+    assert not [r for r in caplog.records if "W&B" in r.getMessage()]
+    assert _strict_json_lines(logger.get_log_path())[0]["x"] == 1.0
+
+
+def test_wandb_init_failure_is_reported_once_and_logging_continues(tmp_path, fake_wandb, caplog):
+    def broken_init(**kwargs):
+        raise ConnectionError("no route to api.wandb.ai")
+
+    fake_wandb.init = broken_init
+    with caplog.at_level(logging.WARNING, logger="grpo.workers.metric_logger"):
+        logger = _logger(tmp_path, use_wandb=True, mode="online")
+        for step in range(3):
+            logger.log_dict({"train_actor_training/loss": 0.1 * step}, step=step, actor="train")
+        logger.close()
+    failures = [r.getMessage() for r in caplog.records if "W&B failed" in r.getMessage()]
+    assert len(failures) == 1
+    assert "no route to api.wandb.ai" in failures[0] and "metrics.jsonl" in failures[0]
+    assert [r["step"] for r in _strict_json_lines(logger.get_log_path())] == [0, 1, 2]
+
+
+def test_missing_wandb_package_is_reported_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    with caplog.at_level(logging.WARNING, logger="grpo.workers.metric_logger"):
+        logger = _logger(tmp_path, use_wandb=True, mode="offline")
+        logger.log_dict({"x": 1.0}, step=0)
+        logger.close()
+    failures = [r.getMessage() for r in caplog.records if "W&B failed" in r.getMessage()]
+    assert len(failures) == 1 and "importing wandb" in failures[0]
+
+
+def test_wandb_log_failure_turns_wandb_off_once(tmp_path, fake_wandb, caplog):
+    logger = _logger(tmp_path, use_wandb=True, mode="online")
+    run = fake_wandb.runs[0]
+    run.fail_log = True
+    with caplog.at_level(logging.WARNING, logger="grpo.workers.metric_logger"):
+        for step in range(3):
+            logger.log_dict({"eval/accuracy": 0.5}, step=step, actor="eval")
+    failures = [r.getMessage() for r in caplog.records if "W&B failed" in r.getMessage()]
+    assert len(failures) == 1 and "logging step 0" in failures[0]
+    logger.close()
+    assert len(_strict_json_lines(logger.get_log_path())) == 3
+
+
+# ---------------------------------------------------------------- W&B (real, offline)
+
+
+def test_wandb_offline_run_lands_in_the_log_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb_home"))
+    started = time.perf_counter()
+    logger = MetricLogger(
+        tmp_path / "run",
+        project="grpo-test",
+        run_name="offline",
+        mode="online",
+        config={"lr": 1e-5},
+        stdout_every_n=0,
+        use_wandb=True,
+    )
+    assert logger.mode == "offline"
+    logger.log_dict({"train_actor_training/loss": 0.5}, step=3, actor="train")
+    logger.log_dict({"ref_actor_rewards/rewards_mean": float("nan")}, step=1, actor="ref")
+    logger.log_table(
+        [["s0", 1.0]],
+        ["Sequence ID", "Advantages"],
+        "per_sample_debug_table",
+        step=3,
+        actor="train",
+    )
+    logger.close()
+    logger.close()
+    elapsed = time.perf_counter() - started
+
+    run_dirs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 1, list((tmp_path / "run").rglob("*"))
+    assert len(list(run_dirs[0].glob("run-*.wandb"))) == 1
+    assert list(run_dirs[0].rglob("per_sample_debug_table*.table.json"))
+    records = _strict_json_lines(logger.get_log_path())
+    assert [r["step"] for r in records] == [3, 1]
+    assert elapsed < 30, f"offline W&B start + finish took {elapsed:.1f} s"
+
+
+# ---------------------------------------------------------------- as a Ray actor
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_logger_works_as_a_ray_actor(tmp_path, ray_cluster):
+    ray = ray_cluster
+    RemoteLogger = ray.remote(num_cpus=0)(MetricLogger)
+    logger = RemoteLogger.remote(log_dir=str(tmp_path / "run"), use_wandb=False, stdout_every_n=0)
+    # Two "actors" writing, one behind the other; fire-and-forget then a barrier.
+    refs = [
+        logger.log_dict.remote({"train_actor_training/loss": 1.0 / (s + 1)}, step=s, actor="train")
+        for s in range(5)
+    ]
+    refs += [
+        logger.log_dict.remote(
+            {"ref_actor_rewards/rewards_mean": float("nan")}, step=0, actor="ref"
+        )
+    ]
+    ray.get(refs)
+    path = ray.get(logger.get_log_path.remote())
+    ray.get(logger.close.remote())
+    ray.get(logger.close.remote())
+    records = _strict_json_lines(Path(path))
+    assert Path(path) == (tmp_path / "run" / "metrics.jsonl").resolve()
+    assert [(r["actor"], r["step"]) for r in records] == [("train", s) for s in range(5)] + [
+        ("ref", 0)
+    ]
+    assert records[-1]["ref_actor_rewards/rewards_mean"] is None
+    with pytest.raises(ray.exceptions.RayTaskError, match="closed"):
+        ray.get(logger.log_dict.remote({"x": 1.0}, step=9))

@@ -1,0 +1,184 @@
+"""The loss and every gradient do not depend on how a batch is split into packs.
+
+A batch of scored sequences of mixed lengths is trained on a tiny torchtune Qwen2 model either
+as one pack, or split by `plan_packs` into several micro-batches whose gradients accumulate
+with the whole batch's normaliser. Both must give the same loss and parameter gradients.
+"""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torchtune.models.qwen2 import qwen2
+
+from grpo.attention import use_packed_attention
+from grpo.loss import (
+    AGGREGATIONS,
+    GRPOWithChunkedOutputLoss,
+    combine_stats,
+    model_hidden_states,
+    model_response_logprobs,
+    output_projection_weight,
+)
+from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
+from grpo.types import ScoredTrajectory
+
+VOCAB_SIZE = 256
+PAD_TOKEN_ID = 0
+GROUP_SIZES = (4, 3, 3)
+MAX_RESPONSE_LEN = 24
+BUDGET = 64  # tokens per micro-batch: the ~180-token batch needs at least 3 packs
+
+
+def _tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = qwen2(
+        vocab_size=VOCAB_SIZE,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        embed_dim=128,
+        intermediate_dim=256,
+        max_seq_len=512,
+    )
+    return use_packed_attention(model.float())
+
+
+def _scored_batch(model: torch.nn.Module) -> list[ScoredTrajectory]:
+    """Sequences whose behaviour and reference logprobs differ from the model's."""
+    generator = torch.Generator().manual_seed(0)
+    sequences = []
+    for group_id, group_size in enumerate(GROUP_SIZES):
+        rewards = torch.rand(group_size, generator=generator)
+        advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        for index in range(group_size):
+            prompt_len = int(torch.randint(3, 13, (), generator=generator))
+            response_len = int(torch.randint(1, MAX_RESPONSE_LEN + 1, (), generator=generator))
+            sequences.append(
+                ScoredTrajectory(
+                    prompt_tokens=torch.randint(1, VOCAB_SIZE, (prompt_len,), generator=generator),
+                    response_tokens=torch.randint(
+                        1, VOCAB_SIZE, (response_len,), generator=generator
+                    ),
+                    prompt_len=prompt_len,
+                    response_len=response_len,
+                    logprobs=torch.zeros(response_len),
+                    ref_logprobs=torch.zeros(response_len),
+                    rewards=rewards[index : index + 1],
+                    advantages=advantages[index],
+                    successes=(rewards[index : index + 1] > 0.5).float(),
+                    answer="",
+                    sequence_id=f"g{group_id}-s{index}",
+                    group_id=group_id,
+                    reward_metadata={"func_names": ["random"]},
+                    policy_version=0,
+                )
+            )
+    # Behaviour (sampler) and reference logprobs: the model's own, perturbed, so ratios spread
+    # on both sides of the clip range and the KL term is not zero.
+    with torch.no_grad():
+        packed = pack_sequences(sequences, "cpu", PAD_TOKEN_ID)
+        pi_logprobs = unpack_response_logprobs(packed, model_response_logprobs(model, packed))
+    batch = []
+    for sequence, pi in zip(sequences, pi_logprobs):
+        batch.append(
+            dataclasses.replace(
+                sequence,
+                logprobs=pi + 0.3 * torch.randn(pi.shape, generator=generator),
+                ref_logprobs=pi + 0.2 * torch.randn(pi.shape, generator=generator),
+            )
+        )
+    return batch
+
+
+@pytest.fixture(scope="module")
+def model_and_batch():
+    model = _tiny_model()
+    return model, _scored_batch(model)
+
+
+def _loss_and_gradients(model, loss_fn, packs, loss_normalizer):
+    """Accumulate gradients over ``packs``; return the summed loss, stats and gradients."""
+    model.zero_grad(set_to_none=True)
+    all_stats = []
+    for packed in packs:
+        hidden = model_hidden_states(model, packed)
+        stats = loss_fn(hidden, output_projection_weight(model), packed, loss_normalizer)
+        stats.loss.backward()
+        all_stats.append(stats)
+    gradients = {name: param.grad.detach().clone() for name, param in model.named_parameters()}
+    total_loss = sum(stats.loss.detach() for stats in all_stats)
+    return total_loss, all_stats, gradients
+
+
+@pytest.mark.parametrize("mask_kind", ["dense", "varlen"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_loss_and_gradients_do_not_depend_on_the_split(model_and_batch, aggregation, mask_kind):
+    model, batch = model_and_batch
+    model = copy.deepcopy(model)
+    loss_fn = GRPOWithChunkedOutputLoss(
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        kl_coeff=0.1,
+        kl_estimator="k3",
+        aggregation=aggregation,
+        chunk_size=16,
+        max_response_len=MAX_RESPONSE_LEN,
+    )
+    normalizer = loss_fn.batch_loss_normalizer([seq.response_len for seq in batch])
+    if aggregation == "token_mean":
+        assert normalizer == sum(seq.response_len for seq in batch)
+    else:
+        assert normalizer == len(batch)
+
+    whole_pack = pack_sequences(batch, "cpu", PAD_TOKEN_ID, mask_kind=mask_kind)
+    whole_loss, (whole_stats,), whole_gradients = _loss_and_gradients(
+        model, loss_fn, [whole_pack], normalizer
+    )
+    # The batch exercises clipping on real ratios, not the on-policy ratio of 1.
+    assert 0.0 < whole_stats.clipfrac.item() < 1.0
+    assert whole_stats.approx_policy_kls.item() > 0.01
+
+    plan = plan_packs([seq.total_len for seq in batch], BUDGET)
+    assert len(plan) >= 3
+    # Micro-batches padded to the budget: tail padding must not change anything either.
+    micro_packs = [
+        pack_sequences(
+            [batch[i] for i in indices],
+            "cpu",
+            PAD_TOKEN_ID,
+            target_tokens_per_batch=BUDGET,
+            mask_kind=mask_kind,
+        )
+        for indices in plan
+    ]
+    assert any(packed.padding_tokens > 0 for packed in micro_packs)
+    split_loss, split_stats, split_gradients = _loss_and_gradients(
+        model, loss_fn, micro_packs, normalizer
+    )
+
+    torch.testing.assert_close(split_loss, whole_loss.detach(), rtol=1e-5, atol=1e-7)
+    for name, gradient in whole_gradients.items():
+        assert gradient.abs().max() > 0, name
+        torch.testing.assert_close(split_gradients[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+
+    combined = combine_stats(split_stats)
+    for name in ("loss", "policy_loss", "kl_loss", "ratios", "clipfrac", "approx_policy_kls"):
+        torch.testing.assert_close(
+            getattr(combined, name), getattr(whole_stats, name).detach(), rtol=1e-5, atol=1e-7
+        )
+
+
+def test_local_normalisation_depends_on_the_split(model_and_batch):
+    """Without the whole-batch normaliser, micro-batch losses do NOT add up to the batch's."""
+    model, batch = model_and_batch
+    model = copy.deepcopy(model)
+    loss_fn = GRPOWithChunkedOutputLoss(epsilon_high=0.28, chunk_size=16)
+    whole_loss, _, _ = _loss_and_gradients(
+        model, loss_fn, [pack_sequences(batch, "cpu", PAD_TOKEN_ID)], None
+    )
+    plan = plan_packs([seq.total_len for seq in batch], BUDGET)
+    micro_packs = [pack_sequences([batch[i] for i in ids], "cpu", PAD_TOKEN_ID) for ids in plan]
+    split_loss, _, _ = _loss_and_gradients(model, loss_fn, micro_packs, None)
+    assert not torch.allclose(split_loss, whole_loss, rtol=1e-3, atol=0)

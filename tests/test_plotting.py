@@ -1,0 +1,172 @@
+"""Run plots: reading metrics.jsonl, smoothing, PNG output, skipped plots, errors."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from grpo.plotting import PLOTS, default_smoothing_window, moving_average, plot_run, read_metrics
+from grpo.workers.metric_logger import METRIC_NAMES, MetricLogger, is_known_metric
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_synthetic_run(run_dir: Path, with_eval: bool = True, with_rewards: bool = True) -> None:
+    """A small run as the actors would log it: interleaved actors, each on its own step."""
+    rng = random.Random(0)
+    logger = MetricLogger(run_dir, use_wandb=False, stdout_every_n=0)
+    for step in range(60):
+        logger.log_dict(
+            {
+                "train_actor_training/loss": 1.0 / (step + 1) + rng.gauss(0, 0.05),
+                "train_actor_training/kl_loss": 1e-3 * step + rng.gauss(0, 1e-3),
+                "train_actor_training/approx_policy_kls": 2e-3 * step + rng.gauss(0, 1e-3),
+                "train_actor_training/response_lengths": 40 + step + rng.gauss(0, 5),
+                "train_actor_training/policy_age_mean": rng.uniform(0, 2),
+                "train_actor_training/policy_age_max": float(rng.randint(1, 3)),
+                "train_actor_performance/tokens_per_second": 900 + rng.gauss(0, 50),
+            },
+            step=step,
+            actor="train",
+        )
+        if with_eval and step % 10 == 0:
+            logger.log_dict(
+                {"eval/accuracy": step / 100, "eval/num_examples": 64}, step=step, actor="eval"
+            )
+        if with_rewards:
+            for ref_step in (2 * step, 2 * step + 1):
+                logger.log_dict(
+                    {
+                        "ref_actor_rewards/rewards_func_math_mean": min(1, ref_step / 120)
+                        + rng.gauss(0, 0.1),
+                        "ref_actor_rewards/rewards_func_format_mean": 0.5 + rng.gauss(0, 0.1),
+                        "ref_actor_rewards/successes_func_math_mean": rng.random(),
+                        # A non-finite value (null in the file) must not break the plot.
+                        "ref_actor_rewards/successes_func_format_mean": (
+                            float("nan") if ref_step == 7 else rng.random()
+                        ),
+                    },
+                    step=ref_step,
+                    actor="ref",
+                )
+        logger.log_dict(
+            {"inference/tokens_per_second": 2000 + rng.gauss(0, 100)}, step=step, actor="inference"
+        )
+    logger.close()
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, path
+    assert len(data) > 10_000, f"{path} is only {len(data)} bytes"
+    # IHDR: width and height as big-endian ints at bytes 16..24.
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width >= 600 and height >= 300, (path, width, height)
+
+
+def test_plot_run_writes_every_plot_as_png(tmp_path):
+    run_dir = tmp_path / "run"
+    _write_synthetic_run(run_dir)
+    paths = plot_run(run_dir)
+    assert [p.name for p in paths] == [f"{spec.filename}.png" for spec in PLOTS]
+    for path in paths:
+        assert path.parent == run_dir / "plots"
+        _assert_png(path)
+
+
+def test_plot_run_skips_absent_metrics_and_says_which(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    _write_synthetic_run(run_dir, with_eval=False, with_rewards=False)
+    with caplog.at_level(logging.INFO, logger="grpo.plotting"):
+        paths = plot_run(run_dir, out_dir=tmp_path / "elsewhere")
+    names = {p.name for p in paths}
+    assert names == {"kl.png", "response_length.png", "tokens_per_second.png", "policy_age.png"}
+    assert all(p.parent == tmp_path / "elsewhere" for p in paths)
+    assert not (run_dir / "plots").exists()
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping")]
+    assert len(skipped) == 3
+    assert any("eval_accuracy" in m and "eval/accuracy" in m for m in skipped)
+    assert any("rewards_per_function" in m for m in skipped)
+    assert any("successes_per_function" in m for m in skipped)
+
+
+def test_missing_metrics_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope" / "metrics.jsonl")):
+        plot_run(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        read_metrics(tmp_path)
+
+
+def test_read_metrics_keeps_numbers_in_file_order(tmp_path):
+    logger = MetricLogger(tmp_path, use_wandb=False, stdout_every_n=0)
+    logger.log_dict({"a": 1.0, "s": "text", "flag": True}, step=5, actor="train")
+    logger.log_dict({"a": float("nan"), "b": 2}, step=6, actor="train")
+    logger.log_dict({"a": 3.0}, step=1, actor="ref")
+    logger.close()
+    series = read_metrics(tmp_path)
+    assert series == {"a": [(5, 1.0), (1, 3.0)], "b": [(6, 2.0)]}
+    assert read_metrics(tmp_path / "metrics.jsonl") == series
+
+
+def test_read_metrics_tolerates_only_a_truncated_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "time": 1.0, "a": 1.0}\n{"step": 1, "time": 2.0, "a": 2.\n')
+    assert read_metrics(tmp_path) == {"a": [(0, 1.0)]}
+    path.write_text('{"step": 0, "a": 1.0}\n{"a": 2.0}\n{"step": 2, "a": 3.0}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: bad metrics record"):
+        read_metrics(tmp_path)
+
+
+def test_moving_average_matches_a_direct_computation():
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=37)
+    for window in (1, 2, 3, 4, 7, 50):
+        before, after = (window - 1) // 2, window // 2
+        expected = [
+            values[max(0, i - before) : min(len(values), i + after + 1)].mean()
+            for i in range(len(values))
+        ]
+        np.testing.assert_allclose(moving_average(values, window), expected, rtol=1e-12)
+    np.testing.assert_array_equal(moving_average([2.0] * 9, 5), [2.0] * 9)
+    assert moving_average([], 3).size == 0
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        moving_average([1.0], 0)
+
+
+def test_smoothing_is_light():
+    assert default_smoothing_window(5) == 1
+    assert default_smoothing_window(100) == 10
+    assert default_smoothing_window(10_000) == 25
+
+
+def test_plotted_metrics_are_named_in_metric_names():
+    templates = [n.replace("{name}", "*") for names in METRIC_NAMES.values() for n in names]
+    for spec in PLOTS:
+        for pattern in spec.patterns:
+            if "*" in pattern:
+                assert pattern in templates, pattern
+                assert is_known_metric(pattern.replace("*", "some_func"))
+            else:
+                assert is_known_metric(pattern), pattern
+                assert not any(fnmatch.fnmatchcase(pattern, t) for t in templates if "*" in t)
+
+
+def test_plot_survives_single_points_and_constant_series(tmp_path):
+    logger = MetricLogger(tmp_path, use_wandb=False, stdout_every_n=0)
+    logger.log_dict({"eval/accuracy": 0.5}, step=0, actor="eval")
+    logger.log_dict(
+        {"train_actor_training/kl_loss": 0.0, "train_actor_training/approx_policy_kls": math.inf},
+        step=0,
+        actor="train",
+    )
+    logger.close()
+    paths = plot_run(tmp_path)
+    assert {p.name for p in paths} == {"eval_accuracy.png", "kl.png"}
+    for path in paths:
+        assert path.read_bytes()[:8] == PNG_MAGIC

@@ -1,0 +1,402 @@
+"""Tests for reward functions, batched scoring with timeouts, and group advantages."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+
+from grpo.rewards import (
+    FormatReward,
+    MathCorrectnessReward,
+    RewardFunction,
+    RewardPool,
+    RewardResult,
+    TokenPresenceReward,
+    batched_rewards,
+    extract_answer,
+    group_advantages,
+    reward_function,
+    total_reward,
+)
+
+# Reward functions used by the pool tests live at module level so workers can unpickle them.
+
+
+class SleepyReward(RewardFunction):
+    """Hangs (sleeping) on completions containing HANG."""
+
+    name = "sleepy"
+    failure_reward = -1.0
+
+    def __call__(self, completion: str, answer: str) -> RewardResult:
+        if "HANG" in completion:
+            time.sleep(120)
+        return RewardResult(0.25, True)
+
+
+class SpinningReward(RewardFunction):
+    """Hangs in a pure-Python busy loop on completions containing SPIN."""
+
+    name = "spinning"
+    failure_reward = -3.0
+
+    def __call__(self, completion: str, answer: str) -> RewardResult:
+        while "SPIN" in completion:
+            pass
+        return RewardResult(0.75, True)
+
+
+class RaisingReward(RewardFunction):
+    """Raises on completions containing BOOM."""
+
+    name = "raising"
+    failure_reward = -2.0
+
+    def __call__(self, completion: str, answer: str) -> RewardResult:
+        if "BOOM" in completion:
+            raise RuntimeError("boom")
+        return RewardResult(0.5, False)
+
+
+class CrashingReward(RewardFunction):
+    """Kills its own process on completions containing CRASH."""
+
+    name = "crashing"
+    failure_reward = -4.0
+
+    def __call__(self, completion: str, answer: str) -> RewardResult:
+        if "CRASH" in completion:
+            os._exit(3)
+        return RewardResult(1.0, True)
+
+
+def _refuse_to_load() -> None:
+    raise ImportError("this reward cannot be loaded in a worker")
+
+
+class UnloadableReward(RewardFunction):
+    """Pickles in the parent but fails to unpickle (like a module missing in the worker)."""
+
+    name = "unloadable"
+    failure_reward = -5.0
+
+    def __call__(self, completion: str, answer: str) -> RewardResult:
+        return RewardResult(1.0, True)
+
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
+@reward_function(name="has_digit", failure_reward=-1.0)
+def has_digit_reward(completion: str, answer: str, bonus: float = 1.0) -> tuple[float, bool]:
+    found = any(character.isdigit() for character in completion)
+    return (bonus if found else 0.0), found
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(num_workers=2) as reward_pool:
+        yield reward_pool
+
+
+# ---------------------------------------------------------------------------------------------
+# Math correctness
+# ---------------------------------------------------------------------------------------------
+
+MATH_CASES = [
+    # (completion, gold, allow_last_number, reward, success)
+    ("<think>5*17</think><answer>85</answer>", "85", True, 1.0, True),
+    ("so the total is \\boxed{85}.", "85", True, 1.0, True),
+    ("The answer is 85.", "85", True, 1.0, True),
+    ("The answer is 85.", "85", False, 0.0, False),
+    ("First 12 apples, then 85", "85", True, 1.0, True),
+    ("<answer>85.0</answer>", "85", True, 1.0, True),
+    ("<answer>1234</answer>", "1,234", True, 1.0, True),
+    ("<answer>1,234</answer>", "1234", True, 1.0, True),
+    ("<answer>72</answer>", "She sold 48/2 = <<48/2=24>>24 clips.\n#### 72", True, 1.0, True),
+    ("<answer>\\frac{1}{2}</answer>", "0.5", True, 1.0, True),
+    ("\\boxed{\\frac{1}{2}}", "0.5", True, 1.0, True),
+    ("<answer>-3</answer>", "-3", True, 1.0, True),
+    ("<answer>86</answer>", "85", True, 0.1, False),
+    ("<answer>12</answer> wait, <answer>85</answer>", "85", True, 1.0, True),
+    ("<answer>85</answer> wait, <answer>12</answer>", "85", True, 0.1, False),
+    ("<answer>85</answer> and later \\boxed{3}", "85", True, 1.0, True),
+    ("", "85", True, 0.0, False),
+    ("I do not know", "85", True, 0.0, False),
+    ("<answer>banana</answer>", "85", False, 0.0, False),
+]
+
+
+@pytest.mark.parametrize("completion, gold, allow_last_number, reward, success", MATH_CASES)
+def test_math_correctness_table(completion, gold, allow_last_number, reward, success):
+    reward_fn = MathCorrectnessReward(partial_credit=0.1, allow_last_number=allow_last_number)
+    result = reward_fn(completion, gold)
+    assert isinstance(result, RewardResult)
+    assert result.reward == pytest.approx(reward)
+    assert result.success is success
+
+
+def test_math_correctness_defaults_and_unparsable_gold():
+    reward_fn = MathCorrectnessReward()
+    assert reward_fn.name == "math_correctness"
+    assert reward_fn("<answer>86</answer>", "85") == (0.0, False)  # partial credit defaults to 0
+    with pytest.raises(ValueError, match="gold answer"):
+        reward_fn("<answer>85</answer>", "not a number")
+
+
+def test_extract_answer_order_of_preference():
+    assert extract_answer("<answer> 7 </answer> \\boxed{8} 9") == "7"
+    assert extract_answer("<answer> </answer> \\boxed{8} 9") == "8"
+    assert extract_answer("\\boxed{\\frac{1}{2}} then 9") == "\\frac{1}{2}"
+    assert extract_answer("pages 3-5, total 1,234.") == "1,234"
+    assert extract_answer("pages 3-5") == "5"
+    assert extract_answer("it is -4") == "-4"
+    assert extract_answer("no digits", allow_last_number=True) is None
+    assert extract_answer("9 apples", allow_last_number=False) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Format and toy rewards
+# ---------------------------------------------------------------------------------------------
+
+FORMAT_CASES = [
+    # (completion, options, reward, success)
+    ("<think>5*17=85</think><answer>85</answer>", {}, 1.0, True),
+    ("  <think>a\nb</think>\n<answer>85</answer>\n", {}, 1.0, True),
+    ("<answer>85</answer>", {}, 0.5, False),
+    ("<answer>85</answer>", {"think_required": False}, 1.0, True),
+    ("<think>x</think><answer>85</answer>", {"think_required": False}, 1.0, True),
+    ("Sure! <think>x</think><answer>85</answer>", {}, 0.5, False),
+    ("Sure! <think>x</think><answer>85</answer>", {"strict": False}, 1.0, True),
+    ("<think>x</think><answer>85", {}, 0.0, False),
+    ("<think>x<answer>85</answer>", {}, 0.5, False),
+    ("<think>x</think><answer></answer>", {}, 0.0, False),
+    ("<think><think>x</think></think><answer>85</answer>", {}, 0.5, False),
+    ("<think>x</think><answer><answer>85</answer></answer>", {}, 0.5, False),
+    ("<think>x</think><answer>1</answer><answer>2</answer>", {}, 0.5, False),
+    ("<answer>85</answer><think>x</think>", {}, 0.5, False),
+    ("85", {"think_required": False}, 0.0, False),
+]
+
+
+@pytest.mark.parametrize("completion, options, reward, success", FORMAT_CASES)
+def test_format_reward(completion, options, reward, success):
+    reward_fn = FormatReward(answer_tag_reward=0.5, **options)
+    assert reward_fn(completion, "85") == (reward, success)
+
+
+def test_format_reward_survives_pickling():
+    reward_fn = FormatReward(think_required=False, format_reward=2.0, name="fmt")
+    copy = pickle.loads(pickle.dumps(reward_fn))
+    assert copy.name == "fmt"
+    assert copy("<answer>1</answer>", "1") == (2.0, True)
+
+
+def test_token_presence_reward():
+    reward_fn = TokenPresenceReward(token="<special>", reward=2.0, absent_reward=-1.0)
+    assert reward_fn("a <special> b", "") == (2.0, True)
+    assert reward_fn("a b", "") == (-1.0, False)
+    with pytest.raises(ValueError, match="token"):
+        TokenPresenceReward(token="")
+
+
+def test_reward_function_decorator_configures_and_pickles():
+    assert has_digit_reward("a1", "") == (1.0, True)
+    assert has_digit_reward.name == "has_digit"
+    assert has_digit_reward.failure_reward == -1.0
+    configured = has_digit_reward(bonus=3.0, name="digit3")  # what a config's _component_ does
+    assert configured("a1", "") == (3.0, True)
+    assert configured.name == "digit3"
+    copy = pickle.loads(pickle.dumps(configured))
+    assert copy("b2", "") == (3.0, True)
+    assert copy.name == "digit3"
+    with pytest.raises(TypeError, match="unknown option"):
+        has_digit_reward(bouns=2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# batched_rewards
+# ---------------------------------------------------------------------------------------------
+
+COMPLETIONS = [
+    "<think>5*17</think><answer>85</answer>",
+    "<answer>86</answer>",
+    "no answer at all",
+]
+ANSWERS = ["85", "85", "#### 85"]
+
+
+def test_batched_rewards_shapes_and_order(pool):
+    reward_fns = [FormatReward(answer_tag_reward=0.5), MathCorrectnessReward(partial_credit=0.1)]
+    batch = batched_rewards(reward_fns, COMPLETIONS, ANSWERS, timeout_s=10.0, pool=pool)
+    assert batch.func_names == ["format", "math_correctness"]
+    assert batch.rewards.shape == (3, 2) and batch.rewards.dtype == torch.float32
+    assert batch.successes.shape == (3, 2) and batch.successes.dtype == torch.float32
+    expected = torch.tensor([[1.0, 1.0], [0.5, 0.1], [0.0, 0.0]])
+    torch.testing.assert_close(batch.rewards, expected)
+    torch.testing.assert_close(batch.successes, torch.tensor([[1.0, 1.0], [0, 0], [0, 0]]))
+    assert batch.num_timeouts == {"format": 0, "math_correctness": 0}
+    assert batch.num_exceptions == {"format": 0, "math_correctness": 0}
+    torch.testing.assert_close(batch.total(), torch.tensor([2.0, 0.6, 0.0]))
+
+    inline = batched_rewards(reward_fns, COMPLETIONS, ANSWERS, timeout_s=None)
+    torch.testing.assert_close(inline.rewards, batch.rewards)
+    torch.testing.assert_close(inline.successes, batch.successes)
+
+
+def test_batched_rewards_hangs_and_errors_off_main_thread(pool):
+    reward_fns = [SleepyReward(), SpinningReward(), RaisingReward(), MathCorrectnessReward()]
+    completions = ["<answer>85</answer>"] * 6
+    completions[1] = "HANG <answer>85</answer>"
+    completions[3] = "SPIN BOOM <answer>85</answer>"
+    answers = ["85"] * 6
+    timeout_s = 1.0
+    box: dict = {}
+
+    def score() -> None:
+        assert threading.current_thread() is not threading.main_thread()
+        start = time.monotonic()
+        box["batch"] = batched_rewards(
+            reward_fns, completions, answers, timeout_s=timeout_s, pool=pool
+        )
+        box["elapsed"] = time.monotonic() - start
+
+    thread = threading.Thread(target=score)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "batched_rewards did not return"
+    batch = box["batch"]
+    # Two hangs run on two workers at once; each costs about one timeout.
+    assert box["elapsed"] < 2 * timeout_s + 4.0
+
+    assert batch.num_timeouts == {"sleepy": 1, "spinning": 1, "raising": 0, "math_correctness": 0}
+    assert batch.num_exceptions == {"sleepy": 0, "spinning": 0, "raising": 1, "math_correctness": 0}
+    expected = torch.tensor([[0.25, 0.75, 0.5, 1.0]]).repeat(6, 1)
+    expected[1, 0] = -1.0  # sleepy's failure_reward
+    expected[3, 1] = -3.0  # spinning's failure_reward
+    expected[3, 2] = -2.0  # raising's failure_reward
+    torch.testing.assert_close(batch.rewards, expected)
+    assert batch.successes[1, 0] == 0 and batch.successes[3, 1] == 0 and batch.successes[3, 2] == 0
+    assert batch.successes[:, 3].tolist() == [1.0] * 6  # every other sample was scored
+
+    # The pool recovered: the next call is clean, and is not held up by a timeout (the bound
+    # allows for replacement workers starting on a loaded machine).
+    start = time.monotonic()
+    again = batched_rewards(
+        reward_fns, ["<answer>85</answer>"] * 4, ["85"] * 4, timeout_s=timeout_s, pool=pool
+    )
+    assert time.monotonic() - start < 5.0
+    assert sum(again.num_timeouts.values()) == 0 and sum(again.num_exceptions.values()) == 0
+    torch.testing.assert_close(again.rewards, torch.tensor([[0.25, 0.75, 0.5, 1.0]]).repeat(4, 1))
+
+
+def test_batched_rewards_worker_crash_is_counted(pool):
+    completions = ["ok 1", "CRASH", "ok 3"]
+    batch = batched_rewards(
+        [CrashingReward(), has_digit_reward], completions, ["1"] * 3, timeout_s=5.0, pool=pool
+    )
+    assert batch.num_exceptions == {"crashing": 1, "has_digit": 0}
+    torch.testing.assert_close(batch.rewards[:, 0], torch.tensor([1.0, -4.0, 1.0]))
+    torch.testing.assert_close(batch.rewards[:, 1], torch.tensor([1.0, 0.0, 1.0]))
+
+
+def test_batched_rewards_functions_that_cannot_load_in_a_worker(pool):
+    batch = batched_rewards(
+        [UnloadableReward()], ["a", "b", "c"], ["1"] * 3, timeout_s=5.0, pool=pool
+    )
+    assert batch.num_exceptions == {"unloadable": 3}
+    torch.testing.assert_close(batch.rewards, torch.full((3, 1), -5.0))
+    after = batched_rewards(
+        [FormatReward()], ["<think>x</think><answer>1</answer>"], ["1"], pool=pool
+    )
+    assert after.rewards.tolist() == [[1.0]]
+
+
+def test_user_defined_reward_in_batched_rewards(pool):
+    reward_fns = [has_digit_reward, has_digit_reward(bonus=2.0, name="has_digit_x2")]
+    batch = batched_rewards(reward_fns, ["abc", "a1c"], ["", ""], timeout_s=5.0, pool=pool)
+    assert batch.func_names == ["has_digit", "has_digit_x2"]
+    torch.testing.assert_close(batch.rewards, torch.tensor([[0.0, 0.0], [1.0, 2.0]]))
+    torch.testing.assert_close(batch.successes, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+
+
+def test_batched_rewards_inline_counts_exceptions_and_bad_results():
+    @reward_function(name="bad_result")
+    def returns_nan(completion: str, answer: str) -> tuple[float, bool]:
+        return float("nan"), True
+
+    batch = batched_rewards(
+        [RaisingReward(), returns_nan], ["BOOM", "fine"], ["", ""], timeout_s=None
+    )
+    assert batch.num_exceptions == {"raising": 1, "bad_result": 2}
+    torch.testing.assert_close(batch.rewards, torch.tensor([[-2.0, 0.0], [0.5, 0.0]]))
+
+
+def test_batched_rewards_rejects_bad_input(pool):
+    with pytest.raises(ValueError, match="2 completions but 1 answers"):
+        batched_rewards([FormatReward()], ["a", "b"], ["1"])
+    with pytest.raises(ValueError, match="duplicate"):
+        batched_rewards([FormatReward(), FormatReward()], ["a"], ["1"])
+    with pytest.raises(pickle.PicklingError, match="picklable"):
+        batched_rewards([lambda completion, answer: (1.0, True)], ["a"], ["1"], pool=pool)
+    empty = batched_rewards([FormatReward()], [], [], pool=pool)
+    assert empty.rewards.shape == (0, 1)
+
+
+def test_batched_rewards_64_samples_is_fast(pool):
+    completions = [f"<think>adding</think><answer>{i}</answer>" for i in range(64)]
+    answers = [str(i if i % 3 else i + 1) for i in range(64)]
+    reward_fns = [MathCorrectnessReward(partial_credit=0.1), FormatReward()]
+    batched_rewards(reward_fns, completions, answers, timeout_s=5.0, pool=pool)  # warm-up
+    start = time.monotonic()
+    batch = batched_rewards(reward_fns, completions, answers, timeout_s=5.0, pool=pool)
+    elapsed = time.monotonic() - start
+    assert batch.rewards.shape == (64, 2)
+    assert batch.successes[:, 0].sum().item() == sum(1 for i in range(64) if i % 3)
+    assert batch.successes[:, 1].sum().item() == 64
+    # Typically ~0.05 s; the bound leaves room for a loaded shared machine while still
+    # catching a per-call process start or a serialised round trip per sample.
+    assert elapsed < 3.0, elapsed
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------
+
+
+def test_group_advantages_hand_computed():
+    eps = 1e-4
+    # mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = sqrt(1/3)
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), eps=eps)
+    scale = 0.5 / (math.sqrt(1 / 3) + eps)
+    torch.testing.assert_close(advantages, torch.tensor([scale, -scale, -scale, scale]))
+    # mean 2, unbiased std 1
+    advantages = group_advantages(torch.tensor([3.0, 1.0, 2.0]), eps=eps)
+    torch.testing.assert_close(advantages, torch.tensor([1 / (1 + eps), -1 / (1 + eps), 0.0]))
+    advantages = group_advantages(torch.tensor([3.0, 1.0, 2.0]), std_normalize=False)
+    torch.testing.assert_close(advantages, torch.tensor([1.0, -1.0, 0.0]))
+
+
+def test_group_advantages_degenerate_groups():
+    equal = group_advantages(torch.full((5,), 0.1))
+    assert torch.equal(equal, torch.zeros(5))
+    single = group_advantages(torch.tensor([0.7]))
+    assert torch.equal(single, torch.zeros(1))
+    batch = group_advantages(torch.tensor([[1.0, 1.0, 1.0], [3.0, 1.0, 2.0]]), eps=0.0)
+    torch.testing.assert_close(batch, torch.tensor([[0.0, 0.0, 0.0], [1.0, -1.0, 0.0]]))
+    with pytest.raises(ValueError, match="shape"):
+        group_advantages(torch.zeros(0))
+
+
+def test_total_reward_weights():
+    rewards = torch.tensor([[1.0, 0.5], [0.0, 1.0]])
+    torch.testing.assert_close(total_reward(rewards), torch.tensor([1.5, 1.0]))
+    torch.testing.assert_close(total_reward(rewards, [1.0, 2.0]), torch.tensor([2.0, 2.0]))
+    with pytest.raises(ValueError, match="3 reward_weights for 2"):
+        total_reward(rewards, [1.0, 2.0, 3.0])

@@ -1,0 +1,125 @@
+"""The trainer's update does not depend on how many workers share the batch."""
+
+import pytest
+import ray
+import torch
+
+from grpo.testing import build_tiny_qwen2
+from grpo.types import ScoredTrajectory
+from grpo.workers.trainer import PyTorchActorModel
+
+LOSS = {
+    "_component_": "grpo.loss.GRPOWithChunkedOutputLoss",
+    "epsilon_low": 0.2,
+    "epsilon_high": 0.2,
+    "kl_coeff": 0.05,
+    "kl_estimator": "k3",
+    "aggregation": "token_mean",
+}
+# Plain SGD: the weight change is exactly -lr * gradient, so comparing weights compares gradients.
+OPTIMIZER = {"_component_": "torch.optim.SGD", "lr": 0.5}
+
+
+def make_batch(num_sequences: int, vocab_size: int, seed: int = 0) -> list[ScoredTrajectory]:
+    generator = torch.Generator().manual_seed(seed)
+    batch = []
+    for i in range(num_sequences):
+        prompt_len = int(torch.randint(3, 20, (1,), generator=generator))
+        response_len = int(torch.randint(1, 24, (1,), generator=generator))
+        batch.append(
+            ScoredTrajectory(
+                prompt_tokens=torch.randint(0, vocab_size, (prompt_len,), generator=generator),
+                response_tokens=torch.randint(0, vocab_size, (response_len,), generator=generator),
+                prompt_len=prompt_len,
+                response_len=response_len,
+                logprobs=-torch.rand(response_len, generator=generator) * 6,
+                ref_logprobs=-torch.rand(response_len, generator=generator) * 6,
+                rewards=torch.tensor([float(i % 2)]),
+                advantages=torch.randn((), generator=generator),
+                successes=torch.tensor([float(i % 2)]),
+                answer="1",
+                sequence_id=f"s{i}",
+                group_id=i // 4,
+                reward_metadata={"func_names": ["toy"]},
+                policy_version=0,
+            )
+        )
+    return batch
+
+
+def assert_same_update(before, after_expected, after_actual):
+    """Weight changes (lr * gradient for SGD) agree to fp32 accumulation-order noise."""
+    changed = 0
+    for name, start in before.items():
+        expected = after_expected[name] - start
+        actual = after_actual[name] - start
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * scale + 1e-9)
+        changed += int(scale > 0)
+    assert changed > len(before) // 2, "the step changed almost no weights"
+
+
+def trainer_kwargs(model_dir, rank, world_size, budget):
+    return dict(
+        rank=rank,
+        world_size=world_size,
+        model_dir=str(model_dir),
+        optimizer=OPTIMIZER,
+        lr_scheduler=None,
+        loss=LOSS,
+        num_steps=1,
+        target_tokens_per_batch=budget,
+        pad_token_id=0,
+        clip_grad_norm=None,
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_micro_batch_split_does_not_change_the_update(model_dir):
+    batch = make_batch(10, vocab_size=300)
+    results = []
+    for budget in (1024, 48):  # one pack vs. many packs with gradient accumulation
+        trainer = PyTorchActorModel(**trainer_kwargs(model_dir, 0, 1, budget))
+        trainer.setup()
+        before = trainer.full_state_dict()
+        metrics = trainer.train_step(batch)
+        results.append((metrics, trainer.full_state_dict()))
+    (one_pack, weights_one), (many_packs, weights_many) = results
+    assert one_pack["train_actor_training/num_micro_batches"] == 1
+    assert many_packs["train_actor_training/num_micro_batches"] >= 3
+    assert many_packs["train_actor_training/loss"] == pytest.approx(
+        one_pack["train_actor_training/loss"], rel=1e-5
+    )
+    assert_same_update(before, weights_one, weights_many)
+
+
+@pytest.mark.slow
+def test_two_fsdp_workers_match_one_worker(model_dir):
+    batch = make_batch(12, vocab_size=300, seed=1)
+    single = PyTorchActorModel(**trainer_kwargs(model_dir, 0, 1, 256))
+    single.setup()
+    before = single.full_state_dict()
+    single_metrics = single.train_step(batch)
+    single_weights = single.full_state_dict()
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        remote_cls = ray.remote(num_cpus=1)(PyTorchActorModel)
+        workers = [remote_cls.remote(**trainer_kwargs(model_dir, r, 2, 256)) for r in range(2)]
+        address = ray.get(workers[0].get_dist_address.remote())
+        ray.get([w.setup.remote(address) for w in workers])
+        batch_ref = ray.put(batch)
+        metrics = ray.get([w.train_step.remote(batch_ref) for w in workers])
+        weights = ray.get([w.full_state_dict.remote() for w in workers])
+        ray.get([w.shutdown.remote() for w in workers])
+    finally:
+        ray.shutdown()
+
+    assert metrics[0]["train_actor_training/loss"] == pytest.approx(
+        single_metrics["train_actor_training/loss"], rel=1e-4
+    )
+    assert_same_update(before, single_weights, weights[0])

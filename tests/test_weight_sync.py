@@ -1,0 +1,318 @@
+"""Weight sync: the checksum definition, the transport, and in-place updates of a vLLM engine."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+from grpo.workers.weight_sync import (
+    WeightPublisher,
+    WeightReceiver,
+    WeightSyncError,
+    WeightUpdate,
+    state_dict_checksum,
+)
+
+ENGINE_ARGS = {"kv_cache_memory_bytes": 64 * 2**20}
+GROUP_SIZE = 2
+MAX_GENERATED_TOKENS = 8
+
+
+def random_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(16, 8, generator=generator),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=generator),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(8, generator=generator),
+        "model.norm.weight": torch.randn(8, generator=generator),
+    }
+
+
+# ---------------------------------------------------------------------- checksum and transport
+
+
+def test_checksum_ignores_order_device_and_float_width():
+    state = random_state_dict()
+    reference = state_dict_checksum(state)
+    assert len(reference) == 64
+    assert state_dict_checksum(dict(reversed(list(state.items())))) == reference
+    assert state_dict_checksum(list(state.items())) == reference
+    bf16 = {name: t.to(torch.bfloat16) for name, t in state.items()}
+    # bf16 -> fp32 is exact, so a bf16 state dict and its upcast hash the same...
+    upcast = {name: t.float() for name, t in bf16.items()}
+    assert state_dict_checksum(bf16) == state_dict_checksum(upcast)
+    # ...and rounding to bf16 changes values, hence the checksum.
+    assert state_dict_checksum(bf16) != reference
+    # Non-contiguous views hash by value.
+    transposed = {**state, "model.norm.weight": state["model.norm.weight"].clone()}
+    square = state["model.layers.0.self_attn.q_proj.weight"]
+    transposed["model.layers.0.self_attn.q_proj.weight"] = square.t().contiguous().t()
+    assert state_dict_checksum(transposed) == reference
+
+
+def test_checksum_sees_every_value_name_and_shape():
+    state = random_state_dict()
+    reference = state_dict_checksum(state)
+    for name, tensor in state.items():
+        changed = tensor.clone()
+        changed.view(-1)[-1] += 1e-6 * max(1.0, float(changed.view(-1)[-1].abs()))
+        assert state_dict_checksum({**state, name: changed}) != reference, name
+    renamed = dict(state)
+    renamed["model.final_norm.weight"] = renamed.pop("model.norm.weight")
+    assert state_dict_checksum(renamed) != reference
+    reshaped = {**state, "model.embed_tokens.weight": state["model.embed_tokens.weight"].view(8, 16)}
+    assert state_dict_checksum(reshaped) != reference
+    missing = dict(state)
+    missing.pop("model.norm.weight")
+    assert state_dict_checksum(missing) != reference
+    with pytest.raises(ValueError, match="duplicate"):
+        state_dict_checksum([("a", torch.ones(1)), ("a", torch.ones(1))])
+
+
+def test_transport_names_are_checked():
+    with pytest.raises(NotImplementedError, match="nccl"):
+        WeightPublisher(transport="nccl")
+    with pytest.raises(NotImplementedError, match="nccl"):
+        WeightReceiver(transport="nccl")
+    with pytest.raises(ValueError, match="unknown weight transport"):
+        WeightReceiver(transport="shared_memory")
+
+
+def test_receiver_keeps_only_the_newest_update():
+    receiver = WeightReceiver()
+    assert not receiver.has_pending
+    assert receiver.offer(WeightUpdate(version=2, weights={}), current_version=0)
+    assert receiver.offer(WeightUpdate(version=3, weights={}), current_version=0)
+    assert receiver.num_superseded == 1
+    # Older than the pending one, or not newer than what the engine holds: ignored.
+    assert not receiver.offer(WeightUpdate(version=1, weights={}), current_version=0)
+    assert not receiver.offer(WeightUpdate(version=3, weights={}), current_version=0)
+    assert not WeightReceiver().offer(WeightUpdate(version=4, weights={}), current_version=4)
+    assert receiver.num_ignored == 2
+    assert receiver.has_pending
+
+
+@pytest.mark.slow
+def test_publisher_puts_once_and_every_collector_gets_the_same_weights(ray_session):
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class RecordingCollector:
+        def __init__(self):
+            self.received = None
+
+        def receive_weights(self, weights, version, checksum=None, probe=None):
+            # The reference passed at top level arrives resolved, as the state dict.
+            self.received = (state_dict_checksum(weights), version, checksum, probe)
+            return True
+
+        def get(self):
+            return self.received
+
+    state = random_state_dict(seed=3)
+    collectors = [RecordingCollector.remote() for _ in range(2)]
+    assert ray.get(WeightPublisher().publish(state, version=5, collectors=collectors)) == [True] * 2
+    expected = state_dict_checksum(state)
+    for received in ray.get([c.get.remote() for c in collectors]):
+        assert received == (expected, 5, expected, None)
+    unchecked = WeightPublisher(compute_checksum=False).publish(state, 6, collectors[:1])
+    ray.get(unchecked)
+    assert ray.get(collectors[0].get.remote())[2] is None
+
+
+# ---------------------------------------------------------------------- a real vLLM engine
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def long_prompt_dataset():
+    """Two prompts of ~100 tokens: every batch re-reads them, so vLLM's prefix cache hits."""
+    from grpo.data import AnswerOnlyTemplate, PromptDataset
+
+    question = " ".join(f"What is {a} + {a + 3}?" for a in range(12))
+    examples = [{"question": question, "answer": "1"}, {"question": question + " Go", "answer": "2"}]
+    return PromptDataset(examples, AnswerOnlyTemplate())
+
+
+def make_collector(model_dir):
+    from grpo.workers.collector import SyncLLMCollector
+
+    return SyncLLMCollector(
+        worker_id=0,
+        num_workers=1,
+        model_dir=model_dir,
+        engine_args=ENGINE_ARGS,
+        dataset=long_prompt_dataset(),
+        group_size=GROUP_SIZE,
+        max_generated_tokens=MAX_GENERATED_TOKENS,
+        rollout_queue=queue.Queue(),
+        seed=0,
+        max_prompt_tokens=256,
+    )
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """(model_dir, collector) for a tied-embedding and an untied tiny Qwen2.
+
+    Both engines live for the whole module and are closed together (in-process vLLM engines
+    share global state; see SyncLLMCollector.shutdown).
+    """
+    from grpo.testing import build_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("weight_sync")
+    tied_dir = build_tiny_qwen2(root / "tied", tie_word_embeddings=True)
+    untied_dir = build_tiny_qwen2(root / "untied", tie_word_embeddings=False, seed=1)
+    tied, untied = make_collector(tied_dir), make_collector(untied_dir)
+    yield {"tied": (tied_dir, tied), "untied": (untied_dir, untied)}
+    untied.shutdown()
+    tied.shutdown()
+
+
+def trainer_side(model_dir):
+    """What the trainer holds: a torchtune model and the HF config to rename its weights."""
+    from grpo.models import build_model, load_hf_config
+
+    return build_model(model_dir, dtype=torch.float32).eval(), load_hf_config(model_dir)
+
+
+def perturb(model, seed: int, scale: float = 0.05) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+
+
+def hf_weights(model, hf_config):
+    from grpo.models import tune_to_hf_state_dict
+
+    return {k: v.clone() for k, v in tune_to_hf_state_dict(model.state_dict(), hf_config).items()}
+
+
+def forward_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Logprob of tokens[1:] under a torchtune model (fp32)."""
+    with torch.no_grad():
+        logits = model(tokens[None])[0].float()
+    return torch.log_softmax(logits[:-1], dim=-1).gather(-1, tokens[1:, None])[:, 0]
+
+
+def generated_trajectories(collector, num_prompts=2):
+    collector.generate_batch(num_prompts)
+    return [
+        t for _ in range(num_prompts) for t in collector.rollout_queue.get(timeout=30).trajectories
+    ]
+
+
+def max_logprob_error(model, trajectories) -> float:
+    error = 0.0
+    for t in trajectories:
+        tokens = torch.cat([t.prompt_tokens, t.response_tokens])
+        expected = forward_logprobs(model, tokens)[t.prompt_len - 1 :]
+        error = max(error, float((expected - t.logprobs).abs().max()))
+    return error
+
+
+@pytest.mark.slow
+def test_initial_checksum_is_the_trainers_checksum(engines):
+    for model_dir, collector in engines.values():
+        model, hf_config = trainer_side(model_dir)
+        assert collector.get_weights_checksum() == state_dict_checksum(hf_weights(model, hf_config))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_update_is_applied_between_batches_and_used(engines, kind):
+    model_dir, collector = engines[kind]
+    model, hf_config = trainer_side(model_dir)
+    # Start from the checkpoint's weights whatever ran before.
+    base = hf_weights(model, hf_config)
+    assert collector.receive_weights(base, collector.policy_version + 1, state_dict_checksum(base))
+    before = generated_trajectories(collector)  # also fills the prefix cache with the prompts
+    assert max_logprob_error(model, before) < 1e-3
+    version = collector.policy_version
+
+    old_model, _ = trainer_side(model_dir)
+    old_model.load_state_dict(model.state_dict())
+    perturb(model, seed=version + 1)
+    weights = hf_weights(model, hf_config)
+    checksum = state_dict_checksum(weights)
+    assert collector.receive_weights(weights, version + 1, checksum)
+    assert collector.policy_version == version  # pending until the next batch
+
+    after = generated_trajectories(collector)
+    assert collector.policy_version == version + 1
+    assert all(t.policy_version == version + 1 for t in after)
+    assert collector.get_weights_checksum() == checksum
+    # The engine samples with the new weights (prompt KV recomputed, output head rebuilt)...
+    assert max_logprob_error(model, after) < 1e-3
+    # ...which is visible: the old weights explain the new samples badly.
+    assert max_logprob_error(old_model, after) > 0.05
+    probe = torch.cat([after[0].prompt_tokens, after[0].response_tokens])
+    torch.testing.assert_close(
+        torch.tensor(collector.probe_logprobs(probe.tolist())),
+        forward_logprobs(model, probe),
+        atol=1e-3,
+        rtol=0,
+    )
+
+
+@pytest.mark.slow
+def test_object_store_ref_and_probe_are_checked(engines, ray_session):
+    model_dir, collector = engines["tied"]
+    model, hf_config = trainer_side(model_dir)
+    perturb(model, seed=100)
+    weights = hf_weights(model, hf_config)
+    probe_tokens = torch.arange(3, 40)
+    probe = {
+        "token_ids": probe_tokens.tolist(),
+        "logprobs": forward_logprobs(model, probe_tokens).tolist(),
+        "atol": 1e-3,
+    }
+    version = collector.policy_version + 1
+    ref = ray_session.put(weights)
+    assert collector.receive_weights(ref, version, state_dict_checksum(weights), probe)
+    seconds = collector.apply_pending_weights()
+    assert seconds > 0
+    assert collector.policy_version == version
+    assert collector.get_weights_checksum() == state_dict_checksum(weights)
+    assert collector.apply_pending_weights() == 0.0  # nothing pending any more
+
+    # A probe the engine cannot reproduce means the engine does not use the sent weights.
+    wrong = {**probe, "logprobs": [x + 0.5 for x in probe["logprobs"]]}
+    assert collector.receive_weights(weights, version + 1, state_dict_checksum(weights), wrong)
+    with pytest.raises(WeightSyncError, match="probe"):
+        collector.apply_pending_weights()
+    assert collector.policy_version == version
+
+
+@pytest.mark.slow
+def test_checksum_mismatch_fails_and_stale_versions_are_ignored(engines):
+    model_dir, collector = engines["tied"]
+    model, hf_config = trainer_side(model_dir)
+    weights = hf_weights(model, hf_config)
+    version = collector.policy_version
+    assert collector.receive_weights(weights, version + 1, "0" * 64)
+    with pytest.raises(WeightSyncError, match="checksum"):
+        collector.generate_batch(1)
+    assert collector.policy_version == version
+    assert collector.rollout_queue.empty()
+
+    # Recovery: the next correct update is applied and labels the samples.
+    assert collector.receive_weights(weights, version + 2, state_dict_checksum(weights))
+    trajectories = generated_trajectories(collector, num_prompts=1)
+    assert {t.policy_version for t in trajectories} == {version + 2}
+    assert max_logprob_error(model, trajectories) < 1e-3
+
+    assert not collector.receive_weights(weights, version + 1, state_dict_checksum(weights))
+    assert not collector.weights.has_pending
