@@ -88,20 +88,28 @@ class VarlenMask:
         )
 
 
-_compiled_flex_attention: Callable | None = None
+_compiled_flex_attention: dict[str, Callable] = {}
 
 
-def _get_compiled_flex_attention() -> Callable:
-    """Compile FlexAttention once per process, on first use.
+def _get_compiled_flex_attention(device_type: str) -> Callable:
+    """Compile FlexAttention once per process and device type, on first use.
 
-    ``dynamic`` is left to torch.compile's default: the first shape is compiled static (best
-    kernels when packs are padded to a fixed budget) and a second shape triggers a single
-    dynamic-shape recompile instead of one compile per pack length.
+    CPU: ``dynamic=False``, one static compile per distinct pack length (a few seconds each on
+    a small CPU). Dynamic-shape kernels are not an option there in torch 2.13: after a change
+    in the number of 128-token mask blocks, inductor's CPU FlexAttention template generates
+    C++ that does not build ("'cur_qSplitSize8' was not declared"), both with ``dynamic=True``
+    and with the default automatic-dynamic recompile. After
+    ``torch._dynamo.config.recompile_limit`` (8) distinct lengths, dynamo runs FlexAttention
+    uncompiled (correct, but it materialises the score matrix and warns), so keep the number
+    of lengths small: pad flex packs to a bucket (``pad_to_multiple_of``) or to the budget.
+
+    Other devices: torch.compile's default, i.e. static first and one dynamic-shape recompile
+    when a second length appears.
     """
-    global _compiled_flex_attention
-    if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention)
-    return _compiled_flex_attention
+    if device_type not in _compiled_flex_attention:
+        dynamic = False if device_type == "cpu" else None
+        _compiled_flex_attention[device_type] = torch.compile(flex_attention, dynamic=dynamic)
+    return _compiled_flex_attention[device_type]
 
 
 # Flex attention is only fast compiled, and torch.compile cannot nest: keep it out of any
@@ -110,7 +118,7 @@ def _get_compiled_flex_attention() -> Callable:
 def _flex_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask
 ) -> torch.Tensor:
-    return _get_compiled_flex_attention()(q, k, v, block_mask=block_mask)
+    return _get_compiled_flex_attention(q.device.type)(q, k, v, block_mask=block_mask)
 
 
 def _varlen_attention(

@@ -74,8 +74,15 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 # Files of a model folder that are weights: never copied by `save_hf_checkpoint`, which writes
 # its own. Everything else at the top level (tokenizer, generation config, README) is copied.
-_WEIGHT_FILE_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
-_WEIGHT_FILE_SUFFIXES += (".pt", ".pth", ".ckpt")
+_WEIGHT_FILE_SUFFIXES = (
+    ".safetensors",
+    ".safetensors.index.json",
+    ".bin",
+    ".bin.index.json",
+    ".pt",
+    ".pth",
+    ".ckpt",
+)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 

@@ -9,8 +9,8 @@ object store, and each takes its share.
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,9 +79,11 @@ class Orchestrator:
         run_dir (Path): Folder for logs and checkpoints.
     """
 
-    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, tokenizer: Any = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self.tokenizer = tokenizer
+        self.ledger = RunLedger(self.run_dir)
         self.state = RunState()
         self.collectors: list[Any] = []
         self.ref_actors: list[Any] = []
@@ -280,7 +282,8 @@ class Orchestrator:
                     launch(kind, index, collector.generate_batch.remote(cfg.inference.batch_size))
                 elif kind == "ref":
                     if result:
-                        self._log(result, self.state.step)
+                        self._log(result["metrics"], self.state.step)
+                        self.ledger.scored(self.state.step, result["sequence_ids"])
                     launch(kind, index, self.ref_actors[index].step.remote())
                 elif kind == "sample":
                     if result is None:
@@ -289,14 +292,22 @@ class Orchestrator:
                             batch_size, self.state.policy_version))
                         continue
                     waited = time.perf_counter() - wait_start
-                    train_refs = [t.train_step.remote(ref, waited) for t in self.trainers]
+                    batch = result
+                    debug_ids = None
+                    if cfg.get("debug_logging_enabled") and self.tokenizer is not None:
+                        count = cfg.get("debug_num_samples_per_step", 1)
+                        debug_ids = [t.sequence_id for t in batch[:count]]
+                    train_refs = [
+                        t.train_step.remote(ref, waited, debug_ids) for t in self.trainers
+                    ]
                     for rank, train_ref in enumerate(train_refs):
                         launch("train", rank, train_ref)
                 elif kind == "train":
                     if any(r in inflight for r in train_refs):
                         continue  # wait for every rank
                     metrics = result if index == 0 else ray.get(train_refs[0])
-                    self._after_train_step(metrics, sync_every)
+                    self.ledger.trained(self.state.step + 1, batch)
+                    self._after_train_step(metrics, batch, sync_every)
                     if evaluate is not None and eval_every and self.state.step % eval_every == 0:
                         self.state.eval_history.append((self.state.step, evaluate(self.state.step)))
                     if on_step is not None:
@@ -310,11 +321,19 @@ class Orchestrator:
             self.state.eval_history.append((num_steps, evaluate(num_steps)))
         return self.state
 
-    def _after_train_step(self, metrics: dict[str, float], sync_every: int) -> None:
+    def _after_train_step(
+        self, metrics: dict[str, Any], batch: list[Any], sync_every: int
+    ) -> None:
         self.state.step += 1
         step = self.state.step
         buffer_stats = ray.get(self.replay_buffer.stats.remote())
         metrics = dict(metrics)
+        pi_logprobs = metrics.pop("debug_pi_logprobs", None)
+        if pi_logprobs and self.metric_logger is not None:
+            for name, (columns, rows) in debug_tables(
+                batch, pi_logprobs, self.tokenizer, step
+            ).items():
+                self.metric_logger.log_table.remote(rows, columns, name, step=step)
         metrics.update(
             {
                 "queues/train_replay_buffer_size": float(buffer_stats["size"]),
@@ -356,7 +375,9 @@ class Orchestrator:
         # Put once; every collector reads the same object. Applied between generation batches.
         weights_ref = ray.put(payload["weights"])
         for collector in self.collectors:
-            collector.receive_weights.remote(weights_ref, payload["version"], payload["checksum"])
+            collector.receive_weights.remote(
+                weights_ref, payload["version"], payload["checksum"], payload["probe"]
+            )
         self.state.policy_version = payload["version"]
         return {
             "train_actor_performance/time_weight_gather (s)": gather_time,
@@ -364,6 +385,27 @@ class Orchestrator:
         }
 
     # ------------------------------------------------------------------ the end
+
+    def verify_weight_sync(self) -> bool:
+        """Check that every collector computes with exactly the trainer's current weights.
+
+        Pending weights are applied first. Logs ``weight_sync/in_sync`` (1 or 0).
+
+        Returns:
+            bool: True if every collector's checksum equals the trainer's.
+        """
+        trainer_sums = self._get_all([t.weights_checksum.remote() for t in self.trainers],
+                                     "trainer checksum")
+        expected = trainer_sums[0]
+        self._get_all([c.apply_pending_weights.remote() for c in self.collectors],
+                      "collector weight update")
+        got = self._get_all([c.get_weights_checksum.remote() for c in self.collectors],
+                            "collector checksum")
+        in_sync = all(checksum == expected for checksum in got)
+        self._log({"weight_sync/in_sync": float(in_sync)}, self.state.step)
+        if not in_sync:
+            log.error("collector weights differ from the trainer's: %s vs %s", got, expected)
+        return in_sync
 
     def save_final_checkpoint(self) -> Path:
         out_dir = self.run_dir / "final"
@@ -373,6 +415,7 @@ class Orchestrator:
 
     def shutdown(self) -> None:
         """End every actor of the run (idempotent)."""
+        self.ledger.close()
         if self.metric_logger is not None:
             try:
                 ray.get(self.metric_logger.close.remote(), timeout=30)
@@ -389,8 +432,100 @@ class Orchestrator:
         self.replay_buffer = self.metric_logger = self.rollout_queue = None
 
 
-def eta_seconds(started: float, steps_done: int, num_steps: int) -> float:
-    """Remaining seconds assuming the average pace so far."""
-    if steps_done == 0:
-        return math.nan
-    return (time.monotonic() - started) / steps_done * (num_steps - steps_done)
+class RunLedger:
+    """Which sequences were scored and which were trained on, one JSON line per event.
+
+    It is how a run proves that every trajectory was generated, scored and trained on
+    exactly once, and it survives a crash (each line is flushed).
+
+    Args:
+        run_dir (Path): The run folder; writes ``scored.jsonl`` and ``trained.jsonl``.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.scored_file = open(run_dir / "scored.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self.trained_file = open(run_dir / "trained.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+
+    @staticmethod
+    def _write(file: Any, record: dict[str, Any]) -> None:
+        file.write(json.dumps(record) + "\n")
+        file.flush()
+
+    def scored(self, step: int, sequence_ids: list[str]) -> None:
+        self._write(self.scored_file, {"step": step, "sequence_ids": sequence_ids})
+
+    def trained(self, step: int, batch: list[Any]) -> None:
+        self._write(
+            self.trained_file,
+            {
+                "step": step,
+                "sequence_ids": [t.sequence_id for t in batch],
+                "group_ids": [t.group_id for t in batch],
+                "policy_versions": [t.policy_version for t in batch],
+            },
+        )
+
+    def close(self) -> None:
+        self.scored_file.close()
+        self.trained_file.close()
+
+
+def debug_tables(
+    batch: list[Any], pi_logprobs: dict[str, list[float]], tokenizer: Any, step: int
+) -> dict[str, tuple[list[str], list[list[Any]]]]:
+    """Per-sample and per-token debug tables of the sequences in ``pi_logprobs``.
+
+    Args:
+        batch (list[ScoredTrajectory]): The trained batch.
+        pi_logprobs (dict[str, list[float]]): Policy logprobs by ``sequence_id``.
+        tokenizer: Tokenizer with ``decode(ids, skip_special_tokens=...)``.
+        step (int): Training step.
+
+    Returns:
+        dict: ``{table_name: (columns, rows)}``.
+    """
+    sample_rows, token_rows = [], []
+    sample_columns = token_columns = None
+    for traj in batch:
+        if traj.sequence_id not in pi_logprobs:
+            continue
+        pi = pi_logprobs[traj.sequence_id]
+        sample = {
+            "Sequence ID": traj.sequence_id,
+            "Prompt": tokenizer.decode(traj.prompt_tokens.tolist(), skip_special_tokens=False),
+            "Response": tokenizer.decode(traj.response_tokens.tolist(), skip_special_tokens=False),
+            "Answer": traj.answer,
+            "Advantage": float(traj.advantages),
+            "Response Length": traj.response_len,
+            "Policy Version": traj.policy_version,
+            "Step": step,
+        }
+        for name, reward, success in zip(
+            traj.reward_metadata["func_names"], traj.rewards.tolist(), traj.successes.tolist()
+        ):
+            sample[f"Reward_{name}"] = reward
+            sample[f"Success_{name}"] = success
+        sample_columns = list(sample)
+        sample_rows.append(list(sample.values()))
+        generated, ref = traj.logprobs.tolist(), traj.ref_logprobs.tolist()
+        for position, token_id in enumerate(traj.response_tokens.tolist()):
+            token = {
+                "Sequence ID": traj.sequence_id,
+                "Token Position": position,
+                "Token ID": token_id,
+                "Decoded Token": tokenizer.decode([token_id], skip_special_tokens=False),
+                "Generated Logprob": generated[position],
+                "Ref Logprob": ref[position],
+                "Pi Logprob": pi[position],
+                "Abs Diff Pi-Ref": abs(pi[position] - ref[position]),
+                "Abs Diff Pi-Generated": abs(pi[position] - generated[position]),
+                "Step": step,
+            }
+            token_columns = list(token)
+            token_rows.append(list(token.values()))
+    tables = {}
+    if sample_rows:
+        tables["per_sample_debug_table"] = (sample_columns, sample_rows)
+    if token_rows:
+        tables["per_token_debug_table"] = (token_columns, token_rows)
+    return tables

@@ -54,7 +54,7 @@ def recipe_main(cfg: DictConfig) -> dict:
     init_ray(cfg)
     tokenizer = load_tokenizer(cfg.base_model_path)
 
-    run = Orchestrator(cfg, run_dir)
+    run = Orchestrator(cfg, run_dir, tokenizer)
     try:
         run.start_metric_logger()
         run.start_rollout_queue()
@@ -79,11 +79,13 @@ def recipe_main(cfg: DictConfig) -> dict:
                 bar.update(1)
 
             state = run.run(evaluate=evaluator, on_step=show_progress)
+        weights_in_sync = run.verify_weight_sync()
         final_dir = run.save_final_checkpoint()
         summary = {
             "steps": state.step,
             "policy_version": state.policy_version,
             "eval": [(step, m.get("eval/accuracy")) for step, m in state.eval_history],
+            "weights_in_sync": weights_in_sync,
             "final_checkpoint": str(final_dir),
             "run_dir": str(run_dir),
             "seconds": time.monotonic() - started,

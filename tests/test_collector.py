@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from grpo.data import PromptStream, arithmetic_dataset
-from grpo.testing import build_tiny_qwen2
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +30,8 @@ class RecordingLogger:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "tiny_qwen2")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +127,8 @@ def test_groups_have_the_expected_structure(collector):
             assert 1 <= trajectory.response_len <= MAX_GENERATED_TOKENS
             assert trajectory.response_len == len(trajectory.response_tokens)
             assert trajectory.response_len == len(trajectory.logprobs)
-            assert bool((trajectory.logprobs <= 0).all()) and bool(trajectory.logprobs.isfinite().all())
+            assert bool(trajectory.logprobs.isfinite().all())
+            assert bool((trajectory.logprobs <= 0).all())
             response = trajectory.response_tokens.tolist()
             # No padding and nothing after a stop token; a stop token, if any, is kept last.
             assert not stop_tokens & set(response[:-1])

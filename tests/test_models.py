@@ -198,7 +198,7 @@ def test_build_model_dtype_device_and_no_weights(tiny_model_dir: Path) -> None:
         models.build_model(tiny_model_dir, device="meta")
 
 
-def test_unsupported_config_is_rejected(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_unsupported_config_is_rejected(tiny_model_dir: Path) -> None:
     config = models.load_hf_config(tiny_model_dir)
     with pytest.raises(ValueError, match="model_type"):
         models.qwen2_builder_args({**config, "model_type": "llama"})
@@ -265,6 +265,7 @@ def test_skip_output_layer_and_output_projection_weight(
     tied: bool, tiny_model_dir: Path, tiny_untied_model_dir: Path
 ) -> None:
     model = models.build_model(tiny_model_dir if tied else tiny_untied_model_dir)
+    state_dict_keys = set(model.state_dict())
     tokens = torch.tensor([[5, 17, 300, 42, 509, 7]])
     logits = model(tokens)
     weight = models.output_projection_weight(model)
@@ -276,10 +277,7 @@ def test_skip_output_layer_and_output_projection_weight(
     torch.testing.assert_close(hidden @ weight.T, logits, rtol=0, atol=1e-5)
     (hidden @ weight.T).logsumexp(-1).sum().backward()
     assert weight.grad is not None and weight.grad.abs().sum() > 0
-    assert (
-        model.state_dict().keys()
-        == models.build_model(tiny_model_dir if tied else tiny_untied_model_dir).state_dict().keys()
-    )
+    assert set(model.state_dict()) == state_dict_keys  # checkpoints are unaffected
 
     models.set_skip_output_layer(model, skip=False)
     torch.testing.assert_close(model(tokens), logits, rtol=0, atol=0)
@@ -374,7 +372,7 @@ def test_missing_file_names_the_path(removed: str, tiny_model_dir: Path, tmp_pat
     with pytest.raises(FileNotFoundError) as info:
         load(model_dir)
     assert str(model_dir) in str(info.value)
-    assert removed in str(info.value) or removed == "model.safetensors"
+    assert removed in str(info.value)
 
 
 def test_tokenizer_json_without_qwen_special_tokens_is_rejected(

@@ -254,26 +254,29 @@ def test_packed_forward_inputs_shapes():
 
 def test_packed_logprobs_equal_alone_for_every_mask_kind(model):
     sequences = mixed_sequences()
+    # Tail-padded to 512 for every mask kind; flex also unpadded, so its compiled kernel must
+    # serve a second length (a dynamic-shape path of its own).
+    layouts = [("dense", 512), ("varlen", 512), ("flex", 512), ("flex", None)]
     with torch.no_grad():
         alone = [alone_response_logprobs(model, seq) for seq in sequences]
         full_logits = {}
-        for mask_kind in ("dense", "varlen", "flex"):
+        for mask_kind, target in layouts:
             packed = pack_sequences(
-                sequences, "cpu", PAD_ID, target_tokens_per_batch=512, mask_kind=mask_kind
+                sequences, "cpu", PAD_ID, target_tokens_per_batch=target, mask_kind=mask_kind
             )
-            assert packed.padding_tokens == 512 - MIXED_TOTAL
+            assert packed.packed_seq_len == (target or MIXED_TOTAL)
             logits = model(**packed_forward_inputs(packed))
-            full_logits[mask_kind] = logits[0, :MIXED_TOTAL]
+            full_logits[mask_kind, target] = logits[0, :MIXED_TOTAL]
             pieces = unpack_response_logprobs(packed, logprobs_from_logits(logits, packed))
             for seq, expected, got in zip(sequences, alone, pieces):
                 assert got.shape == (seq.response_len,)
                 diff = max_abs_diff(got, expected)
-                assert diff <= TOLERANCE, f"{mask_kind}: {seq.sequence_id} differs by {diff}"
+                assert diff <= TOLERANCE, f"{mask_kind}/{target}: {seq.sequence_id} off by {diff}"
     # The logprobs are far from uniform, so agreement above is not trivial.
     assert torch.cat(alone).std() > 1.0
-    for mask_kind in ("varlen", "flex"):
-        diff = (full_logits[mask_kind] - full_logits["dense"]).abs().max().item()
-        assert diff <= TOLERANCE, f"{mask_kind} vs dense logits differ by {diff}"
+    for layout in layouts[1:]:
+        diff = max_abs_diff(full_logits[layout], full_logits["dense", 512])
+        assert diff <= TOLERANCE, f"{layout} vs dense logits differ by {diff}"
 
 
 def test_plain_causal_mask_is_detected(model):

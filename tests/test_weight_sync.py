@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import time
 
 import pytest
 import torch
@@ -62,7 +63,10 @@ def test_checksum_sees_every_value_name_and_shape():
     renamed = dict(state)
     renamed["model.final_norm.weight"] = renamed.pop("model.norm.weight")
     assert state_dict_checksum(renamed) != reference
-    reshaped = {**state, "model.embed_tokens.weight": state["model.embed_tokens.weight"].view(8, 16)}
+    reshaped = {
+        **state,
+        "model.embed_tokens.weight": state["model.embed_tokens.weight"].view(8, 16),
+    }
     assert state_dict_checksum(reshaped) != reference
     missing = dict(state)
     missing.pop("model.norm.weight")
@@ -137,11 +141,18 @@ def ray_session():
 
 
 def long_prompt_dataset():
-    """Two prompts of ~100 tokens: every batch re-reads them, so vLLM's prefix cache hits."""
+    """Two prompts of ~300 tokens, read again by every batch.
+
+    vLLM's CPU KV blocks hold 128 tokens and only full blocks are cached, so these prompts
+    hit the prefix cache: a stale cache after a weight update would show in the logprobs.
+    """
     from grpo.data import AnswerOnlyTemplate, PromptDataset
 
-    question = " ".join(f"What is {a} + {a + 3}?" for a in range(12))
-    examples = [{"question": question, "answer": "1"}, {"question": question + " Go", "answer": "2"}]
+    question = " ".join(f"What is {a} + {a + 3}?" for a in range(40))
+    examples = [
+        {"question": question, "answer": "1"},
+        {"question": question + " Go", "answer": "2"},
+    ]
     return PromptDataset(examples, AnswerOnlyTemplate())
 
 
@@ -158,22 +169,18 @@ def make_collector(model_dir):
         max_generated_tokens=MAX_GENERATED_TOKENS,
         rollout_queue=queue.Queue(),
         seed=0,
-        max_prompt_tokens=256,
+        max_prompt_tokens=512,
     )
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(tiny_model_dir, tiny_untied_model_dir):
     """(model_dir, collector) for a tied-embedding and an untied tiny Qwen2.
 
     Both engines live for the whole module and are closed together (in-process vLLM engines
     share global state; see SyncLLMCollector.shutdown).
     """
-    from grpo.testing import build_tiny_qwen2
-
-    root = tmp_path_factory.mktemp("weight_sync")
-    tied_dir = build_tiny_qwen2(root / "tied", tie_word_embeddings=True)
-    untied_dir = build_tiny_qwen2(root / "untied", tie_word_embeddings=False, seed=1)
+    tied_dir, untied_dir = tiny_model_dir, tiny_untied_model_dir
     tied, untied = make_collector(tied_dir), make_collector(untied_dir)
     yield {"tied": (tied_dir, tied), "untied": (untied_dir, untied)}
     untied.shutdown()
@@ -306,6 +313,11 @@ def test_checksum_mismatch_fails_and_stale_versions_are_ignored(engines):
     with pytest.raises(WeightSyncError, match="checksum"):
         collector.generate_batch(1)
     assert collector.policy_version == version
+    # The engine holds weights that failed verification: it refuses to generate or evaluate.
+    with pytest.raises(WeightSyncError, match="unverified"):
+        collector.generate_batch(1)
+    with pytest.raises(WeightSyncError, match="unverified"):
+        collector.evaluate([collector.dataset[0]])
     assert collector.rollout_queue.empty()
 
     # Recovery: the next correct update is applied and labels the samples.
@@ -316,3 +328,51 @@ def test_checksum_mismatch_fails_and_stale_versions_are_ignored(engines):
 
     assert not collector.receive_weights(weights, version + 1, state_dict_checksum(weights))
     assert not collector.weights.has_pending
+
+
+@pytest.mark.slow
+def test_publisher_updates_a_collector_actor(engines, ray_session):
+    """The production path: a collector Ray actor, weights put once, applied between batches."""
+    from ray.util.queue import Queue
+
+    from grpo.workers.collector import SyncLLMCollector
+
+    model_dir, _ = engines["tied"]
+    model, hf_config = trainer_side(model_dir)
+    rollout_queue = Queue(maxsize=16)
+    actor = SyncLLMCollector.as_remote(num_cpus=1).remote(
+        worker_id=0,
+        num_workers=1,
+        model_dir=str(model_dir),
+        engine_args=ENGINE_ARGS,
+        dataset={"_component_": "grpo.data.arithmetic_dataset", "num_examples": 8},
+        group_size=GROUP_SIZE,
+        max_generated_tokens=MAX_GENERATED_TOKENS,
+        rollout_queue=rollout_queue,
+        queue_put_timeout_s=0.5,
+        max_prompt_tokens=64,
+    )
+    try:
+        ray = ray_session
+        ray.get(actor.generate_batch.remote(1))
+        perturb(model, seed=7)
+        weights = hf_weights(model, hf_config)
+        assert ray.get(WeightPublisher().publish(weights, version=1, collectors=[actor])) == [True]
+        metrics = ray.get(actor.generate_batch.remote(1))
+        assert metrics["inference/policy_version"] == 1
+        assert metrics["inference/time_weight_update (s)"] > 0
+        assert ray.get(actor.get_weights_checksum.remote()) == state_dict_checksum(weights)
+        groups = [rollout_queue.get(timeout=30) for _ in range(2)]
+        assert [g.trajectories[0].policy_version for g in groups] == [0, 1]
+        assert max_logprob_error(model, groups[1].trajectories) < 1e-3
+        # run() on a threaded actor: stop() gets through while it generates.
+        running = actor.run.remote(num_prompts=1)
+        deadline = time.monotonic() + 60
+        while rollout_queue.size() < 2:
+            assert time.monotonic() < deadline, "run() produced no groups"
+            time.sleep(0.05)
+        ray.get(actor.stop.remote())
+        stats = ray.get(running, timeout=60)
+        assert stats["batches"] >= 3
+    finally:
+        ray_session.kill(actor)

@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
     # No CUDA graphs or torch.compile on CPU: compilation takes minutes, eager is fast enough.
     "enforce_eager": True,
-    # CPU kernels run float32 exactly; bf16 logprobs would differ from the fp32 trainer.
+    # float32: the behaviour logprobs then match an fp32 trainer's forward to ~1e-6. bfloat16
+    # is faster on CPUs with bf16 units; pass dtype in engine_args to choose it.
     "dtype": "float32",
     # An explicit KV cache size. The default sizes it as a fraction of the NUMA node's memory
     # minus this process's RSS, which fails as soon as other processes hold memory.
@@ -128,7 +129,8 @@ class SyncLLMCollector:
             it is ``max_prompt_tokens + max_generated_tokens`` when ``max_prompt_tokens`` is
             given.
         dataset: A sequence of examples (``PromptDataset``) or a ``_component_`` config node.
-        template: Optional ``question -> prompt`` callable; by default each example's
+        template: Optional template (a name, ``_component_`` node or ``question -> prompt``
+            callable, see `grpo.data.resolve_template`); by default each example's
             ``"prompt"`` (rendered by the dataset's template) is used.
         group_size (int): Responses sampled per prompt.
         max_generated_tokens (int): Most tokens per response.
@@ -138,7 +140,8 @@ class SyncLLMCollector:
             raising ``queue.Full`` on timeout (``ray.util.queue.Queue``, ``queue.Queue``).
         seed (int): Seeds the prompt order and every request's sampler.
         queue_put_timeout_s (float): Seconds of one blocking put; on timeout the collector
-            counts a wait, checks `stop`, and tries again. Groups are never dropped.
+            counts a wait, checks `stop`, and tries again. Groups are never dropped: only
+            `stop` ends the wait, and the groups it leaves are counted as not queued.
         max_prompt_tokens (int | None): Longer prompts are skipped (counted in
             ``inference/skipped_long_prompts``); default ``max_model_len -
             max_generated_tokens``.
@@ -193,6 +196,7 @@ class SyncLLMCollector:
         from vllm import LLM
 
         from grpo.data.stream import PromptStream
+        from grpo.data.templates import resolve_template
         from grpo.models import load_tokenizer
 
         self.worker_id = worker_id
@@ -209,11 +213,11 @@ class SyncLLMCollector:
         self.verify_weights = verify_weights
 
         self.dataset = _resolve_dataset(dataset)
-        self.template = template
+        self.template = None if template is None else resolve_template(template, "answer_only")
         self.stream = PromptStream(self.dataset, worker_id, num_workers, seed=seed)
         self.tokenizer = load_tokenizer(self.model_dir)
         if stop is None:
-            dataset_template = template or getattr(self.dataset, "template", None)
+            dataset_template = self.template or getattr(self.dataset, "template", None)
             stop = getattr(dataset_template, "stop", ())
         self.stop_strings = list(stop)
 
@@ -234,6 +238,7 @@ class SyncLLMCollector:
         self.max_prompt_tokens = max_prompt_tokens
 
         self.weights = WeightReceiver(weight_transport)
+        self._weights_error: str | None = None  # set while the engine holds unverified weights
         self.policy_version = 0
         self.sequence_counter = 0
         self.group_counter = 0
@@ -284,14 +289,17 @@ class SyncLLMCollector:
             probe (dict | None): Optional logprob check, see `WeightUpdate`.
 
         Returns:
-            bool: False if the version is not newer than the newest seen (then ignored).
+            bool: False (and ignored) if the version is not newer than both the engine's and
+            the pending update's.
         """
         update = WeightUpdate(version=int(version), weights=weights, checksum=checksum, probe=probe)
         accepted = self.weights.offer(update, self.policy_version)
         if not accepted:
             log.warning(
                 "collector %d ignored weights of version %s: it already has version %d or newer",
-                self.worker_id, version, self.policy_version,
+                self.worker_id,
+                version,
+                self.policy_version,
             )
         return accepted
 
@@ -302,16 +310,29 @@ class SyncLLMCollector:
             float: Seconds spent (0.0 if nothing was pending).
 
         Raises:
-            WeightSyncError: If the checksum or the probe does not match; ``policy_version``
-                is then left unchanged.
+            WeightSyncError: If the checksum or the probe does not match, or an earlier update
+                failed and no good one has arrived since. The engine then holds weights it
+                cannot vouch for: generation and evaluation refuse to run (rather than label
+                samples with a wrong ``policy_version``) until a verified update is applied.
         """
         with self._engine_lock:
             start = time.perf_counter()
-            applied = self.weights.apply_pending(self.llm, verify=self.verify_weights)
+            try:
+                applied = self.weights.apply_pending(self.llm, verify=self.verify_weights)
+                if applied is not None and applied.probe is not None:
+                    self._check_probe(applied.probe, applied.version)
+            except WeightSyncError as error:
+                self._weights_error = str(error)
+                raise
             if applied is None:
+                if self._weights_error is not None:
+                    raise WeightSyncError(
+                        f"collector {self.worker_id} holds unverified weights "
+                        f"({self._weights_error}); it generates again once a verified update "
+                        "is applied"
+                    )
                 return 0.0
-            if applied.probe is not None:
-                self._check_probe(applied.probe, applied.version)
+            self._weights_error = None
             self.policy_version = applied.version
             self.totals["weight_updates"] += 1
             return time.perf_counter() - start
@@ -369,7 +390,7 @@ class SyncLLMCollector:
     # ------------------------------------------------------------------ generation
 
     def _prompt_token_ids(self, item: Mapping[str, Any]) -> list[int]:
-        text = self.template(item["question"]) if self.template else item.get("prompt")
+        text = self.template(item["question"]) if self.template is not None else item.get("prompt")
         if text is None:
             raise KeyError(
                 f"example {item.get('index')} has no 'prompt' and the collector has no template"
@@ -426,10 +447,11 @@ class SyncLLMCollector:
         trajectories = []
         for completion in completions:
             token_ids = list(completion.token_ids)
-            if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
+            num_logprobs = len(completion.logprobs or ())
+            if num_logprobs != len(token_ids):
                 raise RuntimeError(
-                    f"vLLM returned {0 if completion.logprobs is None else len(completion.logprobs)}"
-                    f" logprobs for {len(token_ids)} tokens (group {group_id})"
+                    f"vLLM returned {num_logprobs} logprobs for {len(token_ids)} tokens "
+                    f"(group {group_id})"
                 )
             logprobs = torch.tensor(
                 [entry[token].logprob for token, entry in zip(token_ids, completion.logprobs)],
@@ -515,9 +537,7 @@ class SyncLLMCollector:
             for (item, ids), group_id, output in zip(prompts, group_ids, outputs)
         ]
         response_lens = [t.response_len for g in groups for t in g.trajectories]
-        truncated = sum(
-            c.finish_reason == "length" for output in outputs for c in output.outputs
-        )
+        truncated = sum(c.finish_reason == "length" for output in outputs for c in output.outputs)
         generated = sum(response_lens)
         self.totals["generated_tokens"] += generated
         self.batch_counter += 1
@@ -550,7 +570,8 @@ class SyncLLMCollector:
             if queued < len(groups):
                 log.warning(
                     "collector %d: %d generated groups were not queued because it was stopped",
-                    self.worker_id, len(groups) - queued,
+                    self.worker_id,
+                    len(groups) - queued,
                 )
             if self.metric_logger is not None:
                 _call_logger(self.metric_logger, metrics, self.batch_counter)
@@ -639,7 +660,9 @@ class SyncLLMCollector:
         if len(fits) < len(prompt_ids):
             log.warning(
                 "collector %d: %d evaluation prompts do not fit max_model_len=%d",
-                self.worker_id, len(prompt_ids) - len(fits), self.max_model_len,
+                self.worker_id,
+                len(prompt_ids) - len(fits),
+                self.max_model_len,
             )
         params = [
             SamplingParams(

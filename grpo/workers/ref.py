@@ -200,14 +200,15 @@ class RefActor:
     def _add_to_buffer(self, group: list[ScoredTrajectory]) -> bool:
         return _call(self.replay_buffer, "add", group)
 
-    def step(self) -> dict[str, float] | None:
+    def step(self) -> dict[str, Any] | None:
         """Score up to ``max_groups_per_step`` groups from the queue into the buffer.
 
         Groups the buffer had no room for stay pending and go first next time, so nothing
         is lost while the trainer catches up.
 
         Returns:
-            dict | None: Metrics, or None when there was nothing to do.
+            dict | None: ``{"metrics": {...}, "sequence_ids": [...]}`` (the sequences
+            scored), or None when there was nothing to do.
         """
         step_start = time.perf_counter()
         self._pending = [g for g in self._pending if not self._add_to_buffer(g)]
@@ -242,4 +243,5 @@ class RefActor:
                 "queues/rollout_queue_size": float(self.rollout_queue.qsize()),
             }
         )
-        return metrics
+        scored_ids = [t.sequence_id for g in groups for t in g.trajectories]
+        return {"metrics": metrics, "sequence_ids": scored_ids}

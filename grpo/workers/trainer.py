@@ -23,8 +23,8 @@ from torch import nn
 from grpo.config import instantiate
 from grpo.loss import model_response_logprobs
 from grpo.models import build_model, load_hf_config, save_hf_checkpoint, tune_to_hf_state_dict
-from grpo.packing import pack_sequences, plan_packs
-from grpo.types import PackedTrajectory, ScoredTrajectory
+from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
+from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
 from grpo.workers.weight_sync import state_dict_checksum
 
 
@@ -45,6 +45,18 @@ class ResponseLogprobModel(nn.Module):
 
     def forward(self, packed: PackedTrajectory) -> torch.Tensor:
         return model_response_logprobs(self.model, packed)
+
+
+def _select_logprobs(
+    packed: PackedTrajectory, logprobs: torch.Tensor, wanted: set[str]
+) -> dict[str, list[float]]:
+    """The response logprobs of the ``wanted`` sequences of a pack, as plain lists."""
+    per_sequence = unpack_response_logprobs(packed, logprobs.detach())
+    return {
+        sequence_id: values.float().tolist()
+        for sequence_id, values in zip(packed.sequence_ids, per_sequence)
+        if sequence_id in wanted
+    }
 
 
 def _set_seed(seed: int) -> None:
@@ -181,13 +193,18 @@ class PyTorchActorModel:
         return mine, max(len(plan) for plan in plans)
 
     def train_step(
-        self, batch: list[ScoredTrajectory], time_waiting_buffer: float = 0.0
-    ) -> dict[str, float]:
+        self,
+        batch: list[ScoredTrajectory],
+        time_waiting_buffer: float = 0.0,
+        debug_sequence_ids: list[str] | None = None,
+    ) -> dict[str, Any]:
         """Run ``ppo_epochs`` optimizer steps on one batch.
 
         Args:
             batch (list[ScoredTrajectory]): The whole batch (identical on every worker).
             time_waiting_buffer (float): Seconds the orchestrator waited for this batch.
+            debug_sequence_ids (list[str] | None): Sequences whose policy logprobs (from the
+                first epoch) to return under ``"debug_pi_logprobs"``, for debug tables.
 
         Returns:
             dict[str, float]: Metrics of the step (``train_actor_*`` names), summed over
@@ -207,6 +224,8 @@ class PyTorchActorModel:
         normalizer = self.loss_fn.batch_loss_normalizer([t.response_len for t in batch])
         # Sums over micro-batches and epochs: loss parts, and token-weighted stats.
         totals = torch.zeros(7, dtype=torch.float64)
+        wanted = set(debug_sequence_ids or ())
+        debug_pi_logprobs: dict[str, list[float]] = {}
         grad_norm = torch.tensor(0.0)
         skipped = False
         grpo_start = time.perf_counter()
@@ -223,8 +242,11 @@ class PyTorchActorModel:
                         f"trainer[{self.rank}] got no sequences: training.batch_size must be "
                         f">= num_training_workers"
                     )
+                pi_logprobs = self.policy(packed)
+                if wanted and _epoch == 0 and not is_filler:
+                    debug_pi_logprobs.update(_select_logprobs(packed, pi_logprobs, wanted))
                 stats = self.loss_fn.compute_loss_from_logprobs(
-                    self.policy(packed),
+                    pi_logprobs,
                     packed.ref_logprobs,
                     packed.advantages,
                     packed.behavior_logprobs,
@@ -280,7 +302,7 @@ class PyTorchActorModel:
         packed_tokens = sum(p.packed_seq_len for p in packs)
         response_tokens = sum(t.response_len for t in batch)
         ages = [self.policy_version - t.policy_version for t in batch]
-        return {
+        metrics: dict[str, Any] = {
             "train_actor_training/loss": float(totals[0]) / epochs,
             "train_actor_training/policy_loss": float(totals[1]) / epochs,
             "train_actor_training/kl_loss": float(totals[2]) / epochs,
@@ -306,6 +328,9 @@ class PyTorchActorModel:
                 100.0 * (packed_tokens - real_tokens) / packed_tokens if packed_tokens else 0.0
             ),
         }
+        if wanted:
+            metrics["debug_pi_logprobs"] = debug_pi_logprobs
+        return metrics
 
     def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
@@ -334,14 +359,40 @@ class PyTorchActorModel:
             state[name] = tensor.detach().to("cpu", copy=True)
         return state
 
+    @torch.no_grad()
+    def probe_logprobs(self) -> dict[str, Any]:
+        """Logprobs of a fixed token sequence under the current weights.
+
+        A collector that loaded the same weights must reproduce them, which proves that the
+        engine computes with what was sent, not only that the bytes arrived. Collective.
+        """
+        vocab_size = int(self.hf_config["vocab_size"])
+        token_ids = [(7 * i + 3) % min(vocab_size, 256) for i in range(16)]
+        probe = UnscoredTrajectory(
+            prompt_tokens=torch.tensor(token_ids[:1]),
+            response_tokens=torch.tensor(token_ids[1:]),
+            prompt_len=1,
+            response_len=len(token_ids) - 1,
+            logprobs=torch.zeros(len(token_ids) - 1),
+            answer="",
+            sequence_id="weight-sync-probe",
+            policy_version=self.policy_version,
+            group_id=-1,
+        )
+        packed = pack_sequences([probe], self.device, self.pad_token_id)
+        logprobs = self.policy(packed).float().cpu().tolist()
+        # fp32 on both sides agrees to ~1e-5; bf16 rounding differs between kernels.
+        atol = 1e-3 if self.dtype == torch.float32 else 0.1
+        return {"token_ids": token_ids, "logprobs": logprobs, "atol": atol}
+
     def gather_hf_weights(self) -> dict[str, Any] | None:
         """Gather full weights in HF names for the collectors and bump the policy version.
 
         Every rank must call it (the gather is collective); rank 0 returns
-        ``{"weights": hf_state_dict, "version": int, "checksum": ...}``, others None.
+        ``{"weights", "version", "checksum", "probe"}``, the others None.
         """
-        start = time.perf_counter()
         tune_state = self.full_state_dict()
+        probe = self.probe_logprobs()
         self.policy_version += 1
         if self.rank != 0:
             return None
@@ -350,7 +401,7 @@ class PyTorchActorModel:
             "weights": hf_state,
             "version": self.policy_version,
             "checksum": state_dict_checksum(hf_state),
-            "time_weight_gather (s)": time.perf_counter() - start,
+            "probe": probe,
         }
 
     def weights_checksum(self) -> Any:

@@ -263,9 +263,10 @@ class WeightReceiver:
 
     `offer` may be called from any thread (a Ray actor with ``max_concurrency > 1`` receives
     weights while it generates); `apply_pending` runs on the thread that owns the engine,
-    between generation batches. An offered version at or below the newest one already seen is
-    ignored, and a pending update replaced by a newer one before it was applied is counted in
-    ``num_superseded`` (the newer weights are complete, so nothing is lost).
+    between generation batches. An offered version not newer than both the engine's and the
+    pending one is ignored (a late, older update), and a pending update replaced by a newer
+    one before it was applied is counted in ``num_superseded`` (the newer weights are
+    complete, so nothing is lost).
 
     Args:
         transport (str): Must match the publisher's.
@@ -280,12 +281,11 @@ class WeightReceiver:
         self.transport = transport
         self._lock = threading.Lock()
         self._pending: WeightUpdate | None = None
-        self._newest_version: int | None = None
         self.num_superseded = 0
         self.num_ignored = 0
 
     def offer(self, update: WeightUpdate, current_version: int) -> bool:
-        """Keep ``update`` as the pending one if it is newer than everything seen so far.
+        """Keep ``update`` as the pending one if it is newer than the engine's and the pending one.
 
         Args:
             update (WeightUpdate): The update.
@@ -295,14 +295,13 @@ class WeightReceiver:
             bool: Whether it was kept.
         """
         with self._lock:
-            newest = max(current_version, -1 if self._newest_version is None else self._newest_version)
-            if update.version <= newest:
+            pending_version = self._pending.version if self._pending is not None else -1
+            if update.version <= max(current_version, pending_version):
                 self.num_ignored += 1
                 return False
             if self._pending is not None:
                 self.num_superseded += 1
             self._pending = update
-            self._newest_version = update.version
             return True
 
     @property

@@ -1,0 +1,277 @@
+"""Build the tiny demo model: a small Qwen2 that is partly competent at arithmetic.
+
+The CPU demo (``configs/tiny_arithmetic_cpu.yaml``) needs a starting policy that already
+writes ``<answer>85</answer>`` and stops, but gets only some of the answers right, so that GRPO
+has visible headroom. This script makes one, reproducibly:
+
+1. `grpo.testing.build_tiny_qwen2` writes a random Qwen2 folder with the byte-level BPE
+   tokenizer (digits are single tokens).
+2. Supervised training on the seeded arithmetic TRAIN split: cross-entropy on the response
+   tokens only (``<answer>85</answer><|im_end|>``), prompts ``"What is 37 + 48?\\n"``.
+3. Every ``--eval-every`` steps, greedy accuracy on held-out TEST-split questions (a batched
+   greedy loop on the torchtune model). Training stops as soon as it reaches
+   ``--target-accuracy``: the model has learned the format and the easy problems, not yet the
+   hard ones.
+4. The weights are saved with `grpo.models.save_hf_checkpoint` (HF layout: vLLM, torchtune).
+
+Usage::
+
+    python scripts/build_tiny_arithmetic_model.py --out assets/tiny_arithmetic_qwen2
+
+The held-out questions used for stopping (``--eval-seed``) differ from the demo config's
+``eval_dataset`` (seed 1), so the demo's start accuracy is not selected on its own eval set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from grpo.data import AnswerOnlyTemplate, PromptDataset, arithmetic_dataset
+from grpo.models import build_model, load_tokenizer, save_hf_checkpoint
+from grpo.testing import build_tiny_qwen2
+
+# Loss positions that are not response tokens.
+IGNORE_INDEX = -100
+# "<answer>" + "-" + up to 4 digits + "</answer>" is 9 tokens; the EOS makes 10.
+MAX_NEW_TOKENS = 12
+_ANSWER_ONLY_RE = re.compile(r"<answer>(?P<answer>[^<]*)</answer>")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("assets/tiny_arithmetic_qwen2"))
+    parser.add_argument("--seed", type=int, default=0, help="weights, data order, init")
+    # Architecture. Head dim = embed_dim // num_heads must be 64 for vLLM's CPU attention.
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--embed-dim", type=int, default=128)
+    parser.add_argument("--num-heads", type=int, default=2)
+    parser.add_argument("--num-kv-heads", type=int, default=1)
+    parser.add_argument("--intermediate-dim", type=int, default=512)
+    # Data: the same generator and options as the demo config's `dataset`.
+    parser.add_argument("--num-train-examples", type=int, default=200_000)
+    parser.add_argument("--max-value", type=int, default=99)
+    parser.add_argument("--num-eval-examples", type=int, default=512)
+    parser.add_argument("--eval-seed", type=int, default=2)
+    # Optimisation.
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup-steps", type=int, default=100)
+    parser.add_argument("--max-steps", type=int, default=20_000)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--target-accuracy", type=float, default=0.30)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--snapshot-dir",
+        type=Path,
+        default=None,
+        help="also save a checkpoint at every evaluation, as SNAPSHOT_DIR/step_N (to try "
+        "other starting points)",
+    )
+    return parser.parse_args()
+
+
+def encode_examples(
+    dataset: PromptDataset, tokenizer, template: AnswerOnlyTemplate
+) -> list[tuple[list[int], list[int]]]:
+    """Token ids of every example: ``(prompt_ids, response_ids)``, response ending in EOS.
+
+    The prompt is encoded on its own, exactly as the collector encodes it, and the response
+    separately: the policy sees the same prompt tokens at training and at generation time.
+    """
+    encoded = []
+    for index in range(len(dataset)):
+        example = dataset[index]
+        prompt_ids = tokenizer.encode(example["prompt"], add_bos=True, add_eos=False)
+        response_ids = tokenizer.encode(template.target(example["answer"]), add_bos=False)
+        if response_ids[-1] != tokenizer.eos_id:  # encode appends EOS by default
+            response_ids.append(tokenizer.eos_id)
+        encoded.append((prompt_ids, response_ids))
+    return encoded
+
+
+def collate(
+    batch: list[tuple[list[int], list[int]]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``tokens`` and ``labels`` (``IGNORE_INDEX`` outside the response).
+
+    ``labels[i, t]`` is the token the model must predict at position ``t`` (the next token), so
+    the loss is a plain cross-entropy of ``logits[:, t]`` against ``labels[:, t]``.
+    """
+    length = max(len(prompt) + len(response) for prompt, response in batch)
+    tokens = torch.full((len(batch), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), length), IGNORE_INDEX, dtype=torch.long)
+    for row, (prompt, response) in enumerate(batch):
+        sequence = prompt + response
+        tokens[row, : len(sequence)] = torch.tensor(sequence)
+        # Position t predicts token t + 1: the last prompt position predicts the first
+        # response token, the last response token (EOS) is only a target.
+        labels[row, len(prompt) - 1 : len(sequence) - 1] = torch.tensor(response)
+    return tokens, labels
+
+
+@torch.no_grad()
+def greedy_completions(
+    model, prompts: list[list[int]], tokenizer, max_new_tokens: int = MAX_NEW_TOKENS
+) -> list[str]:
+    """Greedy completions of token-id prompts, decoded without special tokens.
+
+    Prompts are grouped by length, so every row of a batch sits at the same position and no
+    padding or attention mask is needed; each step re-runs the whole sequence (no KV cache:
+    the sequences are ~20 tokens long). A row stops at the first stop token.
+    """
+    was_training = model.training
+    model.eval()
+    by_length: dict[int, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(index)
+    stop_ids = torch.tensor(sorted(tokenizer.stop_tokens))
+    completions = [""] * len(prompts)
+    for indices in by_length.values():
+        tokens = torch.tensor([prompts[i] for i in indices])
+        prompt_length = tokens.shape[1]
+        finished = torch.zeros(len(indices), dtype=torch.bool)
+        for _ in range(max_new_tokens):
+            next_ids = model(tokens)[:, -1].argmax(dim=-1)
+            # Finished rows keep emitting a stop token, which decoding drops.
+            next_ids = torch.where(finished, stop_ids[0], next_ids)
+            tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
+            finished |= torch.isin(next_ids, stop_ids)
+            if finished.all():
+                break
+        for row, index in enumerate(indices):
+            response = tokens[row, prompt_length:].tolist()
+            stop_at = [t for t, token in enumerate(response) if token in tokenizer.stop_tokens]
+            # Keep the first stop token so that `format_ok` can see the response ended.
+            response = response[: stop_at[0] + 1] if stop_at else response
+            completions[index] = tokenizer.decode(response, skip_special_tokens=False)
+    model.train(was_training)
+    return completions
+
+
+def score(completions: list[str], answers: list[str], eos_token: str) -> tuple[float, float]:
+    """Held-out accuracy and format rate of greedy completions.
+
+    A completion is well formed when it is exactly ``<answer>...</answer>`` followed by the
+    EOS token; it is correct when the answer inside the tags equals the gold answer (integers,
+    so string equality is what math-verify decides too).
+    """
+    correct = formatted = 0
+    for completion, answer in zip(completions, answers):
+        body = completion.removesuffix(eos_token)
+        match = _ANSWER_ONLY_RE.fullmatch(body)
+        formatted += match is not None and completion.endswith(eos_token)
+        found = _ANSWER_ONLY_RE.search(body)
+        correct += found is not None and found.group("answer").strip() == answer
+    return correct / len(answers), formatted / len(answers)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+
+    work_dir = Path(tempfile.mkdtemp(prefix="tiny_arithmetic_"))
+    try:
+        base_dir = build_tiny_qwen2(
+            work_dir / "init",
+            num_layers=args.num_layers,
+            embed_dim=args.embed_dim,
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            intermediate_dim=args.intermediate_dim,
+            seed=args.seed,
+        )
+        tokenizer = load_tokenizer(base_dir)
+        model = build_model(base_dir)
+        num_params = sum(p.numel() for p in model.parameters())
+        print(f"model: {num_params / 1e6:.2f}M parameters")
+
+        template = AnswerOnlyTemplate()
+        train_set = arithmetic_dataset(
+            num_examples=args.num_train_examples,
+            seed=args.seed,
+            max_value=args.max_value,
+            split="train",
+            template=template,
+        )
+        eval_set = arithmetic_dataset(
+            num_examples=args.num_eval_examples,
+            seed=args.eval_seed,
+            max_value=args.max_value,
+            split="test",
+            template=template,
+        )
+        train_examples = encode_examples(train_set, tokenizer, template)
+        eval_prompts = [prompt for prompt, _ in encode_examples(eval_set, tokenizer, template)]
+        eval_answers = [eval_set[i]["answer"] for i in range(len(eval_set))]
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        # Linear warm-up, then constant: training stops early, at a target accuracy.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / args.warmup_steps)
+        )
+        order: list[int] = []
+        accuracy = format_rate = 0.0
+        started = time.perf_counter()
+        step = 0
+        for step in range(1, args.max_steps + 1):
+            if len(order) < args.batch_size:
+                order = list(range(len(train_examples)))
+                rng.shuffle(order)
+            batch = [train_examples[order.pop()] for _ in range(args.batch_size)]
+            tokens, labels = collate(batch, tokenizer.pad_id)
+            logits = model(tokens)
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+
+            if step % args.eval_every == 0:
+                completions = greedy_completions(model, eval_prompts, tokenizer)
+                accuracy, format_rate = score(completions, eval_answers, "<|im_end|>")
+                elapsed = time.perf_counter() - started
+                print(
+                    f"step {step:5d}  loss {loss.item():.4f}  held-out accuracy {accuracy:.3f}  "
+                    f"format {format_rate:.3f}  ({elapsed:.0f} s)",
+                    flush=True,
+                )
+                if args.snapshot_dir is not None:
+                    save_hf_checkpoint(
+                        model.state_dict(), base_dir, args.snapshot_dir / f"step_{step}"
+                    )
+                if accuracy >= args.target_accuracy:
+                    break
+        sft_seconds = time.perf_counter() - started
+        if accuracy < args.target_accuracy:
+            raise SystemExit(
+                f"held-out accuracy {accuracy:.3f} is below --target-accuracy "
+                f"{args.target_accuracy} after {step} steps; raise --max-steps or --lr"
+            )
+
+        out_dir = save_hf_checkpoint(model.state_dict(), base_dir, args.out)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+    folder_bytes = sum(path.stat().st_size for path in out_dir.iterdir() if path.is_file())
+    print(f"SFT: {step} steps in {sft_seconds:.0f} s")
+    print(f"held-out greedy accuracy (torchtune): {accuracy:.3f}, format: {format_rate:.3f}")
+    print(f"wrote {out_dir} ({folder_bytes / 2**20:.2f} MiB, {num_params / 1e6:.2f}M params)")
+
+
+if __name__ == "__main__":
+    main()
