@@ -132,13 +132,15 @@ def _varlen_attention(
             f"{k.shape[2]}; pass the mask built for this pack"
         )
     lens = list(mask.block_lens)
+    # CPU SDPA returns [b, h, s, d] views of [b, s, h, d] memory: concatenating in that layout
+    # is a contiguous copy, and torchtune's following `transpose(1, 2).contiguous()` is free.
     outputs = [
         F.scaled_dot_product_attention(
             q_block, k_block, v_block, dropout_p=dropout_p, is_causal=True
-        )
+        ).transpose(1, 2)
         for q_block, k_block, v_block in zip(q.split(lens, 2), k.split(lens, 2), v.split(lens, 2))
     ]
-    return torch.cat(outputs, dim=2)
+    return torch.cat(outputs, dim=1).transpose(1, 2)
 
 
 def packed_attention(

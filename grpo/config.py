@@ -255,6 +255,12 @@ SCHEMA = Section(
                     1,
                     _POSITIVE_INT,
                 ),
+                "synchronous": Field(
+                    (bool,),
+                    "true: generate, score and train in lock-step (on-policy, reproducible "
+                    "to the bit; for debugging and exact-resume checks); false: overlap them.",
+                    False,
+                ),
                 "num_ref_workers": Field(
                     (int,),
                     "Reference-model actors (ref logprobs, rewards, advantages).",

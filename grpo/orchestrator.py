@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from omegaconf import DictConfig, OmegaConf
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.queue import Queue
@@ -26,6 +29,36 @@ log = logging.getLogger("grpo")
 
 class ActorFailedError(RuntimeError):
     """An actor of the run died or raised; the message names it."""
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file under ``folder`` to disk before it is renamed into place."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as file:
+                os.fsync(file.fileno())
+
+
+def find_checkpoint(run_dir: Path, resume: bool | str) -> Path | None:
+    """The checkpoint to resume from: ``true`` means the latest in ``run_dir``.
+
+    Raises:
+        FileNotFoundError: If ``resume`` is true and ``run_dir`` has no checkpoint.
+    """
+    if resume is False or resume is None:
+        return None
+    if resume is True:
+        latest = run_dir / "checkpoints" / "latest"
+        if not latest.is_file():
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=true but {latest} does not exist (no checkpoint saved "
+                "in this output_dir yet)"
+            )
+        return run_dir / "checkpoints" / latest.read_text().strip()
+    path = Path(resume)
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"resume_from_checkpoint: {path} is not a checkpoint folder")
+    return path
 
 
 def to_container(node: Any) -> Any:
@@ -92,6 +125,8 @@ class Orchestrator:
         self.rollout_queue = None
         self.metric_logger = None
         self._names: dict[Any, str] = {}
+        self._inflight: dict[Any, tuple[str, int]] = {}
+        self.stop_requested = False
 
     # ------------------------------------------------------------------ start-up
 
@@ -122,7 +157,7 @@ class Orchestrator:
         self._names[self.replay_buffer] = "replay_buffer"
         return self.replay_buffer
 
-    def start_trainers(self, pad_token_id: int) -> list[Any]:
+    def start_trainers(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> list[Any]:
         from grpo.workers.trainer import PyTorchActorModel
 
         cfg, training = self.cfg, self.cfg.training
@@ -150,7 +185,9 @@ class Orchestrator:
         for rank, trainer in enumerate(self.trainers):
             self._names[trainer] = f"trainer[{rank}]"
         init_method = ray.get(self.trainers[0].get_dist_address.remote()) if world_size > 1 else None
-        self._get_all([t.setup.remote(init_method) for t in self.trainers])
+        checkpoint = str(checkpoint_dir) if checkpoint_dir else None
+        self._get_all([t.setup.remote(init_method, checkpoint) for t in self.trainers],
+                      "trainer set-up")
         return self.trainers
 
     def start_ref_actors(self) -> list[Any]:
@@ -176,7 +213,8 @@ class Orchestrator:
             self._names[actor] = f"ref_actor[{index}]"
         return self.ref_actors
 
-    def start_collectors(self) -> list[Any]:
+    def start_collectors(self, weights_dir: Path | None = None) -> list[Any]:
+        """Start the vLLM collectors, from ``weights_dir`` (a checkpoint) or the base model."""
         from grpo.workers.collector import SyncLLMCollector
 
         cfg, inference = self.cfg, self.cfg.inference
@@ -186,7 +224,7 @@ class Orchestrator:
             actor_cls.remote(
                 worker_id=worker_id,
                 num_workers=num_workers,
-                model_dir=cfg.base_model_path,
+                model_dir=str(weights_dir) if weights_dir else cfg.base_model_path,
                 engine_args=to_container(inference.get("engine_args")) or {},
                 dataset=to_container(cfg.dataset),
                 group_size=inference.group_size,
@@ -197,6 +235,7 @@ class Orchestrator:
                 seed=cfg.seed,
                 queue_put_timeout_s=inference.get("queue_put_timeout_s", 1.0),
                 max_prompt_tokens=inference.get("max_prompt_tokens"),
+                steps_before_weight_sync=inference.get("steps_before_weight_sync", 1),
             )
             for worker_id in range(num_workers)
         ]
@@ -218,6 +257,43 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ the loop
 
+    def request_stop(self) -> None:
+        """Ask the loop to stop at the next step boundary (signal handlers call this)."""
+        self.stop_requested = True
+
+    def _launch(self, kind: str, index: int, ref: Any) -> None:
+        self._inflight[ref] = (kind, index)
+
+    def _launch_collector(self, index: int) -> None:
+        batch_size = self.cfg.inference.batch_size
+        self._launch("collector", index, self.collectors[index].generate_batch.remote(batch_size))
+
+    def _actor_name(self, kind: str, index: int) -> str:
+        return {"sample": "replay_buffer", "train": f"trainer[{index}]"}.get(
+            kind, f"{'ref_actor' if kind == 'ref' else kind}[{index}]"
+        )
+
+    def _result(self, ref: Any) -> tuple[str, int, Any]:
+        """Pop a finished call and return (kind, index, result); a failure names the actor."""
+        kind, index = self._inflight.pop(ref)
+        try:
+            return kind, index, ray.get(ref)
+        except (RayActorError, RayTaskError) as error:
+            raise ActorFailedError(f"{self._actor_name(kind, index)} failed: {error}") from error
+
+    def _handle_side_result(self, kind: str, index: int, result: Any, relaunch: bool) -> None:
+        """Log a collector's or reference actor's result, and keep it busy."""
+        if kind == "collector":
+            self._log(result, self.state.step)
+            if relaunch:
+                self._launch_collector(index)
+        elif kind == "ref":
+            if result:
+                self._log(result["metrics"], self.state.step)
+                self.ledger.scored(self.state.step, result["sequence_ids"])
+            if relaunch:
+                self._launch("ref", index, self.ref_actors[index].step.remote())
+
     def run(self, evaluate: Any = None, on_step: Any = None) -> RunState:
         """Drive the actors until ``orchestration.num_steps`` training steps are done.
 
@@ -234,92 +310,218 @@ class Orchestrator:
         """
         cfg = self.cfg
         num_steps = cfg.orchestration.num_steps
-        batch_size = cfg.training.batch_size
-        sync_every = cfg.training.steps_before_weight_sync
         eval_every = cfg.get("eval_every_n_steps") or 0
-        stall_timeout_s = cfg.orchestration.get("stall_timeout_s", 600)
-        inflight: dict[Any, tuple[str, int]] = {}
-
-        def launch(kind: str, index: int, ref: Any) -> None:
-            inflight[ref] = (kind, index)
-
-        for index, collector in enumerate(self.collectors):
-            launch("collector", index, collector.generate_batch.remote(cfg.inference.batch_size))
-        for index, actor in enumerate(self.ref_actors):
-            launch("ref", index, actor.step.remote())
-
-        if evaluate is not None:
+        synchronous = cfg.orchestration.get("synchronous", False)
+        if evaluate is not None and self.state.step == 0:
             self.state.eval_history.append((0, evaluate(0)))
 
-        sample_ref = self.replay_buffer.sample.remote(batch_size, self.state.policy_version)
-        launch("sample", 0, sample_ref)
-        wait_start = time.perf_counter()
-        train_refs: list[Any] = []
-        last_progress = time.monotonic()
+        while self.state.step < num_steps and not self.stop_requested:
+            if synchronous:
+                batch_ref, batch, waited = self._next_batch_synchronously()
+            else:
+                batch_ref, batch, waited = self._next_batch_asynchronously()
+            if batch is None:
+                break  # stop requested while waiting
+            metrics = self._train(batch_ref, batch, waited)
+            self._after_train_step(metrics, batch, cfg.training.steps_before_weight_sync)
+            step = self.state.step
+            if evaluate is not None and eval_every and step % eval_every == 0:
+                self.state.eval_history.append((step, evaluate(step)))
+            save_every = cfg.training.get("save_every_n_steps")
+            if save_every and step % save_every == 0:
+                self.save_checkpoint()
+            if on_step is not None:
+                on_step(self.state)
 
-        while self.state.step < num_steps:
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)
+        done = self.state.step >= num_steps
+        if evaluate is not None and done and (not eval_every or num_steps % eval_every):
+            self.state.eval_history.append((num_steps, evaluate(num_steps)))
+        return self.state
+
+    def _next_batch_asynchronously(self) -> tuple[Any, list[Any] | None, float]:
+        """Keep collectors and reference actors busy until the buffer yields a batch."""
+        cfg = self.cfg
+        if not any(kind == "collector" for kind, _ in self._inflight.values()):
+            for index in range(len(self.collectors)):
+                self._launch_collector(index)
+            for index, actor in enumerate(self.ref_actors):
+                self._launch("ref", index, actor.step.remote())
+        stall_timeout_s = cfg.orchestration.get("stall_timeout_s", 600)
+        batch_size = cfg.training.batch_size
+        wait_start = time.perf_counter()
+        last_progress = time.monotonic()
+        self._launch("sample", 0, self.replay_buffer.sample.remote(
+            batch_size, self.state.policy_version))
+        while not self.stop_requested:
+            ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=1.0)
             if not ready:
                 if time.monotonic() - last_progress > stall_timeout_s:
+                    busy = sorted({self._actor_name(*v) for v in self._inflight.values()})
                     raise ActorFailedError(
-                        f"no actor made progress for {stall_timeout_s:.0f} s "
-                        f"(in flight: {sorted(set(k for k, _ in inflight.values()))})"
+                        f"no actor made progress for {stall_timeout_s:.0f} s (busy: {busy})"
                     )
                 continue
             last_progress = time.monotonic()
             for ref in ready:
-                kind, index = inflight.pop(ref)
-                name = kind if kind in ("sample", "train") else f"{kind}[{index}]"
-                try:
-                    result = ray.get(ref)
-                except (RayActorError, RayTaskError) as error:
-                    actor = {"sample": "replay_buffer", "train": f"trainer[{index}]"}.get(kind, name)
-                    raise ActorFailedError(f"{actor} failed: {error}") from error
+                kind, index, result = self._result(ref)
+                if kind != "sample":
+                    self._handle_side_result(kind, index, result, relaunch=True)
+                elif result is None:
+                    time.sleep(0.05)
+                    self._launch("sample", 0, self.replay_buffer.sample.remote(
+                        batch_size, self.state.policy_version))
+                else:
+                    return ref, result, time.perf_counter() - wait_start
+        return None, None, 0.0
 
-                if kind == "collector":
-                    collector = self.collectors[index]
-                    self._log(result, self.state.step)
-                    launch(kind, index, collector.generate_batch.remote(cfg.inference.batch_size))
-                elif kind == "ref":
-                    if result:
-                        self._log(result["metrics"], self.state.step)
-                        self.ledger.scored(self.state.step, result["sequence_ids"])
-                    launch(kind, index, self.ref_actors[index].step.remote())
-                elif kind == "sample":
-                    if result is None:
-                        time.sleep(0.05)
-                        launch("sample", 0, self.replay_buffer.sample.remote(
-                            batch_size, self.state.policy_version))
-                        continue
-                    waited = time.perf_counter() - wait_start
-                    batch = result
-                    debug_ids = None
-                    if cfg.get("debug_logging_enabled") and self.tokenizer is not None:
-                        count = cfg.get("debug_num_samples_per_step", 1)
-                        debug_ids = [t.sequence_id for t in batch[:count]]
-                    train_refs = [
-                        t.train_step.remote(ref, waited, debug_ids) for t in self.trainers
-                    ]
-                    for rank, train_ref in enumerate(train_refs):
-                        launch("train", rank, train_ref)
-                elif kind == "train":
-                    if any(r in inflight for r in train_refs):
-                        continue  # wait for every rank
-                    metrics = result if index == 0 else ray.get(train_refs[0])
-                    self.ledger.trained(self.state.step + 1, batch)
-                    self._after_train_step(metrics, batch, sync_every)
-                    if evaluate is not None and eval_every and self.state.step % eval_every == 0:
-                        self.state.eval_history.append((self.state.step, evaluate(self.state.step)))
-                    if on_step is not None:
-                        on_step(self.state)
-                    if self.state.step < num_steps:
-                        wait_start = time.perf_counter()
-                        launch("sample", 0, self.replay_buffer.sample.remote(
-                            batch_size, self.state.policy_version))
+    def _next_batch_synchronously(self) -> tuple[Any, list[Any] | None, float]:
+        """Generate with the current weights and score everything, then sample a batch."""
+        cfg = self.cfg
+        batch_size = cfg.training.batch_size
+        wait_start = time.perf_counter()
+        while not self.stop_requested:
+            batch_ref = self.replay_buffer.sample.remote(batch_size, self.state.policy_version)
+            batch = self._get_all([batch_ref], "replay_buffer")[0]
+            if batch is not None:
+                return batch_ref, batch, time.perf_counter() - wait_start
+            for index in range(len(self.collectors)):
+                self._launch_collector(index)
+            self._drain_inflight(relaunch=False)
+            self._score_everything_queued()
+        return None, None, 0.0
 
-        if evaluate is not None and (not eval_every or num_steps % eval_every):
-            self.state.eval_history.append((num_steps, evaluate(num_steps)))
-        return self.state
+    def _score_everything_queued(self) -> None:
+        """Run reference steps until the queue is empty and every backlog is scored."""
+        while True:
+            for index, actor in enumerate(self.ref_actors):
+                self._launch("ref", index, actor.step.remote())
+            results = []
+            while self._inflight:
+                kind, index, result = self._result(next(iter(self._inflight)))
+                self._handle_side_result(kind, index, result, relaunch=False)
+                results.append(result)
+            if all(result is None for result in results) and self.rollout_queue.qsize() == 0:
+                return
+
+    def _drain_inflight(self, relaunch: bool, held: list[Any] | None = None) -> None:
+        """Wait for every in-flight call; if ``held`` is given, empty the queue meanwhile.
+
+        Draining lets a collector blocked on a full queue finish its batch.
+        """
+        while self._inflight:
+            if held is not None and self.rollout_queue.qsize():
+                held.extend(self.rollout_queue.get_nowait_batch(self.rollout_queue.qsize()))
+            ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=0.2)
+            for ref in ready:
+                kind, index, result = self._result(ref)
+                self._handle_side_result(kind, index, result, relaunch=relaunch)
+        if held is not None and self.rollout_queue.qsize():
+            held.extend(self.rollout_queue.get_nowait_batch(self.rollout_queue.qsize()))
+
+    def _train(self, batch_ref: Any, batch: list[Any], waited: float) -> dict[str, Any]:
+        cfg = self.cfg
+        debug_ids = None
+        if cfg.get("debug_logging_enabled") and self.tokenizer is not None:
+            count = cfg.get("debug_num_samples_per_step", 1)
+            debug_ids = [t.sequence_id for t in batch[:count]]
+        train_refs = [t.train_step.remote(batch_ref, waited, debug_ids) for t in self.trainers]
+        for rank, ref in enumerate(train_refs):
+            self._launch("train", rank, ref)
+        # Collectors and reference actors keep working while the trainers step.
+        results: dict[Any, Any] = {}
+        while any(ref in self._inflight for ref in train_refs):
+            ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=1.0)
+            for ref in ready:
+                kind, index, result = self._result(ref)
+                if kind == "train":
+                    results[ref] = result
+                else:
+                    self._handle_side_result(
+                        kind, index, result, relaunch=not self.cfg.orchestration.get(
+                            "synchronous", False)
+                    )
+        self.ledger.trained(self.state.step + 1, batch)
+        return results[train_refs[0]]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        """Save everything a run needs to continue exactly, atomically.
+
+        The pipeline is quiesced first: collectors finish their batch (the queue is emptied
+        meanwhile so none stays blocked), reference actors finish their step, and groups
+        taken from the queue go into the checkpoint. After saving, those groups are handed to
+        a reference actor so nothing is lost or scored twice.
+
+        Returns:
+            Path: The checkpoint folder ``run_dir/checkpoints/step_NNNNNN``.
+        """
+        start = time.perf_counter()
+        held: list[Any] = []
+        self._drain_inflight(relaunch=False, held=held)
+        checkpoints = self.run_dir / "checkpoints"
+        final = checkpoints / f"step_{self.state.step:06d}"
+        tmp = checkpoints / f".tmp-step_{self.state.step:06d}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        self._get_all([t.save_checkpoint.remote(str(tmp)) for t in self.trainers],
+                      "trainer checkpoint")
+        pipeline = {
+            "collectors": self._get_all([c.state_dict.remote() for c in self.collectors],
+                                        "collector state"),
+            "ref_actors": self._get_all([r.state_dict.remote() for r in self.ref_actors],
+                                        "ref_actor state"),
+            "held_groups": held,
+            "replay_buffer": self._get_all([self.replay_buffer.state_dict.remote()],
+                                           "replay_buffer state")[0],
+        }
+        torch.save(pipeline, tmp / "pipeline.pt")
+        (tmp / "state.json").write_text(json.dumps({
+            "step": self.state.step,
+            "policy_version": self.state.policy_version,
+            "eval_history": self.state.eval_history,
+        }))
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = checkpoints / ".latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, checkpoints / "latest")
+        if held:
+            self.ref_actors[0].add_backlog.remote(held)
+        self._log({"checkpoint/time (s)": time.perf_counter() - start}, self.state.step)
+        log.info("saved checkpoint %s", final)
+        return final
+
+    def restore(self, checkpoint_dir: Path) -> None:
+        """Load a checkpoint's pipeline state into freshly started actors.
+
+        Trainers and collectors were already started from its weights (see
+        `find_checkpoint` and the recipe).
+        """
+        state = json.loads((checkpoint_dir / "state.json").read_text())
+        pipeline = torch.load(checkpoint_dir / "pipeline.pt", weights_only=False)
+        if len(pipeline["collectors"]) != len(self.collectors):
+            raise ValueError(
+                f"{checkpoint_dir} has {len(pipeline['collectors'])} collectors, the config "
+                f"{len(self.collectors)}: orchestration.num_inference_workers must not change "
+                "on resume"
+            )
+        self.state.step = state["step"]
+        self.state.policy_version = state["policy_version"]
+        self.state.eval_history = [tuple(item) for item in state["eval_history"]]
+        calls = [c.load_state_dict.remote(s) for c, s in zip(self.collectors, pipeline["collectors"])]
+        ref_states = pipeline["ref_actors"]
+        for index, actor in enumerate(self.ref_actors):
+            if index < len(ref_states):
+                calls.append(actor.load_state_dict.remote(ref_states[index]))
+        for extra in ref_states[len(self.ref_actors):]:  # fewer ref actors now
+            calls.append(self.ref_actors[0].add_backlog.remote(extra["backlog"]))
+        calls.append(self.ref_actors[0].add_backlog.remote(pipeline["held_groups"]))
+        calls.append(self.replay_buffer.load_state_dict.remote(pipeline["replay_buffer"]))
+        self._get_all(calls, "restoring the checkpoint")
 
     def _after_train_step(
         self, metrics: dict[str, Any], batch: list[Any], sync_every: int

@@ -19,6 +19,7 @@ The whole run, in order:
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -26,10 +27,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from grpo.config import run_recipe_cli, validate_config
+from grpo.config import instantiate, run_recipe_cli, validate_config
 from grpo.evaluation import HeldOutEvaluator
 from grpo.models import load_tokenizer
-from grpo.orchestrator import Orchestrator, init_ray
+from grpo.orchestrator import ActorFailedError, Orchestrator, find_checkpoint, init_ray
 
 
 def prepare_run_dir(cfg: DictConfig) -> Path:
@@ -38,6 +39,19 @@ def prepare_run_dir(cfg: DictConfig) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     return run_dir
+
+
+def check_data(cfg: DictConfig) -> None:
+    """Load the datasets once up front: report skipped rows, fail on an empty set."""
+    for key in ("dataset", "eval_dataset"):
+        if cfg.get(key) is None:
+            continue
+        dataset = instantiate(cfg[key])
+        if len(dataset) == 0:
+            raise ValueError(f"{key}: no usable examples")
+        skipped = getattr(dataset, "skipped", None)
+        if skipped is not None and skipped.count:
+            print(f"{key}: {skipped.summary()}", file=sys.stderr)
 
 
 def recipe_main(cfg: DictConfig) -> dict:
@@ -50,27 +64,42 @@ def recipe_main(cfg: DictConfig) -> dict:
         dict: Final step, policy version, held-out accuracy history and output paths.
     """
     validate_config(cfg)
+    check_data(cfg)
     run_dir = prepare_run_dir(cfg)
     init_ray(cfg)
     tokenizer = load_tokenizer(cfg.base_model_path)
 
+    checkpoint = find_checkpoint(run_dir, cfg.resume_from_checkpoint)
+
     run = Orchestrator(cfg, run_dir, tokenizer)
+    # Ctrl-C / SIGTERM: finish the current step, save a checkpoint, end every actor.
+    previous_handlers = {
+        sig: signal.signal(sig, lambda *_: run.request_stop())
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         run.start_metric_logger()
         run.start_rollout_queue()
         run.start_replay_buffer()
-        run.start_trainers(pad_token_id=tokenizer.pad_id)
+        run.start_trainers(pad_token_id=tokenizer.pad_id, checkpoint_dir=checkpoint)
         run.start_ref_actors()
-        run.start_collectors()
+        run.start_collectors(weights_dir=checkpoint / "model" if checkpoint else None)
+        if checkpoint:
+            run.restore(checkpoint)
+            print(f"Resumed from {checkpoint} at step {run.state.step}")
         evaluator = HeldOutEvaluator.from_config(cfg, run.collectors[0], run.metric_logger)
 
         num_steps = cfg.orchestration.num_steps
         started = time.monotonic()
-        with tqdm(total=num_steps, desc="GRPO", unit="step", file=sys.stdout) as bar:
+        with tqdm(
+            total=num_steps, initial=run.state.step, desc="GRPO", unit="step", file=sys.stdout
+        ) as bar:
 
             def show_progress(state) -> None:
                 metrics = state.last_metrics
                 postfix = {"v": state.policy_version}
+                if "ref_actor_rewards/rewards_mean" in metrics:
+                    postfix["reward"] = f"{metrics['ref_actor_rewards/rewards_mean']:.3f}"
                 if "train_actor_training/loss" in metrics:
                     postfix["loss"] = f"{metrics['train_actor_training/loss']:.4f}"
                 if state.eval_history:
@@ -78,7 +107,15 @@ def recipe_main(cfg: DictConfig) -> dict:
                 bar.set_postfix(postfix)
                 bar.update(1)
 
-            state = run.run(evaluate=evaluator, on_step=show_progress)
+            try:
+                state = run.run(evaluate=evaluator, on_step=show_progress)
+            except ActorFailedError as error:
+                print(f"Run stopped: {error}", file=sys.stderr)
+                raise
+        if run.stop_requested:
+            saved = run.save_checkpoint()
+            print(f"Stopped at step {state.step}; resume with resume_from_checkpoint={saved}")
+            return {"steps": state.step, "stopped": True, "checkpoint": str(saved)}
         weights_in_sync = run.verify_weight_sync()
         final_dir = run.save_final_checkpoint()
         summary = {
@@ -92,6 +129,8 @@ def recipe_main(cfg: DictConfig) -> dict:
         }
     finally:
         run.shutdown()
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
 
     try:
         from grpo.plotting import plot_run

@@ -151,6 +151,9 @@ class SyncLLMCollector:
             kept in the response.
         weight_transport (str): ``"object_store"`` (see `grpo.workers.weight_sync`).
         verify_weights (bool): Check the checksum of every received update.
+        steps_before_weight_sync (int): Generation batches between applying received
+            weights (1: before every batch). Larger values trade policy lag for fewer engine
+            reloads.
 
     Raises:
         ValueError: On inconsistent sizes (worker id out of range, a shard that is empty, no
@@ -183,6 +186,7 @@ class SyncLLMCollector:
         stop: Sequence[str] | None = None,
         weight_transport: str = "object_store",
         verify_weights: bool = True,
+        steps_before_weight_sync: int = 1,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -211,6 +215,11 @@ class SyncLLMCollector:
         self.queue_put_timeout_s = float(queue_put_timeout_s)
         self.metric_logger = metric_logger
         self.verify_weights = verify_weights
+        if steps_before_weight_sync < 1:
+            raise ValueError(
+                f"steps_before_weight_sync must be >= 1, got {steps_before_weight_sync}"
+            )
+        self.steps_before_weight_sync = steps_before_weight_sync
 
         self.dataset = _resolve_dataset(dataset)
         self.template = None if template is None else resolve_template(template, "answer_only")
@@ -516,7 +525,11 @@ class SyncLLMCollector:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
         from vllm.inputs import TokensPrompt
 
-        weight_update_s = self.apply_pending_weights()
+        weight_update_s = (
+            self.apply_pending_weights()
+            if self.batch_counter % self.steps_before_weight_sync == 0
+            else 0.0
+        )
         prompts = self._next_prompts(num_prompts)
         group_ids = [
             self.worker_id + self.num_workers * (self.group_counter + i) for i in range(num_prompts)

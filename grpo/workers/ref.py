@@ -96,7 +96,10 @@ class RefActor:
         self.max_groups_per_step = max_groups_per_step
         self.queue_get_timeout_s = queue_get_timeout_s
         self.steps_run = 0
+        # Scored groups the buffer had no room for yet, and unscored groups handed back by
+        # the orchestrator (from a checkpoint, or drained from the queue while saving one).
         self._pending: list[list[ScoredTrajectory]] = []
+        self._backlog: list[GroupedUnscoredTrajectories] = []
         self.reward_failures: dict[str, int] = {}
 
     @torch.no_grad()
@@ -215,12 +218,14 @@ class RefActor:
         if self._pending:
             return None  # buffer still full: don't take more from the queue
 
-        groups = []
-        first = _get(self.rollout_queue, self.queue_get_timeout_s)
+        groups = self._backlog[: self.max_groups_per_step]
+        self._backlog = self._backlog[len(groups) :]
+        if not groups:
+            first = _get(self.rollout_queue, self.queue_get_timeout_s)
+            if first is None:
+                return None
+            groups.append(first)
         time_waiting = time.perf_counter() - step_start
-        if first is None:
-            return None
-        groups.append(first)
         while len(groups) < self.max_groups_per_step:
             more = _get(self.rollout_queue, None)
             if more is None:
@@ -245,3 +250,23 @@ class RefActor:
         )
         scored_ids = [t.sequence_id for g in groups for t in g.trajectories]
         return {"metrics": metrics, "sequence_ids": scored_ids}
+
+    def add_backlog(self, groups: list[GroupedUnscoredTrajectories]) -> None:
+        """Score these groups before anything from the queue."""
+        self._backlog.extend(groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Groups this actor holds that are neither in the queue nor in the buffer."""
+        return {
+            "backlog": list(self._backlog),
+            "pending": list(self._pending),
+            "reward_failures": dict(self.reward_failures),
+            "steps_run": self.steps_run,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        self._backlog = list(state["backlog"])
+        self._pending = list(state["pending"])
+        self.reward_failures = dict(state["reward_failures"])
+        self.steps_run = state["steps_run"]

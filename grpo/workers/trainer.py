@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,7 +131,9 @@ class PyTorchActorModel:
         self.num_nonfinite_skipped = 0
         self._nonfinite_in_a_row = 0
 
-    def setup(self, dist_init_method: str | None = None) -> None:
+    def setup(
+        self, dist_init_method: str | None = None, checkpoint_dir: str | None = None
+    ) -> None:
         """Join the process group (several workers), build the model, optimizer and loss.
 
         Separate from ``__init__`` because rank 0's address is known only once it exists.
@@ -138,6 +141,9 @@ class PyTorchActorModel:
         Args:
             dist_init_method (str | None): ``tcp://host:port`` of rank 0; required when
                 ``world_size > 1``.
+            checkpoint_dir (str | None): Resume from this checkpoint: weights from its
+                ``model/`` folder, optimizer, LR schedule, counters and RNG from
+                ``trainer.pt``.
         """
         world_size, rank = self.world_size, self.rank
         if world_size > 1:
@@ -149,7 +155,8 @@ class PyTorchActorModel:
             )
         # Same seed on every rank: identical initial weights before sharding.
         _set_seed(self.seed)
-        decoder = build_model(self.model_dir, dtype=self.dtype, device=self.device)
+        weights_dir = str(Path(checkpoint_dir) / "model") if checkpoint_dir else self.model_dir
+        decoder = build_model(weights_dir, dtype=self.dtype, device=self.device)
         self.policy = ResponseLogprobModel(decoder)
         if world_size > 1:
             from torch.distributed.fsdp import fully_shard
@@ -171,6 +178,69 @@ class PyTorchActorModel:
             if nodes["lr_scheduler"]
             else None
         )
+        if checkpoint_dir:
+            self._load_training_state(Path(checkpoint_dir) / "trainer.pt")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        """Full (unsharded) optimizer state; collective under FSDP."""
+        if self.world_size == 1:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.policy, self.optimizer, options=options)
+
+    def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """Write ``model/`` (HF format) and ``trainer.pt`` into ``checkpoint_dir``.
+
+        The caller makes the folder and renames it into place once complete. Collective.
+        """
+        tune_state = self.full_state_dict()
+        optimizer_state = self._optimizer_state()
+        if self.rank != 0:
+            return
+        save_hf_checkpoint(tune_state, self.model_dir, Path(checkpoint_dir) / "model")
+        state = {
+            "optimizer": optimizer_state,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+            "steps_run": self.steps_run,
+            "policy_version": self.policy_version,
+            "num_nonfinite_skipped": self.num_nonfinite_skipped,
+            "nonfinite_in_a_row": self._nonfinite_in_a_row,
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
+        torch.save(state, Path(checkpoint_dir) / "trainer.pt")
+
+    def _load_training_state(self, path: Path) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if self.world_size == 1:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_optimizer_state_dict,
+            )
+
+            set_optimizer_state_dict(
+                self.policy,
+                self.optimizer,
+                optim_state_dict=state["optimizer"],
+                options=StateDictOptions(full_state_dict=True),
+            )
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.steps_run = state["steps_run"]
+        self.policy_version = state["policy_version"]
+        self.num_nonfinite_skipped = state["num_nonfinite_skipped"]
+        self._nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
 
     # ------------------------------------------------------------------ training
 

@@ -127,7 +127,7 @@ class WeightSyncWorkerExtension:
             runner.get_model().load_weights(weights=iter(weights.items()))
         _refresh_vocab_projections(runner.get_model())
         self._grpo_weights_checksum = checksum
-        self._grpo_weights_updated = True
+        self._grpo_weights_checksum_known = True
         return checksum
 
     def grpo_weights_checksum(self) -> str | None:
@@ -137,32 +137,32 @@ class WeightSyncWorkerExtension:
         after an update, the checksum computed when it was loaded (None if it was loaded with
         ``compute_checksum=False``).
         """
-        if getattr(self, "_grpo_weights_updated", False):
-            return self._grpo_weights_checksum
-        from grpo.models import load_hf_state_dict
+        if not getattr(self, "_grpo_weights_checksum_known", False):
+            from grpo.models import load_hf_state_dict
 
-        checksum = state_dict_checksum(load_hf_state_dict(self.model_config.model))
-        self._grpo_weights_checksum = checksum
-        return checksum
+            weights = load_hf_state_dict(self.model_config.model)
+            self._grpo_weights_checksum = state_dict_checksum(weights)
+            self._grpo_weights_checksum_known = True
+        return self._grpo_weights_checksum
 
 
 def _refresh_vocab_projections(model: torch.nn.Module) -> None:
-    """Rebuild the matmul kernels of vocabulary layers after an in-place reload.
+    """Rebuild the output projection's matmul kernel after an in-place reload.
 
     On CPU vLLM turns each linear weight into a packed oneDNN copy when it is loaded. With
     tied embeddings ``lm_head`` shares ``embed_tokens.weight`` but is never loaded by name, so
     an in-place reload updates the shared tensor and leaves ``lm_head`` computing logits with
     a packed copy of the OLD weights: sampling and logprobs then silently use stale output
-    projections. Re-running the (idempotent, weight-keeping) post-load step of every
-    unquantized vocabulary layer rebuilds the packed copy; on GPU it is a no-op.
+    projections. Re-running the (idempotent, weight-keeping) post-load step of the unquantized
+    output projection rebuilds the packed copy; on GPU it is a no-op.
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
         UnquantizedEmbeddingMethod,
-        VocabParallelEmbedding,
     )
 
     for module in model.modules():
-        if isinstance(module, VocabParallelEmbedding) and isinstance(
+        if isinstance(module, ParallelLMHead) and isinstance(
             getattr(module, "quant_method", None), UnquantizedEmbeddingMethod
         ):
             module.quant_method.process_weights_after_loading(module)

@@ -1,0 +1,778 @@
+"""Benchmark the async GRPO pipeline on the tiny CPU config.
+
+Three measurements, printed as tables and summarised at the end:
+
+1. Pipeline throughput, from a real short run (``grpo run async_grpo --config
+   tiny_arithmetic_cpu``, launched through `grpo.cli.main` in a child process with
+   ``WANDB_MODE=disabled`` and a temporary ``output_dir``), read back from its
+   ``metrics.jsonl``: generated tokens/s (collector), trained tokens/s (trainer) and the share
+   of trainer time spent waiting for data. The first ``--warmup-steps`` training steps are
+   skipped: they include Ray and actor start-up and the first generation batches. Rates are
+   aggregates (total tokens / total seconds), not means of per-step rates; the "wall" rates
+   divide by the wall time between the first and last measured steps (log timestamps).
+2. Weight sync against an in-memory copy of the same HF-named state dict, side by side in
+   this process: ``{k: v.clone()}``, the trainer-side gather (copy, torchtune -> HF names,
+   checksum), optionally ``ray.put`` + ``ray.get``, and the update of a vLLM CPU engine through
+   the collector's path (``collective_rpc("grpo_update_weights")`` and `WeightReceiver`), next
+   to the pipeline's own ``time_weight_sync (s)`` and the collectors' apply time.
+3. Reference logprobs of a 64-sequence batch, packed (`plan_packs` + `pack_sequences` +
+   `model_response_logprobs`, as `RefActor` does) against one sequence at a time with the same
+   function, on the pipeline's model with arithmetic-like lengths and (unless ``--quick``) on a
+   larger torchtune model with GSM8K-like lengths. Both must agree within 1e-4.
+
+Micro-benchmarks run their variants round-robin after one warm-up call each (the machine may
+be shared) and report medians. The load average is printed at the start and the end.
+
+The model is ``--model-dir``, else ``assets/tiny_arithmetic_qwen2`` if it exists, else a random
+Qwen2 of the same shape built with `grpo.testing.build_tiny_qwen2` in a temporary folder (a
+random policy earns no reward, so its loss is 0, but every step does the same work).
+
+Usage:
+    python scripts/bench_pipeline.py            # about 5 min on 2 cores
+    python scripts/bench_pipeline.py --quick    # about 2 min: shorter run, short batch only
+    python scripts/bench_pipeline.py --model-dir assets/tiny_arithmetic_qwen2 --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# vLLM logs every engine step at INFO; the tables are the output of this script.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+
+from grpo.config import repo_root  # noqa: E402
+from grpo.loss import model_response_logprobs  # noqa: E402
+from grpo.models import build_model, load_hf_config, tune_to_hf_state_dict  # noqa: E402
+from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs  # noqa: E402
+from grpo.testing import build_tiny_qwen2  # noqa: E402
+from grpo.types import UnscoredTrajectory  # noqa: E402
+from grpo.workers.weight_sync import (  # noqa: E402
+    WORKER_EXTENSION_CLS,
+    WeightReceiver,
+    WeightUpdate,
+    state_dict_checksum,
+)
+
+CONFIG = "tiny_arithmetic_cpu"
+# Shape of the shipped demo model (scripts/build_tiny_arithmetic_model.py defaults).
+TINY_MODEL_SHAPE = {
+    "num_layers": 4,
+    "embed_dim": 128,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "intermediate_dim": 512,
+}
+# "Slightly larger" model for GSM8K-like lengths; head dim 64 like the tiny one.
+LONG_MODEL_SHAPE = {
+    "num_layers": 4,
+    "embed_dim": 256,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_dim": 1024,
+    "vocab_size": 2048,
+    "max_seq_len": 4096,
+}
+LOGPROB_ATOL = 1e-4
+# No pack is padded here (no budget padding is asked for), so the pad id is never used.
+PAD_ID = 0
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min, {os.cpu_count()} CPUs)"
+
+
+def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
+    """Left-align the first column, right-align the others."""
+    cells = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for index, row in enumerate(cells):
+        line = "  ".join(
+            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)
+        )
+        print(f"  {line}")
+        if index == 0:
+            print(f"  {'  '.join('-' * w for w in widths)}")
+
+
+def time_interleaved(
+    functions: dict[str, Callable[[], Any]], repeats: int
+) -> dict[str, list[float]]:
+    """Seconds of each call: one untimed warm-up call each, then ``repeats`` rounds in turn."""
+    for function in functions.values():
+        function()
+    seconds: dict[str, list[float]] = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+# ------------------------------------------------------------------------ model
+
+
+def resolve_model_dir(model_dir: Path | None, work_dir: Path) -> tuple[Path, str]:
+    """The model folder to benchmark, and a line that says what it is."""
+    if model_dir is not None:
+        return model_dir.resolve(), f"{model_dir} (--model-dir)"
+    shipped = repo_root() / "assets" / "tiny_arithmetic_qwen2"
+    if shipped.is_dir():
+        return shipped, f"{shipped} (shipped demo model)"
+    built = build_tiny_qwen2(work_dir / "tiny_random_qwen2", **TINY_MODEL_SHAPE)
+    shape = ", ".join(f"{key}={value}" for key, value in TINY_MODEL_SHAPE.items())
+    return built, f"random tiny Qwen2 ({shape}; {shipped} does not exist)"
+
+
+def describe_model(model_dir: Path) -> str:
+    config = load_hf_config(model_dir)
+    return (
+        f"{config['num_hidden_layers']} layers, dim {config['hidden_size']}, "
+        f"{config['num_attention_heads']} heads ({config['num_key_value_heads']} kv), "
+        f"vocab {config['vocab_size']}"
+    )
+
+
+# -------------------------------------------------------------- 1. the pipeline
+
+
+@dataclass
+class PipelineResult:
+    """Aggregates of one run's ``metrics.jsonl`` over the measured (post-warm-up) steps."""
+
+    steps: int
+    warmup_steps: int
+    measured_steps: int
+    run_seconds: float
+    first_step_wait_s: float
+    window_s: float
+    generated_tokens: float
+    generation_s: float
+    window_generated_tokens: float
+    trained_tokens: float
+    grpo_s: float
+    mean_step_tokens_per_s: float
+    waiting_s: float
+    step_s: float
+    weight_sync_s: list[float]
+    weight_gather_s: list[float]
+    collector_update_s: list[float]
+
+    @property
+    def generation_rate(self) -> float:
+        return self.generated_tokens / self.generation_s if self.generation_s else math.nan
+
+    @property
+    def generation_wall_rate(self) -> float:
+        return self.window_generated_tokens / self.window_s if self.window_s else math.nan
+
+    @property
+    def train_rate(self) -> float:
+        return self.trained_tokens / self.grpo_s if self.grpo_s else math.nan
+
+    @property
+    def train_wall_rate(self) -> float:
+        return self.trained_tokens / self.window_s if self.window_s else math.nan
+
+
+def run_pipeline(
+    model_dir: Path, out_dir: Path, steps: int, timeout_s: float
+) -> tuple[list[dict[str, Any]], float]:
+    """Run the recipe in a child process; return its metrics.jsonl rows and wall seconds.
+
+    A child process keeps the run's Ray cluster, threads and vLLM logs out of this process;
+    its output goes to ``out_dir/run.log``.
+
+    Raises:
+        RuntimeError: If the run fails or writes no metrics (the log's tail is in the message).
+    """
+    overrides = [
+        f"base_model_path={model_dir}",
+        f"output_dir={out_dir}",
+        f"orchestration.num_steps={steps}",
+        "eval_every_n_steps=null",  # held-out evaluation is not part of the step loop's cost
+    ]
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from grpo.cli import main; sys.exit(main(sys.argv[1:]))",
+        *["run", "async_grpo", "--config", CONFIG, *overrides],
+    ]
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    log_path = out_dir.parent / f"{out_dir.name}.log"
+    start = time.perf_counter()
+    with open(log_path, "w") as log_file:
+        try:
+            completed = subprocess.run(
+                command,
+                cwd=repo_root(),
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+            )
+            returncode = completed.returncode
+        except subprocess.TimeoutExpired:
+            returncode = None
+    seconds = time.perf_counter() - start
+    metrics_path = out_dir / "metrics.jsonl"
+    if returncode != 0 or not metrics_path.is_file():
+        tail = log_path.read_text(errors="replace")[-4000:]
+        status = f"timed out after {timeout_s:.0f} s" if returncode is None else f"rc={returncode}"
+        raise RuntimeError(f"pipeline run failed ({status}); end of {log_path}:\n{tail}")
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    return rows, seconds
+
+
+def summarize_pipeline(
+    rows: list[dict[str, Any]], steps: int, warmup_steps: int, run_seconds: float
+) -> PipelineResult:
+    """Aggregate the train and inference rows logged after the warm-up steps.
+
+    The measured window runs from the log time of training step ``warmup_steps`` to that of
+    the last step; inference batches logged inside it count towards the wall rate.
+
+    Raises:
+        ValueError: If the log has no training step after the warm-up.
+    """
+    perf = "train_actor_performance/"
+    train_rows = sorted(
+        (r for r in rows if f"{perf}total_step_time (s)" in r), key=lambda r: r["step"]
+    )
+    inference_rows = sorted(
+        (r for r in rows if "inference/generated_tokens" in r), key=lambda r: r["time"]
+    )
+    measured = [r for r in train_rows if r["step"] > warmup_steps]
+    before = [r for r in train_rows if r["step"] <= warmup_steps]
+    if not measured or not before:
+        raise ValueError(
+            f"metrics.jsonl has training steps {[r['step'] for r in train_rows]}; need steps "
+            f"<= warmup_steps={warmup_steps} and after it (raise --steps)"
+        )
+    window_start, window_end = before[-1]["time"], measured[-1]["time"]
+    in_window = [r for r in inference_rows if window_start < r["time"] <= window_end]
+    # Batches generated after the warm-up steps (the first ones include engine warm-up).
+    late_inference = [r for r in inference_rows if r["time"] > window_start]
+
+    def total(selected: list[dict[str, Any]], key: str) -> float:
+        return float(sum(r.get(key, 0.0) for r in selected))
+
+    # The trainer reports response tokens * epochs / time_grpo_steps; multiply back.
+    trained = [r[f"{perf}tokens_per_second"] * r[f"{perf}time_grpo_steps (s)"] for r in measured]
+    return PipelineResult(
+        steps=steps,
+        warmup_steps=warmup_steps,
+        measured_steps=len(measured),
+        run_seconds=run_seconds,
+        first_step_wait_s=float(train_rows[0][f"{perf}time_waiting_buffer (s)"]),
+        window_s=window_end - window_start,
+        generated_tokens=total(late_inference, "inference/generated_tokens"),
+        generation_s=total(late_inference, "inference/time_generation (s)"),
+        window_generated_tokens=total(in_window, "inference/generated_tokens"),
+        trained_tokens=float(sum(trained)),
+        grpo_s=total(measured, f"{perf}time_grpo_steps (s)"),
+        mean_step_tokens_per_s=statistics.mean(r[f"{perf}tokens_per_second"] for r in measured),
+        waiting_s=total(measured, f"{perf}time_waiting_buffer (s)"),
+        step_s=total(measured, f"{perf}total_step_time (s)"),
+        weight_sync_s=[
+            r[f"{perf}time_weight_sync (s)"] for r in measured if f"{perf}time_weight_sync (s)" in r
+        ],
+        weight_gather_s=[
+            r[f"{perf}time_weight_gather (s)"]
+            for r in measured
+            if f"{perf}time_weight_gather (s)" in r
+        ],
+        collector_update_s=[
+            r["inference/time_weight_update (s)"]
+            for r in late_inference
+            if r.get("inference/time_weight_update (s)", 0.0) > 0
+        ],
+    )
+
+
+def print_pipeline(result: PipelineResult) -> None:
+    r = result
+    print_table(
+        f"1. Pipeline: {r.steps}-step run of {CONFIG} ({r.run_seconds:.0f} s with start-up; "
+        f"first step waited {r.first_step_wait_s:.1f} s for data). Warm-up: steps "
+        f"1-{r.warmup_steps} skipped; {r.measured_steps} steps measured over a "
+        f"{r.window_s:.1f} s window.",
+        ["metric", "value", "how"],
+        [
+            [
+                "generated tokens/s (engine)",
+                f"{r.generation_rate:,.0f}",
+                f"{r.generated_tokens:,.0f} tokens / {r.generation_s:.2f} s in llm.generate",
+            ],
+            [
+                "generated tokens/s (wall)",
+                f"{r.generation_wall_rate:,.0f}",
+                f"{r.window_generated_tokens:,.0f} tokens / {r.window_s:.1f} s window",
+            ],
+            [
+                "trained tokens/s (trainer)",
+                f"{r.train_rate:,.0f}",
+                f"{r.trained_tokens:,.0f} response tokens / {r.grpo_s:.2f} s of GRPO steps "
+                f"(mean of per-step rates: {r.mean_step_tokens_per_s:,.0f})",
+            ],
+            [
+                "trained tokens/s (wall)",
+                f"{r.train_wall_rate:,.0f}",
+                f"{r.trained_tokens:,.0f} tokens / {r.window_s:.1f} s window",
+            ],
+            [
+                "trainer time waiting for data",
+                f"{r.waiting_s / r.step_s:.1%}" if r.step_s else "n/a",
+                f"{r.waiting_s:.2f} s / {r.step_s:.2f} s total_step_time "
+                f"({r.waiting_s / r.window_s:.1%} of the wall window)",
+            ],
+            [
+                "weight sync, pipeline (s)",
+                _median_text(r.weight_sync_s, "{:.3f}"),
+                f"median of {len(r.weight_sync_s)}; trainer gather alone "
+                f"{_median_text(r.weight_gather_s, '{:.3f}')} s",
+            ],
+            [
+                "weight apply in collector (s)",
+                _median_text(r.collector_update_s, "{:.3f}"),
+                f"median of {len(r.collector_update_s)} (inference/time_weight_update)",
+            ],
+        ],
+    )
+
+
+def _median_text(values: list[float], fmt: str) -> str:
+    return fmt.format(statistics.median(values)) if values else "n/a"
+
+
+# ------------------------------------------------------------- 2. weight sync
+
+
+def bench_weight_sync(
+    model_dir: Path, repeats: int, use_ray: bool
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Median seconds of each way to move the model's HF state dict, measured in turn.
+
+    Returns:
+        tuple: ``{operation: median seconds}`` and facts about the state dict.
+    """
+    from grpo.testing import set_vllm_cpu_env, tiny_vllm_engine_kwargs
+
+    hf_config = load_hf_config(model_dir)
+    model = build_model(model_dir).eval()
+    tune_state = model.state_dict()
+    hf_state = tune_to_hf_state_dict(tune_state, hf_config)
+    checksum = state_dict_checksum(hf_state)
+    facts = {
+        "tensors": len(hf_state),
+        "parameters": sum(t.numel() for t in hf_state.values()),
+        "mib": sum(t.numel() * t.element_size() for t in hf_state.values()) / 2**20,
+    }
+
+    set_vllm_cpu_env()
+    from vllm import LLM
+
+    engine_kwargs = tiny_vllm_engine_kwargs(max_model_len=128, kv_cache_mib=16)
+    start = time.perf_counter()
+    llm = LLM(model=str(model_dir), worker_extension_cls=WORKER_EXTENSION_CLS, **engine_kwargs)
+    facts["engine_start_s"] = time.perf_counter() - start
+
+    receiver = WeightReceiver("object_store")
+    version = 0
+
+    def clone() -> None:
+        {name: tensor.clone() for name, tensor in hf_state.items()}
+
+    def trainer_gather() -> None:
+        # What PyTorchActorModel.gather_hf_weights does besides its probe forward.
+        copied = {name: t.detach().to("cpu", copy=True) for name, t in tune_state.items()}
+        state_dict_checksum(tune_to_hf_state_dict(copied, hf_config))
+
+    def engine_rpc() -> None:
+        llm.collective_rpc("grpo_update_weights", args=(hf_state, False))
+
+    def engine_receiver() -> None:
+        nonlocal version
+        version += 1
+        receiver.offer(WeightUpdate(version=version, weights=hf_state, checksum=checksum), 0)
+        receiver.apply_pending(llm, verify=True)  # raises if the engine got other tensors
+
+    functions: dict[str, Callable[[], Any]] = {
+        "clone": clone,
+        "trainer_gather": trainer_gather,
+        "engine_rpc": engine_rpc,
+        "engine_receiver": engine_receiver,
+    }
+    if use_ray:
+        import ray
+
+        start = time.perf_counter()
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        facts["ray_init_s"] = time.perf_counter() - start
+        functions["ray_put_get"] = lambda: ray.get(ray.put(hf_state))
+    try:
+        seconds = time_interleaved(functions, repeats)
+    finally:
+        if use_ray:
+            ray.shutdown()
+    del llm
+    return {name: statistics.median(values) for name, values in seconds.items()}, facts
+
+
+def print_weight_sync(
+    medians: dict[str, float], facts: dict[str, Any], pipeline: PipelineResult | None, repeats: int
+) -> None:
+    base = medians["clone"]
+    rows = [
+        ["(a) in-memory copy {k: v.clone()}", medians["clone"]],
+        ["    trainer gather: copy + tune->HF names + checksum", medians["trainer_gather"]],
+    ]
+    if "ray_put_get" in medians:
+        rows.append(["(b) ray.put + ray.get (same process)", medians["ray_put_get"]])
+    rows += [
+        ["(c) engine update: collective_rpc, no checksum", medians["engine_rpc"]],
+        ["    engine update: WeightReceiver (checksum, cache reset)", medians["engine_receiver"]],
+    ]
+    if pipeline is not None and pipeline.weight_sync_s:
+        rows.append(
+            [
+                "(d) pipeline time_weight_sync (trainer side)",
+                statistics.median(pipeline.weight_sync_s),
+            ]
+        )
+    if pipeline is not None and pipeline.collector_update_s:
+        rows.append(
+            [
+                "    pipeline collector apply (time_weight_update)",
+                statistics.median(pipeline.collector_update_s),
+            ]
+        )
+    extra = f"; Ray start-up {facts['ray_init_s']:.1f} s" if "ray_init_s" in facts else ""
+    print_table(
+        f"2. Weight sync of {facts['parameters'] / 1e6:.2f}M parameters ({facts['tensors']} "
+        f"tensors, {facts['mib']:.1f} MiB fp32). Medians of {repeats} (pipeline rows: medians "
+        f"over its steps). vLLM CPU engine start-up {facts['engine_start_s']:.1f} s{extra}.",
+        ["operation", "ms", "x copy"],
+        [[name, f"{value * 1e3:,.2f}", f"{value / base:,.1f}"] for name, value in rows],
+    )
+
+
+# ------------------------------------------------------------ 3. ref logprobs
+
+
+def synthetic_batch(
+    num_prompts: int,
+    group_size: int,
+    vocab_size: int,
+    prompt_range: tuple[int, int],
+    response_len: Callable[[torch.Generator], int],
+    seed: int,
+) -> list[UnscoredTrajectory]:
+    """Groups of ``group_size`` responses sharing a prompt; random token ids, seeded."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = []
+    for group in range(num_prompts):
+        prompt_len = int(
+            torch.randint(prompt_range[0], prompt_range[1] + 1, (), generator=generator)
+        )
+        prompt = torch.randint(0, vocab_size, (prompt_len,), generator=generator)
+        for sample in range(group_size):
+            length = response_len(generator)
+            batch.append(
+                UnscoredTrajectory(
+                    prompt_tokens=prompt,
+                    response_tokens=torch.randint(0, vocab_size, (length,), generator=generator),
+                    prompt_len=prompt_len,
+                    response_len=length,
+                    logprobs=torch.zeros(length),
+                    answer="",
+                    sequence_id=f"{group}-{sample}",
+                    policy_version=0,
+                    group_id=group,
+                )
+            )
+    return batch
+
+
+def uniform_lengths(low: int, high: int) -> Callable[[torch.Generator], int]:
+    return lambda generator: int(torch.randint(low, high + 1, (), generator=generator))
+
+
+def lognormal_lengths(median: float, sigma: float, cap: int) -> Callable[[torch.Generator], int]:
+    def draw(generator: torch.Generator) -> int:
+        normal = float(torch.randn((), generator=generator))
+        return int(min(cap, max(1, round(median * math.exp(sigma * normal)))))
+
+    return draw
+
+
+@torch.no_grad()
+def ref_logprobs_packed(
+    model: torch.nn.Module, batch: list[UnscoredTrajectory], budget: int, mask_kind: str
+) -> list[torch.Tensor]:
+    """As `RefActor.reference_logprobs`: whole groups packed into ``budget``-token packs."""
+    plan = plan_packs([t.total_len for t in batch], budget, groups=[t.group_id for t in batch])
+    results: list[torch.Tensor | None] = [None] * len(batch)
+    for pack_indices in plan:
+        members = [batch[i] for i in pack_indices]
+        packed = pack_sequences(members, "cpu", PAD_ID, mask_kind=mask_kind)
+        logprobs = model_response_logprobs(model, packed)
+        for index, values in zip(pack_indices, unpack_response_logprobs(packed, logprobs)):
+            results[index] = values
+    return results
+
+
+@torch.no_grad()
+def ref_logprobs_single(
+    model: torch.nn.Module, batch: list[UnscoredTrajectory]
+) -> list[torch.Tensor]:
+    """One forward per sequence, through the same pack-of-one path."""
+    return [model_response_logprobs(model, pack_sequences([seq], "cpu", PAD_ID)) for seq in batch]
+
+
+@dataclass
+class RefResult:
+    label: str
+    model: str
+    num_sequences: int
+    tokens: int
+    response_tokens: int
+    longest: int
+    num_packs: int
+    budget: int
+    seconds: dict[str, float]
+    max_abs_diff: float
+
+
+def bench_ref_logprobs(
+    label: str,
+    model_dir: Path,
+    batch: list[UnscoredTrajectory],
+    budget: int,
+    repeats: int,
+) -> RefResult:
+    """Median seconds of the whole batch: packed (dense, varlen masks) vs one at a time.
+
+    Raises:
+        AssertionError: If packed and one-at-a-time logprobs differ by more than 1e-4.
+    """
+    from grpo.attention import use_packed_attention
+
+    # Dense masks take torchtune's unchanged SDPA path; varlen needs the patched attention.
+    model = use_packed_attention(build_model(model_dir).eval())
+    packed = ref_logprobs_packed(model, batch, budget, "dense")
+    varlen = ref_logprobs_packed(model, batch, budget, "varlen")
+    single = ref_logprobs_single(model, batch)
+    max_abs_diff = max(
+        float((a - b).abs().max()) if a.numel() else 0.0
+        for pair in (zip(packed, single), zip(varlen, single))
+        for a, b in pair
+    )
+    if not max_abs_diff <= LOGPROB_ATOL:
+        raise AssertionError(
+            f"{label}: packed and one-at-a-time reference logprobs differ by {max_abs_diff:.2e} "
+            f"(max abs), more than {LOGPROB_ATOL:.0e}"
+        )
+    seconds = time_interleaved(
+        {
+            "packed (dense mask)": lambda: ref_logprobs_packed(model, batch, budget, "dense"),
+            "packed (varlen)": lambda: ref_logprobs_packed(model, batch, budget, "varlen"),
+            "one at a time": lambda: ref_logprobs_single(model, batch),
+        },
+        repeats,
+    )
+    plan = plan_packs([t.total_len for t in batch], budget, groups=[t.group_id for t in batch])
+    return RefResult(
+        label=label,
+        model=describe_model(model_dir),
+        num_sequences=len(batch),
+        tokens=sum(t.total_len for t in batch),
+        response_tokens=sum(t.response_len for t in batch),
+        longest=max(t.total_len for t in batch),
+        num_packs=len(plan),
+        budget=budget,
+        seconds={name: statistics.median(values) for name, values in seconds.items()},
+        max_abs_diff=max_abs_diff,
+    )
+
+
+def print_ref(result: RefResult, repeats: int) -> None:
+    base = result.seconds["one at a time"]
+    print_table(
+        f"3. Reference logprobs, {result.label}: {result.num_sequences} sequences, "
+        f"{result.tokens:,} tokens ({result.response_tokens:,} response), longest "
+        f"{result.longest}; {result.num_packs} pack(s) of <= {result.budget}; model "
+        f"{result.model}. Median of {repeats}; packed vs single max |diff| "
+        f"{result.max_abs_diff:.1e} (<= {LOGPROB_ATOL:.0e} checked).",
+        ["variant", "ms", "tokens/s", "x one at a time"],
+        [
+            [
+                name,
+                f"{value * 1e3:,.1f}",
+                f"{result.tokens / value:,.0f}",
+                f"{base / value:.2f}",
+            ]
+            for name, value in result.seconds.items()
+        ],
+    )
+
+
+# ------------------------------------------------------------------------ main
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=None, help="HF model folder")
+    parser.add_argument("--steps", type=int, default=None, help="training steps of the run")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="first steps not measured")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds per variant")
+    parser.add_argument("--quick", action="store_true", help="about 2 minutes")
+    parser.add_argument("--no-ray", action="store_true", help="skip the ray.put/get timing")
+    parser.add_argument("--skip-run", action="store_true", help="skip the pipeline run")
+    parser.add_argument("--skip-long", action="store_true", help="skip the GSM8K-like batch")
+    parser.add_argument("--run-timeout", type=float, default=420.0, help="seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 5 if args.quick else 14
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 5
+    if args.quick:
+        args.skip_long = True
+        args.no_ray = True
+    if args.steps <= args.warmup_steps:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup-steps ({args.warmup_steps})")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    bench_start = time.perf_counter()
+    print(f"Load average at start: {load_average()}")
+    print(
+        "This machine is shared with other work: numbers move with its load. Micro-benchmarks "
+        "interleave their variants and report medians."
+    )
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    work_dir = Path(tempfile.mkdtemp(prefix="bench_pipeline_"))
+    try:
+        model_dir, model_text = resolve_model_dir(args.model_dir, work_dir)
+        print(f"Model: {model_text}: {describe_model(model_dir)}")
+
+        pipeline = None
+        if not args.skip_run:
+            rows, run_seconds = run_pipeline(
+                model_dir, work_dir / "run", args.steps, args.run_timeout
+            )
+            pipeline = summarize_pipeline(rows, args.steps, args.warmup_steps, run_seconds)
+            print_pipeline(pipeline)
+
+        weight_medians, facts = bench_weight_sync(model_dir, args.repeats, not args.no_ray)
+        print_weight_sync(weight_medians, facts, pipeline, args.repeats)
+
+        short_batch = synthetic_batch(
+            num_prompts=8,
+            group_size=8,
+            vocab_size=int(load_hf_config(model_dir)["vocab_size"]),
+            prompt_range=(10, 20),
+            response_len=uniform_lengths(5, 24),
+            seed=args.seed,
+        )
+        ref_results = [
+            bench_ref_logprobs(
+                "arithmetic-like (prompts 10-20, responses 5-24)",
+                model_dir,
+                short_batch,
+                budget=2048,  # the config's target_tokens_per_batch
+                repeats=args.repeats,
+            )
+        ]
+        print_ref(ref_results[0], args.repeats)
+        if not args.skip_long:
+            long_dir = build_tiny_qwen2(work_dir / "long_qwen2", **LONG_MODEL_SHAPE)
+            long_batch = synthetic_batch(
+                num_prompts=8,
+                group_size=8,
+                vocab_size=LONG_MODEL_SHAPE["vocab_size"],
+                prompt_range=(80, 250),
+                response_len=lognormal_lengths(250, 0.5, 1024),
+                seed=args.seed,
+            )
+            ref_results.append(
+                bench_ref_logprobs(
+                    "GSM8K-like (prompts 80-250, responses log-normal, median 250)",
+                    long_dir,
+                    long_batch,
+                    budget=4096,
+                    repeats=max(2, args.repeats - 2),
+                )
+            )
+            print_ref(ref_results[1], max(2, args.repeats - 2))
+
+        summary = []
+        if pipeline is not None:
+            summary += [
+                [
+                    "generated tokens/s (engine / wall)",
+                    f"{pipeline.generation_rate:,.0f} / {pipeline.generation_wall_rate:,.0f}",
+                ],
+                [
+                    "trained tokens/s (trainer / wall)",
+                    f"{pipeline.train_rate:,.0f} / {pipeline.train_wall_rate:,.0f}",
+                ],
+                ["trainer time waiting for data", f"{pipeline.waiting_s / pipeline.step_s:.1%}"],
+            ]
+            if pipeline.weight_sync_s:
+                sync = statistics.median(pipeline.weight_sync_s)
+                summary.append(
+                    [
+                        "weight sync (pipeline) vs in-memory copy",
+                        f"{sync * 1e3:.1f} ms vs {weight_medians['clone'] * 1e3:.2f} ms = "
+                        f"{sync / weight_medians['clone']:,.0f}x",
+                    ]
+                )
+        summary.append(
+            [
+                "engine update (WeightReceiver) vs in-memory copy",
+                f"{weight_medians['engine_receiver'] * 1e3:.1f} ms vs "
+                f"{weight_medians['clone'] * 1e3:.2f} ms = "
+                f"{weight_medians['engine_receiver'] / weight_medians['clone']:,.0f}x",
+            ]
+        )
+        for result in ref_results:
+            packed = result.seconds["packed (dense mask)"]
+            single = result.seconds["one at a time"]
+            summary.append(
+                [
+                    f"ref logprobs tokens/s, {result.label.split(' (')[0]}: packed / single",
+                    f"{result.tokens / packed:,.0f} / {result.tokens / single:,.0f} = "
+                    f"{single / packed:.2f}x",
+                ]
+            )
+        print_table("Summary", ["measurement", "value"], summary)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    print(f"\nLoad average at end: {load_average()}")
+    print(f"Whole benchmark: {time.perf_counter() - bench_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

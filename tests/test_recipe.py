@@ -1,0 +1,45 @@
+"""The recipe's up-front data check (before any actor starts)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("async_grpo", REPO / "recipes" / "async_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gsm8k_config(path: Path):
+    return OmegaConf.create(
+        {"dataset": {"_component_": "grpo.data.gsm8k_dataset", "source": str(path)}}
+    )
+
+
+def test_bad_rows_are_skipped_and_reported(tmp_path, capsys):
+    rows = [
+        {"question": "One plus one?", "answer": "1 + 1 = 2\n#### 2"},
+        {"question": "", "answer": "#### 3"},
+        {"question": "Two plus two?", "answer": "no final answer"},
+        {"question": "Three plus three?", "answer": "#### 6"},
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    load_recipe().check_data(gsm8k_config(path))
+    err = capsys.readouterr().err
+    assert "dataset: skipped 2 rows" in err
+    assert "row 2" in err and "row 3" in err
+
+
+def test_a_dataset_with_no_usable_row_fails_before_the_run(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"question": "", "answer": ""}) + "\n")
+    with pytest.raises(ValueError, match="train.jsonl"):
+        load_recipe().check_data(gsm8k_config(path))
