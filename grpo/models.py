@@ -14,11 +14,8 @@ the torchtune model has no ``output.weight`` (its output is a ``TiedLinear`` on 
 `hf_weight_iterator` is the single tune->HF path, used by `save_hf_checkpoint` and by weight
 sync to vLLM (``reload_weights(weights_iterator=...)``).
 
-Hidden states for a chunked loss: torchtune 0.6.1's ``TransformerDecoder`` has no
-``skip_output_layer`` flag (``output_hidden_states`` returns the inputs of chosen layers, before
-the final norm), so `set_skip_output_layer` makes ``model(...)`` return the final normed hidden
-states, and `output_projection_weight` gives the ``[vocab, dim]`` matrix to project them with,
-tied or not.
+Hidden states and the output projection for the chunked loss live in `grpo.loss`
+(`model_hidden_states`, `output_projection_weight`).
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ import json
 import os
 import shutil
 import tempfile
-import types
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -37,7 +33,6 @@ import torch
 import torchao.quantization
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 
 def _patch_torchao_for_torchtune() -> None:
@@ -67,7 +62,7 @@ from torchtune.models.qwen2._tokenizer import (  # noqa: E402
     IM_START,
     Qwen2Tokenizer,
 )
-from torchtune.modules import TiedLinear, TransformerDecoder  # noqa: E402
+from torchtune.modules import TransformerDecoder  # noqa: E402
 from torchtune.training import set_default_dtype  # noqa: E402
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -385,53 +380,6 @@ def build_model(
         # strict: a renamed or missing tensor must fail here, not train silently from init.
         model.load_state_dict(state_dict, strict=True)
     return model
-
-
-def output_projection_weight(model: TransformerDecoder) -> torch.Tensor:
-    """The ``[vocab_size, embed_dim]`` output projection of a torchtune decoder.
-
-    With tied embeddings, ``model.output`` is a ``TiedLinear`` (not an ``nn.Module``, no
-    parameters of its own) and the weight is the token embedding's; otherwise it is
-    ``model.output.weight``. The returned tensor is the parameter itself, so gradients flow.
-
-    Args:
-        model (TransformerDecoder): A torchtune decoder.
-
-    Returns:
-        torch.Tensor: The projection weight; ``logits = hidden @ weight.T``.
-
-    Raises:
-        TypeError: If the output layer is neither ``TiedLinear`` nor ``nn.Linear``.
-    """
-    output = model.output
-    if isinstance(output, TiedLinear):
-        return output.tied_module.weight
-    if isinstance(output, nn.Linear):
-        return output.weight
-    raise TypeError(f"model.output is a {type(output).__name__}; expected TiedLinear or nn.Linear")
-
-
-def _unembed_hidden_states(self: TransformerDecoder, h: torch.Tensor) -> torch.Tensor:
-    # Replaces TransformerDecoder.unembed: the final norm without the output projection.
-    return self.norm(h)
-
-
-def set_skip_output_layer(model: TransformerDecoder, skip: bool = True) -> None:
-    """Make ``model(...)`` return final normed hidden states instead of logits.
-
-    torchtune 0.6.1 has no ``skip_output_layer`` flag; this overrides the instance's
-    ``unembed`` so the regular forward (and any FSDP hooks on it) still runs, and the output is
-    ``[b, s, embed_dim]`` in the model's dtype, ready for a chunked projection with
-    `output_projection_weight`. The state dict is unchanged.
-
-    Args:
-        model (TransformerDecoder): A torchtune decoder.
-        skip (bool): ``True`` to return hidden states, ``False`` to restore logits.
-    """
-    if skip:
-        model.unembed = types.MethodType(_unembed_hidden_states, model)
-    else:
-        model.__dict__.pop("unembed", None)
 
 
 def load_tokenizer(model_dir: str | os.PathLike, max_seq_len: int | None = None) -> Qwen2Tokenizer:

@@ -124,7 +124,6 @@ class Orchestrator:
         self.replay_buffer = None
         self.rollout_queue = None
         self.metric_logger = None
-        self._names: dict[Any, str] = {}
         self._inflight: dict[Any, tuple[str, int]] = {}
         self.stop_requested = False
 
@@ -138,7 +137,6 @@ class Orchestrator:
         node.setdefault("log_dir", str(self.run_dir))
         node.setdefault("config", to_container(self.cfg))
         self.metric_logger = ray.remote(num_cpus=0)(MetricLogger).remote(**node)
-        self._names[self.metric_logger] = "metric_logger"
         return self.metric_logger
 
     def start_rollout_queue(self) -> Queue:
@@ -154,7 +152,6 @@ class Orchestrator:
             max_policy_lag=orchestration.max_policy_lag,
             seed=self.cfg.seed,
         )
-        self._names[self.replay_buffer] = "replay_buffer"
         return self.replay_buffer
 
     def start_trainers(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> list[Any]:
@@ -182,8 +179,6 @@ class Orchestrator:
             )
             for rank in range(world_size)
         ]
-        for rank, trainer in enumerate(self.trainers):
-            self._names[trainer] = f"trainer[{rank}]"
         init_method = ray.get(self.trainers[0].get_dist_address.remote()) if world_size > 1 else None
         checkpoint = str(checkpoint_dir) if checkpoint_dir else None
         self._get_all([t.setup.remote(init_method, checkpoint) for t in self.trainers],
@@ -209,8 +204,6 @@ class Orchestrator:
             )
             for _ in range(cfg.orchestration.num_ref_workers)
         ]
-        for index, actor in enumerate(self.ref_actors):
-            self._names[actor] = f"ref_actor[{index}]"
         return self.ref_actors
 
     def start_collectors(self, weights_dir: Path | None = None) -> list[Any]:
@@ -239,8 +232,6 @@ class Orchestrator:
             )
             for worker_id in range(num_workers)
         ]
-        for worker_id, collector in enumerate(self.collectors):
-            self._names[collector] = f"collector[{worker_id}]"
         return self.collectors
 
     # ------------------------------------------------------------------ helpers

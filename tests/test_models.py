@@ -256,34 +256,6 @@ def test_hf_weight_iterator_is_lazy_and_names_unknown_keys(tiny_model_dir: Path)
 
 
 # ------------------------------------------------------------------------------------------
-# Hidden states and the output projection (for chunked losses)
-# ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("tied", [True, False])
-def test_skip_output_layer_and_output_projection_weight(
-    tied: bool, tiny_model_dir: Path, tiny_untied_model_dir: Path
-) -> None:
-    model = models.build_model(tiny_model_dir if tied else tiny_untied_model_dir)
-    state_dict_keys = set(model.state_dict())
-    tokens = torch.tensor([[5, 17, 300, 42, 509, 7]])
-    logits = model(tokens)
-    weight = models.output_projection_weight(model)
-    assert weight is (model.tok_embeddings.weight if tied else model.output.weight)
-
-    models.set_skip_output_layer(model)
-    hidden = model(tokens)
-    assert hidden.shape == (1, 6, 128)
-    torch.testing.assert_close(hidden @ weight.T, logits, rtol=0, atol=1e-5)
-    (hidden @ weight.T).logsumexp(-1).sum().backward()
-    assert weight.grad is not None and weight.grad.abs().sum() > 0
-    assert set(model.state_dict()) == state_dict_keys  # checkpoints are unaffected
-
-    models.set_skip_output_layer(model, skip=False)
-    torch.testing.assert_close(model(tokens), logits, rtol=0, atol=0)
-
-
-# ------------------------------------------------------------------------------------------
 # Tokenizer
 # ------------------------------------------------------------------------------------------
 
