@@ -212,7 +212,9 @@ class Orchestrator:
 
         cfg, inference = self.cfg, self.cfg.inference
         num_workers = cfg.orchestration.num_inference_workers
-        actor_cls = ray.remote(**_resources(inference, default_cpus=1))(SyncLLMCollector)
+        # Threaded actor (max_concurrency 4): evaluate and receive_weights must get through
+        # while generate_batch waits on a full rollout queue, or evaluation deadlocks.
+        actor_cls = SyncLLMCollector.as_remote(**_resources(inference, default_cpus=1))
         self.collectors = [
             actor_cls.remote(
                 worker_id=worker_id,
@@ -341,6 +343,7 @@ class Orchestrator:
         batch_size = cfg.training.batch_size
         wait_start = time.perf_counter()
         last_progress = time.monotonic()
+        poll_delay = 0.02
         self._launch("sample", 0, self.replay_buffer.sample.remote(
             batch_size, self.state.policy_version))
         while not self.stop_requested:
@@ -358,7 +361,9 @@ class Orchestrator:
                 if kind != "sample":
                     self._handle_side_result(kind, index, result, relaunch=True)
                 elif result is None:
-                    time.sleep(0.05)
+                    # Back off while the buffer fills: each poll is a Ray task.
+                    time.sleep(poll_delay)
+                    poll_delay = min(2 * poll_delay, 0.5)
                     self._launch("sample", 0, self.replay_buffer.sample.remote(
                         batch_size, self.state.policy_version))
                 else:
