@@ -18,9 +18,14 @@ each attention module of a model with `packed_attention`, which understands all 
 every device and otherwise behaves exactly like torchtune's (SDPA for tensors and ``None``).
 
 FlexAttention on CPU: torch 2.13 runs it forward only (it raises "FlexAttention does not support
-backward on CPU" when an input requires grad). Use ``"flex"`` on CPU for no-grad forwards such as
-the reference model, and ``"varlen"`` (or ``"dense"``) to train on CPU. FlexAttention is always
-run compiled: uncompiled it materialises the full score matrix, which defeats its purpose.
+backward on CPU" when an input requires grad), and compiles it once per pack length (see
+`_get_compiled_flex_attention`), so pad flex packs to a bucket. Use ``"flex"`` on CPU for no-grad
+forwards such as the reference model, and ``"varlen"`` (or ``"dense"``) to train on CPU.
+FlexAttention is always run compiled: uncompiled it materialises the full score matrix, which
+defeats its purpose.
+
+Which to use: on CUDA, ``"flex"``; on CPU, ``"varlen"`` (fastest there, and the only one of the
+two block-sparse forms with a backward); ``"dense"`` anywhere as the simple reference.
 """
 
 from __future__ import annotations

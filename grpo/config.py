@@ -368,6 +368,13 @@ SCHEMA = Section(
                     None,
                 ),
                 "dtype": Field((str,), "Reference model dtype: fp32 or bf16.", "fp32", _DTYPE),
+                "mask_kind": Field(
+                    (str,),
+                    "Attention of reference packs: dense, varlen (fastest on CPU) or flex "
+                    "(FlexAttention BlockMask; best on CUDA).",
+                    "dense",
+                    _one_of("dense", "varlen", "flex"),
+                ),
             },
         ),
         "training": Section(
@@ -461,10 +468,11 @@ SCHEMA = Section(
                 "dtype": Field((str,), "Parameter dtype: fp32 or bf16.", "fp32", _DTYPE),
                 "mask_kind": Field(
                     (str,),
-                    "Attention mask of packs: dense (an [L, L] bool tensor) or flex "
-                    "(a FlexAttention BlockMask, O(L) memory; for CUDA).",
+                    "Attention of packed micro-batches: dense (an [L, L] bool mask), varlen "
+                    "(one causal SDPA per sequence; fastest on CPU) or flex (FlexAttention "
+                    "BlockMask, O(L) memory; CUDA only for training).",
                     "dense",
-                    _one_of("dense", "flex"),
+                    _one_of("dense", "varlen", "flex"),
                 ),
                 "compile": Field((bool,), "torch.compile the model and loss.", False),
             },

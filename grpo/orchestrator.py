@@ -179,10 +179,13 @@ class Orchestrator:
             )
             for rank in range(world_size)
         ]
-        init_method = ray.get(self.trainers[0].get_dist_address.remote()) if world_size > 1 else None
+        init_method = (
+            ray.get(self.trainers[0].get_dist_address.remote()) if world_size > 1 else None
+        )
         checkpoint = str(checkpoint_dir) if checkpoint_dir else None
-        self._get_all([t.setup.remote(init_method, checkpoint) for t in self.trainers],
-                      "trainer set-up")
+        self._get_all(
+            [t.setup.remote(init_method, checkpoint) for t in self.trainers], "trainer set-up"
+        )
         return self.trainers
 
     def start_ref_actors(self) -> list[Any]:
@@ -201,6 +204,7 @@ class Orchestrator:
                 reward_timeout_s=ref_cfg.get("reward_timeout_s", 10.0),
                 reward_weights=to_container(ref_cfg.get("reward_weights")),
                 dtype=ref_cfg.get("dtype", "float32"),
+                mask_kind=ref_cfg.get("mask_kind", "dense"),
             )
             for _ in range(cfg.orchestration.num_ref_workers)
         ]
@@ -344,8 +348,9 @@ class Orchestrator:
         wait_start = time.perf_counter()
         last_progress = time.monotonic()
         poll_delay = 0.02
-        self._launch("sample", 0, self.replay_buffer.sample.remote(
-            batch_size, self.state.policy_version))
+        self._launch(
+            "sample", 0, self.replay_buffer.sample.remote(batch_size, self.state.policy_version)
+        )
         while not self.stop_requested:
             ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=1.0)
             if not ready:
@@ -364,8 +369,11 @@ class Orchestrator:
                     # Back off while the buffer fills: each poll is a Ray task.
                     time.sleep(poll_delay)
                     poll_delay = min(2 * poll_delay, 0.5)
-                    self._launch("sample", 0, self.replay_buffer.sample.remote(
-                        batch_size, self.state.policy_version))
+                    self._launch(
+                        "sample",
+                        0,
+                        self.replay_buffer.sample.remote(batch_size, self.state.policy_version),
+                    )
                 else:
                     return ref, result, time.perf_counter() - wait_start
         return None, None, 0.0
@@ -433,8 +441,10 @@ class Orchestrator:
                     results[ref] = result
                 else:
                     self._handle_side_result(
-                        kind, index, result, relaunch=not self.cfg.orchestration.get(
-                            "synchronous", False)
+                        kind,
+                        index,
+                        result,
+                        relaunch=not self.cfg.orchestration.get("synchronous", False),
                     )
         self.ledger.trained(self.state.step + 1, batch)
         return results[train_refs[0]]
@@ -461,23 +471,31 @@ class Orchestrator:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        self._get_all([t.save_checkpoint.remote(str(tmp)) for t in self.trainers],
-                      "trainer checkpoint")
+        self._get_all(
+            [t.save_checkpoint.remote(str(tmp)) for t in self.trainers], "trainer checkpoint"
+        )
         pipeline = {
-            "collectors": self._get_all([c.state_dict.remote() for c in self.collectors],
-                                        "collector state"),
-            "ref_actors": self._get_all([r.state_dict.remote() for r in self.ref_actors],
-                                        "ref_actor state"),
+            "collectors": self._get_all(
+                [c.state_dict.remote() for c in self.collectors], "collector state"
+            ),
+            "ref_actors": self._get_all(
+                [r.state_dict.remote() for r in self.ref_actors], "ref_actor state"
+            ),
             "held_groups": held,
-            "replay_buffer": self._get_all([self.replay_buffer.state_dict.remote()],
-                                           "replay_buffer state")[0],
+            "replay_buffer": self._get_all(
+                [self.replay_buffer.state_dict.remote()], "replay_buffer state"
+            )[0],
         }
         torch.save(pipeline, tmp / "pipeline.pt")
-        (tmp / "state.json").write_text(json.dumps({
-            "step": self.state.step,
-            "policy_version": self.state.policy_version,
-            "eval_history": self.state.eval_history,
-        }))
+        (tmp / "state.json").write_text(
+            json.dumps(
+                {
+                    "step": self.state.step,
+                    "policy_version": self.state.policy_version,
+                    "eval_history": self.state.eval_history,
+                }
+            )
+        )
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -508,20 +526,20 @@ class Orchestrator:
         self.state.step = state["step"]
         self.state.policy_version = state["policy_version"]
         self.state.eval_history = [tuple(item) for item in state["eval_history"]]
-        calls = [c.load_state_dict.remote(s) for c, s in zip(self.collectors, pipeline["collectors"])]
+        calls = [
+            c.load_state_dict.remote(s) for c, s in zip(self.collectors, pipeline["collectors"])
+        ]
         ref_states = pipeline["ref_actors"]
         for index, actor in enumerate(self.ref_actors):
             if index < len(ref_states):
                 calls.append(actor.load_state_dict.remote(ref_states[index]))
-        for extra in ref_states[len(self.ref_actors):]:  # fewer ref actors now
+        for extra in ref_states[len(self.ref_actors) :]:  # fewer ref actors now
             calls.append(self.ref_actors[0].add_backlog.remote(extra["backlog"]))
         calls.append(self.ref_actors[0].add_backlog.remote(pipeline["held_groups"]))
         calls.append(self.replay_buffer.load_state_dict.remote(pipeline["replay_buffer"]))
         self._get_all(calls, "restoring the checkpoint")
 
-    def _after_train_step(
-        self, metrics: dict[str, Any], batch: list[Any], sync_every: int
-    ) -> None:
+    def _after_train_step(self, metrics: dict[str, Any], batch: list[Any], sync_every: int) -> None:
         self.state.step += 1
         step = self.state.step
         buffer_stats = ray.get(self.replay_buffer.stats.remote())
@@ -570,11 +588,11 @@ class Orchestrator:
         self._get_all(gathered[1:], "trainer weight gather")
         payload = self._get_all([gathered[0]], "trainer[0] weight gather")[0]
         gather_time = time.perf_counter() - start
-        # Put once; every collector reads the same object. Applied between generation batches.
-        weights_ref = ray.put(payload["weights"])
+        # The trainer put the weights in the object store once; every collector reads that
+        # same object, and applies it between generation batches.
         for collector in self.collectors:
             collector.receive_weights.remote(
-                weights_ref, payload["version"], payload["checksum"], payload["probe"]
+                payload["weights"], payload["version"], payload["checksum"], payload["probe"]
             )
         self.state.policy_version = payload["version"]
         return {
@@ -592,13 +610,16 @@ class Orchestrator:
         Returns:
             bool: True if every collector's checksum equals the trainer's.
         """
-        trainer_sums = self._get_all([t.weights_checksum.remote() for t in self.trainers],
-                                     "trainer checksum")
+        trainer_sums = self._get_all(
+            [t.weights_checksum.remote() for t in self.trainers], "trainer checksum"
+        )
         expected = trainer_sums[0]
-        self._get_all([c.apply_pending_weights.remote() for c in self.collectors],
-                      "collector weight update")
-        got = self._get_all([c.get_weights_checksum.remote() for c in self.collectors],
-                            "collector checksum")
+        self._get_all(
+            [c.apply_pending_weights.remote() for c in self.collectors], "collector weight update"
+        )
+        got = self._get_all(
+            [c.get_weights_checksum.remote() for c in self.collectors], "collector checksum"
+        )
         in_sync = all(checksum == expected for checksum in got)
         self._log({"weight_sync/in_sync": float(in_sync)}, self.state.step)
         if not in_sync:
@@ -607,8 +628,9 @@ class Orchestrator:
 
     def save_final_checkpoint(self) -> Path:
         out_dir = self.run_dir / "final"
-        self._get_all([t.save_hf_checkpoint.remote(str(out_dir)) for t in self.trainers],
-                      "trainer checkpoint")
+        self._get_all(
+            [t.save_hf_checkpoint.remote(str(out_dir)) for t in self.trainers], "trainer checkpoint"
+        )
         return out_dir
 
     def shutdown(self) -> None:

@@ -147,7 +147,8 @@ def pack_sequences(
         mask_kind (str): ``"dense"`` (bool ``[L, L]``, True = may attend), ``"flex"``
             (FlexAttention ``BlockMask``) or ``"varlen"`` (`grpo.attention.VarlenMask`).
             ``"flex"`` and ``"varlen"`` need `grpo.attention.use_packed_attention` on the model
-            on CPU (``"varlen"`` on every device); FlexAttention has no CPU backward.
+            on CPU (``"varlen"`` on every device). On CPU FlexAttention has no backward and
+            compiles once per pack length: give flex packs a ``pad_to_multiple_of``.
         pad_to_multiple_of (int | None): Bucket size for tail padding; see above.
 
     Returns:
@@ -196,11 +197,12 @@ def pack_sequences(
     packed_seq_len = _padded_length(total_tokens, target_tokens_per_batch, pad_to_multiple_of)
     num_padding = packed_seq_len - total_tokens
 
-    # Tokens: one cat over sequences, moved to the device once.
+    # Tokens: one cat where the sequences live, then a single move to the device.
+    source_device = sequences[0].prompt_tokens.device
     pieces = [t for seq in sequences for t in (seq.prompt_tokens, seq.response_tokens)]
     if num_padding:
-        pieces.append(torch.full((num_padding,), pad_token_id, dtype=torch.long))
-    tokens = torch.cat([piece.to(device=device, dtype=torch.long) for piece in pieces])
+        pieces.append(torch.full((num_padding,), pad_token_id, device=source_device))
+    tokens = torch.cat([piece.long() for piece in pieces]).to(device)
 
     num_sequences = len(sequences)
     prompt_lens = torch.tensor(prompt_lens_list, dtype=torch.long, device=device)
@@ -226,17 +228,17 @@ def pack_sequences(
     targets = tokens[response_mask]
 
     def flat(name: str) -> torch.Tensor:
-        values = [getattr(seq, name).to(device=device, dtype=torch.float32) for seq in sequences]
-        return torch.cat(values)
+        values = torch.cat([getattr(seq, name).float() for seq in sequences])
+        return values.to(device)
 
     behavior_logprobs = flat("logprobs")
     ref_logprobs = advantages = None
     if is_scored:
         ref_logprobs = flat("ref_logprobs")
-        sequence_advantages = torch.stack([seq.advantages.reshape(()) for seq in sequences])
-        advantages = torch.repeat_interleave(
-            sequence_advantages.to(device=device, dtype=torch.float32), response_lens
+        sequence_advantages = torch.stack(
+            [seq.advantages.reshape(()).to(device=device, dtype=torch.float32) for seq in sequences]
         )
+        advantages = torch.repeat_interleave(sequence_advantages, response_lens)
 
     if mask_kind == "dense":
         same_block = block_ids[:, None] == block_ids[None, :]

@@ -19,9 +19,7 @@ def _check_1d(name: str, tensor: torch.Tensor, length: int, owner: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{owner}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dim() != 1 or tensor.numel() != length:
-        raise ValueError(
-            f"{owner}: {name} must have shape ({length},), got {tuple(tensor.shape)}"
-        )
+        raise ValueError(f"{owner}: {name} must have shape ({length},), got {tuple(tensor.shape)}")
 
 
 @dataclass
@@ -101,7 +99,9 @@ class GroupedUnscoredTrajectories:
             raise ValueError(f"{owner}: total_tokens is {self.total_tokens}, expected {expected}")
 
     @classmethod
-    def from_trajectories(cls, trajectories: list[UnscoredTrajectory]) -> GroupedUnscoredTrajectories:
+    def from_trajectories(
+        cls, trajectories: list[UnscoredTrajectory]
+    ) -> GroupedUnscoredTrajectories:
         """Build a group, deriving ``group_id`` and ``total_tokens`` from its members."""
         if not trajectories:
             raise ValueError("GroupedUnscoredTrajectories: trajectories is empty")
@@ -163,7 +163,9 @@ class ScoredTrajectory:
         _check_1d("ref_logprobs", self.ref_logprobs, self.response_len, owner)
         self.advantages = torch.as_tensor(self.advantages, dtype=torch.float32)
         if self.advantages.numel() != 1:
-            raise ValueError(f"{owner}: advantages must be a scalar, got {tuple(self.advantages.shape)}")
+            raise ValueError(
+                f"{owner}: advantages must be a scalar, got {tuple(self.advantages.shape)}"
+            )
         self.advantages = self.advantages.reshape(())
         if self.rewards.dim() != 1 or self.successes.shape != self.rewards.shape:
             raise ValueError(
@@ -172,9 +174,7 @@ class ScoredTrajectory:
             )
         names = self.reward_metadata.get("func_names") if self.reward_metadata else None
         if names is not None and len(names) != self.rewards.numel():
-            raise ValueError(
-                f"{owner}: {len(names)} func_names but {self.rewards.numel()} rewards"
-            )
+            raise ValueError(f"{owner}: {len(names)} func_names but {self.rewards.numel()} rewards")
 
     @property
     def total_len(self) -> int:

@@ -1,7 +1,7 @@
 """Regenerate the README's config reference from the schema in grpo/config.py.
 
-    python scripts/update_readme_config.py          # rewrite README.md in place
-    python scripts/update_readme_config.py --check  # exit 1 if README.md is out of date
+python scripts/update_readme_config.py          # rewrite README.md in place
+python scripts/update_readme_config.py --check  # exit 1 if README.md is out of date
 """
 
 import argparse

@@ -55,7 +55,9 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
 
     # Every trained sequence is unique and was generated and scored before.
     trained = read_jsonl(run_dir / "trained.jsonl")
-    scored = {sid for record in read_jsonl(run_dir / "scored.jsonl") for sid in record["sequence_ids"]}
+    scored = {
+        sid for record in read_jsonl(run_dir / "scored.jsonl") for sid in record["sequence_ids"]
+    }
     trained_ids = [sid for record in trained for sid in record["sequence_ids"]]
     cfg = load_config("tiny_arithmetic_cpu")
     assert [record["step"] for record in trained] == list(range(1, num_steps + 1))

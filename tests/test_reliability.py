@@ -74,9 +74,16 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch, ray_cle
     assert grpo_main([*args, *deterministic_overrides(tiny_model_dir, resumed, 2)]) == 0
     ray.shutdown()
     assert (resumed / "checkpoints" / "latest").read_text() == "step_000002"
-    assert grpo_main(
-        [*args, *deterministic_overrides(tiny_model_dir, resumed, 4), "resume_from_checkpoint=true"]
-    ) == 0
+    assert (
+        grpo_main(
+            [
+                *args,
+                *deterministic_overrides(tiny_model_dir, resumed, 4),
+                "resume_from_checkpoint=true",
+            ]
+        )
+        == 0
+    )
 
     # The same prompts and samples, in the same order: nothing trained twice or skipped.
     assert trained_ids(resumed) == trained_ids(straight)
@@ -172,12 +179,24 @@ def test_signal_stops_gracefully(stop_signal, tiny_model_dir, tmp_path):
     env = {**os.environ, "WANDB_MODE": "disabled"}
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "grpo", "run", "async_grpo", "--config", "tiny_arithmetic_cpu",
-            f"base_model_path={tiny_model_dir}", f"output_dir={run_dir}",
-            "orchestration.num_steps=500", "eval_every_n_steps=null",
+            sys.executable,
+            "-m",
+            "grpo",
+            "run",
+            "async_grpo",
+            "--config",
+            "tiny_arithmetic_cpu",
+            f"base_model_path={tiny_model_dir}",
+            f"output_dir={run_dir}",
+            "orchestration.num_steps=500",
+            "eval_every_n_steps=null",
             "inference.max_generated_tokens=8",
         ],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 300

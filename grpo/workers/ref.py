@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from grpo.attention import use_packed_attention
 from grpo.config import instantiate
 from grpo.loss import model_response_logprobs
 from grpo.models import build_model, load_tokenizer
@@ -45,6 +46,10 @@ def _call(target: Any, method: str, *args: Any) -> Any:
     return bound(*args)
 
 
+# FlexAttention compiles once per pack length: pad flex packs up to a multiple of this.
+_FLEX_BUCKET = 128
+
+
 class RefActor:
     """Scores generated groups. Wrap with ``ray.remote`` to run it as an actor.
 
@@ -57,7 +62,7 @@ class RefActor:
         reward_timeout_s (float | None): Per-sample timeout of each reward function.
         reward_weights (list[float] | None): Weights of the functions in the total reward.
         dtype (str): ``"float32"`` or ``"bfloat16"``.
-        mask_kind (str): ``"dense"`` or ``"flex"``.
+        mask_kind (str): ``"dense"``, ``"varlen"`` or ``"flex"`` (see `grpo.attention`).
         max_groups_per_step (int): Most groups scored by one `step` call.
         queue_get_timeout_s (float): How long `step` waits for the first group.
     """
@@ -80,6 +85,8 @@ class RefActor:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         torch_dtype = torch.bfloat16 if dtype in ("bf16", "bfloat16") else torch.float32
         self.model = build_model(model_dir, dtype=torch_dtype, device=self.device).eval()
+        if mask_kind != "dense":
+            use_packed_attention(self.model)
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
         self.tokenizer = load_tokenizer(model_dir)
@@ -114,7 +121,11 @@ class RefActor:
         for pack_indices in plan:
             members = [trajectories[i] for i in pack_indices]
             packed = pack_sequences(
-                members, self.device, self.tokenizer.pad_id, mask_kind=self.mask_kind
+                members,
+                self.device,
+                self.tokenizer.pad_id,
+                mask_kind=self.mask_kind,
+                pad_to_multiple_of=_FLEX_BUCKET if self.mask_kind == "flex" else None,
             )
             logprobs = model_response_logprobs(self.model, packed)
             for traj, lp in zip(members, unpack_response_logprobs(packed, logprobs)):
@@ -191,7 +202,9 @@ class RefActor:
             "ref_actor_rewards/successes_mean": float(successes.mean()),
         }
         for column, name in enumerate(reward_batch.func_names):
-            metrics[f"ref_actor_rewards/rewards_func_{name}_mean"] = float(rewards[:, column].mean())
+            metrics[f"ref_actor_rewards/rewards_func_{name}_mean"] = float(
+                rewards[:, column].mean()
+            )
             metrics[f"ref_actor_rewards/successes_func_{name}_mean"] = float(
                 successes[:, column].mean()
             )

@@ -17,16 +17,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from grpo.attention import use_packed_attention
 from grpo.config import instantiate
 from grpo.loss import model_response_logprobs
 from grpo.models import build_model, load_hf_config, save_hf_checkpoint, tune_to_hf_state_dict
 from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
 from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
 from grpo.workers.weight_sync import state_dict_checksum
+
+# FlexAttention compiles once per pack length: pad flex packs up to a multiple of this.
+_FLEX_BUCKET = 128
 
 
 class ResponseLogprobModel(nn.Module):
@@ -83,7 +88,8 @@ class PyTorchActorModel:
         clip_grad_norm (float | None): Max gradient norm; None disables clipping.
         dtype (str): ``"float32"`` or ``"bfloat16"``.
         seed (int): Seed of model-independent randomness.
-        mask_kind (str): ``"dense"`` or ``"flex"`` attention mask for packs.
+        mask_kind (str): ``"dense"``, ``"varlen"`` or ``"flex"`` attention for packs (see
+            `grpo.attention`; flex has no backward on CPU).
         max_nonfinite_in_a_row (int): Consecutive non-finite losses tolerated before the
             step raises.
     """
@@ -118,10 +124,16 @@ class PyTorchActorModel:
         self.mask_kind = mask_kind
         self.max_nonfinite_in_a_row = max_nonfinite_in_a_row
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        dtype_by_name = {"float32": torch.float32, "fp32": torch.float32,
-                         "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+        dtype_by_name = {
+            "float32": torch.float32,
+            "fp32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+        }
         if dtype not in dtype_by_name:
-            raise ValueError(f"training.dtype must be one of {sorted(dtype_by_name)}, got {dtype!r}")
+            raise ValueError(
+                f"training.dtype must be one of {sorted(dtype_by_name)}, got {dtype!r}"
+            )
         self.dtype = dtype_by_name[dtype]
         self._component_nodes = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "loss": loss}
         self.num_steps = num_steps
@@ -131,9 +143,7 @@ class PyTorchActorModel:
         self.num_nonfinite_skipped = 0
         self._nonfinite_in_a_row = 0
 
-    def setup(
-        self, dist_init_method: str | None = None, checkpoint_dir: str | None = None
-    ) -> None:
+    def setup(self, dist_init_method: str | None = None, checkpoint_dir: str | None = None) -> None:
         """Join the process group (several workers), build the model, optimizer and loss.
 
         Separate from ``__init__`` because rank 0's address is known only once it exists.
@@ -157,6 +167,8 @@ class PyTorchActorModel:
         _set_seed(self.seed)
         weights_dir = str(Path(checkpoint_dir) / "model") if checkpoint_dir else self.model_dir
         decoder = build_model(weights_dir, dtype=self.dtype, device=self.device)
+        if self.mask_kind != "dense":
+            use_packed_attention(decoder)
         self.policy = ResponseLogprobModel(decoder)
         if world_size > 1:
             from torch.distributed.fsdp import fully_shard
@@ -254,9 +266,7 @@ class PyTorchActorModel:
         """
         shards = [batch[r :: self.world_size] for r in range(self.world_size)]
         plans = [
-            plan_packs([t.total_len for t in shard], self.target_tokens_per_batch)
-            if shard
-            else []
+            plan_packs([t.total_len for t in shard], self.target_tokens_per_batch) if shard else []
             for shard in shards
         ]
         mine = [[shards[self.rank][i] for i in pack] for pack in plans[self.rank]]
@@ -286,7 +296,13 @@ class PyTorchActorModel:
         step_start = time.perf_counter()
         micro_batches, num_micro_batches = self._plan_micro_batches(batch)
         packs = [
-            pack_sequences(mb, self.device, self.pad_token_id, mask_kind=self.mask_kind)
+            pack_sequences(
+                mb,
+                self.device,
+                self.pad_token_id,
+                mask_kind=self.mask_kind,
+                pad_to_multiple_of=_FLEX_BUCKET if self.mask_kind == "flex" else None,
+            )
             for mb in micro_batches
         ]
         # Normalise by the WHOLE batch's count (tokens or sequences), so gradients do not
@@ -459,7 +475,8 @@ class PyTorchActorModel:
         """Gather full weights in HF names for the collectors and bump the policy version.
 
         Every rank must call it (the gather is collective); rank 0 returns
-        ``{"weights", "version", "checksum", "probe"}``, the others None.
+        ``{"weights", "version", "checksum", "probe"}`` (``weights`` is an ObjectRef when
+        Ray is running), the others None.
         """
         tune_state = self.full_state_dict()
         probe = self.probe_logprobs()
@@ -467,10 +484,15 @@ class PyTorchActorModel:
         if self.rank != 0:
             return None
         hf_state = tune_to_hf_state_dict(tune_state, self.hf_config)
+        checksum = state_dict_checksum(hf_state)
+        if ray.is_initialized():
+            # Put once, from here: the driver handles only this reference, and every
+            # collector reads the same object.
+            hf_state = ray.put(hf_state)
         return {
             "weights": hf_state,
             "version": self.policy_version,
-            "checksum": state_dict_checksum(hf_state),
+            "checksum": checksum,
             "probe": probe,
         }
 
@@ -505,5 +527,3 @@ class PyTorchActorModel:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
