@@ -21,7 +21,10 @@ Three measurements, printed as tables and summarised at the end:
    larger torchtune model with GSM8K-like lengths. Both must agree within 1e-4.
 
 Micro-benchmarks run their variants round-robin after one warm-up call each (the machine may
-be shared) and report medians. The load average is printed at the start and the end.
+be shared) and report medians, with one torch thread by default (``--threads``), as the
+pipeline's actors have: Ray sets ``OMP_NUM_THREADS`` to an actor's ``num_cpus``. They run in
+this process; the reference logprobs before the vLLM engine starts, since its CPU worker binds
+threads and memory for the whole process. The load average is printed at the start and the end.
 
 The model is ``--model-dir``, else ``assets/tiny_arithmetic_qwen2`` if it exists, else a random
 Qwen2 of the same shape built with `grpo.testing.build_tiny_qwen2` in a temporary folder (a
@@ -29,7 +32,7 @@ random policy earns no reward, so its loss is 0, but every step does the same wo
 
 Usage:
     python scripts/bench_pipeline.py            # about 5 min on 2 cores
-    python scripts/bench_pipeline.py --quick    # about 2 min: shorter run, short batch only
+    python scripts/bench_pipeline.py --quick    # about 2 min: 5 steps, no Ray timing, short batch
     python scripts/bench_pipeline.py --model-dir assets/tiny_arithmetic_qwen2 --steps 30
 """
 
@@ -51,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 # vLLM logs every engine step at INFO; the tables are the output of this script.
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 
@@ -77,9 +80,10 @@ TINY_MODEL_SHAPE = {
     "num_kv_heads": 1,
     "intermediate_dim": 512,
 }
-# "Slightly larger" model for GSM8K-like lengths; head dim 64 like the tiny one.
+# "Slightly larger" model for GSM8K-like lengths (wider; 2 layers keep the run short); head dim
+# 64 like the tiny one.
 LONG_MODEL_SHAPE = {
-    "num_layers": 4,
+    "num_layers": 2,
     "embed_dim": 256,
     "num_heads": 4,
     "num_kv_heads": 2,
@@ -112,11 +116,12 @@ def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
 
 
 def time_interleaved(
-    functions: dict[str, Callable[[], Any]], repeats: int
+    functions: dict[str, Callable[[], Any]], repeats: int, warm_up: bool = True
 ) -> dict[str, list[float]]:
     """Seconds of each call: one untimed warm-up call each, then ``repeats`` rounds in turn."""
-    for function in functions.values():
-        function()
+    if warm_up:
+        for function in functions.values():
+            function()
     seconds: dict[str, list[float]] = {name: [] for name in functions}
     for _ in range(repeats):
         for name, function in functions.items():
@@ -400,6 +405,14 @@ def bench_weight_sync(
     def clone() -> None:
         {name: tensor.clone() for name, tensor in hf_state.items()}
 
+    # The same bytes without fresh allocations: memory bandwidth alone. (Fresh pages can be
+    # expensive in a VM; a clone pays for them, a copy into reused buffers does not.)
+    buffers = {name: torch.empty_like(tensor) for name, tensor in hf_state.items()}
+
+    def copy_into() -> None:
+        for name, tensor in hf_state.items():
+            buffers[name].copy_(tensor)
+
     def trainer_gather() -> None:
         # What PyTorchActorModel.gather_hf_weights does besides its probe forward.
         copied = {name: t.detach().to("cpu", copy=True) for name, t in tune_state.items()}
@@ -416,6 +429,7 @@ def bench_weight_sync(
 
     functions: dict[str, Callable[[], Any]] = {
         "clone": clone,
+        "copy_into": copy_into,
         "trainer_gather": trainer_gather,
         "engine_rpc": engine_rpc,
         "engine_receiver": engine_receiver,
@@ -432,7 +446,6 @@ def bench_weight_sync(
     finally:
         if use_ray:
             ray.shutdown()
-    del llm
     return {name: statistics.median(values) for name, values in seconds.items()}, facts
 
 
@@ -442,6 +455,7 @@ def print_weight_sync(
     base = medians["clone"]
     rows = [
         ["(a) in-memory copy {k: v.clone()}", medians["clone"]],
+        ["    copy_ into preallocated tensors", medians["copy_into"]],
         ["    trainer gather: copy + tune->HF names + checksum", medians["trainer_gather"]],
     ]
     if "ray_put_get" in medians:
@@ -453,7 +467,7 @@ def print_weight_sync(
     if pipeline is not None and pipeline.weight_sync_s:
         rows.append(
             [
-                "(d) pipeline time_weight_sync (trainer side)",
+                "(d) pipeline time_weight_sync (gather, put, send)",
                 statistics.median(pipeline.weight_sync_s),
             ]
         )
@@ -597,6 +611,7 @@ def bench_ref_logprobs(
             "one at a time": lambda: ref_logprobs_single(model, batch),
         },
         repeats,
+        warm_up=False,  # the agreement check above ran every variant once
     )
     plan = plan_packs([t.total_len for t in batch], budget, groups=[t.group_id for t in batch])
     return RefResult(
@@ -649,6 +664,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-long", action="store_true", help="skip the GSM8K-like batch")
     parser.add_argument("--run-timeout", type=float, default=420.0, help="seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the micro-benchmarks; 1 like the pipeline's actors (Ray sets "
+        "OMP_NUM_THREADS to an actor's num_cpus, 1 in the tiny config)",
+    )
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 5 if args.quick else 14
@@ -662,15 +684,69 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def summary_rows(
+    pipeline: PipelineResult | None, weight_medians: dict[str, float], ref_results: list[RefResult]
+) -> list[list[str]]:
+    clone = weight_medians["clone"]
+    rows = []
+    if pipeline is not None:
+        rows += [
+            [
+                "generated tokens/s (engine / wall)",
+                f"{pipeline.generation_rate:,.0f} / {pipeline.generation_wall_rate:,.0f}",
+            ],
+            [
+                "trained tokens/s (trainer / wall)",
+                f"{pipeline.train_rate:,.0f} / {pipeline.train_wall_rate:,.0f}",
+            ],
+            ["trainer time waiting for data", f"{pipeline.waiting_s / pipeline.step_s:.1%}"],
+        ]
+        if pipeline.weight_sync_s:
+            sync = statistics.median(pipeline.weight_sync_s)
+            rows.append(
+                [
+                    "weight sync (pipeline time_weight_sync) vs in-memory copy",
+                    f"{sync * 1e3:.1f} ms vs {clone * 1e3:.2f} ms = {sync / clone:,.0f}x",
+                ]
+            )
+    engine = weight_medians["engine_receiver"]
+    rows.append(
+        [
+            "engine update (WeightReceiver) vs in-memory copy",
+            f"{engine * 1e3:.1f} ms vs {clone * 1e3:.2f} ms = {engine / clone:,.0f}x",
+        ]
+    )
+    for result in ref_results:
+        packed, single = result.seconds["packed (dense mask)"], result.seconds["one at a time"]
+        rows.append(
+            [
+                f"ref logprobs tokens/s, {result.label.split(' (')[0]}: packed / single",
+                f"{result.tokens / packed:,.0f} / {result.tokens / single:,.0f} = "
+                f"{single / packed:.2f}x",
+            ]
+        )
+    return rows
+
+
 def main() -> None:
     args = parse_args()
     bench_start = time.perf_counter()
-    print(f"Load average at start: {load_average()}")
+    start_load = load_average()
+    print(f"Load average at start: {start_load}")
     print(
-        "This machine is shared with other work: numbers move with its load. Micro-benchmarks "
-        "interleave their variants and report medians."
+        "This machine may be shared with other work: the numbers move with its load. "
+        "Micro-benchmarks interleave their variants and report medians."
     )
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    # Before vLLM starts in this process: its CPU worker disables torch.set_num_threads.
+    torch.set_num_threads(args.threads)
+    print(
+        f"torch {torch.__version__}; micro-benchmarks use {torch.get_num_threads()} thread(s), "
+        "like the pipeline's actors (Ray: OMP_NUM_THREADS = num_cpus = 1)"
+    )
 
     work_dir = Path(tempfile.mkdtemp(prefix="bench_pipeline_"))
     try:
@@ -679,15 +755,15 @@ def main() -> None:
 
         pipeline = None
         if not args.skip_run:
+            progress(f"running the pipeline: {args.steps} steps of {CONFIG}")
             rows, run_seconds = run_pipeline(
                 model_dir, work_dir / "run", args.steps, args.run_timeout
             )
             pipeline = summarize_pipeline(rows, args.steps, args.warmup_steps, run_seconds)
-            print_pipeline(pipeline)
 
-        weight_medians, facts = bench_weight_sync(model_dir, args.repeats, not args.no_ray)
-        print_weight_sync(weight_medians, facts, pipeline, args.repeats)
-
+        # Before the vLLM engine exists in this process, so that its start-up (thread and
+        # memory binding) cannot touch these timings.
+        progress("reference logprobs: arithmetic-like batch")
         short_batch = synthetic_batch(
             num_prompts=8,
             group_size=8,
@@ -705,8 +781,9 @@ def main() -> None:
                 repeats=args.repeats,
             )
         ]
-        print_ref(ref_results[0], args.repeats)
+        long_repeats = max(2, args.repeats - 2)
         if not args.skip_long:
+            progress("reference logprobs: GSM8K-like batch on a larger model")
             long_dir = build_tiny_qwen2(work_dir / "long_qwen2", **LONG_MODEL_SHAPE)
             long_batch = synthetic_batch(
                 num_prompts=8,
@@ -722,55 +799,25 @@ def main() -> None:
                     long_dir,
                     long_batch,
                     budget=4096,
-                    repeats=max(2, args.repeats - 2),
+                    repeats=long_repeats,
                 )
             )
-            print_ref(ref_results[1], max(2, args.repeats - 2))
 
-        summary = []
+        progress("weight sync: vLLM CPU engine" + ("" if args.no_ray else " and Ray"))
+        weight_medians, facts = bench_weight_sync(model_dir, args.repeats, not args.no_ray)
+
         if pipeline is not None:
-            summary += [
-                [
-                    "generated tokens/s (engine / wall)",
-                    f"{pipeline.generation_rate:,.0f} / {pipeline.generation_wall_rate:,.0f}",
-                ],
-                [
-                    "trained tokens/s (trainer / wall)",
-                    f"{pipeline.train_rate:,.0f} / {pipeline.train_wall_rate:,.0f}",
-                ],
-                ["trainer time waiting for data", f"{pipeline.waiting_s / pipeline.step_s:.1%}"],
-            ]
-            if pipeline.weight_sync_s:
-                sync = statistics.median(pipeline.weight_sync_s)
-                summary.append(
-                    [
-                        "weight sync (pipeline) vs in-memory copy",
-                        f"{sync * 1e3:.1f} ms vs {weight_medians['clone'] * 1e3:.2f} ms = "
-                        f"{sync / weight_medians['clone']:,.0f}x",
-                    ]
-                )
-        summary.append(
-            [
-                "engine update (WeightReceiver) vs in-memory copy",
-                f"{weight_medians['engine_receiver'] * 1e3:.1f} ms vs "
-                f"{weight_medians['clone'] * 1e3:.2f} ms = "
-                f"{weight_medians['engine_receiver'] / weight_medians['clone']:,.0f}x",
-            ]
+            print_pipeline(pipeline)
+        print_weight_sync(weight_medians, facts, pipeline, args.repeats)
+        for index, result in enumerate(ref_results):
+            print_ref(result, args.repeats if index == 0 else long_repeats)
+        print_table(
+            "Summary", ["measurement", "value"], summary_rows(pipeline, weight_medians, ref_results)
         )
-        for result in ref_results:
-            packed = result.seconds["packed (dense mask)"]
-            single = result.seconds["one at a time"]
-            summary.append(
-                [
-                    f"ref logprobs tokens/s, {result.label.split(' (')[0]}: packed / single",
-                    f"{result.tokens / packed:,.0f} / {result.tokens / single:,.0f} = "
-                    f"{single / packed:.2f}x",
-                ]
-            )
-        print_table("Summary", ["measurement", "value"], summary)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-    print(f"\nLoad average at end: {load_average()}")
+    print(f"\nLoad average at start: {start_load}")
+    print(f"Load average at end:   {load_average()}")
     print(f"Whole benchmark: {time.perf_counter() - bench_start:.0f} s")
 
 
