@@ -59,7 +59,7 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
         sid for record in read_jsonl(run_dir / "scored.jsonl") for sid in record["sequence_ids"]
     }
     trained_ids = [sid for record in trained for sid in record["sequence_ids"]]
-    cfg = load_config("tiny_arithmetic_cpu")
+    cfg = OmegaConf.load(run_dir / "config.yaml")  # the config the run used
     assert [record["step"] for record in trained] == list(range(1, num_steps + 1))
     assert len(trained_ids) == num_steps * cfg.training.batch_size
     assert len(set(trained_ids)) == len(trained_ids), "a trajectory was trained on twice"
