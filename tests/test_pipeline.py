@@ -50,6 +50,8 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
             "eval_num_examples=8",
             "debug_logging_enabled=true",
             "debug_num_samples_per_step=2",
+            "inference.batch_size=4",
+            "training.batch_size=32",
         ],
     )
 
@@ -148,6 +150,8 @@ def test_learning_signal_on_a_toy_reward(tiny_model_dir, tmp_path, monkeypatch, 
     cfg.orchestration.num_steps = 30
     cfg.eval_every_n_steps = None
     cfg.inference.max_generated_tokens = 8
+    cfg.inference.batch_size = 4
+    cfg.training.batch_size = 32
     cfg.training.optimizer.lr = 2e-3
     cfg.reward_functions = [{"_component_": "grpo.rewards.TokenPresenceReward", "token": "7"}]
     config_path = tmp_path / "toy.yaml"

@@ -58,6 +58,8 @@ def deterministic_overrides(model_dir: Path, run_dir: Path, num_steps: int) -> l
         "training.save_every_n_steps=2",
         "eval_every_n_steps=null",
         "inference.max_generated_tokens=12",
+        "inference.batch_size=4",
+        "training.batch_size=32",
         # A reward the random tiny model earns sometimes, so losses and updates are non-zero.
         "reward_functions=[{_component_: grpo.rewards.TokenPresenceReward, token: '7'}]",
         "ref.reward_weights=null",
@@ -114,6 +116,8 @@ def start_run(model_dir: Path, run_dir: Path) -> Orchestrator:
             "orchestration.stall_timeout_s=60",
             "eval_every_n_steps=null",
             "inference.max_generated_tokens=8",
+            "inference.batch_size=4",
+            "training.batch_size=32",
         ],
     )
     run_dir.mkdir(parents=True)
@@ -191,6 +195,8 @@ def test_signal_stops_gracefully(stop_signal, tiny_model_dir, tmp_path):
             "orchestration.num_steps=500",
             "eval_every_n_steps=null",
             "inference.max_generated_tokens=8",
+            "inference.batch_size=4",
+            "training.batch_size=32",
         ],
         cwd=REPO,
         env=env,
