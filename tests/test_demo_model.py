@@ -55,7 +55,11 @@ def accuracy_and_format(completions: list[str], items: list[dict[str, str]]) -> 
     correctness = MathCorrectnessReward(partial_credit=0.0)
     answer_format = FormatReward(think_required=False)
     correct = sum(correctness(c, item["answer"]).success for c, item in zip(completions, items))
-    formatted = sum(answer_format(c, item["answer"]).success for c, item in zip(completions, items))
+    # The format reward sees what the reference actor decodes: special tokens dropped.
+    formatted = sum(
+        answer_format(c.removesuffix("<|im_end|>"), item["answer"]).success
+        for c, item in zip(completions, items)
+    )
     return correct / len(items), formatted / len(items)
 
 
