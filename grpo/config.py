@@ -278,7 +278,8 @@ SCHEMA = Section(
                 ),
                 "replay_buffer_size": Field(
                     (int,),
-                    "Most trajectories the replay buffer holds; oldest dropped first.",
+                    "Most trajectories the replay buffer holds; when it is full, scored groups "
+                    "wait for room (nothing is dropped).",
                     512,
                     _POSITIVE_INT,
                 ),
@@ -294,6 +295,14 @@ SCHEMA = Section(
                     "Abort the run when no actor finishes any work for this many seconds.",
                     600.0,
                     _greater_than(0),
+                ),
+                "max_actor_restarts": Field(
+                    (int,),
+                    "Times each collector, reference actor and the replay buffer may be "
+                    "restarted after dying (their work is rebuilt, nothing is lost); one more "
+                    "death stops the run with a checkpoint. Trainers are never restarted.",
+                    3,
+                    _NON_NEGATIVE,
                 ),
             },
         ),
@@ -455,6 +464,14 @@ SCHEMA = Section(
                     (int,),
                     "Optimizer steps between pushes of new weights to collectors.",
                     1,
+                    _POSITIVE_INT,
+                ),
+                "max_nonfinite_steps_in_a_row": Field(
+                    (int,),
+                    "A step whose loss or gradient norm is not finite is skipped (weights and "
+                    "optimizer untouched) and counted; this many in a row stop the run with a "
+                    "checkpoint.",
+                    3,
                     _POSITIVE_INT,
                 ),
                 "save_every_n_steps": Field(

@@ -68,17 +68,19 @@ class HeldOutEvaluator:
             reward_timeout_s=(cfg.get("ref") or {}).get("reward_timeout_s", 10.0),
         )
 
-    def __call__(self, step: int) -> dict[str, float]:
+    def __call__(self, step: int, collector: Any = None) -> dict[str, float]:
         """Evaluate now and log ``eval/*`` metrics at ``step``.
 
         Args:
             step (int): Training step the result belongs to.
+            collector: Collector to generate with instead of the one given at construction
+                (the orchestrator passes its current one: a dead collector is replaced).
 
         Returns:
             dict[str, float]: ``eval/accuracy``, ``eval/num_examples``, ``eval/time (s)``.
         """
         start = time.perf_counter()
-        evaluate = self.collector.evaluate
+        evaluate = (collector or self.collector).evaluate
         if hasattr(evaluate, "remote"):
             completions = ray.get(evaluate.remote(self.items, self.max_generated_tokens))
         else:

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,21 @@ import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
 from ray.exceptions import RayActorError, RayTaskError
-from ray.util.queue import Queue
+
+from grpo.workers.rollout_queue import RolloutQueue
 
 log = logging.getLogger("grpo")
+
+# Most groups one reference call scores (they are packed together for the forward).
+_GROUPS_PER_REF_CALL = 4
 
 
 class ActorFailedError(RuntimeError):
     """An actor of the run died or raised; the message names it."""
+
+
+class TrainingDivergedError(RuntimeError):
+    """Too many training steps in a row had a non-finite loss or gradient norm."""
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -104,12 +113,63 @@ class RunState:
     eval_history: list[tuple[int, float]] = field(default_factory=list)
 
 
+@dataclass
+class Recovery:
+    """One dead actor that was replaced: which, when, and how long the driver spent on it."""
+
+    actor: str
+    step: int
+    seconds: float
+    error: str
+
+
+@dataclass
+class _Call:
+    """A call in flight: what kind, on which actor, and what the driver needs if it fails."""
+
+    kind: str  # collector | take | ref | add | sample | train
+    index: int
+    actor: Any
+    payload: Any = None  # take: groups ref; ref: (groups ref, scored ref); add: ScoredBatch
+
+
+@dataclass(eq=False)  # identity: the driver keys and deduplicates batches by object
+class ScoredBatch:
+    """Scored groups one reference call returned. The driver owns them until they are trained.
+
+    The buffer holds its own copy; the driver keeps the reference (not the data, which stays
+    in the object store) so that a replacement buffer can be rebuilt from it.
+    """
+
+    groups_ref: Any
+    sequence_ids: list[list[str]]
+    policy_version: int
+    skip: set[str] = field(default_factory=set)  # duplicates, and trajectories sampled since
+    added: int = 0  # groups the buffer has taken so far
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.sequence_ids)
+
+    @property
+    def used_up(self) -> bool:
+        return all(sid in self.skip for ids in self.sequence_ids for sid in ids)
+
+
 class Orchestrator:
-    """Owns the actors of one run.
+    """Owns the actors of one run, drives them, and replaces the ones that die.
+
+    Data that moves between actors is owned by the driver (Ray's ownership: objects returned
+    by a call belong to the caller), never fetched by it: groups taken from the rollout queue
+    until they are scored, scored groups until they are trained on. A collector, reference
+    actor or replay buffer that dies is therefore replaced and its work redone from what the
+    driver holds, up to ``orchestration.max_actor_restarts`` times each. A trainer holds the
+    policy and optimizer state, so its death stops the run.
 
     Args:
         cfg (DictConfig): The validated run config.
         run_dir (Path): Folder for logs and checkpoints.
+        tokenizer: Decodes debug tables (optional).
     """
 
     def __init__(self, cfg: DictConfig, run_dir: Path, tokenizer: Any = None) -> None:
@@ -124,8 +184,33 @@ class Orchestrator:
         self.replay_buffer = None
         self.rollout_queue = None
         self.metric_logger = None
-        self._inflight: dict[Any, tuple[str, int]] = {}
         self.stop_requested = False
+        self.recoveries: list[Recovery] = []
+        orchestration = cfg.orchestration
+        self.synchronous = bool(orchestration.get("synchronous", False))
+        self.max_actor_restarts = orchestration.get("max_actor_restarts", 3)
+        self._inflight: dict[Any, _Call] = {}
+        # What replacements are rebuilt from.
+        self._collector_states: list[dict[str, Any] | None] = []
+        self._collector_model_dir = cfg.base_model_path
+        self._collector_start_version = 0
+        self._last_weights: dict[str, Any] | None = None
+        self._restarts: dict[str, int] = {}
+        self._gave_up: ActorFailedError | None = None
+        # Groups taken from the queue that wait for a reference actor (after a checkpoint).
+        self._unscored: deque[Any] = deque()
+        # Scored groups on their way into the buffer, and those in it not yet sampled.
+        self._to_buffer: deque[ScoredBatch] = deque()
+        self._in_buffer: dict[str, ScoredBatch] = {}
+        self._seen_group_ids: set[int] = set()
+        self._buffer_full = False
+        self._idle_ref_slots: set[int] = set()
+        # Per reference slot: when it started waiting for groups, and how long it waited.
+        self._waiting_since: dict[int, float] = {}
+        self._waited: dict[int, float] = {}
+        self._sampled: tuple[Any, list[Any] | None] | None = None
+        self._poll_delay = 0.02
+        self.num_duplicate_groups = 0
 
     # ------------------------------------------------------------------ start-up
 
@@ -139,8 +224,8 @@ class Orchestrator:
         self.metric_logger = ray.remote(num_cpus=0)(MetricLogger).remote(**node)
         return self.metric_logger
 
-    def start_rollout_queue(self) -> Queue:
-        self.rollout_queue = Queue(maxsize=self.cfg.inference.queue_maxsize)
+    def start_rollout_queue(self) -> RolloutQueue:
+        self.rollout_queue = RolloutQueue(maxsize=self.cfg.inference.queue_maxsize)
         return self.rollout_queue
 
     def start_replay_buffer(self) -> Any:
@@ -188,108 +273,378 @@ class Orchestrator:
         )
         return self.trainers
 
-    def start_ref_actors(self) -> list[Any]:
+    def _new_ref_actor(self) -> Any:
         from grpo.workers.ref import RefActor
 
         cfg = self.cfg
         ref_cfg = cfg.get("ref") or {}
-        actor_cls = ray.remote(**_resources(ref_cfg, default_cpus=1))(RefActor)
+        return ray.remote(**_resources(ref_cfg, default_cpus=1))(RefActor).remote(
+            model_dir=cfg.base_model_path,
+            reward_functions=to_container(cfg.reward_functions),
+            target_tokens_per_batch=cfg.target_tokens_per_batch,
+            reward_timeout_s=ref_cfg.get("reward_timeout_s", 10.0),
+            reward_weights=to_container(ref_cfg.get("reward_weights")),
+            dtype=ref_cfg.get("dtype", "float32"),
+            mask_kind=ref_cfg.get("mask_kind", "dense"),
+        )
+
+    def start_ref_actors(self) -> list[Any]:
         self.ref_actors = [
-            actor_cls.remote(
-                model_dir=cfg.base_model_path,
-                reward_functions=to_container(cfg.reward_functions),
-                rollout_queue=self.rollout_queue,
-                replay_buffer=self.replay_buffer,
-                target_tokens_per_batch=cfg.target_tokens_per_batch,
-                reward_timeout_s=ref_cfg.get("reward_timeout_s", 10.0),
-                reward_weights=to_container(ref_cfg.get("reward_weights")),
-                dtype=ref_cfg.get("dtype", "float32"),
-                mask_kind=ref_cfg.get("mask_kind", "dense"),
-            )
-            for _ in range(cfg.orchestration.num_ref_workers)
+            self._new_ref_actor() for _ in range(self.cfg.orchestration.num_ref_workers)
         ]
         return self.ref_actors
 
-    def start_collectors(self, weights_dir: Path | None = None) -> list[Any]:
-        """Start the vLLM collectors, from ``weights_dir`` (a checkpoint) or the base model."""
+    def _new_collector(self, worker_id: int) -> Any:
         from grpo.workers.collector import SyncLLMCollector
 
         cfg, inference = self.cfg, self.cfg.inference
-        num_workers = cfg.orchestration.num_inference_workers
         # Threaded actor (max_concurrency 4): evaluate and receive_weights must get through
         # while generate_batch waits on a full rollout queue, or evaluation deadlocks.
         actor_cls = SyncLLMCollector.as_remote(**_resources(inference, default_cpus=1))
-        self.collectors = [
-            actor_cls.remote(
-                worker_id=worker_id,
-                num_workers=num_workers,
-                model_dir=str(weights_dir) if weights_dir else cfg.base_model_path,
-                engine_args=to_container(inference.get("engine_args")) or {},
-                dataset=to_container(cfg.dataset),
-                group_size=inference.group_size,
-                max_generated_tokens=inference.max_generated_tokens,
-                temperature=inference.temperature,
-                top_p=inference.top_p,
-                rollout_queue=self.rollout_queue,
-                seed=cfg.seed,
-                queue_put_timeout_s=inference.get("queue_put_timeout_s", 1.0),
-                max_prompt_tokens=inference.get("max_prompt_tokens"),
-                steps_before_weight_sync=inference.get("steps_before_weight_sync", 1),
-            )
-            for worker_id in range(num_workers)
-        ]
+        return actor_cls.remote(
+            worker_id=worker_id,
+            num_workers=cfg.orchestration.num_inference_workers,
+            model_dir=str(self._collector_model_dir),
+            engine_args=to_container(inference.get("engine_args")) or {},
+            dataset=to_container(cfg.dataset),
+            group_size=inference.group_size,
+            max_generated_tokens=inference.max_generated_tokens,
+            temperature=inference.temperature,
+            top_p=inference.top_p,
+            rollout_queue=self.rollout_queue,
+            seed=cfg.seed,
+            queue_put_timeout_s=inference.get("queue_put_timeout_s", 1.0),
+            max_prompt_tokens=inference.get("max_prompt_tokens"),
+            steps_before_weight_sync=inference.get("steps_before_weight_sync", 1),
+        )
+
+    def start_collectors(self, weights_dir: Path | None = None) -> list[Any]:
+        """Start the vLLM collectors from ``weights_dir`` (a checkpoint) or the base model."""
+        if weights_dir is not None:
+            self._collector_model_dir = str(weights_dir)
+        num_workers = self.cfg.orchestration.num_inference_workers
+        self.collectors = [self._new_collector(worker_id) for worker_id in range(num_workers)]
+        self._collector_states = [None] * num_workers
         return self.collectors
+
+    def start_actors(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> None:
+        """Start every actor of the run in order, and restore ``checkpoint_dir`` if given.
+
+        Args:
+            pad_token_id (int): The tokenizer's pad id (for packing).
+            checkpoint_dir (Path | None): A checkpoint to resume from (`find_checkpoint`).
+        """
+        self.start_metric_logger()
+        self.start_rollout_queue()
+        self.start_replay_buffer()
+        self.start_trainers(pad_token_id=pad_token_id, checkpoint_dir=checkpoint_dir)
+        self.start_ref_actors()
+        self.start_collectors(weights_dir=checkpoint_dir / "model" if checkpoint_dir else None)
+        if checkpoint_dir:
+            self.restore(checkpoint_dir)
 
     # ------------------------------------------------------------------ helpers
 
     def _get_all(self, refs: list[Any], what: str = "") -> list[Any]:
+        """``ray.get`` for calls the loop does not redo: a failure stops the run, named."""
         try:
             return ray.get(refs)
-        except (RayActorError, RayTaskError) as error:
+        except RayActorError as error:
+            raise ActorFailedError(
+                f"{what or 'an actor'} failed, an actor died ({error}): resume from "
+                f"{self._latest_checkpoint_text()}"
+            ) from error
+        except RayTaskError as error:
             raise ActorFailedError(f"{what or 'an actor'} failed: {error}") from error
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
         if self.metric_logger is not None and metrics:
             self.metric_logger.log_dict.remote(metrics, step=step)
 
-    # ------------------------------------------------------------------ the loop
+    @staticmethod
+    def _actor_name(call: _Call) -> str:
+        return {
+            "collector": f"collector[{call.index}]",
+            "take": "rollout_queue",
+            "ref": f"ref_actor[{call.index}]",
+            "add": "replay_buffer",
+            "sample": "replay_buffer",
+            "train": f"trainer[{call.index}]",
+        }[call.kind]
+
+    # ------------------------------------------------------------------ launching calls
 
     def request_stop(self) -> None:
         """Ask the loop to stop at the next step boundary (signal handlers call this)."""
         self.stop_requested = True
 
-    def _launch(self, kind: str, index: int, ref: Any) -> None:
-        self._inflight[ref] = (kind, index)
-
     def _launch_collector(self, index: int) -> None:
-        batch_size = self.cfg.inference.batch_size
-        self._launch("collector", index, self.collectors[index].generate_batch.remote(batch_size))
+        actor = self.collectors[index]
+        ref = actor.generate_batch_with_state.remote(self.cfg.inference.batch_size)
+        self._inflight[ref] = _Call("collector", index, actor)
 
-    def _actor_name(self, kind: str, index: int) -> str:
-        return {"sample": "replay_buffer", "train": f"trainer[{index}]"}.get(
-            kind, f"{'ref_actor' if kind == 'ref' else kind}[{index}]"
-        )
+    def _launch_score(self, index: int, groups_ref: Any) -> None:
+        now = time.perf_counter()
+        self._waited[index] = now - self._waiting_since.pop(index, now)
+        actor = self.ref_actors[index]
+        info_ref, scored_ref = actor.score.options(num_returns=2).remote(groups_ref)
+        self._inflight[info_ref] = _Call("ref", index, actor, (groups_ref, scored_ref))
 
-    def _result(self, ref: Any) -> tuple[str, int, Any]:
-        """Pop a finished call and return (kind, index, result); a failure names the actor."""
-        kind, index = self._inflight.pop(ref)
+    def _feed_ref_slot(self, index: int) -> None:
+        """Give reference actor ``index`` work: waiting groups first, then the queue.
+
+        While more scored batches wait for room in the buffer than there are reference
+        actors, the slot stays idle: back-pressure reaches the queue, then the collectors.
+        """
+        self._idle_ref_slots.discard(index)
+        self._waiting_since.setdefault(index, time.perf_counter())
+        if self._unscored:
+            self._launch_score(index, self._unscored.popleft())
+        elif len(self._to_buffer) > len(self.ref_actors):
+            self._idle_ref_slots.add(index)
+        else:
+            timeout_s = 0.0 if self.synchronous else 0.5
+            count_ref, groups_ref = self.rollout_queue.take(_GROUPS_PER_REF_CALL, timeout_s)
+            self._inflight[count_ref] = _Call("take", index, self.rollout_queue, groups_ref)
+
+    def _launch_sample(self) -> None:
+        actor = self.replay_buffer
+        ref = actor.sample.remote(self.cfg.training.batch_size, self.state.policy_version)
+        self._inflight[ref] = _Call("sample", 0, actor, payload=ref)  # trainers read it
+
+    def _pump_buffer_adds(self) -> None:
+        """Offer the oldest waiting scored batch to the buffer (one add in flight, in order)."""
+        if not self._to_buffer or self._buffer_full:
+            return
+        if any(call.kind == "add" for call in self._inflight.values()):
+            return
+        batch, actor = self._to_buffer[0], self.replay_buffer
+        ref = actor.add_groups.remote(batch.groups_ref, batch.added, batch.skip)
+        self._inflight[ref] = _Call("add", 0, actor, batch)
+
+    # ------------------------------------------------------------------ results
+
+    def _result(self, ref: Any) -> tuple[_Call, Any] | None:
+        """Pop a finished call: ``(call, result)``, or None if its actor died and was replaced.
+
+        Raises:
+            ActorFailedError: The actor raised, or died and cannot be replaced; the message
+                names it.
+        """
+        call = self._inflight.pop(ref)
         try:
-            return kind, index, ray.get(ref)
-        except (RayActorError, RayTaskError) as error:
-            raise ActorFailedError(f"{self._actor_name(kind, index)} failed: {error}") from error
+            return call, ray.get(ref)
+        except RayActorError as error:
+            self._recover(call, error)
+            return None
+        except RayTaskError as error:
+            raise ActorFailedError(f"{self._actor_name(call)} failed: {error}") from error
 
-    def _handle_side_result(self, kind: str, index: int, result: Any, relaunch: bool) -> None:
-        """Log a collector's or reference actor's result, and keep it busy."""
-        if kind == "collector":
-            self._log(result, self.state.step)
+    def _handle(self, call: _Call, result: Any, relaunch: bool) -> None:
+        """React to a finished call; ``relaunch`` keeps collectors and the queue busy."""
+        step = self.state.step
+        if call.kind == "collector":
+            self._log(result["metrics"], step)
+            self._collector_states[call.index] = result["state"]
             if relaunch:
-                self._launch_collector(index)
-        elif kind == "ref":
+                self._launch_collector(call.index)
+        elif call.kind == "take":
             if result:
-                self._log(result["metrics"], self.state.step)
-                self.ledger.scored(self.state.step, result["sequence_ids"])
+                self._launch_score(call.index, call.payload)
+            elif relaunch:
+                self._feed_ref_slot(call.index)
+        elif call.kind == "ref":
+            waited = self._waited.pop(call.index, 0.0)
+            busy = result["metrics"]["ref_actor_performance/total_rollout_time (s)"]
+            metrics = {
+                **result["metrics"],
+                "ref_actor_performance/time_waiting_buffer (s)": waited,
+                "ref_actor_performance/pct_time_waiting_buffer (%)": 100.0
+                * waited
+                / max(waited + busy, 1e-9),
+            }
+            self._log(metrics, step)
+            self.ledger.scored(step, [sid for ids in result["sequence_ids"] for sid in ids])
+            batch = ScoredBatch(call.payload[1], result["sequence_ids"], result["policy_version"])
+            for group_id, ids in zip(result["group_ids"], result["sequence_ids"]):
+                if group_id in self._seen_group_ids:  # regenerated by a replaced collector
+                    batch.skip.update(ids)
+                    self.num_duplicate_groups += 1
+                self._seen_group_ids.add(group_id)
+            self._to_buffer.append(batch)
+            self._pump_buffer_adds()
             if relaunch:
-                self._launch("ref", index, self.ref_actors[index].step.remote())
+                self._feed_ref_slot(call.index)
+        elif call.kind == "add":
+            batch = call.payload
+            for ids in batch.sequence_ids[batch.added : batch.added + result]:
+                for sid in ids:
+                    if sid not in batch.skip:
+                        self._in_buffer[sid] = batch
+            batch.added += result
+            if batch.added == batch.num_groups:
+                self._to_buffer.popleft()
+            else:
+                self._buffer_full = True  # retried after the next sample frees room
+            self._pump_buffer_adds()
+            if relaunch:
+                self._wake_idle_ref_slots()
+        elif call.kind == "sample":
+            if result is None:
+                if relaunch:
+                    # Back off while the buffer fills: each poll is a Ray task.
+                    time.sleep(self._poll_delay)
+                    self._poll_delay = min(2 * self._poll_delay, 0.5)
+                    self._launch_sample()
+                else:
+                    self._sampled = (None, None)
+            else:
+                self._poll_delay = 0.02
+                self._mark_sampled(result)
+                self._sampled = (call.payload, result)
+
+    def _wake_idle_ref_slots(self) -> None:
+        for index in sorted(self._idle_ref_slots):
+            if len(self._to_buffer) <= len(self.ref_actors):
+                self._feed_ref_slot(index)
+
+    def _mark_sampled(self, trajectories: list[Any]) -> None:
+        """Sampled trajectories leave the buffer: a rebuilt buffer must not get them again."""
+        for trajectory in trajectories:
+            batch = self._in_buffer.pop(trajectory.sequence_id, None)
+            if batch is not None:
+                batch.skip.add(trajectory.sequence_id)
+        self._buffer_full = False
+        self._pump_buffer_adds()
+
+    def _forget_stale(self) -> None:
+        """Stop holding scored batches the buffer drops as stale anyway."""
+        oldest_allowed = self.state.policy_version - self.cfg.orchestration.max_policy_lag
+        for sid in [s for s, b in self._in_buffer.items() if b.policy_version < oldest_allowed]:
+            del self._in_buffer[sid]
+
+    def _process(self, ready: list[Any], relaunch: bool) -> None:
+        for ref in ready:
+            outcome = self._result(ref)
+            if outcome is not None:
+                self._handle(*outcome, relaunch=relaunch)
+
+    def _drain_inflight(self, held: list[Any] | None = None) -> None:
+        """Let every call in flight finish, launching no new generation or queue take.
+
+        Scoring and buffer adds of what is already taken still run. If ``held`` is given the
+        queue is emptied into it meanwhile, which lets a collector blocked on a full queue
+        finish its batch.
+        """
+        while self._inflight:
+            if held is not None and self.rollout_queue.qsize():
+                held.extend(self.rollout_queue.get_nowait_batch(self.rollout_queue.qsize()))
+            ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=0.2)
+            self._process(ready, relaunch=False)
+        if held is not None and self.rollout_queue.qsize():
+            held.extend(self.rollout_queue.get_nowait_batch(self.rollout_queue.qsize()))
+
+    # ------------------------------------------------------------------ faults
+
+    def _recover(self, call: _Call, error: Exception) -> None:
+        """Replace the dead actor of ``call`` (unless already replaced) and redo the call.
+
+        Raises:
+            ActorFailedError: For a trainer or the rollout queue, or an actor that has used up
+                ``max_actor_restarts`` and died again while the run was stopping.
+        """
+        name = self._actor_name(call)
+        if call.kind == "train":
+            raise ActorFailedError(
+                f"{name} died ({error}); trainers hold the policy and optimizer state and are "
+                f"not restarted: resume from {self._latest_checkpoint_text()}"
+            )
+        if call.kind == "take":
+            raise ActorFailedError(
+                f"rollout_queue died ({error}); the groups in it are lost: resume from "
+                f"{self._latest_checkpoint_text()}"
+            )
+        current = {
+            "collector": lambda: self.collectors[call.index],
+            "ref": lambda: self.ref_actors[call.index],
+            "add": lambda: self.replay_buffer,
+            "sample": lambda: self.replay_buffer,
+        }[call.kind]()
+        if call.actor is current:  # not replaced yet by an earlier failed call
+            restarts = self._restarts.get(name, 0) + 1
+            if restarts > self.max_actor_restarts:
+                if self._gave_up is not None:
+                    raise self._gave_up
+                # Replace it once more so the pipeline can be checkpointed, then stop.
+                self._gave_up = ActorFailedError(
+                    f"{name} died {restarts} times (orchestration.max_actor_restarts="
+                    f"{self.max_actor_restarts}); last error: {error}"
+                )
+            self._restarts[name] = restarts
+            start = time.perf_counter()
+            log.warning("%s died at step %d; replacing it: %s", name, self.state.step, error)
+            if call.kind == "collector":
+                self._replace_collector(call.index)
+            elif call.kind == "ref":
+                self.ref_actors[call.index] = self._new_ref_actor()
+            else:
+                self._replace_replay_buffer()
+            seconds = time.perf_counter() - start
+            self.recoveries.append(Recovery(name, self.state.step, seconds, str(error)))
+            self._log(
+                {
+                    "faults/actor_restarts": float(len(self.recoveries)),
+                    "faults/time_recovering (s)": seconds,
+                },
+                self.state.step,
+            )
+        # Redo the call on the replacement.
+        if call.kind == "collector":
+            self._launch_collector(call.index)
+        elif call.kind == "ref":
+            self._launch_score(call.index, call.payload[0])
+        elif call.kind == "add":
+            self._pump_buffer_adds()
+        else:
+            self._launch_sample()
+
+    def _replace_collector(self, index: int) -> None:
+        """A new collector at the state of the old one's last finished batch, current weights."""
+        collector = self.collectors[index] = self._new_collector(index)
+        state = self._collector_states[index]
+        if state is not None:
+            # The replacement holds the weights it was started from; the latest ones follow.
+            state = {**state, "policy_version": self._collector_start_version}
+            self._get_all([collector.load_state_dict.remote(state)], f"collector[{index}] restart")
+        if self._last_weights is not None:
+            payload = self._last_weights
+            collector.receive_weights.remote(
+                payload["weights"], payload["version"], payload["checksum"], payload["probe"]
+            )
+
+    def _replace_replay_buffer(self) -> None:
+        """A new buffer holding what the old one held: scored groups not yet sampled."""
+        self.start_replay_buffer()
+        self._buffer_full = False
+        calls = []
+        for batch in dict.fromkeys(self._in_buffer.values()):  # in order, once each
+            # Leave out what was sampled and what the buffer had not taken yet.
+            absent = {
+                sid
+                for ids in batch.sequence_ids
+                for sid in ids
+                if self._in_buffer.get(sid) is not batch
+            }
+            calls.append(self.replay_buffer.add_groups.remote(batch.groups_ref, 0, absent))
+        self._get_all(calls, "replay_buffer rebuild")
+
+    def _latest_checkpoint_text(self) -> str:
+        latest = self.run_dir / "checkpoints" / "latest"
+        if latest.is_file():
+            return str(self.run_dir / "checkpoints" / latest.read_text().strip())
+        return "the start (no checkpoint saved yet)"
+
+    # ------------------------------------------------------------------ the loop
 
     def run(self, evaluate: Any = None, on_step: Any = None) -> RunState:
         """Drive the actors until ``orchestration.num_steps`` training steps are done.
@@ -303,17 +658,20 @@ class Orchestrator:
             RunState: Final step, policy version and last metrics.
 
         Raises:
-            ActorFailedError: An actor died or raised; its name is in the message.
+            ActorFailedError: An actor raised, a trainer died, or an actor died more often
+                than ``max_actor_restarts`` (then after saving a checkpoint); its name is in
+                the message.
+            TrainingDivergedError: ``training.max_nonfinite_steps_in_a_row`` steps in a row
+                were skipped for a non-finite loss (after saving a checkpoint).
         """
         cfg = self.cfg
         num_steps = cfg.orchestration.num_steps
         eval_every = cfg.get("eval_every_n_steps") or 0
-        synchronous = cfg.orchestration.get("synchronous", False)
         if evaluate is not None and self.state.step == 0:
             self.state.eval_history.append((0, evaluate(0)))
 
         while self.state.step < num_steps and not self.stop_requested:
-            if synchronous:
+            if self.synchronous:
                 batch_ref, batch, waited = self._next_batch_synchronously()
             else:
                 batch_ref, batch, waited = self._next_batch_asynchronously()
@@ -325,6 +683,19 @@ class Orchestrator:
             if evaluate is not None and eval_every and step % eval_every == 0:
                 self.state.eval_history.append((step, evaluate(step)))
             save_every = cfg.training.get("save_every_n_steps")
+            if self._gave_up is not None:
+                self.save_checkpoint()
+                raise self._gave_up
+            in_a_row = int(metrics.get("train_actor_training/nonfinite_steps_in_a_row", 0))
+            if in_a_row >= cfg.training.get("max_nonfinite_steps_in_a_row", 3):
+                saved = self.save_checkpoint()
+                raise TrainingDivergedError(
+                    f"{in_a_row} training steps in a row (up to step {step}) had a non-finite "
+                    "loss or gradient norm and were skipped "
+                    f"(training.max_nonfinite_steps_in_a_row="
+                    f"{cfg.training.max_nonfinite_steps_in_a_row}); saved {saved}. Lower "
+                    "training.optimizer.lr or check the rewards and the data."
+                )
             if save_every and step % save_every == 0:
                 self.save_checkpoint()
             if on_step is not None:
@@ -337,90 +708,57 @@ class Orchestrator:
 
     def _next_batch_asynchronously(self) -> tuple[Any, list[Any] | None, float]:
         """Keep collectors and reference actors busy until the buffer yields a batch."""
-        cfg = self.cfg
-        if not any(kind == "collector" for kind, _ in self._inflight.values()):
+        if not any(call.kind == "collector" for call in self._inflight.values()):
             for index in range(len(self.collectors)):
                 self._launch_collector(index)
-            for index, actor in enumerate(self.ref_actors):
-                self._launch("ref", index, actor.step.remote())
-        stall_timeout_s = cfg.orchestration.get("stall_timeout_s", 600)
-        batch_size = cfg.training.batch_size
+            for index in range(len(self.ref_actors)):
+                self._feed_ref_slot(index)
+        stall_timeout_s = self.cfg.orchestration.get("stall_timeout_s", 600)
         wait_start = time.perf_counter()
         last_progress = time.monotonic()
-        poll_delay = 0.02
-        self._launch(
-            "sample", 0, self.replay_buffer.sample.remote(batch_size, self.state.policy_version)
-        )
+        self._sampled = None
+        self._launch_sample()
         while not self.stop_requested:
             ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=1.0)
             if not ready:
                 if time.monotonic() - last_progress > stall_timeout_s:
-                    busy = sorted({self._actor_name(*v) for v in self._inflight.values()})
+                    busy = sorted({self._actor_name(c) for c in self._inflight.values()})
                     raise ActorFailedError(
                         f"no actor made progress for {stall_timeout_s:.0f} s (busy: {busy})"
                     )
                 continue
             last_progress = time.monotonic()
-            for ref in ready:
-                kind, index, result = self._result(ref)
-                if kind != "sample":
-                    self._handle_side_result(kind, index, result, relaunch=True)
-                elif result is None:
-                    # Back off while the buffer fills: each poll is a Ray task.
-                    time.sleep(poll_delay)
-                    poll_delay = min(2 * poll_delay, 0.5)
-                    self._launch(
-                        "sample",
-                        0,
-                        self.replay_buffer.sample.remote(batch_size, self.state.policy_version),
-                    )
-                else:
-                    return ref, result, time.perf_counter() - wait_start
+            self._process(ready, relaunch=True)
+            if self._sampled is not None:
+                batch_ref, batch = self._sampled
+                return batch_ref, batch, time.perf_counter() - wait_start
         return None, None, 0.0
 
     def _next_batch_synchronously(self) -> tuple[Any, list[Any] | None, float]:
         """Generate with the current weights and score everything, then sample a batch."""
-        cfg = self.cfg
-        batch_size = cfg.training.batch_size
         wait_start = time.perf_counter()
         while not self.stop_requested:
-            batch_ref = self.replay_buffer.sample.remote(batch_size, self.state.policy_version)
-            batch = self._get_all([batch_ref], "replay_buffer")[0]
+            self._sampled = None
+            self._launch_sample()
+            while self._sampled is None:
+                self._drain_inflight()
+            batch_ref, batch = self._sampled
             if batch is not None:
                 return batch_ref, batch, time.perf_counter() - wait_start
             for index in range(len(self.collectors)):
                 self._launch_collector(index)
-            self._drain_inflight(relaunch=False)
+            self._drain_inflight()
             self._score_everything_queued()
         return None, None, 0.0
 
     def _score_everything_queued(self) -> None:
-        """Run reference steps until the queue is empty and every backlog is scored."""
+        """Score until the queue and the waiting groups are empty."""
         while True:
-            for index, actor in enumerate(self.ref_actors):
-                self._launch("ref", index, actor.step.remote())
-            results = []
-            while self._inflight:
-                kind, index, result = self._result(next(iter(self._inflight)))
-                self._handle_side_result(kind, index, result, relaunch=False)
-                results.append(result)
-            if all(result is None for result in results) and self.rollout_queue.qsize() == 0:
+            for index in range(len(self.ref_actors)):
+                self._feed_ref_slot(index)
+            self._drain_inflight()
+            if not self._unscored and self.rollout_queue.qsize() == 0:
                 return
-
-    def _drain_inflight(self, relaunch: bool, held: list[Any] | None = None) -> None:
-        """Wait for every in-flight call; if ``held`` is given, empty the queue meanwhile.
-
-        Draining lets a collector blocked on a full queue finish its batch.
-        """
-        while self._inflight:
-            if held is not None and self.rollout_queue.qsize():
-                held.extend(self.rollout_queue.get_nowait_batch(self.rollout_queue.qsize()))
-            ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=0.2)
-            for ref in ready:
-                kind, index, result = self._result(ref)
-                self._handle_side_result(kind, index, result, relaunch=relaunch)
-        if held is not None and self.rollout_queue.qsize():
-            held.extend(self.rollout_queue.get_nowait_batch(self.rollout_queue.qsize()))
 
     def _train(self, batch_ref: Any, batch: list[Any], waited: float) -> dict[str, Any]:
         cfg = self.cfg
@@ -429,23 +767,21 @@ class Orchestrator:
             count = cfg.get("debug_num_samples_per_step", 1)
             debug_ids = [t.sequence_id for t in batch[:count]]
         train_refs = [t.train_step.remote(batch_ref, waited, debug_ids) for t in self.trainers]
-        for rank, ref in enumerate(train_refs):
-            self._launch("train", rank, ref)
-        # Collectors and reference actors keep working while the trainers step.
         results: dict[Any, Any] = {}
+        for rank, ref in enumerate(train_refs):
+            self._inflight[ref] = _Call("train", rank, self.trainers[rank])
+        # Collectors and reference actors keep working while the trainers step.
         while any(ref in self._inflight for ref in train_refs):
             ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=1.0)
             for ref in ready:
-                kind, index, result = self._result(ref)
-                if kind == "train":
+                outcome = self._result(ref)
+                if outcome is None:
+                    continue
+                call, result = outcome
+                if call.kind == "train":
                     results[ref] = result
                 else:
-                    self._handle_side_result(
-                        kind,
-                        index,
-                        result,
-                        relaunch=not self.cfg.orchestration.get("synchronous", False),
-                    )
+                    self._handle(call, result, relaunch=not self.synchronous)
         self.ledger.trained(self.state.step + 1, batch)
         return results[train_refs[0]]
 
@@ -455,16 +791,18 @@ class Orchestrator:
         """Save everything a run needs to continue exactly, atomically.
 
         The pipeline is quiesced first: collectors finish their batch (the queue is emptied
-        meanwhile so none stays blocked), reference actors finish their step, and groups
-        taken from the queue go into the checkpoint. After saving, those groups are handed to
-        a reference actor so nothing is lost or scored twice.
+        meanwhile so none stays blocked) and reference actors finish scoring. Groups taken
+        from the queue and scored groups still waiting for room in the buffer go into the
+        checkpoint, and stay with the driver to be scored and added as before.
 
         Returns:
             Path: The checkpoint folder ``run_dir/checkpoints/step_NNNNNN``.
         """
         start = time.perf_counter()
         held: list[Any] = []
-        self._drain_inflight(relaunch=False, held=held)
+        self._drain_inflight(held=held)
+        if held:
+            self._unscored.append(ray.put(held))
         checkpoints = self.run_dir / "checkpoints"
         final = checkpoints / f"step_{self.state.step:06d}"
         tmp = checkpoints / f".tmp-step_{self.state.step:06d}"
@@ -474,17 +812,24 @@ class Orchestrator:
         self._get_all(
             [t.save_checkpoint.remote(str(tmp)) for t in self.trainers], "trainer checkpoint"
         )
+        unscored = [group for groups in ray.get(list(self._unscored)) for group in groups]
+        unbuffered = []
+        for batch, groups in zip(self._to_buffer, ray.get([b.groups_ref for b in self._to_buffer])):
+            for group in groups[batch.added :]:
+                kept = [t for t in group if t.sequence_id not in batch.skip]
+                if kept:
+                    unbuffered.append(kept)
         pipeline = {
-            "collectors": self._get_all(
-                [c.state_dict.remote() for c in self.collectors], "collector state"
-            ),
+            "collectors": list(self._collector_states),
             "ref_actors": self._get_all(
                 [r.state_dict.remote() for r in self.ref_actors], "ref_actor state"
             ),
-            "held_groups": held,
+            "unscored_groups": unscored,
+            "unbuffered_groups": unbuffered,
             "replay_buffer": self._get_all(
                 [self.replay_buffer.state_dict.remote()], "replay_buffer state"
             )[0],
+            "seen_group_ids": sorted(self._seen_group_ids),
         }
         torch.save(pipeline, tmp / "pipeline.pt")
         (tmp / "state.json").write_text(
@@ -503,8 +848,6 @@ class Orchestrator:
         latest_tmp = checkpoints / ".latest.tmp"
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, checkpoints / "latest")
-        if held:
-            self.ref_actors[0].add_backlog.remote(held)
         self._log({"checkpoint/time (s)": time.perf_counter() - start}, self.state.step)
         log.info("saved checkpoint %s", final)
         return final
@@ -525,24 +868,48 @@ class Orchestrator:
             )
         self.state.step = state["step"]
         self.state.policy_version = state["policy_version"]
+        self._collector_start_version = state["policy_version"]  # the weights they loaded
         self.state.eval_history = [tuple(item) for item in state["eval_history"]]
         calls = [
-            c.load_state_dict.remote(s) for c, s in zip(self.collectors, pipeline["collectors"])
+            c.load_state_dict.remote(s)
+            for c, s in zip(self.collectors, pipeline["collectors"])
+            if s is not None
         ]
-        ref_states = pipeline["ref_actors"]
-        for index, actor in enumerate(self.ref_actors):
-            if index < len(ref_states):
-                calls.append(actor.load_state_dict.remote(ref_states[index]))
-        for extra in ref_states[len(self.ref_actors) :]:  # fewer ref actors now
-            calls.append(self.ref_actors[0].add_backlog.remote(extra["backlog"]))
-        calls.append(self.ref_actors[0].add_backlog.remote(pipeline["held_groups"]))
-        calls.append(self.replay_buffer.load_state_dict.remote(pipeline["replay_buffer"]))
+        self._collector_states = list(pipeline["collectors"])
+        for actor, ref_state in zip(self.ref_actors, pipeline["ref_actors"]):
+            calls.append(actor.load_state_dict.remote(ref_state))
+        buffer_state = pipeline["replay_buffer"]
+        calls.append(self.replay_buffer.load_state_dict.remote(buffer_state))
         self._get_all(calls, "restoring the checkpoint")
+        self._seen_group_ids = set(pipeline["seen_group_ids"])
+        if pipeline["unscored_groups"]:
+            self._unscored.append(ray.put(pipeline["unscored_groups"]))
+        # The driver holds what it hands on, as in a run that never stopped.
+        in_buffer = [[trajectory] for trajectory, _ in buffer_state["items"]]
+        if in_buffer:
+            batch = self._hold(in_buffer)
+            batch.added = batch.num_groups
+            for ids in batch.sequence_ids:
+                self._in_buffer[ids[0]] = batch
+        if pipeline["unbuffered_groups"]:
+            self._to_buffer.append(self._hold(pipeline["unbuffered_groups"]))
+
+    @staticmethod
+    def _hold(groups: list[list[Any]]) -> ScoredBatch:
+        return ScoredBatch(
+            ray.put(groups),
+            [[t.sequence_id for t in group] for group in groups],
+            max(t.policy_version for group in groups for t in group),
+        )
 
     def _after_train_step(self, metrics: dict[str, Any], batch: list[Any], sync_every: int) -> None:
         self.state.step += 1
         step = self.state.step
-        buffer_stats = ray.get(self.replay_buffer.stats.remote())
+        try:
+            buffer_stats = ray.get(self.replay_buffer.stats.remote())
+        except RayActorError as error:  # replaced at the next call that needs it
+            log.warning("replay_buffer did not answer for stats: %s", error)
+            buffer_stats = {"size": float("nan"), "dropped_stale": float("nan")}
         metrics = dict(metrics)
         pi_logprobs = metrics.pop("debug_pi_logprobs", None)
         if pi_logprobs and self.metric_logger is not None:
@@ -555,11 +922,14 @@ class Orchestrator:
                 "queues/train_replay_buffer_size": float(buffer_stats["size"]),
                 "queues/replay_buffer_dropped_stale": float(buffer_stats["dropped_stale"]),
                 "queues/rollout_queue_size": float(self.rollout_queue.qsize()),
+                "queues/scored_batches_waiting": float(len(self._to_buffer)),
+                "queues/duplicate_groups_dropped": float(self.num_duplicate_groups),
                 "train_actor_training/policy_version": float(self.state.policy_version),
             }
         )
         if step % sync_every == 0:
             metrics.update(self.sync_weights())
+            self._forget_stale()
         total = metrics.get("train_actor_performance/total_step_time (s)", 0.0)
         for key in ("time_weight_sync (s)", "time_weight_gather (s)"):
             value = metrics.get(f"train_actor_performance/{key}")
@@ -595,6 +965,8 @@ class Orchestrator:
                 payload["weights"], payload["version"], payload["checksum"], payload["probe"]
             )
         self.state.policy_version = payload["version"]
+        # Kept (a reference; the weights stay in the object store) for a replaced collector.
+        self._last_weights = payload
         return {
             "train_actor_performance/time_weight_gather (s)": gather_time,
             "train_actor_performance/time_weight_sync (s)": time.perf_counter() - start,

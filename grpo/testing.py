@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -29,6 +30,9 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers import processors as tokenizer_processors
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
+
+from grpo.loss import GRPOWithChunkedOutputLoss
+from grpo.types import GRPOStats
 
 # Qwen2's pre-tokenizer: contractions, letter runs, single digits (so numbers split digit by
 # digit), punctuation runs, newlines and spaces. Identical to the regex of torchtune's and
@@ -394,3 +398,16 @@ def set_vllm_cpu_env() -> None:
     few seconds instead of ~25 s spawning a worker process). Existing values are kept.
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+class NonFiniteLoss(GRPOWithChunkedOutputLoss):
+    """`GRPOWithChunkedOutputLoss` whose loss is NaN: injects a diverged training step.
+
+    For tests of the non-finite guard (``training.loss._component_=grpo.testing.NonFiniteLoss``):
+    the trainer must skip such steps, leave the weights alone and count them, and the run must
+    stop with a checkpoint after ``training.max_nonfinite_steps_in_a_row``.
+    """
+
+    def compute_loss_from_logprobs(self, *args: Any, **kwargs: Any) -> GRPOStats:
+        stats = super().compute_loss_from_logprobs(*args, **kwargs)
+        return dataclasses.replace(stats, loss=stats.loss * float("nan"))

@@ -30,7 +30,13 @@ from tqdm import tqdm
 from grpo.config import instantiate, run_recipe_cli, validate_config
 from grpo.evaluation import HeldOutEvaluator
 from grpo.models import load_tokenizer
-from grpo.orchestrator import ActorFailedError, Orchestrator, find_checkpoint, init_ray
+from grpo.orchestrator import (
+    ActorFailedError,
+    Orchestrator,
+    TrainingDivergedError,
+    find_checkpoint,
+    init_ray,
+)
 
 
 def prepare_run_dir(cfg: DictConfig) -> Path:
@@ -78,14 +84,8 @@ def recipe_main(cfg: DictConfig) -> dict:
         for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        run.start_metric_logger()
-        run.start_rollout_queue()
-        run.start_replay_buffer()
-        run.start_trainers(pad_token_id=tokenizer.pad_id, checkpoint_dir=checkpoint)
-        run.start_ref_actors()
-        run.start_collectors(weights_dir=checkpoint / "model" if checkpoint else None)
+        run.start_actors(pad_token_id=tokenizer.pad_id, checkpoint_dir=checkpoint)
         if checkpoint:
-            run.restore(checkpoint)
             print(f"Resumed from {checkpoint} at step {run.state.step}")
         evaluator = HeldOutEvaluator.from_config(cfg, run.collectors[0], run.metric_logger)
 
@@ -108,8 +108,14 @@ def recipe_main(cfg: DictConfig) -> dict:
                 bar.update(1)
 
             try:
-                state = run.run(evaluate=evaluator, on_step=show_progress)
-            except ActorFailedError as error:
+                state = run.run(
+                    # The current collector: a dead one is replaced.
+                    evaluate=(lambda step: evaluator(step, run.collectors[0]))
+                    if evaluator
+                    else None,
+                    on_step=show_progress,
+                )
+            except (ActorFailedError, TrainingDivergedError) as error:
                 print(f"Run stopped: {error}", file=sys.stderr)
                 raise
         if run.stop_requested:

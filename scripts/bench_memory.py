@@ -7,7 +7,7 @@ the memory of that driver and of every process below it, found with psutil:
 
 - Ray actors by their process title (``ray::SyncLLMCollector``, ``ray::RefActor``,
   ``ray::PyTorchActorModel``, ``ray::ReplayBuffer``, ``ray::MetricLogger``,
-  ``ray::_QueueActor`` for the rollout queue); several processes of one class are summed.
+  ``ray::_RolloutQueueActor`` for the rollout queue); several processes of one class are summed.
 - Processes started by an actor (the reward pool's forkserver and workers under the
   ``RefActor``) count as ``<Actor> children``: workers are replaced after a timeout, so their
   pids change but the group stays comparable.
@@ -98,7 +98,7 @@ def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
 
 
 def ray_title(cmdline: list[str]) -> str | None:
-    """``"RefActor"`` for a Ray worker titled ``ray::RefActor`` or ``ray::RefActor.step``.
+    """``"RefActor"`` for a Ray worker titled ``ray::RefActor`` or ``ray::RefActor.score``.
 
     Ray rewrites a worker's argv to ``ray::Class`` (``ray::Class.method`` while a method
     runs, ``ray::IDLE`` before it hosts anything); other processes return None.
@@ -132,7 +132,7 @@ def own_group(process: psutil.Process, cmdline: list[str]) -> str | None:
 
 
 def short_title(cmdline: list[str]) -> str:
-    """``ray::RefActor.step``, ``raylet``, ``python log_monitor.py``: enough to tell them apart."""
+    """``ray::RefActor.score``, ``raylet``, ``python log_monitor.py``: enough to tell them apart."""
     if not cmdline:
         return "?"
     if cmdline[0].startswith("ray::"):

@@ -28,6 +28,28 @@ def group(prefix: str, size: int, policy_version: int = 0) -> list[ScoredTraject
     return [scored(f"{prefix}-{i}", policy_version) for i in range(size)]
 
 
+def test_add_groups_skips_ids_and_stops_at_the_first_group_that_does_not_fit():
+    buffer = ReplayBuffer(capacity=10, max_policy_lag=0)
+    groups = [group("a", 4), group("b", 4), group("c", 4)]
+    # "b" loses two trajectories to the skip list, so a, b fit (6) and c (4) fits too: 10.
+    assert buffer.add_groups(groups, skip_sequence_ids={"b-0", "b-1"}) == 3
+    assert len(buffer) == 10
+    ids = [t.sequence_id for t in buffer.sample(10, current_policy_version=0)]
+    assert ids == ["a-0", "a-1", "a-2", "a-3", "b-2", "b-3", "c-0", "c-1", "c-2", "c-3"]
+
+    # Full: the call takes the groups before the one that does not fit and says how many;
+    # the caller resumes from there. A group skipped entirely counts as taken.
+    buffer = ReplayBuffer(capacity=8, max_policy_lag=0)
+    groups = [group("a", 4), group("b", 4), group("c", 4), group("d", 4)]
+    assert buffer.add_groups(groups, skip_sequence_ids={f"b-{i}" for i in range(4)}) == 3
+    assert buffer.add_groups(groups, first=3) == 0
+    buffer.sample(4, current_policy_version=0)
+    assert buffer.add_groups(groups, first=3) == 1
+    assert [t.sequence_id for t in buffer.sample(8, 0)] == [
+        f"{p}-{i}" for p in "cd" for i in range(4)
+    ]
+
+
 @pytest.mark.parametrize("sampling", ["fifo", "random"])
 def test_each_trajectory_is_trained_exactly_once(sampling):
     buffer = ReplayBuffer(capacity=64, max_policy_lag=10, sampling=sampling, seed=3)

@@ -4,6 +4,7 @@ import pytest
 import ray
 import torch
 
+from grpo.loss import GRPOWithChunkedOutputLoss
 from grpo.testing import build_tiny_qwen2
 from grpo.types import ScoredTrajectory
 from grpo.workers.trainer import PyTorchActorModel
@@ -95,6 +96,34 @@ def test_micro_batch_split_does_not_change_the_update(model_dir):
         one_pack["train_actor_training/loss"], rel=1e-5
     )
     assert_same_update(before, weights_one, weights_many)
+
+
+def test_non_finite_steps_are_skipped_counted_and_leave_the_weights(model_dir):
+    batch = make_batch(6, vocab_size=300)
+    trainer = PyTorchActorModel(
+        **{
+            **trainer_kwargs(model_dir, 0, 1, 1024),
+            "loss": {**LOSS, "_component_": "grpo.testing.NonFiniteLoss"},
+        }
+    )
+    trainer.setup()
+    before = trainer.full_state_dict()
+    for expected_in_a_row in (1, 2):
+        metrics = trainer.train_step(batch)
+        assert metrics["train_actor_training/nonfinite_steps_skipped"] == expected_in_a_row
+        assert metrics["train_actor_training/nonfinite_steps_in_a_row"] == expected_in_a_row
+    for name, tensor in trainer.full_state_dict().items():
+        assert torch.equal(tensor, before[name]), f"{name} changed in a skipped step"
+
+    # A finite step ends the streak and updates the weights; the skip count stays.
+    trainer.loss_fn = GRPOWithChunkedOutputLoss(
+        **{k: v for k, v in LOSS.items() if k != "_component_"}
+    )
+    metrics = trainer.train_step(batch)
+    assert metrics["train_actor_training/nonfinite_steps_in_a_row"] == 0
+    assert metrics["train_actor_training/nonfinite_steps_skipped"] == 2
+    after = trainer.full_state_dict()
+    assert any(not torch.equal(after[name], before[name]) for name in before)
 
 
 @pytest.mark.slow

@@ -590,6 +590,23 @@ class SyncLLMCollector:
                 _call_logger(self.metric_logger, metrics, self.batch_counter)
         return metrics
 
+    def generate_batch_with_state(self, num_prompts: int) -> dict[str, Any]:
+        """`generate_batch`, then `state_dict` as it stands right after that batch.
+
+        The orchestrator keeps the state of every collector's last finished batch: a
+        replacement for a collector that died mid-batch loads it and generates that batch
+        again (groups of it that had reached the queue are recognised by their ``group_id``
+        and scored once).
+
+        Returns:
+            dict: ``{"metrics": generate_batch's metrics, "state": state_dict()}``.
+        """
+        # No lock: only generation batches move the stream, and the orchestrator runs one at
+        # a time. (Holding the engine lock here would block `evaluate` for as long as the
+        # batch waits on a full queue.)
+        metrics = self.generate_batch(num_prompts)
+        return {"metrics": metrics, "state": self.state_dict()}
+
     def run(self, num_prompts: int, num_batches: int | None = None) -> dict[str, float]:
         """Generate batches until `stop` is called (or ``num_batches`` are done).
 

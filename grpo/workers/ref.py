@@ -1,14 +1,15 @@
 """The reference actor: reference logprobs, rewards and group advantages.
 
-It takes whole groups from the rollout queue (a group is never split across advantage
-computations), packs them with `grpo.packing`, runs the frozen reference model once per
-pack, scores every sample with every reward function and adds the `ScoredTrajectory`s to the
-replay buffer, a whole group at a time.
+`score` gets whole groups (a group is never split across advantage computations) that the
+driver took from the rollout queue, packs them with `grpo.packing`, runs the frozen reference
+model once per pack, scores every sample with every reward function, and returns the
+`ScoredTrajectory`s grouped as they came. The driver owns both the groups it passes in and the
+scored groups that come back (it hands them on to the replay buffer), so the actor holds no
+trajectory between calls and a crash loses nothing: its replacement scores the same groups.
 """
 
 from __future__ import annotations
 
-import queue as std_queue
 import time
 from typing import Any
 
@@ -22,30 +23,6 @@ from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
 from grpo.rewards import batched_rewards, group_advantages
 from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory
 
-
-def _get(rollout_queue: Any, timeout: float | None) -> Any | None:
-    """One item from a Ray or stdlib queue, or None if none arrives within ``timeout``.
-
-    ``ray.util.queue.Empty`` subclasses ``queue.Empty``, so one except clause serves both.
-    """
-    try:
-        if not timeout:
-            return rollout_queue.get_nowait()
-        return rollout_queue.get(block=True, timeout=timeout)
-    except std_queue.Empty:
-        return None
-
-
-def _call(target: Any, method: str, *args: Any) -> Any:
-    """Call ``method`` on a Ray actor handle (and wait) or on a local object."""
-    bound = getattr(target, method)
-    if hasattr(bound, "remote"):
-        import ray
-
-        return ray.get(bound.remote(*args))
-    return bound(*args)
-
-
 # FlexAttention compiles once per pack length: pad flex packs up to a multiple of this.
 _FLEX_BUCKET = 128
 
@@ -56,15 +33,11 @@ class RefActor:
     Args:
         model_dir (str): HF-format folder of the frozen reference model.
         reward_functions (list): Reward functions, or ``_component_`` nodes of them.
-        rollout_queue: Queue of `GroupedUnscoredTrajectories` (``get(block, timeout)``).
-        replay_buffer: The `ReplayBuffer` actor handle (or a local instance, for tests).
         target_tokens_per_batch (int): Token budget of one reference forward.
         reward_timeout_s (float | None): Per-sample timeout of each reward function.
         reward_weights (list[float] | None): Weights of the functions in the total reward.
         dtype (str): ``"float32"`` or ``"bfloat16"``.
         mask_kind (str): ``"dense"``, ``"varlen"`` or ``"flex"`` (see `grpo.attention`).
-        max_groups_per_step (int): Most groups scored by one `step` call.
-        queue_get_timeout_s (float): How long `step` waits for the first group.
     """
 
     def __init__(
@@ -72,15 +45,11 @@ class RefActor:
         *,
         model_dir: str,
         reward_functions: list[Any],
-        rollout_queue: Any,
-        replay_buffer: Any,
         target_tokens_per_batch: int,
         reward_timeout_s: float | None = 10.0,
         reward_weights: list[float] | None = None,
         dtype: str = "float32",
         mask_kind: str = "dense",
-        max_groups_per_step: int = 4,
-        queue_get_timeout_s: float = 0.5,
     ) -> None:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         torch_dtype = torch.bfloat16 if dtype in ("bf16", "bfloat16") else torch.float32
@@ -96,17 +65,9 @@ class RefActor:
         ]
         self.reward_weights = reward_weights
         self.reward_timeout_s = reward_timeout_s
-        self.rollout_queue = rollout_queue
-        self.replay_buffer = replay_buffer
         self.target_tokens_per_batch = target_tokens_per_batch
         self.mask_kind = mask_kind
-        self.max_groups_per_step = max_groups_per_step
-        self.queue_get_timeout_s = queue_get_timeout_s
         self.steps_run = 0
-        # Scored groups the buffer had no room for yet, and unscored groups handed back by
-        # the orchestrator (from a checkpoint, or drained from the queue while saving one).
-        self._pending: list[list[ScoredTrajectory]] = []
-        self._backlog: list[GroupedUnscoredTrajectories] = []
         self.reward_failures: dict[str, int] = {}
 
     @torch.no_grad()
@@ -213,73 +174,48 @@ class RefActor:
             )
         return scored_groups, metrics
 
-    def _add_to_buffer(self, group: list[ScoredTrajectory]) -> bool:
-        return _call(self.replay_buffer, "add", group)
+    def score(
+        self, groups: list[GroupedUnscoredTrajectories]
+    ) -> tuple[dict[str, Any], list[list[ScoredTrajectory]]]:
+        """Score groups the driver took from the rollout queue.
 
-    def step(self) -> dict[str, Any] | None:
-        """Score up to ``max_groups_per_step`` groups from the queue into the buffer.
+        Called with ``num_returns=2``: the driver reads the small first return and passes the
+        second, the scored groups, straight on to the replay buffer. The actor keeps nothing
+        between calls, so a replacement started after a crash scores the same groups again.
 
-        Groups the buffer had no room for stay pending and go first next time, so nothing
-        is lost while the trainer catches up.
+        Args:
+            groups (list[GroupedUnscoredTrajectories]): Whole groups.
 
         Returns:
-            dict | None: ``{"metrics": {...}, "sequence_ids": [...]}`` (the sequences
-            scored), or None when there was nothing to do.
+            tuple: ``{"metrics", "group_ids", "sequence_ids" (one list per group),
+            "policy_version" (the newest of the groups)}`` and the scored groups, in order.
         """
-        step_start = time.perf_counter()
-        self._pending = [g for g in self._pending if not self._add_to_buffer(g)]
-        if self._pending:
-            return None  # buffer still full: don't take more from the queue
-
-        groups = self._backlog[: self.max_groups_per_step]
-        self._backlog = self._backlog[len(groups) :]
-        if not groups:
-            first = _get(self.rollout_queue, self.queue_get_timeout_s)
-            if first is None:
-                return None
-            groups.append(first)
-        time_waiting = time.perf_counter() - step_start
-        while len(groups) < self.max_groups_per_step:
-            more = _get(self.rollout_queue, None)
-            if more is None:
-                break
-            groups.append(more)
-
+        start = time.perf_counter()
         scored_groups, metrics = self.score_groups(groups)
-        self._pending = [g for g in scored_groups if not self._add_to_buffer(g)]
         self.steps_run += 1
-        total = time.perf_counter() - step_start
+        total = time.perf_counter() - start
         metrics.update(
             {
                 "ref_actor_performance/total_rollout_time (s)": total,
-                "ref_actor_performance/time_waiting_buffer (s)": time_waiting,
                 "ref_actor_performance/pct_time_model_running (%)": 100.0
                 * metrics["ref_actor_performance/time_model_running (s)"]
-                / total,
-                "ref_actor_performance/pct_time_waiting_buffer (%)": 100.0 * time_waiting / total,
+                / max(total, 1e-9),
                 "ref_actor_performance/groups_scored": float(len(groups)),
-                "queues/rollout_queue_size": float(self.rollout_queue.qsize()),
             }
         )
-        scored_ids = [t.sequence_id for g in groups for t in g.trajectories]
-        return {"metrics": metrics, "sequence_ids": scored_ids}
-
-    def add_backlog(self, groups: list[GroupedUnscoredTrajectories]) -> None:
-        """Score these groups before anything from the queue."""
-        self._backlog.extend(groups)
+        info = {
+            "metrics": metrics,
+            "group_ids": [g.group_id for g in groups],
+            "sequence_ids": [[t.sequence_id for t in g.trajectories] for g in groups],
+            "policy_version": max(t.policy_version for g in groups for t in g.trajectories),
+        }
+        return info, scored_groups
 
     def state_dict(self) -> dict[str, Any]:
-        """Groups this actor holds that are neither in the queue nor in the buffer."""
-        return {
-            "backlog": list(self._backlog),
-            "pending": list(self._pending),
-            "reward_failures": dict(self.reward_failures),
-            "steps_run": self.steps_run,
-        }
+        """Counters that continue across a resume (the actor holds no trajectories)."""
+        return {"reward_failures": dict(self.reward_failures), "steps_run": self.steps_run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
-        self._backlog = list(state["backlog"])
-        self._pending = list(state["pending"])
         self.reward_failures = dict(state["reward_failures"])
         self.steps_run = state["steps_run"]

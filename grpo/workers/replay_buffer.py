@@ -100,6 +100,36 @@ class ReplayBuffer:
         self.num_added += len(trajectories)
         return True
 
+    def add_groups(
+        self,
+        groups: list[list[ScoredTrajectory]],
+        first: int = 0,
+        skip_sequence_ids: frozenset[str] | set[str] = frozenset(),
+    ) -> int:
+        """Add ``groups[first:]`` in order, whole groups, until one does not fit.
+
+        The driver calls it with the scored groups a reference actor returned. Trajectories
+        in ``skip_sequence_ids`` are left out: duplicates of groups already added (a restarted
+        collector regenerates its last batch) and, when a restarted buffer is rebuilt,
+        trajectories already trained on.
+
+        Args:
+            groups (list[list[ScoredTrajectory]]): Scored groups, oldest first.
+            first (int): Index of the first group not yet added by an earlier call.
+            skip_sequence_ids (set[str]): Sequence ids to leave out.
+
+        Returns:
+            int: How many groups, from ``first`` on, were taken (added or skipped); fewer
+            than ``len(groups) - first`` when the buffer is full.
+        """
+        taken = 0
+        for group in groups[first:]:
+            kept = [t for t in group if t.sequence_id not in skip_sequence_ids]
+            if kept and not self.add(kept):
+                break
+            taken += 1
+        return taken
+
     def _drop_stale(self, current_policy_version: int) -> None:
         oldest_allowed = current_policy_version - self.max_policy_lag
         kept = deque(item for item in self._items if item[0].policy_version >= oldest_allowed)

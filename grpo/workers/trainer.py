@@ -90,8 +90,6 @@ class PyTorchActorModel:
         seed (int): Seed of model-independent randomness.
         mask_kind (str): ``"dense"``, ``"varlen"`` or ``"flex"`` attention for packs (see
             `grpo.attention`; flex has no backward on CPU).
-        max_nonfinite_in_a_row (int): Consecutive non-finite losses tolerated before the
-            step raises.
     """
 
     def __init__(
@@ -111,7 +109,6 @@ class PyTorchActorModel:
         dtype: str = "float32",
         seed: int = 0,
         mask_kind: str = "dense",
-        max_nonfinite_in_a_row: int = 3,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -122,7 +119,6 @@ class PyTorchActorModel:
         self.ppo_epochs = ppo_epochs
         self.clip_grad_norm = clip_grad_norm
         self.mask_kind = mask_kind
-        self.max_nonfinite_in_a_row = max_nonfinite_in_a_row
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         dtype_by_name = {
             "float32": torch.float32,
@@ -289,9 +285,6 @@ class PyTorchActorModel:
         Returns:
             dict[str, float]: Metrics of the step (``train_actor_*`` names), summed over
             workers.
-
-        Raises:
-            FloatingPointError: After ``max_nonfinite_in_a_row`` consecutive non-finite steps.
         """
         step_start = time.perf_counter()
         micro_batches, num_micro_batches = self._plan_micro_batches(batch)
@@ -371,14 +364,11 @@ class PyTorchActorModel:
         time_grpo_steps = time.perf_counter() - grpo_start
         totals = self._all_reduce_sum(totals)
 
+        # A skipped step leaves weights and optimizer untouched; the driver decides when too
+        # many in a row mean the run has diverged (it can then still save a checkpoint).
         if skipped:
             self.num_nonfinite_skipped += 1
             self._nonfinite_in_a_row += 1
-            if self._nonfinite_in_a_row >= self.max_nonfinite_in_a_row:
-                raise FloatingPointError(
-                    f"{self._nonfinite_in_a_row} training steps in a row had a non-finite "
-                    f"loss or gradient norm (last at step {self.steps_run})"
-                )
         else:
             self._nonfinite_in_a_row = 0
         self.steps_run += 1
@@ -402,6 +392,7 @@ class PyTorchActorModel:
             "train_actor_training/policy_age_max": float(max(ages)),
             "train_actor_training/num_micro_batches": float(len(packs)),
             "train_actor_training/nonfinite_steps_skipped": float(self.num_nonfinite_skipped),
+            "train_actor_training/nonfinite_steps_in_a_row": float(self._nonfinite_in_a_row),
             "train_actor_performance/total_step_time (s)": (
                 time.perf_counter() - step_start + time_waiting_buffer
             ),

@@ -1,0 +1,56 @@
+"""The bounded queue between the collectors and the reference actors.
+
+It is ``ray.util.queue.Queue`` (collectors ``put`` with a timeout and feel back-pressure when
+it is full) with one addition, `take`, which the driver calls with ``num_returns=2``: the
+first return is how many groups were taken (a few bytes the driver reads), the second the
+groups themselves, an object the driver owns but never fetches. The driver hands that object
+to a reference actor; if the actor dies while scoring, the driver still holds the groups and
+hands them to its replacement, so nothing taken from the queue is ever lost with an actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ray
+from ray.util.queue import Queue, _QueueActor
+
+
+class _RolloutQueueActor(_QueueActor):
+    async def take(self, max_items: int, timeout_s: float) -> tuple[int, list[Any]]:
+        """Up to ``max_items`` items, waiting at most ``timeout_s`` for the first one."""
+        items: list[Any] = []
+        if self.queue.empty():
+            if timeout_s <= 0:
+                return 0, items
+            try:
+                items.append(await asyncio.wait_for(self.queue.get(), timeout_s))
+            except asyncio.TimeoutError:
+                return 0, items
+        while len(items) < max_items and not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return len(items), items
+
+
+class RolloutQueue(Queue):
+    """A ``ray.util.queue.Queue`` whose actor also has `take` (see the module docstring).
+
+    Args:
+        maxsize (int): Capacity in groups; ``put`` blocks (or times out) when full.
+        actor_options (dict | None): ``ray.remote`` options of the queue's actor.
+
+    Example:
+        >>> rollout_queue = RolloutQueue(maxsize=64)
+        >>> count_ref, groups_ref = rollout_queue.take(max_items=4, timeout_s=0.5)
+        >>> if ray.get(count_ref):
+        ...     scored = ref_actor.score.remote(groups_ref)  # groups never reach the driver
+    """
+
+    def __init__(self, maxsize: int = 0, actor_options: dict[str, Any] | None = None) -> None:
+        self.maxsize = maxsize
+        self.actor = ray.remote(_RolloutQueueActor).options(**(actor_options or {})).remote(maxsize)
+
+    def take(self, max_items: int, timeout_s: float) -> tuple[Any, Any]:
+        """Start a take: ``(count_ref, groups_ref)``, both owned by the caller."""
+        return self.actor.take.options(num_returns=2).remote(max_items, timeout_s)
