@@ -922,8 +922,8 @@ class Orchestrator:
                 "queues/train_replay_buffer_size": float(buffer_stats["size"]),
                 "queues/replay_buffer_dropped_stale": float(buffer_stats["dropped_stale"]),
                 "queues/rollout_queue_size": float(self.rollout_queue.qsize()),
-                "queues/scored_batches_waiting": float(len(self._to_buffer)),
-                "queues/duplicate_groups_dropped": float(self.num_duplicate_groups),
+                "queues/replay_buffer_batches_waiting": float(len(self._to_buffer)),
+                "queues/replay_buffer_duplicate_groups": float(self.num_duplicate_groups),
                 "train_actor_training/policy_version": float(self.state.policy_version),
             }
         )

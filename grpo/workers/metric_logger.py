@@ -55,6 +55,7 @@ STEP_METRIC_RULES: tuple[tuple[str, str], ...] = (
     ("ref_actor_*", REF_STEP),
     ("inference/*", INFERENCE_STEP),
     ("eval/*", TRAIN_STEP),
+    ("faults/*", TRAIN_STEP),
 )
 
 # The ``actor`` argument of `MetricLogger.log_dict` -> the step metric of keys no rule covers.
