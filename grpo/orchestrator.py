@@ -550,6 +550,45 @@ class Orchestrator:
         """Replace the dead actor of ``call`` (unless already replaced) and redo the call.
 
         Raises:
+            ActorFailedError: See `_replace`.
+        """
+        self._replace(call, error)
+        if call.kind == "collector":
+            self._launch_collector(call.index)
+        elif call.kind == "ref":
+            self._launch_score(call.index, call.payload[0])
+        elif call.kind == "add":
+            self._pump_buffer_adds()
+        else:
+            self._launch_sample()
+
+    def _ask(self, kind: str, index: int, method: str, *args: Any) -> Any:
+        """Call ``method`` of a replaceable actor and wait; a dead one is replaced and asked.
+
+        For the calls the loop makes between steps (state for a checkpoint, buffer stats),
+        which find an actor that died while it had nothing to do.
+        """
+        while True:
+            actor = self._current_actor(kind, index)
+            call = _Call(kind, index, actor)
+            try:
+                return ray.get(getattr(actor, method).remote(*args))
+            except RayActorError as error:
+                self._replace(call, error)
+            except RayTaskError as error:
+                raise ActorFailedError(f"{self._actor_name(call)} failed: {error}") from error
+
+    def _current_actor(self, kind: str, index: int) -> Any:
+        if kind == "collector":
+            return self.collectors[index]
+        if kind == "ref":
+            return self.ref_actors[index]
+        return self.replay_buffer  # add, sample
+
+    def _replace(self, call: _Call, error: Exception) -> None:
+        """Replace the dead actor of ``call``, unless an earlier failed call already did.
+
+        Raises:
             ActorFailedError: For a trainer or the rollout queue, or an actor that has used up
                 ``max_actor_restarts`` and died again while the run was stopping.
         """
@@ -564,13 +603,7 @@ class Orchestrator:
                 f"rollout_queue died ({error}); the groups in it are lost: resume from "
                 f"{self._latest_checkpoint_text()}"
             )
-        current = {
-            "collector": lambda: self.collectors[call.index],
-            "ref": lambda: self.ref_actors[call.index],
-            "add": lambda: self.replay_buffer,
-            "sample": lambda: self.replay_buffer,
-        }[call.kind]()
-        if call.actor is current:  # not replaced yet by an earlier failed call
+        if call.actor is self._current_actor(call.kind, call.index):
             restarts = self._restarts.get(name, 0) + 1
             if restarts > self.max_actor_restarts:
                 if self._gave_up is not None:
@@ -598,15 +631,6 @@ class Orchestrator:
                 },
                 self.state.step,
             )
-        # Redo the call on the replacement.
-        if call.kind == "collector":
-            self._launch_collector(call.index)
-        elif call.kind == "ref":
-            self._launch_score(call.index, call.payload[0])
-        elif call.kind == "add":
-            self._pump_buffer_adds()
-        else:
-            self._launch_sample()
 
     def _replace_collector(self, index: int) -> None:
         """A new collector at the state of the old one's last finished batch, current weights."""
@@ -821,14 +845,12 @@ class Orchestrator:
                     unbuffered.append(kept)
         pipeline = {
             "collectors": list(self._collector_states),
-            "ref_actors": self._get_all(
-                [r.state_dict.remote() for r in self.ref_actors], "ref_actor state"
-            ),
+            "ref_actors": [
+                self._ask("ref", index, "state_dict") for index in range(len(self.ref_actors))
+            ],
             "unscored_groups": unscored,
             "unbuffered_groups": unbuffered,
-            "replay_buffer": self._get_all(
-                [self.replay_buffer.state_dict.remote()], "replay_buffer state"
-            )[0],
+            "replay_buffer": self._ask("sample", 0, "state_dict"),
             "seen_group_ids": sorted(self._seen_group_ids),
         }
         torch.save(pipeline, tmp / "pipeline.pt")
@@ -905,11 +927,7 @@ class Orchestrator:
     def _after_train_step(self, metrics: dict[str, Any], batch: list[Any], sync_every: int) -> None:
         self.state.step += 1
         step = self.state.step
-        try:
-            buffer_stats = ray.get(self.replay_buffer.stats.remote())
-        except RayActorError as error:  # replaced at the next call that needs it
-            log.warning("replay_buffer did not answer for stats: %s", error)
-            buffer_stats = {"size": float("nan"), "dropped_stale": float("nan")}
+        buffer_stats = self._ask("sample", 0, "stats")
         metrics = dict(metrics)
         pi_logprobs = metrics.pop("debug_pi_logprobs", None)
         if pi_logprobs and self.metric_logger is not None:

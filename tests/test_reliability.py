@@ -195,6 +195,37 @@ def test_dead_collector_ref_actor_and_buffer_are_replaced_losing_nothing(
     assert len(killed) == 3
 
 
+def test_checkpoint_replaces_actors_that_died_between_calls(
+    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+):
+    """A reference actor and the buffer killed after the loop's last step are replaced when
+    the checkpoint asks them for their state, and the checkpoint still holds every scored
+    trajectory that was not trained on."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run_dir = tmp_path / "run"
+    run = start_run(tiny_model_dir, run_dir, 2)
+    try:
+        run.run()
+        ray.kill(run.ref_actors[0], no_restart=True)
+        ray.kill(run.replay_buffer, no_restart=True)
+        checkpoint = run.save_checkpoint()
+    finally:
+        run.shutdown()
+    assert sorted(r.actor for r in run.recoveries) == ["ref_actor[0]", "replay_buffer"]
+    pipeline = torch.load(checkpoint / "pipeline.pt", weights_only=False)
+    in_buffer = [t.sequence_id for t, _ in pipeline["replay_buffer"]["items"]]
+    waiting = [t.sequence_id for group in pipeline["unbuffered_groups"] for t in group]
+    unscored = [t.sequence_id for group in pipeline["unscored_groups"] for t in group.trajectories]
+    trained = trained_ids(run_dir)
+    scored = {sid for r in read_jsonl(run_dir / "scored.jsonl") for sid in r["sequence_ids"]}
+    held = in_buffer + waiting
+    assert len(held) == len(set(held)) and not set(held) & set(trained)
+    # Nothing is stale after 2 steps (max_policy_lag 2), so every scored trajectory is
+    # either trained or held in the checkpoint, and the unscored ones are not scored yet.
+    assert set(held) | set(trained) == scored
+    assert not set(unscored) & scored
+
+
 def test_dead_trainer_stops_the_run_naming_it(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run = start_run(tiny_model_dir, tmp_path / "run", 200)
