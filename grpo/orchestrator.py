@@ -115,12 +115,19 @@ class RunState:
 
 @dataclass
 class Recovery:
-    """One dead actor that was replaced: which, when, and how long the driver spent on it."""
+    """One dead actor that was replaced.
+
+    ``seconds`` is what the driver spent replacing it (blocking the loop); ``seconds_to_work``
+    runs until the replacement's first call came back (its start-up included), None until it
+    has.
+    """
 
     actor: str
     step: int
     seconds: float
     error: str
+    started: float = field(default_factory=time.perf_counter, repr=False)
+    seconds_to_work: float | None = None
 
 
 @dataclass
@@ -186,6 +193,7 @@ class Orchestrator:
         self.metric_logger = None
         self.stop_requested = False
         self.recoveries: list[Recovery] = []
+        self._recovering: dict[str, Recovery] = {}  # replaced, first call not back yet
         orchestration = cfg.orchestration
         self.synchronous = bool(orchestration.get("synchronous", False))
         self.max_actor_restarts = orchestration.get("max_actor_restarts", 3)
@@ -433,12 +441,18 @@ class Orchestrator:
         """
         call = self._inflight.pop(ref)
         try:
-            return call, ray.get(ref)
+            result = ray.get(ref)
         except RayActorError as error:
             self._recover(call, error)
             return None
         except RayTaskError as error:
             raise ActorFailedError(f"{self._actor_name(call)} failed: {error}") from error
+        name = self._actor_name(call)
+        if name in self._recovering and call.actor is self._current_actor(call.kind, call.index):
+            recovery = self._recovering.pop(name)  # the replacement's first result
+            recovery.seconds_to_work = time.perf_counter() - recovery.started
+            self._log({"faults/time_to_work_again (s)": recovery.seconds_to_work}, self.state.step)
+        return call, result
 
     def _handle(self, call: _Call, result: Any, relaunch: bool) -> None:
         """React to a finished call; ``relaunch`` keeps collectors and the queue busy."""
@@ -614,7 +628,7 @@ class Orchestrator:
                     f"{self.max_actor_restarts}); last error: {error}"
                 )
             self._restarts[name] = restarts
-            start = time.perf_counter()
+            recovery = Recovery(name, self.state.step, 0.0, str(error))
             log.warning("%s died at step %d; replacing it: %s", name, self.state.step, error)
             if call.kind == "collector":
                 self._replace_collector(call.index)
@@ -622,12 +636,13 @@ class Orchestrator:
                 self.ref_actors[call.index] = self._new_ref_actor()
             else:
                 self._replace_replay_buffer()
-            seconds = time.perf_counter() - start
-            self.recoveries.append(Recovery(name, self.state.step, seconds, str(error)))
+            recovery.seconds = time.perf_counter() - recovery.started
+            self.recoveries.append(recovery)
+            self._recovering[name] = recovery
             self._log(
                 {
                     "faults/actor_restarts": float(len(self.recoveries)),
-                    "faults/time_recovering (s)": seconds,
+                    "faults/time_recovering (s)": recovery.seconds,
                 },
                 self.state.step,
             )

@@ -411,3 +411,79 @@ class NonFiniteLoss(GRPOWithChunkedOutputLoss):
     def compute_loss_from_logprobs(self, *args: Any, **kwargs: Any) -> GRPOStats:
         stats = super().compute_loss_from_logprobs(*args, **kwargs)
         return dataclasses.replace(stats, loss=stats.loss * float("nan"))
+
+
+def start_tiny_run(
+    model_dir: str | os.PathLike, run_dir: str | os.PathLike, num_steps: int, *overrides: str
+) -> Any:
+    """Start every actor of a ``tiny_arithmetic_cpu`` run, without evaluation.
+
+    For fault tests and drills that drive `Orchestrator.run` themselves and kill actors
+    meanwhile (see `kill_at_steps`). Starts a local Ray cluster if none is running.
+
+    Args:
+        model_dir: HF folder of the model (e.g. `build_tiny_qwen2`'s).
+        run_dir: A new folder for the run.
+        num_steps (int): ``orchestration.num_steps``.
+        *overrides (str): More ``key=value`` config overrides.
+
+    Returns:
+        Orchestrator: With every actor started; call ``run()``, then ``shutdown()``.
+    """
+    from grpo.config import load_config
+    from grpo.models import load_tokenizer
+    from grpo.orchestrator import Orchestrator, init_ray
+
+    cfg = load_config(
+        "tiny_arithmetic_cpu",
+        [
+            f"base_model_path={model_dir}",
+            f"output_dir={run_dir}",
+            f"orchestration.num_steps={num_steps}",
+            "eval_every_n_steps=null",
+            *overrides,
+        ],
+    )
+    Path(run_dir).mkdir(parents=True)
+    init_ray(cfg)
+    tokenizer = load_tokenizer(model_dir)
+    run = Orchestrator(cfg, Path(run_dir), tokenizer)
+    run.start_actors(pad_token_id=tokenizer.pad_id)
+    return run
+
+
+def kill_at_steps(run: Any, victims: list[tuple[int, str]]) -> dict[str, float]:
+    """In a background thread, ``ray.kill`` each named actor once the run reaches its step.
+
+    Args:
+        run (Orchestrator): A started run.
+        victims (list[tuple[int, str]]): ``(step, name)`` in order; names are
+            ``collector[i]``, ``ref_actor[i]``, ``replay_buffer`` and ``trainer[i]``.
+
+    Returns:
+        dict[str, float]: Filled with ``{name: time.monotonic() of the kill}`` as it goes.
+    """
+    import threading
+    import time
+
+    import ray
+
+    def actor(name: str) -> Any:
+        if name == "replay_buffer":
+            return run.replay_buffer
+        kind, index = name.rstrip("]").split("[")
+        actors = {"collector": run.collectors, "ref_actor": run.ref_actors, "trainer": run.trainers}
+        return actors[kind][int(index)]
+
+    killed_at: dict[str, float] = {}
+
+    def kill() -> None:
+        for step, name in victims:
+            deadline = time.monotonic() + 300
+            while run.state.step < step and time.monotonic() < deadline:
+                time.sleep(0.05)
+            killed_at[name] = time.monotonic()
+            ray.kill(actor(name), no_restart=True)
+
+    threading.Thread(target=kill, daemon=True).start()
+    return killed_at

@@ -6,8 +6,9 @@ steps), lets it train ``--kill-at`` steps, ``ray.kill``s the victim, and lets th
 to ``--steps``. It prints one row per fault:
 
 - outcome: ``replaced`` (the run finished every step) or ``stopped: <error>``;
-- seconds: for a replacement, the time the driver spent replacing the actor and redoing its
-  call (from `Orchestrator.recoveries`); for a stop, from the kill to the error;
+- seconds: for a replacement, from the moment the driver noticed the death to the first call
+  the replacement finished (its start-up included; `Recovery.seconds_to_work`); for a stop,
+  from the kill to the error;
 - groups lost: sequence ids are ``w0-0, w0-1, ...`` in generation order, so a gap among the
   scored ids is a group that was generated and never scored;
 - trained twice: sequence ids that appear in more than one training step;
@@ -26,22 +27,16 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import ray
 
-from grpo.config import load_config, repo_root
-from grpo.models import load_tokenizer
-from grpo.orchestrator import ActorFailedError, Orchestrator, init_ray
+from grpo.config import repo_root
+from grpo.orchestrator import ActorFailedError
+from grpo.testing import kill_at_steps, start_tiny_run
 
-VICTIMS = {
-    "collector[0]": lambda run: run.collectors[0],
-    "ref_actor[0]": lambda run: run.ref_actors[0],
-    "replay_buffer": lambda run: run.replay_buffer,
-    "trainer[0]": lambda run: run.trainers[0],
-}
+VICTIMS = ["collector[0]", "ref_actor[0]", "replay_buffer", "trainer[0]"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -50,39 +45,22 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def drill(victim: str, model_dir: Path, run_dir: Path, steps: int, kill_at: int) -> dict:
     """One run with one fault; returns the row to print."""
-    cfg = load_config(
-        "tiny_arithmetic_cpu",
-        [
-            f"base_model_path={model_dir}",
-            f"output_dir={run_dir}",
-            f"orchestration.num_steps={steps}",
-            "orchestration.stall_timeout_s=120",
-            "eval_every_n_steps=null",
-            "training.save_every_n_steps=2",
-            "metric_logger.mode=disabled",
-        ],
+    run = start_tiny_run(
+        model_dir,
+        run_dir,
+        steps,
+        "orchestration.stall_timeout_s=120",
+        "training.save_every_n_steps=2",
+        "metric_logger.mode=disabled",
     )
-    run_dir.mkdir(parents=True)
-    init_ray(cfg)
-    tokenizer = load_tokenizer(model_dir)
-    run = Orchestrator(cfg, run_dir, tokenizer)
-    run.start_actors(pad_token_id=tokenizer.pad_id)
-    killed_at: list[float] = []
-
-    def kill() -> None:
-        while run.state.step < kill_at:
-            time.sleep(0.05)
-        killed_at.append(time.monotonic())
-        ray.kill(VICTIMS[victim](run), no_restart=True)
-
-    threading.Thread(target=kill, daemon=True).start()
+    killed_at = kill_at_steps(run, [(kill_at, victim)])
     try:
         run.run()
         outcome = f"replaced, finished {run.state.step} steps"
-        seconds = sum(r.seconds for r in run.recoveries)
+        seconds = sum(r.seconds_to_work or float("nan") for r in run.recoveries)
     except ActorFailedError as error:
-        outcome = f"stopped at step {run.state.step}: {str(error).split(':')[0]}"
-        seconds = time.monotonic() - killed_at[0]
+        outcome = f"stopped at step {run.state.step}: {str(error).split(' (')[0]}"
+        seconds = time.monotonic() - killed_at[victim]
     finally:
         run.shutdown()
         ray.shutdown()
@@ -102,7 +80,7 @@ def drill(victim: str, model_dir: Path, run_dir: Path, steps: int, kill_at: int)
         "fault": f"ray.kill({victim}) after step {kill_at}",
         "outcome": outcome,
         "seconds": seconds,
-        "groups lost": (max(numbers) + 1 - len(numbers)) // cfg.inference.group_size,
+        "groups lost": (max(numbers) + 1 - len(numbers)) // run.cfg.inference.group_size,
         "trained twice": len(trained) - len(set(trained)),
         "steps lost": run.state.step - checkpoint_step if run.state.step < steps else 0,
     }
@@ -115,7 +93,7 @@ def main() -> None:
     parser.add_argument(
         "--model-dir", type=Path, default=repo_root() / "assets/tiny_arithmetic_qwen2"
     )
-    parser.add_argument("--victims", nargs="+", default=list(VICTIMS), choices=list(VICTIMS))
+    parser.add_argument("--victims", nargs="+", default=VICTIMS, choices=VICTIMS)
     args = parser.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     rows = []
