@@ -2,9 +2,11 @@
 
 The driver keeps exactly one call in flight per actor and reacts to whichever finishes
 first (`ray.wait`), so generation, reference scoring and training overlap, and a dead actor
-surfaces at once as an error naming it instead of a hang. The replay buffer's sample is
-passed to the trainers as an ObjectRef: every training worker reads the same batch from the
-object store, and each takes its share.
+surfaces at once instead of as a hang. Data between actors moves as ObjectRefs the driver
+owns and never fetches: groups taken from the rollout queue go to a reference actor, its
+scored groups to the replay buffer, the buffer's sample to every trainer (each takes its
+share). Holding those references is what lets the driver replace a dead collector,
+reference actor or buffer and redo its work with nothing lost (see `Orchestrator`).
 """
 
 from __future__ import annotations
