@@ -219,6 +219,7 @@ class Orchestrator:
         self._waiting_since: dict[int, float] = {}
         self._waited: dict[int, float] = {}
         self._sampled: tuple[Any, list[Any] | None] | None = None
+        self._train_results: dict[int, dict[str, Any]] = {}  # by rank, for the current step
         self._poll_delay = 0.02
         self.num_duplicate_groups = 0
 
@@ -493,11 +494,7 @@ class Orchestrator:
                 self._feed_ref_slot(call.index)
         elif call.kind == "add":
             batch = call.payload
-            for ids in batch.sequence_ids[batch.added : batch.added + result]:
-                for sid in ids:
-                    if sid not in batch.skip:
-                        self._in_buffer[sid] = batch
-            batch.added += result
+            self._taken_by_buffer(batch, result)
             if batch.added == batch.num_groups:
                 self._to_buffer.popleft()
             else:
@@ -518,6 +515,16 @@ class Orchestrator:
                 self._poll_delay = 0.02
                 self._mark_sampled(result)
                 self._sampled = (call.payload, result)
+        elif call.kind == "train":
+            self._train_results[call.index] = result
+
+    def _taken_by_buffer(self, batch: ScoredBatch, count: int) -> None:
+        """The buffer took ``count`` more groups of ``batch``: hold them until sampled."""
+        for ids in batch.sequence_ids[batch.added : batch.added + count]:
+            for sid in ids:
+                if sid not in batch.skip:
+                    self._in_buffer[sid] = batch
+        batch.added += count
 
     def _wake_idle_ref_slots(self) -> None:
         for index in sorted(self._idle_ref_slots):
@@ -807,24 +814,16 @@ class Orchestrator:
         if cfg.get("debug_logging_enabled") and self.tokenizer is not None:
             count = cfg.get("debug_num_samples_per_step", 1)
             debug_ids = [t.sequence_id for t in batch[:count]]
-        train_refs = [t.train_step.remote(batch_ref, waited, debug_ids) for t in self.trainers]
-        results: dict[Any, Any] = {}
-        for rank, ref in enumerate(train_refs):
-            self._inflight[ref] = _Call("train", rank, self.trainers[rank])
+        self._train_results = {}
+        for rank, trainer in enumerate(self.trainers):
+            ref = trainer.train_step.remote(batch_ref, waited, debug_ids)
+            self._inflight[ref] = _Call("train", rank, trainer)
         # Collectors and reference actors keep working while the trainers step.
-        while any(ref in self._inflight for ref in train_refs):
+        while len(self._train_results) < len(self.trainers):
             ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=1.0)
-            for ref in ready:
-                outcome = self._result(ref)
-                if outcome is None:
-                    continue
-                call, result = outcome
-                if call.kind == "train":
-                    results[ref] = result
-                else:
-                    self._handle(call, result, relaunch=not self.synchronous)
+            self._process(ready, relaunch=not self.synchronous)
         self.ledger.trained(self.state.step + 1, batch)
-        return results[train_refs[0]]
+        return self._train_results[0]
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -927,9 +926,7 @@ class Orchestrator:
         in_buffer = [[trajectory] for trajectory, _ in buffer_state["items"]]
         if in_buffer:
             batch = self._hold(in_buffer)
-            batch.added = batch.num_groups
-            for ids in batch.sequence_ids:
-                self._in_buffer[ids[0]] = batch
+            self._taken_by_buffer(batch, batch.num_groups)
         if pipeline["unbuffered_groups"]:
             self._to_buffer.append(self._hold(pipeline["unbuffered_groups"]))
 
