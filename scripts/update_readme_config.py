@@ -1,4 +1,4 @@
-"""Regenerate the README's config reference from the schema in grpo/config.py.
+"""Regenerate the README's config reference from the typed configs (grpo.config.run_schema).
 
 python scripts/update_readme_config.py          # rewrite README.md in place
 python scripts/update_readme_config.py --check  # exit 1 if README.md is out of date

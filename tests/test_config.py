@@ -13,7 +13,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo.config import (
     REQUIRED,
-    SCHEMA,
     Component,
     ComponentList,
     ConfigError,
@@ -28,8 +27,10 @@ from grpo.config import (
     parse,
     repo_root,
     run_recipe_cli,
+    run_schema,
     validate_config,
 )
+from grpo.workers.collector import InferenceConfig
 
 # Small stand-ins for the real components, so these tests import nothing heavy.
 COMPONENTS_SOURCE = """
@@ -162,8 +163,7 @@ def test_load_by_path_fills_schema_defaults(config_path):
     cfg = load_config(config_path)
     assert isinstance(cfg, DictConfig)
     assert cfg.inference.group_size == 4  # from the file
-    top_p = SCHEMA.fields["inference"].fields["top_p"]
-    assert cfg.inference.top_p == top_p.default  # absent from the file: schema default
+    assert cfg.inference.top_p == InferenceConfig().top_p  # absent from the file: its default
     assert cfg.training.lr_scheduler is None  # optional component, default null
     # A component node in the file is never merged with the schema's default node.
     assert cfg.training.loss._component_ == f"{COMPONENTS}.Loss"
@@ -295,7 +295,7 @@ def test_tilde_removes_keys(config_path):
     assert "weight_decay" not in cfg.training.optimizer
     # Keys the schema knows fall back to their default.
     assert cfg.eval_dataset is None
-    assert cfg.inference.group_size == SCHEMA.fields["inference"].fields["group_size"].default
+    assert cfg.inference.group_size == InferenceConfig().group_size
 
 
 def test_tilde_on_a_missing_key_is_an_error(config_path):
@@ -649,7 +649,7 @@ def _schema_entries(section: Section, prefix: str = ""):
 
 def test_reference_markdown_documents_every_key():
     markdown = config_reference_markdown()
-    entries = list(_schema_entries(SCHEMA))
+    entries = list(_schema_entries(run_schema()))
     assert len(entries) > 40
     for path, spec in entries:
         rows = [line for line in markdown.splitlines() if line.startswith(f"| `{path}` |")]
@@ -671,3 +671,35 @@ def test_reference_markdown_tables_are_well_formed():
     for line in config_reference_markdown().splitlines():
         if line.startswith("|"):
             assert line.count("|") == 5, line
+
+
+# ------------------------------------------------------------------------------ typed sections
+
+
+def test_typed_section_checks_every_option_when_built_in_code():
+    with pytest.raises(ConfigError) as info:
+        InferenceConfig(group_size=1, top_p=1.5, max_generated_tokens="many")
+    problems = info.value.problems
+    assert len(problems) == 3, problems
+    assert problems[0].startswith("InferenceConfig.group_size: must be >= 2")
+    assert problems[1].startswith("InferenceConfig.max_generated_tokens: expected int")
+    assert problems[2].startswith("InferenceConfig.top_p: must be in (0, 1]")
+    with pytest.raises(TypeError, match="grup_size"):
+        InferenceConfig(grup_size=4)
+
+
+def test_run_config_from_a_loaded_config(config_path):
+    from grpo.config import RunConfig
+
+    cfg = load_config(config_path, ["inference.temperature=0.5"])
+    validate_config(cfg)
+    run = RunConfig.from_mapping(OmegaConf.to_container(cfg, resolve=True))
+    assert isinstance(run.inference, InferenceConfig)
+    assert run.inference.temperature == 0.5 and run.inference.group_size == 4
+    assert run.training.loss == {"_component_": f"{COMPONENTS}.Loss", "kl_estimator": "k2"}
+    assert run.orchestration.num_steps == 3
+    assert run.tokenizer["model_dir"] == run.base_model_path  # interpolation resolved
+    # The README reference, the defaults load_config fills and the typed section agree.
+    assert run_schema().fields["ref"].fields["reward_timeout_s"].default == (
+        run.ref.reward_timeout_s
+    )

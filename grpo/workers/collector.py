@@ -37,10 +37,20 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from grpo.config.options import (
+    NON_NEGATIVE,
+    POSITIVE,
+    ConfigSection,
+    at_least,
+    greater_than,
+    in_unit_interval,
+    option,
+)
 from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
 from grpo.workers.weight_sync import (
     WORKER_EXTENSION_CLS,
@@ -48,6 +58,47 @@ from grpo.workers.weight_sync import (
     WeightSyncError,
     WeightUpdate,
 )
+
+
+@dataclass(kw_only=True)
+class InferenceConfig(ConfigSection):
+    """Generation (vLLM collectors).
+
+    The ``inference:`` section of a run config; the README's config reference is made from
+    these declarations.
+    """
+
+    batch_size: int = option(
+        8, "Prompts per generation batch (each sampled group_size times).", check=POSITIVE
+    )
+    group_size: int = option(
+        8,
+        "Responses per prompt; advantages are normalised within a group, so at least 2.",
+        check=at_least(2),
+    )
+    max_prompt_tokens: int | None = option(
+        None,
+        "Longest prompt in tokens (longer ones are skipped); null: tokenizer.max_seq_len.",
+        check=POSITIVE,
+    )
+    max_generated_tokens: int = option(256, "Most tokens generated per response.", check=POSITIVE)
+    temperature: float = option(1.0, "Sampling temperature.", check=greater_than(0))
+    top_p: float = option(1.0, "Nucleus sampling mass.", check=in_unit_interval)
+    steps_before_weight_sync: int = option(
+        1, "Generation batches between checks for new weights.", check=POSITIVE
+    )
+    queue_maxsize: int = option(64, "Capacity of the rollout queue, in groups.", check=POSITIVE)
+    queue_put_timeout_s: float = option(
+        1.0, "Timeout in seconds of one put onto a full rollout queue.", check=greater_than(0)
+    )
+    engine_args: dict[str, Any] = option(
+        {},
+        "Keyword arguments passed through to vllm.LLM (enforce_eager, dtype, max_model_len, "
+        "gpu_memory_utilization, ...).",
+    )
+    num_gpus: float = option(0, "GPUs per collector actor.", check=NON_NEGATIVE)
+    num_cpus: float = option(1, "CPUs per collector actor.", check=NON_NEGATIVE)
+
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,21 @@ trajectory between calls and a crash loses nothing: its replacement scores the s
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from grpo.attention import use_packed_attention
 from grpo.config import instantiate
+from grpo.config.options import (
+    DTYPE,
+    NON_NEGATIVE,
+    ConfigSection,
+    greater_than,
+    one_of,
+    option,
+)
 from grpo.loss import model_response_logprobs
 from grpo.models import build_model, load_tokenizer
 from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
@@ -25,6 +34,35 @@ from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory
 
 # FlexAttention compiles once per pack length: pad flex packs up to a multiple of this.
 _FLEX_BUCKET = 128
+
+
+@dataclass(kw_only=True)
+class RefConfig(ConfigSection):
+    """Reference model and rewards.
+
+    The ``ref:`` section of a run config; the README's config reference is made from
+    these declarations.
+    """
+
+    num_gpus: float = option(0, "GPUs per reference actor.", check=NON_NEGATIVE)
+    num_cpus: float = option(1, "CPUs per reference actor.", check=NON_NEGATIVE)
+    reward_timeout_s: float = option(
+        10.0,
+        "Seconds one reward call may take before it scores 0 (math parsers can hang).",
+        check=greater_than(0),
+    )
+    reward_weights: list[float] | None = option(
+        None,
+        "Weight of each reward function in the total reward, in the order of "
+        "reward_functions; null: all 1.",
+    )
+    dtype: str = option("fp32", "Reference model dtype: fp32 or bf16.", check=DTYPE)
+    mask_kind: str = option(
+        "dense",
+        "Attention of reference packs: dense, varlen (fastest on CPU) or flex (FlexAttention "
+        "BlockMask; best on CUDA).",
+        check=one_of("dense", "varlen", "flex"),
+    )
 
 
 class RefActor:

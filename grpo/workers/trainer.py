@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,18 @@ from torch import nn
 
 from grpo.attention import use_packed_attention
 from grpo.config import instantiate
+from grpo.config.options import (
+    DTYPE,
+    NON_NEGATIVE,
+    NUMBER,
+    POSITIVE,
+    ConfigSection,
+    component,
+    greater_than,
+    keyword,
+    one_of,
+    option,
+)
 from grpo.loss import model_response_logprobs
 from grpo.models import build_model, load_hf_config, save_hf_checkpoint, tune_to_hf_state_dict
 from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
@@ -32,6 +45,83 @@ from grpo.workers.weight_sync import state_dict_checksum
 
 # FlexAttention compiles once per pack length: pad flex packs up to a multiple of this.
 _FLEX_BUCKET = 128
+
+
+@dataclass(kw_only=True)
+class TrainingConfig(ConfigSection):
+    """Policy optimisation.
+
+    The ``training:`` section of a run config; the README's config reference is made from
+    these declarations.
+    """
+
+    batch_size: int = option(
+        64,
+        "Trajectories per optimizer step, split evenly over the training workers.",
+        check=POSITIVE,
+    )
+    ppo_epochs: int = option(1, "Passes over each sampled batch.", check=POSITIVE)
+    optimizer: dict[str, Any] = component(
+        {"_component_": "torch.optim.AdamW", "lr": 1e-6},
+        "Optimizer; the trainer passes the parameters positionally.",
+        kwargs={"lr": keyword(NUMBER, "Learning rate.", greater_than(0))},
+    )
+    lr_scheduler: dict[str, Any] | None = component(
+        None,
+        "Learning-rate schedule; the trainer passes the optimizer and num_training_steps "
+        "(num_steps x ppo_epochs). null: constant.",
+        kwargs={
+            "num_warmup_steps": keyword((int,), "Linear warm-up steps.", NON_NEGATIVE),
+            "num_cycles": keyword(
+                NUMBER, "Cosine cycles (0.5: decay to zero once).", greater_than(0)
+            ),
+        },
+    )
+    loss: dict[str, Any] = component(
+        {"_component_": "grpo.loss.GRPOWithChunkedOutputLoss"},
+        "GRPO loss on packed batches.",
+        kwargs={
+            "epsilon_low": keyword(NUMBER, "Lower clip: ratio >= 1 - epsilon_low.", NON_NEGATIVE),
+            "epsilon_high": keyword(NUMBER, "Upper clip: ratio <= 1 + epsilon_high.", NON_NEGATIVE),
+            "kl_coeff": keyword(
+                NUMBER, "Weight of the KL penalty to the reference model.", NON_NEGATIVE
+            ),
+            "kl_estimator": keyword(
+                (str,), "KL estimator: k1, k2 or k3.", one_of("k1", "k2", "k3")
+            ),
+            "aggregation": keyword(
+                (str,),
+                "token_mean, seq_mean_token_mean, or seq_mean_token_sum_norm (Dr. GRPO).",
+                one_of("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+            ),
+        },
+    )
+    clip_grad_norm: float | None = option(
+        1.0, "Clip the gradient norm to this; null: no clipping.", check=greater_than(0)
+    )
+    steps_before_weight_sync: int = option(
+        1, "Optimizer steps between pushes of new weights to collectors.", check=POSITIVE
+    )
+    max_nonfinite_steps_in_a_row: int = option(
+        3,
+        "A step whose loss or gradient norm is not finite is skipped (weights and optimizer "
+        "untouched) and counted; this many in a row stop the run with a checkpoint.",
+        check=POSITIVE,
+    )
+    save_every_n_steps: int | None = option(
+        None, "Checkpoint every N steps; null: only at the end.", check=POSITIVE
+    )
+    num_gpus: float = option(0, "GPUs per training actor.", check=NON_NEGATIVE)
+    num_cpus: float = option(1, "CPUs per training actor.", check=NON_NEGATIVE)
+    dtype: str = option("fp32", "Parameter dtype: fp32 or bf16.", check=DTYPE)
+    mask_kind: str = option(
+        "dense",
+        "Attention of packed micro-batches: dense (an [L, L] bool mask), varlen (one causal "
+        "SDPA per sequence; fastest on CPU) or flex (FlexAttention BlockMask, O(L) memory; "
+        "CUDA only for training).",
+        check=one_of("dense", "varlen", "flex"),
+    )
+    compile: bool = option(False, "torch.compile the model and loss.")
 
 
 class ResponseLogprobModel(nn.Module):

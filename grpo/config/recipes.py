@@ -1,0 +1,111 @@
+"""Run a recipe from the command line: load, validate once, call the recipe's main."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from omegaconf import DictConfig
+
+from grpo.config.errors import ConfigError
+from grpo.config.loading import load_config
+from grpo.config.validation import validate_config
+
+Recipe = Callable[[DictConfig], Any]
+
+
+def run_recipe(
+    recipe_main: Recipe, config: str | Path, overrides: Sequence[str] = (), prog: str = "grpo run"
+) -> int:
+    """Load and validate a config, then call ``recipe_main(cfg)``.
+
+    Config problems are printed to stderr without a traceback; errors inside the recipe
+    propagate.
+
+    Args:
+        recipe_main (Recipe): The recipe's entry point.
+        config (str | Path): Config name or path.
+        overrides (Sequence[str]): ``key=value`` / ``~key`` overrides.
+        prog (str): Program name used in error messages.
+
+    Returns:
+        int: 0 on success (or the recipe's int return value), 2 on a config error.
+    """
+    try:
+        cfg = load_config(config, overrides)
+        validate_config(cfg)
+        result = recipe_main(cfg)
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def run_recipe_cli(recipe_main: Recipe, argv: Sequence[str] | None = None) -> NoReturn:
+    """Command line of a recipe file: ``python recipes/x.py --config NAME key=value ...``.
+
+    Loads, validates and runs like ``grpo run``, then exits the process with the status.
+
+    Args:
+        recipe_main (Recipe): The recipe's entry point.
+        argv (Sequence[str] | None): Arguments; None reads ``sys.argv[1:]``.
+
+    Raises:
+        SystemExit: Always, with the status of `run_recipe` (2 on a config error).
+
+    Example:
+        >>> if __name__ == "__main__":
+        ...     run_recipe_cli(recipe_main)
+    """
+    parser = argparse.ArgumentParser(
+        description=recipe_main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", required=True, help="config name (configs/NAME.yaml) or path")
+    parser.add_argument("overrides", nargs="*", help="key=value or ~key overrides")
+    args, extra = parser.parse_known_args(argv)
+    overrides = split_overrides(parser, args.overrides, extra)
+    sys.exit(run_recipe(recipe_main, args.config, overrides, prog=parser.prog))
+
+
+def split_overrides(
+    parser: argparse.ArgumentParser, overrides: Sequence[str], extra: Sequence[str]
+) -> list[str]:
+    """Overrides after ``--config`` land in argparse's leftovers; accept those, reject flags."""
+    flags = [arg for arg in extra if arg.startswith("-")]
+    if flags:
+        parser.error(f"unrecognized arguments: {' '.join(flags)} (overrides are key=value)")
+    return [*overrides, *extra]
+
+
+def parse(recipe_main: Recipe) -> Callable[..., Any]:
+    """Decorator giving a recipe's main function the config command line, torchtune style.
+
+    Called with no arguments (``recipe_main()`` in ``if __name__ == "__main__":``) it parses
+    ``--config NAME key=value ...`` from ``sys.argv`` and exits with the status; called with a
+    config (as ``grpo run`` does) it simply runs the recipe.
+
+    Args:
+        recipe_main (Recipe): The recipe's entry point, taking the config.
+
+    Returns:
+        Callable[..., Any]: The wrapped entry point.
+
+    Example:
+        >>> @parse
+        ... def recipe_main(cfg: DictConfig) -> None:
+        ...     ...
+        >>> if __name__ == "__main__":
+        ...     recipe_main()
+    """
+
+    @functools.wraps(recipe_main)
+    def wrapper(cfg: DictConfig | None = None) -> Any:
+        if cfg is not None:
+            return recipe_main(cfg)
+        run_recipe_cli(recipe_main)
+
+    return wrapper
