@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from grpo.config import instantiate
 from grpo.rewards import MathCorrectnessReward, batched_rewards
+from grpo.workers.ref import RefConfig
 
 
 class HeldOutEvaluator:
@@ -38,7 +39,7 @@ class HeldOutEvaluator:
         collector: Any,
         metric_logger: Any = None,
         max_generated_tokens: int = 32,
-        reward_timeout_s: float | None = 10.0,
+        reward_timeout_s: float | None = RefConfig.reward_timeout_s,
     ) -> None:
         if not items:
             raise ValueError("the evaluation set is empty")
@@ -65,7 +66,7 @@ class HeldOutEvaluator:
             collector,
             metric_logger,
             max_generated_tokens=cfg.inference.max_generated_tokens,
-            reward_timeout_s=(cfg.get("ref") or {}).get("reward_timeout_s", 10.0),
+            reward_timeout_s=cfg.ref.reward_timeout_s,
         )
 
     def __call__(self, step: int, collector: Any = None) -> dict[str, float]:

@@ -79,6 +79,30 @@ _WEIGHT_FILE_SUFFIXES = (
     ".ckpt",
 )
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Config spellings of the parameter dtypes the actors take (ref.dtype, training.dtype).
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config dtype name (``fp32``, ``bf16``, ``float32``, ``bfloat16``).
+
+    Args:
+        name (str): A key of `DTYPES`.
+
+    Returns:
+        torch.dtype: The dtype.
+
+    Raises:
+        ValueError: For any other name, listing the accepted ones.
+    """
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
 
 
 def _model_dir(model_dir: str | os.PathLike) -> Path:

@@ -145,7 +145,7 @@ def in_unit_interval(value: float) -> str | None:
 
 POSITIVE = at_least(1)
 NON_NEGATIVE = at_least(0)
-# The workers also take torch's names (float32, bfloat16); see grpo.models.DTYPES.
+# The keys of grpo.models.DTYPES (not imported: this module must stay free of torch).
 DTYPE = one_of("fp32", "bf16", "float32", "bfloat16")
 
 # --------------------------------------------------------------------------------------------

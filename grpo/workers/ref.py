@@ -27,7 +27,7 @@ from grpo.config.options import (
     option,
 )
 from grpo.loss import model_response_logprobs
-from grpo.models import build_model, load_tokenizer
+from grpo.models import build_model, load_tokenizer, torch_dtype
 from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
 from grpo.rewards import batched_rewards, group_advantages
 from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory
@@ -90,8 +90,7 @@ class RefActor:
         mask_kind: str = "dense",
     ) -> None:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        torch_dtype = torch.bfloat16 if dtype in ("bf16", "bfloat16") else torch.float32
-        self.model = build_model(model_dir, dtype=torch_dtype, device=self.device).eval()
+        self.model = build_model(model_dir, dtype=torch_dtype(dtype), device=self.device).eval()
         if mask_kind != "dense":
             use_packed_attention(self.model)
         for parameter in self.model.parameters():

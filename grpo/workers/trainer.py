@@ -38,7 +38,13 @@ from grpo.config.options import (
     option,
 )
 from grpo.loss import model_response_logprobs
-from grpo.models import build_model, load_hf_config, save_hf_checkpoint, tune_to_hf_state_dict
+from grpo.models import (
+    build_model,
+    load_hf_config,
+    save_hf_checkpoint,
+    torch_dtype,
+    tune_to_hf_state_dict,
+)
 from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
 from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
 from grpo.workers.weight_sync import state_dict_checksum
@@ -210,17 +216,7 @@ class PyTorchActorModel:
         self.clip_grad_norm = clip_grad_norm
         self.mask_kind = mask_kind
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        dtype_by_name = {
-            "float32": torch.float32,
-            "fp32": torch.float32,
-            "bfloat16": torch.bfloat16,
-            "bf16": torch.bfloat16,
-        }
-        if dtype not in dtype_by_name:
-            raise ValueError(
-                f"training.dtype must be one of {sorted(dtype_by_name)}, got {dtype!r}"
-            )
-        self.dtype = dtype_by_name[dtype]
+        self.dtype = torch_dtype(dtype)
         self._component_nodes = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "loss": loss}
         self.num_steps = num_steps
         self.seed = seed
