@@ -208,9 +208,8 @@ class RewardPool:
             try:
                 return self._collect(futures, timeout_s)
             except BaseException:
-                # Interrupted: cancelling makes pebble stop the workers still on these calls.
-                for future in futures:
-                    future.cancel()
+                # Interrupted: workers still on these calls would hold up the next run.
+                self._stop_workers()
                 raise
 
     def _workers_importing(self, modules: set[str]) -> pebble.ProcessPool:
