@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from grpo.advantages import group_advantages
 from grpo.rewards import (
     FormatReward,
     MathCorrectnessReward,
@@ -20,7 +21,6 @@ from grpo.rewards import (
     TokenPresenceReward,
     batched_rewards,
     extract_answer,
-    group_advantages,
     reward_function,
     total_reward,
 )

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from grpo.advantages import group_advantages
 from grpo.attention import use_packed_attention
 from grpo.config import instantiate
 from grpo.config.options import (
@@ -29,7 +30,7 @@ from grpo.config.options import (
 from grpo.loss import model_response_logprobs
 from grpo.models import build_model, load_tokenizer, torch_dtype
 from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
-from grpo.rewards import batched_rewards, group_advantages
+from grpo.rewards import batched_rewards
 from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory
 
 # FlexAttention compiles once per pack length: pad flex packs up to a multiple of this.

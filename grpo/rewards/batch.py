@@ -1,0 +1,172 @@
+"""Scoring a batch: every completion under every reward function, failures counted."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo.rewards.base import RewardFunction, call_reward, reward_function, short_error
+from grpo.rewards.pool import Call, Outcome, RewardPool, default_reward_pool
+
+logger = logging.getLogger(__name__)
+
+
+def total_reward(
+    rewards: torch.Tensor, reward_weights: Sequence[float] | None = None
+) -> torch.Tensor:
+    """Sum of the per-function rewards, optionally weighted.
+
+    Args:
+        rewards (torch.Tensor): Shape ``(N, F)``.
+        reward_weights (Sequence[float] | None): F weights; None means all ones.
+
+    Returns:
+        torch.Tensor: Shape ``(N,)``.
+
+    Raises:
+        ValueError: If the number of weights is not F.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(
+            f"total_reward: rewards must have shape (N, F), got {tuple(rewards.shape)}"
+        )
+    if reward_weights is None:
+        return rewards.sum(dim=-1)
+    weights = torch.as_tensor(reward_weights, dtype=rewards.dtype, device=rewards.device)
+    if weights.shape != (rewards.shape[-1],):
+        raise ValueError(
+            f"total_reward: {weights.numel()} reward_weights for {rewards.shape[-1]} reward functions"
+        )
+    return rewards @ weights
+
+
+@dataclass
+class RewardBatch:
+    """Rewards of N completions under F reward functions.
+
+    Args:
+        rewards (torch.Tensor): float32, shape ``(N, F)``.
+        successes (torch.Tensor): float32 0/1, shape ``(N, F)``.
+        func_names (list[str]): Name of each column.
+        num_timeouts (dict[str, int]): Calls that overran the timeout, per function.
+        num_exceptions (dict[str, int]): Calls that raised (or whose worker died), per function.
+    """
+
+    rewards: torch.Tensor
+    successes: torch.Tensor
+    func_names: list[str]
+    num_timeouts: dict[str, int]
+    num_exceptions: dict[str, int]
+
+    def total(self, reward_weights: Sequence[float] | None = None) -> torch.Tensor:
+        """Total reward per completion, shape ``(N,)``; see :func:`total_reward`."""
+        return total_reward(self.rewards, reward_weights)
+
+
+def _run_inline(reward_fns: list[RewardFunction], calls: list[Call]) -> list[Outcome]:
+    """Run calls in this thread, without timeouts (exceptions are still caught)."""
+    outcomes: list[Outcome] = []
+    for fn_index, completion, answer in calls:
+        try:
+            reward, success = call_reward(reward_fns[fn_index], completion, answer)
+            outcomes.append((reward, success, None, None))
+        except Exception as error:
+            logger.debug("reward %s raised", reward_fns[fn_index].name, exc_info=True)
+            outcomes.append((0.0, False, "exception", short_error(error)))
+    return outcomes
+
+
+def batched_rewards(
+    reward_fns: Sequence[RewardFunction | Callable[..., Any]],
+    completions: Sequence[str],
+    answers: Sequence[str],
+    timeout_s: float | None = 5.0,
+    pool: RewardPool | None = None,
+) -> RewardBatch:
+    """Score every completion with every reward function.
+
+    Each (function, completion) call gets ``timeout_s`` seconds in a worker process, timed
+    from when a worker takes it; a call that raises, overruns or kills its worker gets the
+    function's ``failure_reward`` and success 0, and is counted in the batch. Failures are
+    also logged, once per function and batch, with the first error message. Works from any
+    thread (no signals).
+
+    Args:
+        reward_fns (Sequence): Reward functions with distinct names; module-level (picklable).
+            A plain callable is wrapped with :func:`~grpo.rewards.reward_function`.
+        completions (Sequence[str]): N completions.
+        answers (Sequence[str]): N gold answers.
+        timeout_s (float | None): Per-call limit in seconds. None runs the calls inline in the
+            calling thread with no timeout (for debugging; exceptions are still caught).
+        pool (RewardPool | None): Pool to use; defaults to
+            :func:`~grpo.rewards.default_reward_pool`.
+
+    Returns:
+        RewardBatch: ``rewards`` and ``successes`` of shape ``(N, F)`` (float32) in the order
+        of ``reward_fns``, ``func_names``, and per-function timeout and exception counts.
+
+    Raises:
+        ValueError: On mismatched lengths, no reward functions or duplicate names.
+
+    Example:
+        >>> batch = batched_rewards(
+        ...     [MathCorrectnessReward(), FormatReward(think_required=False)],
+        ...     ["<answer>85</answer>"], ["85"])
+        >>> batch.rewards
+        tensor([[1., 1.]])
+    """
+    if not reward_fns:
+        raise ValueError("batched_rewards: reward_fns is empty")
+    if len(completions) != len(answers):
+        raise ValueError(
+            f"batched_rewards: {len(completions)} completions but {len(answers)} answers"
+        )
+    functions = [fn if isinstance(fn, RewardFunction) else reward_function(fn) for fn in reward_fns]
+    func_names = [fn.name for fn in functions]
+    duplicates = sorted({name for name in func_names if func_names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"batched_rewards: duplicate reward function names {duplicates}")
+
+    num_funcs = len(functions)
+    calls: list[Call] = [
+        (fn_index, completion, answer)
+        for completion, answer in zip(completions, answers)
+        for fn_index in range(num_funcs)
+    ]
+    if not calls:
+        outcomes: list[Outcome] = []
+    elif timeout_s is None:
+        outcomes = _run_inline(functions, calls)
+    else:
+        outcomes = (pool or default_reward_pool()).run(functions, calls, timeout_s)
+
+    rewards = torch.zeros(len(completions), num_funcs, dtype=torch.float32)
+    successes = torch.zeros(len(completions), num_funcs, dtype=torch.float32)
+    num_timeouts = dict.fromkeys(func_names, 0)
+    num_exceptions = dict.fromkeys(func_names, 0)
+    first_errors: dict[str, str] = {}
+    for position, (reward, success, error_kind, message) in enumerate(outcomes):
+        sample, fn_index = divmod(position, num_funcs)
+        name = func_names[fn_index]
+        if error_kind is None:
+            rewards[sample, fn_index] = reward
+            successes[sample, fn_index] = float(success)
+            continue
+        rewards[sample, fn_index] = functions[fn_index].failure_reward
+        counter = num_timeouts if error_kind == "timeout" else num_exceptions
+        counter[name] += 1
+        first_errors.setdefault(name, f"sample {sample}: {message}")
+    for name, first_error in first_errors.items():
+        logger.warning(
+            "reward %r: %d timeout(s), %d exception(s) in a batch of %d; first: %s",
+            name,
+            num_timeouts[name],
+            num_exceptions[name],
+            len(completions),
+            first_error,
+        )
+    return RewardBatch(rewards, successes, func_names, num_timeouts, num_exceptions)

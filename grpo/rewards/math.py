@@ -1,0 +1,159 @@
+"""Math correctness: find the final answer in a completion and compare it with math-verify.
+
+`extract_answer` finds the candidate (``<answer>`` tag, ``\\boxed{}``, or the last number);
+`normalize_gold_answer` strips GSM8K rationales; `MathCorrectnessReward` scores with
+math-verify, whose ``signal.alarm`` timeouts are turned off because callers run it off the main
+thread and bound its time in worker processes instead (see `grpo.rewards.pool`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+from math_verify import parse as math_verify_parse
+from math_verify import verify as math_verify_verify
+
+from grpo.rewards.base import RewardFunction, RewardResult
+
+# The content of every <answer>...</answer> block (also used by FormatReward).
+ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# A number with optional sign, thousands separators and decimals. The minus sign must not
+# follow a word character, so "pages 3-5" ends in "5", not "-5".
+_NUMBER_RE = re.compile(r"(?:(?<![\w)])-)?\d+(?:,\d{3})*(?:\.\d+)?")
+_LATEX_HINT_RE = re.compile(r"[\\^{]")
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` with balanced braces, or None."""
+    for match in reversed(list(_BOXED_RE.finditer(text))):
+        depth, start = 1, match.end()
+        for index in range(start, len(text)):
+            if text[index] == "{":
+                depth += 1
+            elif text[index] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:index]
+    return None
+
+
+def extract_answer(completion: str, allow_last_number: bool = True) -> str | None:
+    """Find the final answer in a completion.
+
+    Tries, in order: the last non-empty ``<answer>...</answer>``, the last ``\\boxed{...}``,
+    and, if allowed, the last number in the text.
+
+    Args:
+        completion (str): Model output.
+        allow_last_number (bool): Fall back to the last number in the text.
+
+    Returns:
+        str | None: The candidate answer, stripped, or None if nothing was found.
+
+    Example:
+        >>> extract_answer("<answer>1</answer> no, <answer>2</answer>")
+        '2'
+    """
+    tagged = ANSWER_TAG_RE.findall(completion)
+    if tagged and tagged[-1].strip():
+        return tagged[-1].strip()
+    boxed = _last_boxed(completion)
+    if boxed is not None and boxed.strip():
+        return boxed.strip()
+    if allow_last_number:
+        numbers = _NUMBER_RE.findall(completion)
+        if numbers:
+            return numbers[-1]
+    return None
+
+
+def normalize_gold_answer(answer: str) -> str:
+    """Strip a GSM8K-style ``"... #### 72"`` rationale down to ``"72"``.
+
+    Thousands separators and LaTeX are left to math-verify, which reads ``"1,234"`` as 1234.
+    """
+    if "####" in answer:
+        answer = answer.rsplit("####", 1)[1]
+    return answer.strip()
+
+
+def _parse_math(text: str) -> list[Any]:
+    """Parse an answer string into math-verify expressions ([] if unparsable).
+
+    LaTeX without delimiters (``\\frac12``, ``10^{3}``) is read as plain text by math-verify
+    (``10^{3}`` -> 10), so such strings are wrapped in ``$...$`` first. ``parsing_timeout=None``
+    turns off math-verify's ``signal.alarm`` timeout, which fails off the main thread; callers
+    bound the time instead (see :func:`~grpo.rewards.batched_rewards`).
+    """
+    text = text.replace("\\$", "").strip()
+    if not text:
+        return []
+    if "$" not in text and _LATEX_HINT_RE.search(text):
+        parsed = math_verify_parse(f"${text}$", fallback_mode="no_fallback", parsing_timeout=None)
+        if parsed:
+            return parsed
+    return math_verify_parse(text, fallback_mode="no_fallback", parsing_timeout=None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(answer: str) -> tuple[Any, ...]:
+    # Cached: the samples of a group share one gold answer.
+    return tuple(_parse_math(normalize_gold_answer(answer)))
+
+
+class MathCorrectnessReward(RewardFunction):
+    """1.0 if the completion's final answer equals the gold answer according to math-verify.
+
+    The candidate is found by :func:`extract_answer`. Rewards: ``1.0`` correct,
+    ``partial_credit`` when a candidate was found and parses as math but is wrong, ``0.0``
+    when no candidate was found or it does not parse. ``success`` is correctness.
+
+    Gold answers may be plain (``"72"``, ``"1,234"``, ``"\\frac{1}{2}"``) or GSM8K-style
+    (``"... #### 72"``).
+
+    Args:
+        partial_credit (float): Reward for a parsable but wrong answer.
+        allow_last_number (bool): Fall back to the last number in the text when there is no
+            ``<answer>`` tag and no ``\\boxed{}``.
+        name (str): Reward name.
+        failure_reward (float): Reward on exception or timeout.
+
+    Raises:
+        ValueError: When called with a gold answer that math-verify cannot parse (a data
+            error; :func:`~grpo.rewards.batched_rewards` counts it and gives ``failure_reward``).
+
+    Example:
+        >>> MathCorrectnessReward(partial_credit=0.1)("<answer>85</answer>", "#### 85")
+        RewardResult(reward=1.0, success=True)
+    """
+
+    name = "math_correctness"
+
+    def __init__(
+        self,
+        *,
+        partial_credit: float = 0.0,
+        allow_last_number: bool = True,
+        name: str | None = None,
+        failure_reward: float = 0.0,
+    ) -> None:
+        super().__init__(name=name, failure_reward=failure_reward)
+        self.partial_credit = float(partial_credit)
+        self.allow_last_number = allow_last_number
+
+    def __call__(self, completion: str, answer: str) -> RewardResult:
+        gold = _parse_gold(answer)
+        if not gold:
+            raise ValueError(f"{self.name}: math-verify could not parse the gold answer {answer!r}")
+        candidate = extract_answer(completion, allow_last_number=self.allow_last_number)
+        if candidate is None:
+            return RewardResult(0.0, False)
+        predicted = _parse_math(candidate)
+        if not predicted:
+            return RewardResult(0.0, False)
+        if math_verify_verify(list(gold), predicted, timeout_seconds=None):
+            return RewardResult(1.0, True)
+        return RewardResult(self.partial_credit, False)

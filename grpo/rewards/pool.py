@@ -1,0 +1,276 @@
+"""Worker processes that run reward calls with a per-call timeout, on pebble's ``ProcessPool``.
+
+Parsers such as math-verify can hang on adversarial input, and the caller is usually a Ray
+actor method running on a non-main thread, where ``signal.alarm`` timeouts are unavailable. So
+every (function, completion) call is one pebble task with ``timeout=timeout_s``: pebble
+terminates the worker of a call that overruns and starts a replacement, and reports a call
+whose worker died as ``ProcessExpired``. :func:`~grpo.rewards.batched_rewards` gives such calls
+the function's ``failure_reward`` and counts them.
+
+Reward functions travel to the workers pickled, as bytes that the task itself unpickles: a
+function that cannot load in a worker (a module missing there) fails its own calls, not the
+pool. The workers' initializer imports the modules of the reward functions the pool has run, so
+a worker (a replacement too) does not spend a call's timeout on imports; a batch that brings a
+module the workers have not imported restarts them with it (once per new module).
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import functools
+import importlib
+import logging
+import math
+import multiprocessing
+import os
+import pickle
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pebble
+
+from grpo.rewards.base import FunctionReward, RewardFunction, call_reward, short_error
+
+logger = logging.getLogger(__name__)
+
+# One call: (index of the reward function, completion, answer).
+Call = tuple[int, str, str]
+# Outcome of a call: (reward, success, error kind "timeout" | "exception" | None, message).
+Outcome = tuple[float, bool, str | None, str | None]
+
+# Per call, beyond its timeout, for pebble to notice the overrun (it checks every 0.1 s),
+# terminate the worker (SIGTERM, SIGKILL after 3 s) and start a replacement.
+_STOP_GRACE_S = 5.0
+
+
+def _exit_when_parent_dies(parent: Any) -> None:
+    parent.join()
+    os._exit(1)
+
+
+def _start_worker(modules: Sequence[str]) -> None:
+    """Initializer of a worker process: import the reward modules before taking any call.
+
+    Never raises: pebble would restart a worker whose initializer fails, forever. A module
+    that does not import here makes the calls that need it fail, and those are counted.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # Do not outlive the parent, even when a call hangs.
+        threading.Thread(target=_exit_when_parent_dies, args=(parent,), daemon=True).start()
+    # Timeouts are ours; silence math-verify's one-time "timeout is disabled" warning.
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:
+            pass
+
+
+@functools.lru_cache(maxsize=64)
+def _load_reward(pickled: bytes) -> RewardFunction:
+    # Cached: every call of a batch brings the same bytes.
+    return pickle.loads(pickled)
+
+
+def _score(pickled_fn: bytes, completion: str, answer: str) -> Outcome:
+    """One reward call in a worker; exceptions come back as outcomes, not as pebble errors."""
+    try:
+        reward_fn = _load_reward(pickled_fn)
+    except Exception as error:
+        return 0.0, False, "exception", f"cannot load reward function: {short_error(error)}"
+    try:
+        reward, success = call_reward(reward_fn, completion, answer)
+    except Exception as error:
+        return 0.0, False, "exception", short_error(error)
+    return reward, success, None, None
+
+
+def _module_of(reward_fn: RewardFunction) -> str:
+    fn = reward_fn.fn if isinstance(reward_fn, FunctionReward) else reward_fn
+    return getattr(fn, "__module__", None) or type(fn).__module__
+
+
+class RewardPool:
+    """Worker processes that run reward calls with a per-call timeout.
+
+    Workers are forked from a ``forkserver`` that has imported `grpo.rewards` (and so torch
+    and math-verify), so a replacement for a killed worker starts in milliseconds, plus the
+    time to re-import the parent's main script, which every spawn or forkserver child does (so
+    a script that makes a pool needs the ``if __name__ == "__main__":`` guard). Workers start
+    in the background on first use: start-up never counts against a call's timeout. The pool
+    is safe to use from any thread; calls are serialised.
+
+    Args:
+        num_workers (int | None): Worker processes; defaults to ``min(4, os.cpu_count())``.
+        start_method (str | None): ``"forkserver"`` (default where available) or ``"spawn"``.
+            Not ``"fork"``: forking a process that runs Ray or torch threads is unsafe.
+        startup_timeout_s (float): Allowance for the workers to start and import the reward
+            functions' modules, within the bound on a whole :meth:`run`.
+
+    Raises:
+        ValueError: On a bad ``num_workers`` or ``start_method``.
+
+    Example:
+        >>> with RewardPool(num_workers=2) as pool:
+        ...     batch = batched_rewards([FormatReward()], ["<answer>1</answer>"], ["1"], pool=pool)
+    """
+
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        start_method: str | None = None,
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        if num_workers is None:
+            num_workers = min(4, os.cpu_count() or 1)
+        if num_workers < 1:
+            raise ValueError(f"RewardPool: num_workers must be >= 1, got {num_workers}")
+        methods = multiprocessing.get_all_start_methods()
+        if start_method is None:
+            start_method = "forkserver" if "forkserver" in methods else "spawn"
+        if start_method not in ("forkserver", "spawn") or start_method not in methods:
+            raise ValueError(
+                f"RewardPool: start_method must be 'forkserver' or 'spawn' (available: "
+                f"{methods}), got {start_method!r}"
+            )
+        self._context = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":
+            # Import the reward package (torch, math-verify) once in the server rather than in
+            # every worker. Only takes effect if this process has not started its server yet.
+            self._context.set_forkserver_preload(["grpo.rewards"])
+        self.num_workers = num_workers
+        self.startup_timeout_s = startup_timeout_s
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._closed = False
+        self._modules: frozenset[str] = frozenset()
+        self._workers: pebble.ProcessPool | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop the workers (pebble kills any that do not exit within 3 s of SIGTERM)."""
+        with self._lock:
+            self._closed = True
+            self._stop_workers()
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def run(
+        self, reward_fns: Sequence[RewardFunction], calls: list[Call], timeout_s: float
+    ) -> list[Outcome]:
+        """Run calls on the workers; one outcome per call, in call order.
+
+        Args:
+            reward_fns (Sequence[RewardFunction]): The functions the calls index.
+            calls (list[Call]): ``(function index, completion, answer)`` per call.
+            timeout_s (float): Per-call limit in seconds, timed from when a worker takes it.
+
+        Returns:
+            list[Outcome]: ``(reward, success, error kind or None, error message or None)``.
+
+        Raises:
+            ValueError: If ``timeout_s`` is not positive.
+            RuntimeError: If the pool is closed or belongs to another process.
+            pickle.PicklingError: If a reward function cannot be pickled.
+        """
+        if timeout_s <= 0:
+            raise ValueError(f"RewardPool.run: timeout_s must be > 0, got {timeout_s}")
+        try:
+            pickled_fns = [pickle.dumps(fn) for fn in reward_fns]
+        except Exception as error:
+            raise pickle.PicklingError(
+                "reward functions must be picklable (module-level classes or functions) to run "
+                f"in worker processes: {short_error(error)}"
+            ) from error
+        modules = {_module_of(fn) for fn in reward_fns} - {"__main__", "builtins"}
+        with self._lock:
+            if self._closed or os.getpid() != self._pid:
+                raise RuntimeError(
+                    "RewardPool.run: the pool is closed or belongs to another process"
+                )
+            workers = self._workers_importing(modules)
+            futures = [
+                workers.schedule(
+                    _score, args=(pickled_fns[fn_index], completion, answer), timeout=timeout_s
+                )
+                for fn_index, completion, answer in calls
+            ]
+            try:
+                return self._collect(futures, timeout_s)
+            except BaseException:
+                # Interrupted: workers still on these calls would hold up the next run.
+                self._stop_workers()
+                raise
+
+    def _workers_importing(self, modules: set[str]) -> pebble.ProcessPool:
+        """The running pebble pool, restarted if broken or if it lacks one of ``modules``."""
+        if self._workers is not None and self._workers.active and modules <= self._modules:
+            return self._workers
+        self._stop_workers()
+        self._modules |= modules
+        self._workers = pebble.ProcessPool(
+            max_workers=self.num_workers,
+            initializer=_start_worker,
+            initargs=(sorted(self._modules),),
+            context=self._context,
+        )
+        return self._workers
+
+    def _stop_workers(self) -> None:
+        if self._workers is not None:
+            self._workers.stop()
+            self._workers.join()
+            self._workers = None
+
+    def _collect(self, futures: list[Any], timeout_s: float) -> list[Outcome]:
+        # Bound the wait by the worst case, every call hanging, so that a task pebble loses (a
+        # worker stopped just as it took its next task never reports it) cannot hang the
+        # caller; such a call counts as a timeout and the workers are restarted.
+        rounds = math.ceil(len(futures) / self.num_workers)
+        limit_s = self.startup_timeout_s + rounds * (timeout_s + _STOP_GRACE_S)
+        _, lost = concurrent.futures.wait(futures, timeout=limit_s)
+        if lost:
+            logger.warning("RewardPool: %d call(s) lost by the workers; restarting them", len(lost))
+            self._stop_workers()
+        outcomes: list[Outcome] = []
+        for future in futures:
+            if future in lost:
+                outcomes.append((0.0, False, "timeout", f"no result within {limit_s:.0f} s"))
+                continue
+            try:
+                outcomes.append(future.result())
+            except concurrent.futures.TimeoutError:
+                outcomes.append((0.0, False, "timeout", f"no result within {timeout_s} s"))
+            except pebble.ProcessExpired as error:
+                message = f"worker process exited with code {error.exitcode}"
+                outcomes.append((0.0, False, "exception", message))
+            except Exception as error:  # e.g. BrokenProcessPool: restarted on the next run
+                outcomes.append((0.0, False, "exception", short_error(error)))
+        return outcomes
+
+
+_default_pool: RewardPool | None = None
+_default_pool_lock = threading.Lock()
+
+
+def default_reward_pool() -> RewardPool:
+    """The process-wide pool used by :func:`~grpo.rewards.batched_rewards` when none is given.
+
+    Started on first use and closed at interpreter exit.
+    """
+    global _default_pool
+    with _default_pool_lock:
+        if _default_pool is None or _default_pool.closed or _default_pool._pid != os.getpid():
+            _default_pool = RewardPool()
+            atexit.register(_default_pool.close)
+        return _default_pool
