@@ -25,13 +25,6 @@ def metric_series(run_dir: Path, key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in read_jsonl(run_dir / "metrics.jsonl") if key in r]
 
 
-@pytest.fixture
-def ray_cleanup():
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 def run_cli(config: str, overrides: list[str]) -> None:
     assert grpo_main(["run", "async_grpo", "--config", config, *overrides]) == 0
 

@@ -39,13 +39,6 @@ def trained_ids(run_dir: Path) -> list[str]:
     return [sid for r in read_jsonl(run_dir / "trained.jsonl") for sid in r["sequence_ids"]]
 
 
-@pytest.fixture
-def ray_cleanup():
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 def deterministic_overrides(model_dir: Path, run_dir: Path, num_steps: int) -> list[str]:
     return [
         f"base_model_path={model_dir}",
