@@ -19,12 +19,9 @@ from grpo.attention import use_packed_attention
 from grpo.config import instantiate
 from grpo.loss import model_response_logprobs
 from grpo.models import build_model, load_tokenizer
-from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
+from grpo.packing import FLEX_BUCKET, pack_sequences, plan_packs, unpack_response_logprobs
 from grpo.rewards import batched_rewards, group_advantages
 from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory
-
-# FlexAttention compiles once per pack length: pad flex packs up to a multiple of this.
-_FLEX_BUCKET = 128
 
 
 class RefActor:
@@ -86,7 +83,7 @@ class RefActor:
                 self.device,
                 self.tokenizer.pad_id,
                 mask_kind=self.mask_kind,
-                pad_to_multiple_of=_FLEX_BUCKET if self.mask_kind == "flex" else None,
+                pad_to_multiple_of=FLEX_BUCKET if self.mask_kind == "flex" else None,
             )
             logprobs = model_response_logprobs(self.model, packed)
             for traj, lp in zip(members, unpack_response_logprobs(packed, logprobs)):
