@@ -413,6 +413,31 @@ class NonFiniteLoss(GRPOWithChunkedOutputLoss):
         return dataclasses.replace(stats, loss=stats.loss * float("nan"))
 
 
+def response_logprobs_from_logits(
+    logits: torch.Tensor, response_mask: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Logprobs of the response tokens from full logits: the plain reference computation.
+
+    The chunked path of `grpo.loss` never materialises ``[L, V]`` logits; tests check it
+    against this direct log-softmax of the whole row.
+
+    Args:
+        logits (torch.Tensor): ``[L, V]`` or ``[1, L, V]`` logits of one packed row.
+        response_mask (torch.Tensor): Bool ``[L]``, True on response tokens.
+        targets (torch.Tensor): Response token ids in pack order, ``[T]``.
+
+    Returns:
+        torch.Tensor: Logprobs ``[T]``, in float32 or wider (float64 logits stay float64).
+    """
+    if logits.dim() == 3:
+        logits = logits[0]
+    # The logits at t - 1 predict the token at t.
+    response_logits = logits[:-1][response_mask[1:].to(logits.device).bool()]
+    logprobs = response_logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logprobs = logprobs.log_softmax(dim=-1)
+    return logprobs.gather(1, targets.to(logits.device).long()[:, None]).squeeze(1)
+
+
 def start_tiny_run(
     model_dir: str | os.PathLike, run_dir: str | os.PathLike, num_steps: int, *overrides: str
 ) -> Any:
