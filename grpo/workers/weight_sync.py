@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -175,16 +174,6 @@ class WeightUpdate:
     probe: dict[str, Any] | None = None
 
 
-@dataclass
-class AppliedUpdate:
-    """What applying a `WeightUpdate` did: version, loaded checksum, seconds, probe to check."""
-
-    version: int
-    checksum: str | None
-    seconds: float
-    probe: dict[str, Any] | None = None
-
-
 class WeightReceiver:
     """Collector side: hold the newest pending update and apply it to a vLLM engine.
 
@@ -239,7 +228,7 @@ class WeightReceiver:
         with self._lock:
             return self._pending is not None
 
-    def apply_pending(self, llm: Any, verify: bool = True) -> AppliedUpdate | None:
+    def apply_pending(self, llm: Any, verify: bool = True) -> WeightUpdate | None:
         """Load the pending update, if any, into ``llm`` and check its checksum.
 
         Args:
@@ -247,7 +236,8 @@ class WeightReceiver:
             verify (bool): Compute the checksum on the worker and compare it with the sent one.
 
         Returns:
-            AppliedUpdate | None: None if nothing was pending.
+            WeightUpdate | None: The update now in the engine (its ``probe`` is the caller's to
+            check), or None if nothing was pending.
 
         Raises:
             WeightSyncError: If a worker's checksum differs from the sent one. The engine then
@@ -258,7 +248,6 @@ class WeightReceiver:
             update, self._pending = self._pending, None
         if update is None:
             return None
-        start = time.perf_counter()
         weights = update.weights
         if not isinstance(weights, Mapping):  # an ObjectRef that was not resolved on arrival
             import ray
@@ -276,9 +265,4 @@ class WeightReceiver:
                         f"weights of version {update.version}: vLLM worker {rank} loaded tensors "
                         f"with checksum {checksum}, the sender's checksum is {update.checksum}"
                     )
-        return AppliedUpdate(
-            version=update.version,
-            checksum=checksums[0] if compute else None,
-            seconds=time.perf_counter() - start,
-            probe=update.probe,
-        )
+        return update
