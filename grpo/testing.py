@@ -413,6 +413,41 @@ class NonFiniteLoss(GRPOWithChunkedOutputLoss):
         return dataclasses.replace(stats, loss=stats.loss * float("nan"))
 
 
+def make_fake_model_dir(folder: str | os.PathLike, max_position_embeddings: int = 512) -> Path:
+    """A folder that passes the model-folder checks of config validation, without real weights.
+
+    For tests of the config and the command line, which check a model folder's files but never
+    load them (use `build_tiny_qwen2` for a model that runs).
+
+    Args:
+        folder (str | os.PathLike): Where to write it (created if missing).
+        max_position_embeddings (int): The context length its ``config.json`` declares.
+
+    Returns:
+        Path: ``folder``.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "qwen2", "max_position_embeddings": max_position_embeddings}
+    _write_json(folder / "config.json", config)
+    (folder / "vocab.json").write_text("{}")
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file a run wrote (``metrics.jsonl``, ``trained.jsonl``, ...).
+
+    Args:
+        path (str | os.PathLike): The file.
+
+    Returns:
+        list[dict[str, Any]]: One dict per non-blank line, in file order.
+    """
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def response_logprobs_from_logits(
     logits: torch.Tensor, response_mask: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:

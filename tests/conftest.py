@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.testing import build_tiny_qwen2
+from grpo.testing import build_tiny_qwen2, make_fake_model_dir
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +23,12 @@ def tiny_untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen2(
         tmp_path_factory.mktemp("tiny_qwen2") / "untied", tie_word_embeddings=False
     )
+
+
+@pytest.fixture
+def fake_model_dir(tmp_path: Path) -> Path:
+    """A model folder that passes the config checks but holds no weights to load."""
+    return make_fake_model_dir(tmp_path / "model")
 
 
 @pytest.fixture(scope="module")

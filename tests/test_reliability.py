@@ -16,15 +16,11 @@ from safetensors.torch import load_file
 
 from grpo.cli import main as grpo_main
 from grpo.orchestrator import ActorFailedError, Orchestrator, TrainingDivergedError
-from grpo.testing import kill_at_steps, start_tiny_run
+from grpo.testing import kill_at_steps, read_jsonl, start_tiny_run
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
