@@ -330,6 +330,7 @@ def test_weights_reach_a_collector_actor_between_batches(engines, ray_cluster):
         while rollout_queue.size() < 2:
             assert time.monotonic() < deadline, "the batch queued no groups"
             time.sleep(0.05)
+        time.sleep(1.0)  # longer than queue_put_timeout_s: the third put has waited at least once
         assert ray.get(actor.receive_weights.remote(weights_ref, 2, checksum), timeout=30)
         assert ray.wait([blocked], timeout=0)[0] == []
         assert len([rollout_queue.get(timeout=30) for _ in range(3)]) == 3
