@@ -57,12 +57,8 @@ class VarlenMask:
         ValueError: If there is no block or a length is not a positive int.
 
     Example:
-        >>> VarlenMask((3, 2)).to_dense().int()
-        tensor([[1, 0, 0, 0, 0],
-                [1, 1, 0, 0, 0],
-                [1, 1, 1, 0, 0],
-                [0, 0, 0, 1, 0],
-                [0, 0, 0, 1, 1]], dtype=torch.int32)
+        >>> VarlenMask((3, 2)).seq_len  # tokens 0-2 see each other causally, tokens 3-4 too
+        5
     """
 
     block_lens: tuple[int, ...]
@@ -80,17 +76,6 @@ class VarlenMask:
     def seq_len(self) -> int:
         """Total length of the packed row."""
         return sum(self.block_lens)
-
-    def to_dense(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """The same mask as a bool ``[L, L]`` tensor (True = may attend)."""
-        lengths = torch.tensor(self.block_lens, device=device)
-        block_ids = torch.repeat_interleave(
-            torch.arange(len(self.block_lens), device=device), lengths
-        )
-        positions = torch.arange(self.seq_len, device=device)
-        return (block_ids[:, None] == block_ids[None, :]) & (
-            positions[:, None] >= positions[None, :]
-        )
 
 
 _compiled_flex_attention: dict[str, Callable] = {}

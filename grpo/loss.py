@@ -182,30 +182,6 @@ def response_logprobs_from_hidden(
     )
 
 
-def response_logprobs_from_logits(
-    logits: torch.Tensor, response_mask: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    """Logprobs of the response tokens from full logits (reference path for checks).
-
-    Args:
-        logits (torch.Tensor): ``[L, V]`` or ``[1, L, V]`` logits of one packed row.
-        response_mask (torch.Tensor): Bool ``[L]``, True on response tokens.
-        targets (torch.Tensor): Response token ids in pack order, ``[T]``.
-
-    Returns:
-        torch.Tensor: fp32 logprobs ``[T]``.
-    """
-    if logits.dim() == 3:
-        logits = logits[0]
-    positions = _response_positions(logits.shape[0], response_mask, targets, logits.device)
-    logprobs = (
-        logits.index_select(0, positions)
-        .to(torch.promote_types(logits.dtype, torch.float32))
-        .log_softmax(dim=-1)
-    )
-    return logprobs.gather(1, targets.to(logits.device).long()[:, None]).squeeze(1)
-
-
 def output_projection_weight(
     model_or_projection: nn.Module | Callable[..., torch.Tensor],
 ) -> torch.Tensor:
@@ -234,18 +210,6 @@ def output_projection_weight(
         f"unsupported output projection {type(projection).__name__}; expected nn.Linear "
         "(bias=False) or torchtune TiedLinear"
     )
-
-
-def response_logprobs_from_projection(
-    hidden_states: torch.Tensor,
-    output_projection: nn.Module | Callable[..., torch.Tensor],
-    response_mask: torch.Tensor,
-    targets: torch.Tensor,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> torch.Tensor:
-    """`response_logprobs_from_hidden` taking the projection module instead of its weight."""
-    weight = output_projection_weight(output_projection)
-    return response_logprobs_from_hidden(hidden_states, weight, response_mask, targets, chunk_size)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from grpo.attention import VarlenMask
 from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
 
 __all__ = [
+    "FLEX_BUCKET",
     "MASK_KINDS",
     "logprobs_from_logits",
     "pack_by_budget",
@@ -40,6 +41,12 @@ __all__ = [
 ]
 
 MASK_KINDS = ("dense", "flex", "varlen")
+
+# What the actors pad flex packs to a multiple of (``pad_to_multiple_of``). FlexAttention is
+# compiled once per pack length (on CPU a static compile each, and after 8 lengths dynamo falls
+# back to the slow uncompiled path; see `grpo.attention`), so flex packs must take few distinct
+# lengths. 128 is FlexAttention's block size: the padding never adds a mask block.
+FLEX_BUCKET = 128
 
 
 def _check_sequences(sequences: Sequence[Any]) -> bool:

@@ -413,6 +413,66 @@ class NonFiniteLoss(GRPOWithChunkedOutputLoss):
         return dataclasses.replace(stats, loss=stats.loss * float("nan"))
 
 
+def make_fake_model_dir(folder: str | os.PathLike, max_position_embeddings: int = 512) -> Path:
+    """A folder that passes the model-folder checks of config validation, without real weights.
+
+    For tests of the config and the command line, which check a model folder's files but never
+    load them (use `build_tiny_qwen2` for a model that runs).
+
+    Args:
+        folder (str | os.PathLike): Where to write it (created if missing).
+        max_position_embeddings (int): The context length its ``config.json`` declares.
+
+    Returns:
+        Path: ``folder``.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "qwen2", "max_position_embeddings": max_position_embeddings}
+    _write_json(folder / "config.json", config)
+    (folder / "vocab.json").write_text("{}")
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file a run wrote (``metrics.jsonl``, ``trained.jsonl``, ...).
+
+    Args:
+        path (str | os.PathLike): The file.
+
+    Returns:
+        list[dict[str, Any]]: One dict per non-blank line, in file order.
+    """
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def response_logprobs_from_logits(
+    logits: torch.Tensor, response_mask: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Logprobs of the response tokens from full logits: the plain reference computation.
+
+    The chunked path of `grpo.loss` never materialises ``[L, V]`` logits; tests check it
+    against this direct log-softmax of the whole row.
+
+    Args:
+        logits (torch.Tensor): ``[L, V]`` or ``[1, L, V]`` logits of one packed row.
+        response_mask (torch.Tensor): Bool ``[L]``, True on response tokens.
+        targets (torch.Tensor): Response token ids in pack order, ``[T]``.
+
+    Returns:
+        torch.Tensor: Logprobs ``[T]``, in float32 or wider (float64 logits stay float64).
+    """
+    if logits.dim() == 3:
+        logits = logits[0]
+    # The logits at t - 1 predict the token at t.
+    response_logits = logits[:-1][response_mask[1:].to(logits.device).bool()]
+    logprobs = response_logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logprobs = logprobs.log_softmax(dim=-1)
+    return logprobs.gather(1, targets.to(logits.device).long()[:, None]).squeeze(1)
+
+
 def start_tiny_run(
     model_dir: str | os.PathLike, run_dir: str | os.PathLike, num_steps: int, *overrides: str
 ) -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.testing import build_tiny_qwen2
+from grpo.testing import build_tiny_qwen2, make_fake_model_dir
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +23,35 @@ def tiny_untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen2(
         tmp_path_factory.mktemp("tiny_qwen2") / "untied", tie_word_embeddings=False
     )
+
+
+@pytest.fixture
+def fake_model_dir(tmp_path: Path) -> Path:
+    """A model folder that passes the config checks but holds no weights to load."""
+    return make_fake_model_dir(tmp_path / "model")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster (2 CPUs) for the tests of one module that use Ray directly.
+
+    Module-scoped: one start-up (seconds) serves the whole module. A cluster that is already
+    running is joined and left running; one this fixture started is shut down after the module.
+    """
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_cleanup():
+    """Shut down, after the test, the Ray cluster that the run under test started itself."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -44,15 +44,6 @@ if __name__ == "__main__":
 '''
 
 
-def make_model_dir(folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
-    (folder / "vocab.json").write_text("{}")
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    (folder / "model.safetensors").write_bytes(b"")
-    return folder
-
-
 def small_config(model_dir: Path, output_dir: Path) -> dict:
     component = {"_component_": DICT}
     return {
@@ -76,7 +67,7 @@ def small_config(model_dir: Path, output_dir: Path) -> dict:
 
 
 @pytest.fixture
-def workspace(tmp_path, monkeypatch):
+def workspace(tmp_path, monkeypatch, fake_model_dir):
     """Temporary recipes and configs folders, with one recipe and two configs."""
     recipes = tmp_path / "recipes"
     configs = tmp_path / "configs"
@@ -84,7 +75,7 @@ def workspace(tmp_path, monkeypatch):
     configs.mkdir()
     (recipes / "record.py").write_text(RECIPE_SOURCE)
     (recipes / "_helpers.py").write_text("")  # private: not a recipe
-    config = small_config(make_model_dir(tmp_path / "model"), tmp_path / "out")
+    config = small_config(fake_model_dir, tmp_path / "out")
     text = yaml.safe_dump(config)
     (configs / "small.yaml").write_text(f"# To launch:\n#   grpo run record --config small\n{text}")
     (configs / "orphan.yaml").write_text(text)

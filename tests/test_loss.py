@@ -14,9 +14,8 @@ from grpo.loss import (
     model_response_logprobs,
     output_projection_weight,
     response_logprobs_from_hidden,
-    response_logprobs_from_logits,
-    response_logprobs_from_projection,
 )
+from grpo.testing import response_logprobs_from_logits
 from grpo.types import PackedTrajectory
 
 # A hand-checked case, eps_low = eps_high = 0.2. Per token: ratio r = exp(pi - behaviour),
@@ -461,10 +460,14 @@ def test_model_response_logprobs_match_full_logits(tie_word_embeddings):
     torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-5)
     # The model is left as it was: a plain forward returns logits again.
     assert model(packed.tokens[None]).shape[-1] == 64
-    # The module variant takes the projection instead of its weight.
+    # The projection module, read as its weight, gives the same logprobs.
     hidden = model_hidden_states(model, packed)
-    via_module = response_logprobs_from_projection(
-        hidden, model.output, packed.response_mask, packed.targets, chunk_size=4
+    via_module = response_logprobs_from_hidden(
+        hidden,
+        output_projection_weight(model.output),
+        packed.response_mask,
+        packed.targets,
+        chunk_size=4,
     )
     torch.testing.assert_close(via_module, expected, rtol=0, atol=1e-5)
 

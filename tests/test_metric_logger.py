@@ -540,14 +540,6 @@ def test_wandb_offline_run_lands_in_the_log_dir(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- as a Ray actor
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.slow
 def test_logger_works_as_a_ray_actor(tmp_path, ray_cluster):
     ray = ray_cluster

@@ -3,7 +3,6 @@
 Each run goes through the `grpo` command line, exactly as a user launches it.
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,24 +11,14 @@ from omegaconf import OmegaConf
 
 from grpo.cli import main as grpo_main
 from grpo.config import load_config
+from grpo.testing import read_jsonl
 from grpo.workers.metric_logger import METRIC_NAMES
 
 pytestmark = pytest.mark.slow
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def metric_series(run_dir: Path, key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in read_jsonl(run_dir / "metrics.jsonl") if key in r]
-
-
-@pytest.fixture
-def ray_cleanup():
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
 
 
 def run_cli(config: str, overrides: list[str]) -> None:

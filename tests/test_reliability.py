@@ -16,15 +16,11 @@ from safetensors.torch import load_file
 
 from grpo.cli import main as grpo_main
 from grpo.orchestrator import ActorFailedError, Orchestrator, TrainingDivergedError
-from grpo.testing import kill_at_steps, start_tiny_run
+from grpo.testing import kill_at_steps, read_jsonl, start_tiny_run
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -37,13 +33,6 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def trained_ids(run_dir: Path) -> list[str]:
     return [sid for r in read_jsonl(run_dir / "trained.jsonl") for sid in r["sequence_ids"]]
-
-
-@pytest.fixture
-def ray_cleanup():
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
 
 
 def deterministic_overrides(model_dir: Path, run_dir: Path, num_steps: int) -> list[str]:

@@ -1,11 +1,9 @@
 """The trainer's update does not depend on how many workers share the batch."""
 
 import pytest
-import ray
 import torch
 
 from grpo.loss import GRPOWithChunkedOutputLoss
-from grpo.testing import build_tiny_qwen2
 from grpo.types import ScoredTrajectory
 from grpo.workers.trainer import PyTorchActorModel
 
@@ -75,16 +73,11 @@ def trainer_kwargs(model_dir, rank, world_size, budget):
     )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def test_micro_batch_split_does_not_change_the_update(model_dir):
+def test_micro_batch_split_does_not_change_the_update(tiny_model_dir):
     batch = make_batch(10, vocab_size=300)
     results = []
     for budget in (1024, 48):  # one pack vs. many packs with gradient accumulation
-        trainer = PyTorchActorModel(**trainer_kwargs(model_dir, 0, 1, budget))
+        trainer = PyTorchActorModel(**trainer_kwargs(tiny_model_dir, 0, 1, budget))
         trainer.setup()
         before = trainer.full_state_dict()
         metrics = trainer.train_step(batch)
@@ -98,11 +91,11 @@ def test_micro_batch_split_does_not_change_the_update(model_dir):
     assert_same_update(before, weights_one, weights_many)
 
 
-def test_non_finite_steps_are_skipped_counted_and_leave_the_weights(model_dir):
+def test_non_finite_steps_are_skipped_counted_and_leave_the_weights(tiny_model_dir):
     batch = make_batch(6, vocab_size=300)
     trainer = PyTorchActorModel(
         **{
-            **trainer_kwargs(model_dir, 0, 1, 1024),
+            **trainer_kwargs(tiny_model_dir, 0, 1, 1024),
             "loss": {**LOSS, "_component_": "grpo.testing.NonFiniteLoss"},
         }
     )
@@ -127,18 +120,18 @@ def test_non_finite_steps_are_skipped_counted_and_leave_the_weights(model_dir):
 
 
 @pytest.mark.slow
-def test_two_fsdp_workers_match_one_worker(model_dir):
+def test_two_fsdp_workers_match_one_worker(tiny_model_dir, ray_cluster):
     batch = make_batch(12, vocab_size=300, seed=1)
-    single = PyTorchActorModel(**trainer_kwargs(model_dir, 0, 1, 256))
+    single = PyTorchActorModel(**trainer_kwargs(tiny_model_dir, 0, 1, 256))
     single.setup()
     before = single.full_state_dict()
     single_metrics = single.train_step(batch)
     single_weights = single.full_state_dict()
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray = ray_cluster
+    remote_cls = ray.remote(num_cpus=1)(PyTorchActorModel)
+    workers = [remote_cls.remote(**trainer_kwargs(tiny_model_dir, r, 2, 256)) for r in range(2)]
     try:
-        remote_cls = ray.remote(num_cpus=1)(PyTorchActorModel)
-        workers = [remote_cls.remote(**trainer_kwargs(model_dir, r, 2, 256)) for r in range(2)]
         address = ray.get(workers[0].get_dist_address.remote())
         ray.get([w.setup.remote(address) for w in workers])
         batch_ref = ray.put(batch)
@@ -146,7 +139,8 @@ def test_two_fsdp_workers_match_one_worker(model_dir):
         weights = ray.get([w.full_state_dict.remote() for w in workers])
         ray.get([w.shutdown.remote() for w in workers])
     finally:
-        ray.shutdown()
+        for worker in workers:
+            ray.kill(worker)
 
     assert metrics[0]["train_actor_training/loss"] == pytest.approx(
         single_metrics["train_actor_training/loss"], rel=1e-4

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from grpo.workers.weight_sync import (
-    WeightPublisher,
     WeightReceiver,
     WeightSyncError,
     WeightUpdate,
@@ -76,10 +75,6 @@ def test_checksum_sees_every_value_name_and_shape():
 
 
 def test_transport_names_are_checked():
-    with pytest.raises(NotImplementedError, match="nccl"):
-        WeightPublisher(transport="nccl")
-    with pytest.raises(NotImplementedError, match="nccl"):
-        WeightReceiver(transport="nccl")
     with pytest.raises(ValueError, match="unknown weight transport"):
         WeightReceiver(transport="shared_memory")
 
@@ -98,46 +93,7 @@ def test_receiver_keeps_only_the_newest_update():
     assert receiver.has_pending
 
 
-@pytest.mark.slow
-def test_publisher_puts_once_and_every_collector_gets_the_same_weights(ray_session):
-    ray = ray_session
-
-    @ray.remote(num_cpus=0)
-    class RecordingCollector:
-        def __init__(self):
-            self.received = None
-
-        def receive_weights(self, weights, version, checksum=None, probe=None):
-            # The reference passed at top level arrives resolved, as the state dict.
-            self.received = (state_dict_checksum(weights), version, checksum, probe)
-            return True
-
-        def get(self):
-            return self.received
-
-    state = random_state_dict(seed=3)
-    collectors = [RecordingCollector.remote() for _ in range(2)]
-    assert ray.get(WeightPublisher().publish(state, version=5, collectors=collectors)) == [True] * 2
-    expected = state_dict_checksum(state)
-    for received in ray.get([c.get.remote() for c in collectors]):
-        assert received == (expected, 5, expected, None)
-    unchecked = WeightPublisher(compute_checksum=False).publish(state, 6, collectors[:1])
-    ray.get(unchecked)
-    assert ray.get(collectors[0].get.remote())[2] is None
-
-
 # ---------------------------------------------------------------------- a real vLLM engine
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
 
 
 def long_prompt_dataset():
@@ -275,7 +231,7 @@ def test_update_is_applied_between_batches_and_used(engines, kind):
 
 
 @pytest.mark.slow
-def test_object_store_ref_and_probe_are_checked(engines, ray_session):
+def test_object_store_ref_and_probe_are_checked(engines, ray_cluster):
     model_dir, collector = engines["tied"]
     model, hf_config = trainer_side(model_dir)
     perturb(model, seed=100)
@@ -287,7 +243,7 @@ def test_object_store_ref_and_probe_are_checked(engines, ray_session):
         "atol": 1e-3,
     }
     version = collector.policy_version + 1
-    ref = ray_session.put(weights)
+    ref = ray_cluster.put(weights)
     assert collector.receive_weights(ref, version, state_dict_checksum(weights), probe)
     seconds = collector.apply_pending_weights()
     assert seconds > 0
@@ -331,7 +287,7 @@ def test_checksum_mismatch_fails_and_stale_versions_are_ignored(engines):
 
 
 @pytest.mark.slow
-def test_publisher_updates_a_collector_actor(engines, ray_session):
+def test_weights_reach_a_collector_actor_between_batches(engines, ray_cluster):
     """The production path: a collector Ray actor, weights put once, applied between batches."""
     from ray.util.queue import Queue
 
@@ -339,7 +295,7 @@ def test_publisher_updates_a_collector_actor(engines, ray_session):
 
     model_dir, _ = engines["tied"]
     model, hf_config = trainer_side(model_dir)
-    rollout_queue = Queue(maxsize=16)
+    rollout_queue = Queue(maxsize=2)
     actor = SyncLLMCollector.as_remote(num_cpus=1).remote(
         worker_id=0,
         num_workers=1,
@@ -353,11 +309,14 @@ def test_publisher_updates_a_collector_actor(engines, ray_session):
         max_prompt_tokens=64,
     )
     try:
-        ray = ray_session
+        ray = ray_cluster
         ray.get(actor.generate_batch.remote(1))
         perturb(model, seed=7)
         weights = hf_weights(model, hf_config)
-        assert ray.get(WeightPublisher().publish(weights, version=1, collectors=[actor])) == [True]
+        # As in a run: the weights go into the object store once, the actor gets the reference.
+        weights_ref = ray.put(weights)
+        checksum = state_dict_checksum(weights)
+        assert ray.get(actor.receive_weights.remote(weights_ref, 1, checksum)) is True
         metrics = ray.get(actor.generate_batch.remote(1))
         assert metrics["inference/policy_version"] == 1
         assert metrics["inference/time_weight_update (s)"] > 0
@@ -365,14 +324,18 @@ def test_publisher_updates_a_collector_actor(engines, ray_session):
         groups = [rollout_queue.get(timeout=30) for _ in range(2)]
         assert [g.trajectories[0].policy_version for g in groups] == [0, 1]
         assert max_logprob_error(model, groups[1].trajectories) < 1e-3
-        # run() on a threaded actor: stop() gets through while it generates.
-        running = actor.run.remote(num_prompts=1)
+        # A threaded actor takes weights while a batch waits on the full queue.
+        blocked = actor.generate_batch.remote(3)
         deadline = time.monotonic() + 60
         while rollout_queue.size() < 2:
-            assert time.monotonic() < deadline, "run() produced no groups"
+            assert time.monotonic() < deadline, "the batch queued no groups"
             time.sleep(0.05)
-        ray.get(actor.stop.remote())
-        stats = ray.get(running, timeout=60)
-        assert stats["batches"] >= 3
+        time.sleep(1.0)  # longer than queue_put_timeout_s: the third put has waited at least once
+        assert ray.get(actor.receive_weights.remote(weights_ref, 2, checksum), timeout=30)
+        assert ray.wait([blocked], timeout=0)[0] == []
+        assert len([rollout_queue.get(timeout=30) for _ in range(3)]) == 3
+        metrics = ray.get(blocked, timeout=60)
+        assert metrics["queues/rollout_queue_put_waits"] >= 1
+        assert metrics["inference/policy_version"] == 1  # version 2 waits for the next batch
     finally:
-        ray_session.kill(actor)
+        ray_cluster.kill(actor)

@@ -23,10 +23,9 @@ Choices that other actors rely on:
 * New weights arrive through `receive_weights` at any time and are applied only between
   generation batches; every trajectory carries the ``policy_version`` that generated it.
 
-The orchestrator makes it a Ray actor (``ray.remote(num_cpus=..., num_gpus=...)
-(SyncLLMCollector)`` or `SyncLLMCollector.as_remote`) and calls `generate_batch` in a loop, or
-calls `run` on an actor with ``max_concurrency >= 2`` so `stop` and `receive_weights` can
-reach it while it runs.
+The orchestrator makes it a threaded Ray actor (`SyncLLMCollector.as_remote`) and drives it
+one batch at a time with `generate_batch_with_state`; `receive_weights` and `evaluate` reach it
+while a batch waits on a full rollout queue.
 """
 
 from __future__ import annotations
@@ -164,10 +163,6 @@ def _call_logger(metric_logger: Any, metrics: dict[str, float], step: int) -> No
         log_dict(metrics, step=step, actor="inference")
 
 
-class CollectorStopped(RuntimeError):
-    """`stop` was called while the collector waited on a full rollout queue."""
-
-
 class SyncLLMCollector:
     """Generates GRPO groups with vLLM from one shard of a prompt dataset.
 
@@ -191,8 +186,7 @@ class SyncLLMCollector:
             raising ``queue.Full`` on timeout (``ray.util.queue.Queue``, ``queue.Queue``).
         seed (int): Seeds the prompt order and every request's sampler.
         queue_put_timeout_s (float): Seconds of one blocking put; on timeout the collector
-            counts a wait, checks `stop`, and tries again. Groups are never dropped: only
-            `stop` ends the wait, and the groups it leaves are counted as not queued.
+            counts a wait and tries again. Groups are never dropped.
         max_prompt_tokens (int | None): Longer prompts are skipped (counted in
             ``inference/skipped_long_prompts``); default ``max_model_len -
             max_generated_tokens``.
@@ -284,9 +278,7 @@ class SyncLLMCollector:
         kwargs = engine_kwargs(engine_args, seed)
         if "max_model_len" not in kwargs and max_prompt_tokens is not None:
             kwargs["max_model_len"] = max_prompt_tokens + max_generated_tokens
-        start = time.perf_counter()
         self.llm = LLM(model=self.model_dir, **kwargs)
-        self.engine_start_s = time.perf_counter() - start
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         if max_prompt_tokens is None:
             max_prompt_tokens = self.max_model_len - max_generated_tokens
@@ -303,22 +295,17 @@ class SyncLLMCollector:
         self.sequence_counter = 0
         self.group_counter = 0
         self.batch_counter = 0
-        # Cumulative counters, readable while a batch runs (e.g. by a test or `stats`).
-        self.totals: dict[str, float] = {
-            "generated_tokens": 0.0,
-            "groups_put": 0.0,
-            "queue_put_waits": 0.0,
-            "queue_put_wait_s": 0.0,
-            "skipped_long_prompts": 0.0,
-            "weight_updates": 0.0,
-        }
-        self._stop_event = threading.Event()
+        # Cumulative counters, readable while a batch runs.
+        self.totals: dict[str, float] = {"queue_put_waits": 0.0, "skipped_long_prompts": 0.0}
         # vLLM's engine is not thread-safe; a threaded actor serialises calls on it here.
         self._engine_lock = threading.RLock()
 
     @classmethod
     def as_remote(cls, **options: Any) -> Any:
-        """This class as a Ray actor class that can take `stop` and weights while it runs.
+        """This class as a threaded Ray actor class.
+
+        Threads let `receive_weights` and `evaluate` through while a generation batch waits on
+        a full rollout queue.
 
         Args:
             **options: ``ray.remote`` options (``num_cpus``, ``num_gpus``, ...);
@@ -394,7 +381,6 @@ class SyncLLMCollector:
                 return 0.0
             self._weights_error = None
             self.policy_version = applied.version
-            self.totals["weight_updates"] += 1
             return time.perf_counter() - start
 
     def _check_probe(self, probe: dict[str, Any], version: int) -> None:
@@ -535,7 +521,7 @@ class SyncLLMCollector:
         return GroupedUnscoredTrajectories.from_trajectories(trajectories)
 
     def _put(self, group: GroupedUnscoredTrajectories, batch: dict[str, float]) -> None:
-        """Blocking put, retried on timeout; waits are added to ``batch`` and ``totals``."""
+        """Blocking put, retried on timeout until it succeeds; waits are added to ``batch``."""
         if self.rollout_queue is None:
             raise RuntimeError(f"collector {self.worker_id} has no rollout_queue to put groups on")
         start = time.perf_counter()
@@ -547,18 +533,14 @@ class SyncLLMCollector:
                 except queue.Full:  # ray.util.queue.Full subclasses queue.Full
                     batch["waits"] += 1
                     self.totals["queue_put_waits"] += 1
-                    if self._stop_event.is_set():
-                        raise CollectorStopped(
-                            f"collector {self.worker_id} stopped while group {group.group_id} "
-                            "waited on a full rollout queue"
-                        ) from None
         finally:
-            waited = time.perf_counter() - start
-            batch["wait_s"] += waited
-            self.totals["queue_put_wait_s"] += waited
+            batch["wait_s"] += time.perf_counter() - start
 
     def generate_batch(self, num_prompts: int) -> dict[str, float]:
         """Apply pending weights, sample ``group_size`` responses for the next prompts, queue them.
+
+        A put that fails (e.g. the queue actor died) ends the batch with its error; the batch's
+        metrics, with the groups not queued in ``inference/groups_not_queued``, are logged first.
 
         Args:
             num_prompts (int): Prompts to take from the shard (one group each).
@@ -568,8 +550,7 @@ class SyncLLMCollector:
             ``inference/*`` and ``queues/rollout_queue_put_*``.
 
         Raises:
-            CollectorStopped: If `stop` was called while the queue stayed full; the groups
-                not yet queued are counted in ``inference/groups_not_queued`` and logged.
+            ValueError: If ``num_prompts`` is below 1.
             WeightSyncError: If pending weights fail verification.
         """
         if num_prompts < 1:
@@ -603,7 +584,6 @@ class SyncLLMCollector:
         response_lens = [t.response_len for g in groups for t in g.trajectories]
         truncated = sum(c.finish_reason == "length" for output in outputs for c in output.outputs)
         generated = sum(response_lens)
-        self.totals["generated_tokens"] += generated
         self.batch_counter += 1
 
         put = {"waits": 0.0, "wait_s": 0.0}
@@ -612,7 +592,6 @@ class SyncLLMCollector:
             for group in groups:
                 self._put(group, put)
                 queued += 1
-                self.totals["groups_put"] += 1
         finally:
             metrics = {
                 "inference/worker_id": float(self.worker_id),
@@ -633,7 +612,7 @@ class SyncLLMCollector:
             }
             if queued < len(groups):
                 log.warning(
-                    "collector %d: %d generated groups were not queued because it was stopped",
+                    "collector %d: %d generated groups were not queued because a put failed",
                     self.worker_id,
                     len(groups) - queued,
                 )
@@ -658,32 +637,6 @@ class SyncLLMCollector:
         metrics = self.generate_batch(num_prompts)
         return {"metrics": metrics, "state": self.state_dict()}
 
-    def run(self, num_prompts: int, num_batches: int | None = None) -> dict[str, float]:
-        """Generate batches until `stop` is called (or ``num_batches`` are done).
-
-        Pending weights are applied before every batch. On a Ray actor, create it with
-        ``max_concurrency >= 2`` (`as_remote`) so `stop` and `receive_weights` get through.
-
-        Args:
-            num_prompts (int): Prompts per batch.
-            num_batches (int | None): Stop after this many batches; None: until stopped.
-
-        Returns:
-            dict[str, float]: `stats` at the end.
-        """
-        done = 0
-        while not self._stop_event.is_set() and (num_batches is None or done < num_batches):
-            try:
-                self.generate_batch(num_prompts)
-            except CollectorStopped:
-                break
-            done += 1
-        return self.stats()
-
-    def stop(self) -> None:
-        """Ask `run` (and a put waiting on a full queue) to end after the current step."""
-        self._stop_event.set()
-
     def shutdown(self) -> None:
         """Shut the vLLM engine down now (idempotent).
 
@@ -696,21 +649,6 @@ class SyncLLMCollector:
             llm, self.llm = self.llm, None
             if llm is not None:
                 llm.llm_engine.engine_core.shutdown()
-
-    @property
-    def should_stop(self) -> bool:
-        """Whether `stop` was called."""
-        return self._stop_event.is_set()
-
-    def stats(self) -> dict[str, float]:
-        """Cumulative counters since start (tokens, groups, queue waits, weight updates)."""
-        return {
-            **self.totals,
-            "policy_version": float(self.policy_version),
-            "batches": float(self.batch_counter),
-            "engine_start_s": self.engine_start_s,
-            "weight_updates_superseded": float(self.weights.num_superseded),
-        }
 
     # ------------------------------------------------------------------ evaluation
 

@@ -29,12 +29,9 @@ from grpo.config.options import (
 )
 from grpo.loss import model_response_logprobs
 from grpo.models import build_model, load_tokenizer, torch_dtype
-from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
+from grpo.packing import FLEX_BUCKET, pack_sequences, plan_packs, unpack_response_logprobs
 from grpo.rewards import batched_rewards
 from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory
-
-# FlexAttention compiles once per pack length: pad flex packs up to a multiple of this.
-_FLEX_BUCKET = 128
 
 
 @dataclass(kw_only=True)
@@ -124,7 +121,7 @@ class RefActor:
                 self.device,
                 self.tokenizer.pad_id,
                 mask_kind=self.mask_kind,
-                pad_to_multiple_of=_FLEX_BUCKET if self.mask_kind == "flex" else None,
+                pad_to_multiple_of=FLEX_BUCKET if self.mask_kind == "flex" else None,
             )
             logprobs = model_response_logprobs(self.model, packed)
             for traj, lp in zip(members, unpack_response_logprobs(packed, logprobs)):

@@ -45,12 +45,9 @@ from grpo.models import (
     torch_dtype,
     tune_to_hf_state_dict,
 )
-from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
+from grpo.packing import FLEX_BUCKET, pack_sequences, plan_packs, unpack_response_logprobs
 from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
 from grpo.workers.weight_sync import state_dict_checksum
-
-# FlexAttention compiles once per pack length: pad flex packs up to a multiple of this.
-_FLEX_BUCKET = 128
 
 
 @dataclass(kw_only=True)
@@ -380,7 +377,7 @@ class PyTorchActorModel:
                 self.device,
                 self.pad_token_id,
                 mask_kind=self.mask_kind,
-                pad_to_multiple_of=_FLEX_BUCKET if self.mask_kind == "flex" else None,
+                pad_to_multiple_of=FLEX_BUCKET if self.mask_kind == "flex" else None,
             )
             for mb in micro_batches
         ]

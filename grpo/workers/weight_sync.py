@@ -7,11 +7,10 @@ Three pieces:
 * `WeightSyncWorkerExtension`: methods added to vLLM's worker (engine argument
   ``worker_extension_cls``) and called through ``LLM.collective_rpc``; they reload weights in
   place and report the checksum.
-* `WeightPublisher` (trainer side) and `WeightReceiver` (collector side): the transport. The
-  ``"object_store"`` transport puts the HF state dict into Ray's object store once and hands
-  the same reference to every collector; the collector keeps the newest update pending and
-  applies it between generation batches. An ``"nccl"`` transport (GPU broadcast) fits the same
-  interface and is described in `NCCL_TRANSPORT_PLAN`; it is not implemented.
+* `WeightReceiver` (collector side): the transport. The trainer puts the HF state dict into
+  Ray's object store once and the same reference reaches every collector (the
+  ``"object_store"`` transport); the collector keeps the newest update pending and applies it
+  between generation batches.
 
 Why the checksum is over the sent HF state dict and not over vLLM's parameters: vLLM fuses
 ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``, pads the vocabulary,
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,18 +35,7 @@ from typing import Any
 import torch
 
 WORKER_EXTENSION_CLS = "grpo.workers.weight_sync.WeightSyncWorkerExtension"
-TRANSPORTS = ("object_store", "nccl")
-
-NCCL_TRANSPORT_PLAN = (
-    "the 'nccl' weight transport is not implemented; use transport='object_store'. On GPUs it "
-    "would use vLLM's NCCL weight-transfer engine (engine arg weight_transfer_config="
-    "{'backend': 'nccl'}): once at start-up, trainer rank 0 and every collector's vLLM workers "
-    "join one NCCL group (LLM.collective_rpc('init_weight_transfer_engine', ...) on the "
-    "collectors, NCCLTrainerWeightTransferEngine.trainer_init on the trainer); at every sync "
-    "the trainer sends only names, dtypes and shapes through Ray, the collectors call "
-    "start_weight_update / update_weights / finish_weight_update while the trainer broadcasts "
-    "the tensors GPU to GPU, and the checksum is checked as for the object store."
-)
+TRANSPORTS = ("object_store",)
 
 
 class WeightSyncError(RuntimeError):
@@ -187,77 +174,6 @@ class WeightUpdate:
     probe: dict[str, Any] | None = None
 
 
-@dataclass
-class AppliedUpdate:
-    """What applying a `WeightUpdate` did: version, loaded checksum, seconds, probe to check."""
-
-    version: int
-    checksum: str | None
-    seconds: float
-    probe: dict[str, Any] | None = None
-
-
-def _check_transport(transport: str) -> None:
-    if transport not in TRANSPORTS:
-        raise ValueError(f"unknown weight transport {transport!r}; expected one of {TRANSPORTS}")
-    if transport == "nccl":
-        raise NotImplementedError(NCCL_TRANSPORT_PLAN)
-
-
-class WeightPublisher:
-    """Trainer side: send one version of the weights to every collector.
-
-    Args:
-        transport (str): ``"object_store"`` (Ray object store; CPU and GPU) or ``"nccl"``
-            (not implemented, see `NCCL_TRANSPORT_PLAN`).
-        compute_checksum (bool): Attach `state_dict_checksum` so collectors verify the load
-            (one SHA-256 pass over the weights on each side; switch off for very large models).
-
-    Raises:
-        ValueError: On an unknown transport.
-        NotImplementedError: For ``"nccl"``.
-
-    Example:
-        >>> publisher = WeightPublisher()
-        >>> ray.get(publisher.publish(hf_state_dict, version=3, collectors=collectors))
-    """
-
-    def __init__(self, transport: str = "object_store", compute_checksum: bool = True) -> None:
-        _check_transport(transport)
-        self.transport = transport
-        self.compute_checksum = compute_checksum
-
-    def publish(
-        self,
-        hf_state_dict: Mapping[str, torch.Tensor],
-        version: int,
-        collectors: Iterable[Any],
-        probe: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        """Put the weights into the object store once and offer them to every collector.
-
-        Args:
-            hf_state_dict (Mapping[str, torch.Tensor]): Full weights under HF names, on CPU.
-            version (int): The policy version they define.
-            collectors (Iterable[Any]): Ray actor handles with ``receive_weights``.
-            probe (dict | None): Optional functional check, see `WeightUpdate`.
-
-        Returns:
-            list[Any]: One ``ObjectRef`` per collector; each resolves once that collector has
-            queued the update (it is applied before its next generation batch).
-        """
-        import ray
-
-        checksum = state_dict_checksum(hf_state_dict) if self.compute_checksum else None
-        # One copy in the object store, shared by every collector; each collector's task
-        # argument is the reference, which Ray resolves on the collector's node.
-        weights_ref = ray.put(dict(hf_state_dict))
-        return [
-            collector.receive_weights.remote(weights_ref, version, checksum, probe)
-            for collector in collectors
-        ]
-
-
 class WeightReceiver:
     """Collector side: hold the newest pending update and apply it to a vLLM engine.
 
@@ -269,15 +185,17 @@ class WeightReceiver:
     complete, so nothing is lost).
 
     Args:
-        transport (str): Must match the publisher's.
+        transport (str): ``"object_store"``, the only one.
 
     Raises:
         ValueError: On an unknown transport.
-        NotImplementedError: For ``"nccl"``.
     """
 
     def __init__(self, transport: str = "object_store") -> None:
-        _check_transport(transport)
+        if transport not in TRANSPORTS:
+            raise ValueError(
+                f"unknown weight transport {transport!r}; expected one of {TRANSPORTS}"
+            )
         self.transport = transport
         self._lock = threading.Lock()
         self._pending: WeightUpdate | None = None
@@ -310,7 +228,7 @@ class WeightReceiver:
         with self._lock:
             return self._pending is not None
 
-    def apply_pending(self, llm: Any, verify: bool = True) -> AppliedUpdate | None:
+    def apply_pending(self, llm: Any, verify: bool = True) -> WeightUpdate | None:
         """Load the pending update, if any, into ``llm`` and check its checksum.
 
         Args:
@@ -318,7 +236,8 @@ class WeightReceiver:
             verify (bool): Compute the checksum on the worker and compare it with the sent one.
 
         Returns:
-            AppliedUpdate | None: None if nothing was pending.
+            WeightUpdate | None: The update now in the engine (its ``probe`` is the caller's to
+            check), or None if nothing was pending.
 
         Raises:
             WeightSyncError: If a worker's checksum differs from the sent one. The engine then
@@ -329,7 +248,6 @@ class WeightReceiver:
             update, self._pending = self._pending, None
         if update is None:
             return None
-        start = time.perf_counter()
         weights = update.weights
         if not isinstance(weights, Mapping):  # an ObjectRef that was not resolved on arrival
             import ray
@@ -347,9 +265,4 @@ class WeightReceiver:
                         f"weights of version {update.version}: vLLM worker {rank} loaded tensors "
                         f"with checksum {checksum}, the sender's checksum is {update.checksum}"
                     )
-        return AppliedUpdate(
-            version=update.version,
-            checksum=checksums[0] if compute else None,
-            seconds=time.perf_counter() - start,
-            probe=update.probe,
-        )
+        return update
