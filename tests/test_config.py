@@ -30,6 +30,7 @@ from grpo.config import (
     run_schema,
     validate_config,
 )
+from grpo.testing import make_fake_model_dir
 from grpo.workers.collector import InferenceConfig
 
 # Small stand-ins for the real components, so these tests import nothing heavy.
@@ -83,22 +84,6 @@ def fake_components(tmp_path_factory):
     sys.modules.pop(COMPONENTS, None)
 
 
-def make_model_dir(folder: Path, max_position_embeddings: int = 512) -> Path:
-    """A folder that passes the model-folder checks (the files are not real weights)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": "qwen2", "max_position_embeddings": max_position_embeddings}
-    (folder / "config.json").write_text(json.dumps(config))
-    (folder / "vocab.json").write_text("{}")
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    (folder / "model.safetensors").write_bytes(b"")
-    return folder
-
-
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    return make_model_dir(tmp_path / "model")
-
-
 def valid_config(model_dir: Path, output_dir: Path) -> dict:
     """A small config that passes validation, built from the stand-in components."""
     return {
@@ -146,8 +131,8 @@ def write_config(path: Path, config: dict) -> Path:
 
 
 @pytest.fixture
-def config_path(tmp_path, model_dir) -> Path:
-    return write_config(tmp_path / "run.yaml", valid_config(model_dir, tmp_path / "out"))
+def config_path(tmp_path, fake_model_dir) -> Path:
+    return write_config(tmp_path / "run.yaml", valid_config(fake_model_dir, tmp_path / "out"))
 
 
 def problems_of(cfg, **kwargs) -> list[str]:
@@ -170,9 +155,9 @@ def test_load_by_path_fills_schema_defaults(config_path):
     assert set(cfg.training.loss) == {"_component_", "kl_estimator"}
 
 
-def test_load_by_name_from_configs_dir(tmp_path, model_dir, monkeypatch):
+def test_load_by_name_from_configs_dir(tmp_path, fake_model_dir, monkeypatch):
     monkeypatch.setenv("GRPO_CONFIGS_DIR", str(tmp_path))
-    write_config(tmp_path / "my_run.yaml", valid_config(model_dir, tmp_path / "out"))
+    write_config(tmp_path / "my_run.yaml", valid_config(fake_model_dir, tmp_path / "out"))
     assert list_configs() == ["my_run"]
     assert load_config("my_run").orchestration.num_steps == 3
 
@@ -257,8 +242,8 @@ def test_component_shorthand_replaces_the_component(config_path):
     assert cfg.dataset.seed == cfg.seed  # the other keys stay
 
 
-def test_new_component_node_from_overrides(tmp_path, model_dir):
-    config = valid_config(model_dir, tmp_path / "out")
+def test_new_component_node_from_overrides(tmp_path, fake_model_dir):
+    config = valid_config(fake_model_dir, tmp_path / "out")
     config["eval_dataset"] = None
     cfg = load_config(
         write_config(tmp_path / "c.yaml", config),
@@ -304,7 +289,7 @@ def test_tilde_on_a_missing_key_is_an_error(config_path):
 
 
 def test_interpolation_follows_overrides(config_path, tmp_path):
-    other = make_model_dir(tmp_path / "other_model")
+    other = make_fake_model_dir(tmp_path / "other_model")
     cfg = load_config(config_path, [f"base_model_path={other}"])
     assert cfg.tokenizer.model_dir == str(other)
     assert cfg.model.model_dir == str(other)
@@ -313,7 +298,7 @@ def test_interpolation_follows_overrides(config_path, tmp_path):
 
 def test_relative_model_path_resolves_against_cwd_then_repo(tmp_path, config_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    make_model_dir(tmp_path / "local_model")
+    make_fake_model_dir(tmp_path / "local_model")
     cfg = load_config(config_path, ["base_model_path=local_model", "output_dir=runs/a"])
     assert cfg.base_model_path == str(tmp_path / "local_model")
     assert cfg.output_dir == str(tmp_path / "runs/a")
@@ -417,7 +402,7 @@ def test_model_folder_files_and_positions(tmp_path, config_path):
     for name in ("vocab.json", "merges.txt", "*.safetensors"):
         assert name in problems[0]
 
-    short = make_model_dir(tmp_path / "short", max_position_embeddings=40)
+    short = make_fake_model_dir(tmp_path / "short", max_position_embeddings=40)
     problems = problems_of(load_config(config_path, [f"base_model_path={short}"]))
     assert len(problems) == 1 and "max_position_embeddings (40)" in problems[0]
 
@@ -497,8 +482,8 @@ def test_ray_address_and_reward_weights(config_path):
         validate_config(load_config(config_path, [f"ray.address={address}"]))
 
 
-def test_validate_accepts_a_plain_dict(tmp_path, model_dir):
-    validate_config(valid_config(model_dir, tmp_path / "out"))
+def test_validate_accepts_a_plain_dict(tmp_path, fake_model_dir):
+    validate_config(valid_config(fake_model_dir, tmp_path / "out"))
 
 
 def test_resume_path_must_exist(config_path, tmp_path):
@@ -516,7 +501,7 @@ def test_shipped_configs_validate_against_the_real_components(name, tmp_path):
     # The real components (grpo.loss, grpo.models, ...) are imported: this catches a config
     # keyword the code does not take. The model folder and cluster size stand in for the real
     # ones, which this machine does not have.
-    model_dir = make_model_dir(tmp_path / "model", max_position_embeddings=32768)
+    model_dir = make_fake_model_dir(tmp_path / "model", max_position_embeddings=32768)
     cfg = load_config(name, [f"base_model_path={model_dir}", "ray.num_cpus=64", "ray.num_gpus=8"])
     validate_config(cfg)
 
