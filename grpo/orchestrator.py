@@ -251,7 +251,7 @@ class Orchestrator:
         return self.replay_buffer
 
     def start_trainers(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> list[Any]:
-        from grpo.workers.trainer import PyTorchActorModel
+        from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
 
         cfg, training = self.cfg, self.cfg.training
         world_size = cfg.orchestration.num_training_workers
@@ -261,17 +261,11 @@ class Orchestrator:
                 rank=rank,
                 world_size=world_size,
                 model_dir=cfg.base_model_path,
-                optimizer=to_container(training.optimizer),
-                lr_scheduler=to_container(training.get("lr_scheduler")),
-                loss=to_container(training.loss),
                 num_steps=cfg.orchestration.num_steps,
                 target_tokens_per_batch=cfg.target_tokens_per_batch,
                 pad_token_id=pad_token_id,
-                ppo_epochs=training.ppo_epochs,
-                clip_grad_norm=training.get("clip_grad_norm"),
-                dtype=training.get("dtype", "float32"),
+                config=TrainingConfig.from_mapping(to_container(training)),
                 seed=cfg.seed,
-                mask_kind=training.get("mask_kind", "dense"),
             )
             for rank in range(world_size)
         ]
@@ -285,7 +279,7 @@ class Orchestrator:
         return self.trainers
 
     def _new_ref_actor(self) -> Any:
-        from grpo.workers.ref import RefActor
+        from grpo.workers.ref import RefActor, RefConfig
 
         cfg = self.cfg
         ref_cfg = cfg.get("ref") or {}
@@ -293,10 +287,7 @@ class Orchestrator:
             model_dir=cfg.base_model_path,
             reward_functions=to_container(cfg.reward_functions),
             target_tokens_per_batch=cfg.target_tokens_per_batch,
-            reward_timeout_s=ref_cfg.get("reward_timeout_s", 10.0),
-            reward_weights=to_container(ref_cfg.get("reward_weights")),
-            dtype=ref_cfg.get("dtype", "float32"),
-            mask_kind=ref_cfg.get("mask_kind", "dense"),
+            config=RefConfig.from_mapping(to_container(ref_cfg)),
         )
 
     def start_ref_actors(self) -> list[Any]:
@@ -306,7 +297,7 @@ class Orchestrator:
         return self.ref_actors
 
     def _new_collector(self, worker_id: int) -> Any:
-        from grpo.workers.collector import SyncLLMCollector
+        from grpo.workers.collector import InferenceConfig, SyncLLMCollector
 
         cfg, inference = self.cfg, self.cfg.inference
         # Threaded actor (max_concurrency 4): evaluate and receive_weights must get through
@@ -316,17 +307,10 @@ class Orchestrator:
             worker_id=worker_id,
             num_workers=cfg.orchestration.num_inference_workers,
             model_dir=str(self._collector_model_dir),
-            engine_args=to_container(inference.get("engine_args")) or {},
             dataset=to_container(cfg.dataset),
-            group_size=inference.group_size,
-            max_generated_tokens=inference.max_generated_tokens,
-            temperature=inference.temperature,
-            top_p=inference.top_p,
             rollout_queue=self.rollout_queue,
+            config=InferenceConfig.from_mapping(to_container(inference)),
             seed=cfg.seed,
-            queue_put_timeout_s=inference.get("queue_put_timeout_s", 1.0),
-            max_prompt_tokens=inference.get("max_prompt_tokens"),
-            steps_before_weight_sync=inference.get("steps_before_weight_sync", 1),
         )
 
     def start_collectors(self, weights_dir: Path | None = None) -> list[Any]:

@@ -53,6 +53,7 @@ from torchtune.models.qwen2 import qwen2
 
 from grpo.attention import packed_attention, use_packed_attention
 from grpo.packing import (
+    FLEX_BUCKET,
     logprobs_from_logits,
     pack_by_budget,
     packed_forward_inputs,
@@ -65,7 +66,6 @@ EMBED_DIM = 256
 NUM_HEADS = 4
 HEAD_DIM = EMBED_DIM // NUM_HEADS
 PAD_ID = 0
-BUCKET = 128
 # padded-batch: the whole batch padded to its longest sequence, then split into micro-batches
 # (as trainers that collate a generation batch once do); padded-micro: each micro-batch padded
 # to its own longest (the stronger baseline, and the one speedups are quoted against).
@@ -208,7 +208,7 @@ def build_variant(name: str, batch: list[ScoredTrajectory], budget: int) -> list
         return padded_micro_batches(batch, budget, per_micro_batch=name == "padded-micro")
     mask_kind = name.removeprefix("packed-")
     return pack_by_budget(
-        batch, "cpu", PAD_ID, budget, mask_kind=mask_kind, pad_to_multiple_of=BUCKET
+        batch, "cpu", PAD_ID, budget, mask_kind=mask_kind, pad_to_multiple_of=FLEX_BUCKET
     )
 
 
@@ -354,7 +354,7 @@ def main() -> None:
     padded_tokens = sum(mb.tokens.numel() for mb in padded)
     static = pack_by_budget(batch, "cpu", PAD_ID, config.budget, pad_to_budget=True)
     start = time.perf_counter()
-    bucketed = pack_by_budget(batch, "cpu", PAD_ID, config.budget, pad_to_multiple_of=BUCKET)
+    bucketed = pack_by_budget(batch, "cpu", PAD_ID, config.budget, pad_to_multiple_of=FLEX_BUCKET)
     pack_ms = (time.perf_counter() - start) * 1e3
     unpadded = pack_by_budget(batch, "cpu", PAD_ID, config.budget)
     lower_bound = math.ceil(real_tokens / config.budget)
@@ -367,7 +367,7 @@ def main() -> None:
             None,
         ),
         (f"packed, each pack padded to {config.budget}", None, static),
-        (f"packed-*: padded to a multiple of {BUCKET} (timed below)", None, bucketed),
+        (f"packed-*: padded to a multiple of {FLEX_BUCKET} (timed below)", None, bucketed),
         ("packed, no padding", None, unpadded),
     ]
     print(f"\nPadding (packs: {len(bucketed)}, lower bound ceil(tokens/budget) = {lower_bound})")

@@ -35,27 +35,28 @@ def dataset():
     return arithmetic_dataset(num_examples=NUM_EXAMPLES, seed=0, unique=True)
 
 
-def make_collector(model_dir, dataset, worker_id, num_workers, **overrides):
-    from grpo.workers.collector import SyncLLMCollector
+def make_collector(model_dir, dataset, worker_id, num_workers):
+    from grpo.workers.collector import InferenceConfig, SyncLLMCollector
 
-    kwargs = dict(
-        worker_id=worker_id,
-        num_workers=num_workers,
-        model_dir=model_dir,
+    config = InferenceConfig(
         engine_args=ENGINE_ARGS,
-        dataset=dataset,
         group_size=GROUP_SIZE,
         max_generated_tokens=MAX_GENERATED_TOKENS,
         temperature=1.0,
         top_p=1.0,
-        rollout_queue=queue.Queue(),
-        seed=0,
         queue_put_timeout_s=0.2,
         max_prompt_tokens=64,
+    )
+    return SyncLLMCollector(
+        worker_id,
+        num_workers,
+        model_dir,
+        dataset,
+        queue.Queue(),
+        config,
+        seed=0,
         metric_logger=RecordingLogger(),
     )
-    kwargs.update(overrides)
-    return SyncLLMCollector(**kwargs)
 
 
 @pytest.fixture(scope="module")

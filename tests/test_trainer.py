@@ -5,7 +5,7 @@ import torch
 
 from grpo.loss import GRPOWithChunkedOutputLoss
 from grpo.types import ScoredTrajectory
-from grpo.workers.trainer import PyTorchActorModel
+from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
 
 LOSS = {
     "_component_": "grpo.loss.GRPOWithChunkedOutputLoss",
@@ -58,18 +58,17 @@ def assert_same_update(before, after_expected, after_actual):
     assert changed > len(before) // 2, "the step changed almost no weights"
 
 
-def trainer_kwargs(model_dir, rank, world_size, budget):
+def trainer_kwargs(model_dir, rank, world_size, budget, loss=LOSS):
     return dict(
         rank=rank,
         world_size=world_size,
         model_dir=str(model_dir),
-        optimizer=OPTIMIZER,
-        lr_scheduler=None,
-        loss=LOSS,
         num_steps=1,
         target_tokens_per_batch=budget,
         pad_token_id=0,
-        clip_grad_norm=None,
+        config=TrainingConfig(
+            optimizer=OPTIMIZER, lr_scheduler=None, loss=loss, clip_grad_norm=None
+        ),
     )
 
 
@@ -94,10 +93,9 @@ def test_micro_batch_split_does_not_change_the_update(tiny_model_dir):
 def test_non_finite_steps_are_skipped_counted_and_leave_the_weights(tiny_model_dir):
     batch = make_batch(6, vocab_size=300)
     trainer = PyTorchActorModel(
-        **{
-            **trainer_kwargs(tiny_model_dir, 0, 1, 1024),
-            "loss": {**LOSS, "_component_": "grpo.testing.NonFiniteLoss"},
-        }
+        **trainer_kwargs(
+            tiny_model_dir, 0, 1, 1024, loss={**LOSS, "_component_": "grpo.testing.NonFiniteLoss"}
+        )
     )
     trainer.setup()
     before = trainer.full_state_dict()

@@ -113,20 +113,15 @@ def long_prompt_dataset():
 
 
 def make_collector(model_dir):
-    from grpo.workers.collector import SyncLLMCollector
+    from grpo.workers.collector import InferenceConfig, SyncLLMCollector
 
-    return SyncLLMCollector(
-        worker_id=0,
-        num_workers=1,
-        model_dir=model_dir,
+    config = InferenceConfig(
         engine_args=ENGINE_ARGS,
-        dataset=long_prompt_dataset(),
         group_size=GROUP_SIZE,
         max_generated_tokens=MAX_GENERATED_TOKENS,
-        rollout_queue=queue.Queue(),
-        seed=0,
         max_prompt_tokens=512,
     )
+    return SyncLLMCollector(0, 1, model_dir, long_prompt_dataset(), queue.Queue(), config, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +286,7 @@ def test_weights_reach_a_collector_actor_between_batches(engines, ray_cluster):
     """The production path: a collector Ray actor, weights put once, applied between batches."""
     from ray.util.queue import Queue
 
-    from grpo.workers.collector import SyncLLMCollector
+    from grpo.workers.collector import InferenceConfig, SyncLLMCollector
 
     model_dir, _ = engines["tied"]
     model, hf_config = trainer_side(model_dir)
@@ -300,13 +295,15 @@ def test_weights_reach_a_collector_actor_between_batches(engines, ray_cluster):
         worker_id=0,
         num_workers=1,
         model_dir=str(model_dir),
-        engine_args=ENGINE_ARGS,
         dataset={"_component_": "grpo.data.arithmetic_dataset", "num_examples": 8},
-        group_size=GROUP_SIZE,
-        max_generated_tokens=MAX_GENERATED_TOKENS,
         rollout_queue=rollout_queue,
-        queue_put_timeout_s=0.5,
-        max_prompt_tokens=64,
+        config=InferenceConfig(
+            engine_args=ENGINE_ARGS,
+            group_size=GROUP_SIZE,
+            max_generated_tokens=MAX_GENERATED_TOKENS,
+            queue_put_timeout_s=0.5,
+            max_prompt_tokens=64,
+        ),
     )
     try:
         ray = ray_cluster

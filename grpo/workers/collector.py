@@ -170,43 +170,37 @@ class SyncLLMCollector:
         worker_id (int): Index of this collector, in ``[0, num_workers)``.
         num_workers (int): Number of collectors sharing the dataset.
         model_dir (str): Hugging Face model folder (weights, config, tokenizer files).
-        engine_args (Mapping[str, Any] | None): Passed to ``vllm.LLM``; merged over
-            `CPU_ENGINE_DEFAULTS` (on CPU) and `ENGINE_DEFAULTS`. Without ``max_model_len``
-            it is ``max_prompt_tokens + max_generated_tokens`` when ``max_prompt_tokens`` is
-            given.
         dataset: A sequence of examples (``PromptDataset``) or a ``_component_`` config node.
+        rollout_queue: Where groups go: anything with ``put(item, block=True, timeout=...)``
+            raising ``queue.Full`` on timeout (``ray.util.queue.Queue``, ``queue.Queue``).
+        config (InferenceConfig | None): The ``inference:`` options this actor uses
+            (``group_size``, ``max_generated_tokens``, ``temperature``, ``top_p``,
+            ``max_prompt_tokens``, ``queue_put_timeout_s``, ``steps_before_weight_sync``,
+            ``engine_args``); None: their defaults. ``engine_args`` are merged over
+            `CPU_ENGINE_DEFAULTS` (on CPU) and `ENGINE_DEFAULTS`; without ``max_model_len``
+            it is ``max_prompt_tokens + max_generated_tokens`` when ``max_prompt_tokens`` is
+            set, and a null ``max_prompt_tokens`` becomes ``max_model_len -
+            max_generated_tokens``. A put that times out is counted as a wait and tried again:
+            groups are never dropped. Prompts longer than ``max_prompt_tokens`` are skipped
+            (counted in ``inference/skipped_long_prompts``).
+        seed (int): Seeds the prompt order and every request's sampler.
         template: Optional template (a name, ``_component_`` node or ``question -> prompt``
             callable, see `grpo.data.resolve_template`); by default each example's
             ``"prompt"`` (rendered by the dataset's template) is used.
-        group_size (int): Responses sampled per prompt.
-        max_generated_tokens (int): Most tokens per response.
-        temperature (float): Sampling temperature.
-        top_p (float): Nucleus sampling mass.
-        rollout_queue: Where groups go: anything with ``put(item, block=True, timeout=...)``
-            raising ``queue.Full`` on timeout (``ray.util.queue.Queue``, ``queue.Queue``).
-        seed (int): Seeds the prompt order and every request's sampler.
-        queue_put_timeout_s (float): Seconds of one blocking put; on timeout the collector
-            counts a wait and tries again. Groups are never dropped.
-        max_prompt_tokens (int | None): Longer prompts are skipped (counted in
-            ``inference/skipped_long_prompts``); default ``max_model_len -
-            max_generated_tokens``.
         metric_logger: Optional `MetricLogger` actor handle (or local instance).
         stop (Sequence[str] | None): Stop strings; default the template's ``stop`` attribute
             (``("</answer>",)`` for the shipped templates). The tokens that complete one are
             kept in the response.
         weight_transport (str): ``"object_store"`` (see `grpo.workers.weight_sync`).
         verify_weights (bool): Check the checksum of every received update.
-        steps_before_weight_sync (int): Generation batches between applying received
-            weights (1: before every batch). Larger values trade policy lag for fewer engine
-            reloads.
 
     Raises:
         ValueError: On inconsistent sizes (worker id out of range, a shard that is empty, no
             room for a prompt in ``max_model_len``).
 
     Example:
-        >>> collector = SyncLLMCollector(0, 1, "tiny", engine_args={}, dataset=dataset,
-        ...                              group_size=4, max_generated_tokens=16, rollout_queue=q)
+        >>> config = InferenceConfig(group_size=4, max_generated_tokens=16)
+        >>> collector = SyncLLMCollector(0, 1, "tiny", dataset, q, config)
         >>> collector.generate_batch(8)["inference/num_groups"]
         8.0
     """
@@ -216,29 +210,19 @@ class SyncLLMCollector:
         worker_id: int,
         num_workers: int,
         model_dir: str | os.PathLike,
-        engine_args: Mapping[str, Any] | None = None,
-        dataset: Any = None,
-        template: Any = None,
-        group_size: int = 8,
-        max_generated_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        rollout_queue: Any = None,
+        dataset: Any,
+        rollout_queue: Any,
+        config: InferenceConfig | None = None,
+        *,
         seed: int = 0,
-        queue_put_timeout_s: float = 30.0,
-        max_prompt_tokens: int | None = None,
+        template: Any = None,
         metric_logger: Any = None,
         stop: Sequence[str] | None = None,
         weight_transport: str = "object_store",
         verify_weights: bool = True,
-        steps_before_weight_sync: int = 1,
     ) -> None:
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        if max_generated_tokens < 1:
-            raise ValueError(f"max_generated_tokens must be >= 1, got {max_generated_tokens}")
-        if queue_put_timeout_s <= 0:
-            raise ValueError(f"queue_put_timeout_s must be > 0, got {queue_put_timeout_s}")
+        config = config or InferenceConfig()
+        max_generated_tokens = config.max_generated_tokens
         # The engine runs inside this process: start-up in seconds instead of a separate
         # engine-core process (~25 s on CPU), and weight updates pass tensors by reference.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -251,20 +235,16 @@ class SyncLLMCollector:
         self.worker_id = worker_id
         self.num_workers = num_workers
         self.model_dir = str(model_dir)
-        self.group_size = group_size
+        self.group_size = config.group_size
         self.max_generated_tokens = max_generated_tokens
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
+        self.temperature = float(config.temperature)
+        self.top_p = float(config.top_p)
         self.rollout_queue = rollout_queue
         self.seed = seed
-        self.queue_put_timeout_s = float(queue_put_timeout_s)
+        self.queue_put_timeout_s = float(config.queue_put_timeout_s)
         self.metric_logger = metric_logger
         self.verify_weights = verify_weights
-        if steps_before_weight_sync < 1:
-            raise ValueError(
-                f"steps_before_weight_sync must be >= 1, got {steps_before_weight_sync}"
-            )
-        self.steps_before_weight_sync = steps_before_weight_sync
+        self.steps_before_weight_sync = config.steps_before_weight_sync
 
         self.dataset = _resolve_dataset(dataset)
         self.template = None if template is None else resolve_template(template, "answer_only")
@@ -275,7 +255,8 @@ class SyncLLMCollector:
             stop = getattr(dataset_template, "stop", ())
         self.stop_strings = list(stop)
 
-        kwargs = engine_kwargs(engine_args, seed)
+        kwargs = engine_kwargs(config.engine_args, seed)
+        max_prompt_tokens = config.max_prompt_tokens
         if "max_model_len" not in kwargs and max_prompt_tokens is not None:
             kwargs["max_model_len"] = max_prompt_tokens + max_generated_tokens
         self.llm = LLM(model=self.model_dir, **kwargs)

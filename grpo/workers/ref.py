@@ -70,10 +70,8 @@ class RefActor:
         model_dir (str): HF-format folder of the frozen reference model.
         reward_functions (list): Reward functions, or ``_component_`` nodes of them.
         target_tokens_per_batch (int): Token budget of one reference forward.
-        reward_timeout_s (float | None): Per-sample timeout of each reward function.
-        reward_weights (list[float] | None): Weights of the functions in the total reward.
-        dtype (str): ``"float32"`` or ``"bfloat16"``.
-        mask_kind (str): ``"dense"``, ``"varlen"`` or ``"flex"`` (see `grpo.attention`).
+        config (RefConfig | None): The ``ref:`` options (reward timeout and weights, dtype,
+            attention kind); None: their defaults.
     """
 
     def __init__(
@@ -82,14 +80,14 @@ class RefActor:
         model_dir: str,
         reward_functions: list[Any],
         target_tokens_per_batch: int,
-        reward_timeout_s: float | None = 10.0,
-        reward_weights: list[float] | None = None,
-        dtype: str = "float32",
-        mask_kind: str = "dense",
+        config: RefConfig | None = None,
     ) -> None:
+        config = config or RefConfig()
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self.model = build_model(model_dir, dtype=torch_dtype(dtype), device=self.device).eval()
-        if mask_kind != "dense":
+        self.model = build_model(
+            model_dir, dtype=torch_dtype(config.dtype), device=self.device
+        ).eval()
+        if config.mask_kind != "dense":
             use_packed_attention(self.model)
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
@@ -98,10 +96,10 @@ class RefActor:
             instantiate(fn) if isinstance(fn, dict) or hasattr(fn, "keys") else fn
             for fn in reward_functions
         ]
-        self.reward_weights = reward_weights
-        self.reward_timeout_s = reward_timeout_s
+        self.reward_weights = config.reward_weights
+        self.reward_timeout_s = config.reward_timeout_s
         self.target_tokens_per_batch = target_tokens_per_batch
-        self.mask_kind = mask_kind
+        self.mask_kind = config.mask_kind
         self.steps_run = 0
         self.reward_failures: dict[str, int] = {}
 

@@ -170,19 +170,15 @@ class PyTorchActorModel:
         rank (int): This worker's rank.
         world_size (int): Number of training workers.
         model_dir (str): HF-format checkpoint folder of the starting policy.
-        optimizer (dict): ``_component_`` node of the optimizer (params are passed in).
-        lr_scheduler (dict | None): ``_component_`` node of the LR schedule; it receives
-            ``optimizer`` and ``num_training_steps``.
-        loss (dict): ``_component_`` node of the loss (`GRPOWithChunkedOutputLoss`).
         num_steps (int): Training steps of the run (sizes the LR schedule).
         target_tokens_per_batch (int): Token budget of one packed micro-batch.
         pad_token_id (int): Padding token id.
-        ppo_epochs (int): Optimizer steps per batch.
-        clip_grad_norm (float | None): Max gradient norm; None disables clipping.
-        dtype (str): ``"float32"`` or ``"bfloat16"``.
+        config (TrainingConfig | None): The ``training:`` options this actor uses: the
+            ``optimizer`` node (the parameters are passed in), the ``lr_scheduler`` node (it
+            receives ``optimizer`` and ``num_training_steps``), the ``loss`` node,
+            ``ppo_epochs``, ``clip_grad_norm`` (null: no clipping), ``dtype`` and ``mask_kind``
+            (see `grpo.attention`; flex has no backward on CPU). None: their defaults.
         seed (int): Seed of model-independent randomness.
-        mask_kind (str): ``"dense"``, ``"varlen"`` or ``"flex"`` attention for packs (see
-            `grpo.attention`; flex has no backward on CPU).
     """
 
     def __init__(
@@ -191,30 +187,29 @@ class PyTorchActorModel:
         rank: int,
         world_size: int,
         model_dir: str,
-        optimizer: dict[str, Any],
-        lr_scheduler: dict[str, Any] | None,
-        loss: dict[str, Any],
         num_steps: int,
         target_tokens_per_batch: int,
         pad_token_id: int,
-        ppo_epochs: int = 1,
-        clip_grad_norm: float | None = 1.0,
-        dtype: str = "float32",
+        config: TrainingConfig | None = None,
         seed: int = 0,
-        mask_kind: str = "dense",
     ) -> None:
+        config = config or TrainingConfig()
         self.rank = rank
         self.world_size = world_size
         self.model_dir = str(model_dir)
         self.hf_config = load_hf_config(self.model_dir)
         self.target_tokens_per_batch = target_tokens_per_batch
         self.pad_token_id = pad_token_id
-        self.ppo_epochs = ppo_epochs
-        self.clip_grad_norm = clip_grad_norm
-        self.mask_kind = mask_kind
+        self.ppo_epochs = config.ppo_epochs
+        self.clip_grad_norm = config.clip_grad_norm
+        self.mask_kind = config.mask_kind
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self.dtype = torch_dtype(dtype)
-        self._component_nodes = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "loss": loss}
+        self.dtype = torch_dtype(config.dtype)
+        self._component_nodes = {
+            "optimizer": config.optimizer,
+            "lr_scheduler": config.lr_scheduler,
+            "loss": config.loss,
+        }
         self.num_steps = num_steps
         self.seed = seed
         self.steps_run = 0
