@@ -4,17 +4,22 @@
     grpo run async_grpo --config qwen2_5_1_5b_gsm8k training.optimizer.lr=5e-7
     python recipes/async_grpo.py --config tiny_arithmetic_cpu orchestration.num_steps=10
 
-The whole run, in order:
+The whole run, in order (each stage is a paragraph of `recipe_main`):
 
-1. Validate the config (before anything expensive), make the run folder, start Ray.
+1. Config and data: the config arrives validated (``grpo run`` and ``python recipes/...``
+   validate it before calling `recipe_main`); the datasets are built once, here, and the
+   training set is shared by every collector.
 2. Start the actors: metric logger, rollout queue, replay buffer, trainers (FSDP2 when there
-   are several), reference actors, and vLLM collectors.
-3. Drive them: collectors generate groups onto the queue; reference actors score them into
-   the buffer; trainers sample batches, pack and step; every `steps_before_weight_sync` steps
+   are several), reference actors, and vLLM collectors; from a checkpoint's weights if one
+   is resumed.
+3. Restore the rest of the checkpoint: step, policy version, held and buffered groups.
+4. The loop: collectors generate groups onto the queue; reference actors score them into the
+   buffer; trainers sample batches, pack and step; every `steps_before_weight_sync` steps
    the new weights go to every collector. Held-out accuracy is measured before the first
    step, every `eval_every_n_steps`, and at the end.
-4. Save the final policy as an HF-format folder (loads in vLLM and torchtune), write plots,
-   and shut every actor down.
+5. Checkpoint: every `save_every_n_steps` inside the loop, and here when a signal stopped it.
+6. Verify that the collectors hold the trainer's weights, save the final policy as an
+   HF-format folder (loads in vLLM and torchtune), shut every actor down, write plots.
 """
 
 from __future__ import annotations
@@ -22,17 +27,20 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from grpo.config import instantiate, run_recipe_cli, validate_config
+from grpo.config import instantiate, run_recipe_cli
 from grpo.evaluation import HeldOutEvaluator
 from grpo.models import load_tokenizer
 from grpo.orchestrator import (
     ActorFailedError,
     Orchestrator,
+    RunState,
     TrainingDivergedError,
     find_checkpoint,
     init_ray,
@@ -47,104 +55,152 @@ def prepare_run_dir(cfg: DictConfig) -> Path:
     return run_dir
 
 
-def check_data(cfg: DictConfig) -> None:
-    """Load the datasets once up front: report skipped rows, fail on an empty set."""
+def build_datasets(cfg: DictConfig) -> dict[str, Any]:
+    """Build ``dataset`` and ``eval_dataset`` once: report skipped rows, fail on an empty set.
+
+    Returns:
+        dict[str, Any]: The built datasets by config key (absent keys left out).
+
+    Raises:
+        ValueError: If a dataset has no usable example.
+    """
+    datasets = {}
     for key in ("dataset", "eval_dataset"):
         if cfg.get(key) is None:
             continue
-        dataset = instantiate(cfg[key])
+        dataset = datasets[key] = instantiate(cfg[key])
         if len(dataset) == 0:
             raise ValueError(f"{key}: no usable examples")
         skipped = getattr(dataset, "skipped", None)
         if skipped is not None and skipped.count:
             print(f"{key}: {skipped.summary()}", file=sys.stderr)
+    return datasets
+
+
+def build_evaluator(cfg: DictConfig, eval_dataset: Any, run: Orchestrator) -> Any:
+    """Held-out evaluation on the first ``eval_num_examples`` examples, or None if off.
+
+    Returns:
+        Callable | None: ``evaluate(step) -> metrics``, generating with the current first
+        collector (a dead one is replaced).
+    """
+    if eval_dataset is None or not cfg.get("eval_every_n_steps"):
+        return None
+    limit = min(cfg.get("eval_num_examples") or len(eval_dataset), len(eval_dataset))
+    evaluator = HeldOutEvaluator(
+        [eval_dataset[i] for i in range(limit)],
+        run.collectors[0],
+        run.metric_logger,
+        max_generated_tokens=cfg.inference.max_generated_tokens,
+        reward_timeout_s=cfg.ref.reward_timeout_s,
+    )
+    return lambda step: evaluator(step, run.collectors[0])
+
+
+@contextmanager
+def stop_on_signals(run: Orchestrator):
+    """Ctrl-C / SIGTERM: finish the current step, save a checkpoint, end every actor."""
+    previous = {
+        sig: signal.signal(sig, lambda *_: run.request_stop())
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def progress_bar(num_steps: int, state: RunState):
+    """A tqdm bar over training steps; yields ``on_step(state)`` that advances it."""
+    with tqdm(
+        total=num_steps, initial=state.step, desc="GRPO", unit="step", file=sys.stdout
+    ) as bar:
+
+        def on_step(state: RunState) -> None:
+            metrics = state.last_metrics
+            postfix = {"v": state.policy_version}
+            if "ref_actor_rewards/rewards_mean" in metrics:
+                postfix["reward"] = f"{metrics['ref_actor_rewards/rewards_mean']:.3f}"
+            if "train_actor_training/loss" in metrics:
+                postfix["loss"] = f"{metrics['train_actor_training/loss']:.4f}"
+            if state.eval_history:
+                postfix["eval_acc"] = f"{state.eval_history[-1][1]['eval/accuracy']:.3f}"
+            bar.set_postfix(postfix)
+            bar.update(1)
+
+        yield on_step
+
+
+def write_plots(run_dir: Path) -> list[str]:
+    """Plots of the run's metrics; a failure is reported, never fatal to a finished run."""
+    try:
+        from grpo.plotting import plot_run
+
+        return [str(p) for p in plot_run(run_dir)]
+    except Exception as error:  # plots are a convenience; never fail a finished run on them
+        print(f"could not write plots: {error}", file=sys.stderr)
+        return []
 
 
 def recipe_main(cfg: DictConfig) -> dict:
     """Run asynchronous GRPO as the config says.
 
     Args:
-        cfg (DictConfig): A run config (see ``configs/``).
+        cfg (DictConfig): A validated run config (see ``configs/``).
 
     Returns:
         dict: Final step, policy version, held-out accuracy history and output paths.
     """
-    validate_config(cfg)
-    check_data(cfg)
+    # 1. Config and data (the config was validated by the caller).
+    datasets = build_datasets(cfg)
     run_dir = prepare_run_dir(cfg)
     init_ray(cfg)
     tokenizer = load_tokenizer(cfg.base_model_path)
-
     checkpoint = find_checkpoint(run_dir, cfg.resume_from_checkpoint)
+    run = Orchestrator(cfg, run_dir, tokenizer, dataset=datasets["dataset"])
+    with stop_on_signals(run):
+        try:
+            # 2. Start the actors (trainers and collectors from the checkpoint's weights).
+            run.start_actors(pad_token_id=tokenizer.pad_id, checkpoint_dir=checkpoint)
+            # 3. Restore the rest of the checkpoint.
+            if checkpoint:
+                run.restore(checkpoint)
+                print(f"Resumed from {checkpoint} at step {run.state.step}")
+            evaluate = build_evaluator(cfg, datasets.get("eval_dataset"), run)
 
-    run = Orchestrator(cfg, run_dir, tokenizer)
-    # Ctrl-C / SIGTERM: finish the current step, save a checkpoint, end every actor.
-    previous_handlers = {
-        sig: signal.signal(sig, lambda *_: run.request_stop())
-        for sig in (signal.SIGINT, signal.SIGTERM)
-    }
-    try:
-        run.start_actors(pad_token_id=tokenizer.pad_id, checkpoint_dir=checkpoint)
-        if checkpoint:
-            print(f"Resumed from {checkpoint} at step {run.state.step}")
-        evaluator = HeldOutEvaluator.from_config(cfg, run.collectors[0], run.metric_logger)
-
-        num_steps = cfg.orchestration.num_steps
-        started = time.monotonic()
-        with tqdm(
-            total=num_steps, initial=run.state.step, desc="GRPO", unit="step", file=sys.stdout
-        ) as bar:
-
-            def show_progress(state) -> None:
-                metrics = state.last_metrics
-                postfix = {"v": state.policy_version}
-                if "ref_actor_rewards/rewards_mean" in metrics:
-                    postfix["reward"] = f"{metrics['ref_actor_rewards/rewards_mean']:.3f}"
-                if "train_actor_training/loss" in metrics:
-                    postfix["loss"] = f"{metrics['train_actor_training/loss']:.4f}"
-                if state.eval_history:
-                    postfix["eval_acc"] = f"{state.eval_history[-1][1]['eval/accuracy']:.3f}"
-                bar.set_postfix(postfix)
-                bar.update(1)
-
+            # 4. The loop.
+            started = time.monotonic()
             try:
-                state = run.run(
-                    # The current collector: a dead one is replaced.
-                    evaluate=(lambda step: evaluator(step, run.collectors[0]))
-                    if evaluator
-                    else None,
-                    on_step=show_progress,
-                )
+                with progress_bar(cfg.orchestration.num_steps, run.state) as on_step:
+                    state = run.run(evaluate=evaluate, on_step=on_step)
             except (ActorFailedError, TrainingDivergedError) as error:
                 print(f"Run stopped: {error}", file=sys.stderr)
                 raise
-        if run.stop_requested:
-            saved = run.save_checkpoint()
-            print(f"Stopped at step {state.step}; resume with resume_from_checkpoint={saved}")
-            return {"steps": state.step, "stopped": True, "checkpoint": str(saved)}
-        weights_in_sync = run.verify_weight_sync()
-        final_dir = run.save_final_checkpoint()
-        summary = {
-            "steps": state.step,
-            "policy_version": state.policy_version,
-            "eval": [(step, m.get("eval/accuracy")) for step, m in state.eval_history],
-            "weights_in_sync": weights_in_sync,
-            "final_checkpoint": str(final_dir),
-            "run_dir": str(run_dir),
-            "seconds": time.monotonic() - started,
-        }
-    finally:
-        run.shutdown()
-        for sig, handler in previous_handlers.items():
-            signal.signal(sig, handler)
 
-    try:
-        from grpo.plotting import plot_run
+            # 5. Checkpoint where a signal stopped the run.
+            if run.stop_requested:
+                saved = run.save_checkpoint()
+                print(f"Stopped at step {state.step}; resume with resume_from_checkpoint={saved}")
+                return {"steps": state.step, "stopped": True, "checkpoint": str(saved)}
 
-        summary["plots"] = [str(p) for p in plot_run(run_dir)]
-    except Exception as error:  # plots are a convenience; never fail a finished run on them
-        print(f"could not write plots: {error}", file=sys.stderr)
-        summary["plots"] = []
+            # 6. Verify the weights, save the final policy, end every actor.
+            weights_in_sync = run.verify_weight_sync()
+            final_dir = run.save_final_checkpoint()
+            seconds = time.monotonic() - started
+        finally:
+            run.shutdown()
+    summary = {
+        "steps": state.step,
+        "policy_version": state.policy_version,
+        "eval": [(step, m.get("eval/accuracy")) for step, m in state.eval_history],
+        "weights_in_sync": weights_in_sync,
+        "final_checkpoint": str(final_dir),
+        "run_dir": str(run_dir),
+        "seconds": seconds,
+        "plots": write_plots(run_dir),
+    }
     print(f"Run finished: {summary['steps']} steps, final policy in {final_dir}")
     for step, accuracy in summary["eval"]:
         print(f"  held-out accuracy at step {step}: {accuracy:.3f}")

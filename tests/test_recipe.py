@@ -32,7 +32,7 @@ def test_bad_rows_are_skipped_and_reported(tmp_path, capsys):
     ]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    load_recipe().check_data(gsm8k_config(path))
+    load_recipe().build_datasets(gsm8k_config(path))
     err = capsys.readouterr().err
     assert "dataset: skipped 2 rows" in err
     assert "row 2" in err and "row 3" in err
@@ -42,4 +42,4 @@ def test_a_dataset_with_no_usable_row_fails_before_the_run(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps({"question": "", "answer": ""}) + "\n")
     with pytest.raises(ValueError, match="train.jsonl"):
-        load_recipe().check_data(gsm8k_config(path))
+        load_recipe().build_datasets(gsm8k_config(path))

@@ -2,8 +2,8 @@
 
 `RunConfig` is the whole YAML file as one typed object. Each section's options are declared
 beside the component they configure (`InferenceConfig` in `grpo.workers.collector`, `RefConfig`
-in `grpo.workers.ref`, `TrainingConfig` in `grpo.workers.trainer`; `RayConfig` and
-`OrchestrationConfig` here, for the driver). The checks that involve more than one section
+in `grpo.workers.ref`, `TrainingConfig` in `grpo.workers.trainer`, `RayConfig` and
+`OrchestrationConfig` in `grpo.orchestrator.config` for the driver). The checks that involve more than one section
 (token budget vs prompt and response lengths, batch divisibility, buffer size, Ray resources,
 the model folder) are here, in one place.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,98 +26,19 @@ from grpo.config.options import (
     ConfigSection,
     component,
     component_list,
-    greater_than,
     keyword,
     one_of,
     option,
     section,
     type_ok,
 )
+from grpo.orchestrator.config import OrchestrationConfig, RayConfig
 from grpo.workers.collector import InferenceConfig
 from grpo.workers.ref import RefConfig
 from grpo.workers.trainer import TrainingConfig
 
 # Files a model folder must hold; weights are checked separately (*.safetensors).
 MODEL_FILES = ("config.json", "vocab.json", "merges.txt")
-
-
-def _ray_address(value: str) -> str | None:
-    if value == "auto" or value.startswith("ray://") or re.fullmatch(r"[\w.\-]+:\d+", value):
-        return None
-    return f"must be null (start a local cluster), 'auto', 'ray://HOST:PORT' or 'HOST:PORT'; got {value!r}"
-
-
-@dataclass(kw_only=True)
-class RayConfig(ConfigSection):
-    """Ray cluster.
-
-    The ``ray:`` section of a run config; the README's config reference is made from
-    these declarations.
-    """
-
-    address: str | None = option(
-        None,
-        "null: start a local cluster; 'auto' or 'ray://HOST:PORT': join one.",
-        check=_ray_address,
-    )
-    num_cpus: float | None = option(
-        None,
-        "CPU slots of a local cluster (logical, may exceed the cores); null: the machine's "
-        "core count.",
-        check=NON_NEGATIVE,
-    )
-    num_gpus: float | None = option(
-        None, "GPUs of a local cluster; null: all visible GPUs.", check=NON_NEGATIVE
-    )
-
-
-@dataclass(kw_only=True)
-class OrchestrationConfig(ConfigSection):
-    """Actors and the run length.
-
-    The ``orchestration:`` section of a run config; the README's config reference is made from
-    these declarations.
-    """
-
-    num_inference_workers: int = option(
-        1, "vLLM collector actors, each with its own dataset shard.", check=POSITIVE
-    )
-    synchronous: bool = option(
-        False,
-        "true: generate, score and train in lock-step (on-policy, reproducible to the bit; "
-        "for debugging and exact-resume checks); false: overlap them.",
-    )
-    num_ref_workers: int = option(
-        1, "Reference-model actors (ref logprobs, rewards, advantages).", check=POSITIVE
-    )
-    num_training_workers: int = option(
-        1, "Training actors; more than one shards the model with FSDP2.", check=POSITIVE
-    )
-    num_steps: int = option(doc="Optimizer steps to train for.", check=POSITIVE)
-    replay_buffer_size: int = option(
-        512,
-        "Most trajectories the replay buffer holds; when it is full, scored groups wait for "
-        "room (nothing is dropped).",
-        check=POSITIVE,
-    )
-    max_policy_lag: int = option(
-        1,
-        "Drop trajectories generated more than this many weight versions ago (0: strictly "
-        "on-policy).",
-        check=NON_NEGATIVE,
-    )
-    stall_timeout_s: float = option(
-        600.0,
-        "Abort the run when no actor finishes any work for this many seconds.",
-        check=greater_than(0),
-    )
-    max_actor_restarts: int = option(
-        3,
-        "Times each collector, reference actor and the replay buffer may be restarted after "
-        "dying (their work is rebuilt, nothing is lost); one more death stops the run with a "
-        "checkpoint. Trainers are never restarted.",
-        check=NON_NEGATIVE,
-    )
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,52 @@
+"""Starts the actors of a run, drives them, and shuts them down: single-purpose parts.
+
+Data between actors moves as ObjectRefs the driver owns and never fetches: groups taken from
+the rollout queue go to a reference actor, its scored groups to the replay buffer, the
+buffer's sample to every trainer (each takes its share). Holding those references is what
+lets the driver replace a dead collector, reference actor or buffer and redo its work with
+nothing lost. The parts, none of which knows the orchestrator:
+
+- `supervisor`: `ActorSupervisor` starts every actor, names it, replaces a dead one within
+  the restart budget (``orchestration.max_actor_restarts``), and asks idle actors for state.
+- `ledger`: `InFlightLedger`, what the driver holds (taken groups, scored batches, seen group
+  ids, what the buffer holds until sampled), with its own ``state_dict()``.
+- `weight_sync`: `WeightSync`, driver side: gather from the trainers, hand to the
+  collectors, verify, and the payload a replacement collector needs.
+- `checkpointer`: `Checkpointer` composes the parts' ``state_dict()``s into one atomic
+  checkpoint and restores them; `find_checkpoint`.
+- `state`: `RunState` (step, policy version: tracked only there) and the kinds of call.
+- `loop`: `Orchestrator` wires the parts and runs the loop: one call in flight per actor,
+  one handler per kind of call.
+- `metrics`: `RunLedger` (scored/trained ids on disk), `step_metrics`, `debug_tables`.
+- `errors`: `ActorFailedError`, `TrainingDivergedError`.
+- `config`: `RayConfig` and `OrchestrationConfig`, the driver's sections of a run config.
+"""
+
+from grpo.orchestrator.checkpointer import Checkpointer, find_checkpoint
+from grpo.orchestrator.errors import ActorFailedError, TrainingDivergedError
+from grpo.orchestrator.ledger import InFlightLedger, ScoredBatch
+from grpo.orchestrator.loop import Orchestrator
+from grpo.orchestrator.metrics import RunLedger, debug_tables, step_metrics
+from grpo.orchestrator.state import RunState
+from grpo.orchestrator.supervisor import ActorSupervisor, Recovery, Role, init_ray, to_container
+from grpo.orchestrator.weight_sync import WeightSync
+
+__all__ = [
+    "ActorFailedError",
+    "ActorSupervisor",
+    "Checkpointer",
+    "InFlightLedger",
+    "Orchestrator",
+    "Recovery",
+    "Role",
+    "RunLedger",
+    "RunState",
+    "ScoredBatch",
+    "TrainingDivergedError",
+    "WeightSync",
+    "debug_tables",
+    "find_checkpoint",
+    "init_ray",
+    "step_metrics",
+    "to_container",
+]

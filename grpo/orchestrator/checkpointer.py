@@ -1,0 +1,141 @@
+"""Checkpoints: the parts' ``state_dict()``s composed into one atomic folder, and restored.
+
+A checkpoint folder ``run_dir/checkpoints/step_NNNNNN`` holds
+
+- ``model/`` and the optimizer state, written by the trainers themselves;
+- ``state.json``: the run state (step, policy version, evaluation history);
+- ``pipeline.pt``: every other part's state, one flat dict (actor states from the supervisor,
+  held groups from the in-flight ledger).
+
+It is written under a temporary name, flushed, and renamed into place; ``latest`` names the
+newest. Like torchtitan's checkpointer, this module knows no part's insides: each part is a
+`Stateful` (``state_dict()`` / ``load_state_dict()``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Stateful(Protocol):
+    """A part of the run that can save and restore itself."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def find_checkpoint(run_dir: Path, resume: bool | str) -> Path | None:
+    """The checkpoint to resume from: ``true`` means the latest in ``run_dir``.
+
+    Raises:
+        FileNotFoundError: If ``resume`` is true and ``run_dir`` has no checkpoint.
+    """
+    if resume is False or resume is None:
+        return None
+    if resume is True:
+        latest = run_dir / "checkpoints" / "latest"
+        if not latest.is_file():
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=true but {latest} does not exist (no checkpoint saved "
+                "in this output_dir yet)"
+            )
+        return run_dir / "checkpoints" / latest.read_text().strip()
+    path = Path(resume)
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"resume_from_checkpoint: {path} is not a checkpoint folder")
+    return path
+
+
+def latest_checkpoint_text(run_dir: Path) -> str:
+    """Where to resume from, for error messages: the latest checkpoint, or the start."""
+    latest = run_dir / "checkpoints" / "latest"
+    if latest.is_file():
+        return str(run_dir / "checkpoints" / latest.read_text().strip())
+    return "the start (no checkpoint saved yet)"
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file under ``folder`` to disk before it is renamed into place."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as file:
+                os.fsync(file.fileno())
+
+
+class Checkpointer:
+    """Saves and restores the run state and the pipeline parts, atomically.
+
+    Args:
+        run_dir (Path): The run folder; checkpoints go to ``run_dir/checkpoints``.
+        run_state (Stateful): Saved as ``state.json`` (JSON-serialisable).
+        pipeline (list[Stateful]): Saved together as ``pipeline.pt``; their keys must differ.
+        save_model (Callable[[Path], None]): Writes the policy and optimizer into a folder.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        run_state: Stateful,
+        pipeline: list[Stateful],
+        save_model: Callable[[Path], None],
+    ) -> None:
+        self.folder = Path(run_dir) / "checkpoints"
+        self.run_state = run_state
+        self.pipeline = pipeline
+        self.save_model = save_model
+
+    def save(self, step: int) -> Path:
+        """Write checkpoint ``step_NNNNNN`` and point ``latest`` at it.
+
+        Returns:
+            Path: The checkpoint folder.
+        """
+        import torch
+
+        final = self.folder / f"step_{step:06d}"
+        tmp = self.folder / f".tmp-step_{step:06d}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        self.save_model(tmp)
+        pipeline: dict[str, Any] = {}
+        for part in self.pipeline:
+            state = part.state_dict()
+            assert not pipeline.keys() & state.keys(), "pipeline parts share a key"
+            pipeline.update(state)
+        torch.save(pipeline, tmp / "pipeline.pt")
+        (tmp / "state.json").write_text(json.dumps(self.run_state.state_dict()))
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = self.folder / ".latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, self.folder / "latest")
+        return final
+
+    def load(self, checkpoint_dir: Path) -> None:
+        """Load a checkpoint's run state and pipeline state into the parts.
+
+        The trainers and collectors were already started from its weights (see
+        `find_checkpoint` and `ActorSupervisor.start_all`).
+
+        Raises:
+            ValueError: A part's state does not fit the config (e.g. a different number of
+                collectors); the message names the checkpoint.
+        """
+        import torch
+
+        pipeline = torch.load(checkpoint_dir / "pipeline.pt", weights_only=False)
+        try:
+            for part in self.pipeline:
+                part.load_state_dict(pipeline)
+        except ValueError as error:
+            raise ValueError(f"{checkpoint_dir} {error}") from error
+        self.run_state.load_state_dict(json.loads((checkpoint_dir / "state.json").read_text()))

@@ -1,0 +1,515 @@
+"""The loop: keeps one call in flight per actor and reacts to whichever finishes first.
+
+Generation, reference scoring and training overlap, and a dead actor surfaces at once
+(`ray.wait`) instead of as a hang. Each kind of call has one handler (`CallKind` -> bound
+method in `Orchestrator._handlers`), and one way to be redone after its actor was replaced
+(`Orchestrator._redo`). The policy version is tracked in one place, `RunState.policy_version`,
+set only from the trainer's weight payload (`Orchestrator._sync_weights`); stale data is
+dropped in one place, the replay buffer (see `grpo.orchestrator.ledger`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from omegaconf import DictConfig
+from ray.exceptions import RayActorError, RayTaskError
+
+from grpo.orchestrator.checkpointer import Checkpointer
+from grpo.orchestrator.errors import ActorFailedError, TrainingDivergedError
+from grpo.orchestrator.ledger import InFlightLedger
+from grpo.orchestrator.metrics import RunLedger, debug_tables, step_metrics
+from grpo.orchestrator.state import Call, CallKind, RunState
+from grpo.orchestrator.supervisor import ActorSupervisor, Recovery, Role, actor_name
+from grpo.orchestrator.weight_sync import WeightSync
+
+log = logging.getLogger("grpo")
+
+# Most groups one reference call scores (they are packed together for the forward).
+_GROUPS_PER_REF_CALL = 4
+
+
+class Orchestrator:
+    """Wires the parts of a run and drives its actors until the last training step.
+
+    Args:
+        cfg (DictConfig): The validated run config.
+        run_dir (Path): Folder for logs and checkpoints.
+        tokenizer: Decodes debug tables (optional).
+        dataset: The training dataset, built once by the recipe; None builds it from
+            ``cfg.dataset`` in each collector.
+    """
+
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path, tokenizer: Any = None, dataset: Any = None
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.tokenizer = tokenizer
+        self.state = RunState()
+        self.run_ledger = RunLedger(self.run_dir)
+        self.actors = ActorSupervisor(
+            cfg, self.run_dir, self._log, lambda: self.state.step, dataset=dataset
+        )
+        self.actors.on_replaced = {
+            Role.COLLECTOR: self._catch_up_collector,
+            Role.REPLAY_BUFFER: self._refill_replay_buffer,
+        }
+        self.inflight = InFlightLedger()
+        self.weights = WeightSync(self.actors.get_all)
+        self.checkpointer = Checkpointer(
+            self.run_dir, self.state, [self.actors, self.inflight], self._save_trainers
+        )
+        self.synchronous = cfg.orchestration.synchronous
+        self.stop_requested = False
+        self._calls: dict[Any, Call] = {}
+        self._handlers = {
+            CallKind.GENERATE: self._on_generated,
+            CallKind.TAKE: self._on_taken,
+            CallKind.SCORE: self._on_scored,
+            CallKind.ADD: self._on_added,
+            CallKind.SAMPLE: self._on_sampled,
+            CallKind.TRAIN: self._on_trained,
+        }
+        self._redo = {
+            CallKind.GENERATE: lambda call: self._launch_collector(call.index),
+            CallKind.SCORE: lambda call: self._launch_score(call.index, call.payload[0]),
+            CallKind.ADD: lambda call: self._pump_buffer_adds(),
+            CallKind.SAMPLE: lambda call: self._launch_sample(),
+        }
+        self._idle_ref_slots: set[int] = set()
+        # Per reference slot: when it started waiting for groups, and how long it waited.
+        self._waiting_since: dict[int, float] = {}
+        self._waited: dict[int, float] = {}
+        self._sampled: tuple[Any, list[Any] | None] | None = None
+        self._train_results: dict[int, dict[str, Any]] = {}  # by rank, for the current step
+        self._poll_delay = 0.02
+
+    # The current actors (replacements included), for the recipe, evaluation and tests.
+    collectors = property(lambda self: self.actors.collectors)
+    ref_actors = property(lambda self: self.actors.ref_actors)
+    trainers = property(lambda self: self.actors.trainers)
+    replay_buffer = property(lambda self: self.actors.replay_buffer)
+    rollout_queue = property(lambda self: self.actors.rollout_queue)
+    metric_logger = property(lambda self: self.actors.metric_logger)
+
+    @property
+    def recoveries(self) -> list[Recovery]:
+        """Every dead actor that was replaced, in order."""
+        return self.actors.recoveries
+
+    # ------------------------------------------------------------------ start-up
+
+    def start_actors(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> None:
+        """Start every actor of the run in order.
+
+        Args:
+            pad_token_id (int): The tokenizer's pad id (for packing).
+            checkpoint_dir (Path | None): A checkpoint to resume from (`find_checkpoint`):
+                trainers and collectors start from its weights; `restore` loads the rest.
+        """
+        self.actors.start_all(pad_token_id, checkpoint_dir)
+
+    def restore(self, checkpoint_dir: Path) -> None:
+        """Load a checkpoint's run and pipeline state into freshly started actors."""
+        self.checkpointer.load(checkpoint_dir)
+        self.weights.start_version = self.state.policy_version  # the weights they loaded
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop at the next step boundary (signal handlers call this)."""
+        self.stop_requested = True
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        if self.actors.metric_logger is not None and metrics:
+            self.actors.metric_logger.log_dict.remote(metrics, step=step)
+
+    # ------------------------------------------------------------------ launching calls
+
+    def _launch(self, ref: Any, kind: CallKind, index: int, actor: Any, payload: Any = None):
+        self._calls[ref] = Call(kind, index, actor, payload)
+
+    def _launch_collector(self, index: int) -> None:
+        actor = self.collectors[index]
+        ref = actor.generate_batch_with_state.remote(self.cfg.inference.batch_size)
+        self._launch(ref, CallKind.GENERATE, index, actor)
+
+    def _launch_score(self, index: int, groups_ref: Any) -> None:
+        now = time.perf_counter()
+        self._waited[index] = now - self._waiting_since.pop(index, now)
+        actor = self.ref_actors[index]
+        info_ref, scored_ref = actor.score.options(num_returns=2).remote(groups_ref)
+        self._launch(info_ref, CallKind.SCORE, index, actor, (groups_ref, scored_ref))
+
+    def _feed_ref_slot(self, index: int) -> None:
+        """Give reference actor ``index`` work: waiting groups first, then the queue.
+
+        While more scored batches wait for room in the buffer than there are reference
+        actors, the slot stays idle: back-pressure reaches the queue, then the collectors.
+        """
+        self._idle_ref_slots.discard(index)
+        self._waiting_since.setdefault(index, time.perf_counter())
+        if self.inflight.unscored:
+            self._launch_score(index, self.inflight.unscored.popleft())
+        elif len(self.inflight.to_buffer) > len(self.ref_actors):
+            self._idle_ref_slots.add(index)
+        else:
+            timeout_s = 0.0 if self.synchronous else 0.5
+            count_ref, groups_ref = self.rollout_queue.take(_GROUPS_PER_REF_CALL, timeout_s)
+            self._launch(count_ref, CallKind.TAKE, index, self.rollout_queue, groups_ref)
+
+    def _launch_sample(self) -> None:
+        actor = self.replay_buffer
+        ref = actor.sample.remote(self.cfg.training.batch_size, self.state.policy_version)
+        self._launch(ref, CallKind.SAMPLE, 0, actor, payload=ref)  # trainers read it
+
+    def _in_flight(self, kind: CallKind) -> bool:
+        return any(call.kind is kind for call in self._calls.values())
+
+    def _pump_buffer_adds(self) -> None:
+        """Offer the oldest waiting scored batch to the buffer (one add in flight, in order)."""
+        batch = self.inflight.next_to_add()
+        if batch is None or self._in_flight(CallKind.ADD):
+            return
+        actor = self.replay_buffer
+        ref = actor.add_groups.remote(batch.groups_ref, batch.added, batch.skip)
+        self._launch(ref, CallKind.ADD, 0, actor, batch)
+
+    def _wake_idle_ref_slots(self) -> None:
+        for index in sorted(self._idle_ref_slots):
+            if len(self.inflight.to_buffer) <= len(self.ref_actors):
+                self._feed_ref_slot(index)
+
+    # ------------------------------------------------------------------ results
+
+    def _process(self, ready: list[Any], relaunch: bool) -> None:
+        """Hand each finished call to its handler; ``relaunch`` keeps the pipeline busy.
+
+        Raises:
+            ActorFailedError: An actor raised, or died and cannot be replaced; the message
+                names it.
+        """
+        for ref in ready:
+            call = self._calls.pop(ref)
+            role = call.kind.role
+            try:
+                result = ray.get(ref)
+            except RayActorError as error:
+                # Replace the dead actor (unless already replaced) and redo the call.
+                self.actors.replace(role, call.index, call.actor, error)
+                self._redo[call.kind](call)
+                continue
+            except RayTaskError as error:
+                name = actor_name(role, call.index)
+                raise ActorFailedError(f"{name} failed: {error}") from error
+            self.actors.returned(role, call.index, call.actor)
+            self._handlers[call.kind](call, result, relaunch)
+
+    def _on_generated(self, call: Call, result: Any, relaunch: bool) -> None:
+        self._log(result["metrics"], self.state.step)
+        self.actors.collector_states[call.index] = result["state"]
+        if relaunch:
+            self._launch_collector(call.index)
+
+    def _on_taken(self, call: Call, result: Any, relaunch: bool) -> None:
+        if result:
+            self._launch_score(call.index, call.payload)
+        elif relaunch:
+            self._feed_ref_slot(call.index)
+
+    def _on_scored(self, call: Call, result: Any, relaunch: bool) -> None:
+        step = self.state.step
+        waited = self._waited.pop(call.index, 0.0)
+        busy = result["metrics"]["ref_actor_performance/total_rollout_time (s)"]
+        metrics = {
+            **result["metrics"],
+            "ref_actor_performance/time_waiting_buffer (s)": waited,
+            "ref_actor_performance/pct_time_waiting_buffer (%)": 100.0
+            * waited
+            / max(waited + busy, 1e-9),
+        }
+        self._log(metrics, step)
+        self.run_ledger.scored(step, [sid for ids in result["sequence_ids"] for sid in ids])
+        self.inflight.scored(call.payload[1], result)
+        self._pump_buffer_adds()
+        if relaunch:
+            self._feed_ref_slot(call.index)
+
+    def _on_added(self, call: Call, result: Any, relaunch: bool) -> None:
+        self.inflight.added(call.payload, result)
+        self._pump_buffer_adds()
+        if relaunch:
+            self._wake_idle_ref_slots()
+
+    def _on_sampled(self, call: Call, result: Any, relaunch: bool) -> None:
+        if result is None:
+            if relaunch:
+                # Back off while the buffer fills: each poll is a Ray task.
+                time.sleep(self._poll_delay)
+                self._poll_delay = min(2 * self._poll_delay, 0.5)
+                self._launch_sample()
+            else:
+                self._sampled = (None, None)
+        else:
+            self._poll_delay = 0.02
+            self.inflight.sampled(result)
+            self._pump_buffer_adds()
+            self._sampled = (call.payload, result)
+
+    def _on_trained(self, call: Call, result: Any, relaunch: bool) -> None:
+        self._train_results[call.index] = result
+
+    def _drain(self, held: list[Any] | None = None) -> None:
+        """Let every call in flight finish, launching no new generation or queue take.
+
+        Scoring and buffer adds of what is already taken still run. If ``held`` is given the
+        queue is emptied into it meanwhile, which lets a collector blocked on a full queue
+        finish its batch.
+        """
+        while self._calls:
+            if held is not None and self.rollout_queue.qsize():
+                held.extend(self.rollout_queue.get_nowait_batch(self.rollout_queue.qsize()))
+            ready, _ = ray.wait(list(self._calls), num_returns=1, timeout=0.2)
+            self._process(ready, relaunch=False)
+        if held is not None and self.rollout_queue.qsize():
+            held.extend(self.rollout_queue.get_nowait_batch(self.rollout_queue.qsize()))
+
+    # ------------------------------------------------------------------ replacements
+
+    def _catch_up_collector(self, index: int, collector: Any) -> None:
+        """A new collector at the state of the old one's last finished batch, current weights."""
+        state = self.actors.collector_states[index]
+        self.weights.catch_up(collector, state, actor_name(Role.COLLECTOR, index))
+
+    def _refill_replay_buffer(self, index: int, buffer: Any) -> None:
+        """A new buffer holding what the old one held: scored groups not yet sampled."""
+        calls = [
+            buffer.add_groups.remote(groups_ref, 0, absent)
+            for groups_ref, absent in self.inflight.buffer_contents()
+        ]
+        self.actors.get_all(calls, "replay_buffer rebuild")
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, evaluate: Any = None, on_step: Any = None) -> RunState:
+        """Drive the actors until ``orchestration.num_steps`` training steps are done.
+
+        Args:
+            evaluate (callable | None): ``evaluate(step) -> dict`` run before the first step,
+                every ``eval_every_n_steps`` and at the end.
+            on_step (callable | None): ``on_step(state)`` after each training step (progress).
+
+        Returns:
+            RunState: Final step, policy version and last metrics.
+
+        Raises:
+            ActorFailedError: An actor raised, a trainer died, or an actor died more often
+                than ``max_actor_restarts`` (then after saving a checkpoint); its name is in
+                the message.
+            TrainingDivergedError: ``training.max_nonfinite_steps_in_a_row`` steps in a row
+                were skipped for a non-finite loss (after saving a checkpoint).
+        """
+        cfg = self.cfg
+        num_steps = cfg.orchestration.num_steps
+        eval_every = cfg.eval_every_n_steps or 0
+        if evaluate is not None and self.state.step == 0:
+            self.state.eval_history.append((0, evaluate(0)))
+
+        while self.state.step < num_steps and not self.stop_requested:
+            if self.synchronous:
+                batch_ref, batch, waited = self._next_batch_synchronously()
+            else:
+                batch_ref, batch, waited = self._next_batch_asynchronously()
+            if batch is None:
+                break  # stop requested while waiting
+            metrics = self._train(batch_ref, batch, waited)
+            self._after_train_step(metrics, batch, cfg.training.steps_before_weight_sync)
+            step = self.state.step
+            if evaluate is not None and eval_every and step % eval_every == 0:
+                self.state.eval_history.append((step, evaluate(step)))
+            self._stop_if_failing(metrics)
+            save_every = cfg.training.save_every_n_steps
+            if save_every and step % save_every == 0:
+                self.save_checkpoint()
+            if on_step is not None:
+                on_step(self.state)
+
+        done = self.state.step >= num_steps
+        if evaluate is not None and done and (not eval_every or num_steps % eval_every):
+            self.state.eval_history.append((num_steps, evaluate(num_steps)))
+        return self.state
+
+    def _stop_if_failing(self, metrics: dict[str, Any]) -> None:
+        """Checkpoint and raise after an actor used up its restarts, or the loss diverged."""
+        if self.actors.gave_up is not None:
+            self.save_checkpoint()
+            raise self.actors.gave_up
+        training = self.cfg.training
+        in_a_row = int(metrics.get("train_actor_training/nonfinite_steps_in_a_row", 0))
+        if in_a_row >= training.max_nonfinite_steps_in_a_row:
+            saved = self.save_checkpoint()
+            raise TrainingDivergedError(
+                f"{in_a_row} training steps in a row (up to step {self.state.step}) had a "
+                "non-finite loss or gradient norm and were skipped "
+                f"(training.max_nonfinite_steps_in_a_row="
+                f"{training.max_nonfinite_steps_in_a_row}); saved {saved}. Lower "
+                "training.optimizer.lr or check the rewards and the data."
+            )
+
+    def _next_batch_asynchronously(self) -> tuple[Any, list[Any] | None, float]:
+        """Keep collectors and reference actors busy until the buffer yields a batch."""
+        if not self._in_flight(CallKind.GENERATE):
+            for index in range(len(self.collectors)):
+                self._launch_collector(index)
+            for index in range(len(self.ref_actors)):
+                self._feed_ref_slot(index)
+        stall_timeout_s = self.cfg.orchestration.stall_timeout_s
+        wait_start = time.perf_counter()
+        last_progress = time.monotonic()
+        self._sampled = None
+        self._launch_sample()
+        while not self.stop_requested:
+            ready, _ = ray.wait(list(self._calls), num_returns=1, timeout=1.0)
+            if not ready:
+                if time.monotonic() - last_progress > stall_timeout_s:
+                    busy = sorted({actor_name(c.kind.role, c.index) for c in self._calls.values()})
+                    raise ActorFailedError(
+                        f"no actor made progress for {stall_timeout_s:.0f} s (busy: {busy})"
+                    )
+                continue
+            last_progress = time.monotonic()
+            self._process(ready, relaunch=True)
+            if self._sampled is not None:
+                batch_ref, batch = self._sampled
+                return batch_ref, batch, time.perf_counter() - wait_start
+        return None, None, 0.0
+
+    def _next_batch_synchronously(self) -> tuple[Any, list[Any] | None, float]:
+        """Generate with the current weights and score everything, then sample a batch."""
+        wait_start = time.perf_counter()
+        while not self.stop_requested:
+            self._sampled = None
+            self._launch_sample()
+            while self._sampled is None:
+                self._drain()
+            batch_ref, batch = self._sampled
+            if batch is not None:
+                return batch_ref, batch, time.perf_counter() - wait_start
+            for index in range(len(self.collectors)):
+                self._launch_collector(index)
+            self._drain()
+            self._score_everything_queued()
+        return None, None, 0.0
+
+    def _score_everything_queued(self) -> None:
+        """Score until the queue and the waiting groups are empty."""
+        while True:
+            for index in range(len(self.ref_actors)):
+                self._feed_ref_slot(index)
+            self._drain()
+            if not self.inflight.unscored and self.rollout_queue.qsize() == 0:
+                return
+
+    def _train(self, batch_ref: Any, batch: list[Any], waited: float) -> dict[str, Any]:
+        cfg = self.cfg
+        debug_ids = None
+        if cfg.debug_logging_enabled and self.tokenizer is not None:
+            count = cfg.debug_num_samples_per_step
+            debug_ids = [t.sequence_id for t in batch[:count]]
+        self._train_results = {}
+        for rank, trainer in enumerate(self.trainers):
+            ref = trainer.train_step.remote(batch_ref, waited, debug_ids)
+            self._launch(ref, CallKind.TRAIN, rank, trainer)
+        # Collectors and reference actors keep working while the trainers step.
+        while len(self._train_results) < len(self.trainers):
+            ready, _ = ray.wait(list(self._calls), num_returns=1, timeout=1.0)
+            self._process(ready, relaunch=not self.synchronous)
+        self.run_ledger.trained(self.state.step + 1, batch)
+        return self._train_results[0]
+
+    def _after_train_step(self, metrics: dict[str, Any], batch: list[Any], sync_every: int) -> None:
+        self.state.step += 1
+        step = self.state.step
+        buffer_stats = self.actors.ask(Role.REPLAY_BUFFER, 0, "stats")
+        metrics = dict(metrics)
+        pi_logprobs = metrics.pop("debug_pi_logprobs", None)
+        if pi_logprobs and self.metric_logger is not None:
+            for name, (columns, rows) in debug_tables(
+                batch, pi_logprobs, self.tokenizer, step
+            ).items():
+                self.metric_logger.log_table.remote(rows, columns, name, step=step)
+        # Read before the sync: the version these steps trained with.
+        queues = {
+            "queues/rollout_queue_size": float(self.rollout_queue.qsize()),
+            "queues/replay_buffer_batches_waiting": float(len(self.inflight.to_buffer)),
+            "queues/replay_buffer_duplicate_groups": float(self.inflight.num_duplicate_groups),
+            "train_actor_training/policy_version": float(self.state.policy_version),
+        }
+        if step % sync_every == 0:
+            metrics.update(self._sync_weights())
+        self.state.last_metrics = step_metrics(metrics, buffer_stats, queues)
+        self._log(self.state.last_metrics, step)
+
+    def _sync_weights(self) -> dict[str, float]:
+        """Send the trainers' weights to every collector; the one place the version moves."""
+        self.state.policy_version, timings = self.weights.sync(self.trainers, self.collectors)
+        self.inflight.release_stale(
+            self.state.policy_version - self.cfg.orchestration.max_policy_lag
+        )
+        return timings
+
+    # ------------------------------------------------------------------ checkpoints, the end
+
+    def _save_trainers(self, folder: Path) -> None:
+        self.actors.get_all(
+            [t.save_checkpoint.remote(str(folder)) for t in self.trainers], "trainer checkpoint"
+        )
+
+    def save_checkpoint(self) -> Path:
+        """Save everything a run needs to continue exactly, atomically.
+
+        The pipeline is quiesced first: collectors finish their batch (the queue is emptied
+        meanwhile so none stays blocked) and reference actors finish scoring. Groups taken
+        from the queue and scored groups still waiting for room in the buffer go into the
+        checkpoint, and stay with the driver to be scored and added as before.
+
+        Returns:
+            Path: The checkpoint folder ``run_dir/checkpoints/step_NNNNNN``.
+        """
+        start = time.perf_counter()
+        held: list[Any] = []
+        self._drain(held=held)
+        if held:
+            self.inflight.unscored.append(ray.put(held))
+        final = self.checkpointer.save(self.state.step)
+        self._log({"checkpoint/time (s)": time.perf_counter() - start}, self.state.step)
+        log.info("saved checkpoint %s", final)
+        return final
+
+    def verify_weight_sync(self) -> bool:
+        """Check that every collector computes with exactly the trainer's current weights.
+
+        Pending weights are applied first. Logs ``weight_sync/in_sync`` (1 or 0).
+
+        Returns:
+            bool: True if every collector's checksum equals the trainer's.
+        """
+        in_sync = self.weights.verify(self.trainers, self.collectors)
+        self._log({"weight_sync/in_sync": float(in_sync)}, self.state.step)
+        return in_sync
+
+    def save_final_checkpoint(self) -> Path:
+        """Save the policy as an HF-format folder ``run_dir/final``."""
+        out_dir = self.run_dir / "final"
+        self.actors.get_all(
+            [t.save_hf_checkpoint.remote(str(out_dir)) for t in self.trainers], "trainer checkpoint"
+        )
+        return out_dir
+
+    def shutdown(self) -> None:
+        """End every actor of the run (idempotent)."""
+        self.run_ledger.close()
+        self.actors.shutdown()

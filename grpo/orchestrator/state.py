@@ -1,0 +1,61 @@
+"""What the loop tracks: the run's clock (`RunState`) and its calls in flight (`Call`).
+
+`RunState` is the one place the step and the policy version live; it is `Stateful`
+(saved as a checkpoint's ``state.json``). `CallKind` names each kind of call the loop keeps
+in flight and the role of the actor that runs it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo.orchestrator.supervisor import Role
+
+
+@dataclass
+class RunState:
+    """The run's clock: training step and policy version; also the last metrics and evals."""
+
+    step: int = 0
+    policy_version: int = 0
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    eval_history: list[tuple[int, float]] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "eval_history": self.eval_history,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.policy_version = state["policy_version"]
+        self.eval_history = [tuple(item) for item in state["eval_history"]]
+
+
+class CallKind(enum.Enum):
+    """A call the loop keeps in flight, by the role of the actor that runs it."""
+
+    GENERATE = Role.COLLECTOR
+    TAKE = Role.ROLLOUT_QUEUE
+    SCORE = Role.REF
+    ADD = (Role.REPLAY_BUFFER, "add")
+    SAMPLE = (Role.REPLAY_BUFFER, "sample")
+    TRAIN = Role.TRAINER
+
+    @property
+    def role(self) -> Role:
+        return self.value[0] if isinstance(self.value, tuple) else self.value
+
+
+@dataclass
+class Call:
+    """A call in flight: what kind, on which actor, and what the driver needs if it fails."""
+
+    kind: CallKind
+    index: int
+    actor: Any
+    payload: Any = None  # TAKE: groups ref; SCORE: (groups ref, scored ref); ADD: ScoredBatch

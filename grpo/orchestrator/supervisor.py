@@ -1,0 +1,418 @@
+"""The actor supervisor: starts every actor of a run, replaces dead ones, ends them all.
+
+It owns the actor handles (always the current ones, replacements included), the restart
+budget (``orchestration.max_actor_restarts`` per actor), the record of recoveries, the state
+each collector reached after its last finished batch, and the names that errors use
+(``collector[0]``, ``ref_actor[1]``, ``replay_buffer``, ``trainer[0]``). A collector,
+reference actor or replay buffer that dies is replaced; what the new one needs to catch up
+is done by the hook given for its role (`on_replaced`). A trainer holds the policy and
+optimizer state and the rollout queue holds groups, so their death stops the run.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+from ray.exceptions import RayActorError, RayTaskError
+
+from grpo.orchestrator.checkpointer import latest_checkpoint_text
+from grpo.orchestrator.errors import ActorFailedError
+from grpo.workers.rollout_queue import RolloutQueue
+
+log = logging.getLogger("grpo")
+
+
+def to_container(node: Any) -> Any:
+    """Plain Python containers from an OmegaConf node (interpolations resolved)."""
+    if isinstance(node, DictConfig) or OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def init_ray(cfg: DictConfig) -> None:
+    """Start a local Ray cluster, or join one when ``ray.address`` is set."""
+    if ray.is_initialized():
+        return
+    ray_cfg = cfg.get("ray") or {}
+    address = ray_cfg.get("address")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if address:
+        kwargs["address"] = address
+    else:
+        if ray_cfg.get("num_cpus") is not None:
+            kwargs["num_cpus"] = ray_cfg["num_cpus"]
+        if ray_cfg.get("num_gpus") is not None:
+            kwargs["num_gpus"] = ray_cfg["num_gpus"]
+    ray.init(**kwargs)
+
+
+def _resources(node: Any, default_cpus: float) -> dict[str, float]:
+    num_cpus = node.get("num_cpus") if node is not None else None
+    num_gpus = node.get("num_gpus") if node is not None else None
+    return {
+        "num_cpus": default_cpus if num_cpus is None else num_cpus,
+        "num_gpus": num_gpus or 0,
+    }
+
+
+class Role(enum.Enum):
+    """What an actor does in the run; its value is the actor's name in messages."""
+
+    COLLECTOR = "collector"
+    ROLLOUT_QUEUE = "rollout_queue"
+    REF = "ref_actor"
+    REPLAY_BUFFER = "replay_buffer"
+    TRAINER = "trainer"
+
+
+_INDEXED = {Role.COLLECTOR, Role.REF, Role.TRAINER}
+
+
+def actor_name(role: Role, index: int = 0) -> str:
+    """``collector[0]``, ``ref_actor[1]``, ``trainer[0]``, ``replay_buffer``, ..."""
+    return f"{role.value}[{index}]" if role in _INDEXED else role.value
+
+
+@dataclass
+class Recovery:
+    """One dead actor that was replaced.
+
+    ``seconds`` is what the driver spent replacing it (blocking the loop); ``seconds_to_work``
+    runs until the replacement's first call came back (its start-up included), None until it
+    has.
+    """
+
+    actor: str
+    step: int
+    seconds: float
+    error: str
+    started: float = field(default_factory=time.perf_counter, repr=False)
+    seconds_to_work: float | None = None
+
+
+class ActorSupervisor:
+    """Starts, names, replaces and ends the actors of one run.
+
+    Args:
+        cfg (DictConfig): The validated run config.
+        run_dir (Path): The run folder (logs; errors name its latest checkpoint).
+        log_metrics (Callable): ``log_metrics(metrics, step)``, for the ``faults/*`` metrics.
+        current_step (Callable[[], int]): The training step now (recoveries record it).
+        dataset: The training dataset, built once by the caller and shared by every
+            collector through the object store; None builds it from ``cfg.dataset`` in each.
+
+    Attributes:
+        on_replaced (dict[Role, Callable[[int, Any], None]]): Per role, what a replacement
+            needs before it works: ``hook(index, new_actor)``.
+    """
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        run_dir: Path,
+        log_metrics: Callable[[dict[str, float], int], None],
+        current_step: Callable[[], int],
+        dataset: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.log_metrics = log_metrics
+        self.current_step = current_step
+        self.dataset = ray.put(dataset) if dataset is not None else to_container(cfg.dataset)
+        self.max_actor_restarts = cfg.orchestration.max_actor_restarts
+        self.on_replaced: dict[Role, Callable[[int, Any], None]] = {}
+        self.collectors: list[Any] = []
+        self.ref_actors: list[Any] = []
+        self.trainers: list[Any] = []
+        self.replay_buffer: Any = None
+        self.rollout_queue: RolloutQueue | None = None
+        self.metric_logger: Any = None
+        # Per collector, its state after its last finished batch: where a replacement starts.
+        self.collector_states: list[dict[str, Any] | None] = []
+        self.collector_model_dir = str(cfg.base_model_path)
+        self.recoveries: list[Recovery] = []
+        self.recovering: dict[str, Recovery] = {}  # replaced, first call not back yet
+        self.restarts: dict[str, int] = {}
+        # Set once an actor used up its restarts: the loop checkpoints, then raises it.
+        self.gave_up: ActorFailedError | None = None
+
+    # ------------------------------------------------------------------ start
+
+    def start_all(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> None:
+        """Start every actor, in order; trainers and collectors from ``checkpoint_dir``."""
+        self.start_metric_logger()
+        self.start_rollout_queue()
+        self.start_replay_buffer()
+        self.start_trainers(pad_token_id=pad_token_id, checkpoint_dir=checkpoint_dir)
+        self.start_ref_actors()
+        self.start_collectors(weights_dir=checkpoint_dir / "model" if checkpoint_dir else None)
+
+    def start_metric_logger(self) -> Any:
+        from grpo.workers.metric_logger import MetricLogger
+
+        node = to_container(self.cfg.get("metric_logger")) or {}
+        node.pop("_component_", None)
+        node.setdefault("log_dir", str(self.run_dir))
+        node.setdefault("config", to_container(self.cfg))
+        self.metric_logger = ray.remote(num_cpus=0)(MetricLogger).remote(**node)
+        return self.metric_logger
+
+    def start_rollout_queue(self) -> RolloutQueue:
+        self.rollout_queue = RolloutQueue(maxsize=self.cfg.inference.queue_maxsize)
+        return self.rollout_queue
+
+    def start_replay_buffer(self) -> Any:
+        from grpo.workers.replay_buffer import ReplayBuffer
+
+        orchestration = self.cfg.orchestration
+        self.replay_buffer = ray.remote(num_cpus=0)(ReplayBuffer).remote(
+            capacity=orchestration.replay_buffer_size,
+            max_policy_lag=orchestration.max_policy_lag,
+            seed=self.cfg.seed,
+        )
+        return self.replay_buffer
+
+    def start_trainers(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> list[Any]:
+        from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
+
+        cfg, training = self.cfg, self.cfg.training
+        world_size = cfg.orchestration.num_training_workers
+        actor_cls = ray.remote(**_resources(training, default_cpus=1))(PyTorchActorModel)
+        self.trainers = [
+            actor_cls.remote(
+                rank=rank,
+                world_size=world_size,
+                model_dir=cfg.base_model_path,
+                num_steps=cfg.orchestration.num_steps,
+                target_tokens_per_batch=cfg.target_tokens_per_batch,
+                pad_token_id=pad_token_id,
+                config=TrainingConfig.from_mapping(to_container(training)),
+                seed=cfg.seed,
+            )
+            for rank in range(world_size)
+        ]
+        init_method = (
+            ray.get(self.trainers[0].get_dist_address.remote()) if world_size > 1 else None
+        )
+        checkpoint = str(checkpoint_dir) if checkpoint_dir else None
+        self.get_all(
+            [t.setup.remote(init_method, checkpoint) for t in self.trainers], "trainer set-up"
+        )
+        return self.trainers
+
+    def _new_ref_actor(self) -> Any:
+        from grpo.workers.ref import RefActor, RefConfig
+
+        cfg = self.cfg
+        ref_cfg = cfg.ref
+        return ray.remote(**_resources(ref_cfg, default_cpus=1))(RefActor).remote(
+            model_dir=cfg.base_model_path,
+            reward_functions=to_container(cfg.reward_functions),
+            target_tokens_per_batch=cfg.target_tokens_per_batch,
+            config=RefConfig.from_mapping(to_container(ref_cfg)),
+        )
+
+    def start_ref_actors(self) -> list[Any]:
+        self.ref_actors = [
+            self._new_ref_actor() for _ in range(self.cfg.orchestration.num_ref_workers)
+        ]
+        return self.ref_actors
+
+    def _new_collector(self, worker_id: int) -> Any:
+        from grpo.workers.collector import InferenceConfig, SyncLLMCollector
+
+        cfg, inference = self.cfg, self.cfg.inference
+        # Threaded actor (max_concurrency 4): evaluate and receive_weights must get through
+        # while generate_batch waits on a full rollout queue, or evaluation deadlocks.
+        actor_cls = SyncLLMCollector.as_remote(**_resources(inference, default_cpus=1))
+        return actor_cls.remote(
+            worker_id=worker_id,
+            num_workers=cfg.orchestration.num_inference_workers,
+            model_dir=self.collector_model_dir,
+            dataset=self.dataset,
+            rollout_queue=self.rollout_queue,
+            config=InferenceConfig.from_mapping(to_container(inference)),
+            seed=cfg.seed,
+        )
+
+    def start_collectors(self, weights_dir: Path | None = None) -> list[Any]:
+        """Start the vLLM collectors from ``weights_dir`` (a checkpoint) or the base model."""
+        if weights_dir is not None:
+            self.collector_model_dir = str(weights_dir)
+        num_workers = self.cfg.orchestration.num_inference_workers
+        self.collectors = [self._new_collector(worker_id) for worker_id in range(num_workers)]
+        self.collector_states = [None] * num_workers
+        return self.collectors
+
+    # ------------------------------------------------------------------ calls
+
+    def actor(self, role: Role, index: int = 0) -> Any:
+        """The current actor of ``role`` (a replacement once the first one died)."""
+        if role is Role.ROLLOUT_QUEUE:
+            return self.rollout_queue
+        if role is Role.REPLAY_BUFFER:
+            return self.replay_buffer
+        return {Role.COLLECTOR: self.collectors, Role.REF: self.ref_actors}.get(
+            role, self.trainers
+        )[index]
+
+    def get_all(self, refs: list[Any], what: str = "") -> list[Any]:
+        """``ray.get`` for calls that are not redone: a failure stops the run, named.
+
+        Raises:
+            ActorFailedError: An actor died or raised.
+        """
+        try:
+            return ray.get(refs)
+        except RayActorError as error:
+            raise ActorFailedError(
+                f"{what or 'an actor'} failed, an actor died ({error}): resume from "
+                f"{latest_checkpoint_text(self.run_dir)}"
+            ) from error
+        except RayTaskError as error:
+            raise ActorFailedError(f"{what or 'an actor'} failed: {error}") from error
+
+    def ask(self, role: Role, index: int, method: str, *args: Any) -> Any:
+        """Call ``method`` of a replaceable actor and wait; a dead one is replaced and asked.
+
+        For the calls the loop makes between steps (state for a checkpoint, buffer stats),
+        which find an actor that died while it had nothing to do.
+
+        Raises:
+            ActorFailedError: The actor raised, or see `replace`.
+        """
+        while True:
+            actor = self.actor(role, index)
+            try:
+                return ray.get(getattr(actor, method).remote(*args))
+            except RayActorError as error:
+                self.replace(role, index, actor, error)
+            except RayTaskError as error:
+                raise ActorFailedError(f"{actor_name(role, index)} failed: {error}") from error
+
+    def returned(self, role: Role, index: int, actor: Any) -> None:
+        """A call of ``actor`` came back: a replacement's first result ends its recovery."""
+        name = actor_name(role, index)
+        if name in self.recovering and actor is self.actor(role, index):
+            recovery = self.recovering.pop(name)
+            recovery.seconds_to_work = time.perf_counter() - recovery.started
+            self.log_metrics(
+                {"faults/time_to_work_again (s)": recovery.seconds_to_work}, self.current_step()
+            )
+
+    # ------------------------------------------------------------------ faults
+
+    def replace(self, role: Role, index: int, dead: Any, error: Exception) -> None:
+        """Replace the ``dead`` actor, unless an earlier failed call already did.
+
+        Raises:
+            ActorFailedError: For a trainer or the rollout queue, or an actor that has used up
+                ``max_actor_restarts`` and died again while the run was stopping.
+        """
+        name = actor_name(role, index)
+        if role is Role.TRAINER:
+            raise ActorFailedError(
+                f"{name} died ({error}); trainers hold the policy and optimizer state and are "
+                f"not restarted: resume from {latest_checkpoint_text(self.run_dir)}"
+            )
+        if role is Role.ROLLOUT_QUEUE:
+            raise ActorFailedError(
+                f"rollout_queue died ({error}); the groups in it are lost: resume from "
+                f"{latest_checkpoint_text(self.run_dir)}"
+            )
+        if dead is not self.actor(role, index):
+            return  # replaced already
+        step = self.current_step()
+        restarts = self.restarts.get(name, 0) + 1
+        if restarts > self.max_actor_restarts:
+            if self.gave_up is not None:
+                raise self.gave_up
+            # Replace it once more so the pipeline can be checkpointed, then stop.
+            self.gave_up = ActorFailedError(
+                f"{name} died {restarts} times (orchestration.max_actor_restarts="
+                f"{self.max_actor_restarts}); last error: {error}"
+            )
+        self.restarts[name] = restarts
+        recovery = Recovery(name, step, 0.0, str(error))
+        log.warning("%s died at step %d; replacing it: %s", name, step, error)
+        if role is Role.COLLECTOR:
+            new = self.collectors[index] = self._new_collector(index)
+        elif role is Role.REF:
+            new = self.ref_actors[index] = self._new_ref_actor()
+        else:
+            new = self.start_replay_buffer()
+        hook = self.on_replaced.get(role)
+        if hook is not None:
+            hook(index, new)
+        recovery.seconds = time.perf_counter() - recovery.started
+        self.recoveries.append(recovery)
+        self.recovering[name] = recovery
+        self.log_metrics(
+            {
+                "faults/actor_restarts": float(len(self.recoveries)),
+                "faults/time_recovering (s)": recovery.seconds,
+            },
+            step,
+        )
+
+    # ------------------------------------------------------------------ Stateful
+
+    def state_dict(self) -> dict[str, Any]:
+        """The actors' states: collectors after their last batch, reference actors, buffer."""
+        return {
+            "collectors": list(self.collector_states),
+            "ref_actors": [
+                self.ask(Role.REF, index, "state_dict") for index in range(len(self.ref_actors))
+            ],
+            "replay_buffer": self.ask(Role.REPLAY_BUFFER, 0, "state_dict"),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint's actor states into freshly started actors.
+
+        Raises:
+            ValueError: The checkpoint has a different number of collectors.
+        """
+        if len(state["collectors"]) != len(self.collectors):
+            raise ValueError(
+                f"has {len(state['collectors'])} collectors, the config "
+                f"{len(self.collectors)}: orchestration.num_inference_workers must not change "
+                "on resume"
+            )
+        calls = [
+            c.load_state_dict.remote(s)
+            for c, s in zip(self.collectors, state["collectors"])
+            if s is not None
+        ]
+        self.collector_states = list(state["collectors"])
+        for actor, ref_state in zip(self.ref_actors, state["ref_actors"]):
+            calls.append(actor.load_state_dict.remote(ref_state))
+        calls.append(self.replay_buffer.load_state_dict.remote(state["replay_buffer"]))
+        self.get_all(calls, "restoring the checkpoint")
+
+    # ------------------------------------------------------------------ the end
+
+    def shutdown(self) -> None:
+        """End every actor (idempotent); the metric logger closes its files first."""
+        if self.metric_logger is not None:
+            try:
+                ray.get(self.metric_logger.close.remote(), timeout=30)
+            except Exception as error:  # noqa: BLE001 - best effort at shutdown
+                log.warning("metric logger did not close cleanly: %s", error)
+        for actor in [*self.collectors, *self.ref_actors, *self.trainers]:
+            ray.kill(actor, no_restart=True)
+        for actor in (self.replay_buffer, self.metric_logger):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        if self.rollout_queue is not None:
+            self.rollout_queue.shutdown(force=True)
+        self.collectors, self.ref_actors, self.trainers = [], [], []
+        self.replay_buffer = self.metric_logger = self.rollout_queue = None
