@@ -10,9 +10,7 @@ import time
 from typing import Any
 
 import ray
-from omegaconf import DictConfig
 
-from grpo.config import instantiate
 from grpo.rewards import MathCorrectnessReward, batched_rewards
 from grpo.workers.ref import RefConfig
 
@@ -49,25 +47,6 @@ class HeldOutEvaluator:
         self.max_generated_tokens = max_generated_tokens
         self.reward_timeout_s = reward_timeout_s
         self.correctness = MathCorrectnessReward(partial_credit=0.0)
-
-    @classmethod
-    def from_config(
-        cls, cfg: DictConfig, collector: Any, metric_logger: Any
-    ) -> HeldOutEvaluator | None:
-        """The evaluator the config asks for, or None without ``eval_dataset``."""
-        node = cfg.get("eval_dataset")
-        if node is None or not cfg.get("eval_every_n_steps"):
-            return None
-        dataset = instantiate(node)
-        limit = cfg.get("eval_num_examples") or len(dataset)
-        items = [dataset[i] for i in range(min(limit, len(dataset)))]
-        return cls(
-            items,
-            collector,
-            metric_logger,
-            max_generated_tokens=cfg.inference.max_generated_tokens,
-            reward_timeout_s=cfg.ref.reward_timeout_s,
-        )
 
     def __call__(self, step: int, collector: Any = None) -> dict[str, float]:
         """Evaluate now and log ``eval/*`` metrics at ``step``.

@@ -26,6 +26,7 @@ from grpo.orchestrator.metrics import RunLedger, debug_tables, step_metrics
 from grpo.orchestrator.state import Call, CallKind, RunState
 from grpo.orchestrator.supervisor import ActorSupervisor, Recovery, Role, actor_name
 from grpo.orchestrator.weight_sync import WeightSync
+from grpo.workers.metric_logger import ratio_metrics
 
 log = logging.getLogger("grpo")
 
@@ -227,9 +228,9 @@ class Orchestrator:
         metrics = {
             **result["metrics"],
             "ref_actor_performance/time_waiting_buffer (s)": waited,
-            "ref_actor_performance/pct_time_waiting_buffer (%)": 100.0
-            * waited
-            / max(waited + busy, 1e-9),
+            **ratio_metrics(
+                "ref_actor_performance", {"time_waiting_buffer": waited}, waited + busy
+            ),
         }
         self._log(metrics, step)
         self.run_ledger.scored(step, [sid for ids in result["sequence_ids"] for sid in ids])

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from grpo.workers.metric_logger import ratio_metrics
+
 
 def step_metrics(
     metrics: dict[str, Any], buffer_stats: dict[str, Any], queues: dict[str, float]
@@ -32,19 +34,18 @@ def step_metrics(
         **queues,
     }
     total = metrics.get("train_actor_performance/total_step_time (s)", 0.0)
-    for key in ("time_weight_sync (s)", "time_weight_gather (s)"):
-        value = metrics.get(f"train_actor_performance/{key}")
-        if value is not None and total > 0:
-            metrics[f"train_actor_performance/pct_{key.replace(' (s)', '')} (%)"] = (
-                100.0 * value / total
-            )
+    timings = {
+        name: metrics[f"train_actor_performance/{name}"]
+        for name in (
+            "time_grpo_steps (s)",
+            "time_waiting_buffer (s)",
+            "time_weight_sync (s)",
+            "time_weight_gather (s)",
+        )
+        if f"train_actor_performance/{name}" in metrics
+    }
     if total > 0:
-        metrics["train_actor_performance/pct_time_grpo_steps (%)"] = (
-            100.0 * metrics["train_actor_performance/time_grpo_steps (s)"] / total
-        )
-        metrics["train_actor_performance/pct_time_waiting_buffer (%)"] = (
-            100.0 * metrics["train_actor_performance/time_waiting_buffer (s)"] / total
-        )
+        metrics.update(ratio_metrics("train_actor_performance", timings, total))
     return metrics
 
 
