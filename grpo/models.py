@@ -14,7 +14,7 @@ the torchtune model has no ``output.weight`` (its output is a ``TiedLinear`` on 
 `hf_weight_iterator` is the single tune->HF path, used by `save_hf_checkpoint` and by weight
 sync to vLLM (``reload_weights(weights_iterator=...)``).
 
-Hidden states and the output projection for the chunked loss live in `grpo.loss`
+Hidden states and the output projection for the chunked loss live in `grpo.logprobs`
 (`model_hidden_states`, `output_projection_weight`).
 """
 

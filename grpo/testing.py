@@ -453,7 +453,7 @@ def response_logprobs_from_logits(
 ) -> torch.Tensor:
     """Logprobs of the response tokens from full logits: the plain reference computation.
 
-    The chunked path of `grpo.loss` never materialises ``[L, V]`` logits; tests check it
+    The chunked path of `grpo.logprobs` never materialises ``[L, V]`` logits; tests check it
     against this direct log-softmax of the whole row.
 
     Args:

@@ -59,7 +59,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import torch  # noqa: E402
 
 from grpo.config import repo_root  # noqa: E402
-from grpo.loss import model_response_logprobs  # noqa: E402
+from grpo.logprobs import model_response_logprobs  # noqa: E402
 from grpo.models import build_model, load_hf_config, tune_to_hf_state_dict  # noqa: E402
 from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs  # noqa: E402
 from grpo.testing import build_tiny_qwen2  # noqa: E402

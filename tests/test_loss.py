@@ -6,15 +6,13 @@ import pytest
 import torch
 from torchtune.models.qwen2 import qwen2
 
-from grpo.loss import (
-    AGGREGATIONS,
-    GRPOWithChunkedOutputLoss,
-    combine_stats,
+from grpo.logprobs import (
     model_hidden_states,
     model_response_logprobs,
     output_projection_weight,
     response_logprobs_from_hidden,
 )
+from grpo.loss import AGGREGATIONS, GRPOWithChunkedOutputLoss, combine_stats
 from grpo.testing import response_logprobs_from_logits
 from grpo.types import PackedTrajectory
 

@@ -13,14 +13,8 @@ import torch
 from torchtune.models.qwen2 import qwen2
 
 from grpo.attention import use_packed_attention
-from grpo.loss import (
-    AGGREGATIONS,
-    GRPOWithChunkedOutputLoss,
-    combine_stats,
-    model_hidden_states,
-    model_response_logprobs,
-    output_projection_weight,
-)
+from grpo.logprobs import model_hidden_states, model_response_logprobs, output_projection_weight
+from grpo.loss import AGGREGATIONS, GRPOWithChunkedOutputLoss, combine_stats
 from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
 from grpo.types import ScoredTrajectory
 

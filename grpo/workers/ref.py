@@ -27,7 +27,7 @@ from grpo.config.options import (
     one_of,
     option,
 )
-from grpo.loss import model_response_logprobs
+from grpo.logprobs import model_response_logprobs
 from grpo.models import build_model, load_tokenizer, torch_dtype
 from grpo.packing import FLEX_BUCKET, pack_sequences, plan_packs, unpack_response_logprobs
 from grpo.rewards import batched_rewards

@@ -6,7 +6,8 @@ tokens, and accumulates gradients normalised by the whole batch's count (tokens 
 sequences), so the update does not depend on how the batch was split into packs or across
 workers. With several workers the model is sharded with FSDP2 (gloo on CPU, NCCL on GPU).
 
-Packing and the loss come from `grpo.packing` and `grpo.loss`; nothing here re-implements them.
+Packing, logprobs and the loss come from `grpo.packing`, `grpo.logprobs` and `grpo.loss`;
+nothing here re-implements them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from grpo.config.options import (
     one_of,
     option,
 )
-from grpo.loss import model_response_logprobs
+from grpo.logprobs import model_response_logprobs
 from grpo.models import (
     build_model,
     load_hf_config,

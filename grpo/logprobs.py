@@ -1,0 +1,249 @@
+"""Hidden states to response-token logprobs, a chunk of tokens at a time.
+
+Only response tokens are scored, so the output projection is applied to the hidden states at
+response positions only, a chunk of tokens at a time: the full ``[L, V]`` logits of a pack are
+never built. The projection and log-softmax of a chunk are recomputed in the backward pass
+instead of being kept, so the memory of the vocabulary projection is ``O(chunk_size * V)``
+whatever the number of response tokens. The reference actor scores with it
+(`model_response_logprobs`), the trainer and `grpo.loss` differentiate through it. Logprob of
+token t is read from the hidden state at t - 1: the shift happens here, once. Pure torch.
+
+Example:
+    >>> hidden = model_hidden_states(model, packed)
+    >>> logprobs = response_logprobs_from_hidden(hidden, output_projection_weight(model), packed)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from grpo.packing import packed_forward_inputs
+from grpo.types import PackedTrajectory
+
+DEFAULT_CHUNK_SIZE = 512
+
+
+class _ChunkedLinearLogprobs(torch.autograd.Function):
+    """``log_softmax(hidden @ weight.T)[t, targets[t]]``, a chunk of rows at a time.
+
+    Forward keeps no logits; backward recomputes each chunk's logits and uses
+    ``d logprob / d logits = onehot(target) - softmax(logits)``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size):
+        # At least fp32 (bf16 logits are upcast); float64 inputs stay float64.
+        compute_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        logprobs = torch.empty(hidden.shape[0], dtype=compute_dtype, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = start + chunk_size
+            logits = (hidden[start:end] @ weight.t()).to(compute_dtype)
+            target_logits = logits.gather(1, targets[start:end, None]).squeeze(1)
+            logprobs[start:end] = target_logits - torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunk_size = chunk_size
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs):
+        hidden, weight, targets = ctx.saved_tensors
+        needs_hidden_grad, needs_weight_grad = ctx.needs_input_grad[:2]
+        grad_hidden = torch.zeros_like(hidden) if needs_hidden_grad else None
+        grad_weight = torch.zeros_like(weight) if needs_weight_grad else None
+        compute_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        grad_logprobs = grad_logprobs.to(compute_dtype)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = start + ctx.chunk_size
+            hidden_chunk = hidden[start:end]
+            grad_chunk = grad_logprobs[start:end, None]
+            logits = (hidden_chunk @ weight.t()).to(compute_dtype)
+            grad_logits = logits.softmax(dim=-1).mul_(-grad_chunk)
+            grad_logits.scatter_add_(1, targets[start:end, None], grad_chunk)
+            grad_logits = grad_logits.to(hidden.dtype)
+            if needs_hidden_grad:
+                grad_hidden[start:end] = grad_logits @ weight
+            if needs_weight_grad:
+                grad_weight.addmm_(grad_logits.t(), hidden_chunk)
+        return grad_hidden, grad_weight, None, None
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def _response_positions(
+    length: int, response_mask: torch.Tensor, targets: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """Indices ``t - 1`` of every response token ``t``: where its logprob is read from."""
+    if response_mask.dim() != 1 or response_mask.numel() != length:
+        raise ValueError(
+            f"response_mask must have shape ({length},), got {tuple(response_mask.shape)}"
+        )
+    if targets.dim() != 1:
+        raise ValueError(f"targets must be 1-D, got shape {tuple(targets.shape)}")
+    # The one place where the shift happens: the logits at t-1 predict the token at t.
+    positions = response_mask[1:].bool().nonzero().squeeze(-1).to(device)
+    if positions.numel() != targets.numel():
+        raise ValueError(
+            f"response_mask[1:] selects {positions.numel()} positions but there are "
+            f"{targets.numel()} targets (the first token of a pack cannot be a response token)"
+        )
+    return positions
+
+
+def response_logprobs_from_hidden(
+    hidden_states: torch.Tensor,
+    output_weight: torch.Tensor,
+    response_mask: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Logprobs of the response tokens of a pack, projecting to the vocabulary in chunks.
+
+    Selects ``hidden_states[:-1][response_mask[1:]]`` (the hidden state before each response
+    token), projects ``chunk_size`` of them at a time with ``output_weight`` and takes the fp32
+    log-softmax at ``targets``. The chunk logits are recomputed in backward, never stored.
+
+    Args:
+        hidden_states (torch.Tensor): Final (post-norm) hidden states of one packed row,
+            ``[L, D]`` or ``[1, L, D]``.
+        output_weight (torch.Tensor): Output projection weight ``[V, D]`` (no bias).
+        response_mask (torch.Tensor): Bool ``[L]``, True on response tokens.
+        targets (torch.Tensor): Response token ids in pack order, ``[T]``.
+        chunk_size (int): Response tokens projected at once.
+
+    Returns:
+        torch.Tensor: Logprobs ``[T]`` in fp32 (float64 for float64 inputs), differentiable
+        w.r.t. ``hidden_states`` and ``output_weight``.
+
+    Raises:
+        ValueError: On mismatched shapes, or if ``response_mask`` and ``targets`` disagree.
+
+    Example:
+        >>> hidden = torch.randn(10, 16)
+        >>> weight = torch.randn(32, 16)
+        >>> response_mask = torch.tensor([0, 0, 0, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+        >>> targets = torch.randint(0, 32, (5,))
+        >>> response_logprobs_from_hidden(hidden, weight, response_mask, targets, 2).shape
+        torch.Size([5])
+    """
+    check_chunk_size(chunk_size)
+    if hidden_states.dim() == 3:
+        if hidden_states.shape[0] != 1:
+            raise ValueError(
+                f"hidden_states must be one packed row [1, L, D], got {tuple(hidden_states.shape)}"
+            )
+        hidden_states = hidden_states[0]
+    if hidden_states.dim() != 2:
+        raise ValueError(
+            f"hidden_states must be [L, D] or [1, L, D], got {tuple(hidden_states.shape)}"
+        )
+    if output_weight.dim() != 2 or output_weight.shape[1] != hidden_states.shape[1]:
+        raise ValueError(
+            f"output_weight must be [V, {hidden_states.shape[1]}], got {tuple(output_weight.shape)}"
+        )
+    positions = _response_positions(
+        hidden_states.shape[0], response_mask, targets, hidden_states.device
+    )
+    selected = hidden_states.index_select(0, positions).to(output_weight.dtype)
+    return _ChunkedLinearLogprobs.apply(
+        selected, output_weight, targets.to(selected.device).long(), chunk_size
+    )
+
+
+def output_projection_weight(
+    model_or_projection: nn.Module | Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """The ``[V, D]`` weight of a torchtune model's output projection.
+
+    Accepts a ``TransformerDecoder`` (its ``output`` is used), an ``nn.Linear`` without bias,
+    or a ``TiedLinear`` (tied embeddings: the embedding weight).
+
+    Under FSDP2 read it after the model's forward: the output projection then belongs to the
+    root group, whose parameters stay unsharded until backward.
+
+    Raises:
+        TypeError: For a projection that is not a bias-free linear map.
+    """
+    projection = getattr(model_or_projection, "output", model_or_projection)
+    # torchtune's TiedLinear is a plain callable holding the embedding module.
+    if hasattr(projection, "tied_module"):
+        return projection.tied_module.weight
+    if isinstance(projection, nn.Linear):
+        if projection.bias is not None:
+            raise TypeError(
+                "output projection has a bias; only bias-free projections are supported"
+            )
+        return projection.weight
+    raise TypeError(
+        f"unsupported output projection {type(projection).__name__}; expected nn.Linear "
+        "(bias=False) or torchtune TiedLinear"
+    )
+
+
+@contextlib.contextmanager
+def _skip_output_projection(model: nn.Module) -> Iterator[None]:
+    """Make a torchtune ``TransformerDecoder`` return its final-norm output, not logits."""
+    if hasattr(model, "skip_output_layer"):  # torchtune versions that support it natively
+        previous = model.skip_output_layer
+        model.skip_output_layer = True
+        try:
+            yield
+        finally:
+            model.skip_output_layer = previous
+        return
+    # torchtune 0.6.1: forward ends with `self.unembed(h)` = norm then output. An instance
+    # attribute shadows the method for this call only; the norm module (and any hooks on it)
+    # still runs. A lambda, not the module itself, so nn.Module does not register a submodule.
+    previous = model.__dict__.get("unembed")  # an override set by someone else stays
+    model.unembed = lambda hidden: model.norm(hidden)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del model.unembed
+        else:
+            model.unembed = previous
+
+
+def model_hidden_states(model: nn.Module, packed: PackedTrajectory) -> torch.Tensor:
+    """Run a torchtune ``TransformerDecoder`` on a pack and return post-norm hidden states.
+
+    Args:
+        model (nn.Module): A torchtune ``TransformerDecoder``.
+        packed (PackedTrajectory): The pack; `grpo.packing.packed_forward_inputs` turns its
+            block-causal mask and restarting position ids into ``mask`` and ``input_pos``.
+
+    Returns:
+        torch.Tensor: ``[L, D]`` hidden states after the final norm.
+    """
+    with _skip_output_projection(model):
+        hidden = model(**packed_forward_inputs(packed))
+    if isinstance(hidden, list):  # output_hidden_states set: the final output is last
+        hidden = hidden[-1]
+    return hidden[0]
+
+
+def model_response_logprobs(
+    model: nn.Module, packed: PackedTrajectory, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """Response logprobs of a pack under a torchtune model, through the chunked projection.
+
+    Args:
+        model (nn.Module): A torchtune ``TransformerDecoder``.
+        packed (PackedTrajectory): The pack.
+        chunk_size (int): Response tokens projected at once.
+
+    Returns:
+        torch.Tensor: fp32 logprobs ``[packed.num_response_tokens]`` aligned with
+        ``packed.targets``; differentiable unless called under ``torch.no_grad()``.
+    """
+    hidden = model_hidden_states(model, packed)
+    return response_logprobs_from_hidden(
+        hidden, output_projection_weight(model), packed.response_mask, packed.targets, chunk_size
+    )
