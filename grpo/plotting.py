@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grpo.workers.metric_logger import RESERVED_KEYS, step_metric_for
+from grpo.metric_names import RESERVED_KEYS, step_metric_for
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class PlotSpec:
     one_panel_per_series: bool = False
 
 
-# The metric names are `grpo.workers.metric_logger.METRIC_NAMES` entries (a test checks it).
+# The metric names are `grpo.metric_names.METRIC_NAMES` entries (a test checks it).
 PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec(
         "rewards_per_function",

@@ -15,19 +15,19 @@ import pytest
 import torch
 import yaml
 
-from grpo.workers.metric_logger import (
+from grpo.metric_names import (
     GLOBAL_STEP,
     INFERENCE_STEP,
     METRIC_NAMES,
     REF_STEP,
     STEP_METRIC_RULES,
     TRAIN_STEP,
-    MetricLogger,
     is_known_metric,
     ratio_metrics,
     reward_metric_names,
     step_metric_for,
 )
+from grpo.workers.metric_logger import MetricLogger
 
 
 def _strict_json_lines(path: Path) -> list[dict]:

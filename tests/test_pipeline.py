@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from grpo.cli import main as grpo_main
 from grpo.config import load_config
+from grpo.metric_names import METRIC_NAMES
 from grpo.testing import read_jsonl
-from grpo.workers.metric_logger import METRIC_NAMES
 
 pytestmark = pytest.mark.slow
 

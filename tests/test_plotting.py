@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from grpo.metric_names import METRIC_NAMES, is_known_metric
 from grpo.plotting import PLOTS, default_smoothing_window, moving_average, plot_run, read_metrics
-from grpo.workers.metric_logger import METRIC_NAMES, MetricLogger, is_known_metric
+from grpo.workers.metric_logger import MetricLogger
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

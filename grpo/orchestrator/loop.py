@@ -19,6 +19,7 @@ import ray
 from omegaconf import DictConfig
 from ray.exceptions import RayActorError, RayTaskError
 
+from grpo.metric_names import ratio_metrics
 from grpo.orchestrator.checkpointer import Checkpointer
 from grpo.orchestrator.errors import ActorFailedError, TrainingDivergedError
 from grpo.orchestrator.ledger import InFlightLedger
@@ -26,7 +27,6 @@ from grpo.orchestrator.metrics import RunLedger, debug_tables, step_metrics
 from grpo.orchestrator.state import Call, CallKind, RunState
 from grpo.orchestrator.supervisor import ActorSupervisor, Recovery, Role, actor_name
 from grpo.orchestrator.weight_sync import WeightSync
-from grpo.workers.metric_logger import ratio_metrics
 
 log = logging.getLogger("grpo")
 

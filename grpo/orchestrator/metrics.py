@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from grpo.workers.metric_logger import ratio_metrics
+from grpo.metric_names import ratio_metrics
 
 
 def step_metrics(

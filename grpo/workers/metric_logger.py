@@ -11,7 +11,7 @@ in any order. The JSONL keeps each call's step as given (plus the ``actor`` that
 drops a ``log(..., step=s)`` whose ``s`` is lower than a step already logged, so the logger never
 passes ``step=`` to W&B. It declares one step metric per namespace with ``define_metric``
 instead (``train_actor_*`` and ``eval/*`` on ``train_step``, ``ref_actor_*`` on ``ref_step``,
-``inference/*`` on ``inference_step``, see `STEP_METRIC_RULES`) and sends that step metric's
+``inference/*`` on ``inference_step``, see `grpo.metric_names.STEP_METRIC_RULES`) and sends that step metric's
 value with every ``log`` call. W&B's own ``_step`` then just counts calls (always increasing),
 and each chart uses its namespace's step as x axis, so an actor running behind loses nothing.
 
@@ -35,100 +35,18 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
-
-# The step metrics W&B plots against (see the module docstring).
-TRAIN_STEP = "train_step"
-REF_STEP = "ref_step"
-INFERENCE_STEP = "inference_step"
-# Step metric of a key that no rule covers and whose call named no known actor.
-GLOBAL_STEP = "global_step"
-
-# (W&B metric name or glob, step metric), checked in order: exact names before the namespace
-# globs that would otherwise claim them. The `queues/` keys come from different actors, so each
-# one is routed to the actor that logs it.
-STEP_METRIC_RULES: tuple[tuple[str, str], ...] = (
-    ("queues/train_replay_buffer_size", TRAIN_STEP),
-    ("queues/replay_buffer_*", TRAIN_STEP),
-    ("queues/rollout_queue_size", REF_STEP),
-    ("train_actor_*", TRAIN_STEP),
-    ("ref_actor_*", REF_STEP),
-    ("inference/*", INFERENCE_STEP),
-    ("eval/*", TRAIN_STEP),
-    ("faults/*", TRAIN_STEP),
+from grpo.metric_names import (
+    GLOBAL_STEP,
+    INFERENCE_STEP,
+    REF_STEP,
+    RESERVED_KEYS,
+    STEP_METRIC_RULES,
+    TRAIN_STEP,
+    rule_for,
+    step_metric_for,
 )
 
-# The ``actor`` argument of `MetricLogger.log_dict` -> the step metric of keys no rule covers.
-ACTOR_STEP_METRIC: dict[str, str] = {
-    "train": TRAIN_STEP,
-    "ref": REF_STEP,
-    "inference": INFERENCE_STEP,
-    "eval": TRAIN_STEP,
-}
-
-# The metric names each actor logs: the contract between the actors, the plots and the tests.
-# Names with ``{name}`` are templates filled with a reward function's name (see
-# `reward_metric_names`). Actors may log more keys than these (e.g. ``.../memory/*``); these are
-# the ones other code relies on.
-METRIC_NAMES: dict[str, tuple[str, ...]] = {
-    # PyTorchActorModel, keyed on the optimizer step (`train_step`).
-    "train": (
-        "train_actor_training/loss",
-        "train_actor_training/policy_loss",
-        "train_actor_training/kl_loss",
-        "train_actor_training/ratios",
-        "train_actor_training/clipfrac",
-        "train_actor_training/approx_policy_kls",
-        "train_actor_training/response_lengths",
-        "train_actor_training/policy_age_mean",
-        "train_actor_training/policy_age_max",
-        "train_actor_training/grad_norm",
-        "train_actor_training/lr",
-        "train_actor_performance/total_step_time (s)",
-        "train_actor_performance/time_grpo_steps (s)",
-        "train_actor_performance/pct_time_grpo_steps (%)",
-        "train_actor_performance/tokens_per_second",
-        "train_actor_performance/time_weight_sync (s)",
-        "train_actor_performance/pct_time_weight_sync (%)",
-        "train_actor_performance/padded_tokens_percentage (%)",
-        "train_actor_performance/time_waiting_buffer (s)",
-        "train_actor_performance/pct_time_waiting_buffer (%)",
-        "train_actor_performance/time_weight_gather (s)",
-        "train_actor_performance/pct_time_weight_gather (%)",
-        "queues/train_replay_buffer_size",
-        "queues/replay_buffer_dropped_stale",
-    ),
-    # RefActor, keyed on its own step (`ref_step`).
-    "ref": (
-        "ref_actor_performance/total_rollout_time (s)",
-        "ref_actor_performance/time_model_running (s)",
-        "ref_actor_performance/pct_time_model_running (%)",
-        "ref_actor_performance/time_waiting_buffer (s)",
-        "ref_actor_performance/pct_time_waiting_buffer (%)",
-        "ref_actor_performance/total_tokens_processed",
-        "queues/rollout_queue_size",
-        "ref_actor_rewards/rewards_mean",
-        "ref_actor_rewards/successes_mean",
-        "ref_actor_rewards/rewards_func_{name}_mean",
-        "ref_actor_rewards/successes_func_{name}_mean",
-    ),
-    # SyncLLMCollector (vLLM), keyed on its generation round (`inference_step`).
-    "inference": (
-        "inference/tokens_per_second",
-        "inference/time_generation (s)",
-        "inference/time_weight_update (s)",
-        "inference/policy_version",
-        "inference/response_length_mean",
-    ),
-    # Held-out evaluation, keyed on the train step whose weights were evaluated.
-    "eval": (
-        "eval/accuracy",
-        "eval/num_examples",
-    ),
-}
-
-# Keys a metric may not use: they are the JSONL record's own fields.
-RESERVED_KEYS = frozenset({"step", "time", "actor"})
+log = logging.getLogger(__name__)
 
 # What stdout shows when `stdout_keys` is not given: a few headline numbers per actor.
 DEFAULT_STDOUT_KEYS: tuple[str, ...] = (
@@ -144,98 +62,6 @@ DEFAULT_STDOUT_KEYS: tuple[str, ...] = (
 
 _WANDB_MODES = ("online", "offline", "disabled")
 _TABLE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-
-
-def reward_metric_names(func_name: str) -> tuple[str, str]:
-    """The per-function reward and success metric names of a reward function.
-
-    Args:
-        func_name (str): The reward function's name, as in ``reward_metadata["func_names"]``.
-
-    Returns:
-        tuple[str, str]: ``(rewards key, successes key)``.
-
-    Example:
-        >>> reward_metric_names("math_correct")
-        ('ref_actor_rewards/rewards_func_math_correct_mean', 'ref_actor_rewards/successes_func_math_correct_mean')
-    """
-    return (
-        f"ref_actor_rewards/rewards_func_{func_name}_mean",
-        f"ref_actor_rewards/successes_func_{func_name}_mean",
-    )
-
-
-def is_known_metric(key: str) -> bool:
-    """Whether `key` is one of `METRIC_NAMES` (templates match any function name).
-
-    Args:
-        key (str): A metric name.
-
-    Returns:
-        bool: True if some actor's list names it.
-    """
-    for names in METRIC_NAMES.values():
-        for name in names:
-            if key == name or (
-                "{name}" in name and fnmatch.fnmatchcase(key, name.replace("{name}", "*"))
-            ):
-                return True
-    return False
-
-
-def step_metric_for(key: str, actor: str | None = None) -> str:
-    """The W&B step metric (x axis) that metric `key` is plotted against.
-
-    Args:
-        key (str): A metric name.
-        actor (str | None): The actor that logged it (a key of `ACTOR_STEP_METRIC`); decides
-            for keys that no rule of `STEP_METRIC_RULES` covers.
-
-    Returns:
-        str: ``"train_step"``, ``"ref_step"``, ``"inference_step"`` or ``"global_step"``.
-
-    Example:
-        >>> step_metric_for("ref_actor_rewards/rewards_mean")
-        'ref_step'
-    """
-    rule = _rule_for(key)
-    if rule is not None:
-        return rule[1]
-    return ACTOR_STEP_METRIC.get(actor or "", GLOBAL_STEP)
-
-
-def _rule_for(key: str) -> tuple[str, str] | None:
-    for pattern, step_metric in STEP_METRIC_RULES:
-        if fnmatch.fnmatchcase(key, pattern):
-            return pattern, step_metric
-    return None
-
-
-def ratio_metrics(prefix: str, durations: Mapping[str, float], total: float) -> dict[str, float]:
-    """Percent-of-total entries for a set of timings, named like ``{prefix}/pct_{name} (%)``.
-
-    One place for the ``time / total * 100`` arithmetic of the performance metrics, with the
-    zero-total guard (a step that took no measurable time reports 0 %, not a division error).
-
-    Args:
-        prefix (str): Metric namespace, e.g. ``"train_actor_performance"``.
-        durations (Mapping[str, float]): Seconds per timing, keyed by name (``"time_x"`` or
-            ``"time_x (s)"``; the ``" (s)"`` suffix is dropped).
-        total (float): Seconds of the whole step.
-
-    Returns:
-        dict[str, float]: ``{f"{prefix}/pct_{name} (%)": 100 * seconds / total}``.
-
-    Example:
-        >>> ratio_metrics("ref_actor_performance", {"time_model_running": 1.5}, total=2.0)
-        {'ref_actor_performance/pct_time_model_running (%)': 75.0}
-    """
-    metrics = {}
-    for name, seconds in durations.items():
-        name = name.removesuffix(" (s)")
-        # `total > 0` is False for NaN as well, so a broken timer reads 0 % rather than NaN.
-        metrics[f"{prefix}/pct_{name} (%)"] = 100.0 * seconds / total if total > 0 else 0.0
-    return metrics
 
 
 def _resolve_mode(mode: str) -> str:
@@ -598,7 +424,7 @@ class MetricLogger:
                 # W&B needs the x value in the same call; a call can carry two step metrics
                 # (e.g. a key routed to train_step logged by the ref actor), both = `step`.
                 payload.setdefault(step_metric, step)
-                if _rule_for(key) is None and key not in self._wandb_defined:
+                if rule_for(key) is None and key not in self._wandb_defined:
                     self._wandb_run.define_metric(key, step_metric=step_metric)
                     self._wandb_defined.add(key)
             # No `step=`: W&B's own step just counts calls, see the module docstring.
