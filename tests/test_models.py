@@ -431,7 +431,7 @@ def test_save_hf_checkpoint_is_atomic_on_write_failure(
         Path(filename).write_bytes(b"half a safetensors file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(models, "save_file", failing_save_file)
+    monkeypatch.setattr(models.save, "save_file", failing_save_file)
     with pytest.raises(OSError, match="disk full"):
         models.save_hf_checkpoint(
             perturbed_state_dict(models.build_model(tiny_model_dir), 2), tiny_model_dir, out
@@ -457,7 +457,7 @@ def test_save_hf_checkpoint_restores_old_folder_if_swap_fails(
                 raise OSError("rename failed")
         return real_rename(src, dst)
 
-    monkeypatch.setattr(models.os, "rename", rename_failing_on_publish)
+    monkeypatch.setattr(models.save.os, "rename", rename_failing_on_publish)
     with pytest.raises(OSError, match="rename failed"):
         models.save_hf_checkpoint(
             perturbed_state_dict(models.build_model(tiny_model_dir), 3), tiny_model_dir, out

@@ -1,0 +1,70 @@
+"""Models, tokenizers and checkpoints in Hugging Face layout, through torchtune.
+
+A model folder is a Hugging Face checkpoint; everything about the architecture is read from
+its ``config.json``. The parts:
+
+* `hf_folder`: read a folder (``config.json``, single or sharded safetensors weights).
+* `qwen2`: the Qwen2 / Qwen2.5 family: torchtune builder arguments from ``config.json``,
+  HF <-> torchtune weight names, the tokenizer.
+* `build`: `build_model` (a torchtune ``TransformerDecoder`` with the folder's weights) and the
+  config dtype names (`torch_dtype`).
+* `save`: `save_hf_checkpoint`, a torchtune state dict written as a folder, atomically.
+
+Hidden states and the output projection for the chunked loss live in `grpo.logprobs`
+(`model_hidden_states`, `output_projection_weight`).
+"""
+
+import torchao.quantization
+
+
+def _patch_torchao_for_torchtune() -> None:
+    """Let ``torchtune.training`` import with torchao 0.16.
+
+    torchtune 0.6.1's ``torchtune.training.quantization`` imports ``int4_weight_only`` and
+    ``int8_dynamic_activation_int4_weight`` from ``torchao.quantization``. torchao 0.16 removed
+    these names, which were aliases of the config classes below, so without them every import
+    of ``torchtune.training`` (checkpointers, ``set_default_dtype``, FSDP helpers) fails.
+    """
+    aliases = {
+        "int4_weight_only": "Int4WeightOnlyConfig",
+        "int8_dynamic_activation_int4_weight": "Int8DynamicActivationInt4WeightConfig",
+    }
+    for old_name, config_name in aliases.items():
+        if not hasattr(torchao.quantization, old_name):
+            setattr(torchao.quantization, old_name, getattr(torchao.quantization, config_name))
+
+
+_patch_torchao_for_torchtune()
+
+# The submodules import torchtune, which needs the aliases above first.
+from grpo.models.build import DTYPES, build_model, torch_dtype  # noqa: E402
+from grpo.models.hf_folder import (  # noqa: E402
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX_FILE,
+    load_hf_config,
+    load_hf_state_dict,
+)
+from grpo.models.qwen2 import (  # noqa: E402
+    hf_to_tune_state_dict,
+    hf_weight_iterator,
+    load_tokenizer,
+    qwen2_builder_args,
+    tune_to_hf_state_dict,
+)
+from grpo.models.save import save_hf_checkpoint  # noqa: E402
+
+__all__ = [
+    "DTYPES",
+    "SAFETENSORS_FILE",
+    "SAFETENSORS_INDEX_FILE",
+    "build_model",
+    "hf_to_tune_state_dict",
+    "hf_weight_iterator",
+    "load_hf_config",
+    "load_hf_state_dict",
+    "load_tokenizer",
+    "qwen2_builder_args",
+    "save_hf_checkpoint",
+    "torch_dtype",
+    "tune_to_hf_state_dict",
+]

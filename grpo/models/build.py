@@ -1,0 +1,87 @@
+"""Build a torchtune model from a Hugging Face model folder, in the dtype a config names."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torchtune.models.qwen2 import qwen2
+from torchtune.modules import TransformerDecoder
+from torchtune.training import set_default_dtype
+
+from grpo.models.hf_folder import load_hf_config, load_hf_state_dict, model_folder
+from grpo.models.qwen2 import hf_to_tune_state_dict, qwen2_builder_args
+
+# Config spellings of the parameter dtypes the actors take (ref.dtype, training.dtype).
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config dtype name (``fp32``, ``bf16``, ``float32``, ``bfloat16``).
+
+    Args:
+        name (str): A key of `DTYPES`.
+
+    Returns:
+        torch.dtype: The dtype.
+
+    Raises:
+        ValueError: For any other name, listing the accepted ones.
+    """
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
+def build_model(
+    model_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    load_weights: bool = True,
+    max_seq_len: int | None = None,
+) -> TransformerDecoder:
+    """Build torchtune's Qwen2 ``TransformerDecoder`` from a Hugging Face model folder.
+
+    Args:
+        model_dir (str | os.PathLike): Model folder (``config.json`` + safetensors weights).
+        dtype (torch.dtype): Parameter dtype.
+        device (str | torch.device): Device to build on. ``"meta"`` needs
+            ``load_weights=False`` (for FSDP, which materialises and loads later).
+        load_weights (bool): Load the checkpoint's weights; otherwise keep torchtune's init.
+        max_seq_len (int | None): Longest sequence the model will see (sizes the RoPE cache);
+            defaults to ``max_position_embeddings``.
+
+    Returns:
+        TransformerDecoder: The model, in training mode.
+
+    Raises:
+        FileNotFoundError: If the folder, config or weights are missing.
+        ValueError: If the config is not a supported Qwen2 config, or ``device="meta"`` is
+            combined with ``load_weights=True``.
+        RuntimeError: If the checkpoint's tensors do not match the model (missing or
+            unexpected keys, wrong shapes).
+
+    Example:
+        >>> model = build_model("/path/to/Qwen2.5-0.5B", dtype=torch.bfloat16)
+        >>> logits = model(torch.tensor([[1, 2, 3]]))  # [1, 3, vocab_size], float32
+    """
+    model_dir = model_folder(model_dir)
+    hf_config = load_hf_config(model_dir)
+    builder_args = qwen2_builder_args(hf_config)
+    if max_seq_len is not None:
+        builder_args["max_seq_len"] = max_seq_len
+    if torch.device(device).type == "meta" and load_weights:
+        raise ValueError("device='meta' builds an empty model; pass load_weights=False")
+    with set_default_dtype(dtype), torch.device(device):
+        model = qwen2(**builder_args)
+    if load_weights:
+        state_dict = hf_to_tune_state_dict(load_hf_state_dict(model_dir), hf_config)
+        # strict: a renamed or missing tensor must fail here, not train silently from init.
+        model.load_state_dict(state_dict, strict=True)
+    return model
