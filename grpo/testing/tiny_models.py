@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -30,9 +29,6 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers import processors as tokenizer_processors
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
-
-from grpo.loss import GRPOWithChunkedOutputLoss
-from grpo.types import GRPOStats
 
 # Qwen2's pre-tokenizer: contractions, letter runs, single digits (so numbers split digit by
 # digit), punctuation runs, newlines and spaces. Identical to the regex of torchtune's and
@@ -400,19 +396,6 @@ def set_vllm_cpu_env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-class NonFiniteLoss(GRPOWithChunkedOutputLoss):
-    """`GRPOWithChunkedOutputLoss` whose loss is NaN: injects a diverged training step.
-
-    For tests of the non-finite guard (``training.loss._component_=grpo.testing.NonFiniteLoss``):
-    the trainer must skip such steps, leave the weights alone and count them, and the run must
-    stop with a checkpoint after ``training.max_nonfinite_steps_in_a_row``.
-    """
-
-    def compute_loss_from_logprobs(self, *args: Any, **kwargs: Any) -> GRPOStats:
-        stats = super().compute_loss_from_logprobs(*args, **kwargs)
-        return dataclasses.replace(stats, loss=stats.loss * float("nan"))
-
-
 def make_fake_model_dir(folder: str | os.PathLike, max_position_embeddings: int = 512) -> Path:
     """A folder that passes the model-folder checks of config validation, without real weights.
 
@@ -434,116 +417,3 @@ def make_fake_model_dir(folder: str | os.PathLike, max_position_embeddings: int 
     (folder / "merges.txt").write_text("#version: 0.2\n")
     (folder / "model.safetensors").write_bytes(b"")
     return folder
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file a run wrote (``metrics.jsonl``, ``trained.jsonl``, ...).
-
-    Args:
-        path (str | os.PathLike): The file.
-
-    Returns:
-        list[dict[str, Any]]: One dict per non-blank line, in file order.
-    """
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def response_logprobs_from_logits(
-    logits: torch.Tensor, response_mask: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    """Logprobs of the response tokens from full logits: the plain reference computation.
-
-    The chunked path of `grpo.logprobs` never materialises ``[L, V]`` logits; tests check it
-    against this direct log-softmax of the whole row.
-
-    Args:
-        logits (torch.Tensor): ``[L, V]`` or ``[1, L, V]`` logits of one packed row.
-        response_mask (torch.Tensor): Bool ``[L]``, True on response tokens.
-        targets (torch.Tensor): Response token ids in pack order, ``[T]``.
-
-    Returns:
-        torch.Tensor: Logprobs ``[T]``, in float32 or wider (float64 logits stay float64).
-    """
-    if logits.dim() == 3:
-        logits = logits[0]
-    # The logits at t - 1 predict the token at t.
-    response_logits = logits[:-1][response_mask[1:].to(logits.device).bool()]
-    logprobs = response_logits.to(torch.promote_types(logits.dtype, torch.float32))
-    logprobs = logprobs.log_softmax(dim=-1)
-    return logprobs.gather(1, targets.to(logits.device).long()[:, None]).squeeze(1)
-
-
-def start_tiny_run(
-    model_dir: str | os.PathLike, run_dir: str | os.PathLike, num_steps: int, *overrides: str
-) -> Any:
-    """Start every actor of a ``tiny_arithmetic_cpu`` run, without evaluation.
-
-    For fault tests and drills that drive `Orchestrator.run` themselves and kill actors
-    meanwhile (see `kill_at_steps`). Starts a local Ray cluster if none is running.
-
-    Args:
-        model_dir: HF folder of the model (e.g. `build_tiny_qwen2`'s).
-        run_dir: A new folder for the run.
-        num_steps (int): ``orchestration.num_steps``.
-        *overrides (str): More ``key=value`` config overrides.
-
-    Returns:
-        Orchestrator: With every actor started; call ``run()``, then ``shutdown()``.
-    """
-    from grpo.config import load_config
-    from grpo.models import load_tokenizer
-    from grpo.orchestrator import Orchestrator, init_ray
-
-    cfg = load_config(
-        "tiny_arithmetic_cpu",
-        [
-            f"base_model_path={model_dir}",
-            f"output_dir={run_dir}",
-            f"orchestration.num_steps={num_steps}",
-            "eval_every_n_steps=null",
-            *overrides,
-        ],
-    )
-    Path(run_dir).mkdir(parents=True)
-    init_ray(cfg)
-    tokenizer = load_tokenizer(model_dir)
-    run = Orchestrator(cfg, Path(run_dir), tokenizer)
-    run.start_actors(pad_token_id=tokenizer.pad_id)
-    return run
-
-
-def kill_at_steps(run: Any, victims: list[tuple[int, str]]) -> dict[str, float]:
-    """In a background thread, ``ray.kill`` each named actor once the run reaches its step.
-
-    Args:
-        run (Orchestrator): A started run.
-        victims (list[tuple[int, str]]): ``(step, name)`` in order; names are
-            ``collector[i]``, ``ref_actor[i]``, ``replay_buffer`` and ``trainer[i]``.
-
-    Returns:
-        dict[str, float]: Filled with ``{name: time.monotonic() of the kill}`` as it goes.
-    """
-    import threading
-    import time
-
-    import ray
-
-    def actor(name: str) -> Any:
-        if name == "replay_buffer":
-            return run.replay_buffer
-        kind, index = name.rstrip("]").split("[")
-        actors = {"collector": run.collectors, "ref_actor": run.ref_actors, "trainer": run.trainers}
-        return actors[kind][int(index)]
-
-    killed_at: dict[str, float] = {}
-
-    def kill() -> None:
-        for step, name in victims:
-            deadline = time.monotonic() + 300
-            while run.state.step < step and time.monotonic() < deadline:
-                time.sleep(0.05)
-            killed_at[name] = time.monotonic()
-            ray.kill(actor(name), no_restart=True)
-
-    threading.Thread(target=kill, daemon=True).start()
-    return killed_at

@@ -1,0 +1,56 @@
+"""Test support: tiny checkpoints built on the fly, and helpers for tests and drills.
+
+Tests and the CPU demo cannot download a model, so they build one (`tiny_models`): a small
+randomly initialised decoder with a byte-level BPE tokenizer, written in the same Hugging Face
+layout as a real checkpoint, so the same loading code (``grpo.models``, vLLM) serves both.
+`helpers` holds what tests and drills need around it: a diverging loss, the full-logits
+reference of the chunked logprobs, and helpers that run a tiny run and kill its actors.
+
+Example:
+    >>> from grpo.testing import build_tiny_qwen2, tiny_vllm_engine_kwargs
+    >>> model_dir = build_tiny_qwen2("/tmp/tiny_qwen2")
+    >>> from vllm import LLM  # doctest: +SKIP
+    >>> llm = LLM(model=str(model_dir), **tiny_vllm_engine_kwargs())  # doctest: +SKIP
+"""
+
+from grpo.testing.helpers import (
+    NonFiniteLoss,
+    kill_at_steps,
+    read_jsonl,
+    response_logprobs_from_logits,
+    start_tiny_run,
+)
+from grpo.testing.tiny_models import (
+    CHATML_TEMPLATE,
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    QWEN2_PRETOKENIZE_REGEX,
+    SPECIAL_TOKENS,
+    TOKENIZER_FILES,
+    build_tiny_qwen2,
+    make_fake_model_dir,
+    set_vllm_cpu_env,
+    tiny_corpus,
+    tiny_vllm_engine_kwargs,
+)
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "ENDOFTEXT",
+    "IM_END",
+    "IM_START",
+    "QWEN2_PRETOKENIZE_REGEX",
+    "SPECIAL_TOKENS",
+    "TOKENIZER_FILES",
+    "NonFiniteLoss",
+    "build_tiny_qwen2",
+    "kill_at_steps",
+    "make_fake_model_dir",
+    "read_jsonl",
+    "response_logprobs_from_logits",
+    "set_vllm_cpu_env",
+    "start_tiny_run",
+    "tiny_corpus",
+    "tiny_vllm_engine_kwargs",
+]

@@ -1,0 +1,146 @@
+"""Test support around the tiny models: a diverging loss, a full-logits reference, run helpers.
+
+`NonFiniteLoss` injects a diverged step; `response_logprobs_from_logits` is the plain
+full-logits reference the chunked path is checked against; `start_tiny_run` and
+`kill_at_steps` drive a real tiny run and kill its actors (fault tests and the fault drill);
+`read_jsonl` reads a run's logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo.loss import GRPOWithChunkedOutputLoss
+from grpo.types import GRPOStats
+
+
+class NonFiniteLoss(GRPOWithChunkedOutputLoss):
+    """`GRPOWithChunkedOutputLoss` whose loss is NaN: injects a diverged training step.
+
+    For tests of the non-finite guard (``training.loss._component_=grpo.testing.NonFiniteLoss``):
+    the trainer must skip such steps, leave the weights alone and count them, and the run must
+    stop with a checkpoint after ``training.max_nonfinite_steps_in_a_row``.
+    """
+
+    def compute_loss_from_logprobs(self, *args: Any, **kwargs: Any) -> GRPOStats:
+        stats = super().compute_loss_from_logprobs(*args, **kwargs)
+        return dataclasses.replace(stats, loss=stats.loss * float("nan"))
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file a run wrote (``metrics.jsonl``, ``trained.jsonl``, ...).
+
+    Args:
+        path (str | os.PathLike): The file.
+
+    Returns:
+        list[dict[str, Any]]: One dict per non-blank line, in file order.
+    """
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def response_logprobs_from_logits(
+    logits: torch.Tensor, response_mask: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Logprobs of the response tokens from full logits: the plain reference computation.
+
+    The chunked path of `grpo.logprobs` never materialises ``[L, V]`` logits; tests check it
+    against this direct log-softmax of the whole row.
+
+    Args:
+        logits (torch.Tensor): ``[L, V]`` or ``[1, L, V]`` logits of one packed row.
+        response_mask (torch.Tensor): Bool ``[L]``, True on response tokens.
+        targets (torch.Tensor): Response token ids in pack order, ``[T]``.
+
+    Returns:
+        torch.Tensor: Logprobs ``[T]``, in float32 or wider (float64 logits stay float64).
+    """
+    if logits.dim() == 3:
+        logits = logits[0]
+    # The logits at t - 1 predict the token at t.
+    response_logits = logits[:-1][response_mask[1:].to(logits.device).bool()]
+    logprobs = response_logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logprobs = logprobs.log_softmax(dim=-1)
+    return logprobs.gather(1, targets.to(logits.device).long()[:, None]).squeeze(1)
+
+
+def start_tiny_run(
+    model_dir: str | os.PathLike, run_dir: str | os.PathLike, num_steps: int, *overrides: str
+) -> Any:
+    """Start every actor of a ``tiny_arithmetic_cpu`` run, without evaluation.
+
+    For fault tests and drills that drive `Orchestrator.run` themselves and kill actors
+    meanwhile (see `kill_at_steps`). Starts a local Ray cluster if none is running.
+
+    Args:
+        model_dir: HF folder of the model (e.g. `build_tiny_qwen2`'s).
+        run_dir: A new folder for the run.
+        num_steps (int): ``orchestration.num_steps``.
+        *overrides (str): More ``key=value`` config overrides.
+
+    Returns:
+        Orchestrator: With every actor started; call ``run()``, then ``shutdown()``.
+    """
+    from grpo.config import load_config
+    from grpo.models import load_tokenizer
+    from grpo.orchestrator import Orchestrator, init_ray
+
+    cfg = load_config(
+        "tiny_arithmetic_cpu",
+        [
+            f"base_model_path={model_dir}",
+            f"output_dir={run_dir}",
+            f"orchestration.num_steps={num_steps}",
+            "eval_every_n_steps=null",
+            *overrides,
+        ],
+    )
+    Path(run_dir).mkdir(parents=True)
+    init_ray(cfg)
+    tokenizer = load_tokenizer(model_dir)
+    run = Orchestrator(cfg, Path(run_dir), tokenizer)
+    run.start_actors(pad_token_id=tokenizer.pad_id)
+    return run
+
+
+def kill_at_steps(run: Any, victims: list[tuple[int, str]]) -> dict[str, float]:
+    """In a background thread, ``ray.kill`` each named actor once the run reaches its step.
+
+    Args:
+        run (Orchestrator): A started run.
+        victims (list[tuple[int, str]]): ``(step, name)`` in order; names are
+            ``collector[i]``, ``ref_actor[i]``, ``replay_buffer`` and ``trainer[i]``.
+
+    Returns:
+        dict[str, float]: Filled with ``{name: time.monotonic() of the kill}`` as it goes.
+    """
+    import threading
+    import time
+
+    import ray
+
+    def actor(name: str) -> Any:
+        if name == "replay_buffer":
+            return run.replay_buffer
+        kind, index = name.rstrip("]").split("[")
+        actors = {"collector": run.collectors, "ref_actor": run.ref_actors, "trainer": run.trainers}
+        return actors[kind][int(index)]
+
+    killed_at: dict[str, float] = {}
+
+    def kill() -> None:
+        for step, name in victims:
+            deadline = time.monotonic() + 300
+            while run.state.step < step and time.monotonic() < deadline:
+                time.sleep(0.05)
+            killed_at[name] = time.monotonic()
+            ray.kill(actor(name), no_restart=True)
+
+    threading.Thread(target=kill, daemon=True).start()
+    return killed_at
