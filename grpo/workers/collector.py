@@ -26,6 +26,9 @@ Choices that other actors rely on:
 The orchestrator makes it a threaded Ray actor (`SyncLLMCollector.as_remote`) and drives it
 one batch at a time with `generate_batch_with_state`; `receive_weights` and `evaluate` reach it
 while a batch waits on a full rollout queue.
+
+The module is over 500 lines on purpose: it is one actor (and the ``inference:`` options it
+declares), whose methods all share the engine, the prompt stream and the weight receiver.
 """
 
 from __future__ import annotations

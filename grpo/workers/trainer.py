@@ -7,7 +7,9 @@ sequences), so the update does not depend on how the batch was split into packs 
 workers. With several workers the model is sharded with FSDP2 (gloo on CPU, NCCL on GPU).
 
 Packing, logprobs and the loss come from `grpo.packing`, `grpo.logprobs` and `grpo.loss`;
-nothing here re-implements them.
+nothing here re-implements them. The module is over 500 lines on purpose: it is one actor (and
+the ``training:`` options it declares), whose methods all share the model, optimizer and
+process group.
 """
 
 from __future__ import annotations
