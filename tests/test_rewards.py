@@ -220,6 +220,18 @@ def test_reward_function_decorator_configures_and_pickles():
         has_digit_reward(bouns=2.0)
 
 
+def test_function_reward_builds_from_a_config_node():
+    from grpo.config import InstantiationError, instantiate
+
+    path = f"{has_digit_reward.fn.__module__}.has_digit_reward"
+    configured = instantiate({"_component_": path, "bonus": 3.0, "name": "digit3"})
+    assert configured("a1", "") == (3.0, True)
+    assert configured.name == "digit3" and configured.failure_reward == -1.0
+    # A typo in the node is named, with the option the function does take.
+    with pytest.raises(InstantiationError, match=r"'bouns' \(did you mean 'bonus'\?\)"):
+        instantiate({"_component_": path, "bouns": 3.0})
+
+
 # ---------------------------------------------------------------------------------------------
 # batched_rewards
 # ---------------------------------------------------------------------------------------------

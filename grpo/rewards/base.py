@@ -98,6 +98,11 @@ class FunctionReward(RewardFunction):
         # Copy the function's name and docstring, but not its __dict__: an attribute of the
         # function must not overwrite this wrapper's name or options.
         functools.update_wrapper(self, fn, updated=())
+        # What `inspect.signature` reports is how a config calls this object (keyword options
+        # only: `instantiate` and `grpo validate` check a `_component_` node's keys against
+        # it), not the scoring call that `__wrapped__` would show.
+        del self.__wrapped__
+        self.__signature__ = _config_signature(fn)
         super().__init__(name=name, failure_reward=failure_reward)
         self.fn = fn
         self.options = dict(options or {})
@@ -156,6 +161,22 @@ class FunctionReward(RewardFunction):
             f"FunctionReward({_qualified_name(self.fn)}, name={self.name!r}, "
             f"failure_reward={self.failure_reward!r}, options={self.options!r})"
         )
+
+
+def _config_signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """Keyword-only ``name``, ``failure_reward`` and the options ``fn`` takes after
+    ``(completion, answer)`` (or ``**options`` if it takes any keyword)."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    parameters = [
+        inspect.Parameter("name", keyword, default=None),
+        inspect.Parameter("failure_reward", keyword, default=None),
+    ]
+    for parameter in list(inspect.signature(fn).parameters.values())[2:]:
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            parameters.append(parameter)
+        elif parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, keyword):
+            parameters.append(parameter.replace(kind=keyword))
+    return inspect.Signature(parameters)
 
 
 def _qualified_name(fn: Any) -> str:
