@@ -23,6 +23,7 @@ are read into (`section_of`); the validator walks those.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -156,15 +157,9 @@ DTYPE = one_of("fp32", "bf16", "float32", "bfloat16")
 def _default_kwargs(default: Any) -> dict[str, Any]:
     if default is REQUIRED:
         return {}
-    if isinstance(default, (dict, list)):
-        return {"default_factory": functools.partial(_copy, default)}
+    if isinstance(default, (dict, list)):  # mutable: each instance gets its own copy
+        return {"default_factory": lambda: copy.deepcopy(default)}
     return {"default": default}
-
-
-def _copy(value: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(value)
 
 
 def option(default: Any = REQUIRED, doc: str = "", *, check: Check | None = None) -> Any:
