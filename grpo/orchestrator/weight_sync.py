@@ -13,6 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
+from ray.exceptions import RayActorError
+
 log = logging.getLogger("grpo")
 
 
@@ -46,8 +49,16 @@ class WeightSync:
         gather_time = time.perf_counter() - start
         # The trainer put the weights in the object store once; every collector reads that
         # same object, and applies it between generation batches.
-        for collector in collectors:
-            self._send(collector, payload)
+        receipts = [self._send(collector, payload) for collector in collectors]
+        # Wait until each collector holds them: a collector is a threaded actor, so without
+        # this a batch launched right after the sync may start before `receive_weights` has
+        # run, and generate with the old weights (synchronous runs must not). A dead collector
+        # is left to its generation call, which finds it and has it replaced.
+        for receipt in receipts:
+            try:
+                ray.get(receipt)
+            except RayActorError:
+                pass
         self.last_payload = payload
         return payload["version"], {
             "train_actor_performance/time_weight_gather (s)": gather_time,
@@ -70,8 +81,8 @@ class WeightSync:
             self._send(collector, self.last_payload)
 
     @staticmethod
-    def _send(collector: Any, payload: dict[str, Any]) -> None:
-        collector.receive_weights.remote(
+    def _send(collector: Any, payload: dict[str, Any]) -> Any:
+        return collector.receive_weights.remote(
             payload["weights"], payload["version"], payload["checksum"], payload["probe"]
         )
 
