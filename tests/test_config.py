@@ -688,3 +688,14 @@ def test_run_config_from_a_loaded_config(config_path):
     assert run_schema().fields["ref"].fields["reward_timeout_s"].default == (
         run.ref.reward_timeout_s
     )
+
+
+def test_dtype_option_accepts_exactly_the_dtypes_the_actors_know():
+    from grpo.config.options import DTYPE
+    from grpo.models import DTYPES
+
+    # The option check cannot import torch, so it spells the names out: keep them equal.
+    message = DTYPE("fp64")
+    accepted = message.split("must be one of ")[1].split(";")[0].split(", ")
+    assert sorted(accepted) == sorted(DTYPES)
+    assert all(DTYPE(name) is None for name in DTYPES)

@@ -107,7 +107,8 @@ class Checkpointer:
         pipeline: dict[str, Any] = {}
         for part in self.pipeline:
             state = part.state_dict()
-            assert not pipeline.keys() & state.keys(), "pipeline parts share a key"
+            if shared := pipeline.keys() & state.keys():
+                raise ValueError(f"checkpoint parts write the same keys {sorted(shared)}")
             pipeline.update(state)
         torch.save(pipeline, tmp / "pipeline.pt")
         (tmp / "state.json").write_text(json.dumps(self.run_state.state_dict()))

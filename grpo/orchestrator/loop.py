@@ -61,7 +61,9 @@ class Orchestrator:
             Role.REPLAY_BUFFER: self._refill_replay_buffer,
         }
         self.inflight = InFlightLedger()
-        self.weights = WeightSync(self.actors.get_all)
+        self.weights = WeightSync(
+            self.actors.get_all, wait_for_receipt=cfg.orchestration.synchronous
+        )
         self.checkpointer = Checkpointer(
             self.run_dir, self.state, [self.actors, self.inflight], self._save_trainers
         )

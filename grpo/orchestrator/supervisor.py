@@ -54,13 +54,9 @@ def init_ray(cfg: DictConfig) -> None:
     ray.init(**kwargs)
 
 
-def _resources(node: Any, default_cpus: float) -> dict[str, float]:
-    num_cpus = node.get("num_cpus") if node is not None else None
-    num_gpus = node.get("num_gpus") if node is not None else None
-    return {
-        "num_cpus": default_cpus if num_cpus is None else num_cpus,
-        "num_gpus": num_gpus or 0,
-    }
+def _resources(section: Any) -> dict[str, float]:
+    """The Ray resources of an actor from its config section (``num_cpus``, ``num_gpus``)."""
+    return {"num_cpus": section.num_cpus, "num_gpus": section.num_gpus}
 
 
 class Role(enum.Enum):
@@ -185,7 +181,7 @@ class ActorSupervisor:
 
         cfg, training = self.cfg, self.cfg.training
         world_size = cfg.orchestration.num_training_workers
-        actor_cls = ray.remote(**_resources(training, default_cpus=1))(PyTorchActorModel)
+        actor_cls = ray.remote(**_resources(training))(PyTorchActorModel)
         self.trainers = [
             actor_cls.remote(
                 rank=rank,
@@ -213,7 +209,7 @@ class ActorSupervisor:
 
         cfg = self.cfg
         ref_cfg = cfg.ref
-        return ray.remote(**_resources(ref_cfg, default_cpus=1))(RefActor).remote(
+        return ray.remote(**_resources(ref_cfg))(RefActor).remote(
             model_dir=cfg.base_model_path,
             reward_functions=to_container(cfg.reward_functions),
             target_tokens_per_batch=cfg.target_tokens_per_batch,
@@ -232,7 +228,7 @@ class ActorSupervisor:
         cfg, inference = self.cfg, self.cfg.inference
         # Threaded actor (max_concurrency 4): evaluate and receive_weights must get through
         # while generate_batch waits on a full rollout queue, or evaluation deadlocks.
-        actor_cls = SyncLLMCollector.as_remote(**_resources(inference, default_cpus=1))
+        actor_cls = SyncLLMCollector.as_remote(**_resources(inference))
         return actor_cls.remote(
             worker_id=worker_id,
             num_workers=cfg.orchestration.num_inference_workers,

@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import ray
 from ray.exceptions import RayActorError
+
+from grpo.orchestrator.errors import ActorFailedError
 
 log = logging.getLogger("grpo")
 
@@ -25,10 +26,18 @@ class WeightSync:
     Args:
         get_all (Callable): ``get_all(refs, what)``: `ray.get` that names a failed actor
             (`ActorSupervisor.get_all`).
+        wait_for_receipt (bool): Return only once every collector holds the new weights. A
+            collector is a threaded actor: without the wait, a batch launched right after a
+            sync may start before `receive_weights` has run and generate with the old weights.
+            Synchronous runs (on-policy by contract) need it; an asynchronous run labels every
+            trajectory with the version that generated it, so it need not wait.
     """
 
-    def __init__(self, get_all: Callable[[list[Any], str], list[Any]]) -> None:
+    def __init__(
+        self, get_all: Callable[[list[Any], str], list[Any]], wait_for_receipt: bool = False
+    ) -> None:
         self._get_all = get_all
+        self.wait_for_receipt = wait_for_receipt
         self.start_version = 0  # of the weights new collectors load from disk
         self.last_payload: dict[str, Any] | None = None
 
@@ -49,16 +58,7 @@ class WeightSync:
         gather_time = time.perf_counter() - start
         # The trainer put the weights in the object store once; every collector reads that
         # same object, and applies it between generation batches.
-        receipts = [self._send(collector, payload) for collector in collectors]
-        # Wait until each collector holds them: a collector is a threaded actor, so without
-        # this a batch launched right after the sync may start before `receive_weights` has
-        # run, and generate with the old weights (synchronous runs must not). A dead collector
-        # is left to its generation call, which finds it and has it replaced.
-        for receipt in receipts:
-            try:
-                ray.get(receipt)
-            except RayActorError:
-                pass
+        self._send(collectors, payload)
         self.last_payload = payload
         return payload["version"], {
             "train_actor_performance/time_weight_gather (s)": gather_time,
@@ -78,13 +78,25 @@ class WeightSync:
             state = {**state, "policy_version": self.start_version}
             self._get_all([collector.load_state_dict.remote(state)], f"{name} restart")
         if self.last_payload is not None:
-            self._send(collector, self.last_payload)
+            self._send([collector], self.last_payload)
 
-    @staticmethod
-    def _send(collector: Any, payload: dict[str, Any]) -> Any:
-        return collector.receive_weights.remote(
-            payload["weights"], payload["version"], payload["checksum"], payload["probe"]
-        )
+    def _send(self, collectors: list[Any], payload: dict[str, Any]) -> None:
+        receipts = [
+            collector.receive_weights.remote(
+                payload["weights"], payload["version"], payload["checksum"], payload["probe"]
+            )
+            for collector in collectors
+        ]
+        if not self.wait_for_receipt:
+            return
+        for receipt in receipts:
+            try:
+                self._get_all([receipt], "collector weight receipt")
+            except ActorFailedError as error:
+                # A dead collector is left to its generation call, which finds it and has it
+                # replaced (the replacement catches up); any other failure stops the run.
+                if not isinstance(error.__cause__, RayActorError):
+                    raise
 
     def verify(self, trainers: list[Any], collectors: list[Any]) -> bool:
         """Check that every collector computes with exactly the trainers' current weights.

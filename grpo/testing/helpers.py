@@ -125,12 +125,11 @@ def kill_at_steps(run: Any, victims: list[tuple[int, str]]) -> dict[str, float]:
 
     import ray
 
-    def actor(name: str) -> Any:
-        if name == "replay_buffer":
-            return run.replay_buffer
-        kind, index = name.rstrip("]").split("[")
-        actors = {"collector": run.collectors, "ref_actor": run.ref_actors, "trainer": run.trainers}
-        return actors[kind][int(index)]
+    from grpo.orchestrator import Role
+
+    def actor(name: str) -> Any:  # the inverse of grpo.orchestrator.supervisor.actor_name
+        role, _, index = name.rstrip("]").partition("[")
+        return run.actors.actor(Role(role), int(index or 0))
 
     killed_at: dict[str, float] = {}
 
