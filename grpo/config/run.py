@@ -32,6 +32,7 @@ from grpo.config.options import (
     section,
     type_ok,
 )
+from grpo.models import SUPPORTED_MODEL_TYPES
 from grpo.orchestrator.config import OrchestrationConfig, RayConfig
 from grpo.workers.collector import InferenceConfig
 from grpo.workers.ref import RefConfig
@@ -303,6 +304,12 @@ def _check_model_config(folder: Path, values: dict, problems: list[str]) -> None
     except (OSError, ValueError) as exc:
         problems.append(f"base_model_path: {config_path} is not valid JSON: {exc}")
         return
+    model_type = model_config.get("model_type")
+    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+        problems.append(
+            f"base_model_path: {config_path} has model_type {model_type!r}; supported model "
+            f"types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     max_positions = model_config.get("max_position_embeddings")
     max_prompt = _max_prompt(values)
     max_generated = _get(values, "inference.max_generated_tokens", (int,))

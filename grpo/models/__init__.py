@@ -37,7 +37,12 @@ def _patch_torchao_for_torchtune() -> None:
 _patch_torchao_for_torchtune()
 
 # The submodules import torchtune, which needs the aliases above first.
-from grpo.models.build import DTYPES, build_model, torch_dtype  # noqa: E402
+from grpo.models.build import (  # noqa: E402
+    DTYPES,
+    SUPPORTED_MODEL_TYPES,
+    build_model,
+    torch_dtype,
+)
 from grpo.models.hf_folder import (  # noqa: E402
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX_FILE,
@@ -57,6 +62,7 @@ __all__ = [
     "DTYPES",
     "SAFETENSORS_FILE",
     "SAFETENSORS_INDEX_FILE",
+    "SUPPORTED_MODEL_TYPES",
     "build_model",
     "hf_to_tune_state_dict",
     "hf_weight_iterator",

@@ -12,6 +12,9 @@ from torchtune.training import set_default_dtype
 from grpo.models.hf_folder import load_hf_config, load_hf_state_dict, model_folder
 from grpo.models.qwen2 import hf_to_tune_state_dict, qwen2_builder_args
 
+# The ``model_type``s of ``config.json`` that `build_model` builds (one module per family).
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+
 # Config spellings of the parameter dtypes the actors take (ref.dtype, training.dtype).
 DTYPES = {
     "fp32": torch.float32,
