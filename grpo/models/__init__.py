@@ -5,9 +5,11 @@ its ``config.json``. The parts:
 
 * `hf_folder`: read a folder (``config.json``, single or sharded safetensors weights).
 * `qwen2`: the Qwen2 / Qwen2.5 family: torchtune builder arguments from ``config.json``,
-  HF <-> torchtune weight names, the tokenizer.
+  HF <-> torchtune weight names.
 * `build`: `build_model` (a torchtune ``TransformerDecoder`` with the folder's weights) and the
   config dtype names (`torch_dtype`).
+* `tokenizer`: `load_tokenizer`, the folder's own tokenizer (``tokenizer.json`` through
+  transformers, as vLLM loads it) and its chat template, for every family.
 * `save`: `save_hf_checkpoint`, a torchtune state dict written as a folder, atomically.
 
 Hidden states and the output projection for the chunked loss live in `grpo.logprobs`
@@ -52,17 +54,18 @@ from grpo.models.hf_folder import (  # noqa: E402
 from grpo.models.qwen2 import (  # noqa: E402
     hf_to_tune_state_dict,
     hf_weight_iterator,
-    load_tokenizer,
     qwen2_builder_args,
     tune_to_hf_state_dict,
 )
 from grpo.models.save import save_hf_checkpoint  # noqa: E402
+from grpo.models.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 __all__ = [
     "DTYPES",
     "SAFETENSORS_FILE",
     "SAFETENSORS_INDEX_FILE",
     "SUPPORTED_MODEL_TYPES",
+    "Tokenizer",
     "build_model",
     "hf_to_tune_state_dict",
     "hf_weight_iterator",
