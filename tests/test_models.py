@@ -349,9 +349,7 @@ def test_missing_model_folder_names_the_path(tmp_path: Path) -> None:
             load(missing)
 
 
-@pytest.mark.parametrize(
-    "removed", ["tokenizer.json", "config.json", "model.safetensors"]
-)
+@pytest.mark.parametrize("removed", ["tokenizer.json", "config.json", "model.safetensors"])
 def test_missing_file_names_the_path(removed: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     model_dir = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
     (model_dir / removed).unlink()

@@ -34,7 +34,9 @@ def _generation_eos_ids(model_dir: Path) -> list[int]:
         return []
     ids = eos if isinstance(eos, list) else [eos]
     if not all(isinstance(token_id, int) for token_id in ids):
-        raise ValueError(f"{str(path)!r}: eos_token_id must be an int or a list of ints, got {eos!r}")
+        raise ValueError(
+            f"{str(path)!r}: eos_token_id must be an int or a list of ints, got {eos!r}"
+        )
     return ids
 
 
