@@ -602,3 +602,18 @@ def test_collector_generates_from_chat_turns(tmp_path, qwen25_dir):
         assert len(completions) == 2
     finally:
         collector.shutdown()
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_0_5b_gsm8k", "qwen2_5_1_5b_gsm8k", "qwen2_5_3b_gsm8k"])
+def test_shipped_configs_prompt_with_the_model_chat_template(name, qwen25_dir):
+    from grpo.config import load_config
+
+    cfg = load_config(name, [f"base_model_path={qwen25_dir}"])
+    for key in ("dataset", "eval_dataset"):
+        template = instantiate(cfg[key].template)
+        assert isinstance(template, ChatTemplate) and template.stop == ("</answer>",)
+        assert template.system_prompt == THINK_ANSWER_INSTRUCTION
+        assert template("What is 2 + 2?") == (
+            f"<|im_start|>system\n{THINK_ANSWER_INSTRUCTION}<|im_end|>\n"
+            "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+        )
