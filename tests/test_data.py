@@ -119,8 +119,8 @@ def test_arithmetic_rejects_bad_arguments():
 
 def test_arithmetic_template_option():
     assert isinstance(arithmetic_dataset(num_examples=5).template, AnswerOnlyTemplate)
-    by_name = arithmetic_dataset(num_examples=5, template="think_answer_chat")
-    assert isinstance(by_name.template, ThinkAnswerTemplate) and by_name.template.chat
+    by_name = arithmetic_dataset(num_examples=5, template="think_answer")
+    assert isinstance(by_name.template, ThinkAnswerTemplate)
     by_component = arithmetic_dataset(
         num_examples=5,
         template={"_component_": "grpo.data.ThinkAnswerTemplate", "instruction": "Think."},
@@ -294,16 +294,11 @@ def test_think_answer_template_contains_instruction_and_question():
     assert "<think>" in plain and "</think>" in plain and "<answer>" in plain
     assert plain.index("<answer>") < plain.index(question)
     assert plain.endswith(f"User: {question}\nAssistant:")
-
-    chat = ThinkAnswerTemplate(chat=True)
-    prompt = chat(question)
-    assert prompt == (
-        f"<|im_start|>system\n{chat.instruction}<|im_end|>\n"
-        f"<|im_start|>user\n{question}<|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )
-    assert "<think>" in chat.instruction and "<answer>" in chat.instruction
-    assert chat.target("72", "48 / 2 = 24").endswith("</think>\n<answer>72</answer>")
+    template = ThinkAnswerTemplate()
+    assert "<think>" in template.instruction and "<answer>" in template.instruction
+    assert template.target("72", "48 / 2 = 24").endswith("</think>\n<answer>72</answer>")
+    with pytest.raises(TypeError, match="chat turns need a chat template: grpo.data.ChatTemplate"):
+        template([{"role": "user", "content": question}])
 
 
 def test_resolve_template_errors():

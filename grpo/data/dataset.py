@@ -1,8 +1,11 @@
 """The prompt dataset container, the skipped-rows report and prompt-length filtering.
 
 An example is a plain dict ``{"question": str, "answer": str}``; ``answer`` is the gold final
-answer as a plain string (``"85"``). A ``PromptDataset`` is a sequence of examples with the
-prompt template attached: ``dataset[i]`` also carries the rendered ``"prompt"``.
+answer as a plain string (``"85"``). An example built from a conversation also carries
+``"messages"``, its chat turns ``[{"role": ..., "content": ...}, ...]``, which the template
+renders instead of the question; its ``"question"`` is then the last user turn's content, for
+logs. A ``PromptDataset`` is a sequence of examples with the prompt template attached:
+``dataset[i]`` also carries the rendered ``"prompt"``.
 """
 
 from __future__ import annotations
@@ -10,8 +13,20 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from grpo.data.templates import PromptTemplate
+from grpo.data.templates import PromptInput, PromptTemplate, chat_turns_problem
+
+
+def template_input(example: dict) -> PromptInput:
+    """What a template renders for ``example``: its chat turns if it has them, else its question.
+
+    Example:
+        >>> template_input({"question": "Hi?", "answer": "1"})
+        'Hi?'
+    """
+    messages = example.get("messages")
+    return messages if messages is not None else example["question"]
 
 
 @dataclass
@@ -60,17 +75,24 @@ class SkipReport:
 class PromptDataset(Sequence):
     """A list of ``{"question", "answer"}`` examples with a prompt template attached.
 
+    The first example is rendered at construction, so that a template that cannot render this
+    dataset fails here, in the driver, rather than in an actor.
+
     Args:
-        examples (list[dict[str, str]]): The examples; both values must be strings.
-        template (PromptTemplate): Maps a question to the prompt text.
+        examples (list[dict]): The examples: strings ``question`` and ``answer``, and optional
+            chat turns ``messages`` (rendered instead of the question).
+        template (PromptTemplate): Maps a question (or chat turns) to the prompt text; examples
+            with ``messages`` need a chat template (one with ``chat = True``, e.g.
+            `grpo.data.ChatTemplate`).
         name (str): Short description for logs, e.g. ``"gsm8k:data/train.jsonl"``.
         rows (list[int] | None): Source row number (from 1) of every example, used when a later
             filter reports what it dropped; defaults to ``1..len(examples)``.
         skipped (SkipReport | None): Rows dropped while building the dataset.
 
     Raises:
-        ValueError: If an example lacks a string ``question`` or ``answer``, or ``rows`` has the
-            wrong length.
+        ValueError: If an example lacks a string ``question`` or ``answer`` or has malformed
+            ``messages``, ``rows`` has the wrong length, an example has chat turns but the
+            template is a plain one, or the template fails on the first example.
 
     Example:
         >>> from grpo.data.templates import AnswerOnlyTemplate
@@ -81,7 +103,7 @@ class PromptDataset(Sequence):
 
     def __init__(
         self,
-        examples: list[dict[str, str]],
+        examples: list[dict[str, Any]],
         template: PromptTemplate,
         name: str = "prompts",
         rows: list[int] | None = None,
@@ -100,19 +122,40 @@ class PromptDataset(Sequence):
         self.name = name
         self.rows = list(rows) if rows is not None else list(range(1, len(examples) + 1))
         self.skipped = skipped if skipped is not None else SkipReport(name)
+        for example, row in zip(examples, self.rows):
+            if "messages" not in example:
+                continue
+            problem = chat_turns_problem(example["messages"])
+            if problem:
+                raise ValueError(f"{name}: row {row} has malformed 'messages': {problem}")
+            if not getattr(template, "chat", False):
+                raise ValueError(
+                    f"{name}: row {row} holds chat turns, which the plain template {template!r} "
+                    "cannot render; use the model's chat template: template: "
+                    "{_component_: grpo.data.ChatTemplate, model_dir: <model folder>}"
+                )
+        if examples:
+            self.prompt(0)
 
     def __len__(self) -> int:
         return len(self.examples)
 
-    def __getitem__(self, index: int) -> dict[str, str]:
+    def __getitem__(self, index: int) -> dict[str, Any]:
         if isinstance(index, slice):
             raise TypeError(f"{self.name}: index must be an int, got a slice")
-        example = self.examples[operator.index(index)]
-        return {**example, "prompt": self.template(example["question"])}
+        index = operator.index(index)
+        return {**self.examples[index], "prompt": self.prompt(index)}
 
     def prompt(self, index: int) -> str:
-        """The rendered prompt of example ``index``."""
-        return self.template(self.examples[index]["question"])
+        """The rendered prompt of example ``index``.
+
+        Raises:
+            ValueError: If the template fails, naming the dataset and the source row.
+        """
+        try:
+            return self.template(template_input(self.examples[index]))
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{self.name}: row {self.rows[index]}: {error}") from error
 
     def __repr__(self) -> str:
         return (
@@ -134,7 +177,8 @@ def filter_long_prompts(
     Args:
         dataset (PromptDataset): The dataset to filter; it is not modified.
         tokenizer_encode (Callable[[str], list[int]]): Encodes a prompt into token ids, exactly
-            as the sampler will (same special tokens).
+            as the sampler will (same special tokens: no bos for a template whose ``add_bos``
+            is False, such as `grpo.data.ChatTemplate`).
         max_prompt_tokens (int): Longest prompt kept, in tokens.
 
     Returns:

@@ -1,21 +1,34 @@
-"""Prompt templates: turn a dataset question into the text the policy is prompted with.
+"""Prompt templates: turn a dataset question, or a list of chat turns, into the prompt text.
 
-A template is any callable ``question -> prompt``. The classes here also carry the matching
-response format (``target``), used to build supervised targets for the demo model, and
-``stop`` strings a sampler may stop on once the answer is closed.
+A template is any callable ``prompt -> text``. The input is a question string or, for datasets of
+conversations, a list of chat turns ``[{"role": "user", "content": "..."}, ...]``. The classes
+here also carry ``stop`` strings a sampler may stop on once the answer is closed, and the plain
+ones the matching response format (``target``), used to build supervised targets for the demo
+model.
+
+* `AnswerOnlyTemplate` and `ThinkAnswerTemplate` write plain text, for base and tiny models;
+  they render question strings only.
+* `ChatTemplate` renders with the model folder's own chat template (``tokenizer_config.json``),
+  as ``transformers`` does, for instruct models; it renders questions and chat turns.
 
 Templates are chosen in a dataset factory's ``template`` option, either as a string name
-(``"answer_only"``, ``"think_answer"``, ``"think_answer_chat"``), as a ``_component_`` mapping
-(``{_component_: grpo.data.ThinkAnswerTemplate, chat: true}``) or as an instance.
+(``"answer_only"``, ``"think_answer"``), as a ``_component_`` mapping
+(``{_component_: grpo.data.ChatTemplate, model_dir: /models/Qwen2.5-1.5B-Instruct}``) or as an
+instance.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-PromptTemplate = Callable[[str], str]
+# A question string, or a conversation: a list of {"role": str, "content": str} turns.
+PromptInput = str | list[dict[str, str]]
+PromptTemplate = Callable[[PromptInput], str]
 
 # The R1-Zero instruction: reason inside <think>, answer inside <answer>. Reward functions
 # parse the <answer> tag, so every template here asks for it.
@@ -26,6 +39,45 @@ THINK_ANSWER_INSTRUCTION = (
     "<think> </think> and <answer> </answer> tags, respectively, i.e., "
     "<think> reasoning process here </think> <answer> answer here </answer>."
 )
+
+
+def chat_turns_problem(turns: Any) -> str:
+    """Why ``turns`` is not a list of ``{"role": str, "content": str}`` chat turns; ``""`` if it is.
+
+    Example:
+        >>> chat_turns_problem([{"role": "user", "content": "Hi"}])
+        ''
+        >>> chat_turns_problem([{"role": "user"}])
+        "turn 1 has no string 'content'"
+    """
+    if not isinstance(turns, list):
+        return f"chat turns must be a list, got {type(turns).__name__}"
+    if not turns:
+        return "no chat turns"
+    for number, turn in enumerate(turns, start=1):
+        if not isinstance(turn, Mapping):
+            return f"turn {number} is not a {{role, content}} mapping ({type(turn).__name__})"
+        for key in ("role", "content"):
+            if not isinstance(turn.get(key), str):
+                return f"turn {number} has no string {key!r}"
+    return ""
+
+
+def last_user_content(turns: Sequence[Mapping[str, str]]) -> str | None:
+    """The content of the last ``user`` turn (the question shown in logs), or None."""
+    for turn in reversed(turns):
+        if turn["role"] == "user":
+            return turn["content"]
+    return None
+
+
+def _require_question_string(template: Any, question: Any) -> None:
+    """Plain templates format a question string; chat turns need a chat template."""
+    if not isinstance(question, str):
+        raise TypeError(
+            f"{template!r} renders a question string, got {type(question).__name__}; "
+            "chat turns need a chat template: grpo.data.ChatTemplate"
+        )
 
 
 class AnswerOnlyTemplate:
@@ -47,6 +99,7 @@ class AnswerOnlyTemplate:
     stop: tuple[str, ...] = ("</answer>",)
 
     def __call__(self, question: str) -> str:
+        _require_question_string(self, question)
         return f"{question}\n"
 
     def target(self, answer: str) -> str:
@@ -58,39 +111,30 @@ class AnswerOnlyTemplate:
 
 
 class ThinkAnswerTemplate:
-    """R1-style prompt: reason in ``<think>...</think>``, answer in ``<answer>...</answer>``.
+    """R1-Zero prompt for base models: reason in ``<think>``, answer in ``<answer>``.
 
-    With ``chat=False`` the prompt is the plain R1-Zero text for base models
-    (``"<instruction>\\nUser: <question>\\nAssistant:"``). With ``chat=True`` it is ChatML, the
-    chat format of Qwen2.5 instruct models, with the instruction as the system message; the
-    text is exactly what ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``
-    produces for those models, so vLLM can be fed the string directly.
+    The prompt is plain text, ``"<instruction>\\nUser: <question>\\nAssistant:"``. For an
+    instruct model use `ChatTemplate` with the instruction as its system prompt: the model's own
+    chat format then wraps the question.
 
     Args:
-        chat (bool): Emit ChatML (``<|im_start|>system/user/assistant``) instead of plain text.
         instruction (str): The instruction; defaults to the R1-Zero wording.
 
     Example:
-        >>> print(ThinkAnswerTemplate(chat=True)("What is 2 + 2?").splitlines()[-1])
-        <|im_start|>assistant
+        >>> ThinkAnswerTemplate()("What is 2 + 2?").splitlines()[-1]
+        'Assistant:'
     """
 
+    name = "think_answer"
     stop: tuple[str, ...] = ("</answer>",)
 
-    def __init__(self, chat: bool = False, instruction: str = THINK_ANSWER_INSTRUCTION) -> None:
+    def __init__(self, instruction: str = THINK_ANSWER_INSTRUCTION) -> None:
         if not instruction.strip():
             raise ValueError("ThinkAnswerTemplate: instruction must be a non-empty string")
-        self.chat = bool(chat)
         self.instruction = instruction
-        self.name = "think_answer_chat" if self.chat else "think_answer"
 
     def __call__(self, question: str) -> str:
-        if self.chat:
-            return (
-                f"<|im_start|>system\n{self.instruction}<|im_end|>\n"
-                f"<|im_start|>user\n{question}<|im_end|>\n"
-                f"<|im_start|>assistant\n"
-            )
+        _require_question_string(self, question)
         return f"{self.instruction}\nUser: {question}\nAssistant:"
 
     def target(self, answer: str, reasoning: str = "") -> str:
@@ -98,13 +142,181 @@ class ThinkAnswerTemplate:
         return f"<think>{reasoning}</think>\n<answer>{answer}</answer>"
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(chat={self.chat})"
+        return f"{type(self).__name__}()"
+
+
+def read_chat_template(model_dir: str | os.PathLike) -> str:
+    """The chat template of a model folder, from ``tokenizer_config.json`` or ``chat_template.jinja``.
+
+    Args:
+        model_dir (str | os.PathLike): Model folder in Hugging Face layout.
+
+    Returns:
+        str: The Jinja template (the ``default`` one when the folder names several).
+
+    Raises:
+        FileNotFoundError: If the folder does not exist.
+        ValueError: If the folder has no chat template (a base model), naming the folder.
+
+    Example:
+        >>> read_chat_template("/models/Qwen2.5-0.5B-Instruct").startswith("{%- if tools %}")
+        True
+    """
+    folder = Path(model_dir).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"model folder {str(model_dir)!r} does not exist or is not a folder"
+        )
+    config_path = folder / "tokenizer_config.json"
+    template: Any = None
+    if config_path.is_file():
+        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):  # several named templates: [{"name", "template"}, ...]
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        template = named.get("default")
+    jinja_path = folder / "chat_template.jinja"  # where newer transformers versions save it
+    if not template and jinja_path.is_file():
+        template = jinja_path.read_text(encoding="utf-8")
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(
+            f"model folder {str(folder)!r} has no chat template ('chat_template' in "
+            "tokenizer_config.json, or chat_template.jinja); a base model has none: use a plain "
+            "template (template: think_answer) or add the model's chat template to the folder"
+        )
+    return template
+
+
+class ChatTemplate:
+    """Render prompts with the model folder's own chat template, as ``transformers`` does.
+
+    A question string becomes one user turn; chat turns are rendered as they are. The text is
+    exactly ``AutoTokenizer.from_pretrained(model_dir).apply_chat_template(turns,
+    tokenize=False, add_generation_prompt=True)``: the conversation followed by the opening of
+    the assistant's turn, so the response continues it.
+
+    The rendered text already holds every special token the model expects, a leading bos token
+    included when the template writes one (Llama 3's starts with ``{{ bos_token }}``). Encode it
+    without adding special tokens (``add_bos=False``, as the ``add_bos`` attribute says), the way
+    ``apply_chat_template(tokenize=True)`` and vLLM's chat entry point do, or the prompt starts
+    with two bos tokens.
+
+    Only the folder path is kept and pickled; the tokenizer is loaded on first use in each
+    process, so a dataset holding this template is cheap to send to Ray actors.
+
+    Args:
+        model_dir (str | os.PathLike): Model folder whose ``tokenizer_config.json`` (or
+            ``chat_template.jinja``) holds the chat template.
+        system_prompt (str | None): System turn put first when a conversation has none, e.g.
+            the R1 instruction (`THINK_ANSWER_INSTRUCTION`). ``None`` leaves that to the chat
+            template (Qwen2.5's writes its own default system turn).
+        stop (Sequence[str]): Stop strings for the sampler; by default the end of the answer
+            tag, which the R1 instruction asks for. ``[]`` stops at the model's end-of-turn
+            token only.
+
+    Raises:
+        FileNotFoundError: If ``model_dir`` is not a folder.
+        ValueError: If the folder has no chat template, or ``system_prompt`` is empty.
+
+    Example:
+        >>> template = ChatTemplate("/models/Qwen2.5-0.5B-Instruct", system_prompt="Be brief.")
+        >>> print(template("What is 2 + 2?"))
+        <|im_start|>system
+        Be brief.<|im_end|>
+        <|im_start|>user
+        What is 2 + 2?<|im_end|>
+        <|im_start|>assistant
+        <BLANKLINE>
+    """
+
+    chat = True  # renders chat turns as well as question strings
+    add_bos = False  # the rendered text holds the model's leading special tokens itself
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        system_prompt: str | None = None,
+        stop: Sequence[str] = ("</answer>",),
+    ) -> None:
+        if system_prompt is not None and (
+            not isinstance(system_prompt, str) or not system_prompt.strip()
+        ):
+            raise ValueError(
+                f"ChatTemplate: system_prompt must be a non-empty string or null, "
+                f"got {system_prompt!r}"
+            )
+        read_chat_template(model_dir)  # fail now, in the driver, on a folder without one
+        self.model_dir = str(Path(model_dir).expanduser().resolve())
+        self.system_prompt = system_prompt
+        self.stop: tuple[str, ...] = tuple(stop or ())
+        self._tokenizer: Any = None
+
+    def messages(self, prompt: PromptInput) -> list[dict[str, str]]:
+        """The chat turns rendered for ``prompt``: the system prompt (if any) and the turns.
+
+        Raises:
+            ValueError: If ``prompt`` is neither a string nor valid chat turns.
+        """
+        if isinstance(prompt, str):
+            turns = [{"role": "user", "content": prompt}]
+        else:
+            problem = chat_turns_problem(prompt)
+            if problem:
+                raise ValueError(f"ChatTemplate: {problem}")
+            turns = [{"role": turn["role"], "content": turn["content"]} for turn in prompt]
+        if self.system_prompt is not None and turns[0]["role"] != "system":
+            turns.insert(0, {"role": "system", "content": self.system_prompt})
+        return turns
+
+    def _load_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            except Exception as error:
+                raise ValueError(
+                    f"ChatTemplate: cannot load the tokenizer of {self.model_dir!r}: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+        return self._tokenizer
+
+    def __call__(self, prompt: PromptInput) -> str:
+        messages = self.messages(prompt)
+        try:
+            text = self._load_tokenizer().apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as error:
+            shown = repr(messages)
+            shown = shown if len(shown) <= 200 else shown[:200] + "...]"
+            raise ValueError(
+                f"the chat template of {self.model_dir!r} failed on {shown}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        if not isinstance(text, str):
+            raise ValueError(
+                f"the chat template of {self.model_dir!r} returned {type(text).__name__}, "
+                "expected the prompt text"
+            )
+        return text
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The tokenizer stays behind: each process loads its own from model_dir on first use.
+        return {**self.__dict__, "_tokenizer": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        system = self.system_prompt
+        if system is not None and len(system) > 40:
+            system = system[:40] + "..."
+        return f"{type(self).__name__}(model_dir={self.model_dir!r}, system_prompt={system!r})"
 
 
 TEMPLATES: dict[str, Callable[[], PromptTemplate]] = {
     "answer_only": AnswerOnlyTemplate,
     "think_answer": ThinkAnswerTemplate,
-    "think_answer_chat": lambda: ThinkAnswerTemplate(chat=True),
 }
 
 
@@ -128,19 +340,19 @@ def resolve_template(
 
     Args:
         spec: ``None`` (use ``default``), a registered name (see ``TEMPLATES``), a mapping with a
-            ``_component_`` dotted path and keyword arguments, or a callable ``str -> str``.
+            ``_component_`` dotted path and keyword arguments, or a callable ``prompt -> str``.
         default (str): Registered name used when ``spec`` is ``None``.
 
     Returns:
-        PromptTemplate: A callable mapping a question to a prompt.
+        PromptTemplate: A callable mapping a question (or chat turns) to a prompt.
 
     Raises:
         ValueError: If a name is not registered, or a ``_component_`` cannot be imported.
         TypeError: If ``spec`` is none of the accepted kinds.
 
     Example:
-        >>> resolve_template({"_component_": "grpo.data.ThinkAnswerTemplate", "chat": True}, "answer_only")
-        ThinkAnswerTemplate(chat=True)
+        >>> resolve_template({"_component_": "grpo.data.ThinkAnswerTemplate"}, "answer_only")
+        ThinkAnswerTemplate()
     """
     if spec is None:
         spec = default

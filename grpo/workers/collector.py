@@ -253,10 +253,13 @@ class SyncLLMCollector:
         self.template = None if template is None else resolve_template(template, "answer_only")
         self.stream = PromptStream(self.dataset, worker_id, num_workers, seed=seed)
         self.tokenizer = load_tokenizer(self.model_dir)
+        prompt_template = self.template or getattr(self.dataset, "template", None)
         if stop is None:
-            dataset_template = self.template or getattr(self.dataset, "template", None)
-            stop = getattr(dataset_template, "stop", ())
+            stop = getattr(prompt_template, "stop", ())
         self.stop_strings = list(stop)
+        # A chat template's text already holds the model's leading special tokens (Llama 3's
+        # writes <|begin_of_text|>): adding a bos on top would start the prompt with two.
+        self.add_bos = bool(getattr(prompt_template, "add_bos", True))
 
         kwargs = engine_kwargs(config.engine_args, seed)
         max_prompt_tokens = config.max_prompt_tokens
@@ -420,15 +423,20 @@ class SyncLLMCollector:
     # ------------------------------------------------------------------ generation
 
     def _prompt_token_ids(self, item: Mapping[str, Any]) -> list[int]:
-        text = self.template(item["question"]) if self.template is not None else item.get("prompt")
+        from grpo.data.dataset import template_input
+
+        if self.template is not None:
+            text = self.template(template_input(item))  # chat turns if the example has them
+        else:
+            text = item.get("prompt")
         if text is None:
             raise KeyError(
                 f"example {item.get('index')} has no 'prompt' and the collector has no template"
             )
-        # add_eos=False: the prompt continues into the response. add_bos starts it with bos
-        # only for families whose tokenizer does so (Llama 3) and only once: a prompt rendered
-        # by a chat template may already begin with it.
-        return self.tokenizer.encode(text, add_bos=True, add_eos=False)
+        # add_eos=False: the prompt continues into the response. A plain prompt gets a bos
+        # only for families whose tokenizer adds one (Llama 3); a chat template's text is
+        # encoded as it is (add_bos=False), as transformers and vLLM encode it.
+        return self.tokenizer.encode(text, add_bos=self.add_bos, add_eos=False)
 
     def _next_prompts(self, num_prompts: int) -> list[tuple[dict[str, Any], list[int]]]:
         """The next ``num_prompts`` examples of the shard that fit, with their token ids."""
