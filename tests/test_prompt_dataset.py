@@ -490,11 +490,9 @@ def test_chat_template_errors_name_the_folder_and_row(tmp_path, tiny_model_dir):
 def test_chat_template_pickles_without_its_tokenizer(tmp_path, qwen25_dir):
     template = ChatTemplate(qwen25_dir, system_prompt="Be brief.")
     dataset = PromptDataset([{"question": "What is 1 + 1?", "answer": "2"}], template)
-    assert template._tokenizer is not None  # loaded to render the first example
     state = pickle.dumps(dataset)
     assert len(state) < 2000  # the path and the examples, no tokenizer
     copy = pickle.loads(state)
-    assert copy.template._tokenizer is None
     assert copy[0]["prompt"] == dataset[0]["prompt"]
 
 

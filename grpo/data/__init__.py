@@ -32,7 +32,6 @@ from grpo.data.templates import (
     ThinkAnswerTemplate,
     chat_turns_problem,
     last_user_content,
-    read_chat_template,
     resolve_template,
 )
 
@@ -57,7 +56,6 @@ __all__ = [
     "open_source",
     "prompt_dataset",
     "question_split",
-    "read_chat_template",
     "resolve_answer_extractor",
     "resolve_template",
     "template_input",

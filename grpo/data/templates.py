@@ -20,7 +20,6 @@ instance.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -145,47 +144,6 @@ class ThinkAnswerTemplate:
         return f"{type(self).__name__}()"
 
 
-def read_chat_template(model_dir: str | os.PathLike) -> str:
-    """The chat template of a model folder, from ``tokenizer_config.json`` or ``chat_template.jinja``.
-
-    Args:
-        model_dir (str | os.PathLike): Model folder in Hugging Face layout.
-
-    Returns:
-        str: The Jinja template (the ``default`` one when the folder names several).
-
-    Raises:
-        FileNotFoundError: If the folder does not exist.
-        ValueError: If the folder has no chat template (a base model), naming the folder.
-
-    Example:
-        >>> read_chat_template("/models/Qwen2.5-0.5B-Instruct").startswith("{%- if tools %}")
-        True
-    """
-    folder = Path(model_dir).expanduser()
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"model folder {str(model_dir)!r} does not exist or is not a folder"
-        )
-    config_path = folder / "tokenizer_config.json"
-    template: Any = None
-    if config_path.is_file():
-        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
-    if isinstance(template, list):  # several named templates: [{"name", "template"}, ...]
-        named = {entry.get("name"): entry.get("template") for entry in template}
-        template = named.get("default")
-    jinja_path = folder / "chat_template.jinja"  # where newer transformers versions save it
-    if not template and jinja_path.is_file():
-        template = jinja_path.read_text(encoding="utf-8")
-    if not isinstance(template, str) or not template.strip():
-        raise ValueError(
-            f"model folder {str(folder)!r} has no chat template ('chat_template' in "
-            "tokenizer_config.json, or chat_template.jinja); a base model has none: use a plain "
-            "template (template: think_answer) or add the model's chat template to the folder"
-        )
-    return template
-
-
 class ChatTemplate:
     """Render prompts with the model folder's own chat template, as ``transformers`` does.
 
@@ -244,11 +202,20 @@ class ChatTemplate:
                 f"ChatTemplate: system_prompt must be a non-empty string or null, "
                 f"got {system_prompt!r}"
             )
-        read_chat_template(model_dir)  # fail now, in the driver, on a folder without one
+        from grpo.models.tokenizer import load_tokenizer
+
         self.model_dir = str(Path(model_dir).expanduser().resolve())
+        # The model's own tokenizer renders; it pickles as its path, so a dataset holding this
+        # template stays cheap to send to Ray actors.
+        self.tokenizer = load_tokenizer(self.model_dir)
+        if not self.tokenizer.chat_template:  # fail now, in the driver
+            raise ValueError(
+                f"model folder {self.model_dir!r} has no chat template ('chat_template' in "
+                "tokenizer_config.json or chat_template.jinja); use a plain template such as "
+                "think_answer for a base model"
+            )
         self.system_prompt = system_prompt
         self.stop: tuple[str, ...] = tuple(stop or ())
-        self._tokenizer: Any = None
 
     def messages(self, prompt: PromptInput) -> list[dict[str, str]]:
         """The chat turns rendered for ``prompt``: the system prompt (if any) and the turns.
@@ -267,45 +234,8 @@ class ChatTemplate:
             turns.insert(0, {"role": "system", "content": self.system_prompt})
         return turns
 
-    def _load_tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            try:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            except Exception as error:
-                raise ValueError(
-                    f"ChatTemplate: cannot load the tokenizer of {self.model_dir!r}: "
-                    f"{type(error).__name__}: {error}"
-                ) from error
-        return self._tokenizer
-
     def __call__(self, prompt: PromptInput) -> str:
-        messages = self.messages(prompt)
-        try:
-            text = self._load_tokenizer().apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as error:
-            shown = repr(messages)
-            shown = shown if len(shown) <= 200 else shown[:200] + "...]"
-            raise ValueError(
-                f"the chat template of {self.model_dir!r} failed on {shown}: "
-                f"{type(error).__name__}: {error}"
-            ) from error
-        if not isinstance(text, str):
-            raise ValueError(
-                f"the chat template of {self.model_dir!r} returned {type(text).__name__}, "
-                "expected the prompt text"
-            )
-        return text
-
-    def __getstate__(self) -> dict[str, Any]:
-        # The tokenizer stays behind: each process loads its own from model_dir on first use.
-        return {**self.__dict__, "_tokenizer": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        return self.tokenizer.apply_chat_template(self.messages(prompt))
 
     def __repr__(self) -> str:
         system = self.system_prompt
