@@ -231,6 +231,10 @@ def _all_schema_keys(section: Section | None = None, prefix: str = "") -> list[s
 
 def suggest(prefix: str, key: str, siblings: Sequence[str]) -> str:
     """A ``; did you mean ...?`` hint for an unknown key, or an empty string."""
+    from grpo.config.run import REMOVED_KEYS  # imports the component modules: not at import
+
+    if not prefix and key in REMOVED_KEYS:
+        return f"; {key} is no longer used: {REMOVED_KEYS[key]}"
     close = difflib.get_close_matches(key, list(siblings), n=1, cutoff=0.6)
     if close:
         return f"; did you mean {prefix}{close[0]}?"
