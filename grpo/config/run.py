@@ -101,7 +101,9 @@ class RunConfig(ConfigSection):
         None, "Evaluation prompts; null: no evaluation."
     )
     metric_logger: dict[str, Any] = component(
-        doc="Metric logger (W&B, JSONL, stdout).",
+        doc="Metric logger, run as a Ray actor: grpo.workers.metric_logger.MetricLogger "
+        "(JSONL, W&B, stdout) or your own class with its methods. log_dir and config default "
+        "to the run folder and the resolved config.",
         kwargs={
             "mode": keyword(
                 (str,),
