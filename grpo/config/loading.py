@@ -10,7 +10,7 @@ Conventions (torchtune's):
 * ``~key`` removes a key. Keys the schema knows fall back to their default (so
   ``~eval_dataset`` turns evaluation off); keys inside a component node fall back to the
   component's own default.
-* ``${key}`` interpolation works as in OmegaConf (``model_dir: ${base_model_path}``).
+* ``${key}`` interpolation works as in OmegaConf (``log_dir: ${output_dir}``).
 
 Relative paths in ``base_model_path``, ``output_dir`` and ``resume_from_checkpoint`` are made
 absolute when the config is loaded, because Ray actors may run in another working directory.
