@@ -172,7 +172,8 @@ def compile_layers(decoder: nn.Module) -> nn.Module:
     once and reuses the graph for all of them, and the chunked output projection
     (`grpo.logprobs`), a custom autograd function, stays out of the graph. ``Module.compile``
     keeps the parameter names, so checkpoints and weight sync see the same state dict.
-    Dynamic shapes: after the first pack, a new pack length does not recompile.
+    Pack lengths vary: the second length recompiles once with dynamic shapes, and later
+    lengths reuse that graph.
 
     The attention of varlen and flex packs runs outside the compiled graphs
     (`grpo.attention`): varlen splits on Python ints that differ in every pack, which would
@@ -207,8 +208,9 @@ class PyTorchActorModel:
         config (TrainingConfig | None): The ``training:`` options this actor uses: the
             ``optimizer`` node (the parameters are passed in), the ``lr_scheduler`` node (it
             receives ``optimizer`` and ``num_training_steps``), the ``loss`` node,
-            ``ppo_epochs``, ``clip_grad_norm`` (null: no clipping), ``dtype`` and ``mask_kind``
-            (see `grpo.attention`; flex has no backward on CPU). None: their defaults.
+            ``ppo_epochs``, ``clip_grad_norm`` (null: no clipping), ``dtype``, ``mask_kind``
+            (see `grpo.attention`; flex has no backward on CPU) and ``compile`` (see
+            `compile_layers`). None: their defaults.
         seed (int): Seed of model-independent randomness.
     """
 
