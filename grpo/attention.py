@@ -111,6 +111,9 @@ def _flex_attention(
     return _get_compiled_flex_attention(q.device.type)(q, k, v, block_mask=block_mask)
 
 
+# The block lengths differ in every pack: traced by dynamo they would be baked into the graph
+# and recompile it for each pack. A compiled layer (training.compile) breaks its graph here.
+@torch.compiler.disable(recursive=False)
 def _varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, dropout_p: float
 ) -> torch.Tensor:

@@ -60,8 +60,6 @@ def small_config(model_dir: Path, output_dir: Path) -> dict:
         },
         "reward_functions": [component],
         "dataset": {"_component_": DICT, "size": 4},
-        "tokenizer": {"_component_": DICT, "model_dir": "${base_model_path}", "max_seq_len": 32},
-        "model": {"_component_": DICT, "model_dir": "${base_model_path}"},
         "metric_logger": {"_component_": DICT, "log_dir": "${output_dir}"},
     }
 
@@ -172,7 +170,7 @@ def test_run_recipe_by_name_with_overrides(workspace):
     cfg = received(workspace)
     assert cfg["inference"]["group_size"] == 8
     assert cfg["seed"] == 5
-    assert cfg["tokenizer"]["model_dir"] == cfg["base_model_path"]  # interpolation resolved
+    assert cfg["metric_logger"]["log_dir"] == cfg["output_dir"]  # interpolation resolved
     assert cfg["inference"]["top_p"] == 1.0  # schema default filled
 
 

@@ -44,14 +44,6 @@ def make_dataset(num_examples=10, seed=0, template=None):
     return {"num_examples": num_examples, "seed": seed, "template": template}
 
 
-def load_tokenizer(model_dir, max_seq_len=None):
-    return ("tokenizer", model_dir, max_seq_len)
-
-
-def build_model(model_dir):
-    return ("model", model_dir)
-
-
 class Reward:
     def __init__(self, weight=1.0, name=None):
         self.weight = weight
@@ -115,12 +107,6 @@ def valid_config(model_dir: Path, output_dir: Path) -> dict:
             "template": {"_component_": f"{COMPONENTS}.Template", "chat": True},
         },
         "eval_dataset": {"_component_": f"{COMPONENTS}.make_dataset", "num_examples": 3},
-        "tokenizer": {
-            "_component_": f"{COMPONENTS}.load_tokenizer",
-            "model_dir": "${base_model_path}",
-            "max_seq_len": 64,
-        },
-        "model": {"_component_": f"{COMPONENTS}.build_model", "model_dir": "${base_model_path}"},
         "metric_logger": {"_component_": f"{COMPONENTS}.Logger", "log_dir": "${output_dir}"},
     }
 
@@ -169,7 +155,7 @@ def test_shipped_configs_are_listed_and_load():
     for name in names:
         cfg = load_config(name)
         assert Path(cfg.base_model_path).is_absolute()
-        assert cfg.tokenizer.model_dir == cfg.base_model_path  # ${base_model_path}
+        assert "tokenizer" not in cfg and "model" not in cfg
 
 
 def test_unknown_config_name_lists_available_names():
@@ -291,8 +277,8 @@ def test_tilde_on_a_missing_key_is_an_error(config_path):
 def test_interpolation_follows_overrides(config_path, tmp_path):
     other = make_fake_model_dir(tmp_path / "other_model")
     cfg = load_config(config_path, [f"base_model_path={other}"])
-    assert cfg.tokenizer.model_dir == str(other)
-    assert cfg.model.model_dir == str(other)
+    assert cfg.base_model_path == str(other)
+    assert cfg.metric_logger.log_dir == cfg.output_dir
     assert cfg.dataset.seed == cfg.seed
 
 
@@ -381,15 +367,66 @@ def test_training_batch_need_not_be_a_multiple_of_group_size(config_path):
     validate_config(load_config(config_path, ["training.batch_size=6", "inference.group_size=4"]))
 
 
-def test_prompt_bound_falls_back_to_tokenizer_max_seq_len(config_path):
+def test_prompt_bound_falls_back_to_max_model_len_then_the_model(config_path, tmp_path):
+    # As the collectors do: a null max_prompt_tokens lets prompts fill max_model_len.
     cfg = load_config(config_path, ["inference.max_prompt_tokens=null"])
-    validate_config(cfg)  # tokenizer.max_seq_len (64) + 16 <= 256
+    validate_config(cfg)  # max_model_len (128) <= 256
     cfg = load_config(
-        config_path, ["inference.max_prompt_tokens=null", "target_tokens_per_batch=70"]
+        config_path, ["inference.max_prompt_tokens=null", "target_tokens_per_batch=100"]
     )
-    assert any("tokenizer.max_seq_len (64)" in p for p in problems_of(cfg))
-    cfg = load_config(config_path, ["inference.max_prompt_tokens=null", "~tokenizer.max_seq_len"])
-    assert any(p.startswith("inference.max_prompt_tokens:") for p in problems_of(cfg))
+    problems = problems_of(cfg)
+    assert len(problems) == 1 and problems[0].startswith("target_tokens_per_batch: 100")
+    assert "inference.engine_args.max_model_len (128)" in problems[0]
+    cfg = load_config(
+        config_path,
+        ["inference.max_prompt_tokens=null", "inference.engine_args.max_model_len=16"],
+    )
+    problems = problems_of(cfg)
+    assert len(problems) == 1 and "leaves no room for a prompt" in problems[0]
+
+    # Neither set: vLLM uses the model's context, max_position_embeddings of config.json.
+    model_dir = make_fake_model_dir(tmp_path / "long", max_position_embeddings=4096)
+    overrides = [
+        f"base_model_path={model_dir}",
+        "inference.max_prompt_tokens=null",
+        "~inference.engine_args.max_model_len",
+    ]
+    problems = problems_of(load_config(config_path, overrides))
+    assert len(problems) == 1 and problems[0].startswith("target_tokens_per_batch: 256")
+    assert "max_position_embeddings (4096)" in problems[0]
+    validate_config(load_config(config_path, [*overrides, "target_tokens_per_batch=4096"]))
+    # Without the model folder nothing bounds the sequences: nothing to check.
+    validate_config(load_config(config_path, overrides), check_files=False)
+
+    model_dir = make_fake_model_dir(tmp_path / "short", max_position_embeddings=64)
+    problems = problems_of(
+        load_config(
+            config_path, [f"base_model_path={model_dir}", "inference.max_prompt_tokens=null"]
+        )
+    )
+    assert len(problems) == 1
+    assert problems[0].startswith("inference.engine_args.max_model_len: inference.engine_args")
+    assert "max_position_embeddings (64)" in problems[0]
+
+
+def test_removed_model_and_tokenizer_keys_say_what_replaced_them(config_path, tmp_path):
+    config = yaml.safe_load(config_path.read_text())
+    config["tokenizer"] = {
+        "_component_": "grpo.models.load_tokenizer",
+        "model_dir": "${base_model_path}",
+        "max_seq_len": 64,
+    }
+    config["model"] = {"_component_": "grpo.models.build_model", "model_dir": "${base_model_path}"}
+    path = write_config(tmp_path / "old.yaml", config)
+    problems = problems_of(load_config(path))
+    assert len(problems) == 2, problems
+    model, tokenizer = sorted(problems)
+    assert model.startswith("model: no longer used") and "base_model_path" in model
+    assert "model_type" in model
+    assert tokenizer.startswith("tokenizer: no longer used") and "base_model_path" in tokenizer
+    # An override naming them gets the same explanation.
+    with pytest.raises(ConfigError, match="tokenizer is no longer used: .*base_model_path"):
+        load_config(config_path, ["tokenizer.max_seq_len=64"])
 
 
 def test_model_folder_files_and_positions(tmp_path, config_path):
@@ -419,8 +456,8 @@ def test_component_paths_and_keywords_are_checked(config_path):
             f"dataset._component_={COMPONENTS}.make_datset",
             "training.loss.epsilon=0.1",
             "reward_functions.1.wieght=2",
-            "model._component_=no_such_package.build",
-            "tokenizer._component_=torch.optim.NoSuchOptimizer",
+            "metric_logger._component_=no_such_package.Logger",
+            "eval_dataset._component_=torch.optim.NoSuchOptimizer",
         ],
     )
     problems = problems_of(cfg)
@@ -430,8 +467,8 @@ def test_component_paths_and_keywords_are_checked(config_path):
     assert "did you mean 'make_dataset'" in text
     assert "training.loss.epsilon:" in text and "did you mean epsilon_" in text
     assert "reward_functions[1].wieght:" in text and "did you mean weight" in text
-    assert "model._component_: cannot import 'no_such_package.build'" in text
-    assert "tokenizer._component_" in text and "NoSuchOptimizer" in text
+    assert "metric_logger._component_: cannot import 'no_such_package.Logger'" in text
+    assert "eval_dataset._component_" in text and "NoSuchOptimizer" in text
     # Without importing, only the structure is checked.
     validate_config(cfg, check_components=False)
 
@@ -494,9 +531,7 @@ def test_resume_path_must_exist(config_path, tmp_path):
     validate_config(load_config(config_path, ["resume_from_checkpoint=true"]))
 
 
-@pytest.mark.parametrize(
-    "name", ["tiny_arithmetic_cpu", "qwen2_5_0_5b_gsm8k", "qwen2_5_1_5b_gsm8k", "qwen2_5_3b_gsm8k"]
-)
+@pytest.mark.parametrize("name", list_configs())
 def test_shipped_configs_validate_against_the_real_components(name, tmp_path):
     # The real components (grpo.loss, grpo.models, ...) are imported: this catches a config
     # keyword the code does not take. The model folder and cluster size stand in for the real
@@ -683,7 +718,7 @@ def test_run_config_from_a_loaded_config(config_path):
     assert run.inference.temperature == 0.5 and run.inference.group_size == 4
     assert run.training.loss == {"_component_": f"{COMPONENTS}.Loss", "kl_estimator": "k2"}
     assert run.orchestration.num_steps == 3
-    assert run.tokenizer["model_dir"] == run.base_model_path  # interpolation resolved
+    assert run.metric_logger["log_dir"] == run.output_dir  # interpolation resolved
     # The README reference, the defaults load_config fills and the typed section agree.
     assert run_schema().fields["ref"].fields["reward_timeout_s"].default == (
         run.ref.reward_timeout_s

@@ -567,3 +567,76 @@ def test_logger_works_as_a_ray_actor(tmp_path, ray_cluster):
     assert records[-1]["ref_actor_rewards/rewards_mean"] is None
     with pytest.raises(ray.exceptions.RayTaskError, match="closed"):
         ray.get(logger.log_dict.remote({"x": 1.0}, step=9))
+
+
+class RecordingLogger(MetricLogger):
+    """A user's own logger class: MetricLogger's methods, one more option, a record of calls."""
+
+    def __init__(self, log_dir, tag="", project="grpo", mode="disabled", config=None):
+        super().__init__(log_dir, project=project, mode=mode, config=config, use_wandb=False)
+        self.tag = tag
+        self.logged = []
+
+    def log_dict(self, metrics, step, actor=None):
+        self.logged.append((dict(metrics), step))
+        super().log_dict(metrics, step, actor)
+
+    def report(self):
+        return {
+            "class": type(self).__name__,
+            "tag": self.tag,
+            "logged": self.logged,
+            "log_dir": str(self.log_dir),
+            "has_config": self.config is not None,
+        }
+
+
+@pytest.mark.slow
+def test_the_run_uses_the_logger_class_the_config_names(tmp_path, ray_cluster):
+    from ray import cloudpickle
+
+    from grpo.config import load_config, validate_config
+    from grpo.orchestrator.supervisor import ActorSupervisor
+
+    # Ray workers cannot import this test module: send its classes by value.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray = ray_cluster
+    cfg = load_config(
+        "tiny_arithmetic_cpu",
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"metric_logger._component_={__name__}.RecordingLogger",
+            "metric_logger.tag=mine",
+            "metric_logger.mode=disabled",
+        ],
+    )
+    validate_config(cfg)  # the class's own keywords (tag) are accepted
+    supervisor = ActorSupervisor(
+        cfg, tmp_path / "run", log_metrics=lambda *_: None, current_step=lambda: 0, dataset=[]
+    )
+    logger = supervisor.start_metric_logger()
+    try:
+        ray.get(logger.log_dict.remote({"train/loss": 0.5}, step=1))
+        report = ray.get(logger.report.remote())
+    finally:
+        ray.get(logger.close.remote())
+        ray.kill(logger)
+    assert report["class"] == "RecordingLogger" and report["tag"] == "mine"
+    assert report["logged"] == [({"train/loss": 0.5}, 1)]
+    assert report["log_dir"] == str(tmp_path / "run") and report["has_config"]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("train/loss") == 1
+
+
+def test_a_logger_that_is_not_a_class_is_named(tmp_path):
+    from grpo.config import InstantiationError, load_config
+    from grpo.orchestrator.supervisor import ActorSupervisor
+
+    cfg = load_config(
+        "tiny_arithmetic_cpu",
+        [f"output_dir={tmp_path}", "metric_logger._component_=grpo.config.load_config"],
+    )
+    supervisor = ActorSupervisor(
+        cfg, tmp_path, log_metrics=lambda *_: None, current_step=lambda: 0, dataset=None
+    )
+    with pytest.raises(InstantiationError, match=r"metric_logger._component_: .* not a class"):
+        supervisor.start_metric_logger()

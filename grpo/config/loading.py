@@ -10,7 +10,7 @@ Conventions (torchtune's):
 * ``~key`` removes a key. Keys the schema knows fall back to their default (so
   ``~eval_dataset`` turns evaluation off); keys inside a component node fall back to the
   component's own default.
-* ``${key}`` interpolation works as in OmegaConf (``model_dir: ${base_model_path}``).
+* ``${key}`` interpolation works as in OmegaConf (``log_dir: ${output_dir}``).
 
 Relative paths in ``base_model_path``, ``output_dir`` and ``resume_from_checkpoint`` are made
 absolute when the config is loaded, because Ray actors may run in another working directory.
@@ -231,6 +231,10 @@ def _all_schema_keys(section: Section | None = None, prefix: str = "") -> list[s
 
 def suggest(prefix: str, key: str, siblings: Sequence[str]) -> str:
     """A ``; did you mean ...?`` hint for an unknown key, or an empty string."""
+    from grpo.config.run import REMOVED_KEYS  # imports the component modules: not at import
+
+    if not prefix and key in REMOVED_KEYS:
+        return f"; {key} is no longer used: {REMOVED_KEYS[key]}"
     close = difflib.get_close_matches(key, list(siblings), n=1, cutoff=0.6)
     if close:
         return f"; did you mean {prefix}{close[0]}?"

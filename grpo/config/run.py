@@ -19,7 +19,6 @@ from typing import Any
 from grpo.config.loading import resolve_path
 from grpo.config.options import (
     NON_NEGATIVE,
-    NONE,
     NUMBER,
     POSITIVE,
     UNRESOLVED,
@@ -41,13 +40,23 @@ from grpo.workers.trainer import TrainingConfig
 # Files a model folder must hold; weights are checked separately (*.safetensors).
 MODEL_FILES = ("config.json", "tokenizer.json")
 
+# Top-level keys of older configs that nothing reads any more, with what to do instead. They
+# looked like components but were never built: the actors build the model and load the
+# tokenizer from base_model_path themselves.
+REMOVED_KEYS = {
+    "model": "the model is built from base_model_path (its config.json model_type chooses "
+    "the family); delete this key",
+    "tokenizer": "the tokenizer is loaded from the files in base_model_path; delete this key "
+    "(inference.max_prompt_tokens bounds the prompt length)",
+}
+
 
 @dataclass(kw_only=True)
 class RunConfig(ConfigSection):
     """Top level.
 
     The whole run config as one typed object: top-level options, one section per component,
-    and the component nodes (dataset, rewards, tokenizer, model, metric logger). Build it
+    and the component nodes (dataset, rewards, metric logger). Build it
     from a validated config with ``RunConfig.from_mapping(OmegaConf.to_container(cfg,
     resolve=True))``.
     """
@@ -91,21 +100,10 @@ class RunConfig(ConfigSection):
     eval_dataset: dict[str, Any] | None = component(
         None, "Evaluation prompts; null: no evaluation."
     )
-    tokenizer: dict[str, Any] = component(
-        {"_component_": "grpo.models.load_tokenizer", "model_dir": "${base_model_path}"},
-        "Tokenizer.",
-        kwargs={
-            "max_seq_len": keyword(
-                (int, NONE), "Longest encoded sequence; null: no limit.", POSITIVE
-            )
-        },
-    )
-    model: dict[str, Any] = component(
-        {"_component_": "grpo.models.build_model", "model_dir": "${base_model_path}"},
-        "Policy and reference model (torchtune module, HF weights).",
-    )
     metric_logger: dict[str, Any] = component(
-        doc="Metric logger (W&B, JSONL, stdout).",
+        doc="Metric logger, run as a Ray actor: grpo.workers.metric_logger.MetricLogger "
+        "(JSONL, W&B, stdout) or your own class with its methods. log_dir and config default "
+        "to the run folder and the resolved config.",
         kwargs={
             "mode": keyword(
                 (str,),
@@ -151,47 +149,66 @@ def _get(values: dict, path: str, types: tuple[type, ...] = NUMBER) -> Any:
     return node
 
 
-def _max_prompt(values: dict) -> tuple[int, str] | None:
-    """Longest possible prompt and the key that bounds it, or None if neither key is set."""
-    bounds = [
-        (limit, key)
-        for key in ("inference.max_prompt_tokens", "tokenizer.max_seq_len")
-        if (limit := _get(values, key, (int,))) is not None
-    ]
-    # The tokenizer truncates to max_seq_len, so the smaller bound is the real one.
-    return min(bounds) if bounds else None
+def _longest_sequence(values: dict, max_positions: int | None = None) -> tuple[int, str] | None:
+    """Longest prompt + response a run can produce, and why; None if nothing bounds it here.
+
+    As the collectors decide it: ``inference.max_prompt_tokens + inference.max_generated_tokens``
+    when the prompt bound is set; otherwise vLLM's ``max_model_len`` (the collectors then skip
+    prompts longer than ``max_model_len - max_generated_tokens``), which defaults to the model's
+    ``max_position_embeddings``.
+
+    Args:
+        values (dict): The config as plain values.
+        max_positions (int | None): The model's ``max_position_embeddings``, if read.
+
+    Returns:
+        tuple[int, str] | None: The length and a description naming the keys it comes from.
+    """
+    max_prompt = _get(values, "inference.max_prompt_tokens", (int,))
+    max_generated = _get(values, "inference.max_generated_tokens", (int,))
+    if max_prompt is not None:
+        if max_generated is None:
+            return None
+        longest = max_prompt + max_generated
+        return longest, (
+            f"inference.max_prompt_tokens ({max_prompt}) + inference.max_generated_tokens "
+            f"({max_generated}) = {longest}"
+        )
+    max_model_len = _get(values, "inference.engine_args.max_model_len", (int,))
+    if max_model_len is not None:
+        return max_model_len, (
+            f"inference.engine_args.max_model_len ({max_model_len}), the longest sequence "
+            "while inference.max_prompt_tokens is null"
+        )
+    if max_positions is not None:
+        return max_positions, (
+            f"the model's max_position_embeddings ({max_positions}), the longest sequence "
+            "while inference.max_prompt_tokens and inference.engine_args.max_model_len are null"
+        )
+    return None
 
 
 def _check_relations(values: dict, problems: list[str]) -> None:
     """Checks that involve more than one key; each skips when a key it needs is invalid."""
-    inference = values.get("inference") if isinstance(values.get("inference"), dict) else {}
-    tokenizer = values.get("tokenizer") if isinstance(values.get("tokenizer"), dict) else {}
-    max_prompt = _max_prompt(values)
-    if (
-        max_prompt is None
-        and inference.get("max_prompt_tokens") is None
-        and tokenizer.get("max_seq_len") is None
-    ):
+    longest = _longest_sequence(values)
+    budget = _get(values, "target_tokens_per_batch", (int,))
+    if longest is not None and budget is not None and budget < longest[0]:
         problems.append(
-            "inference.max_prompt_tokens: null while tokenizer.max_seq_len is not set; one of "
-            "them must bound the prompt length so that packs can be sized"
+            f"target_tokens_per_batch: {budget} cannot hold the longest sequence, {longest[1]}"
         )
+    max_model_len = _get(values, "inference.engine_args.max_model_len", (int,))
+    max_prompt = _get(values, "inference.max_prompt_tokens", (int,))
     max_generated = _get(values, "inference.max_generated_tokens", (int,))
-    if max_prompt is not None and max_generated is not None:
-        (prompt_tokens, prompt_key), longest = max_prompt, max_prompt[0] + max_generated
-        bound = (
-            f"{prompt_key} ({prompt_tokens}) + inference.max_generated_tokens "
-            f"({max_generated}) = {longest}"
-        )
-        budget = _get(values, "target_tokens_per_batch", (int,))
-        if budget is not None and budget < longest:
+    if max_model_len is not None and max_generated is not None:
+        if max_prompt is not None and longest is not None and max_model_len < longest[0]:
             problems.append(
-                f"target_tokens_per_batch: {budget} cannot hold the longest sequence, {bound}"
+                f"inference.engine_args.max_model_len: {max_model_len} is shorter than {longest[1]}"
             )
-        max_model_len = _get(values, "inference.engine_args.max_model_len", (int,))
-        if max_model_len is not None and max_model_len < longest:
+        elif max_prompt is None and max_model_len <= max_generated:
             problems.append(
-                f"inference.engine_args.max_model_len: {max_model_len} is shorter than {bound}"
+                f"inference.engine_args.max_model_len: {max_model_len} leaves no room for a "
+                f"prompt before inference.max_generated_tokens ({max_generated}) while "
+                "inference.max_prompt_tokens is null"
             )
 
     train_batch = _get(values, "training.batch_size", (int,))
@@ -311,13 +328,26 @@ def _check_model_config(folder: Path, values: dict, problems: list[str]) -> None
             f"types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     max_positions = model_config.get("max_position_embeddings")
-    max_prompt = _max_prompt(values)
-    max_generated = _get(values, "inference.max_generated_tokens", (int,))
-    if isinstance(max_positions, int) and max_prompt is not None and max_generated is not None:
-        longest = max_prompt[0] + max_generated
-        if longest > max_positions:
+    if not isinstance(max_positions, int) or isinstance(max_positions, bool):
+        return
+    from_config = _longest_sequence(values)
+    if from_config is None:
+        # Nothing in the config bounds the sequences: the model's context does, and one
+        # micro-batch must still hold the longest.
+        longest = _longest_sequence(values, max_positions)
+        budget = _get(values, "target_tokens_per_batch", (int,))
+        if longest is not None and budget is not None and budget < longest[0]:
             problems.append(
-                f"inference.max_generated_tokens: {max_prompt[1]} ({max_prompt[0]}) + "
-                f"inference.max_generated_tokens ({max_generated}) = {longest} exceeds the "
-                f"model's max_position_embeddings ({max_positions}) in {config_path}"
+                f"target_tokens_per_batch: {budget} cannot hold the longest sequence, "
+                f"{longest[1]} in {config_path}; set inference.max_prompt_tokens"
             )
+    elif from_config[0] > max_positions:
+        key = (
+            "inference.max_generated_tokens"
+            if _get(values, "inference.max_prompt_tokens", (int,)) is not None
+            else "inference.engine_args.max_model_len"
+        )
+        problems.append(
+            f"{key}: {from_config[1]} exceeds the model's max_position_embeddings "
+            f"({max_positions}) in {config_path}"
+        )

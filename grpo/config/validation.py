@@ -56,10 +56,14 @@ def validate_config(
     schema = run_schema()
     fill_defaults(cfg, schema)
     values = _resolve_all(cfg, "", problems)
-    _check_section(schema, values, "", problems, check_components)
     # Imported here for the same reason as in `run_schema`.
-    from grpo.config.run import RunConfig
+    from grpo.config.run import REMOVED_KEYS, RunConfig
 
+    for key, instead in REMOVED_KEYS.items():
+        if key in values:  # more useful than "unknown key" for a key that used to exist
+            problems.append(f"{key}: no longer used; {instead}")
+            del values[key]
+    _check_section(schema, values, "", problems, check_components)
     problems.extend(RunConfig.relation_problems(values, check_files))
     if problems:
         raise ConfigError(problems)

@@ -23,11 +23,16 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 from ray.exceptions import RayActorError, RayTaskError
 
+from grpo.config import InstantiationError, locate
+from grpo.config.instantiate import keyword_names
 from grpo.orchestrator.checkpointer import latest_checkpoint_text
 from grpo.orchestrator.errors import ActorFailedError
 from grpo.workers.rollout_queue import RolloutQueue
 
 log = logging.getLogger("grpo")
+
+# The metric logger a node without ``_component_`` gets.
+DEFAULT_METRIC_LOGGER = "grpo.workers.metric_logger.MetricLogger"
 
 
 def to_container(node: Any) -> Any:
@@ -152,13 +157,33 @@ class ActorSupervisor:
         self.start_collectors(weights_dir=checkpoint_dir / "model" if checkpoint_dir else None)
 
     def start_metric_logger(self) -> Any:
-        from grpo.workers.metric_logger import MetricLogger
+        """Start the logger actor: the class the ``metric_logger`` node's ``_component_`` names.
 
+        Any class with `MetricLogger`'s methods will do. The node's other keys are its
+        keywords; ``log_dir`` (the run folder) and ``config`` (the resolved run config) are
+        added when the node does not set them and the class takes them.
+
+        Raises:
+            InstantiationError: If ``_component_`` does not import or is not a class (the
+                logger is a Ray actor, so it must be one).
+        """
         node = to_container(self.cfg.get("metric_logger")) or {}
-        node.pop("_component_", None)
-        node.setdefault("log_dir", str(self.run_dir))
-        node.setdefault("config", to_container(self.cfg))
-        self.metric_logger = ray.remote(num_cpus=0)(MetricLogger).remote(**node)
+        target = node.pop("_component_", DEFAULT_METRIC_LOGGER)
+        try:
+            logger_cls = locate(target)
+        except InstantiationError as exc:
+            raise InstantiationError(f"metric_logger._component_: {exc}") from None
+        if not isinstance(logger_cls, type):
+            raise InstantiationError(
+                f"metric_logger._component_: {target} is not a class; the metric logger runs "
+                "as a Ray actor, so name a class with MetricLogger's methods"
+            )
+        accepted = keyword_names(logger_cls)  # None: it takes **kwargs
+        defaults = {"log_dir": str(self.run_dir), "config": to_container(self.cfg)}
+        for name, value in defaults.items():
+            if accepted is None or name in accepted:
+                node.setdefault(name, value)
+        self.metric_logger = ray.remote(num_cpus=0)(logger_cls).remote(**node)
         return self.metric_logger
 
     def start_rollout_queue(self) -> RolloutQueue:

@@ -80,7 +80,8 @@ class InferenceConfig(ConfigSection):
     )
     max_prompt_tokens: int | None = option(
         None,
-        "Longest prompt in tokens (longer ones are skipped); null: tokenizer.max_seq_len.",
+        "Longest prompt in tokens (longer ones are skipped); null: engine_args.max_model_len "
+        "(default: the model's max_position_embeddings) minus max_generated_tokens.",
         check=POSITIVE,
     )
     max_generated_tokens: int = option(256, "Most tokens generated per response.", check=POSITIVE)

@@ -127,7 +127,11 @@ class TrainingConfig(ConfigSection):
         "CUDA only for training).",
         check=one_of("dense", "varlen", "flex"),
     )
-    compile: bool = option(False, "torch.compile the model and loss.")
+    compile: bool = option(
+        False,
+        "torch.compile each decoder layer (inductor); the first step pays the compile time. "
+        "Varlen and flex attention run outside the compiled graphs.",
+    )
 
 
 class ResponseLogprobModel(nn.Module):
@@ -161,6 +165,31 @@ def _select_logprobs(
     }
 
 
+def compile_layers(decoder: nn.Module) -> nn.Module:
+    """``torch.compile`` each decoder layer in place, as torchtune's ``compile_model`` does.
+
+    Per layer rather than the whole model: every layer has the same code, so dynamo traces it
+    once and reuses the graph for all of them, and the chunked output projection
+    (`grpo.logprobs`), a custom autograd function, stays out of the graph. ``Module.compile``
+    keeps the parameter names, so checkpoints and weight sync see the same state dict.
+    Pack lengths vary: the second length recompiles once with dynamic shapes, and later
+    lengths reuse that graph.
+
+    The attention of varlen and flex packs runs outside the compiled graphs
+    (`grpo.attention`): varlen splits on Python ints that differ in every pack, which would
+    recompile each time, and FlexAttention is compiled on its own.
+
+    Args:
+        decoder (nn.Module): A torchtune ``TransformerDecoder``.
+
+    Returns:
+        nn.Module: ``decoder`` itself.
+    """
+    for layer in decoder.layers:
+        layer.compile(backend="inductor", dynamic=None)
+    return decoder
+
+
 def _set_seed(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -179,8 +208,9 @@ class PyTorchActorModel:
         config (TrainingConfig | None): The ``training:`` options this actor uses: the
             ``optimizer`` node (the parameters are passed in), the ``lr_scheduler`` node (it
             receives ``optimizer`` and ``num_training_steps``), the ``loss`` node,
-            ``ppo_epochs``, ``clip_grad_norm`` (null: no clipping), ``dtype`` and ``mask_kind``
-            (see `grpo.attention`; flex has no backward on CPU). None: their defaults.
+            ``ppo_epochs``, ``clip_grad_norm`` (null: no clipping), ``dtype``, ``mask_kind``
+            (see `grpo.attention`; flex has no backward on CPU) and ``compile`` (see
+            `compile_layers`). None: their defaults.
         seed (int): Seed of model-independent randomness.
     """
 
@@ -206,6 +236,7 @@ class PyTorchActorModel:
         self.ppo_epochs = config.ppo_epochs
         self.clip_grad_norm = config.clip_grad_norm
         self.mask_kind = config.mask_kind
+        self.compile = config.compile
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.dtype = torch_dtype(config.dtype)
         self._component_nodes = {
@@ -246,6 +277,8 @@ class PyTorchActorModel:
         decoder = build_model(weights_dir, dtype=self.dtype, device=self.device)
         if self.mask_kind != "dense":
             use_packed_attention(decoder)
+        if self.compile:
+            compile_layers(decoder)
         self.policy = ResponseLogprobModel(decoder)
         if world_size > 1:
             from torch.distributed.fsdp import fully_shard
