@@ -402,3 +402,103 @@ def test_unknown_weight_names_are_named(family_dirs) -> None:
             list(models.hf_weight_iterator({"layers.0.attn.bogus.weight": torch.zeros(1)}, config))
         with pytest.raises(ValueError, match="model.bogus"):
             models.hf_to_tune_state_dict({"model.bogus": torch.zeros(1)}, config)
+
+
+# ------------------------------------------------------------------------------------------
+# vLLM (slow): one CPU engine per family
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def engine(request, family_dirs):
+    """``(llm, model_dir, family)``: a vLLM CPU engine started as the collectors start theirs
+    (the weight-sync worker extension, raw logprobs), one family at a time."""
+    from vllm import LLM
+
+    from grpo.testing import set_vllm_cpu_env
+    from grpo.workers.collector import engine_kwargs
+
+    set_vllm_cpu_env()
+    model_dir = family_dirs[request.param]
+    engine_args = {"kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 512, "max_num_seqs": 8}
+    llm = LLM(model=str(model_dir), **engine_kwargs(engine_args, seed=0, on_cpu=True))
+    yield llm, model_dir, request.param
+    llm.llm_engine.engine_core.shutdown()
+
+
+def vllm_sequence_logprobs(llm, token_ids: list[int]) -> torch.Tensor:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    [output] = llm.generate(
+        [TokensPrompt(prompt_token_ids=token_ids)],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )
+    return torch.tensor(
+        [entry[t].logprob for entry, t in zip(output.prompt_logprobs[1:], token_ids[1:])]
+    )
+
+
+@pytest.mark.slow
+def test_vllm_greedy_decoding_and_logprobs_match_torchtune(engine) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm, model_dir, _ = engine
+    model = models.build_model(model_dir).eval()
+    prompt = random_tokens(20, seed=1)[0].tolist()
+    [output] = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt)],
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0),
+        use_tqdm=False,
+    )
+    generated = list(output.outputs[0].token_ids)
+    # Greedy decoding with our model, one full forward per step.
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+    assert generated == tokens[len(prompt) :]
+    # The sampled tokens' logprobs, and a longer sequence's prompt logprobs, agree too.
+    sampled = torch.tensor([lp[t].logprob for lp, t in zip(output.outputs[0].logprobs, generated)])
+    ours = sequence_logprobs(model, prompt + generated)[len(prompt) - 1 :]
+    torch.testing.assert_close(sampled, ours, rtol=0, atol=1e-3)
+    long = random_tokens(300, seed=2)[0].tolist()
+    expected = sequence_logprobs(model, long)
+    torch.testing.assert_close(vllm_sequence_logprobs(llm, long), expected, rtol=0, atol=1e-3)
+    assert expected.std() > 0.5
+
+
+@pytest.mark.slow
+def test_vllm_in_place_weight_update_passes_checksum_and_probe(engine) -> None:
+    from grpo.workers.weight_sync import WeightReceiver, WeightUpdate, state_dict_checksum
+
+    llm, model_dir, family = engine
+    config = models.load_hf_config(model_dir)
+    model = models.build_model(model_dir).eval()
+    # Before any update the engine holds the folder's tensors: the trainer's conversion of
+    # its state dict (q/k permuted back for Llama) hashes to the same checksum.
+    initial = models.tune_to_hf_state_dict(model.state_dict(), config)
+    assert llm.collective_rpc("grpo_weights_checksum") == [state_dict_checksum(initial)]
+
+    probe = random_tokens(200, seed=3)[0].tolist()
+    before = vllm_sequence_logprobs(llm, probe)
+    model.load_state_dict(perturbed_state_dict(model, seed=5))
+    weights = {k: v.clone() for k, v in models.hf_weight_iterator(model.state_dict(), config)}
+    receiver = WeightReceiver()
+    checksum = state_dict_checksum(weights)
+    assert receiver.offer(WeightUpdate(version=1, weights=weights, checksum=checksum), 0)
+    applied = receiver.apply_pending(llm)  # raises WeightSyncError on a checksum mismatch
+    assert applied is not None and applied.version == 1
+    assert llm.collective_rpc("grpo_weights_checksum") == [checksum]
+    # The probe: the engine now computes the trainer's logprobs, and not the old ones.
+    after = vllm_sequence_logprobs(llm, probe)
+    torch.testing.assert_close(after, sequence_logprobs(model, probe), rtol=0, atol=1e-3)
+    assert (after - before).abs().max() > 0.05, family
+
+    # Restore the checkpoint's weights for the module's other tests.
+    original = models.load_hf_state_dict(model_dir)
+    restore = WeightUpdate(version=2, weights=original, checksum=state_dict_checksum(original))
+    assert receiver.offer(restore, 1)
+    receiver.apply_pending(llm)
