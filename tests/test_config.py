@@ -399,7 +399,7 @@ def test_model_folder_files_and_positions(tmp_path, config_path):
     problems = problems_of(load_config(config_path, [f"base_model_path={incomplete}"]))
     assert len(problems) == 1
     assert str(incomplete) in problems[0]
-    for name in ("vocab.json", "merges.txt", "*.safetensors"):
+    for name in ("tokenizer.json", "*.safetensors"):
         assert name in problems[0]
 
     short = make_fake_model_dir(tmp_path / "short", max_position_embeddings=40)

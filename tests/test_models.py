@@ -11,6 +11,7 @@ import gc
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import unicodedata
 from pathlib import Path
@@ -272,33 +273,47 @@ def tokenizers_of(tiny_model_dir: Path):
 
 
 def test_tokenizer_special_ids(tokenizers_of) -> None:
-    tune_tok, hf_tok, _ = tokenizers_of
+    tokenizer, hf_tok, _ = tokenizers_of
     special = {
         token: hf_tok.convert_tokens_to_ids(token) for token in (ENDOFTEXT, IM_START, IM_END)
     }
-    assert tune_tok.eos_id == special[IM_END] == hf_tok.eos_token_id
-    assert tune_tok.pad_id == special[ENDOFTEXT] == hf_tok.pad_token_id
-    assert tune_tok.im_start_id == special[IM_START]
-    assert tune_tok.stop_tokens == [special[IM_END], special[ENDOFTEXT]]
-    assert tune_tok.encode("hi", add_bos=False, add_eos=True)[-1] == tune_tok.eos_id
+    assert tokenizer.eos_id == special[IM_END] == hf_tok.eos_token_id
+    assert tokenizer.pad_id == special[ENDOFTEXT] == hf_tok.pad_token_id
+    assert tokenizer.bos_id is None  # Qwen has no bos: add_bos changes nothing
+    # generation_config.json's eos ids, in its order: what vLLM stops on.
+    assert tokenizer.stop_tokens == [special[IM_END], special[ENDOFTEXT]]
+    assert tokenizer.encode("hi", add_bos=True, add_eos=False) == tokenizer.encode(
+        "hi", add_bos=False, add_eos=False
+    )
+    assert tokenizer.encode("hi", add_bos=False, add_eos=True)[-1] == tokenizer.eos_id
+    assert tokenizer.encode(f"{IM_START}user", add_eos=False)[0] == special[IM_START]
+
+
+def test_tokenizer_pickles_by_path(tokenizers_of) -> None:
+    tokenizer = tokenizers_of[0]
+    state = pickle.dumps(tokenizer)
+    assert len(state) < 1_000  # the path, not the vocabulary
+    copy = pickle.loads(state)
+    assert copy.encode("What is 12 + 7?") == tokenizer.encode("What is 12 + 7?")
+    assert copy.stop_tokens == tokenizer.stop_tokens
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_tokenizers_agree(text: str, tokenizers_of) -> None:
-    tune_tok, hf_tok, raw_tok = tokenizers_of
-    tune_ids = tune_tok.encode(text, add_bos=False, add_eos=False)
-    assert tune_ids == hf_tok.encode(text, add_special_tokens=False)
-    assert tune_ids == raw_tok.encode(text, add_special_tokens=False).ids
-    assert None not in tune_ids  # every byte is in the vocabulary
-    assert tune_tok.decode(tune_ids) == unicodedata.normalize("NFC", text)
+    tokenizer, hf_tok, raw_tok = tokenizers_of
+    ids = tokenizer.encode(text, add_bos=False, add_eos=False)
+    assert ids == hf_tok.encode(text, add_special_tokens=False)
+    assert ids == raw_tok.encode(text, add_special_tokens=False).ids
+    assert None not in ids  # every byte is in the vocabulary
+    assert tokenizer.decode(ids) == unicodedata.normalize("NFC", text)
 
 
 def test_digits_are_single_tokens(tokenizers_of) -> None:
-    tune_tok, _, _ = tokenizers_of
-    ids = tune_tok.encode("9876543210", add_bos=False, add_eos=False)
-    assert [tune_tok.decode([i]) for i in ids] == list("9876543210")
+    tokenizer, _, _ = tokenizers_of
+    ids = tokenizer.encode("9876543210", add_bos=False, add_eos=False)
+    assert [tokenizer.decode([i]) for i in ids] == list("9876543210")
     # Words of the corpus were merged: the tokenizer is not just bytes.
-    assert len(tune_tok.encode("What is the answer", add_bos=False, add_eos=False)) <= 4
+    assert len(tokenizer.encode("What is the answer", add_bos=False, add_eos=False)) <= 4
 
 
 @settings(
@@ -316,8 +331,8 @@ def test_digits_are_single_tokens(tokenizers_of) -> None:
     ).map("".join)
 )
 def test_tokenizers_agree_on_random_text(tokenizers_of, text: str) -> None:
-    tune_tok, hf_tok, _ = tokenizers_of
-    assert tune_tok.encode(text, add_bos=False, add_eos=False) == hf_tok.encode(
+    tokenizer, hf_tok, _ = tokenizers_of
+    assert tokenizer.encode(text, add_bos=False, add_eos=False) == hf_tok.encode(
         text, add_special_tokens=False
     )
 
@@ -334,30 +349,42 @@ def test_missing_model_folder_names_the_path(tmp_path: Path) -> None:
             load(missing)
 
 
-@pytest.mark.parametrize(
-    "removed", ["vocab.json", "merges.txt", "config.json", "model.safetensors"]
-)
+@pytest.mark.parametrize("removed", ["tokenizer.json", "config.json", "model.safetensors"])
 def test_missing_file_names_the_path(removed: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     model_dir = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
     (model_dir / removed).unlink()
-    load = models.load_tokenizer if removed in ("vocab.json", "merges.txt") else models.build_model
+    load = models.load_tokenizer if removed == "tokenizer.json" else models.build_model
     with pytest.raises(FileNotFoundError) as info:
         load(model_dir)
     assert str(model_dir) in str(info.value)
     assert removed in str(info.value)
 
 
-def test_tokenizer_json_without_qwen_special_tokens_is_rejected(
+def test_tokenizer_without_eos_is_rejected(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model_dir = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["eos_token"] = None
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with pytest.raises(ValueError, match="no eos token.*tokenizer_config.json"):
+        models.load_tokenizer(model_dir)
+
+
+def test_chat_template_renders_and_its_absence_is_named(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    tokenizer = models.load_tokenizer(tiny_model_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+    prompt = tokenizer.apply_chat_template(messages)
+    assert prompt == (
+        f"{IM_START}system\nBe brief.{IM_END}\n{IM_START}user\n1+1?{IM_END}\n{IM_START}assistant\n"
+    )
     model_dir = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
-    tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text())
-    tokenizer_json["added_tokens"] = [
-        t for t in tokenizer_json["added_tokens"] if t["content"] != IM_START
-    ]
-    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json))
-    with pytest.raises(ValueError, match=r"<\|im_start\|>"):
-        models.load_tokenizer(model_dir)
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    del tokenizer_config["chat_template"]
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with pytest.raises(ValueError, match="has no chat template") as info:
+        models.load_tokenizer(model_dir).apply_chat_template(messages)
+    assert str(model_dir) in str(info.value)
 
 
 def test_bad_config_json(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ from grpo.workers.ref import RefConfig
 from grpo.workers.trainer import TrainingConfig
 
 # Files a model folder must hold; weights are checked separately (*.safetensors).
-MODEL_FILES = ("config.json", "vocab.json", "merges.txt")
+MODEL_FILES = ("config.json", "tokenizer.json")
 
 
 @dataclass(kw_only=True)
@@ -53,7 +53,7 @@ class RunConfig(ConfigSection):
     """
 
     base_model_path: str = option(
-        doc="Hugging Face model folder (config.json, *.safetensors, vocab.json, merges.txt). "
+        doc="Hugging Face model folder (config.json, *.safetensors, tokenizer.json). "
         "Relative: current directory first, then the repo root."
     )
     output_dir: str = option(doc="Checkpoints, metrics and logs are written here.")

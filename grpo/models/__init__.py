@@ -8,15 +8,16 @@ its ``config.json``. The parts:
   scaling in both the transformers 4 and 5 spellings).
 * One module per model family, each with builder arguments from ``config.json`` (clear errors
   for unsupported features), HF -> torchtune conversion and the lazy torchtune -> HF iterator:
-  `qwen2` (Qwen2 / Qwen2.5, torchtune's builder; also the tokenizer), `qwen3` (Qwen3 dense:
-  per-head q/k norms before RoPE, explicit ``head_dim``; built from torchtune modules) and
-  `llama` (Llama 3 / 3.1 / 3.2 through torchtune's builders, with the ``llama3`` RoPE scaling
-  and tied embeddings).
+  `qwen2` (Qwen2 / Qwen2.5, torchtune's builder), `qwen3` (Qwen3 dense: per-head q/k norms
+  before RoPE, explicit ``head_dim``; built from torchtune modules) and `llama` (Llama 3 / 3.1 / 3.2
+  through torchtune's builders, with the ``llama3`` RoPE scaling and tied embeddings).
 * `families`: the registry keyed by ``model_type`` (`SUPPORTED_MODEL_TYPES`) and the
   family-independent `hf_to_tune_state_dict`, `hf_weight_iterator` (the single tune -> HF path
   of checkpoints and weight sync) and `tune_to_hf_state_dict`.
 * `build`: `build_model` (a torchtune ``TransformerDecoder`` with the folder's weights) and the
   config dtype names (`torch_dtype`).
+* `tokenizer`: `load_tokenizer`, the folder's own tokenizer (``tokenizer.json`` through
+  transformers, as vLLM loads it) and its chat template, for every family.
 * `save`: `save_hf_checkpoint`, a torchtune state dict written as a folder, atomically.
 
 Hidden states and the output projection for the chunked loss live in `grpo.logprobs`
@@ -66,9 +67,10 @@ from grpo.models.hf_folder import (  # noqa: E402
     load_hf_state_dict,
 )
 from grpo.models.llama import llama_builder_args  # noqa: E402
-from grpo.models.qwen2 import load_tokenizer, qwen2_builder_args  # noqa: E402
+from grpo.models.qwen2 import qwen2_builder_args  # noqa: E402
 from grpo.models.qwen3 import qwen3_builder_args  # noqa: E402
 from grpo.models.save import save_hf_checkpoint  # noqa: E402
+from grpo.models.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 __all__ = [
     "DTYPES",
@@ -76,6 +78,7 @@ __all__ = [
     "SAFETENSORS_FILE",
     "SAFETENSORS_INDEX_FILE",
     "SUPPORTED_MODEL_TYPES",
+    "Tokenizer",
     "build_model",
     "family_of",
     "hf_to_tune_state_dict",

@@ -1,8 +1,8 @@
 """Reading a Hugging Face model folder: ``config.json``, safetensors weights (single or sharded).
 
 A model folder is a Hugging Face checkpoint: ``config.json``, ``model.safetensors`` (or shards
-listed in ``model.safetensors.index.json``), ``vocab.json``, ``merges.txt`` and usually
-``tokenizer.json``. Nothing here depends on the model family.
+listed in ``model.safetensors.index.json``), ``tokenizer.json`` and ``tokenizer_config.json``
+(Qwen folders also carry ``vocab.json`` and ``merges.txt``). Nothing here depends on the model family.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 through torchtune: architecture from ``config.json``, weight names, tokenizer.
+"""Qwen2 / Qwen2.5 through torchtune: architecture from ``config.json`` and weight names.
 
 torchtune and vLLM/HF name the same Qwen2 tensors differently (``layers.0.attn.q_proj.weight``
 vs ``model.layers.0.self_attn.q_proj.weight``). Qwen2 needs no permutation of q/k
@@ -13,17 +13,11 @@ the same code serves the tiny test model and Qwen2/Qwen2.5 checkpoints of any si
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torchtune.models.qwen2 import qwen2_tokenizer
 from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune_to_hf
-from torchtune.models.qwen2._tokenizer import ENDOFTEXT, IM_END, IM_START, Qwen2Tokenizer
-
-from grpo.models.hf_folder import model_folder, required_file
 
 
 def _config_value(hf_config: dict[str, Any], key: str) -> Any:
@@ -184,48 +178,3 @@ def tune_to_hf_state_dict(
         ValueError: If a name has no HF counterpart.
     """
     return dict(hf_weight_iterator(state_dict, hf_config))
-
-
-def load_tokenizer(model_dir: str | os.PathLike, max_seq_len: int | None = None) -> Qwen2Tokenizer:
-    """torchtune's Qwen2 tokenizer from ``vocab.json`` + ``merges.txt`` of a model folder.
-
-    Special tokens and their ids come from ``tokenizer.json``'s ``added_tokens`` when the file
-    exists (so a tiny model's small ids work), else torchtune's Qwen2 defaults (151643..).
-    ``eos_id`` is ``<|im_end|>`` and ``pad_id`` is ``<|endoftext|>``; ``stop_tokens`` holds
-    both. ``encode`` appends eos by default: pass ``add_eos=False`` for prompts.
-
-    Args:
-        model_dir (str | os.PathLike): Model folder.
-        max_seq_len (int | None): Truncation length of ``tokenize_messages``.
-
-    Returns:
-        Qwen2Tokenizer: The tokenizer.
-
-    Raises:
-        FileNotFoundError: If the folder, ``vocab.json`` or ``merges.txt`` is missing.
-        ValueError: If ``tokenizer.json`` lacks one of the Qwen2 special tokens.
-
-    Example:
-        >>> tokenizer = load_tokenizer(model_dir)
-        >>> ids = tokenizer.encode("What is 2 + 3?", add_bos=False, add_eos=False)
-    """
-    model_dir = model_folder(model_dir)
-    vocab_path = required_file(model_dir, "vocab.json", "tokenizer vocabulary")
-    merges_path = required_file(model_dir, "merges.txt", "tokenizer merges")
-    tokenizer_json = model_dir / "tokenizer.json"
-    special_tokens_path = None
-    if tokenizer_json.is_file():
-        added = json.loads(tokenizer_json.read_text()).get("added_tokens", [])
-        missing = {ENDOFTEXT, IM_START, IM_END} - {token["content"] for token in added}
-        if missing:
-            raise ValueError(
-                f"{str(tokenizer_json)!r} lacks the Qwen2 special tokens {sorted(missing)} "
-                "in 'added_tokens'"
-            )
-        special_tokens_path = str(tokenizer_json)
-    return qwen2_tokenizer(
-        path=str(vocab_path),
-        merges_file=str(merges_path),
-        special_tokens_path=special_tokens_path,
-        max_seq_len=max_seq_len,
-    )

@@ -772,7 +772,6 @@ def make_fake_model_dir(folder: str | os.PathLike, max_position_embeddings: int 
     folder.mkdir(parents=True, exist_ok=True)
     config = {"model_type": "qwen2", "max_position_embeddings": max_position_embeddings}
     _write_json(folder / "config.json", config)
-    (folder / "vocab.json").write_text("{}")
-    (folder / "merges.txt").write_text("#version: 0.2\n")
+    (folder / "tokenizer.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"")
     return folder

@@ -2,14 +2,14 @@
 
 Data flow::
 
-    PromptStream(worker shard) -> torchtune tokenizer -> vLLM (n = group_size per prompt)
+    PromptStream(worker shard) -> model folder's tokenizer -> vLLM (n = group_size per prompt)
         -> one GroupedUnscoredTrajectories per prompt -> rollout queue (blocking, bounded)
 
 Choices that other actors rely on:
 
-* Prompt token ids come from torchtune's tokenizer (`grpo.models.load_tokenizer`), the one the
-  reference and training actors use, and reach vLLM as ``TokensPrompt``; vLLM's own tokenizer
-  only detokenizes for stop strings.
+* Prompt token ids come from the model folder's tokenizer (`grpo.models.load_tokenizer`, the
+  same files and library vLLM loads), the one the reference and training actors use, and reach
+  vLLM as ``TokensPrompt``; vLLM's own tokenizer only detokenizes for stop strings.
 * A response holds the tokens vLLM sampled, unpadded, INCLUDING the token that ended it (the
   eos token, or the token that completed a stop string such as ``</answer>``): the policy is
   trained on stopping, and the ratio of that token is part of the loss. A response cut by
@@ -425,7 +425,9 @@ class SyncLLMCollector:
             raise KeyError(
                 f"example {item.get('index')} has no 'prompt' and the collector has no template"
             )
-        # add_eos=False: the prompt continues into the response. (Qwen2 has no bos token.)
+        # add_eos=False: the prompt continues into the response. add_bos starts it with bos
+        # only for families whose tokenizer does so (Llama 3) and only once: a prompt rendered
+        # by a chat template may already begin with it.
         return self.tokenizer.encode(text, add_bos=True, add_eos=False)
 
     def _next_prompts(self, num_prompts: int) -> list[tuple[dict[str, Any], list[int]]]:
@@ -649,7 +651,7 @@ class SyncLLMCollector:
             max_generated_tokens (int | None): Budget per completion; default the collector's.
 
         Returns:
-            list[str]: One completion per example, decoded with torchtune's tokenizer like
+            list[str]: One completion per example, decoded with the model's tokenizer like
             the reference actor decodes training responses (special tokens dropped). A prompt
             that does not fit the engine's context gets ``""``.
         """
