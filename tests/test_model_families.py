@@ -35,6 +35,7 @@ from grpo.testing import (
     BEGIN_OF_TEXT,
     END_OF_TEXT,
     EOT_ID,
+    IM_END,
     LLAMA3_SPECIAL_TOKENS,
     TOKENIZER_FILES,
     build_tiny_llama,
@@ -178,6 +179,23 @@ def test_tiny_llama_has_llama3_tokenizer_and_config(family_dirs) -> None:
         "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_load_tokenizer_reads_each_familys_special_tokens(family: str, family_dirs) -> None:
+    model_dir = family_dirs[family]
+    tokenizer = models.load_tokenizer(model_dir)
+    raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = "What is 37 + 48?"
+    plain = raw.encode(text, add_special_tokens=False).ids
+    if family == "llama":
+        assert tokenizer.eos_id == raw.token_to_id(EOT_ID)
+        assert tokenizer.stop_tokens == [raw.token_to_id(END_OF_TEXT), raw.token_to_id(EOT_ID)]
+        assert tokenizer.encode(text, add_eos=False) == [raw.token_to_id(BEGIN_OF_TEXT), *plain]
+    else:  # Qwen2 and Qwen3: no bos, ChatML eos
+        assert tokenizer.eos_id == raw.token_to_id(IM_END)
+        assert tokenizer.encode(text, add_eos=False) == plain
+    assert tokenizer.decode(plain) == text
 
 
 def test_tiny_builders_reject_unusable_shapes(tmp_path: Path) -> None:
