@@ -739,11 +739,11 @@ def test_dtype_option_accepts_exactly_the_dtypes_the_actors_know():
 def test_unsupported_model_type_is_named_before_anything_starts(config_path, tmp_path):
     from grpo.models import SUPPORTED_MODEL_TYPES
 
-    folder = make_fake_model_dir(tmp_path / "llama")
+    folder = make_fake_model_dir(tmp_path / "mistral")
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
     problems = problems_of(load_config(config_path, [f"base_model_path={folder}"]))
     assert len(problems) == 1, problems
     assert problems[0].startswith("base_model_path:")
-    assert "'llama'" in problems[0] and str(folder / "config.json") in problems[0]
+    assert "'mistral'" in problems[0] and str(folder / "config.json") in problems[0]
     assert all(name in problems[0] for name in SUPPORTED_MODEL_TYPES)

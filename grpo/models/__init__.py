@@ -4,8 +4,16 @@ A model folder is a Hugging Face checkpoint; everything about the architecture i
 its ``config.json``. The parts:
 
 * `hf_folder`: read a folder (``config.json``, single or sharded safetensors weights).
-* `qwen2`: the Qwen2 / Qwen2.5 family: torchtune builder arguments from ``config.json``,
-  HF <-> torchtune weight names.
+* `hf_config`: architecture keys of ``config.json`` shared by the families (RoPE base and
+  scaling in both the transformers 4 and 5 spellings).
+* One module per model family, each with builder arguments from ``config.json`` (clear errors
+  for unsupported features), HF -> torchtune conversion and the lazy torchtune -> HF iterator:
+  `qwen2` (Qwen2 / Qwen2.5, torchtune's builder), `qwen3` (Qwen3 dense: per-head q/k norms
+  before RoPE, explicit ``head_dim``; built from torchtune modules) and `llama` (Llama 3 / 3.1 / 3.2
+  through torchtune's builders, with the ``llama3`` RoPE scaling and tied embeddings).
+* `families`: the registry keyed by ``model_type`` (`SUPPORTED_MODEL_TYPES`) and the
+  family-independent `hf_to_tune_state_dict`, `hf_weight_iterator` (the single tune -> HF path
+  of checkpoints and weight sync) and `tune_to_hf_state_dict`.
 * `build`: `build_model` (a torchtune ``TransformerDecoder`` with the folder's weights) and the
   config dtype names (`torch_dtype`).
 * `tokenizer`: `load_tokenizer`, the folder's own tokenizer (``tokenizer.json`` through
@@ -45,34 +53,42 @@ from grpo.models.build import (  # noqa: E402
     build_model,
     torch_dtype,
 )
+from grpo.models.families import (  # noqa: E402
+    FAMILIES,
+    family_of,
+    hf_to_tune_state_dict,
+    hf_weight_iterator,
+    tune_to_hf_state_dict,
+)
 from grpo.models.hf_folder import (  # noqa: E402
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX_FILE,
     load_hf_config,
     load_hf_state_dict,
 )
-from grpo.models.qwen2 import (  # noqa: E402
-    hf_to_tune_state_dict,
-    hf_weight_iterator,
-    qwen2_builder_args,
-    tune_to_hf_state_dict,
-)
+from grpo.models.llama import llama_builder_args  # noqa: E402
+from grpo.models.qwen2 import qwen2_builder_args  # noqa: E402
+from grpo.models.qwen3 import qwen3_builder_args  # noqa: E402
 from grpo.models.save import save_hf_checkpoint  # noqa: E402
 from grpo.models.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 __all__ = [
     "DTYPES",
+    "FAMILIES",
     "SAFETENSORS_FILE",
     "SAFETENSORS_INDEX_FILE",
     "SUPPORTED_MODEL_TYPES",
     "Tokenizer",
     "build_model",
+    "family_of",
     "hf_to_tune_state_dict",
     "hf_weight_iterator",
     "load_hf_config",
     "load_hf_state_dict",
+    "llama_builder_args",
     "load_tokenizer",
     "qwen2_builder_args",
+    "qwen3_builder_args",
     "save_hf_checkpoint",
     "torch_dtype",
     "tune_to_hf_state_dict",

@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 
 import torch
-from torchtune.models.qwen2 import qwen2
 from torchtune.modules import TransformerDecoder
 from torchtune.training import set_default_dtype
 
+from grpo.models.families import SUPPORTED_MODEL_TYPES, family_of
 from grpo.models.hf_folder import load_hf_config, load_hf_state_dict, model_folder
-from grpo.models.qwen2 import hf_to_tune_state_dict, qwen2_builder_args
 
-# The ``model_type``s of ``config.json`` that `build_model` builds (one module per family).
-SUPPORTED_MODEL_TYPES = ("qwen2",)
+__all__ = ["DTYPES", "SUPPORTED_MODEL_TYPES", "build_model", "torch_dtype"]
 
 # Config spellings of the parameter dtypes the actors take (ref.dtype, training.dtype).
 DTYPES = {
@@ -49,7 +47,10 @@ def build_model(
     load_weights: bool = True,
     max_seq_len: int | None = None,
 ) -> TransformerDecoder:
-    """Build torchtune's Qwen2 ``TransformerDecoder`` from a Hugging Face model folder.
+    """Build a torchtune ``TransformerDecoder`` from a Hugging Face model folder.
+
+    The family (Qwen2, Qwen3, Llama 3.x) and every size come from the folder's
+    ``config.json`` (``model_type``, see `grpo.models.SUPPORTED_MODEL_TYPES`).
 
     Args:
         model_dir (str | os.PathLike): Model folder (``config.json`` + safetensors weights).
@@ -65,8 +66,9 @@ def build_model(
 
     Raises:
         FileNotFoundError: If the folder, config or weights are missing.
-        ValueError: If the config is not a supported Qwen2 config, or ``device="meta"`` is
-            combined with ``load_weights=True``.
+        ValueError: If the config's ``model_type`` is not supported (naming it, the file and
+            the supported types), it uses a feature its family does not implement, or
+            ``device="meta"`` is combined with ``load_weights=True``.
         RuntimeError: If the checkpoint's tensors do not match the model (missing or
             unexpected keys, wrong shapes).
 
@@ -76,15 +78,16 @@ def build_model(
     """
     model_dir = model_folder(model_dir)
     hf_config = load_hf_config(model_dir)
-    builder_args = qwen2_builder_args(hf_config)
+    family = family_of(hf_config, source=str(model_dir / "config.json"))
+    builder_args = family.builder_args(hf_config)
     if max_seq_len is not None:
         builder_args["max_seq_len"] = max_seq_len
     if torch.device(device).type == "meta" and load_weights:
         raise ValueError("device='meta' builds an empty model; pass load_weights=False")
     with set_default_dtype(dtype), torch.device(device):
-        model = qwen2(**builder_args)
+        model = family.builder(**builder_args)
     if load_weights:
-        state_dict = hf_to_tune_state_dict(load_hf_state_dict(model_dir), hf_config)
+        state_dict = family.hf_to_tune_state_dict(load_hf_state_dict(model_dir), hf_config)
         # strict: a renamed or missing tensor must fail here, not train silently from init.
         model.load_state_dict(state_dict, strict=True)
     return model

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from grpo.models.families import hf_weight_iterator
 from grpo.models.hf_folder import (
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX_FILE,
@@ -20,7 +21,6 @@ from grpo.models.hf_folder import (
     load_hf_config,
     model_folder,
 )
-from grpo.models.qwen2 import hf_weight_iterator
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -101,7 +101,7 @@ def save_hf_checkpoint(
     *,
     max_shard_bytes: int | None = None,
 ) -> Path:
-    """Write a torchtune Qwen2 state dict as a Hugging Face checkpoint folder, atomically.
+    """Write a torchtune state dict (any supported family) as a Hugging Face checkpoint folder, atomically.
 
     The folder gets ``config.json`` (the source's, with ``torch_dtype`` set to the saved
     dtype), the weights under HF names, and a copy of every other top-level file of the source

@@ -1,6 +1,7 @@
 """Test support: tiny checkpoints built on the fly, and helpers for tests and drills.
 
-Tests and the CPU demo cannot download a model, so they build one (`tiny_models`): a small
+Tests and the CPU demo cannot download a model, so they build one (`tiny_models`: Qwen2, Qwen3
+or Llama 3 architecture): a small
 randomly initialised decoder with a byte-level BPE tokenizer, written in the same Hugging Face
 layout as a real checkpoint, so the same loading code (``grpo.models``, vLLM) serves both.
 `helpers` holds what tests and drills need around it: a diverging loss, the full-logits
@@ -21,14 +22,25 @@ from grpo.testing.helpers import (
     start_tiny_run,
 )
 from grpo.testing.tiny_models import (
+    BEGIN_OF_TEXT,
     CHATML_TEMPLATE,
+    END_HEADER_ID,
+    END_OF_TEXT,
     ENDOFTEXT,
+    EOT_ID,
     IM_END,
     IM_START,
+    LLAMA3_CHAT_TEMPLATE,
+    LLAMA3_PRETOKENIZE_REGEX,
+    LLAMA3_SPECIAL_TOKENS,
     QWEN2_PRETOKENIZE_REGEX,
     SPECIAL_TOKENS,
+    START_HEADER_ID,
+    TINY_LLAMA_ROPE_SCALING,
     TOKENIZER_FILES,
+    build_tiny_llama,
     build_tiny_qwen2,
+    build_tiny_qwen3,
     make_fake_model_dir,
     set_vllm_cpu_env,
     tiny_corpus,
@@ -36,15 +48,26 @@ from grpo.testing.tiny_models import (
 )
 
 __all__ = [
+    "BEGIN_OF_TEXT",
     "CHATML_TEMPLATE",
+    "END_HEADER_ID",
+    "END_OF_TEXT",
     "ENDOFTEXT",
+    "EOT_ID",
     "IM_END",
     "IM_START",
+    "LLAMA3_CHAT_TEMPLATE",
+    "LLAMA3_PRETOKENIZE_REGEX",
+    "LLAMA3_SPECIAL_TOKENS",
     "QWEN2_PRETOKENIZE_REGEX",
     "SPECIAL_TOKENS",
+    "START_HEADER_ID",
+    "TINY_LLAMA_ROPE_SCALING",
     "TOKENIZER_FILES",
     "NonFiniteLoss",
+    "build_tiny_llama",
     "build_tiny_qwen2",
+    "build_tiny_qwen3",
     "kill_at_steps",
     "make_fake_model_dir",
     "read_jsonl",

@@ -1,10 +1,13 @@
-"""Tiny Qwen2 checkpoints built on the fly, and the vLLM settings that run them on a CPU.
+"""Tiny Qwen2, Qwen3 and Llama 3 checkpoints built on the fly, and vLLM settings for a CPU.
 
 Tests and the CPU demo cannot download a model, so they build one: a randomly initialised
-Qwen2-architecture decoder with a small byte-level BPE tokenizer, written in the same Hugging
-Face layout as a real Qwen2.5 checkpoint (``config.json``, ``model.safetensors``, ``vocab.json``,
+decoder of the family's architecture with a small byte-level BPE tokenizer, written in the same
+Hugging Face layout as a real checkpoint (``config.json``, ``model.safetensors``, ``vocab.json``,
 ``merges.txt``, ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``). The
-same loading code (``grpo.models``, vLLM) then serves both the tiny model and real ones.
+same loading code (``grpo.models``, transformers, vLLM) then serves both tiny and real models.
+`build_tiny_qwen2` and `build_tiny_qwen3` share Qwen2's tokenizer and ChatML special tokens;
+`build_tiny_llama` has Llama 3's pre-tokenizer, special tokens (a bos added by the
+tokenizer's post-processor) and chat template.
 
 Example:
     >>> from grpo.testing import build_tiny_qwen2, tiny_vllm_engine_kwargs
@@ -38,11 +41,48 @@ QWEN2_PRETOKENIZE_REGEX = (
     r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Llama 3's pre-tokenizer: as Qwen2's, but numbers split into runs of up to three digits.
+LLAMA3_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|"
+    r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 # Appended after the BPE vocabulary, in this order, as in Qwen2 (where they are 151643..151645).
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+
+BEGIN_OF_TEXT = "<|begin_of_text|>"
+END_OF_TEXT = "<|end_of_text|>"
+START_HEADER_ID = "<|start_header_id|>"
+END_HEADER_ID = "<|end_header_id|>"
+EOT_ID = "<|eot_id|>"
+# Llama 3's special tokens, in the order of their ids there (128000.., reserved ones left out).
+LLAMA3_SPECIAL_TOKENS = (BEGIN_OF_TEXT, END_OF_TEXT, START_HEADER_ID, END_HEADER_ID, EOT_ID)
+
+# Llama 3 instruct's chat format (its template without tools and the date header): bos, then
+# per message a header and the content closed by <|eot_id|>.
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+
+# RoPE scaling of the tiny Llama: Llama 3.1's kind with a short original context, so that most
+# frequencies are rescaled and a model that ignored the scaling would compute other logits.
+TINY_LLAMA_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 # ChatML, the format of Qwen2 instruct models; lets vLLM's chat API work on the tiny model.
 CHATML_TEMPLATE = (
@@ -98,8 +138,18 @@ def tiny_corpus() -> Iterator[str]:
             yield f"<think>{a} times {b} is {a * b}.</think><answer>{a * b}</answer>"
 
 
-def _train_tokenizer(bpe_vocab_size: int) -> Tokenizer:
-    """Train a Qwen2-style byte-level BPE on `tiny_corpus` and append the special tokens."""
+def _train_tokenizer(
+    bpe_vocab_size: int,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    pretokenize_regex: str = QWEN2_PRETOKENIZE_REGEX,
+    bos_token: str | None = None,
+) -> Tokenizer:
+    """Train a byte-level BPE on `tiny_corpus` and append the special tokens.
+
+    The defaults give Qwen2's tokenizer. With ``bos_token`` set, a ``TemplateProcessing``
+    post-processor prepends it to every encoding made with special tokens, as Llama 3's
+    ``tokenizer.json`` does.
+    """
     tokenizer = Tokenizer(
         BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
     )
@@ -107,7 +157,7 @@ def _train_tokenizer(bpe_vocab_size: int) -> Tokenizer:
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(pretokenize_regex), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
@@ -125,13 +175,27 @@ def _train_tokenizer(bpe_vocab_size: int) -> Tokenizer:
     )
     tokenizer.train_from_iterator(tiny_corpus(), trainer=trainer)
     # Added after training so they get the ids right after the BPE vocabulary and stay out of
-    # vocab.json, as in Qwen2; torchtune reads them from tokenizer.json's added_tokens.
+    # vocab.json, as in Qwen2 and Llama 3; torchtune reads them from tokenizer.json.
     tokenizer.add_special_tokens(
         [
             AddedToken(token, special=True, normalized=False, lstrip=False, rstrip=False)
-            for token in SPECIAL_TOKENS
+            for token in special_tokens
         ]
     )
+    if bos_token is not None:
+        bos = (bos_token, tokenizer.token_to_id(bos_token))
+        tokenizer.post_processor = tokenizer_processors.Sequence(
+            [
+                tokenizer_processors.ByteLevel(
+                    add_prefix_space=False, trim_offsets=False, use_regex=False
+                ),
+                tokenizer_processors.TemplateProcessing(
+                    single=f"{bos_token}:0 $A:0",
+                    pair=f"{bos_token}:0 $A:0 {bos_token}:1 $B:1",
+                    special_tokens=[bos],
+                ),
+            ]
+        )
     return tokenizer
 
 
@@ -146,11 +210,14 @@ def _init_weights(
     vocab_size: int,
     tie_word_embeddings: bool,
     seed: int,
+    qkv_bias: bool = True,
+    qk_norm: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Random Qwen2 weights under Hugging Face names, seeded.
+    """Random decoder weights under Hugging Face names, seeded.
 
-    Linear weights have std ``1/sqrt(fan_in)`` and norms are ``1 + noise`` rather than the
-    usual 0.02 and 1: attention patterns and logits then vary strongly between tokens, so a
+    Qwen2 has q/k/v biases (``qkv_bias``), Qwen3 per-head q/k norms (``qk_norm``), Llama
+    neither. Linear weights have std ``1/sqrt(fan_in)`` and norms are ``1 + noise`` rather than
+    the usual 0.02 and 1: attention patterns and logits then vary strongly between tokens, so a
     misplaced weight (a swapped projection, a missing bias or norm) changes the logprobs by far
     more than a test tolerance instead of hiding in a near-uniform softmax.
     """
@@ -162,8 +229,8 @@ def _init_weights(
     def linear(out_dim: int, in_dim: int) -> torch.Tensor:
         return normal(out_dim, in_dim, std=in_dim**-0.5)
 
-    def norm_weight() -> torch.Tensor:
-        return 1.0 + normal(embed_dim, std=0.1)
+    def norm_weight(dim: int = embed_dim, std: float = 0.1) -> torch.Tensor:
+        return 1.0 + normal(dim, std=std)
 
     q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
     # Final hidden states have RMS ~1, so output rows of std 0.1 give logits of std ~0.1 *
@@ -171,27 +238,126 @@ def _init_weights(
     weights = {"model.embed_tokens.weight": normal(vocab_size, embed_dim, std=0.1)}
     for layer in range(num_layers):
         prefix = f"model.layers.{layer}"
-        weights[f"{prefix}.self_attn.q_proj.weight"] = linear(q_dim, embed_dim)
-        weights[f"{prefix}.self_attn.q_proj.bias"] = normal(q_dim, std=0.1)
-        weights[f"{prefix}.self_attn.k_proj.weight"] = linear(kv_dim, embed_dim)
-        weights[f"{prefix}.self_attn.k_proj.bias"] = normal(kv_dim, std=0.1)
-        weights[f"{prefix}.self_attn.v_proj.weight"] = linear(kv_dim, embed_dim)
-        weights[f"{prefix}.self_attn.v_proj.bias"] = normal(kv_dim, std=0.1)
+        # The draw order of Qwen2's tensors is kept, so its files stay byte-identical.
+        for name, out_dim in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
+            weights[f"{prefix}.self_attn.{name}.weight"] = linear(out_dim, embed_dim)
+            if qkv_bias:
+                weights[f"{prefix}.self_attn.{name}.bias"] = normal(out_dim, std=0.1)
         weights[f"{prefix}.self_attn.o_proj.weight"] = linear(embed_dim, q_dim)
         weights[f"{prefix}.mlp.gate_proj.weight"] = linear(intermediate_dim, embed_dim)
         weights[f"{prefix}.mlp.up_proj.weight"] = linear(intermediate_dim, embed_dim)
         weights[f"{prefix}.mlp.down_proj.weight"] = linear(embed_dim, intermediate_dim)
         weights[f"{prefix}.input_layernorm.weight"] = norm_weight()
         weights[f"{prefix}.post_attention_layernorm.weight"] = norm_weight()
+        if qk_norm:
+            # Wider spread than the other norms: the scales of the two channels that RoPE
+            # rotates together then differ clearly, so norming after RoPE instead of before
+            # (the order HF Qwen3 uses) would show in the logits.
+            weights[f"{prefix}.self_attn.q_norm.weight"] = norm_weight(head_dim, std=0.3)
+            weights[f"{prefix}.self_attn.k_norm.weight"] = norm_weight(head_dim, std=0.3)
     weights["model.norm.weight"] = norm_weight()
     if not tie_word_embeddings:
-        # Real Qwen2 checkpoints with tied embeddings store no lm_head; untied ones do.
+        # Real checkpoints with tied embeddings store no lm_head; untied ones do.
         weights["lm_head.weight"] = normal(vocab_size, embed_dim, std=0.1)
     return weights
 
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def _check_shape(*, embed_dim: int, num_heads: int, num_kv_heads: int, head_dim: int | None) -> int:
+    """The head dim (``embed_dim // num_heads`` unless given); ValueError if unusable."""
+    if head_dim is None:
+        if embed_dim % num_heads != 0:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+            )
+        head_dim = embed_dim // num_heads
+    if head_dim < 64:
+        raise ValueError(
+            f"head dim {head_dim} is below 64, which vLLM's CPU attention does not support; "
+            "lower num_heads or raise embed_dim (or head_dim)"
+        )
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+    return head_dim
+
+
+def _check_vocab_size(vocab_size: int, special_tokens: tuple[str, ...]) -> None:
+    min_vocab = 256 + len(special_tokens)
+    if vocab_size < min_vocab:
+        raise ValueError(
+            f"vocab_size ({vocab_size}) must be at least {min_vocab}: 256 byte tokens plus "
+            f"the special tokens {special_tokens}"
+        )
+
+
+def _added_tokens_decoder(special_ids: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """``tokenizer_config.json``'s description of the special tokens."""
+    return {
+        str(token_id): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token, token_id in special_ids.items()
+    }
+
+
+def _chatml_tokenizer_config(special_ids: dict[str, int], max_seq_len: int) -> dict[str, Any]:
+    """``tokenizer_config.json`` of Qwen2 and Qwen3: ChatML, eos ``<|im_end|>``, no bos."""
+    return {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "added_tokens_decoder": _added_tokens_decoder(special_ids),
+        "additional_special_tokens": [IM_START, IM_END],
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "chat_template": CHATML_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "model_max_length": max_seq_len,
+        "split_special_tokens": False,
+    }
+
+
+def _write_model_folder(
+    out_dir: str | os.PathLike,
+    *,
+    config: dict[str, Any],
+    generation_config: dict[str, Any],
+    tokenizer: Tokenizer,
+    tokenizer_config: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+) -> Path:
+    """Write a Hugging Face model folder to a temporary sibling, then rename it into place.
+
+    Every file is a deterministic function of the arguments, so a rebuild is byte-identical.
+    An existing ``out_dir`` is replaced; a failure leaves nothing behind.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        _write_json(tmp_dir / "config.json", config)
+        _write_json(tmp_dir / "generation_config.json", generation_config)
+        _write_json(tmp_dir / "tokenizer_config.json", tokenizer_config)
+        (tmp_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
+        tokenizer.model.save(str(tmp_dir))  # vocab.json + merges.txt (what torchtune reads)
+        save_file(weights, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
+        tmp_dir.chmod(0o755)  # mkdtemp creates 0o700
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp_dir.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
 
 
 def build_tiny_qwen2(
@@ -250,23 +416,10 @@ def build_tiny_qwen2(
         >>> sorted(p.name for p in model_dir.iterdir())[:3]
         ['config.json', 'generation_config.json', 'merges.txt']
     """
-    if embed_dim % num_heads != 0:
-        raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-    head_dim = embed_dim // num_heads
-    if head_dim < 64:
-        raise ValueError(
-            f"head dim embed_dim // num_heads = {head_dim} is below 64, which vLLM's CPU "
-            "attention does not support; lower num_heads or raise embed_dim"
-        )
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
-    min_vocab = 256 + len(SPECIAL_TOKENS)
-    if vocab_size < min_vocab:
-        raise ValueError(
-            f"vocab_size ({vocab_size}) must be at least {min_vocab}: 256 byte tokens plus "
-            f"the special tokens {SPECIAL_TOKENS}"
-        )
-
+    head_dim = _check_shape(
+        embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=None
+    )
+    _check_vocab_size(vocab_size, SPECIAL_TOKENS)
     tokenizer = _train_tokenizer(bpe_vocab_size=vocab_size - len(SPECIAL_TOKENS))
     special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     weights = _init_weights(
@@ -311,49 +464,255 @@ def build_tiny_qwen2(
         "eos_token_id": [special_ids[IM_END], special_ids[ENDOFTEXT]],
         "pad_token_id": special_ids[ENDOFTEXT],
     }
-    tokenizer_config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "added_tokens_decoder": {
-            str(token_id): {
-                "content": token,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for token, token_id in special_ids.items()
-        },
-        "additional_special_tokens": [IM_START, IM_END],
-        "bos_token": None,
-        "eos_token": IM_END,
-        "pad_token": ENDOFTEXT,
-        "unk_token": None,
-        "chat_template": CHATML_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "errors": "replace",
-        "model_max_length": max_seq_len,
-        "split_special_tokens": False,
-    }
+    return _write_model_folder(
+        out_dir,
+        config=config,
+        generation_config=generation_config,
+        tokenizer=tokenizer,
+        tokenizer_config=_chatml_tokenizer_config(special_ids, max_seq_len),
+        weights=weights,
+    )
 
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        _write_json(tmp_dir / "config.json", config)
-        _write_json(tmp_dir / "generation_config.json", generation_config)
-        _write_json(tmp_dir / "tokenizer_config.json", tokenizer_config)
-        (tmp_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
-        tokenizer.model.save(str(tmp_dir))  # vocab.json + merges.txt (what torchtune reads)
-        save_file(weights, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
-        tmp_dir.chmod(0o755)  # mkdtemp creates 0o700
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp_dir.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    return out_dir
+
+def build_tiny_qwen3(
+    out_dir: str | os.PathLike,
+    *,
+    num_layers: int = 2,
+    embed_dim: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate_dim: int = 256,
+    vocab_size: int = 512,
+    max_seq_len: int = 2048,
+    rope_theta: float = 1_000_000.0,
+    rms_norm_eps: float = 1e-6,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random Qwen3 (dense) checkpoint with Qwen2's tokenizer.
+
+    Like `build_tiny_qwen2` (same tokenizer files and special tokens, ChatML), with Qwen3's
+    architecture: no q/k/v biases, a per-head RMSNorm of queries and keys (``q_norm``,
+    ``k_norm``) and an explicit ``head_dim``. The default ``head_dim`` (64) is twice
+    ``embed_dim // num_heads`` (32), as in Qwen3-0.6B (1024 / 16 heads, head_dim 128), so
+    loaders that derive the head dim from the hidden size fail. Byte-identical rebuilds.
+
+    Args:
+        out_dir (str | os.PathLike): Folder to create.
+        num_layers (int): Number of decoder layers.
+        embed_dim (int): Hidden size.
+        num_heads (int): Number of query heads.
+        num_kv_heads (int): Number of key/value heads.
+        head_dim (int): Size of one head, 64 or more (vLLM's CPU attention).
+        intermediate_dim (int): Hidden size of the MLP.
+        vocab_size (int): Rows of the embedding; BPE tokens plus the three special tokens.
+        max_seq_len (int): ``max_position_embeddings`` of the config.
+        rope_theta (float): RoPE base.
+        rms_norm_eps (float): Epsilon of the RMS norms (the q/k norms included).
+        tie_word_embeddings (bool): Share the embedding with the output projection, as
+            Qwen3-0.6B/1.7B/4B do.
+        seed (int): Seed of the weight initialisation.
+
+    Returns:
+        Path: ``out_dir``.
+
+    Raises:
+        ValueError: If ``head_dim`` is below 64, ``num_kv_heads`` does not divide
+            ``num_heads``, or ``vocab_size`` cannot hold the bytes and special tokens.
+
+    Example:
+        >>> model_dir = build_tiny_qwen3("/tmp/tiny_qwen3")
+        >>> load_hf_config(model_dir)["head_dim"]
+        64
+    """
+    _check_shape(
+        embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+    )
+    _check_vocab_size(vocab_size, SPECIAL_TOKENS)
+    tokenizer = _train_tokenizer(bpe_vocab_size=vocab_size - len(SPECIAL_TOKENS))
+    special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    weights = _init_weights(
+        num_layers=num_layers,
+        embed_dim=embed_dim,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_dim=intermediate_dim,
+        vocab_size=vocab_size,
+        tie_word_embeddings=tie_word_embeddings,
+        seed=seed,
+        qkv_bias=False,
+        qk_norm=True,
+    )
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": special_ids[ENDOFTEXT],
+        "eos_token_id": special_ids[IM_END],
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": embed_dim,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate_dim,
+        "max_position_embeddings": max_seq_len,
+        "max_window_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_hidden_layers": num_layers,
+        "num_key_value_heads": num_kv_heads,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_scaling": None,
+        "rope_theta": rope_theta,
+        "sliding_window": None,
+        "tie_word_embeddings": tie_word_embeddings,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": vocab_size,
+    }
+    generation_config = {
+        "bos_token_id": special_ids[ENDOFTEXT],
+        "eos_token_id": [special_ids[IM_END], special_ids[ENDOFTEXT]],
+        "pad_token_id": special_ids[ENDOFTEXT],
+    }
+    return _write_model_folder(
+        out_dir,
+        config=config,
+        generation_config=generation_config,
+        tokenizer=tokenizer,
+        tokenizer_config=_chatml_tokenizer_config(special_ids, max_seq_len),
+        weights=weights,
+    )
+
+
+def build_tiny_llama(
+    out_dir: str | os.PathLike,
+    *,
+    num_layers: int = 2,
+    embed_dim: int = 128,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_dim: int = 256,
+    vocab_size: int = 512,
+    max_seq_len: int = 2048,
+    rope_theta: float = 500_000.0,
+    rope_scaling: dict[str, Any] | None = TINY_LLAMA_ROPE_SCALING,
+    rms_norm_eps: float = 1e-5,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random Llama 3.2-style checkpoint with a Llama 3-style tokenizer.
+
+    The architecture is Llama's (no biases, ``embed_dim // num_heads`` head dim) with a
+    ``rope_type: llama3`` scaling and tied embeddings by default, like Llama 3.2 1B/3B. The
+    tokenizer is a byte-level BPE with Llama 3's pre-tokenizer, followed by
+    ``<|begin_of_text|>``, ``<|end_of_text|>``, ``<|start_header_id|>``,
+    ``<|end_header_id|>`` and ``<|eot_id|>``; its post-processor prepends
+    ``<|begin_of_text|>`` (the bos) whenever special tokens are added, as real Llama 3's
+    does. ``<|eot_id|>`` is the eos token (Llama 3 instruct), there is no pad token, and
+    generation stops at ``<|end_of_text|>`` or ``<|eot_id|>``. Byte-identical rebuilds.
+
+    Args:
+        out_dir (str | os.PathLike): Folder to create.
+        num_layers (int): Number of decoder layers.
+        embed_dim (int): Hidden size.
+        num_heads (int): Number of query heads; the head dim ``embed_dim // num_heads`` must be
+            64 or more (vLLM's CPU attention).
+        num_kv_heads (int): Number of key/value heads.
+        intermediate_dim (int): Hidden size of the MLP.
+        vocab_size (int): Rows of the embedding; BPE tokens plus the five special tokens.
+        max_seq_len (int): ``max_position_embeddings`` of the config.
+        rope_theta (float): RoPE base.
+        rope_scaling (dict[str, Any] | None): ``rope_scaling`` of the config (default
+            `TINY_LLAMA_ROPE_SCALING`); None for Llama 3.0's plain RoPE.
+        rms_norm_eps (float): Epsilon of the RMS norms.
+        tie_word_embeddings (bool): Share the embedding with the output projection.
+        seed (int): Seed of the weight initialisation.
+
+    Returns:
+        Path: ``out_dir``.
+
+    Raises:
+        ValueError: If a dimension is inconsistent (see `build_tiny_qwen2`) or ``vocab_size``
+            cannot hold the bytes and special tokens.
+
+    Example:
+        >>> model_dir = build_tiny_llama("/tmp/tiny_llama")
+        >>> load_hf_config(model_dir)["rope_scaling"]["rope_type"]
+        'llama3'
+    """
+    head_dim = _check_shape(
+        embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=None
+    )
+    _check_vocab_size(vocab_size, LLAMA3_SPECIAL_TOKENS)
+    tokenizer = _train_tokenizer(
+        bpe_vocab_size=vocab_size - len(LLAMA3_SPECIAL_TOKENS),
+        special_tokens=LLAMA3_SPECIAL_TOKENS,
+        pretokenize_regex=LLAMA3_PRETOKENIZE_REGEX,
+        bos_token=BEGIN_OF_TEXT,
+    )
+    special_ids = {token: tokenizer.token_to_id(token) for token in LLAMA3_SPECIAL_TOKENS}
+    weights = _init_weights(
+        num_layers=num_layers,
+        embed_dim=embed_dim,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_dim=intermediate_dim,
+        vocab_size=vocab_size,
+        tie_word_embeddings=tie_word_embeddings,
+        seed=seed,
+        qkv_bias=False,
+    )
+    stop_ids = [special_ids[END_OF_TEXT], special_ids[EOT_ID]]
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": special_ids[BEGIN_OF_TEXT],
+        "eos_token_id": stop_ids,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": embed_dim,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate_dim,
+        "max_position_embeddings": max_seq_len,
+        "mlp_bias": False,
+        "num_attention_heads": num_heads,
+        "num_hidden_layers": num_layers,
+        "num_key_value_heads": num_kv_heads,
+        "pretraining_tp": 1,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_scaling": dict(rope_scaling) if rope_scaling is not None else None,
+        "rope_theta": rope_theta,
+        "tie_word_embeddings": tie_word_embeddings,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+    generation_config = {"bos_token_id": special_ids[BEGIN_OF_TEXT], "eos_token_id": stop_ids}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": _added_tokens_decoder(special_ids),
+        "bos_token": BEGIN_OF_TEXT,
+        "eos_token": EOT_ID,
+        "chat_template": LLAMA3_CHAT_TEMPLATE,
+        # Real Llama 3 sets true; false keeps decode(encode(text)) == text exactly.
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": max_seq_len,
+    }
+    return _write_model_folder(
+        out_dir,
+        config=config,
+        generation_config=generation_config,
+        tokenizer=tokenizer,
+        tokenizer_config=tokenizer_config,
+        weights=weights,
+    )
 
 
 def tiny_vllm_engine_kwargs(

@@ -1,0 +1,168 @@
+"""The supported model families, keyed by ``config.json``'s ``model_type``, and dispatch on it.
+
+Each family module (`grpo.models.qwen2`, `grpo.models.qwen3`, `grpo.models.llama`) exposes the
+same small interface: builder arguments from ``config.json``, a torchtune builder, HF ->
+torchtune conversion, and the lazy torchtune -> HF iterator. `family_of` picks one from a
+config; `hf_to_tune_state_dict`, `hf_weight_iterator` and `tune_to_hf_state_dict` here are
+the family-independent entry points (exported as ``grpo.models.<name>``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchtune.models.qwen2 import qwen2 as _qwen2_builder
+from torchtune.modules import TransformerDecoder
+
+from grpo.models import llama, qwen2, qwen3
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """How to build and convert one architecture.
+
+    Args:
+        model_type (str): ``model_type`` of its ``config.json``.
+        builder_args (Callable): ``hf_config -> kwargs`` of ``builder``; raises ValueError
+            for configs it cannot build.
+        builder (Callable): ``**kwargs -> TransformerDecoder``.
+        hf_to_tune_state_dict (Callable): ``(hf_state_dict, hf_config) -> tune_state_dict``.
+        hf_weight_iterator (Callable): ``(tune_state_dict or pairs, hf_config) -> iterator of
+            (hf_name, tensor)``.
+    """
+
+    model_type: str
+    builder_args: Callable[[dict[str, Any]], dict[str, Any]]
+    builder: Callable[..., TransformerDecoder]
+    hf_to_tune_state_dict: Callable[[StateDict, dict[str, Any]], StateDict]
+    hf_weight_iterator: Callable[..., Iterator[tuple[str, torch.Tensor]]]
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    family.model_type: family
+    for family in (
+        ModelFamily(
+            "qwen2",
+            qwen2.qwen2_builder_args,
+            _qwen2_builder,
+            qwen2.hf_to_tune_state_dict,
+            qwen2.hf_weight_iterator,
+        ),
+        ModelFamily(
+            "qwen3",
+            qwen3.qwen3_builder_args,
+            qwen3.qwen3,
+            qwen3.hf_to_tune_state_dict,
+            qwen3.hf_weight_iterator,
+        ),
+        ModelFamily(
+            "llama",
+            llama.llama_builder_args,
+            llama.llama,
+            llama.hf_to_tune_state_dict,
+            llama.hf_weight_iterator,
+        ),
+    )
+}
+
+# The ``model_type``s of ``config.json`` that `grpo.models.build_model` builds.
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def family_of(hf_config: dict[str, Any], source: str | None = None) -> ModelFamily:
+    """The family of a model config, from its ``model_type``.
+
+    Args:
+        hf_config (dict[str, Any]): Parsed ``config.json``.
+        source (str | None): Path of the ``config.json``, named in the error.
+
+    Returns:
+        ModelFamily: The family.
+
+    Raises:
+        ValueError: If ``model_type`` is missing or not supported, naming it, the file and the
+            supported types.
+
+    Example:
+        >>> family_of({"model_type": "qwen3"}).model_type
+        'qwen3'
+    """
+    model_type = hf_config.get("model_type")
+    if model_type not in FAMILIES:
+        where = f" in {source!r}" if source else ""
+        raise ValueError(
+            f"model_type {model_type!r}{where} is not supported; supported model types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return FAMILIES[model_type]
+
+
+def hf_to_tune_state_dict(state_dict: StateDict, hf_config: dict[str, Any]) -> StateDict:
+    """Convert an HF state dict to torchtune names, for the config's family.
+
+    Qwen2 and Qwen3 only rename (tensors are not copied); Llama also permutes q/k rows.
+    ``lm_head.weight`` is dropped when the config ties embeddings.
+
+    Args:
+        state_dict (dict[str, torch.Tensor]): Full HF state dict (all shards merged).
+        hf_config (dict[str, Any]): Parsed ``config.json``.
+
+    Returns:
+        dict[str, torch.Tensor]: State dict for the torchtune model `build_model` builds.
+
+    Raises:
+        ValueError: If the model type is not supported or a key has no torchtune counterpart.
+    """
+    return family_of(hf_config).hf_to_tune_state_dict(state_dict, hf_config)
+
+
+def hf_weight_iterator(
+    tune_state_dict: StateDict | Iterable[tuple[str, torch.Tensor]], hf_config: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every weight of a torchtune state dict, lazily.
+
+    This is the one torchtune->HF conversion: `grpo.models.save_hf_checkpoint` and weight
+    sync to vLLM (``model_runner.reload_weights(weights_iterator=...)``) both use it. It
+    converts one tensor at a time, so streaming a large model does not build a second dict.
+    With tied embeddings no ``lm_head.weight`` is yielded (HF and vLLM take it from the
+    embedding). Tensors must be full (gather FSDP ``DTensor`` shards before calling).
+
+    Args:
+        tune_state_dict (dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]): A
+            torchtune ``state_dict()`` or ``(name, tensor)`` pairs.
+        hf_config (dict[str, Any]): Parsed ``config.json`` of the model.
+
+    Yields:
+        tuple[str, torch.Tensor]: HF name and tensor.
+
+    Raises:
+        ValueError: If the model type is not supported or a name has no HF counterpart.
+
+    Example:
+        >>> model = build_model(model_dir)
+        >>> names = [name for name, _ in hf_weight_iterator(model.state_dict(), config)]
+        >>> names[0]
+        'model.embed_tokens.weight'
+    """
+    return family_of(hf_config).hf_weight_iterator(tune_state_dict, hf_config)
+
+
+def tune_to_hf_state_dict(state_dict: StateDict, hf_config: dict[str, Any]) -> StateDict:
+    """Convert a torchtune state dict to HF names, for the config's family.
+
+    Args:
+        state_dict (dict[str, torch.Tensor]): torchtune ``model.state_dict()``.
+        hf_config (dict[str, Any]): Parsed ``config.json``.
+
+    Returns:
+        dict[str, torch.Tensor]: HF state dict; no ``lm_head.weight`` when embeddings are tied.
+
+    Raises:
+        ValueError: If the model type is not supported or a name has no HF counterpart.
+    """
+    return dict(hf_weight_iterator(state_dict, hf_config))

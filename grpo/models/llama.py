@@ -1,0 +1,244 @@
+"""Llama 3.x through torchtune's llama3 / llama3_1 / llama3_2 builders: config, weight names.
+
+The three torchtune builders differ in RoPE and embeddings: ``llama3`` (Llama 3.0) has plain
+RoPE and an untied output, ``llama3_1`` the Llama 3.1 scaled RoPE, ``llama3_2`` the scaled RoPE
+with optionally tied embeddings (Llama 3.2 1B/3B). Their ``Llama3ScaledRoPE`` takes only
+``scale_factor`` from the builder and keeps the Llama 3.1 defaults for ``low_freq_factor``,
+``high_freq_factor`` and ``old_context_len`` (8192), so `llama` replaces it with one built from
+every parameter of the config's ``rope_scaling`` (``rope_type: llama3``).
+
+torchtune's RoPE rotates interleaved pairs (Meta's layout) while HF rotates halves; HF stores
+q/k projections with their rows permuted to match. Conversion uses torchtune's own
+``convert_weights.hf_to_tune`` / ``tune_to_hf``, which undo and redo that permutation; both are
+pure row reorderings, so the round trip is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torchtune.models import convert_weights
+from torchtune.models.llama3 import llama3
+from torchtune.models.llama3_1 import llama3_1
+from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
+from torchtune.models.llama3_2 import llama3_2
+from torchtune.modules import RotaryPositionalEmbeddings, TransformerDecoder
+
+from grpo.models.hf_config import required_key, rope_scaling, rope_theta
+
+# Keys of a `rope_type: llama3` scaling and the Llama3ScaledRoPE argument each one sets.
+_LLAMA3_ROPE_KEYS = {
+    "factor": "scale_factor",
+    "low_freq_factor": "low_freq_factor",
+    "high_freq_factor": "high_freq_factor",
+    "original_max_position_embeddings": "old_context_len",
+}
+
+
+def llama(
+    *,
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    rope_base: float = 500_000.0,
+    norm_eps: float = 1e-5,
+    tie_word_embeddings: bool = False,
+    rope_scaling: dict[str, float] | None = None,
+) -> TransformerDecoder:
+    """A Llama 3.x decoder from torchtune's builders, with the config's exact RoPE.
+
+    Args:
+        vocab_size (int): Rows of the embedding.
+        num_layers (int): Decoder layers.
+        num_heads (int): Query heads.
+        num_kv_heads (int): Key/value heads.
+        embed_dim (int): Hidden size; the head dim is ``embed_dim // num_heads``.
+        intermediate_dim (int): Hidden size of the MLP.
+        max_seq_len (int): Length of the RoPE cache.
+        rope_base (float): RoPE base.
+        norm_eps (float): Epsilon of the RMSNorms.
+        tie_word_embeddings (bool): Output projection shares the embedding (Llama 3.2 1B/3B).
+        rope_scaling (dict[str, float] | None): ``Llama3ScaledRoPE`` arguments
+            (``scale_factor``, ``low_freq_factor``, ``high_freq_factor``, ``old_context_len``),
+            or None for plain RoPE.
+
+    Returns:
+        TransformerDecoder: The model (torchtune's default initialisation).
+
+    Example:
+        >>> model = llama(vocab_size=512, num_layers=2, num_heads=2, num_kv_heads=1,
+        ...               embed_dim=128, intermediate_dim=256, max_seq_len=256)
+    """
+    args = {
+        "vocab_size": vocab_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "embed_dim": embed_dim,
+        "intermediate_dim": intermediate_dim,
+        "max_seq_len": max_seq_len,
+        "rope_base": rope_base,
+        "norm_eps": norm_eps,
+    }
+    head_dim = embed_dim // num_heads
+    if rope_scaling is None:
+        if not tie_word_embeddings:
+            return llama3(**args)  # Llama 3.0: plain RoPE, untied
+        model = llama3_2(**args, tie_word_embeddings=True)
+        rope = RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
+    else:
+        scale_factor = rope_scaling["scale_factor"]
+        if tie_word_embeddings:
+            model = llama3_2(**args, scale_factor=scale_factor, tie_word_embeddings=True)
+        else:
+            model = llama3_1(**args, scale_factor=scale_factor)
+        rope = Llama3ScaledRoPE(
+            dim=head_dim, max_seq_len=max_seq_len, base=rope_base, **rope_scaling
+        )
+    # One RoPE module shared by every layer, as the builders do.
+    for layer in model.layers:
+        layer.attn.pos_embeddings = rope
+    return model
+
+
+def llama_builder_args(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Arguments of `llama`, read from an HF Llama 3.x config.
+
+    Args:
+        hf_config (dict[str, Any]): Parsed ``config.json``.
+
+    Returns:
+        dict[str, Any]: The keyword arguments of `llama`; ``rope_scaling`` holds the
+        ``Llama3ScaledRoPE`` arguments of a ``rope_type: llama3`` scaling, else None.
+
+    Raises:
+        ValueError: If the config is not a Llama config, lacks a key, or uses a feature not
+            implemented here (attention or MLP biases, a ``head_dim`` other than
+            ``hidden_size // num_attention_heads``, a RoPE scaling other than ``llama3``).
+
+    Example:
+        >>> llama_builder_args(load_hf_config(model_dir))["rope_scaling"]["scale_factor"]
+        32.0
+    """
+    model_type = hf_config.get("model_type")
+    if model_type != "llama":
+        raise ValueError(f"model_type must be 'llama' (Llama 3.x), got {model_type!r}")
+    embed_dim = int(required_key(hf_config, "hidden_size", "Llama"))
+    num_heads = int(required_key(hf_config, "num_attention_heads", "Llama"))
+    num_kv_heads = int(hf_config.get("num_key_value_heads") or num_heads)
+    if embed_dim % num_heads != 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_attention_heads ({num_heads}) must divide hidden_size ({embed_dim}) and be a "
+            f"multiple of num_key_value_heads ({num_kv_heads})"
+        )
+    head_dim = hf_config.get("head_dim")
+    if head_dim is not None and head_dim * num_heads != embed_dim:
+        raise ValueError(
+            f"head_dim ({head_dim}) * num_attention_heads ({num_heads}) != hidden_size "
+            f"({embed_dim}); torchtune's llama3 derives head_dim as hidden_size // num_heads"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if hf_config.get(key):
+            raise ValueError(f"{key}=true is not supported for llama (Llama 3 has no biases)")
+    scaling = rope_scaling(hf_config)
+    scaled_rope = None
+    if scaling is not None:
+        if scaling["rope_type"] != "llama3":
+            raise ValueError(
+                f"rope_scaling of rope_type {scaling['rope_type']!r} is not supported for "
+                "llama; only 'llama3' (Llama 3.1/3.2) is"
+            )
+        missing = [key for key in _LLAMA3_ROPE_KEYS if key not in scaling]
+        if missing:
+            raise ValueError(f"rope_scaling {scaling!r} lacks {missing} (rope_type 'llama3')")
+        scaled_rope = {arg: float(scaling[key]) for key, arg in _LLAMA3_ROPE_KEYS.items()}
+    return {
+        "vocab_size": int(required_key(hf_config, "vocab_size", "Llama")),
+        "num_layers": int(required_key(hf_config, "num_hidden_layers", "Llama")),
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "embed_dim": embed_dim,
+        "intermediate_dim": int(required_key(hf_config, "intermediate_size", "Llama")),
+        "max_seq_len": int(required_key(hf_config, "max_position_embeddings", "Llama")),
+        "rope_base": rope_theta(hf_config, default=10_000.0),
+        "norm_eps": float(hf_config.get("rms_norm_eps", 1e-6)),
+        # LlamaConfig's default is False; Llama 3.2 1B/3B set it to true.
+        "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
+        "rope_scaling": scaled_rope,
+    }
+
+
+def _conversion_args(hf_config: dict[str, Any]) -> tuple[dict[str, int], bool]:
+    args = llama_builder_args(hf_config)
+    shape = {
+        "num_heads": args["num_heads"],
+        "num_kv_heads": args["num_kv_heads"],
+        "dim": args["embed_dim"],
+        "head_dim": args["embed_dim"] // args["num_heads"],
+    }
+    return shape, args["tie_word_embeddings"]
+
+
+def hf_to_tune_state_dict(
+    state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """Convert an HF Llama state dict to torchtune's (q/k rows permuted, the rest renamed).
+
+    ``lm_head.weight`` is dropped when the config ties embeddings.
+
+    Args:
+        state_dict (dict[str, torch.Tensor]): Full HF state dict (all shards merged).
+        hf_config (dict[str, Any]): Parsed ``config.json``.
+
+    Returns:
+        dict[str, torch.Tensor]: State dict for `llama`.
+
+    Raises:
+        ValueError: If a key has no torchtune counterpart, or the config is not Llama.
+    """
+    shape, tied = _conversion_args(hf_config)
+    if tied:
+        state_dict = {name: t for name, t in state_dict.items() if name != "lm_head.weight"}
+    try:
+        return convert_weights.hf_to_tune(state_dict, **shape)
+    except Exception as err:  # torchtune raises a bare Exception naming the unknown key
+        raise ValueError(f"cannot convert HF Llama state dict to torchtune: {err}") from err
+
+
+def hf_weight_iterator(
+    tune_state_dict: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    hf_config: dict[str, Any],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every weight of a torchtune Llama state dict, lazily.
+
+    q/k projections come out as new tensors with HF's row order; every other tensor is the
+    same object. With tied embeddings no ``lm_head.weight`` is yielded. Tensors must be full
+    (gather FSDP ``DTensor`` shards first). See `grpo.models.hf_weight_iterator`.
+
+    Args:
+        tune_state_dict (dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]): A
+            `llama` ``state_dict()`` or ``(name, tensor)`` pairs.
+        hf_config (dict[str, Any]): Parsed ``config.json``.
+
+    Yields:
+        tuple[str, torch.Tensor]: HF name and tensor.
+
+    Raises:
+        ValueError: If a name has no HF counterpart.
+    """
+    shape, tied = _conversion_args(hf_config)
+    items = tune_state_dict.items() if isinstance(tune_state_dict, dict) else tune_state_dict
+    for name, tensor in items:
+        if tied and name == "output.weight":
+            continue
+        try:
+            ((hf_name, hf_tensor),) = convert_weights.tune_to_hf({name: tensor}, **shape).items()
+        except Exception as err:
+            raise ValueError(f"torchtune weight {name!r} has no Hugging Face Llama name") from err
+        yield hf_name, hf_tensor
