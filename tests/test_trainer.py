@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grpo.loss import GRPOWithChunkedOutputLoss
+from grpo.testing import gathered_training_state
 from grpo.types import ScoredTrajectory
 from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
 
@@ -175,3 +176,65 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(tiny_model_dir, mask_
         eager["train_actor_training/grad_norm"], rel=1e-5
     )
     assert_same_update(before, weights_eager, weights_compiled, rtol=1e-5)
+
+
+def assert_same_training_state(actual: dict, expected: dict) -> None:
+    assert actual["steps_run"] == expected["steps_run"]
+    torch.testing.assert_close(actual["model"], expected["model"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        actual["optimizer"]["state"], expected["optimizer"]["state"], rtol=0, atol=0
+    )
+    assert actual["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+
+
+@pytest.mark.slow
+def test_training_state_reshards_between_one_and_two_workers(tiny_model_dir, ray_cluster, tmp_path):
+    """A checkpoint saved by one worker resumes on two FSDP workers and the other way round:
+    weights, AdamW moments and step counts come back bit for bit in the new sharding."""
+    config = TrainingConfig(
+        optimizer={"_component_": "torch.optim.AdamW", "lr": 1e-3},
+        lr_scheduler={
+            "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            "num_warmup_steps": 1,
+        },
+        loss=LOSS,
+    )
+
+    def kwargs(rank, world_size):
+        return {**trainer_kwargs(tiny_model_dir, rank, world_size, 256), "config": config}
+
+    single = PyTorchActorModel(**kwargs(0, 1))
+    single.setup()
+    single.train_step(make_batch(8, vocab_size=300))
+    saved_by_one = tmp_path / "saved_by_one"
+    saved_by_one.mkdir()
+    single.save_checkpoint(str(saved_by_one))
+    expected = gathered_training_state(single)
+
+    ray = ray_cluster
+    remote_cls = ray.remote(num_cpus=1)(PyTorchActorModel)
+    workers = [remote_cls.remote(**kwargs(r, 2)) for r in range(2)]
+    saved_by_two = tmp_path / "saved_by_two"
+    saved_by_two.mkdir()
+    try:
+        address = ray.get(workers[0].get_dist_address.remote())
+        ray.get([w.setup.remote(address, str(saved_by_one)) for w in workers])
+        states = ray.get([w.__ray_call__.remote(gathered_training_state) for w in workers])
+        assert_same_training_state(states[0], expected)
+        # Train on, save in the two-worker sharding, and load that into one worker.
+        batch_ref = ray.put(make_batch(8, vocab_size=300, seed=1))
+        ray.get([w.train_step.remote(batch_ref) for w in workers])
+        ray.get([w.save_checkpoint.remote(str(saved_by_two)) for w in workers])
+        expected = ray.get([w.__ray_call__.remote(gathered_training_state) for w in workers])[0]
+        ray.get([w.shutdown.remote() for w in workers])
+    finally:
+        for worker in workers:
+            ray.kill(worker)
+    assert sorted(p.name for p in (saved_by_two / "trainer").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    resumed = PyTorchActorModel(**kwargs(0, 1))
+    resumed.setup(checkpoint_dir=str(saved_by_two))
+    assert expected["steps_run"] == 2
+    assert_same_training_state(gathered_training_state(resumed), expected)

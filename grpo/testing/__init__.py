@@ -16,6 +16,7 @@ Example:
 
 from grpo.testing.helpers import (
     NonFiniteLoss,
+    gathered_training_state,
     kill_at_steps,
     read_jsonl,
     response_logprobs_from_logits,
@@ -68,6 +69,7 @@ __all__ = [
     "build_tiny_llama",
     "build_tiny_qwen2",
     "build_tiny_qwen3",
+    "gathered_training_state",
     "kill_at_steps",
     "make_fake_model_dir",
     "read_jsonl",

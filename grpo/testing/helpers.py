@@ -3,7 +3,7 @@
 `NonFiniteLoss` injects a diverged step; `response_logprobs_from_logits` is the plain
 full-logits reference the chunked path is checked against; `start_tiny_run` and
 `kill_at_steps` drive a real tiny run and kill its actors (fault tests and the fault drill);
-`read_jsonl` reads a run's logs.
+`read_jsonl` reads a run's logs; `gathered_training_state` compares trainers of any world size.
 """
 
 from __future__ import annotations
@@ -143,3 +143,23 @@ def kill_at_steps(run: Any, victims: list[tuple[int, str]]) -> dict[str, float]:
 
     threading.Thread(target=kill, daemon=True).start()
     return killed_at
+
+
+def gathered_training_state(trainer: Any) -> dict[str, Any]:
+    """A trainer's full model and optimizer state, named the same for any number of workers.
+
+    Parameters and optimizer state are gathered (collective under FSDP: call it on every
+    rank, e.g. through ``actor.__ray_call__``) and keyed by parameter name, so the state of
+    one worker and of two FSDP workers compare directly.
+
+    Args:
+        trainer (PyTorchActorModel): A set-up trainer.
+
+    Returns:
+        dict[str, Any]: ``{"model", "optimizer", "steps_run"}``, tensors on CPU.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model, optimizer = get_state_dict(trainer.policy, trainer.optimizer, options=options)
+    return {"model": model, "optimizer": optimizer, "steps_run": trainer.steps_run}

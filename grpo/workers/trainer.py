@@ -50,6 +50,11 @@ from grpo.models import (
 )
 from grpo.packing import FLEX_BUCKET, pack_sequences, plan_packs, unpack_response_logprobs
 from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
+from grpo.workers.training_checkpoint import (
+    TRAINER_SUBDIR,
+    load_training_state,
+    save_training_state,
+)
 from grpo.workers.weight_sync import state_dict_checksum
 
 
@@ -260,8 +265,8 @@ class PyTorchActorModel:
             dist_init_method (str | None): ``tcp://host:port`` of rank 0; required when
                 ``world_size > 1``.
             checkpoint_dir (str | None): Resume from this checkpoint: weights from its
-                ``model/`` folder, optimizer, LR schedule, counters and RNG from
-                ``trainer.pt``.
+                ``model/`` folder, then the sharded model and optimizer state, LR schedule,
+                counters and RNG from ``trainer/`` (saved by any number of workers).
         """
         world_size, rank = self.world_size, self.rank
         if world_size > 1:
@@ -301,34 +306,26 @@ class PyTorchActorModel:
             else None
         )
         if checkpoint_dir:
-            self._load_training_state(Path(checkpoint_dir) / "trainer.pt")
+            self._load_training_state(Path(checkpoint_dir) / TRAINER_SUBDIR)
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _optimizer_state(self) -> dict[str, Any]:
-        """Full (unsharded) optimizer state; collective under FSDP."""
-        if self.world_size == 1:
-            return self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.policy, self.optimizer, options=options)
-
     def save_checkpoint(self, checkpoint_dir: str) -> None:
-        """Write ``model/`` (HF format) and ``trainer.pt`` into ``checkpoint_dir``.
+        """Write ``model/`` (HF format, from rank 0) and ``trainer/`` into ``checkpoint_dir``.
 
-        The caller makes the folder and renames it into place once complete. Collective.
+        ``trainer/`` holds the sharded model and optimizer state, each rank writing its own
+        shards (`grpo.workers.training_checkpoint`), plus the LR schedule, counters and RNG.
+        The caller makes the folder and renames it into place once complete, so every rank
+        must see the same ``checkpoint_dir`` (a shared filesystem across nodes). Collective.
         """
+        checkpoint_dir = Path(checkpoint_dir)
+        # The exported model (collectors start from it) needs the full weights on rank 0;
+        # the optimizer state is never gathered.
         tune_state = self.full_state_dict()
-        optimizer_state = self._optimizer_state()
-        if self.rank != 0:
-            return
-        save_hf_checkpoint(tune_state, self.model_dir, Path(checkpoint_dir) / "model")
-        state = {
-            "optimizer": optimizer_state,
+        if self.rank == 0:
+            save_hf_checkpoint(tune_state, self.model_dir, checkpoint_dir / "model")
+        del tune_state
+        extra = {
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
             "steps_run": self.steps_run,
             "policy_version": self.policy_version,
@@ -337,24 +334,12 @@ class PyTorchActorModel:
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
         }
-        torch.save(state, Path(checkpoint_dir) / "trainer.pt")
+        save_training_state(
+            self.policy, self.optimizer, checkpoint_dir / TRAINER_SUBDIR, extra=extra
+        )
 
-    def _load_training_state(self, path: Path) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        if self.world_size == 1:
-            self.optimizer.load_state_dict(state["optimizer"])
-        else:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_optimizer_state_dict,
-            )
-
-            set_optimizer_state_dict(
-                self.policy,
-                self.optimizer,
-                optim_state_dict=state["optimizer"],
-                options=StateDictOptions(full_state_dict=True),
-            )
+    def _load_training_state(self, folder: Path) -> None:
+        state = load_training_state(self.policy, self.optimizer, folder)
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.steps_run = state["steps_run"]

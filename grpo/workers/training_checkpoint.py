@@ -1,0 +1,130 @@
+"""Sharded training state: model and optimizer saved and loaded per rank with DCP.
+
+The trainers write their part of a checkpoint into its ``trainer/`` folder with
+``torch.distributed.checkpoint`` (DCP): every rank writes only the shards it owns (one
+``__<rank>_0.distcp`` file each) and rank 0 adds DCP's ``.metadata``, so no rank ever holds
+the whole optimizer state (AdamW's two moments are twice the model). Rank 0 also writes the
+small, world-size independent rest (LR schedule, counters, RNG) as ``extra.pt``.
+
+Loading goes the other way on every rank: DCP reads the slices of the saved tensors that
+cover each rank's own shards, so a checkpoint saved by N workers loads into M workers
+(1 <-> 2 is tested).
+
+Atomicity is the caller's: the folder passed in is inside the temporary checkpoint folder
+that `grpo.orchestrator.checkpointer.Checkpointer` renames into place once every part is
+written. Every rank writes into that same folder, so with trainers on several nodes it must
+be on a filesystem they all share (NFS, Lustre, ...), like the rest of the checkpoint.
+
+Single worker: there is no process group; DCP then runs in one process (``no_dist``), and
+the state dict helpers work on the plain module and optimizer, so the same files result.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+TRAINER_SUBDIR = "trainer"
+"""The folder of a checkpoint that holds the trainers' sharded state."""
+
+EXTRA_STATE_FILE = "extra.pt"
+METADATA_FILE = ".metadata"  # written by DCP's coordinator (rank 0) once every shard is written
+
+# Sharded, not gathered: each rank keeps its own shards of parameters and optimizer state.
+_SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _dcp_call(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``dcp.save`` / ``dcp.load``, single-process when there is no process group."""
+    if not _no_dist():
+        return function(*args, **kwargs)
+    # DCP warns that it assumes a single process; that is exactly what is meant here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return function(*args, no_dist=True, **kwargs)
+
+
+def save_training_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    folder: str | Path,
+    extra: dict[str, Any],
+) -> None:
+    """Write the model and optimizer shards of this rank, and ``extra`` from rank 0.
+
+    Collective: every rank must call it with the same ``folder``.
+
+    Args:
+        model (nn.Module): The (possibly FSDP2-sharded) model the optimizer updates.
+        optimizer (torch.optim.Optimizer): Its optimizer.
+        folder (str | Path): The checkpoint's ``trainer/`` folder, inside the temporary
+            checkpoint folder; created if missing.
+        extra (dict[str, Any]): Small, rank-independent state (``torch.save``-able), written
+            by rank 0 only.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_SHARDED)
+    _dcp_call(
+        dcp.save,
+        {"model": model_state, "optimizer": optimizer_state},
+        checkpoint_id=str(folder),
+    )
+    if _no_dist() or dist.get_rank() == 0:
+        torch.save(extra, folder / EXTRA_STATE_FILE)
+
+
+def load_training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path
+) -> dict[str, Any]:
+    """Load this rank's model and optimizer shards in place; return the ``extra`` state.
+
+    Collective: every rank must call it. The optimizer may be fresh (no step taken yet):
+    its state is initialised first so that DCP knows every tensor's shape and sharding.
+
+    Args:
+        model (nn.Module): The model, already sharded as it will be trained.
+        optimizer (torch.optim.Optimizer): Its optimizer.
+        folder (str | Path): A checkpoint's ``trainer/`` folder.
+
+    Returns:
+        dict[str, Any]: What `save_training_state` got as ``extra``.
+
+    Raises:
+        FileNotFoundError: If ``folder`` is not a complete saved training state.
+    """
+    folder = Path(folder)
+    missing = [f for f in (METADATA_FILE, EXTRA_STATE_FILE) if not (folder / f).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{folder} is not a saved training state (missing {', '.join(missing)}); a "
+            "checkpoint's trainer/ folder holds the sharded model and optimizer state"
+        )
+    # The current (sharded) state dicts are the templates DCP loads into: it reads, for each
+    # tensor, the saved slices that overlap this rank's shard, whatever the saving world size.
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_SHARDED)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    _dcp_call(dcp.load, state, checkpoint_id=str(folder))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=_SHARDED,
+    )
+    return torch.load(folder / EXTRA_STATE_FILE, map_location="cpu", weights_only=False)
