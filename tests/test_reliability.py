@@ -53,26 +53,31 @@ def deterministic_overrides(model_dir: Path, run_dir: Path, num_steps: int) -> l
     ]
 
 
-def test_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
-    """2 steps + resume + 2 steps == 4 straight steps: same losses, weights and prompts."""
+@pytest.mark.parametrize("num_workers", [1, 2], ids=["1_trainer", "2_fsdp_trainers"])
+def test_resume_continues_exactly(num_workers, tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
+    """2 steps + resume + 2 steps == 4 straight steps: same losses, weights and prompts.
+
+    With two trainers each writes its own shards of the model and optimizer state and reads
+    them back (no rank gathers the optimizer state)."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     args = ["run", "async_grpo", "--config", "tiny_arithmetic_cpu"]
-    assert grpo_main([*args, *deterministic_overrides(tiny_model_dir, straight, 4)]) == 0
-    ray.shutdown()
-    assert grpo_main([*args, *deterministic_overrides(tiny_model_dir, resumed, 2)]) == 0
-    ray.shutdown()
+    workers = [
+        f"orchestration.num_training_workers={num_workers}",
+        f"ray.num_cpus={3 + num_workers}",
+    ]
+
+    def run(run_dir: Path, num_steps: int, *more: str) -> None:
+        overrides = deterministic_overrides(tiny_model_dir, run_dir, num_steps)
+        assert grpo_main([*args, *overrides, *workers, *more]) == 0
+        ray.shutdown()
+
+    run(straight, 4)
+    run(resumed, 2)
     assert (resumed / "checkpoints" / "latest").read_text() == "step_000002"
-    assert (
-        grpo_main(
-            [
-                *args,
-                *deterministic_overrides(tiny_model_dir, resumed, 4),
-                "resume_from_checkpoint=true",
-            ]
-        )
-        == 0
-    )
+    shards = sorted(p.name for p in (resumed / "checkpoints" / "step_000002" / "trainer").iterdir())
+    assert shards == [".metadata", *(f"__{r}_0.distcp" for r in range(num_workers)), "extra.pt"]
+    run(resumed, 4, "resume_from_checkpoint=true")
 
     # The same prompts and samples, in the same order: nothing trained twice or skipped.
     assert trained_ids(resumed) == trained_ids(straight)

@@ -238,3 +238,55 @@ def test_training_state_reshards_between_one_and_two_workers(tiny_model_dir, ray
     resumed.setup(checkpoint_dir=str(saved_by_two))
     assert expected["steps_run"] == 2
     assert_same_training_state(gathered_training_state(resumed), expected)
+
+
+class _Counter:
+    """A minimal `Stateful` for the checkpointer's run state and pipeline."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.value = key, 0
+
+    def state_dict(self) -> dict:
+        return {self.key: self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state[self.key]
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_resumable(tiny_model_dir, tmp_path):
+    """The trainer writes its shards into the checkpointer's temporary folder: a save that
+    dies after them leaves ``latest`` on the previous checkpoint, which still resumes."""
+    from grpo.orchestrator.checkpointer import Checkpointer, find_checkpoint
+    from grpo.workers.training_checkpoint import load_training_state
+
+    config = TrainingConfig(optimizer={"_component_": "torch.optim.AdamW", "lr": 1e-3}, loss=LOSS)
+    kwargs = {**trainer_kwargs(tiny_model_dir, 0, 1, 256), "config": config}
+    trainer = PyTorchActorModel(**kwargs)
+    trainer.setup()
+    trainer.train_step(make_batch(6, vocab_size=300))
+    expected = gathered_training_state(trainer)
+
+    def save_then_crash(folder):
+        trainer.save_checkpoint(str(folder))
+        raise RuntimeError("killed mid-save")
+
+    saves = [lambda folder: trainer.save_checkpoint(str(folder)), save_then_crash]
+    checkpointer = Checkpointer(
+        tmp_path, _Counter("step"), [_Counter("pipeline")], lambda folder: saves.pop(0)(folder)
+    )
+    first = checkpointer.save(1)
+    assert sorted(p.name for p in (first / "trainer").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "extra.pt",
+    ]
+    trainer.train_step(make_batch(6, vocab_size=300, seed=1))
+    with pytest.raises(RuntimeError, match="killed mid-save"):
+        checkpointer.save(2)
+
+    assert find_checkpoint(tmp_path, True) == first
+    resumed = PyTorchActorModel(**kwargs)
+    resumed.setup(checkpoint_dir=str(first))
+    assert_same_training_state(gathered_training_state(resumed), expected)
+    with pytest.raises(FileNotFoundError, match="missing .metadata, extra.pt"):
+        load_training_state(resumed.policy, resumed.optimizer, tmp_path / "nothing_here")

@@ -2,13 +2,19 @@
 
 A checkpoint folder ``run_dir/checkpoints/step_NNNNNN`` holds
 
-- ``model/`` and the optimizer state, written by the trainers themselves;
+- ``model/``: the policy as a Hugging Face folder (collectors start from it; rank 0 of the
+  trainers writes it);
+- ``trainer/``: the trainers' sharded model and optimizer state, each rank writing its own
+  shards with ``torch.distributed.checkpoint``, plus LR schedule, counters and RNG
+  (`grpo.workers.training_checkpoint`); it loads into any number of trainers;
 - ``state.json``: the run state (step, policy version, evaluation history);
 - ``pipeline.pt``: every other part's state, one flat dict (actor states from the supervisor,
   held groups from the in-flight ledger).
 
 It is written under a temporary name, flushed, and renamed into place; ``latest`` names the
-newest. Like torchtitan's checkpointer, this module knows no part's insides: each part is a
+newest, so a crash mid-save leaves the previous checkpoint whole. The trainers write into that
+temporary folder from their own processes: with trainers on several nodes, ``output_dir`` must
+be on a filesystem every node shares. Like torchtitan's checkpointer, this module knows no part's insides: each part is a
 `Stateful` (``state_dict()`` / ``load_state_dict()``).
 """
 
@@ -75,7 +81,8 @@ class Checkpointer:
         run_dir (Path): The run folder; checkpoints go to ``run_dir/checkpoints``.
         run_state (Stateful): Saved as ``state.json`` (JSON-serialisable).
         pipeline (list[Stateful]): Saved together as ``pipeline.pt``; their keys must differ.
-        save_model (Callable[[Path], None]): Writes the policy and optimizer into a folder.
+        save_model (Callable[[Path], None]): Has the trainers write ``model/`` and
+            ``trainer/`` into a folder (the temporary one), returning once all are done.
     """
 
     def __init__(

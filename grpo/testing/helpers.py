@@ -156,10 +156,14 @@ def gathered_training_state(trainer: Any) -> dict[str, Any]:
         trainer (PyTorchActorModel): A set-up trainer.
 
     Returns:
-        dict[str, Any]: ``{"model", "optimizer", "steps_run"}``, tensors on CPU.
+        dict[str, Any]: ``{"model", "optimizer", "steps_run"}``, tensors on CPU, copied (an
+        unsharded model's state dict would otherwise alias its live parameters).
     """
+    import copy
+
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model, optimizer = get_state_dict(trainer.policy, trainer.optimizer, options=options)
-    return {"model": model, "optimizer": optimizer, "steps_run": trainer.steps_run}
+    state = {"model": model, "optimizer": optimizer, "steps_run": trainer.steps_run}
+    return copy.deepcopy(state)
