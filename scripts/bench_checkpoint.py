@@ -19,7 +19,7 @@ Both methods write the same ``model/`` folder, for which every rank gathers the 
 One run with the defaults (147M parameters, 2 gloo ranks, 2-core host): rank 0 peaked at
 3170 MiB gathered (+1497 MiB during the save) and at 2166 MiB sharded (+469 MiB, the full
 weights for ``model/``); rank 1 +569 MiB and +434 MiB. The sharded checkpoint is larger on
-disk (2247 vs 1684 MiB): ``trainer/`` holds the weights too, so a resume needs no gather.
+disk (2247 vs 1684 MiB): ``trainer/`` holds the sharded weights as well as the optimizer.
 
 Usage:
     python scripts/bench_checkpoint.py                      # ~150M parameters, 2 ranks
