@@ -319,8 +319,9 @@ class PyTorchActorModel:
         must see the same ``checkpoint_dir`` (a shared filesystem across nodes). Collective.
         """
         checkpoint_dir = Path(checkpoint_dir)
-        # The exported model (collectors start from it) needs the full weights on rank 0;
-        # the optimizer state is never gathered.
+        # The exported model (collectors start from it) needs the full weights: gathered
+        # (an all-gather), written by rank 0, freed before the sharded save. The optimizer
+        # state is never gathered.
         tune_state = self.full_state_dict()
         if self.rank == 0:
             save_hf_checkpoint(tune_state, self.model_dir, checkpoint_dir / "model")
