@@ -409,9 +409,9 @@ class Orchestrator:
                         f"no actor made progress for {stall_timeout_s:.0f} s (busy: {busy})"
                     )
                 continue
-            # A sample that came back empty after its wait in the buffer is not progress.
-            if any(self._calls[ref].kind is not CallKind.SAMPLE for ref in ready):
-                last_progress = time.monotonic()
+            # Any call coming back counts, an empty sample too (as a poll did before): the
+            # buffer is alive, and a replacement actor starting up slowly is not a stall.
+            last_progress = time.monotonic()
             self._process(ready, relaunch=True)
             if self._sampled is not None:
                 batch_ref, summary = self._sampled
