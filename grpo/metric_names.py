@@ -70,6 +70,18 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         "train_actor_performance/pct_time_waiting_buffer (%)",
         "train_actor_performance/time_weight_gather (s)",
         "train_actor_performance/pct_time_weight_gather (%)",
+        # The step's wall time and the parts that add up to it (`step_time_breakdown` in
+        # grpo.orchestrator.metrics explains each): time_waiting_buffer, time_train_compute,
+        # time_weight_gather, time_weight_transfer, time_engine_reload, time_driver_overhead.
+        "train_actor_performance/step_wall_time (s)",
+        "train_actor_performance/time_train_compute (s)",
+        "train_actor_performance/time_weight_transfer (s)",
+        "train_actor_performance/time_engine_reload (s)",
+        "train_actor_performance/time_driver_overhead (s)",
+        # Busy seconds of generation and scoring calls that finished during the step, summed
+        # over actors; they overlap training and are not parts of the wall time.
+        "train_actor_performance/time_generation_busy (s)",
+        "train_actor_performance/time_scoring_busy (s)",
         "queues/train_replay_buffer_size",
         "queues/replay_buffer_dropped_stale",
     ),

@@ -2,7 +2,7 @@
 
 Three measurements, printed as tables and summarised at the end:
 
-1. Pipeline throughput, from a real short run (``grpo run async_grpo --config
+1. Pipeline throughput and the per-step time breakdown, from a real short run (``grpo run async_grpo --config
    tiny_arithmetic_cpu``, launched through `grpo.cli.main` in a child process with
    ``WANDB_MODE=disabled`` and a temporary ``output_dir``), read back from its
    ``metrics.jsonl``: generated tokens/s (collector), trained tokens/s (trainer) and the share
@@ -10,6 +10,10 @@ Three measurements, printed as tables and summarised at the end:
    skipped: they include Ray and actor start-up and the first generation batches. Rates are
    aggregates (total tokens / total seconds), not means of per-step rates; the "wall" rates
    divide by the wall time between the first and last measured steps (log timestamps).
+   The breakdown table gives each step's wall time and the parts that add up to it (buffer
+   wait, train compute, weight gather, transfer, engine reload, driver overhead), means over
+   the measured steps, next to the generation and scoring busy times that overlap them (see
+   `grpo.orchestrator.metrics.step_time_breakdown`).
 2. Weight sync against an in-memory copy of the same HF-named state dict, side by side in
    this process: ``{k: v.clone()}``, the trainer-side gather (copy, torchtune -> HF names,
    checksum), optionally ``ray.put`` + ``ray.get``, and the update of a vLLM CPU engine through
@@ -34,6 +38,7 @@ Usage:
     python scripts/bench_pipeline.py            # about 5 min on 2 cores
     python scripts/bench_pipeline.py --quick    # about 2 min: 5 steps, no Ray timing, short batch
     python scripts/bench_pipeline.py --model-dir assets/tiny_arithmetic_qwen2 --steps 30
+    python scripts/bench_pipeline.py --pipeline-only --steps 16 --warmup-steps 3
 """
 
 from __future__ import annotations
@@ -61,6 +66,12 @@ import torch  # noqa: E402
 from grpo.config import repo_root  # noqa: E402
 from grpo.logprobs import model_response_logprobs  # noqa: E402
 from grpo.models import build_model, load_hf_config, tune_to_hf_state_dict  # noqa: E402
+from grpo.orchestrator.metrics import (  # noqa: E402
+    GENERATION_BUSY,
+    SCORING_BUSY,
+    STEP_WALL,
+    WALL_PARTS,
+)
 from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs  # noqa: E402
 from grpo.testing import build_tiny_qwen2  # noqa: E402
 from grpo.types import UnscoredTrajectory  # noqa: E402
@@ -179,6 +190,12 @@ class PipelineResult:
     weight_sync_s: list[float]
     weight_gather_s: list[float]
     collector_update_s: list[float]
+    # Mean seconds per measured step of each breakdown metric the run logged.
+    breakdown: dict[str, float]
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.window_s / self.measured_steps
 
     @property
     def generation_rate(self) -> float:
@@ -309,6 +326,11 @@ def summarize_pipeline(
             for r in late_inference
             if r.get("inference/time_weight_update (s)", 0.0) > 0
         ],
+        breakdown={
+            key: statistics.mean(r[key] for r in measured)
+            for key in (STEP_WALL, *WALL_PARTS, GENERATION_BUSY, SCORING_BUSY)
+            if all(key in r for r in measured)
+        },
     )
 
 
@@ -360,6 +382,32 @@ def print_pipeline(result: PipelineResult) -> None:
                 f"median of {len(r.collector_update_s)} (inference/time_weight_update)",
             ],
         ],
+    )
+
+
+def print_breakdown(result: PipelineResult) -> None:
+    """The mean step's wall time and its parts; busy times that overlap them apart."""
+    b = result.breakdown
+    if STEP_WALL not in b:
+        return
+    wall = b[STEP_WALL]
+
+    def short(key: str) -> str:
+        return key.split("/", 1)[1]
+
+    rows = [[short(key), f"{b[key]:.3f}", f"{b[key] / wall:.1%}"] for key in WALL_PARTS if key in b]
+    rows.append(["sum of the parts", f"{sum(b[k] for k in WALL_PARTS if k in b):.3f}", ""])
+    rows.append([short(STEP_WALL), f"{wall:.3f}", "100.0%"])
+    rows.append(
+        ["s/step over the window (log times)", f"{result.seconds_per_step:.3f}", "(incl. logging)"]
+    )
+    for key in (GENERATION_BUSY, SCORING_BUSY):
+        if key in b:
+            rows.append([f"{short(key)} (overlaps, not in the sum)", f"{b[key]:.3f}", ""])
+    print_table(
+        f"1b. Per-step time breakdown: means over {result.measured_steps} measured steps",
+        ["part", "s/step", "of wall"],
+        rows,
     )
 
 
@@ -662,6 +710,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-ray", action="store_true", help="skip the ray.put/get timing")
     parser.add_argument("--skip-run", action="store_true", help="skip the pipeline run")
     parser.add_argument("--skip-long", action="store_true", help="skip the GSM8K-like batch")
+    parser.add_argument(
+        "--pipeline-only", action="store_true", help="only the pipeline run and its breakdown"
+    )
     parser.add_argument("--run-timeout", type=float, default=420.0, help="seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -704,6 +755,7 @@ def summary_rows(
                 f"{pipeline.train_rate:,.0f} / {pipeline.train_wall_rate:,.0f}",
             ],
             ["trainer time waiting for data", f"{pipeline.waiting_s / pipeline.step_s:.1%}"],
+            ["seconds per training step (wall window)", f"{pipeline.seconds_per_step:.3f}"],
         ]
         if pipeline.weight_sync_s:
             sync = statistics.median(pipeline.weight_sync_s)
@@ -760,6 +812,10 @@ def main() -> None:
                 model_dir, work_dir / "run", args.steps, args.run_timeout
             )
             pipeline = summarize_pipeline(rows, args.steps, args.warmup_steps, run_seconds)
+            if args.pipeline_only:
+                print_pipeline(pipeline)
+                print_breakdown(pipeline)
+                return
 
         # Before the vLLM engine exists in this process, so that its start-up (thread and
         # memory binding) cannot touch these timings.
@@ -808,6 +864,7 @@ def main() -> None:
 
         if pipeline is not None:
             print_pipeline(pipeline)
+            print_breakdown(pipeline)
         print_weight_sync(weight_medians, facts, pipeline, args.repeats)
         for index, result in enumerate(ref_results):
             print_ref(result, args.repeats if index == 0 else long_repeats)

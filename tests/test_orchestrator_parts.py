@@ -6,11 +6,21 @@ check each part's bookkeeping without Ray (object references are stand-in string
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
+from grpo.metric_names import METRIC_NAMES
 from grpo.orchestrator import InFlightLedger, RunState, step_metrics
+from grpo.orchestrator.metrics import (
+    DRIVER_OVERHEAD,
+    ENGINE_RELOAD,
+    GENERATION_BUSY,
+    SCORING_BUSY,
+    STEP_WALL,
+    WALL_PARTS,
+    WEIGHT_GATHER,
+    WEIGHT_TRANSFER,
+    step_time_breakdown,
+)
 from grpo.orchestrator.state import CallKind
 
 
@@ -21,10 +31,6 @@ def scored_result(tag: str, group_ids: list[int], policy_version: int = 0) -> di
         "sequence_ids": [[f"{tag}{g}-{i}" for i in range(2)] for g in group_ids],
         "policy_version": policy_version,
     }
-
-
-def trajectory(sequence_id: str) -> SimpleNamespace:
-    return SimpleNamespace(sequence_id=sequence_id)
 
 
 def test_ledger_marks_regenerated_groups_and_holds_batches_until_sampled():
@@ -41,7 +47,7 @@ def test_ledger_marks_regenerated_groups_and_holds_batches_until_sampled():
     assert ledger.buffer_full and ledger.next_to_add() is None
     assert set(ledger.in_buffer) == {"a0-0", "a0-1"}
 
-    ledger.sampled([trajectory("a0-0")])
+    ledger.sampled(["a0-0"])
     assert not ledger.buffer_full and ledger.next_to_add() is first
     ledger.added(first, 1)
     ledger.added(second, 2)
@@ -104,3 +110,40 @@ def test_every_kind_of_call_has_a_handler(tmp_path):
     # A replaced collector, reference actor or buffer redoes its call; a dead trainer or
     # rollout queue stops the run, so their calls are never redone.
     assert set(run._redo) == set(CallKind) - {CallKind.TAKE, CallKind.TRAIN}
+
+
+def test_step_time_breakdown_adds_up_to_the_wall_time():
+    timings = {WEIGHT_GATHER: 0.05, "train_actor_performance/time_weight_sync (s)": 0.09}
+    parts = step_time_breakdown(
+        wall_s=1.0,
+        buffer_wait_s=0.2,
+        train_compute_s=0.5,
+        sync_timings=timings,
+        sync_wall_s=0.1,
+        generation_busy_s=0.7,
+        scoring_busy_s=0.3,
+    )
+    # No transfer time reported: the rest of the sync's wall time is the transfer.
+    assert parts[WEIGHT_TRANSFER] == pytest.approx(0.05)
+    assert parts[ENGINE_RELOAD] == 0.0
+    assert parts[DRIVER_OVERHEAD] == pytest.approx(0.2)
+    assert sum(parts[key] for key in WALL_PARTS) == pytest.approx(parts[STEP_WALL])
+    # Busy times overlap training: reported, not part of the sum.
+    assert parts[GENERATION_BUSY] == 0.7 and parts[SCORING_BUSY] == 0.3
+    assert set(parts) <= set(METRIC_NAMES["train"])
+
+
+def test_step_time_breakdown_uses_what_the_weight_sync_reports():
+    timings = {WEIGHT_GATHER: 0.01, WEIGHT_TRANSFER: 0.02, ENGINE_RELOAD: 0.03}
+    parts = step_time_breakdown(1.0, 0.0, 0.5, timings, 0.1, 0.0, 0.0)
+    assert [parts[WEIGHT_GATHER], parts[WEIGHT_TRANSFER], parts[ENGINE_RELOAD]] == [
+        0.01,
+        0.02,
+        0.03,
+    ]
+    # The sync's own wall time beyond what it reported is driver overhead.
+    assert parts[DRIVER_OVERHEAD] == pytest.approx(0.44)
+    # No sync on this step: its parts are 0.
+    parts = step_time_breakdown(1.0, 0.3, 0.5, {}, 0.0, 0.0, 0.0)
+    assert parts[WEIGHT_GATHER] == parts[WEIGHT_TRANSFER] == parts[ENGINE_RELOAD] == 0.0
+    assert parts[DRIVER_OVERHEAD] == pytest.approx(0.2)

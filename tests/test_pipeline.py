@@ -12,6 +12,12 @@ from omegaconf import OmegaConf
 from grpo.cli import main as grpo_main
 from grpo.config import load_config
 from grpo.metric_names import METRIC_NAMES
+from grpo.orchestrator.metrics import (
+    GENERATION_BUSY,
+    SCORING_BUSY,
+    STEP_WALL,
+    WALL_PARTS,
+)
 from grpo.testing import read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -99,6 +105,15 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     missing = [key for key in expected if key not in logged]
     assert not missing, f"metrics.jsonl lacks {missing}"
     assert all(key in logged for key in METRIC_NAMES["train"][:6])
+
+    # Every step's wall time is split into parts that add up to it.
+    steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if STEP_WALL in r]
+    assert [r["step"] for r in steps] == list(range(1, num_steps + 1))
+    for record in steps:
+        parts = [record[key] for key in WALL_PARTS]
+        assert all(part >= 0.0 for part in parts), record
+        assert sum(parts) == pytest.approx(record[STEP_WALL])
+        assert record[GENERATION_BUSY] >= 0.0 and record[SCORING_BUSY] >= 0.0
     eval_steps = [step for step, _ in metric_series(run_dir, "eval/accuracy")]
     assert eval_steps == [0, 2, 4]
 

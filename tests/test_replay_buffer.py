@@ -1,8 +1,12 @@
+import asyncio
+import time
+from typing import Any
+
 import pytest
 import torch
 
 from grpo.types import ScoredTrajectory
-from grpo.workers.replay_buffer import ReplayBuffer
+from grpo.workers.replay_buffer import ReplayBuffer, ReplayBufferActor
 
 
 def scored(sequence_id: str, policy_version: int = 0, group_id: int = 0) -> ScoredTrajectory:
@@ -130,3 +134,76 @@ def test_state_dict_round_trip_continues_identically():
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ReplayBuffer(**kwargs)
+
+
+def sample_now(buffer: ReplayBufferActor, n: int, version: int = 0, timeout_s: float = 0.0):
+    return asyncio.run(buffer.sample_batch(n, version, timeout_s))
+
+
+def test_actor_sample_returns_the_batch_and_a_summary_with_stats():
+    buffer = ReplayBufferActor(capacity=8, max_policy_lag=1)
+    asyncio.run(buffer.add_groups([group("a", 2), [scored("b-0", policy_version=1, group_id=5)]]))
+    summary, batch = sample_now(buffer, 3, version=1)
+    assert [t.sequence_id for t in batch] == summary["sequence_ids"] == ["a-0", "a-1", "b-0"]
+    assert summary["group_ids"] == [0, 0, 5]
+    assert summary["policy_versions"] == [0, 0, 1]
+    assert summary["stats"]["size"] == 0 and summary["stats"]["sampled"] == 3
+    assert summary["stats"]["policy_age_max"] == 1
+
+
+def test_actor_sample_drops_stale_data_and_returns_none_when_time_runs_out():
+    buffer = ReplayBufferActor(capacity=8, max_policy_lag=1)
+    asyncio.run(buffer.add_groups([group("old", 4, policy_version=0)]))
+    start = time.perf_counter()
+    summary, batch = sample_now(buffer, 2, version=2, timeout_s=0.2)
+    assert batch is None and summary["sequence_ids"] is None
+    assert time.perf_counter() - start >= 0.2
+    assert summary["stats"]["dropped_stale"] == 4 and summary["stats"]["size"] == 0
+
+
+def test_actor_sample_waits_until_an_add_brings_enough():
+    async def scenario() -> tuple[list[str], float]:
+        buffer = ReplayBufferActor(capacity=8, max_policy_lag=0)
+        await buffer.add_groups([group("a", 2)])
+        waiting = asyncio.ensure_future(buffer.sample_batch(4, 0, timeout_s=30.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # 2 of 4 there: it waits
+        await buffer.add_groups([group("b", 2)])
+        summary, _ = await asyncio.wait_for(waiting, 5.0)
+        return summary["sequence_ids"], summary["wait_s"]
+
+    ids, wait_s = asyncio.run(scenario())
+    assert ids == ["a-0", "a-1", "b-0", "b-1"]
+    assert 0.05 <= wait_s < 5.0
+
+
+def test_actor_release_waiters_ends_a_wait_empty_and_keeps_the_data():
+    async def scenario() -> tuple[Any, int]:
+        buffer = ReplayBufferActor(capacity=8, max_policy_lag=0)
+        await buffer.add_groups([group("a", 2)])
+        waiting = asyncio.ensure_future(buffer.sample_batch(4, 0, timeout_s=30.0))
+        await asyncio.sleep(0.05)
+        await buffer.release_waiters()
+        _, batch = await asyncio.wait_for(waiting, 5.0)
+        return batch, len(buffer)
+
+    batch, size = asyncio.run(scenario())
+    assert batch is None and size == 2
+
+
+@pytest.mark.slow
+def test_actor_in_ray_hands_the_batch_out_as_its_own_object(ray_cluster):
+    """Through Ray: the summary and the batch are separate objects, and an add from another
+    caller wakes a sample that waits inside the actor."""
+    ray = ray_cluster
+    buffer = ray.remote(num_cpus=0)(ReplayBufferActor).remote(capacity=8, max_policy_lag=0)
+    summary_ref, batch_ref = buffer.sample_batch.options(num_returns=2).remote(4, 0, 30.0)
+    ray.get(buffer.add_groups.remote([group("a", 2)]))
+    assert not ray.wait([summary_ref], timeout=0.2)[0]  # still waiting for 4
+    ray.get(buffer.add_groups.remote([group("b", 2)]))
+    summary = ray.get(summary_ref, timeout=10)
+    assert summary["sequence_ids"] == ["a-0", "a-1", "b-0", "b-1"]
+    assert [t.sequence_id for t in ray.get(batch_ref)] == summary["sequence_ids"]
+    state = ray.get(buffer.state_dict.remote())
+    assert state["items"] == [] and state["counters"]["num_sampled"] == 4
+    ray.kill(buffer)

@@ -113,12 +113,17 @@ class InFlightLedger:
                     self.in_buffer[sid] = batch
         batch.added += count
 
-    def sampled(self, trajectories: list[Any]) -> None:
-        """Sampled trajectories leave the buffer: a rebuilt buffer must not get them again."""
-        for trajectory in trajectories:
-            batch = self.in_buffer.pop(trajectory.sequence_id, None)
+    def sampled(self, sequence_ids: list[str]) -> None:
+        """Sampled trajectories leave the buffer: a rebuilt buffer must not get them again.
+
+        Args:
+            sequence_ids (list[str]): The sampled batch's ids, from the buffer's summary (the
+                driver never fetches the batch itself).
+        """
+        for sequence_id in sequence_ids:
+            batch = self.in_buffer.pop(sequence_id, None)
             if batch is not None:
-                batch.skip.add(trajectory.sequence_id)
+                batch.skip.add(sequence_id)
         self.buffer_full = False
 
     def release_stale(self, oldest_allowed_version: int) -> None:

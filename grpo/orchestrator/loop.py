@@ -6,6 +6,11 @@ method in `Orchestrator._handlers`), and one way to be redone after its actor wa
 (`Orchestrator._redo`). The policy version is tracked in one place, `RunState.policy_version`,
 set only from the trainer's weight payload (`Orchestrator._sync_weights`); stale data is
 dropped in one place, the replay buffer (see `grpo.orchestrator.ledger`).
+
+The driver never fetches trajectories: the buffer's `sample_batch` waits inside the buffer
+until a batch is there and returns it as its own object, which goes to the trainers as a
+reference, next to a small summary (ids, buffer stats) that the ledger and metrics read. The
+one exception is debug logging (``debug_logging_enabled``), whose tables decode the batch.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from grpo.metric_names import ratio_metrics
 from grpo.orchestrator.checkpointer import Checkpointer
 from grpo.orchestrator.errors import ActorFailedError, TrainingDivergedError
 from grpo.orchestrator.ledger import InFlightLedger
-from grpo.orchestrator.metrics import RunLedger, debug_tables, step_metrics
+from grpo.orchestrator.metrics import RunLedger, debug_tables, step_metrics, step_time_breakdown
 from grpo.orchestrator.state import Call, CallKind, RunState
 from grpo.orchestrator.supervisor import ActorSupervisor, Recovery, Role, actor_name
 from grpo.orchestrator.weight_sync import WeightSync
@@ -32,6 +37,9 @@ log = logging.getLogger("grpo")
 
 # Most groups one reference call scores (they are packed together for the forward).
 _GROUPS_PER_REF_CALL = 4
+# Most seconds one sample call waits inside the buffer for a batch before it returns empty and
+# is asked again. Short enough that a buffer that died or a stop is noticed soon.
+_SAMPLE_WAIT_S = 5.0
 
 
 class Orchestrator:
@@ -88,9 +96,12 @@ class Orchestrator:
         # Per reference slot: when it started waiting for groups, and how long it waited.
         self._waiting_since: dict[int, float] = {}
         self._waited: dict[int, float] = {}
-        self._sampled: tuple[Any, list[Any] | None] | None = None
+        # (batch ref, summary) of the last sample call; (None, None) when it found no batch.
+        self._sampled: tuple[Any, dict[str, Any] | None] | None = None
         self._train_results: dict[int, dict[str, Any]] = {}  # by rank, for the current step
-        self._poll_delay = 0.02
+        # Seconds collectors generated and reference actors scored in calls that finished
+        # during the current step (they run beside training, so they overlap its wall time).
+        self._busy = {"generation": 0.0, "scoring": 0.0}
 
     # The current actors (replacements included), for the recipe, evaluation and tests.
     collectors = property(lambda self: self.actors.collectors)
@@ -165,9 +176,17 @@ class Orchestrator:
             self._launch(count_ref, CallKind.TAKE, index, self.rollout_queue, groups_ref)
 
     def _launch_sample(self) -> None:
+        """Ask the buffer for a batch; it answers once it has one (or after a while, empty).
+
+        A synchronous run looks once: nothing is generated while it waits.
+        """
         actor = self.replay_buffer
-        ref = actor.sample.remote(self.cfg.training.batch_size, self.state.policy_version)
-        self._launch(ref, CallKind.SAMPLE, 0, actor, payload=ref)  # trainers read it
+        timeout_s = 0.0 if self.synchronous else _SAMPLE_WAIT_S
+        summary_ref, batch_ref = actor.sample_batch.options(num_returns=2).remote(
+            self.cfg.training.batch_size, self.state.policy_version, timeout_s
+        )
+        # The driver reads only the summary; the trainers read the batch.
+        self._launch(summary_ref, CallKind.SAMPLE, 0, actor, payload=batch_ref)
 
     def _in_flight(self, kind: CallKind) -> bool:
         return any(call.kind is kind for call in self._calls.values())
@@ -213,6 +232,7 @@ class Orchestrator:
 
     def _on_generated(self, call: Call, result: Any, relaunch: bool) -> None:
         self._log(result["metrics"], self.state.step)
+        self._busy["generation"] += result["metrics"].get("inference/time_generation (s)", 0.0)
         self.actors.collector_states[call.index] = result["state"]
         if relaunch:
             self._launch_collector(call.index)
@@ -227,6 +247,7 @@ class Orchestrator:
         step = self.state.step
         waited = self._waited.pop(call.index, 0.0)
         busy = result["metrics"]["ref_actor_performance/total_rollout_time (s)"]
+        self._busy["scoring"] += busy
         metrics = {
             **result["metrics"],
             "ref_actor_performance/time_waiting_buffer (s)": waited,
@@ -247,20 +268,21 @@ class Orchestrator:
         if relaunch:
             self._wake_idle_ref_slots()
 
-    def _on_sampled(self, call: Call, result: Any, relaunch: bool) -> None:
-        if result is None:
+    def _on_sampled(self, call: Call, summary: dict[str, Any], relaunch: bool) -> None:
+        if summary["sequence_ids"] is None:
+            stats = summary["stats"]
+            if self.inflight.buffer_full and stats["size"] < stats["capacity"]:
+                # Stale trajectories were dropped: there is room for the adds that waited.
+                self.inflight.buffer_full = False
+                self._pump_buffer_adds()
             if relaunch:
-                # Back off while the buffer fills: each poll is a Ray task.
-                time.sleep(self._poll_delay)
-                self._poll_delay = min(2 * self._poll_delay, 0.5)
-                self._launch_sample()
+                self._launch_sample()  # it waited in the buffer already: no back-off here
             else:
                 self._sampled = (None, None)
         else:
-            self._poll_delay = 0.02
-            self.inflight.sampled(result)
+            self.inflight.sampled(summary["sequence_ids"])
             self._pump_buffer_adds()
-            self._sampled = (call.payload, result)
+            self._sampled = (call.payload, summary)
 
     def _on_trained(self, call: Call, result: Any, relaunch: bool) -> None:
         self._train_results[call.index] = result
@@ -322,14 +344,18 @@ class Orchestrator:
             self.state.eval_history.append((0, evaluate(0)))
 
         while self.state.step < num_steps and not self.stop_requested:
+            step_start = time.perf_counter()
+            self._busy = dict.fromkeys(self._busy, 0.0)
             if self.synchronous:
-                batch_ref, batch, waited = self._next_batch_synchronously()
+                batch_ref, summary, waited = self._next_batch_synchronously()
             else:
-                batch_ref, batch, waited = self._next_batch_asynchronously()
-            if batch is None:
+                batch_ref, summary, waited = self._next_batch_asynchronously()
+            if summary is None:
                 break  # stop requested while waiting
-            metrics = self._train(batch_ref, batch, waited)
-            self._after_train_step(metrics, batch, cfg.training.steps_before_weight_sync)
+            metrics = self._train(batch_ref, summary, waited)
+            self._after_train_step(
+                metrics, batch_ref, summary, cfg.training.steps_before_weight_sync, step_start
+            )
             step = self.state.step
             if evaluate is not None and eval_every and step % eval_every == 0:
                 self.state.eval_history.append((step, evaluate(step)))
@@ -362,7 +388,7 @@ class Orchestrator:
                 "training.optimizer.lr or check the rewards and the data."
             )
 
-    def _next_batch_asynchronously(self) -> tuple[Any, list[Any] | None, float]:
+    def _next_batch_asynchronously(self) -> tuple[Any, dict[str, Any] | None, float]:
         """Keep collectors and reference actors busy until the buffer yields a batch."""
         if not self._in_flight(CallKind.GENERATE):
             for index in range(len(self.collectors)):
@@ -383,14 +409,20 @@ class Orchestrator:
                         f"no actor made progress for {stall_timeout_s:.0f} s (busy: {busy})"
                     )
                 continue
+            # Any call coming back counts, an empty sample too (as a poll did before): the
+            # buffer is alive, and a replacement actor starting up slowly is not a stall.
             last_progress = time.monotonic()
             self._process(ready, relaunch=True)
             if self._sampled is not None:
-                batch_ref, batch = self._sampled
-                return batch_ref, batch, time.perf_counter() - wait_start
+                batch_ref, summary = self._sampled
+                return batch_ref, summary, time.perf_counter() - wait_start
+        if self._in_flight(CallKind.SAMPLE):
+            # Stopping: the waiting sample returns empty now instead of taking a batch that
+            # would then not be trained on.
+            self.replay_buffer.release_waiters.remote()
         return None, None, 0.0
 
-    def _next_batch_synchronously(self) -> tuple[Any, list[Any] | None, float]:
+    def _next_batch_synchronously(self) -> tuple[Any, dict[str, Any] | None, float]:
         """Generate with the current weights and score everything, then sample a batch."""
         wait_start = time.perf_counter()
         while not self.stop_requested:
@@ -398,9 +430,9 @@ class Orchestrator:
             self._launch_sample()
             while self._sampled is None:
                 self._drain()
-            batch_ref, batch = self._sampled
-            if batch is not None:
-                return batch_ref, batch, time.perf_counter() - wait_start
+            batch_ref, summary = self._sampled
+            if summary is not None:
+                return batch_ref, summary, time.perf_counter() - wait_start
             for index in range(len(self.collectors)):
                 self._launch_collector(index)
             self._drain()
@@ -416,12 +448,16 @@ class Orchestrator:
             if not self.inflight.unscored and self.rollout_queue.qsize() == 0:
                 return
 
-    def _train(self, batch_ref: Any, batch: list[Any], waited: float) -> dict[str, Any]:
+    def _train(self, batch_ref: Any, summary: dict[str, Any], waited: float) -> dict[str, Any]:
+        """Train every rank on the batch behind ``batch_ref``; rank 0's metrics.
+
+        Each rank receives the whole batch (one object in the store, read by every rank) and
+        trains on its own share of it (`PyTorchActorModel.train_step`).
+        """
         cfg = self.cfg
         debug_ids = None
         if cfg.debug_logging_enabled and self.tokenizer is not None:
-            count = cfg.debug_num_samples_per_step
-            debug_ids = [t.sequence_id for t in batch[:count]]
+            debug_ids = summary["sequence_ids"][: cfg.debug_num_samples_per_step]
         self._train_results = {}
         for rank, trainer in enumerate(self.trainers):
             ref = trainer.train_step.remote(batch_ref, waited, debug_ids)
@@ -430,16 +466,24 @@ class Orchestrator:
         while len(self._train_results) < len(self.trainers):
             ready, _ = ray.wait(list(self._calls), num_returns=1, timeout=1.0)
             self._process(ready, relaunch=not self.synchronous)
-        self.run_ledger.trained(self.state.step + 1, batch)
+        self.run_ledger.trained(self.state.step + 1, summary)
         return self._train_results[0]
 
-    def _after_train_step(self, metrics: dict[str, Any], batch: list[Any], sync_every: int) -> None:
+    def _after_train_step(
+        self,
+        metrics: dict[str, Any],
+        batch_ref: Any,
+        summary: dict[str, Any],
+        sync_every: int,
+        step_start: float,
+    ) -> None:
         self.state.step += 1
         step = self.state.step
-        buffer_stats = self.actors.ask(Role.REPLAY_BUFFER, 0, "stats")
         metrics = dict(metrics)
         pi_logprobs = metrics.pop("debug_pi_logprobs", None)
         if pi_logprobs and self.metric_logger is not None:
+            # Debug logging only: the tables decode the batch, so the driver fetches it.
+            batch = ray.get(batch_ref)
             for name, (columns, rows) in debug_tables(
                 batch, pi_logprobs, self.tokenizer, step
             ).items():
@@ -451,9 +495,24 @@ class Orchestrator:
             "queues/replay_buffer_duplicate_groups": float(self.inflight.num_duplicate_groups),
             "train_actor_training/policy_version": float(self.state.policy_version),
         }
+        sync_timings: dict[str, float] = {}
+        sync_start = time.perf_counter()
         if step % sync_every == 0:
-            metrics.update(self._sync_weights())
-        self.state.last_metrics = step_metrics(metrics, buffer_stats, queues)
+            sync_timings = self._sync_weights()
+            metrics.update(sync_timings)
+        sync_wall = time.perf_counter() - sync_start
+        metrics.update(
+            step_time_breakdown(
+                wall_s=time.perf_counter() - step_start,
+                buffer_wait_s=metrics.get("train_actor_performance/time_waiting_buffer (s)", 0.0),
+                train_compute_s=metrics.get("train_actor_performance/time_train_compute (s)", 0.0),
+                sync_timings=sync_timings,
+                sync_wall_s=sync_wall if sync_timings else 0.0,
+                generation_busy_s=self._busy["generation"],
+                scoring_busy_s=self._busy["scoring"],
+            )
+        )
+        self.state.last_metrics = step_metrics(metrics, summary["stats"], queues)
         self._log(self.state.last_metrics, step)
 
     def _sync_weights(self) -> dict[str, float]:

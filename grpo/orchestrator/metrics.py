@@ -2,7 +2,8 @@
 
 Owns nothing the run needs to continue: `RunLedger` writes which sequences were scored and
 trained (the proof that each was trained once), `step_metrics` adds the driver's queue
-numbers and time shares to a trainer's step metrics, `debug_tables` decodes trained samples.
+numbers and time shares to a trainer's step metrics, `step_time_breakdown` splits a step's
+wall time into its parts, `debug_tables` decodes trained samples.
 """
 
 from __future__ import annotations
@@ -49,6 +50,91 @@ def step_metrics(
     return metrics
 
 
+# Keys of `step_time_breakdown` (also in `grpo.metric_names.METRIC_NAMES["train"]`).
+_PERF = "train_actor_performance/"
+STEP_WALL = f"{_PERF}step_wall_time (s)"
+BUFFER_WAIT = f"{_PERF}time_waiting_buffer (s)"
+TRAIN_COMPUTE = f"{_PERF}time_train_compute (s)"
+WEIGHT_GATHER = f"{_PERF}time_weight_gather (s)"
+WEIGHT_TRANSFER = f"{_PERF}time_weight_transfer (s)"
+ENGINE_RELOAD = f"{_PERF}time_engine_reload (s)"
+DRIVER_OVERHEAD = f"{_PERF}time_driver_overhead (s)"
+GENERATION_BUSY = f"{_PERF}time_generation_busy (s)"
+SCORING_BUSY = f"{_PERF}time_scoring_busy (s)"
+# The parts that add up to `STEP_WALL`, in the order a step runs them.
+WALL_PARTS = (
+    BUFFER_WAIT,
+    TRAIN_COMPUTE,
+    WEIGHT_GATHER,
+    WEIGHT_TRANSFER,
+    ENGINE_RELOAD,
+    DRIVER_OVERHEAD,
+)
+
+
+def step_time_breakdown(
+    wall_s: float,
+    buffer_wait_s: float,
+    train_compute_s: float,
+    sync_timings: dict[str, float],
+    sync_wall_s: float,
+    generation_busy_s: float,
+    scoring_busy_s: float,
+) -> dict[str, float]:
+    """Split one training step's wall time into parts that add up to it.
+
+    The wall time runs from the moment the driver starts waiting for the step's batch to the
+    moment its metrics are ready (evaluation and checkpoints are not part of it). It is the
+    sum of `WALL_PARTS`, which do not overlap:
+
+    - buffer wait: the driver waited for the buffer to hand out a full batch (this includes
+      the sample call's round trip). In an asynchronous run, generation and scoring run
+      meanwhile; in a synchronous one, all of this step's generation and scoring happen in it.
+    - train compute: rank 0's time inside ``train_step`` (packing, forward, backward,
+      optimizer), measured in the trainer.
+    - weight gather, weight transfer, engine reload: the weight sync after the step, as
+      `WeightSync.sync` reports them (0 on steps without a sync). A sync that reports no
+      transfer time gets the rest of the sync's wall time as transfer; one that reports no
+      reload time reloads in the collectors after the sync returns (between their batches),
+      off the step's wall time: its reload is 0 here and shows in the collectors'
+      ``inference/time_weight_update (s)``.
+    - driver overhead: the rest: launching the training call and getting its result back,
+      the driver's bookkeeping, and logging.
+
+    Generation and scoring busy times are reported beside them and are NOT parts of the wall
+    time: they are the seconds collectors generated and reference actors scored in calls that
+    finished during the step, summed over actors, and overlap training in an asynchronous run.
+
+    Args:
+        wall_s (float): The step's wall time.
+        buffer_wait_s (float): Seconds waited for the batch.
+        train_compute_s (float): Seconds the trainer computed.
+        sync_timings (dict[str, float]): What `WeightSync.sync` returned (empty if no sync).
+        sync_wall_s (float): The sync's wall time seen by the driver (0 if no sync).
+        generation_busy_s (float): Collectors' generation seconds finished during the step.
+        scoring_busy_s (float): Reference actors' scoring seconds finished during the step.
+
+    Returns:
+        dict[str, float]: `STEP_WALL`, every `WALL_PARTS` key, `GENERATION_BUSY` and
+        `SCORING_BUSY`.
+    """
+    gather = sync_timings.get(WEIGHT_GATHER, 0.0)
+    reload = sync_timings.get(ENGINE_RELOAD, 0.0)
+    transfer = sync_timings.get(WEIGHT_TRANSFER, max(sync_wall_s - gather - reload, 0.0))
+    accounted = buffer_wait_s + train_compute_s + gather + transfer + reload
+    return {
+        STEP_WALL: wall_s,
+        BUFFER_WAIT: buffer_wait_s,
+        TRAIN_COMPUTE: train_compute_s,
+        WEIGHT_GATHER: gather,
+        WEIGHT_TRANSFER: transfer,
+        ENGINE_RELOAD: reload,
+        DRIVER_OVERHEAD: wall_s - accounted,
+        GENERATION_BUSY: generation_busy_s,
+        SCORING_BUSY: scoring_busy_s,
+    }
+
+
 class RunLedger:
     """Which sequences were scored and which were trained on, one JSON line per event.
 
@@ -71,14 +157,15 @@ class RunLedger:
     def scored(self, step: int, sequence_ids: list[str]) -> None:
         self._write(self.scored_file, {"step": step, "sequence_ids": sequence_ids})
 
-    def trained(self, step: int, batch: list[Any]) -> None:
+    def trained(self, step: int, summary: dict[str, Any]) -> None:
+        """Record a trained batch from its summary (`ReplayBufferActor.sample_batch`)."""
         self._write(
             self.trained_file,
             {
                 "step": step,
-                "sequence_ids": [t.sequence_id for t in batch],
-                "group_ids": [t.group_id for t in batch],
-                "policy_versions": [t.policy_version for t in batch],
+                "sequence_ids": summary["sequence_ids"],
+                "group_ids": summary["group_ids"],
+                "policy_versions": summary["policy_versions"],
             },
         )
 

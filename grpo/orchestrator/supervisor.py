@@ -191,10 +191,10 @@ class ActorSupervisor:
         return self.rollout_queue
 
     def start_replay_buffer(self) -> Any:
-        from grpo.workers.replay_buffer import ReplayBuffer
+        from grpo.workers.replay_buffer import ReplayBufferActor
 
         orchestration = self.cfg.orchestration
-        self.replay_buffer = ray.remote(num_cpus=0)(ReplayBuffer).remote(
+        self.replay_buffer = ray.remote(num_cpus=0)(ReplayBufferActor).remote(
             capacity=orchestration.replay_buffer_size,
             max_policy_lag=orchestration.max_policy_lag,
             seed=self.cfg.seed,
@@ -304,7 +304,7 @@ class ActorSupervisor:
     def ask(self, role: Role, index: int, method: str, *args: Any) -> Any:
         """Call ``method`` of a replaceable actor and wait; a dead one is replaced and asked.
 
-        For the calls the loop makes between steps (state for a checkpoint, buffer stats),
+        For the calls the loop makes between steps (state for a checkpoint),
         which find an actor that died while it had nothing to do.
 
         Raises:

@@ -7,11 +7,18 @@ is dropped, and counted, instead of being trained on.
 
 Groups are added atomically: `add` takes a whole group or nothing, so the caller can apply
 back-pressure (wait and retry) when the buffer is full rather than lose data.
+
+`ReplayBufferActor` is the buffer as the run's Ray actor: its `sample_batch` waits inside the
+actor until enough trajectories are there (an add wakes it), returns the batch as its own
+object for the trainers and a small summary for the driver, so the driver neither polls nor
+fetches the data.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections import deque
 from typing import Any
 
@@ -203,3 +210,107 @@ class ReplayBuffer:
         self._rng.setstate(state["rng_state"])
         for name, value in state["counters"].items():
             setattr(self, name, value)
+
+
+class ReplayBufferActor(ReplayBuffer):
+    """`ReplayBuffer` as an async Ray actor whose sampling waits for data inside the actor.
+
+    Start it with ``ray.remote(num_cpus=0)(ReplayBufferActor)`` and call `sample_batch` with
+    ``.options(num_returns=2)``: the first object is a small summary for the driver, the
+    second the batch, which the driver hands to the trainers without fetching it.
+
+    Every method the driver calls is a coroutine, so all of them run on the actor's one event
+    loop and never interleave with each other except at `sample_batch`'s wait.
+
+    Args:
+        Same as `ReplayBuffer`.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Created on the actor's event loop (the constructor runs outside it).
+        self._changed: asyncio.Condition | None = None
+        # Bumped by `release_waiters`: a waiting sample that sees it change returns None.
+        self._release_count = 0
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def _notify(self) -> None:
+        condition = self._condition()
+        async with condition:
+            condition.notify_all()
+
+    async def add_groups(  # type: ignore[override]
+        self,
+        groups: list[list[ScoredTrajectory]],
+        first: int = 0,
+        skip_sequence_ids: frozenset[str] | set[str] = frozenset(),
+    ) -> int:
+        """`ReplayBuffer.add_groups`, then wake a waiting `sample_batch`."""
+        taken = ReplayBuffer.add_groups(self, groups, first, skip_sequence_ids)
+        if taken:
+            await self._notify()
+        return taken
+
+    async def sample_batch(
+        self, n: int, current_policy_version: int, timeout_s: float
+    ) -> tuple[dict[str, Any], list[ScoredTrajectory] | None]:
+        """Wait up to ``timeout_s`` for ``n`` fresh trajectories, then take them.
+
+        Stale trajectories are dropped (as in `ReplayBuffer.sample`) each time it looks.
+
+        Args:
+            n (int): Number of trajectories wanted.
+            current_policy_version (int): The trainer's current policy version.
+            timeout_s (float): Most seconds to wait; 0 looks once.
+
+        Returns:
+            tuple[dict, list | None]: The summary (``sequence_ids``, ``group_ids``,
+            ``policy_versions`` of the batch, or None each when there is no batch;
+            ``stats``: `ReplayBuffer.stats` after sampling; ``wait_s``: seconds waited) and
+            the batch, or None when the time ran out or `release_waiters` was called
+            (nothing is removed then).
+        """
+        start = time.perf_counter()
+        release_count = self._release_count
+        condition = self._condition()
+        batch = self.sample(n, current_policy_version)
+        async with condition:
+            while batch is None and self._release_count == release_count:
+                remaining = timeout_s - (time.perf_counter() - start)
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(condition.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+                batch = self.sample(n, current_policy_version)
+        summary: dict[str, Any] = {
+            "sequence_ids": None,
+            "group_ids": None,
+            "policy_versions": None,
+            "stats": self.stats(),
+            "wait_s": time.perf_counter() - start,
+        }
+        if batch is not None:
+            summary["sequence_ids"] = [t.sequence_id for t in batch]
+            summary["group_ids"] = [t.group_id for t in batch]
+            summary["policy_versions"] = [t.policy_version for t in batch]
+        return summary, batch
+
+    async def release_waiters(self) -> None:
+        """Make every waiting `sample_batch` return None now (the run is stopping)."""
+        self._release_count += 1
+        await self._notify()
+
+    async def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """`ReplayBuffer.state_dict`, on the event loop."""
+        return ReplayBuffer.state_dict(self)
+
+    async def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
+        """`ReplayBuffer.load_state_dict`, then wake a waiting `sample_batch`."""
+        ReplayBuffer.load_state_dict(self, state)
+        await self._notify()

@@ -497,6 +497,9 @@ class PyTorchActorModel:
                 time.perf_counter() - step_start + time_waiting_buffer
             ),
             "train_actor_performance/time_grpo_steps (s)": time_grpo_steps,
+            # Everything this call computed (packing, forward, backward, optimizer, the
+            # metric reduction); the driver's step breakdown subtracts it from its wall time.
+            "train_actor_performance/time_train_compute (s)": time.perf_counter() - step_start,
             "train_actor_performance/time_waiting_buffer (s)": time_waiting_buffer,
             "train_actor_performance/tokens_per_second": (
                 response_tokens * epochs / time_grpo_steps if time_grpo_steps else 0.0
