@@ -64,12 +64,13 @@ def test_tensors_arrive_exactly_as_views_into_the_buckets():
     )
     thread.start()
     try:
-        sender.send(weights, 16 * 1024)
+        staging = sender.send(weights, 16 * 1024)
         weights = {
             name: tensor + 1 if tensor.is_floating_point() else tensor
             for name, tensor in weights.items()
         }
-        sender.send(weights, 16 * 1024)  # a second transfer over the same group
+        # A second transfer over the same group packs into the same staging buffer.
+        assert sender.send(weights, 16 * 1024, staging).data_ptr() == staging.data_ptr()
     finally:
         thread.join(30)
         sender.close()

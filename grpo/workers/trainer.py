@@ -259,6 +259,7 @@ class PyTorchActorModel:
         # Weight channels (rank 0): collector name -> channel, and the weights they send.
         self._weight_channels: dict[str, WeightChannel] = {}
         self._outgoing_weights: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._weight_staging: torch.Tensor | None = None
 
     def setup(self, dist_init_method: str | None = None, checkpoint_dir: str | None = None) -> None:
         """Join the process group (several workers), build the model, optimizer and loss.
@@ -677,7 +678,8 @@ class PyTorchActorModel:
             )
         start = time.perf_counter()
         try:
-            channel.send(hf_state, bucket_bytes)
+            # One packing buffer for every channel: sends run one at a time.
+            self._weight_staging = channel.send(hf_state, bucket_bytes, self._weight_staging)
         except WeightChannelError:
             self._weight_channels.pop(collector, None)
             raise

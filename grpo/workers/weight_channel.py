@@ -204,27 +204,48 @@ class WeightChannel:
             self.close()
             raise self._failure(f"broadcast of bucket {index}", error) from error
 
-    def send(self, tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> None:
+    def send(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        bucket_bytes: int,
+        staging: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Broadcast ``tensors`` (in their order) to the receiver, bucket by bucket.
 
         Args:
             tensors (Mapping[str, torch.Tensor]): What `tensor_specs` described to the receiver.
             bucket_bytes (int): The bucket size the receiver was given.
+            staging (torch.Tensor | None): A ``uint8`` buffer to pack buckets in, from an
+                earlier send. Reusing it saves allocating (and page-faulting) a fresh bucket
+                per broadcast; one that is too small or on another device is replaced.
+
+        Returns:
+            torch.Tensor | None: The staging buffer, to pass to the next send (None if none
+            was given and no bucket needed packing).
 
         Raises:
             WeightChannelError: The rendezvous or a broadcast failed or timed out; the channel
                 is closed.
         """
         group = self._wait_ready()
-        for index, bucket in enumerate(plan_buckets(tensor_specs(tensors), bucket_bytes)):
+        buckets = plan_buckets(tensor_specs(tensors), bucket_bytes)
+        for index, bucket in enumerate(buckets):
             first = tensors[bucket.entries[0][0].name]
             if len(bucket.entries) == 1 and first.device == self.device:
-                buffer = _as_bytes(first)  # a lone big tensor goes as it is, uncopied
+                buffer = _as_bytes(first)  # a lone tensor goes as it is, uncopied
             else:
-                buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+                if (
+                    staging is None
+                    or staging.numel() < bucket.nbytes
+                    or staging.device != self.device
+                ):
+                    needed = max(bucket.nbytes for bucket in buckets)
+                    staging = torch.empty(needed, dtype=torch.uint8, device=self.device)
+                buffer = staging[: bucket.nbytes]
                 for spec, offset in bucket.entries:
                     buffer[offset : offset + spec.nbytes].copy_(_as_bytes(tensors[spec.name]))
             self._broadcast(group, buffer, index)
+        return staging
 
     def receive(self, specs: Sequence[TensorSpec], bucket_bytes: int) -> dict[str, torch.Tensor]:
         """Receive what the sender's `send` broadcasts.
