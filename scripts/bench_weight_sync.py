@@ -53,7 +53,6 @@ class Sender:
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         self.state = state
         self.channel: WeightChannel | None = None
-        self.staging: torch.Tensor | None = None
 
     def put(self) -> list[Any]:
         return [ray.put(self.state)]  # in a list: the caller gets the reference, not the value
@@ -63,7 +62,7 @@ class Sender:
         return self.channel.port
 
     def send(self, bucket_bytes: int) -> None:
-        self.staging = self.channel.send(self.state, bucket_bytes, self.staging)
+        self.channel.send(self.state, bucket_bytes)
 
 
 class Receiver:

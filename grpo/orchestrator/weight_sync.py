@@ -33,9 +33,10 @@ from grpo.orchestrator.errors import ActorFailedError
 log = logging.getLogger("grpo")
 
 # The trainer actor's concurrency group for channel calls: a rendezvous or a transfer does not
-# wait behind a training step, and transfers run one at a time, in order.
+# wait behind a training step, nor behind a send to a dead collector that is timing out.
+# Transfers to different collectors may overlap; the driver keeps one per channel at a time.
 CHANNEL_GROUP = "weight_channel"
-TRAINER_CONCURRENCY_GROUPS = {CHANNEL_GROUP: 1}
+TRAINER_CONCURRENCY_GROUPS = {CHANNEL_GROUP: 8}
 
 
 @dataclass(kw_only=True)

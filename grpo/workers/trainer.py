@@ -259,7 +259,6 @@ class PyTorchActorModel:
         # Weight channels (rank 0): collector name -> channel, and the weights they send.
         self._weight_channels: dict[str, WeightChannel] = {}
         self._outgoing_weights: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._weight_staging: torch.Tensor | None = None
 
     def setup(self, dist_init_method: str | None = None, checkpoint_dir: str | None = None) -> None:
         """Join the process group (several workers), build the model, optimizer and loss.
@@ -630,7 +629,7 @@ class PyTorchActorModel:
         built in the background and `send_weights` waits for it. An older channel of the same
         name (a collector that was replaced) is closed. Call it, like `send_weights`, in the
         actor's ``weight_channel`` concurrency group, so that neither waits behind a training
-        step.
+        step nor behind a send to a dead collector (which times out on its own thread).
 
         Args:
             collector (str): The collector's name, e.g. ``"collector[0]"``.
@@ -678,10 +677,10 @@ class PyTorchActorModel:
             )
         start = time.perf_counter()
         try:
-            # One packing buffer for every channel: sends run one at a time.
-            self._weight_staging = channel.send(hf_state, bucket_bytes, self._weight_staging)
+            channel.send(hf_state, bucket_bytes)
         except WeightChannelError:
-            self._weight_channels.pop(collector, None)
+            if self._weight_channels.get(collector) is channel:  # not yet replaced by a new one
+                del self._weight_channels[collector]
             raise
         return time.perf_counter() - start
 

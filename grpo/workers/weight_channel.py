@@ -143,6 +143,7 @@ class WeightChannel:
         self.timeout = timedelta(seconds=timeout_s)
         self._group: dist.ProcessGroup | None = None
         self._error: BaseException | None = None
+        self._staging: torch.Tensor | None = None  # the sender's packing buffer
         try:
             self._store = dist.TCPStore(
                 host,
@@ -204,24 +205,16 @@ class WeightChannel:
             self.close()
             raise self._failure(f"broadcast of bucket {index}", error) from error
 
-    def send(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        bucket_bytes: int,
-        staging: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
+    def send(self, tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> None:
         """Broadcast ``tensors`` (in their order) to the receiver, bucket by bucket.
+
+        Buckets of several tensors are packed into a staging buffer that the channel keeps
+        for its next sends (one bucket of memory: allocating and page-faulting a fresh bucket
+        per broadcast costs as much as the copy); a lone tensor is sent as it is.
 
         Args:
             tensors (Mapping[str, torch.Tensor]): What `tensor_specs` described to the receiver.
             bucket_bytes (int): The bucket size the receiver was given.
-            staging (torch.Tensor | None): A ``uint8`` buffer to pack buckets in, from an
-                earlier send. Reusing it saves allocating (and page-faulting) a fresh bucket
-                per broadcast; one that is too small or on another device is replaced.
-
-        Returns:
-            torch.Tensor | None: The staging buffer, to pass to the next send (None if none
-            was given and no bucket needed packing).
 
         Raises:
             WeightChannelError: The rendezvous or a broadcast failed or timed out; the channel
@@ -234,18 +227,13 @@ class WeightChannel:
             if len(bucket.entries) == 1 and first.device == self.device:
                 buffer = _as_bytes(first)  # a lone tensor goes as it is, uncopied
             else:
-                if (
-                    staging is None
-                    or staging.numel() < bucket.nbytes
-                    or staging.device != self.device
-                ):
+                if self._staging is None or self._staging.numel() < bucket.nbytes:
                     needed = max(bucket.nbytes for bucket in buckets)
-                    staging = torch.empty(needed, dtype=torch.uint8, device=self.device)
-                buffer = staging[: bucket.nbytes]
+                    self._staging = torch.empty(needed, dtype=torch.uint8, device=self.device)
+                buffer = self._staging[: bucket.nbytes]
                 for spec, offset in bucket.entries:
                     buffer[offset : offset + spec.nbytes].copy_(_as_bytes(tensors[spec.name]))
             self._broadcast(group, buffer, index)
-        return staging
 
     def receive(self, specs: Sequence[TensorSpec], bucket_bytes: int) -> dict[str, torch.Tensor]:
         """Receive what the sender's `send` broadcasts.
@@ -280,3 +268,4 @@ class WeightChannel:
             except Exception:  # noqa: BLE001,S110 - best effort: the group is dropped anyway
                 pass
         self._store = None
+        self._staging = None
