@@ -146,6 +146,10 @@ class WeightSync:
             # The replacement holds the weights it was started from; the latest ones follow.
             state = {**state, "policy_version": self.start_version}
             self._get_all([collector.load_state_dict.remote(state)], f"{name} restart")
+        # Forget the dead one's channel (the trainer closes its end when the new one opens).
+        for key in [key for key, channel in self._channels.items() if channel == name]:
+            del self._channels[key]
+            self._transfers.pop(key, None)
         if self.last_payload is not None:
             self._send([(name, collector)], self.last_payload)
 
@@ -176,6 +180,7 @@ class WeightSync:
 
     def _start_transfer(self, name: str, collector: Any, payload: dict[str, Any]) -> None:
         """Trainer rank 0 broadcasts, ``collector`` receives; a new channel is opened first."""
+        # Keyed by actor id, not name: a replacement has the name of the collector it replaces.
         config, key = self.config, collector._actor_id.hex()
         self._finish_transfer(collector)  # the channel carries one transfer at a time
         join = None
@@ -214,7 +219,7 @@ class WeightSync:
         Raises:
             ActorFailedError: The transfer failed, naming the collector or trainer[0].
         """
-        key = collector._actor_id.hex()
+        key = collector._actor_id.hex()  # as in _start_transfer
         transfer = self._transfers.pop(key, None)
         if transfer is None:
             return
