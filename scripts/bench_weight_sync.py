@@ -17,7 +17,7 @@ ratio to the clone, and the load average at the start and the end.
 
 Usage::
 
-    python scripts/bench_weight_sync.py [--synthetic-mb 256] [--bucket-mb 256] [--repeats 5]
+    python scripts/bench_weight_sync.py [--synthetic-mb 256] [--bucket-mb 32] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from grpo.models import load_hf_state_dict  # noqa: E402
+from grpo.orchestrator.weight_sync import WeightSyncConfig  # noqa: E402
 from grpo.testing import build_tiny_qwen2  # noqa: E402
 from grpo.workers.weight_channel import (  # noqa: E402
     RECEIVER_RANK,
@@ -134,7 +135,7 @@ def load_average() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--synthetic-mb", type=int, default=256)
-    parser.add_argument("--bucket-mb", type=float, default=256.0)
+    parser.add_argument("--bucket-mb", type=float, default=WeightSyncConfig().bucket_mb)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
