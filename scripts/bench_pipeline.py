@@ -18,7 +18,8 @@ Three measurements, printed as tables and summarised at the end:
    this process: ``{k: v.clone()}``, the trainer-side gather (copy, torchtune -> HF names,
    checksum), optionally ``ray.put`` + ``ray.get``, and the update of a vLLM CPU engine through
    the collector's path (``collective_rpc("grpo_update_weights")`` and `WeightReceiver`), next
-   to the pipeline's own ``time_weight_sync (s)`` and the collectors' apply time.
+   to the pipeline's own ``time_weight_sync (s)`` and the collectors' apply time. The two
+   transports between processes are compared in ``scripts/bench_weight_sync.py``.
 3. Reference logprobs of a 64-sequence batch, packed (`plan_packs` + `pack_sequences` +
    `model_response_logprobs`, as `RefActor` does) against one sequence at a time with the same
    function, on the pipeline's model with arithmetic-like lengths and (unless ``--quick``) on a

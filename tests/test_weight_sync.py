@@ -336,3 +336,116 @@ def test_weights_reach_a_collector_actor_between_batches(engines, ray_cluster):
         assert metrics["inference/policy_version"] == 1  # version 2 waits for the next batch
     finally:
         ray_cluster.kill(actor)
+
+
+def scored_batch(num_sequences: int = 4, vocab_size: int = 200) -> list:
+    from grpo.types import ScoredTrajectory
+
+    generator = torch.Generator().manual_seed(0)
+    return [
+        ScoredTrajectory(
+            prompt_tokens=torch.randint(0, vocab_size, (4,), generator=generator),
+            response_tokens=torch.randint(0, vocab_size, (6,), generator=generator),
+            prompt_len=4,
+            response_len=6,
+            logprobs=-torch.rand(6, generator=generator) * 6,
+            ref_logprobs=-torch.rand(6, generator=generator) * 6,
+            rewards=torch.tensor([float(i % 2)]),
+            advantages=torch.randn((), generator=generator),
+            successes=torch.tensor([float(i % 2)]),
+            answer="1",
+            sequence_id=f"s{i}",
+            group_id=i // 2,
+            reward_metadata={"func_names": ["toy"]},
+            policy_version=0,
+        )
+        for i in range(num_sequences)
+    ]
+
+
+@pytest.mark.slow
+def test_collective_sync_from_a_trainer_actor_and_a_replacement_joins_a_new_pair(
+    engines, ray_cluster
+):
+    """The collective transport end to end over gloo: a trainer actor broadcasts to a collector
+    actor; checksum and probe hold, versions stay in order, and a collector that died is
+    replaced by one that catches up over a new channel and gets the next weights through it."""
+    from ray.util.queue import Queue
+
+    from grpo.orchestrator.weight_sync import (
+        TRAINER_CONCURRENCY_GROUPS,
+        WeightSync,
+        WeightSyncConfig,
+    )
+    from grpo.workers.collector import InferenceConfig, SyncLLMCollector
+    from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
+
+    ray = ray_cluster
+    model_dir, _ = engines["tied"]
+    trainer = ray.remote(num_cpus=0.5, concurrency_groups=TRAINER_CONCURRENCY_GROUPS)(
+        PyTorchActorModel
+    ).remote(
+        rank=0,
+        world_size=1,
+        model_dir=str(model_dir),
+        num_steps=4,
+        target_tokens_per_batch=256,
+        pad_token_id=0,
+        config=TrainingConfig(optimizer={"_component_": "torch.optim.SGD", "lr": 1.0}),
+    )
+
+    def new_collector():
+        return SyncLLMCollector.as_remote(num_cpus=0.5).remote(
+            worker_id=0,
+            num_workers=1,
+            model_dir=str(model_dir),
+            dataset={"_component_": "grpo.data.arithmetic_dataset", "num_examples": 8},
+            rollout_queue=Queue(maxsize=8),
+            config=InferenceConfig(
+                engine_args=ENGINE_ARGS,
+                group_size=GROUP_SIZE,
+                max_generated_tokens=MAX_GENERATED_TOKENS,
+                max_prompt_tokens=64,
+            ),
+        )
+
+    collector = new_collector()
+    # Small buckets: the tiny model's weights go in several broadcasts.
+    config = WeightSyncConfig(transport="collective", bucket_mb=0.05, timeout_s=30)
+    sync = WeightSync(lambda refs, what: ray.get(refs), wait_for_receipt=True, config=config)
+    batch = ray.put(scored_batch())
+    try:
+        ray.get(trainer.setup.remote())
+        base_checksum = ray.get(trainer.weights_checksum.remote())
+        ray.get(trainer.train_step.remote(batch))
+        version, timings = sync.sync([trainer], [collector])
+        assert version == 1 and timings["train_actor_performance/time_weight_transfer (s)"] > 0
+        # Applying checks the worker's checksum and the trainer's probe logprobs.
+        assert ray.get(collector.apply_pending_weights.remote()) > 0
+        expected = ray.get(trainer.weights_checksum.remote())
+        assert expected != base_checksum
+        assert ray.get(collector.get_weights_checksum.remote()) == expected
+
+        # Two syncs back to back without waiting: the channel keeps them in order.
+        sync.wait_for_receipt = False
+        ray.get(trainer.train_step.remote(batch))
+        sync.sync([trainer], [collector])
+        ray.get(trainer.train_step.remote(batch))
+        assert sync.sync([trainer], [collector])[0] == 3
+        assert sync.verify([trainer], [collector])
+        assert ray.get(collector.get_policy_version.remote()) == 3
+
+        # A dead collector's replacement joins a new pair, catches up, then takes the next sync.
+        ray.kill(collector, no_restart=True)
+        collector = new_collector()
+        sync.catch_up(collector, None, "collector[0]")
+        assert sync.verify([trainer], [collector])
+        assert ray.get(collector.get_policy_version.remote()) == 3
+        ray.get(trainer.train_step.remote(batch))
+        sync.wait_for_receipt = True
+        assert sync.sync([trainer], [collector])[0] == 4
+        assert sync.verify([trainer], [collector])
+        assert ray.get(collector.get_policy_version.remote()) == 4
+    finally:
+        ray.kill(collector)
+        ray.kill(trainer)

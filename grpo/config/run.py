@@ -3,7 +3,8 @@
 `RunConfig` is the whole YAML file as one typed object. Each section's options are declared
 beside the component they configure (`InferenceConfig` in `grpo.workers.collector`, `RefConfig`
 in `grpo.workers.ref`, `TrainingConfig` in `grpo.workers.trainer`, `RayConfig` and
-`OrchestrationConfig` in `grpo.orchestrator.config` for the driver). The checks that involve more than one section
+`OrchestrationConfig` in `grpo.orchestrator.config` for the driver, `WeightSyncConfig` in
+`grpo.orchestrator.weight_sync`). The checks that involve more than one section
 (token budget vs prompt and response lengths, batch divisibility, buffer size, Ray resources,
 the model folder) are here, in one place.
 """
@@ -33,6 +34,7 @@ from grpo.config.options import (
 )
 from grpo.models import SUPPORTED_MODEL_TYPES
 from grpo.orchestrator.config import OrchestrationConfig, RayConfig
+from grpo.orchestrator.weight_sync import WeightSyncConfig
 from grpo.workers.collector import InferenceConfig
 from grpo.workers.ref import RefConfig
 from grpo.workers.trainer import TrainingConfig
@@ -93,6 +95,7 @@ class RunConfig(ConfigSection):
     inference: InferenceConfig = section(InferenceConfig)
     ref: RefConfig = section(RefConfig)
     training: TrainingConfig = section(TrainingConfig)
+    weight_sync: WeightSyncConfig = section(WeightSyncConfig)
     reward_functions: list[Any] = component_list(
         "Reward functions; each scores every response, the rewards are summed."
     )

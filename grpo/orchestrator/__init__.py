@@ -10,8 +10,9 @@ nothing lost. The parts, none of which knows the orchestrator:
   the restart budget (``orchestration.max_actor_restarts``), and asks idle actors for state.
 - `ledger`: `InFlightLedger`, what the driver holds (taken groups, scored batches, seen group
   ids, what the buffer holds until sampled), with its own ``state_dict()``.
-- `weight_sync`: `WeightSync`, driver side: gather from the trainers, hand to the
-  collectors, verify, and the payload a replacement collector needs.
+- `weight_sync`: `WeightSync`, driver side: gather from the trainers, send to the
+  collectors (over a channel per collector, or the object store), verify, and the payload a
+  replacement collector needs; `WeightSyncConfig` (``weight_sync:``).
 - `checkpointer`: `Checkpointer` composes the parts' ``state_dict()``s into one atomic
   checkpoint and restores them; `find_checkpoint`.
 - `state`: `RunState` (step, policy version: tracked only there) and the kinds of call.

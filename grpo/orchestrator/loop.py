@@ -30,8 +30,14 @@ from grpo.orchestrator.errors import ActorFailedError, TrainingDivergedError
 from grpo.orchestrator.ledger import InFlightLedger
 from grpo.orchestrator.metrics import RunLedger, debug_tables, step_metrics, step_time_breakdown
 from grpo.orchestrator.state import Call, CallKind, RunState
-from grpo.orchestrator.supervisor import ActorSupervisor, Recovery, Role, actor_name
-from grpo.orchestrator.weight_sync import WeightSync
+from grpo.orchestrator.supervisor import (
+    ActorSupervisor,
+    Recovery,
+    Role,
+    actor_name,
+    to_container,
+)
+from grpo.orchestrator.weight_sync import WeightSync, WeightSyncConfig
 
 log = logging.getLogger("grpo")
 
@@ -70,7 +76,9 @@ class Orchestrator:
         }
         self.inflight = InFlightLedger()
         self.weights = WeightSync(
-            self.actors.get_all, wait_for_receipt=cfg.orchestration.synchronous
+            self.actors.get_all,
+            wait_for_receipt=cfg.orchestration.synchronous,
+            config=WeightSyncConfig.from_mapping(to_container(cfg.weight_sync)),
         )
         self.checkpointer = Checkpointer(
             self.run_dir, self.state, [self.actors, self.inflight], self._save_trainers

@@ -27,6 +27,7 @@ from grpo.config import InstantiationError, locate
 from grpo.config.instantiate import keyword_names
 from grpo.orchestrator.checkpointer import latest_checkpoint_text
 from grpo.orchestrator.errors import ActorFailedError
+from grpo.orchestrator.weight_sync import TRAINER_CONCURRENCY_GROUPS
 from grpo.workers.rollout_queue import RolloutQueue
 
 log = logging.getLogger("grpo")
@@ -206,7 +207,10 @@ class ActorSupervisor:
 
         cfg, training = self.cfg, self.cfg.training
         world_size = cfg.orchestration.num_training_workers
-        actor_cls = ray.remote(**_resources(training))(PyTorchActorModel)
+        # Weight-channel calls run in their own concurrency group, beside training steps.
+        actor_cls = ray.remote(
+            **_resources(training), concurrency_groups=TRAINER_CONCURRENCY_GROUPS
+        )(PyTorchActorModel)
         self.trainers = [
             actor_cls.remote(
                 rank=rank,
@@ -262,6 +266,7 @@ class ActorSupervisor:
             rollout_queue=self.rollout_queue,
             config=InferenceConfig.from_mapping(to_container(inference)),
             seed=cfg.seed,
+            weight_transport=cfg.weight_sync.transport,
         )
 
     def start_collectors(self, weights_dir: Path | None = None) -> list[Any]:

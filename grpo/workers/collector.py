@@ -54,6 +54,12 @@ from grpo.config.options import (
     option,
 )
 from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
+from grpo.workers.weight_channel import (
+    RECEIVER_RANK,
+    TensorSpec,
+    WeightChannel,
+    WeightChannelError,
+)
 from grpo.workers.weight_sync import (
     WORKER_EXTENSION_CLS,
     WeightReceiver,
@@ -195,7 +201,8 @@ class SyncLLMCollector:
         stop (Sequence[str] | None): Stop strings; default the template's ``stop`` attribute
             (``("</answer>",)`` for the shipped templates). The tokens that complete one are
             kept in the response.
-        weight_transport (str): ``"object_store"`` (see `grpo.workers.weight_sync`).
+        weight_transport (str): ``"collective"`` (`receive_weights_over_channel`) or
+            ``"object_store"`` (`receive_weights`); see `grpo.workers.weight_sync`.
         verify_weights (bool): Check the checksum of every received update.
 
     Raises:
@@ -222,7 +229,7 @@ class SyncLLMCollector:
         template: Any = None,
         metric_logger: Any = None,
         stop: Sequence[str] | None = None,
-        weight_transport: str = "object_store",
+        weight_transport: str = "collective",
         verify_weights: bool = True,
     ) -> None:
         config = config or InferenceConfig()
@@ -287,6 +294,9 @@ class SyncLLMCollector:
         self.totals: dict[str, float] = {"queue_put_waits": 0.0, "skipped_long_prompts": 0.0}
         # vLLM's engine is not thread-safe; a threaded actor serialises calls on it here.
         self._engine_lock = threading.RLock()
+        # The weight channel to trainer rank 0 (collective transport), one transfer at a time.
+        self._weight_channel: WeightChannel | None = None
+        self._channel_lock = threading.Lock()
 
     @classmethod
     def as_remote(cls, **options: Any) -> Any:
@@ -337,6 +347,59 @@ class SyncLLMCollector:
                 self.policy_version,
             )
         return accepted
+
+    def receive_weights_over_channel(
+        self,
+        version: int,
+        specs: Sequence[TensorSpec],
+        bucket_bytes: int,
+        checksum: str | None = None,
+        probe: dict[str, Any] | None = None,
+        join: dict[str, Any] | None = None,
+    ) -> bool:
+        """Receive weights broadcast by trainer rank 0 (`PyTorchActorModel.send_weights`) and queue them.
+
+        Runs in one of the actor's threads, beside generation; the received tensors (views
+        into the received buckets) become a pending update like `receive_weights`'s.
+
+        Args:
+            version (int): Their policy version.
+            specs (Sequence[TensorSpec]): Names, shapes and dtypes, in the sender's order.
+            bucket_bytes (int): The sender's bucket size.
+            checksum (str | None): `state_dict_checksum` of the weights, checked on load.
+            probe (dict | None): Optional logprob check, see `WeightUpdate`.
+            join (dict | None): ``{"host", "port", "device", "timeout_s"}`` of a new channel
+                (`PyTorchActorModel.open_weight_channel`) to join first, replacing any old one.
+
+        Returns:
+            bool: Whether the update was kept (see `receive_weights`).
+
+        Raises:
+            WeightChannelError: No channel, or the rendezvous or a broadcast failed or timed
+                out.
+        """
+        name = f"collector[{self.worker_id}]"
+        with self._channel_lock:  # one transfer at a time per channel, in call order
+            if join is not None:
+                if self._weight_channel is not None:
+                    self._weight_channel.close()
+                self._weight_channel = None
+                self._weight_channel = WeightChannel(
+                    name,
+                    RECEIVER_RANK,
+                    join["host"],
+                    join["port"],
+                    device=join["device"],
+                    timeout_s=join["timeout_s"],
+                )
+            if self._weight_channel is None:
+                raise WeightChannelError(f"{name} has no weight channel; join one first")
+            try:
+                weights = self._weight_channel.receive(specs, bucket_bytes)
+            except WeightChannelError:
+                self._weight_channel = None
+                raise
+        return self.receive_weights(weights, version, checksum, probe)
 
     def apply_pending_weights(self) -> float:
         """Load pending weights, if any, into the engine and bump ``policy_version``.
@@ -640,6 +703,8 @@ class SyncLLMCollector:
         code holding several collectors in one process (tests) closes them explicitly, last
         created first.
         """
+        if self._weight_channel is not None:
+            self._weight_channel.close()
         with self._engine_lock:
             llm, self.llm = self.llm, None
             if llm is not None:

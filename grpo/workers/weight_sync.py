@@ -7,10 +7,12 @@ Three pieces:
 * `WeightSyncWorkerExtension`: methods added to vLLM's worker (engine argument
   ``worker_extension_cls``) and called through ``LLM.collective_rpc``; they reload weights in
   place and report the checksum.
-* `WeightReceiver` (collector side): the transport. The trainer puts the HF state dict into
-  Ray's object store once and the same reference reaches every collector (the
-  ``"object_store"`` transport); the collector keeps the newest update pending and applies it
-  between generation batches.
+* `WeightReceiver` (collector side): keeps the newest update pending and applies it between
+  generation batches, whichever transport brought it. ``"collective"``: trainer rank 0
+  broadcasts the tensors in flat buckets over a two-rank process group per collector
+  (`grpo.workers.weight_channel`), and the collector hands the received tensors over by value.
+  ``"object_store"``: the trainer puts the HF state dict into Ray's object store once and the
+  same reference reaches every collector.
 
 Why the checksum is over the sent HF state dict and not over vLLM's parameters: vLLM fuses
 ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``, pads the vocabulary,
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 
 WORKER_EXTENSION_CLS = "grpo.workers.weight_sync.WeightSyncWorkerExtension"
-TRANSPORTS = ("object_store",)
+TRANSPORTS = ("collective", "object_store")
 
 
 class WeightSyncError(RuntimeError):
@@ -185,13 +187,14 @@ class WeightReceiver:
     complete, so nothing is lost).
 
     Args:
-        transport (str): ``"object_store"``, the only one.
+        transport (str): ``"collective"`` or ``"object_store"`` (what brings the updates;
+            both offer them here the same way).
 
     Raises:
         ValueError: On an unknown transport.
     """
 
-    def __init__(self, transport: str = "object_store") -> None:
+    def __init__(self, transport: str = "collective") -> None:
         if transport not in TRANSPORTS:
             raise ValueError(
                 f"unknown weight transport {transport!r}; expected one of {TRANSPORTS}"
