@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from bench_common import load_average, print_table
 
 from grpo.config import repo_root
 
@@ -73,25 +74,6 @@ QUEUE_KEY = "queues/rollout_queue_size"
 MB = 2**20
 # A Ray worker process before it retitles itself ray::IDLE / ray::Class.
 RAY_WORKER_SCRIPT = "ray/_private/workers/default_worker.py"
-
-
-def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min, {os.cpu_count()} CPUs)"
-
-
-def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
-    """Left-align the first column, right-align the others."""
-    cells = [[str(c) for c in row] for row in [header, *rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    print(f"\n{title}")
-    for index, row in enumerate(cells):
-        line = "  ".join(
-            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)
-        )
-        print(f"  {line}")
-        if index == 0:
-            print(f"  {'  '.join('-' * w for w in widths)}")
 
 
 # ------------------------------------------------------------------ processes

@@ -63,6 +63,7 @@ from typing import Any
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch  # noqa: E402
+from bench_common import load_average, print_table
 
 from grpo.config import repo_root  # noqa: E402
 from grpo.logprobs import model_response_logprobs  # noqa: E402
@@ -106,25 +107,6 @@ LONG_MODEL_SHAPE = {
 LOGPROB_ATOL = 1e-4
 # No pack is padded here (no budget padding is asked for), so the pad id is never used.
 PAD_ID = 0
-
-
-def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min, {os.cpu_count()} CPUs)"
-
-
-def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
-    """Left-align the first column, right-align the others."""
-    cells = [[str(c) for c in row] for row in [header, *rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    print(f"\n{title}")
-    for index, row in enumerate(cells):
-        line = "  ".join(
-            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)
-        )
-        print(f"  {line}")
-        if index == 0:
-            print(f"  {'  '.join('-' * w for w in widths)}")
 
 
 def time_interleaved(

@@ -72,6 +72,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench_common import load_average, print_table
+
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 CONFIG = "tiny_arithmetic_cpu"
@@ -79,25 +81,6 @@ TARGET_SPEEDUP = 1.5
 STARTUP_ATTEMPTS = 3  # launches of our run when Ray's start-up times out
 TRL_VERSION = "1.16.0"
 INSTALL_HINT = f'pip install -e ".[bench]"  (or: .venv/bin/pip install trl=={TRL_VERSION})'
-
-
-def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min, {os.cpu_count()} CPUs)"
-
-
-def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
-    """Left-align the first column, right-align the others."""
-    cells = [[str(c) for c in row] for row in [header, *rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    print(f"\n{title}")
-    for index, row in enumerate(cells):
-        line = "  ".join(
-            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)
-        )
-        print(f"  {line}")
-        if index == 0:
-            print(f"  {'  '.join('-' * w for w in widths)}")
 
 
 # ------------------------------------------------------------------ steady-state statistic

@@ -23,7 +23,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,8 @@ import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_common import load_average
 
 from grpo.models import load_hf_state_dict  # noqa: E402
 from grpo.orchestrator.weight_sync import WeightSyncConfig  # noqa: E402
@@ -125,11 +126,6 @@ def bench(state: dict[str, torch.Tensor], bucket_bytes: int, repeats: int) -> di
     ray.kill(sender)
     ray.kill(receiver)
     return {name: statistics.median(values) for name, values in seconds.items()}
-
-
-def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min, {os.cpu_count()} CPUs)"
 
 
 def main() -> None:

@@ -14,6 +14,9 @@ SCRIPT = repo_root() / "scripts" / "bench_vs_trl.py"
 
 
 def load_script() -> ModuleType:
+    # The script imports its neighbour bench_common, as it does when run from scripts/.
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("bench_vs_trl", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
