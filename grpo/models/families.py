@@ -2,7 +2,8 @@
 
 Each family module (`grpo.models.qwen2`, `grpo.models.qwen3`, `grpo.models.llama`) exposes the
 same small interface: builder arguments from ``config.json``, a torchtune builder, HF ->
-torchtune conversion, and the lazy torchtune -> HF iterator. `family_of` picks one from a
+torchtune conversion, and the torchtune -> HF conversion of one weight, which the one lazy
+iterator here (`hf_weight_iterator`) applies. `family_of` picks one from a
 config; `hf_to_tune_state_dict`, `hf_weight_iterator` and `tune_to_hf_state_dict` here are
 the family-independent entry points (exported as ``grpo.models.<name>``).
 """
@@ -32,15 +33,17 @@ class ModelFamily:
             for configs it cannot build.
         builder (Callable): ``**kwargs -> TransformerDecoder``.
         hf_to_tune_state_dict (Callable): ``(hf_state_dict, hf_config) -> tune_state_dict``.
-        hf_weight_iterator (Callable): ``(tune_state_dict or pairs, hf_config) -> iterator of
-            (hf_name, tensor)``.
+        tune_to_hf_converter (Callable): ``hf_config -> ((tune_name, tensor) -> (hf_name,
+            tensor))``, one weight at a time; raises for a name it does not know.
     """
 
     model_type: str
     builder_args: Callable[[dict[str, Any]], dict[str, Any]]
     builder: Callable[..., TransformerDecoder]
     hf_to_tune_state_dict: Callable[[StateDict, dict[str, Any]], StateDict]
-    hf_weight_iterator: Callable[..., Iterator[tuple[str, torch.Tensor]]]
+    tune_to_hf_converter: Callable[
+        [dict[str, Any]], Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]
+    ]
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -51,21 +54,21 @@ FAMILIES: dict[str, ModelFamily] = {
             qwen2.qwen2_builder_args,
             _qwen2_builder,
             qwen2.hf_to_tune_state_dict,
-            qwen2.hf_weight_iterator,
+            qwen2.tune_to_hf_converter,
         ),
         ModelFamily(
             "qwen3",
             qwen3.qwen3_builder_args,
             qwen3.qwen3,
             qwen3.hf_to_tune_state_dict,
-            qwen3.hf_weight_iterator,
+            qwen3.tune_to_hf_converter,
         ),
         ModelFamily(
             "llama",
             llama.llama_builder_args,
             llama.llama,
             llama.hf_to_tune_state_dict,
-            llama.hf_weight_iterator,
+            llama.tune_to_hf_converter,
         ),
     )
 }
@@ -149,7 +152,25 @@ def hf_weight_iterator(
         >>> names[0]
         'model.embed_tokens.weight'
     """
-    return family_of(hf_config).hf_weight_iterator(tune_state_dict, hf_config)
+    # The family and its config are checked now, at the call; the weights convert lazily.
+    family = family_of(hf_config)
+    tied = family.builder_args(hf_config)["tie_word_embeddings"]
+    convert = family.tune_to_hf_converter(hf_config)
+    items = tune_state_dict.items() if isinstance(tune_state_dict, dict) else tune_state_dict
+
+    def converted() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in items:
+            if tied and name == "output.weight":
+                continue
+            try:
+                hf_name, hf_tensor = convert(name, tensor)
+            except Exception as err:  # torchtune raises a bare Exception naming the key
+                raise ValueError(
+                    f"torchtune weight {name!r} has no Hugging Face {family.model_type} name"
+                ) from err
+            yield hf_name, hf_tensor
+
+    return converted()
 
 
 def tune_to_hf_state_dict(state_dict: StateDict, hf_config: dict[str, Any]) -> StateDict:

@@ -15,7 +15,7 @@ pure row reorderings, so the round trip is exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -211,34 +211,24 @@ def hf_to_tune_state_dict(
         raise ValueError(f"cannot convert HF Llama state dict to torchtune: {err}") from err
 
 
-def hf_weight_iterator(
-    tune_state_dict: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+def tune_to_hf_converter(
     hf_config: dict[str, Any],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every weight of a torchtune Llama state dict, lazily.
+) -> Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]:
+    """The torchtune -> HF conversion of one Llama weight, for `grpo.models.hf_weight_iterator`.
 
-    q/k projections come out as new tensors with HF's row order; every other tensor is the
-    same object. With tied embeddings no ``lm_head.weight`` is yielded. Tensors must be full
-    (gather FSDP ``DTensor`` shards first). See `grpo.models.hf_weight_iterator`.
+    q/k projections come out as new tensors with HF's row order (torchtune's own
+    ``tune_to_hf`` permutation); every other weight keeps its tensor object.
 
     Args:
-        tune_state_dict (dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]): A
-            `llama` ``state_dict()`` or ``(name, tensor)`` pairs.
         hf_config (dict[str, Any]): Parsed ``config.json``.
 
-    Yields:
-        tuple[str, torch.Tensor]: HF name and tensor.
-
-    Raises:
-        ValueError: If a name has no HF counterpart.
+    Returns:
+        Callable: ``(tune_name, tensor) -> (hf_name, tensor)``; raises for an unknown name.
     """
-    shape, tied = _conversion_args(hf_config)
-    items = tune_state_dict.items() if isinstance(tune_state_dict, dict) else tune_state_dict
-    for name, tensor in items:
-        if tied and name == "output.weight":
-            continue
-        try:
-            ((hf_name, hf_tensor),) = convert_weights.tune_to_hf({name: tensor}, **shape).items()
-        except Exception as err:
-            raise ValueError(f"torchtune weight {name!r} has no Hugging Face Llama name") from err
-        yield hf_name, hf_tensor
+    shape, _ = _conversion_args(hf_config)
+
+    def convert(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        ((hf_name, hf_tensor),) = convert_weights.tune_to_hf({name: tensor}, **shape).items()
+        return hf_name, hf_tensor
+
+    return convert

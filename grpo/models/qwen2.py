@@ -5,15 +5,16 @@ vs ``model.layers.0.self_attn.q_proj.weight``). Qwen2 needs no permutation of q/
 (torchtune's Qwen2 RoPE uses the HF rotate-half layout), so conversion is a renaming done by
 torchtune's ``qwen2_hf_to_tune`` / ``qwen2_tune_to_hf``, plus the tied embedding rule: with
 ``tie_word_embeddings`` the HF checkpoint stores no ``lm_head.weight`` and the torchtune model
-has no ``output.weight`` (its output is a ``TiedLinear`` on the embedding). `hf_weight_iterator`
-is the single tune->HF path, used by `grpo.models.save_hf_checkpoint` and by weight sync to
+has no ``output.weight`` (its output is a ``TiedLinear`` on the embedding).
+`tune_to_hf_converter` converts one weight for `grpo.models.hf_weight_iterator`, the single
+tune->HF path of every family, used by `grpo.models.save_hf_checkpoint` and by weight sync to
 vLLM (``reload_weights(weights_iterator=...)``). Everything is read from ``config.json``, so
 the same code serves the tiny test model and Qwen2/Qwen2.5 checkpoints of any size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -121,60 +122,23 @@ def hf_to_tune_state_dict(
         raise ValueError(f"cannot convert HF Qwen2 state dict to torchtune: {err}") from err
 
 
-def hf_weight_iterator(
-    tune_state_dict: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+def tune_to_hf_converter(
     hf_config: dict[str, Any],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every weight of a torchtune Qwen2 state dict.
+) -> Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]:
+    """The torchtune -> HF conversion of one Qwen2 weight, for `grpo.models.hf_weight_iterator`.
 
-    This is the one torchtune->HF conversion: `save_hf_checkpoint` and weight sync to vLLM
-    (``model_runner.reload_weights(weights_iterator=...)``) both use it. It renames lazily, one
-    tensor at a time, so streaming a large model does not build a second dict. With tied
-    embeddings no ``lm_head.weight`` is yielded (HF and vLLM take it from the embedding).
-    Tensors must be full (gather FSDP ``DTensor`` shards before calling).
+    Qwen2 needs no permutation of q/k, so a weight keeps its tensor object and changes name.
 
     Args:
-        tune_state_dict (dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]): A
-            torchtune Qwen2 ``state_dict()`` or ``(name, tensor)`` pairs.
-        hf_config (dict[str, Any]): Parsed ``config.json`` of the model.
-
-    Yields:
-        tuple[str, torch.Tensor]: HF name and the same tensor object.
-
-    Raises:
-        ValueError: If a name has no HF counterpart.
-
-    Example:
-        >>> model = build_model(model_dir)
-        >>> names = [name for name, _ in hf_weight_iterator(model.state_dict(), config)]
-        >>> names[0]
-        'model.embed_tokens.weight'
-    """
-    args = _conversion_args(hf_config)
-    items = tune_state_dict.items() if isinstance(tune_state_dict, dict) else tune_state_dict
-    for name, tensor in items:
-        if args["tie_word_embeddings"] and name == "output.weight":
-            continue
-        try:
-            ((hf_name, hf_tensor),) = qwen2_tune_to_hf({name: tensor}, **args).items()
-        except Exception as err:
-            raise ValueError(f"torchtune weight {name!r} has no Hugging Face Qwen2 name") from err
-        yield hf_name, hf_tensor
-
-
-def tune_to_hf_state_dict(
-    state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any]
-) -> dict[str, torch.Tensor]:
-    """Rename a torchtune Qwen2 state dict to HF names (tensors are not copied).
-
-    Args:
-        state_dict (dict[str, torch.Tensor]): torchtune ``model.state_dict()``.
         hf_config (dict[str, Any]): Parsed ``config.json``.
 
     Returns:
-        dict[str, torch.Tensor]: HF state dict; no ``lm_head.weight`` when embeddings are tied.
-
-    Raises:
-        ValueError: If a name has no HF counterpart.
+        Callable: ``(tune_name, tensor) -> (hf_name, tensor)``; raises for an unknown name.
     """
-    return dict(hf_weight_iterator(state_dict, hf_config))
+    args = _conversion_args(hf_config)
+
+    def convert(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        ((hf_name, hf_tensor),) = qwen2_tune_to_hf({name: tensor}, **args).items()
+        return hf_name, hf_tensor
+
+    return convert

@@ -18,7 +18,7 @@ the weight conversion is a renaming, like Qwen2's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -272,33 +272,17 @@ def hf_to_tune_state_dict(
     return converted
 
 
-def hf_weight_iterator(
-    tune_state_dict: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+def tune_to_hf_converter(
     hf_config: dict[str, Any],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every weight of a torchtune Qwen3 state dict, lazily.
+) -> Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]:
+    """The torchtune -> HF conversion of one Qwen3 weight, for `grpo.models.hf_weight_iterator`.
 
-    With tied embeddings no ``lm_head.weight`` is yielded. Tensors must be full (gather FSDP
-    ``DTensor`` shards first). See `grpo.models.hf_weight_iterator`.
+    A renaming: the tensor object is kept.
 
     Args:
-        tune_state_dict (dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]): A
-            `qwen3` ``state_dict()`` or ``(name, tensor)`` pairs.
-        hf_config (dict[str, Any]): Parsed ``config.json``.
+        hf_config (dict[str, Any]): Parsed ``config.json`` (Qwen3 names do not depend on it).
 
-    Yields:
-        tuple[str, torch.Tensor]: HF name and the same tensor object.
-
-    Raises:
-        ValueError: If a name has no HF counterpart.
+    Returns:
+        Callable: ``(tune_name, tensor) -> (hf_name, tensor)``; raises for an unknown name.
     """
-    tied = _tied(hf_config)
-    items = tune_state_dict.items() if isinstance(tune_state_dict, dict) else tune_state_dict
-    for name, tensor in items:
-        if tied and name == "output.weight":
-            continue
-        try:
-            hf_name = get_mapped_key(name, _TO_HF)
-        except Exception as err:
-            raise ValueError(f"torchtune weight {name!r} has no Hugging Face Qwen3 name") from err
-        yield hf_name, tensor
+    return lambda name, tensor: (get_mapped_key(name, _TO_HF), tensor)
