@@ -38,7 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-__all__ = ["VarlenMask", "packed_attention", "use_packed_attention"]
+__all__ = [
+    "MASK_KIND_CHOICES",
+    "VarlenMask",
+    "packed_attention",
+    "resolve_mask_kind",
+    "use_packed_attention",
+]
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,39 @@ class VarlenMask:
     def seq_len(self) -> int:
         """Total length of the packed row."""
         return sum(self.block_lens)
+
+
+# What a config may ask for: a concrete form, or "auto" for the fastest one on the device.
+MASK_KIND_CHOICES = ("auto", "dense", "varlen", "flex")
+
+
+def resolve_mask_kind(mask_kind: str, device: torch.device | str) -> str:
+    """The mask form to pack with: ``"auto"`` becomes the fastest form on ``device``.
+
+    ``"auto"`` is ``"flex"`` on CUDA (block-sparse kernel, O(L) memory) and ``"varlen"``
+    elsewhere: on CPU a dense ``[L, L]`` mask makes SDPA compute every cross-sequence block,
+    about twice the step time of varlen for a pack of 64 short sequences, and FlexAttention has
+    no backward there.
+
+    Args:
+        mask_kind (str): One of `MASK_KIND_CHOICES`.
+        device (torch.device | str): Where the model runs.
+
+    Returns:
+        str: ``"dense"``, ``"varlen"`` or ``"flex"``.
+
+    Raises:
+        ValueError: If ``mask_kind`` is not one of `MASK_KIND_CHOICES`.
+
+    Example:
+        >>> resolve_mask_kind("auto", "cpu")
+        'varlen'
+    """
+    if mask_kind not in MASK_KIND_CHOICES:
+        raise ValueError(f"mask_kind must be one of {MASK_KIND_CHOICES}, got {mask_kind!r}")
+    if mask_kind != "auto":
+        return mask_kind
+    return "flex" if torch.device(device).type == "cuda" else "varlen"
 
 
 _compiled_flex_attention: dict[str, Callable] = {}

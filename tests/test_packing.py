@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torchtune.models.qwen2 import qwen2
 
-from grpo.attention import VarlenMask, use_packed_attention
+from grpo.attention import VarlenMask, resolve_mask_kind, use_packed_attention
 from grpo.packing import (
     logprobs_from_logits,
     pack_by_budget,
@@ -422,6 +422,15 @@ def test_mixed_trajectory_types_raise():
 def test_unknown_mask_kind_raises():
     with pytest.raises(ValueError, match="mask_kind"):
         pack_sequences([make_unscored("x", 2, 2)], "cpu", PAD_ID, mask_kind="sparse")
+
+
+def test_auto_mask_kind_is_varlen_on_cpu_and_flex_on_cuda():
+    assert resolve_mask_kind("auto", "cpu") == "varlen"
+    assert resolve_mask_kind("auto", torch.device("cuda", 0)) == "flex"
+    for concrete in ("dense", "varlen", "flex"):
+        assert resolve_mask_kind(concrete, "cpu") == concrete
+    with pytest.raises(ValueError, match="mask_kind must be one of.*'sparse'"):
+        resolve_mask_kind("sparse", "cpu")
 
 
 # --------------------------------------------------------------------- plan_packs

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from grpo.advantages import group_advantages
-from grpo.attention import use_packed_attention
+from grpo.attention import MASK_KIND_CHOICES, resolve_mask_kind, use_packed_attention
 from grpo.config import instantiate
 from grpo.config.options import (
     DTYPE,
@@ -56,10 +56,10 @@ class RefConfig(ConfigSection):
     )
     dtype: str = option("fp32", "Reference model dtype: fp32 or bf16.", check=DTYPE)
     mask_kind: str = option(
-        "dense",
-        "Attention of reference packs: dense, varlen (fastest on CPU) or flex (FlexAttention "
-        "BlockMask; best on CUDA).",
-        check=one_of("dense", "varlen", "flex"),
+        "auto",
+        "Attention of reference packs: auto (flex on CUDA, varlen elsewhere), dense, varlen "
+        "(fastest on CPU) or flex (FlexAttention BlockMask; best on CUDA).",
+        check=one_of(*MASK_KIND_CHOICES),
     )
 
 
@@ -87,7 +87,8 @@ class RefActor:
         self.model = build_model(
             model_dir, dtype=torch_dtype(config.dtype), device=self.device
         ).eval()
-        if config.mask_kind != "dense":
+        self.mask_kind = resolve_mask_kind(config.mask_kind, self.device)
+        if self.mask_kind != "dense":
             use_packed_attention(self.model)
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
@@ -99,7 +100,6 @@ class RefActor:
         self.reward_weights = config.reward_weights
         self.reward_timeout_s = config.reward_timeout_s
         self.target_tokens_per_batch = target_tokens_per_batch
-        self.mask_kind = config.mask_kind
         self.steps_run = 0
         self.reward_failures: dict[str, int] = {}
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from grpo.attention import use_packed_attention
+from grpo.attention import MASK_KIND_CHOICES, resolve_mask_kind, use_packed_attention
 from grpo.config import instantiate
 from grpo.config.options import (
     DTYPE,
@@ -132,11 +132,11 @@ class TrainingConfig(ConfigSection):
     num_cpus: float = option(1, "CPUs per training actor.", check=NON_NEGATIVE)
     dtype: str = option("fp32", "Parameter dtype: fp32 or bf16.", check=DTYPE)
     mask_kind: str = option(
-        "dense",
-        "Attention of packed micro-batches: dense (an [L, L] bool mask), varlen (one causal "
+        "auto",
+        "Attention of packed micro-batches: auto (flex on CUDA, varlen elsewhere), dense (an [L, L] bool mask), varlen (one causal "
         "SDPA per sequence; fastest on CPU) or flex (FlexAttention BlockMask, O(L) memory; "
         "CUDA only for training).",
-        check=one_of("dense", "varlen", "flex"),
+        check=one_of(*MASK_KIND_CHOICES),
     )
     compile: bool = option(
         False,
@@ -246,9 +246,9 @@ class PyTorchActorModel:
         self.pad_token_id = pad_token_id
         self.ppo_epochs = config.ppo_epochs
         self.clip_grad_norm = config.clip_grad_norm
-        self.mask_kind = config.mask_kind
         self.compile = config.compile
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.mask_kind = resolve_mask_kind(config.mask_kind, self.device)
         self.dtype = torch_dtype(config.dtype)
         self._component_nodes = {
             "optimizer": config.optimizer,
