@@ -10,6 +10,23 @@ aligned with ``PackedTrajectory.targets``:
     kl_t      = k1 | k2 | k3 estimate of KL(pi || ref) at token t
     loss      = aggregate(policy) + kl_coeff * aggregate(kl)
 
+Off-policy correction. The sampler (vLLM) and the trainer compute different logprobs for the
+same weights (other kernels, precisions, batch shapes), so ``behaviour`` (mu) is not the
+trainer's pre-update policy ``pi_old``. With ``tis_cap`` set (truncated importance sampling,
+decoupled PPO) the ratio is taken against ``pi_old`` and each token's policy term is weighted
+by the detached, capped correction of the mismatch:
+
+    ratio_t   = exp(pi_t - pi_old_t)
+    w_t       = min(exp(pi_old_t - mu_t), tis_cap)                  tis_level: token
+    w_i       = min(exp(sum_{t in i} (pi_old_t - mu_t)), tis_cap)   tis_level: sequence
+    policy_t  = -w * min(ratio_t * A_t, clamp(ratio_t, ...) * A_t)
+
+``ratio_level: sequence`` (GSPO) replaces the token ratio by the sequence ratio
+``s_i = exp(mean_{t in i}(pi_t - old_t))``, clipped per sequence, in the GSPO-token form
+``sg(s_i) * exp(pi_t - sg(pi_t))``: its value is ``s_i`` on every token of sequence ``i`` and
+its gradient is ``s_i * grad pi_t``. Every call also measures the mismatch of ``pi_old`` and
+``mu`` (``mismatch_kl``, ``mismatch_max_abs``), whether or not it is corrected.
+
 Every aggregation is a weighted token sum divided by a normaliser, which is what makes
 gradient accumulation exact: pass the whole batch's normaliser (`batch_loss_normalizer`) to
 every micro-batch and the micro-batch losses add up to the whole-batch loss. Group advantages
@@ -26,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -41,11 +59,50 @@ from grpo.types import GRPOStats, PackedTrajectory
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+TIS_LEVELS = ("token", "sequence")
+RATIO_LEVELS = ("token", "sequence")
 
 # exp() of a log-ratio above ~88 overflows fp32, and an inf in the unselected branch of the
 # clipped objective turns its zero gradient into NaN (0 * inf). Tokens this far off-policy are
 # degenerate anyway, so log-ratios are clamped to +-20 before exp (as in verl).
 _MAX_LOG_RATIO = 20.0
+
+
+def _checked_response_lens(
+    response_lens: torch.Tensor | Sequence[int] | None,
+    num_tokens: int,
+    device: torch.device,
+    needed_by: str,
+) -> torch.Tensor:
+    """``response_lens`` as a long tensor on ``device``, checked against the token count.
+
+    Raises:
+        ValueError: If it is missing (``needed_by`` says which setting needs it), not 1-D, or
+            does not sum to ``num_tokens``.
+    """
+    if response_lens is None:
+        raise ValueError(f"response_lens is required when {needed_by}")
+    response_lens = torch.as_tensor(response_lens, device=device).long()
+    if response_lens.dim() != 1 or int(response_lens.sum()) != num_tokens:
+        raise ValueError(
+            f"response_lens must be 1-D and sum to the {num_tokens} response tokens, got "
+            f"shape {tuple(response_lens.shape)} summing to {int(response_lens.sum())}"
+        )
+    return response_lens
+
+
+def _per_sequence_sum(values: torch.Tensor, response_lens: torch.Tensor) -> torch.Tensor:
+    """Sum of the flat per-token ``values`` over each sequence's tokens, repeated per token.
+
+    Callers pass detached ``values``: the sequence-level quantities built from it are
+    constants of the loss (GSPO's ``sg(s_i)``, the TIS weight), so no gradient flows here.
+    """
+    num_sequences = response_lens.numel()
+    index = torch.arange(num_sequences, device=values.device).repeat_interleave(
+        response_lens, output_size=values.numel()
+    )
+    sums = torch.zeros(num_sequences, dtype=values.dtype, device=values.device)
+    return sums.index_add_(0, index, values)[index]
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,6 +130,18 @@ class GRPOWithChunkedOutputLoss(nn.Module):
         chunk_size (int): Response tokens projected to the vocabulary at once in `forward`.
         max_response_len (int | None): The Dr. GRPO constant; required by, and only used by,
             ``"seq_mean_token_sum_norm"``.
+        tis_cap (float | None): Truncated importance sampling of the sampler/trainer mismatch:
+            the PPO ratio is taken against the trainer's pre-update logprobs ``pi_old``, and
+            each token's policy term is weighted by ``min(exp(pi_old - behaviour), tis_cap)``
+            (detached). ``> 0``; a cap of about 2 is common. None (default): no correction,
+            ratio against the behaviour logprobs.
+        tis_level (str): ``"token"`` (a weight per token) or ``"sequence"`` (one weight per
+            sequence, from the summed log-ratio of its tokens; needs ``response_lens``).
+        ratio_level (str): ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO: the length-normalised
+            sequence ratio, clipped per sequence; needs ``response_lens``). GSPO's ratio stays
+            much closer to 1, so it is run with much smaller clip ranges (the paper uses
+            ``epsilon_low=3e-4``, ``epsilon_high=4e-4``) and its paper normalisation is
+            ``aggregation="seq_mean_token_mean"``.
 
     Raises:
         ValueError: If a value is out of range, naming the key and what is allowed.
@@ -87,6 +156,9 @@ class GRPOWithChunkedOutputLoss(nn.Module):
         aggregation: str = "token_mean",
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         max_response_len: int | None = None,
+        tis_cap: float | None = None,
+        tis_level: str = "token",
+        ratio_level: str = "token",
     ) -> None:
         super().__init__()
         for key, value in (
@@ -118,6 +190,20 @@ class GRPOWithChunkedOutputLoss(nn.Module):
                 "max_response_len is required when aggregation='seq_mean_token_sum_norm' "
                 "(the Dr. GRPO constant: the generation's max new tokens)"
             )
+        if tis_cap is not None and (
+            isinstance(tis_cap, bool)
+            or not isinstance(tis_cap, (int, float))
+            or not math.isfinite(tis_cap)
+            or tis_cap <= 0
+        ):
+            raise ValueError(
+                f"tis_cap must be a finite number > 0 (usually >= 1), or None for no truncated "
+                f"importance sampling; got {tis_cap!r}"
+            )
+        if tis_level not in TIS_LEVELS:
+            raise ValueError(f"tis_level must be one of {TIS_LEVELS}, got {tis_level!r}")
+        if ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
         self.epsilon_low = float(epsilon_low)
         self.epsilon_high = float(epsilon_high)
         self.kl_coeff = float(kl_coeff)
@@ -125,13 +211,17 @@ class GRPOWithChunkedOutputLoss(nn.Module):
         self.aggregation = aggregation
         self.chunk_size = chunk_size
         self.max_response_len = max_response_len
+        self.tis_cap = None if tis_cap is None else float(tis_cap)
+        self.tis_level = tis_level
+        self.ratio_level = ratio_level
 
     def extra_repr(self) -> str:
         return (
             f"epsilon_low={self.epsilon_low}, epsilon_high={self.epsilon_high}, "
             f"kl_coeff={self.kl_coeff}, kl_estimator={self.kl_estimator!r}, "
             f"aggregation={self.aggregation!r}, chunk_size={self.chunk_size}, "
-            f"max_response_len={self.max_response_len}"
+            f"max_response_len={self.max_response_len}, tis_cap={self.tis_cap}, "
+            f"tis_level={self.tis_level!r}, ratio_level={self.ratio_level!r}"
         )
 
     # ---- normalisation ----------------------------------------------------------------------
@@ -164,14 +254,9 @@ class GRPOWithChunkedOutputLoss(nn.Module):
         """
         if self.aggregation == "token_mean":
             return None, num_tokens
-        if response_lens is None:
-            raise ValueError(f"response_lens is required when aggregation={self.aggregation!r}")
-        response_lens = torch.as_tensor(response_lens, device=device).long()
-        if response_lens.dim() != 1 or int(response_lens.sum()) != num_tokens:
-            raise ValueError(
-                f"response_lens must be 1-D and sum to the {num_tokens} response tokens, got "
-                f"shape {tuple(response_lens.shape)} summing to {int(response_lens.sum())}"
-            )
+        response_lens = _checked_response_lens(
+            response_lens, num_tokens, device, f"aggregation={self.aggregation!r}"
+        )
         num_sequences = response_lens.numel()
         if self.aggregation == "seq_mean_token_mean":
             per_sequence = 1.0 / response_lens.clamp(min=1).float()
@@ -201,6 +286,7 @@ class GRPOWithChunkedOutputLoss(nn.Module):
         advantages: torch.Tensor,
         behavior_logprobs: torch.Tensor | None = None,
         *,
+        old_logprobs: torch.Tensor | None = None,
         response_lens: torch.Tensor | None = None,
         loss_normalizer: float | int | torch.Tensor | None = None,
         return_pi_logprobs: bool = False,
@@ -213,10 +299,16 @@ class GRPOWithChunkedOutputLoss(nn.Module):
                 when ``kl_coeff == 0``.
             advantages (torch.Tensor): Per-token advantages ``[T]``.
             behavior_logprobs (torch.Tensor | None): Logprobs of the policy that sampled the
-                tokens ``[T]``. None means on-policy: ratio ``exp(pi - pi.detach())`` (value 1,
-                gradient of pi).
+                tokens ``[T]`` (mu, from the sampler). None means on-policy: mu is ``pi_old``,
+                and the ratio ``exp(pi - pi.detach())`` when ``old_logprobs`` is None too
+                (value 1, gradient of pi).
+            old_logprobs (torch.Tensor | None): The trainer's logprobs of the pre-update policy
+                ``[T]`` (pi_old, computed without gradient). The ratio's reference under
+                ``tis_cap``, and the trainer side of the mismatch metrics. None: this is the
+                first pass over the batch, so pi_old is ``pi_logprobs.detach()``.
             response_lens (torch.Tensor | None): Tokens per sequence ``[N]`` (summing to ``T``);
-                required by the ``seq_*`` aggregations.
+                required by the ``seq_*`` aggregations, ``ratio_level="sequence"`` and
+                ``tis_level="sequence"`` (with ``tis_cap``).
             loss_normalizer (float | int | torch.Tensor | None): The whole batch's count (see
                 `batch_loss_normalizer`) when accumulating gradients over micro-batches; None
                 normalises within this call.
@@ -224,11 +316,16 @@ class GRPOWithChunkedOutputLoss(nn.Module):
 
         Returns:
             GRPOStats: ``loss`` (with graph), ``policy_loss``, ``kl_loss``; token means of
-            ``ratios`` (``exp(pi - behaviour)``), ``clipfrac`` and ``approx_policy_kls``
+            ``ratios`` (the clipped objective's ratio: ``exp(pi - behaviour)`` by default,
+            against pi_old with ``tis_cap``, the sequence ratio on each of its tokens with
+            ``ratio_level="sequence"``), ``clipfrac`` and ``approx_policy_kls``
             (``0.5 * (pi - behaviour)^2``, a second-order estimate of KL(behaviour || pi)).
             ``metadata`` holds ``num_tokens``, ``num_sequences``, ``loss_normalizer``,
             ``normalizer_count`` (this call's share of the normaliser), ``kl_to_ref`` (token
-            mean of the KL estimate) and optionally ``pi_logprobs``; see `combine_stats`.
+            mean of the KL estimate), ``mismatch_kl`` (token mean of the k3 estimate of
+            KL(mu || pi_old): ``r - 1 - log r`` with ``r = exp(pi_old - mu)``),
+            ``mismatch_max_abs`` (max over tokens of ``|pi_old - mu|``) and optionally
+            ``pi_logprobs``; see `combine_stats`.
 
         Raises:
             ValueError: On mismatched shapes or missing inputs.
@@ -240,6 +337,7 @@ class GRPOWithChunkedOutputLoss(nn.Module):
             ("ref_logprobs", ref_logprobs),
             ("advantages", advantages),
             ("behavior_logprobs", behavior_logprobs),
+            ("old_logprobs", old_logprobs),
         ):
             if value is not None and tuple(value.shape) != (num_tokens,):
                 raise ValueError(
@@ -253,8 +351,12 @@ class GRPOWithChunkedOutputLoss(nn.Module):
         pi_logprobs = pi_logprobs.float()
         # Inputs computed elsewhere are constants of the loss: never let gradient reach them.
         advantages = advantages.detach().to(device, torch.float32)
+        if old_logprobs is None:
+            old_logprobs = pi_logprobs.detach()
+        else:
+            old_logprobs = old_logprobs.detach().to(device, torch.float32)
         if behavior_logprobs is None:
-            behavior_logprobs = pi_logprobs.detach()
+            behavior_logprobs = old_logprobs
         else:
             behavior_logprobs = behavior_logprobs.detach().to(device, torch.float32)
         if ref_logprobs is not None:
@@ -273,14 +375,33 @@ class GRPOWithChunkedOutputLoss(nn.Module):
                 per_token = per_token * weights
             return per_token.sum() / normalizer
 
-        log_ratio = (pi_logprobs - behavior_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        ratio = torch.exp(log_ratio)
+        # With TIS the clipped ratio measures only this update (pi against pi_old); the
+        # sampler/trainer mismatch is corrected by the weight below instead.
+        ratio_reference = old_logprobs if self.tis_cap is not None else behavior_logprobs
+        if self.ratio_level == "token":
+            log_ratio = (pi_logprobs - ratio_reference).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+            ratio = torch.exp(log_ratio)
+        else:
+            lens = _checked_response_lens(
+                response_lens, num_tokens, device, "ratio_level='sequence'"
+            )
+            gap_sums = _per_sequence_sum(pi_logprobs.detach() - ratio_reference, lens)
+            token_lens = lens.clamp(min=1).repeat_interleave(lens, output_size=num_tokens)
+            log_sequence_ratio = (gap_sums / token_lens).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+            # GSPO-token: exp(pi - sg(pi)) is exactly 1 in value, so every token carries s_i,
+            # and its gradient turns s_i into s_i * grad pi_t.
+            ratio = torch.exp(log_sequence_ratio) * torch.exp(pi_logprobs - pi_logprobs.detach())
         unclipped = ratio * advantages
         clipped = ratio.clamp(1.0 - self.epsilon_low, 1.0 + self.epsilon_high) * advantages
         # min() picks the clipped term exactly where it is strictly smaller; select with the
         # same mask so that clipfrac counts the tokens whose gradient the clip removed.
         is_clipped = clipped < unclipped
-        policy_loss = aggregate(-torch.where(is_clipped, clipped, unclipped))
+        per_token_policy = -torch.where(is_clipped, clipped, unclipped)
+        if self.tis_cap is not None:
+            per_token_policy = per_token_policy * self._tis_weights(
+                old_logprobs, behavior_logprobs, response_lens, device
+            )
+        policy_loss = aggregate(per_token_policy)
 
         if ref_logprobs is not None:
             kl = self._kl(pi_logprobs, ref_logprobs)
@@ -298,6 +419,8 @@ class GRPOWithChunkedOutputLoss(nn.Module):
         with torch.no_grad():
             token_count = max(num_tokens, 1)
             behaviour_gap = pi_logprobs.detach() - behavior_logprobs
+            mismatch = old_logprobs - behavior_logprobs
+            log_r = mismatch.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
             metadata = {
                 "num_tokens": num_tokens,
                 "num_sequences": (
@@ -308,6 +431,10 @@ class GRPOWithChunkedOutputLoss(nn.Module):
                 "loss_normalizer": normalizer,
                 "normalizer_count": normalizer_count,
                 "kl_to_ref": kl_to_ref,
+                "mismatch_kl": (torch.exp(log_r) - 1.0 - log_r).sum() / token_count,
+                "mismatch_max_abs": (
+                    mismatch.abs().max() if num_tokens else torch.zeros((), device=device)
+                ),
             }
             if return_pi_logprobs:
                 metadata["pi_logprobs"] = pi_logprobs.detach()
@@ -321,6 +448,28 @@ class GRPOWithChunkedOutputLoss(nn.Module):
                 metadata=metadata,
             )
 
+    def _tis_weights(
+        self,
+        old_logprobs: torch.Tensor,
+        behavior_logprobs: torch.Tensor,
+        response_lens: torch.Tensor | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Per-token truncated importance weights ``min(exp(pi_old - mu), tis_cap)`` (detached).
+
+        At sequence level the log-ratio is summed over each sequence's tokens and the one
+        weight is shared by all of them.
+        """
+        log_weight = old_logprobs - behavior_logprobs
+        if self.tis_level == "sequence":
+            lens = _checked_response_lens(
+                response_lens, log_weight.numel(), device, "tis_level='sequence'"
+            )
+            log_weight = _per_sequence_sum(log_weight, lens)
+        # Clamp before exp so a far-off sequence cannot overflow to inf; the cap then applies
+        # to a finite number. No lower clamp: a weight that underflows to 0 is exact enough.
+        return torch.exp(log_weight.clamp(max=_MAX_LOG_RATIO)).clamp(max=self.tis_cap)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -328,6 +477,7 @@ class GRPOWithChunkedOutputLoss(nn.Module):
         packed: PackedTrajectory,
         loss_normalizer: float | int | torch.Tensor | None = None,
         *,
+        old_logprobs: torch.Tensor | None = None,
         return_pi_logprobs: bool = False,
     ) -> GRPOStats:
         """The GRPO loss of one pack from its final hidden states.
@@ -340,6 +490,8 @@ class GRPOWithChunkedOutputLoss(nn.Module):
             packed (PackedTrajectory): Carries ``response_mask``, ``targets``,
                 ``ref_logprobs``, ``advantages``, ``behavior_logprobs`` and ``response_lens``.
             loss_normalizer (float | int | torch.Tensor | None): See
+                `compute_loss_from_logprobs`.
+            old_logprobs (torch.Tensor | None): The pack's pre-update trainer logprobs; see
                 `compute_loss_from_logprobs`.
             return_pi_logprobs (bool): Put detached ``pi_logprobs`` in ``metadata``.
 
@@ -361,6 +513,7 @@ class GRPOWithChunkedOutputLoss(nn.Module):
             packed.ref_logprobs,
             packed.advantages,
             packed.behavior_logprobs,
+            old_logprobs=old_logprobs,
             response_lens=packed.response_lens,
             loss_normalizer=loss_normalizer,
             return_pi_logprobs=return_pi_logprobs,
@@ -370,8 +523,9 @@ class GRPOWithChunkedOutputLoss(nn.Module):
 def combine_stats(stats: Sequence[GRPOStats]) -> GRPOStats:
     """Exact whole-batch stats from the stats of its micro-batches (detached, for logging).
 
-    Token means (``ratios``, ``clipfrac``, ``approx_policy_kls``, ``kl_to_ref``) are weighted by
-    each call's ``num_tokens``. A loss part is ``sum(part * loss_normalizer) /
+    Token means (``ratios``, ``clipfrac``, ``approx_policy_kls``, ``kl_to_ref``,
+    ``mismatch_kl``) are weighted by each call's ``num_tokens``; ``mismatch_max_abs`` is the
+    max over calls. A loss part is ``sum(part * loss_normalizer) /
     sum(normalizer_count)``: the plain sum when every call used the whole batch's normaliser,
     and the exact batch mean when each call normalised by its own count.
 
@@ -415,5 +569,9 @@ def combine_stats(stats: Sequence[GRPOStats]) -> GRPOStats:
             "num_sequences": None if None in num_sequences else sum(num_sequences),
             "normalizer_count": normalizer_count,
             "kl_to_ref": token_mean(lambda item: item.metadata["kl_to_ref"]),
+            "mismatch_kl": token_mean(lambda item: item.metadata["mismatch_kl"]),
+            "mismatch_max_abs": torch.stack(
+                [item.metadata["mismatch_max_abs"].detach().float() for item in stats]
+            ).max(),
         },
     )

@@ -54,6 +54,10 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         "train_actor_training/ratios",
         "train_actor_training/clipfrac",
         "train_actor_training/approx_policy_kls",
+        # Sampler (vLLM) vs trainer logprobs of the same pre-update policy: token mean of the
+        # k3 estimate of KL(behaviour || pi_old), and the largest |pi_old - behaviour|.
+        "train_actor_training/mismatch_kl",
+        "train_actor_training/mismatch_max_abs",
         "train_actor_training/response_lengths",
         "train_actor_training/policy_age_mean",
         "train_actor_training/policy_age_max",

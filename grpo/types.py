@@ -279,7 +279,9 @@ class GRPOStats:
         loss (torch.Tensor): Total loss (policy + kl).
         policy_loss (torch.Tensor): Clipped surrogate part.
         kl_loss (torch.Tensor): ``kl_coeff`` times the KL estimate.
-        ratios (torch.Tensor): Mean of ``exp(pi - behaviour)`` over response tokens.
+        ratios (torch.Tensor): Mean over response tokens of the clipped objective's ratio:
+            ``exp(pi - behaviour)`` by default (see `grpo.loss.GRPOWithChunkedOutputLoss` for
+            the TIS and sequence-level variants).
         clipfrac (torch.Tensor): Fraction of response tokens whose ratio was clipped.
         approx_policy_kls (torch.Tensor): Mean of ``0.5 * (pi - behaviour)^2``.
         metadata (dict | None): Optional debug data, e.g. ``pi_logprobs``.

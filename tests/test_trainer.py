@@ -290,3 +290,104 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_resumable(tiny_model_di
     assert_same_training_state(gathered_training_state(resumed), expected)
     with pytest.raises(FileNotFoundError, match="missing .metadata, extra.pt"):
         load_training_state(resumed.policy, resumed.optimizer, tmp_path / "nothing_here")
+
+
+class RecordingLoss(GRPOWithChunkedOutputLoss):
+    """The loss, keeping what each call received: pi, pi_old and the behaviour logprobs."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls: list[dict[str, torch.Tensor | None]] = []
+
+    def compute_loss_from_logprobs(self, pi_logprobs, ref_logprobs, advantages, behavior, **kw):
+        old = kw.get("old_logprobs")
+        self.calls.append(
+            {
+                "pi": pi_logprobs.detach().clone(),
+                "old": None if old is None else old.detach().clone(),
+                "behaviour": behavior.detach().clone(),
+            }
+        )
+        return super().compute_loss_from_logprobs(
+            pi_logprobs, ref_logprobs, advantages, behavior, **kw
+        )
+
+
+def _expected_mismatch(calls):
+    """Token mean of k3(exp(pi_old - mu)) and max |pi_old - mu| over the recorded calls."""
+    gaps = torch.cat([(c["pi"] if c["old"] is None else c["old"]) - c["behaviour"] for c in calls])
+    k3 = torch.exp(gaps) - 1 - gaps
+    return float(k3.double().mean()), float(gaps.abs().max())
+
+
+@pytest.mark.parametrize("ppo_epochs", [1, 2])
+def test_train_step_reports_the_mismatch_of_pi_old_and_behaviour(tiny_model_dir, ppo_epochs):
+    batch = make_batch(8, vocab_size=300)
+    kwargs = trainer_kwargs(tiny_model_dir, 0, 1, budget=64)
+    kwargs["config"] = dataclasses.replace(kwargs["config"], ppo_epochs=ppo_epochs)
+    trainer = PyTorchActorModel(**kwargs)
+    trainer.setup()
+    loss_options = {k: v for k, v in LOSS.items() if k != "_component_"}
+    trainer.loss_fn = RecordingLoss(**loss_options, tis_cap=2.0)
+    metrics = trainer.train_step(batch)
+
+    num_packs = int(metrics["train_actor_training/num_micro_batches"])
+    assert num_packs >= 2
+    calls = trainer.loss_fn.calls
+    assert len(calls) == ppo_epochs * num_packs
+    if ppo_epochs == 1:
+        # pi_old is the first forward's pi: no extra forward, nothing passed.
+        assert all(call["old"] is None for call in calls)
+    else:
+        first, second = calls[:num_packs], calls[num_packs:]
+        for before, after in zip(first, second):
+            # The no-grad forward ran on the pre-update weights: it equals the first epoch's
+            # pi, and the second epoch (after an update) still gets that same pi_old.
+            torch.testing.assert_close(before["old"], before["pi"], rtol=0, atol=1e-6)
+            assert torch.equal(after["old"], before["old"])
+            assert not torch.allclose(after["pi"], after["old"], atol=1e-4)
+    # Every epoch sees the same pi_old, so the metrics are those of one epoch's calls.
+    expected_kl, expected_max = _expected_mismatch(calls[:num_packs])
+    assert _expected_mismatch(calls) == pytest.approx((expected_kl, expected_max))
+    assert metrics["train_actor_training/mismatch_kl"] == pytest.approx(expected_kl, rel=1e-5)
+    assert metrics["train_actor_training/mismatch_max_abs"] == pytest.approx(expected_max, rel=1e-6)
+    assert expected_kl > 0.1  # make_batch's behaviour logprobs are far from the model's
+
+
+@pytest.mark.slow
+def test_two_fsdp_workers_match_one_worker_with_tis_over_two_epochs(tiny_model_dir, ray_cluster):
+    # The no-grad forward for pi_old runs under FSDP (at this budget rank 1 plans one pack
+    # fewer, so it runs a filler forward) and the mismatch max is reduced with MAX over ranks.
+    batch = make_batch(12, vocab_size=300, seed=2)
+    loss = {**LOSS, "tis_cap": 2.0}
+
+    def kwargs(rank, world_size):
+        result = trainer_kwargs(tiny_model_dir, rank, world_size, 128, loss=loss)
+        result["config"] = dataclasses.replace(result["config"], ppo_epochs=2)
+        return result
+
+    single = PyTorchActorModel(**kwargs(0, 1))
+    single.setup()
+    before = single.full_state_dict()
+    single_metrics = single.train_step(batch)
+    single_weights = single.full_state_dict()
+
+    ray = ray_cluster
+    remote_cls = ray.remote(num_cpus=1)(PyTorchActorModel)
+    workers = [remote_cls.remote(**kwargs(r, 2)) for r in range(2)]
+    try:
+        address = ray.get(workers[0].get_dist_address.remote())
+        ray.get([w.setup.remote(address) for w in workers])
+        batch_ref = ray.put(batch)
+        metrics = ray.get([w.train_step.remote(batch_ref) for w in workers])
+        weights = ray.get([w.full_state_dict.remote() for w in workers])
+        ray.get([w.shutdown.remote() for w in workers])
+    finally:
+        for worker in workers:
+            ray.kill(worker)
+
+    for name in ("loss", "mismatch_kl", "mismatch_max_abs"):
+        key = f"train_actor_training/{name}"
+        assert metrics[0][key] == pytest.approx(single_metrics[key], rel=1e-4), key
+        assert metrics[1][key] == metrics[0][key], key
+    assert_same_update(before, single_weights, weights[0])

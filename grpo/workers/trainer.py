@@ -31,6 +31,7 @@ from grpo.config import instantiate
 from grpo.config.options import (
     DTYPE,
     NON_NEGATIVE,
+    NONE,
     NUMBER,
     POSITIVE,
     ConfigSection,
@@ -110,6 +111,24 @@ class TrainingConfig(ConfigSection):
                 (str,),
                 "token_mean, seq_mean_token_mean, or seq_mean_token_sum_norm (Dr. GRPO).",
                 one_of("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+            ),
+            "tis_cap": keyword(
+                (*NUMBER, NONE),
+                "Truncated importance sampling of the vLLM/trainer mismatch: ratio against "
+                "the trainer's pre-update logprobs, each token's loss weighted by "
+                "min(exp(pi_old - behaviour), tis_cap). null: off.",
+                greater_than(0),
+            ),
+            "tis_level": keyword(
+                (str,),
+                "TIS weight per token, or per sequence (from its summed log-ratio).",
+                one_of("token", "sequence"),
+            ),
+            "ratio_level": keyword(
+                (str,),
+                "token (PPO/GRPO) or sequence (GSPO: length-normalised sequence ratio, clipped "
+                "per sequence; use tiny epsilons such as 3e-4 / 4e-4).",
+                one_of("token", "sequence"),
             ),
         },
     )
@@ -385,6 +404,10 @@ class PyTorchActorModel:
     ) -> dict[str, Any]:
         """Run ``ppo_epochs`` optimizer steps on one batch.
 
+        With ``ppo_epochs > 1`` each pack first gets one forward without gradient for the
+        pre-update logprobs pi_old (see `_old_logprobs`), which every epoch's loss uses for the
+        TIS ratio and the mismatch metrics (``mismatch_kl``, ``mismatch_max_abs``).
+
         Args:
             batch (list[ScoredTrajectory]): The whole batch (identical on every worker).
             time_waiting_buffer (float): Seconds the orchestrator waited for this batch.
@@ -410,13 +433,16 @@ class PyTorchActorModel:
         # Normalise by the WHOLE batch's count (tokens or sequences), so gradients do not
         # depend on how the batch is split into packs or across workers.
         normalizer = self.loss_fn.batch_loss_normalizer([t.response_len for t in batch])
-        # Sums over micro-batches and epochs: loss parts, and token-weighted stats.
-        totals = torch.zeros(7, dtype=torch.float64)
+        # Sums over micro-batches and epochs: loss parts, and token-weighted stats; and the
+        # max of the per-token mismatch, which is reduced with max rather than summed.
+        totals = torch.zeros(8, dtype=torch.float64)
+        mismatch_max_abs = torch.zeros((), dtype=torch.float64)
         wanted = set(debug_sequence_ids or ())
         debug_pi_logprobs: dict[str, list[float]] = {}
         grad_norm = torch.tensor(0.0)
         skipped = False
         grpo_start = time.perf_counter()
+        old_logprobs = self._old_logprobs(packs, num_micro_batches)
         for _epoch in range(self.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -438,6 +464,7 @@ class PyTorchActorModel:
                     packed.ref_logprobs,
                     packed.advantages,
                     packed.behavior_logprobs,
+                    old_logprobs=old_logprobs[index % len(packs)],
                     response_lens=packed.response_lens,
                     loss_normalizer=normalizer,
                 )
@@ -458,8 +485,13 @@ class PyTorchActorModel:
                         float(stats.clipfrac) * tokens,
                         float(stats.approx_policy_kls) * tokens,
                         tokens,
+                        float(stats.metadata["mismatch_kl"]) * tokens,
                     ],
                     dtype=torch.float64,
+                )
+                mismatch_max_abs = torch.maximum(
+                    mismatch_max_abs,
+                    torch.tensor(float(stats.metadata["mismatch_max_abs"]), dtype=torch.float64),
                 )
             total_loss = float(self._all_reduce_sum(epoch_loss))
             grad_norm = self._clip_and_norm()
@@ -472,6 +504,7 @@ class PyTorchActorModel:
                 self.lr_scheduler.step()
         time_grpo_steps = time.perf_counter() - grpo_start
         totals = self._all_reduce_sum(totals)
+        mismatch_max_abs = self._all_reduce_max(mismatch_max_abs)
 
         # A skipped step leaves weights and optimizer untouched; the driver decides when too
         # many in a row mean the run has diverged (it can then still save a checkpoint).
@@ -494,6 +527,8 @@ class PyTorchActorModel:
             "train_actor_training/ratios": float(totals[3]) / num_tokens,
             "train_actor_training/clipfrac": float(totals[4]) / num_tokens,
             "train_actor_training/approx_policy_kls": float(totals[5]) / num_tokens,
+            "train_actor_training/mismatch_kl": float(totals[7]) / num_tokens,
+            "train_actor_training/mismatch_max_abs": float(mismatch_max_abs),
             "train_actor_training/grad_norm": float(grad_norm),
             "train_actor_training/lr": self.optimizer.param_groups[0]["lr"],
             "train_actor_training/response_lengths": response_tokens / len(batch),
@@ -521,10 +556,44 @@ class PyTorchActorModel:
             metrics["debug_pi_logprobs"] = debug_pi_logprobs
         return metrics
 
+    def _old_logprobs(
+        self, packs: list[PackedTrajectory], num_micro_batches: int
+    ) -> list[torch.Tensor | None]:
+        """pi_old of each pack: the trainer's logprobs before this step's first update.
+
+        With one epoch the first (and only) forward sees the pre-update weights, so the loss
+        takes pi_old from it (None here: no extra forward). With more epochs the weights
+        change between epochs, so one forward without gradient per pack fixes pi_old first;
+        the loss uses it for the TIS ratio and the mismatch metrics in every epoch.
+
+        Args:
+            packs (list[PackedTrajectory]): This rank's packs.
+            num_micro_batches (int): Micro-batches every rank runs; a rank with fewer packs
+                runs filler forwards so that FSDP's collectives line up across ranks.
+
+        Returns:
+            list[torch.Tensor | None]: One entry per pack.
+        """
+        if self.ppo_epochs == 1 or not packs:
+            return [None] * len(packs)
+        old_logprobs: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for index in range(num_micro_batches):
+                logprobs = self.policy(packs[index % len(packs)])
+                if index < len(packs):
+                    old_logprobs.append(logprobs.detach().float())
+        return old_logprobs
+
     def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             value = value.to(self.device, copy=True)
             dist.all_reduce(value)
+        return value.cpu()
+
+    def _all_reduce_max(self, value: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            value = value.to(self.device, copy=True)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return value.cpu()
 
     def _clip_and_norm(self) -> torch.Tensor:
