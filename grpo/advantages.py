@@ -1,4 +1,9 @@
-"""GRPO advantages: each sample's total reward relative to the other samples of its group."""
+"""GRPO advantages: each sample's total reward relative to the other samples of its group.
+
+Also which groups carry no learning signal at all (`zero_variance_groups`): those whose
+rewards are all equal, which dynamic sampling (``training.filter_zero_variance_groups``)
+leaves out of the replay buffer.
+"""
 
 from __future__ import annotations
 
@@ -45,5 +50,33 @@ def group_advantages(
         advantages = advantages / (rewards.std(dim=-1, keepdim=True) + eps)
     # Exact zeros for constant groups: the mean of equal floats can differ from them in the
     # last bit, and with eps=0 their 0/0 would be NaN.
-    constant = (rewards == rewards[..., :1]).all(dim=-1, keepdim=True)
-    return advantages.masked_fill(constant, 0.0)
+    return advantages.masked_fill(zero_variance_groups(rewards).unsqueeze(-1), 0.0)
+
+
+def zero_variance_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """Whether each group's total rewards are all exactly equal (no learning signal).
+
+    Such a group gets all-zero advantages (`group_advantages`), so its policy-gradient term
+    is zero whatever the policy does. A group of one sample counts as zero-variance: it has
+    nothing to be compared with.
+
+    Args:
+        rewards (torch.Tensor): Total rewards, shape ``(G,)`` or ``(num_groups, G)``.
+
+    Returns:
+        torch.Tensor: bool, shape ``()`` for one group or ``(num_groups,)``.
+
+    Raises:
+        ValueError: If ``rewards`` is not 1-D or 2-D, or a group is empty.
+
+    Example:
+        >>> zero_variance_groups(torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+        tensor([ True, False])
+    """
+    if rewards.dim() not in (1, 2) or rewards.shape[-1] == 0:
+        raise ValueError(
+            f"zero_variance_groups: rewards must have shape (G,) or (num_groups, G) with "
+            f"G >= 1, got {tuple(rewards.shape)}"
+        )
+    # Exact equality, not a tolerance: any difference gives non-zero advantages.
+    return (rewards == rewards[..., :1]).all(dim=-1)

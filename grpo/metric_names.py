@@ -102,6 +102,14 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         "ref_actor_rewards/successes_mean",
         "ref_actor_rewards/rewards_func_{name}_mean",
         "ref_actor_rewards/successes_func_{name}_mean",
+        # Counted by the driver over the reference calls that finished since the previous
+        # training step, logged once per step (`grpo.orchestrator.metrics.GroupCounts`):
+        # groups scored, passed on to the buffer, and with all-equal rewards (dropped when
+        # training.filter_zero_variance_groups is on). scored / kept is the extra generation
+        # that dynamic sampling costs.
+        "ref_actor_rewards/groups_scored",
+        "ref_actor_rewards/groups_kept",
+        "ref_actor_rewards/zero_variance_groups",
     ),
     # SyncLLMCollector (vLLM), keyed on its generation round (`inference_step`).
     "inference": (

@@ -39,6 +39,7 @@ from grpo.evaluation import HeldOutEvaluator
 from grpo.models import load_tokenizer
 from grpo.orchestrator import (
     ActorFailedError,
+    NoInformativeGroupsError,
     Orchestrator,
     RunState,
     TrainingDivergedError,
@@ -175,7 +176,7 @@ def recipe_main(cfg: DictConfig) -> dict:
             try:
                 with progress_bar(cfg.orchestration.num_steps, run.state) as on_step:
                     state = run.run(evaluate=evaluate, on_step=on_step)
-            except (ActorFailedError, TrainingDivergedError) as error:
+            except (ActorFailedError, TrainingDivergedError, NoInformativeGroupsError) as error:
                 print(f"Run stopped: {error}", file=sys.stderr)
                 raise
 

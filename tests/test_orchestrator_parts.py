@@ -24,11 +24,16 @@ from grpo.orchestrator.metrics import (
 from grpo.orchestrator.state import CallKind
 
 
-def scored_result(tag: str, group_ids: list[int], policy_version: int = 0) -> dict:
-    """What a reference call reports: two sequences per group, ids ``{tag}{group}-{i}``."""
+def scored_result(
+    tag: str, group_ids: list[int], policy_version: int = 0, dropped: list[int] = ()
+) -> dict:
+    """What a reference call reports: two sequences per group, ids ``{tag}{group}-{i}``;
+    ``dropped`` groups were left out for equal rewards."""
     return {
         "group_ids": group_ids,
         "sequence_ids": [[f"{tag}{g}-{i}" for i in range(2)] for g in group_ids],
+        "dropped_group_ids": list(dropped),
+        "dropped_sequence_ids": [[f"{tag}{g}-{i}" for i in range(2)] for g in dropped],
         "policy_version": policy_version,
     }
 

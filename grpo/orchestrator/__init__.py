@@ -18,13 +18,18 @@ nothing lost. The parts, none of which knows the orchestrator:
 - `state`: `RunState` (step, policy version: tracked only there) and the kinds of call.
 - `loop`: `Orchestrator` wires the parts and runs the loop: one call in flight per actor,
   one handler per kind of call.
-- `metrics`: `RunLedger` (scored/trained ids on disk), `step_metrics`, `debug_tables`.
-- `errors`: `ActorFailedError`, `TrainingDivergedError`.
+- `metrics`: `RunLedger` (scored/trained ids on disk), `step_metrics`, `debug_tables`,
+  `GroupCounts` (groups scored and dropped per step, and the no-informative-group guard).
+- `errors`: `ActorFailedError`, `TrainingDivergedError`, `NoInformativeGroupsError`.
 - `config`: `RayConfig` and `OrchestrationConfig`, the driver's sections of a run config.
 """
 
 from grpo.orchestrator.checkpointer import Checkpointer, find_checkpoint
-from grpo.orchestrator.errors import ActorFailedError, TrainingDivergedError
+from grpo.orchestrator.errors import (
+    ActorFailedError,
+    NoInformativeGroupsError,
+    TrainingDivergedError,
+)
 from grpo.orchestrator.ledger import InFlightLedger, ScoredBatch
 from grpo.orchestrator.loop import Orchestrator
 from grpo.orchestrator.metrics import RunLedger, debug_tables, step_metrics
@@ -37,6 +42,7 @@ __all__ = [
     "ActorSupervisor",
     "Checkpointer",
     "InFlightLedger",
+    "NoInformativeGroupsError",
     "Orchestrator",
     "Recovery",
     "Role",

@@ -75,7 +75,9 @@ class OrchestrationConfig(ConfigSection):
     )
     stall_timeout_s: float = option(
         600.0,
-        "Abort the run when no actor finishes any work for this many seconds.",
+        "Abort the run when no actor finishes any work for this many seconds, or when "
+        "every group scored while waiting this long for a batch had equal rewards "
+        "(training.filter_zero_variance_groups).",
         check=greater_than(0),
     )
     max_actor_restarts: int = option(

@@ -1,4 +1,5 @@
-"""The two ways a run stops on its own: an actor that cannot go on, and a diverged loss."""
+"""The ways a run stops on its own: an actor that cannot go on, a diverged loss, and no data
+left to learn from."""
 
 
 class ActorFailedError(RuntimeError):
@@ -7,3 +8,8 @@ class ActorFailedError(RuntimeError):
 
 class TrainingDivergedError(RuntimeError):
     """Too many training steps in a row had a non-finite loss or gradient norm."""
+
+
+class NoInformativeGroupsError(RuntimeError):
+    """With ``training.filter_zero_variance_groups``, every group for too long had equal
+    rewards, so no training batch could be filled."""

@@ -28,7 +28,13 @@ from grpo.metric_names import ratio_metrics
 from grpo.orchestrator.checkpointer import Checkpointer
 from grpo.orchestrator.errors import ActorFailedError, TrainingDivergedError
 from grpo.orchestrator.ledger import InFlightLedger
-from grpo.orchestrator.metrics import RunLedger, debug_tables, step_metrics, step_time_breakdown
+from grpo.orchestrator.metrics import (
+    GroupCounts,
+    RunLedger,
+    debug_tables,
+    step_metrics,
+    step_time_breakdown,
+)
 from grpo.orchestrator.state import Call, CallKind, RunState
 from grpo.orchestrator.supervisor import (
     ActorSupervisor,
@@ -110,6 +116,13 @@ class Orchestrator:
         # Seconds collectors generated and reference actors scored in calls that finished
         # during the current step (they run beside training, so they overlap its wall time).
         self._busy = {"generation": 0.0, "scoring": 0.0}
+        # Groups scored and dropped for equal rewards per step, and the guard that stops a
+        # run whose groups all have equal rewards (training.filter_zero_variance_groups).
+        self.group_counts = GroupCounts(
+            cfg.training.filter_zero_variance_groups,
+            cfg.orchestration.stall_timeout_s,
+            groups_per_batch=-(-cfg.training.batch_size // cfg.inference.group_size),
+        )
 
     # The current actors (replacements included), for the recipe, evaluation and tests.
     collectors = property(lambda self: self.actors.collectors)
@@ -264,7 +277,15 @@ class Orchestrator:
             ),
         }
         self._log(metrics, step)
-        self.run_ledger.scored(step, [sid for ids in result["sequence_ids"] for sid in ids])
+        # Dropped groups were scored too: recorded, so that they do not look lost.
+        dropped = [sid for ids in result["dropped_sequence_ids"] for sid in ids]
+        kept = [sid for ids in result["sequence_ids"] for sid in ids]
+        self.run_ledger.scored(step, kept + dropped, dropped)
+        self.group_counts.scored(
+            len(result["group_ids"]) + len(result["dropped_group_ids"]),
+            result["num_zero_variance_groups"],
+            len(result["dropped_group_ids"]),
+        )
         self.inflight.scored(call.payload[1], result)
         self._pump_buffer_adds()
         if relaunch:
@@ -344,6 +365,8 @@ class Orchestrator:
                 the message.
             TrainingDivergedError: ``training.max_nonfinite_steps_in_a_row`` steps in a row
                 were skipped for a non-finite loss (after saving a checkpoint).
+            NoInformativeGroupsError: With ``training.filter_zero_variance_groups``, every
+                group had equal rewards for ``orchestration.stall_timeout_s`` of waiting.
         """
         cfg = self.cfg
         num_steps = cfg.orchestration.num_steps
@@ -405,10 +428,13 @@ class Orchestrator:
                 self._feed_ref_slot(index)
         stall_timeout_s = self.cfg.orchestration.stall_timeout_s
         wait_start = time.perf_counter()
-        last_progress = time.monotonic()
+        last_progress = waiting_since = time.monotonic()
         self._sampled = None
         self._launch_sample()
         while not self.stop_requested:
+            # Calls keep coming back while every group is dropped for equal rewards, so the
+            # stall check below never fires then: this one names that cause.
+            self.group_counts.check(waiting_since)
             ready, _ = ray.wait(list(self._calls), num_returns=1, timeout=1.0)
             if not ready:
                 if time.monotonic() - last_progress > stall_timeout_s:
@@ -431,8 +457,15 @@ class Orchestrator:
         return None, None, 0.0
 
     def _next_batch_synchronously(self) -> tuple[Any, dict[str, Any] | None, float]:
-        """Generate with the current weights and score everything, then sample a batch."""
+        """Generate with the current weights and score everything, then sample a batch.
+
+        One generation round per collector at a time, as many rounds as it takes: with
+        ``training.filter_zero_variance_groups`` a round may leave fewer trajectories than a
+        batch needs (or none), and the next round makes up for it. `GroupCounts.check` stops
+        a run whose rounds keep yielding only groups with equal rewards.
+        """
         wait_start = time.perf_counter()
+        waiting_since = time.monotonic()
         while not self.stop_requested:
             self._sampled = None
             self._launch_sample()
@@ -445,6 +478,7 @@ class Orchestrator:
                 self._launch_collector(index)
             self._drain()
             self._score_everything_queued()
+            self.group_counts.check(waiting_since)
         return None, None, 0.0
 
     def _score_everything_queued(self) -> None:
@@ -502,6 +536,7 @@ class Orchestrator:
             "queues/replay_buffer_batches_waiting": float(len(self.inflight.to_buffer)),
             "queues/replay_buffer_duplicate_groups": float(self.inflight.num_duplicate_groups),
             "train_actor_training/policy_version": float(self.state.policy_version),
+            **self.group_counts.step_metrics(),
         }
         sync_timings: dict[str, float] = {}
         sync_start = time.perf_counter()

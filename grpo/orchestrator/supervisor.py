@@ -243,6 +243,7 @@ class ActorSupervisor:
             reward_functions=to_container(cfg.reward_functions),
             target_tokens_per_batch=cfg.target_tokens_per_batch,
             config=RefConfig.from_mapping(to_container(ref_cfg)),
+            filter_zero_variance_groups=cfg.training.filter_zero_variance_groups,
         )
 
     def start_ref_actors(self) -> list[Any]:

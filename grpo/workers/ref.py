@@ -6,6 +6,13 @@ model once per pack, scores every sample with every reward function, and returns
 `ScoredTrajectory`s grouped as they came. The driver owns both the groups it passes in and the
 scored groups that come back (it hands them on to the replay buffer), so the actor holds no
 trajectory between calls and a crash loses nothing: its replacement scores the same groups.
+
+Dynamic sampling (``training.filter_zero_variance_groups``): a group whose rewards are all
+equal is left out of what `score` returns, so it never reaches the buffer, and the driver
+keeps generating until the buffer has a full batch of informative groups. Such a group has
+all-zero advantages, so dropping it removes no policy-gradient term; what changes is the
+normaliser of the loss (a batch no longer dilutes the gradient with zero-advantage tokens) and
+the KL term (computed only on kept samples).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any
 
 import torch
 
-from grpo.advantages import group_advantages
+from grpo.advantages import group_advantages, zero_variance_groups
 from grpo.attention import MASK_KIND_CHOICES, resolve_mask_kind, use_packed_attention
 from grpo.config import instantiate
 from grpo.config.options import (
@@ -72,6 +79,8 @@ class RefActor:
         target_tokens_per_batch (int): Token budget of one reference forward.
         config (RefConfig | None): The ``ref:`` options (reward timeout and weights, dtype,
             attention kind); None: their defaults.
+        filter_zero_variance_groups (bool): ``training.filter_zero_variance_groups``: leave
+            groups whose rewards are all equal out of what `score` returns.
     """
 
     def __init__(
@@ -81,6 +90,7 @@ class RefActor:
         reward_functions: list[Any],
         target_tokens_per_batch: int,
         config: RefConfig | None = None,
+        filter_zero_variance_groups: bool = False,
     ) -> None:
         config = config or RefConfig()
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -100,6 +110,7 @@ class RefActor:
         self.reward_weights = config.reward_weights
         self.reward_timeout_s = config.reward_timeout_s
         self.target_tokens_per_batch = target_tokens_per_batch
+        self.filter_zero_variance_groups = filter_zero_variance_groups
         self.steps_run = 0
         self.reward_failures: dict[str, int] = {}
 
@@ -128,14 +139,20 @@ class RefActor:
 
     def score_groups(
         self, groups: list[GroupedUnscoredTrajectories]
-    ) -> tuple[list[list[ScoredTrajectory]], dict[str, float]]:
+    ) -> tuple[list[list[ScoredTrajectory]], list[GroupedUnscoredTrajectories], dict[str, float]]:
         """Reference logprobs, rewards and advantages of whole groups.
+
+        A group whose total rewards are all equal (`zero_variance_groups`; a group of one
+        sample counts) has all-zero advantages. With ``filter_zero_variance_groups`` it is
+        left out of the scored groups; without, it is scored like any other. Either way it is
+        among the zero-variance groups returned, and the reward metrics cover every group.
 
         Args:
             groups (list[GroupedUnscoredTrajectories]): Groups to score.
 
         Returns:
-            tuple: The scored groups (same order) and timing/reward metrics.
+            tuple: The scored groups (in order; without the zero-variance ones when
+            filtering), the zero-variance groups (in order), and timing/reward metrics.
         """
         trajectories = [t for g in groups for t in g.trajectories]
         model_start = time.perf_counter()
@@ -156,10 +173,16 @@ class RefActor:
         total_reward = reward_batch.total(self.reward_weights)
         metadata = {"func_names": list(reward_batch.func_names)}
 
-        scored_groups, offset = [], 0
+        scored_groups, zero_variance, offset = [], [], 0
         for group in groups:
             size = len(group.trajectories)
-            advantages = group_advantages(total_reward[offset : offset + size])
+            group_reward = total_reward[offset : offset + size]
+            if bool(zero_variance_groups(group_reward)):
+                zero_variance.append(group)
+                if self.filter_zero_variance_groups:
+                    offset += size
+                    continue
+            advantages = group_advantages(group_reward)
             scored = []
             for i, traj in enumerate(group.trajectories):
                 row = offset + i
@@ -205,7 +228,7 @@ class RefActor:
             metrics[f"ref_actor_rewards/failures_func_{name}"] = float(
                 self.reward_failures.get(name, 0)
             )
-        return scored_groups, metrics
+        return scored_groups, zero_variance, metrics
 
     def score(
         self, groups: list[GroupedUnscoredTrajectories]
@@ -220,11 +243,15 @@ class RefActor:
             groups (list[GroupedUnscoredTrajectories]): Whole groups.
 
         Returns:
-            tuple: ``{"metrics", "group_ids", "sequence_ids" (one list per group),
-            "policy_version" (the newest of the groups)}`` and the scored groups, in order.
+            tuple: ``{"metrics", "group_ids", "sequence_ids" (one list per returned group),
+            "num_zero_variance_groups" (groups whose rewards were all equal),
+            "dropped_group_ids", "dropped_sequence_ids" (those of them left out by
+            ``filter_zero_variance_groups``; empty without it), "policy_version" (the newest
+            of all the groups)}`` and the returned scored groups, in order (possibly none).
         """
         start = time.perf_counter()
-        scored_groups, metrics = self.score_groups(groups)
+        scored_groups, zero_variance, metrics = self.score_groups(groups)
+        dropped = zero_variance if self.filter_zero_variance_groups else []
         self.steps_run += 1
         total = time.perf_counter() - start
         metrics.update(
@@ -238,8 +265,11 @@ class RefActor:
         )
         info = {
             "metrics": metrics,
-            "group_ids": [g.group_id for g in groups],
-            "sequence_ids": [[t.sequence_id for t in g.trajectories] for g in groups],
+            "group_ids": [g[0].group_id for g in scored_groups],
+            "sequence_ids": [[t.sequence_id for t in g] for g in scored_groups],
+            "num_zero_variance_groups": len(zero_variance),
+            "dropped_group_ids": [g.group_id for g in dropped],
+            "dropped_sequence_ids": [[t.sequence_id for t in g.trajectories] for g in dropped],
             "policy_version": max(t.policy_version for g in groups for t in g.trajectories),
         }
         return info, scored_groups

@@ -79,6 +79,14 @@ class TrainingConfig(ConfigSection):
         check=POSITIVE,
     )
     ppo_epochs: int = option(1, "Passes over each sampled batch.", check=POSITIVE)
+    # Read by the reference actors, which score groups before the buffer: the trainer only
+    # ever sees the groups they keep.
+    filter_zero_variance_groups: bool = option(
+        False,
+        "Dynamic sampling: drop groups whose rewards are all equal (zero advantages) before "
+        "the replay buffer, and generate more until a batch of batch_size informative "
+        "trajectories is there (the extra generation shows in ref_actor_rewards/groups_scored).",
+    )
     optimizer: dict[str, Any] = component(
         {"_component_": "torch.optim.AdamW", "lr": 1e-6},
         "Optimizer; the trainer passes the parameters positionally.",

@@ -1,0 +1,290 @@
+"""Dynamic sampling (``training.filter_zero_variance_groups``): groups whose rewards are all
+equal are dropped before the replay buffer, counted per step, and the trainer still gets full
+batches of informative, unique trajectories."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.advantages import group_advantages, zero_variance_groups
+from grpo.orchestrator import InFlightLedger, NoInformativeGroupsError
+from grpo.orchestrator.metrics import (
+    GROUPS_KEPT,
+    GROUPS_SCORED,
+    ZERO_VARIANCE_GROUPS,
+    GroupCounts,
+)
+from grpo.testing import read_jsonl
+from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
+
+
+def answer_as_reward(completion: str, answer: str) -> tuple[float, bool]:
+    """Reward = the gold answer read as a number: lets a test choose every sample's reward."""
+    return float(answer), answer == "1"
+
+
+def trajectory(sequence_id: str, group_id: int, answer: str) -> UnscoredTrajectory:
+    return UnscoredTrajectory(
+        prompt_tokens=torch.tensor([5, 6, 7]),
+        response_tokens=torch.tensor([8, 9]),
+        prompt_len=3,
+        response_len=2,
+        logprobs=torch.zeros(2),
+        answer=answer,
+        sequence_id=sequence_id,
+        policy_version=0,
+        group_id=group_id,
+    )
+
+
+def group(group_id: int, answers: list[str]) -> GroupedUnscoredTrajectories:
+    return GroupedUnscoredTrajectories.from_trajectories(
+        [trajectory(f"g{group_id}-{i}", group_id, a) for i, a in enumerate(answers)]
+    )
+
+
+# ---------------------------------------------------------------- the filter itself
+
+
+def test_zero_variance_groups_flags_exactly_the_groups_with_equal_rewards():
+    rewards = torch.tensor([[1.0, 0.0, 1.0], [2.0, 2.0, 2.0], [0.0, 0.0, 1e-6], [0.0, 0.0, 0.0]])
+    assert zero_variance_groups(rewards).tolist() == [False, True, False, True]
+    assert bool(zero_variance_groups(torch.tensor([0.5, 0.5])))
+    # One sample has nothing to be compared with: no signal, flagged.
+    assert bool(zero_variance_groups(torch.tensor([1.0])))
+    # A NaN reward differs from everything: not taken for a constant group.
+    assert not bool(zero_variance_groups(torch.tensor([float("nan"), float("nan")])))
+    # Exactly the groups whose advantages are all zero.
+    advantages = group_advantages(rewards)
+    assert (advantages == 0).all(dim=-1).tolist() == zero_variance_groups(rewards).tolist()
+    with pytest.raises(ValueError, match="zero_variance_groups"):
+        zero_variance_groups(torch.zeros(2, 0))
+
+
+@pytest.mark.parametrize("filtering", [True, False], ids=["filter", "no_filter"])
+def test_ref_actor_drops_exactly_the_zero_variance_groups(filtering, tiny_model_dir):
+    from grpo.workers.ref import RefActor
+
+    actor = RefActor(
+        model_dir=str(tiny_model_dir),
+        reward_functions=[answer_as_reward],
+        target_tokens_per_batch=64,
+        filter_zero_variance_groups=filtering,
+    )
+    groups = [
+        group(0, ["1", "0", "1", "0"]),  # mixed: kept
+        group(1, ["1", "1", "1", "1"]),  # all right: zero variance
+        group(2, ["0", "0", "0", "0"]),  # all wrong: zero variance
+        group(3, ["0", "0", "0", "1"]),  # one right: kept
+        group(4, ["1"]),  # one sample: zero variance
+    ]
+    info, scored = actor.score(groups)
+
+    assert info["num_zero_variance_groups"] == 3
+    kept_ids = [0, 3] if filtering else [0, 1, 2, 3, 4]
+    assert info["group_ids"] == kept_ids
+    assert [[t.group_id for t in g] for g in scored] == [
+        [g] * len(groups[g].trajectories) for g in kept_ids
+    ]
+    assert info["sequence_ids"] == [[t.sequence_id for t in g] for g in scored]
+    dropped = [1, 2, 4] if filtering else []
+    assert info["dropped_group_ids"] == dropped
+    assert info["dropped_sequence_ids"] == [
+        [t.sequence_id for t in groups[g].trajectories] for g in dropped
+    ]
+    # Kept groups keep their advantages; the reward metrics cover every group scored.
+    assert [float(t.advantages) > 0 for t in scored[0]] == [True, False, True, False]
+    assert info["metrics"]["ref_actor_rewards/rewards_mean"] == pytest.approx(8 / 17)
+
+
+# ---------------------------------------------------------------- the driver's bookkeeping
+
+
+def scored_info(group_ids: list[int], dropped: list[int], tag: str = "s") -> dict:
+    return {
+        "group_ids": group_ids,
+        "sequence_ids": [[f"{tag}{g}-{i}" for i in range(2)] for g in group_ids],
+        "dropped_group_ids": dropped,
+        "dropped_sequence_ids": [[f"{tag}{g}-{i}" for i in range(2)] for g in dropped],
+        "policy_version": 0,
+    }
+
+
+def test_ledger_remembers_dropped_groups_and_queues_no_empty_batch():
+    ledger = InFlightLedger()
+    assert ledger.scored("all-dropped", scored_info([], dropped=[0, 1])) is None
+    assert not ledger.to_buffer
+    batch = ledger.scored("mixed", scored_info([2], dropped=[3]))
+    assert batch is not None and batch.sequence_ids == [["s2-0", "s2-1"]]
+    assert ledger.seen_group_ids == {0, 1, 2, 3}
+    # A replaced collector's copy of a dropped group is not trained on either.
+    again = ledger.scored("again", scored_info([1], dropped=[], tag="r"))
+    assert again.skip == {"r1-0", "r1-1"}
+    # Nothing dropped is held: a checkpoint's ledger state has no trace of them.
+    ledger.added(batch, 1)
+    ledger.added(again, 1)
+    assert set(ledger.in_buffer) == {"s2-0", "s2-1"}
+
+
+def test_group_counts_per_step_and_reset():
+    counts = GroupCounts(filtering=True, timeout_s=60.0, groups_per_batch=4)
+    counts.scored(4, num_zero_variance=3, num_dropped=3)
+    counts.scored(4, num_zero_variance=1, num_dropped=1)
+    assert counts.step_metrics() == {
+        GROUPS_SCORED: 8.0,
+        GROUPS_KEPT: 4.0,
+        ZERO_VARIANCE_GROUPS: 4.0,
+    }
+    assert counts.step_metrics() == {
+        GROUPS_SCORED: 0.0,
+        GROUPS_KEPT: 0.0,
+        ZERO_VARIANCE_GROUPS: 0.0,
+    }
+    # Without the filter, zero-variance groups are counted but kept.
+    unfiltered = GroupCounts(filtering=False, timeout_s=60.0)
+    unfiltered.scored(4, num_zero_variance=4, num_dropped=0)
+    metrics = unfiltered.step_metrics()
+    assert metrics[GROUPS_KEPT] == metrics[ZERO_VARIANCE_GROUPS] == 4.0
+
+
+def test_guard_names_equal_rewards_after_the_timeout_of_waiting(monkeypatch, caplog):
+    now = [100.0]
+    monkeypatch.setattr("grpo.orchestrator.metrics.time.monotonic", lambda: now[0])
+    counts = GroupCounts(filtering=True, timeout_s=10.0, groups_per_batch=8)
+    waiting_since = 95.0
+    with caplog.at_level(logging.WARNING, logger="grpo"):
+        for _ in range(3):  # 12 groups in a row dropped: a batch's worth, warned once
+            counts.scored(4, num_zero_variance=4, num_dropped=4)
+    assert len([r for r in caplog.records if "equal rewards" in r.message]) == 1
+    now[0] = 109.0
+    counts.check(waiting_since)  # 9 s of dropping: not yet
+    now[0] = 111.0
+    with pytest.raises(NoInformativeGroupsError) as error:
+        counts.check(waiting_since)
+    message = str(error.value)
+    assert "every group had equal rewards" in message and "12 groups in a row" in message
+    assert "training.filter_zero_variance_groups" in message
+
+    # One informative group ends the streak.
+    counts.scored(4, num_zero_variance=3, num_dropped=3)
+    counts.check(waiting_since)
+    # Time spent not waiting for a batch (training, evaluation) does not count.
+    counts.scored(4, num_zero_variance=4, num_dropped=4)
+    now[0] = 200.0
+    counts.check(waiting_since=195.0)
+    # Nothing is dropped without the filter, so it never stops a run.
+    unfiltered = GroupCounts(filtering=False, timeout_s=0.0)
+    unfiltered.scored(4, num_zero_variance=4, num_dropped=0)
+    now[0] = 1000.0
+    unfiltered.check(waiting_since=0.0)
+
+
+# ---------------------------------------------------------------- a real run
+
+
+@pytest.mark.slow
+def test_run_with_filter_trains_full_batches_of_informative_unique_groups(
+    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+):
+    """A tiny asynchronous run with the filter: every step trains on ``batch_size`` unique
+    trajectories from groups with differing rewards, and the counts add up."""
+    from grpo.testing import start_tiny_run
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run_dir = tmp_path / "run"
+    num_steps, batch_size, group_size = 3, 16, 4
+    run = start_tiny_run(
+        tiny_model_dir,
+        run_dir,
+        num_steps,
+        "training.filter_zero_variance_groups=true",
+        f"training.batch_size={batch_size}",
+        f"inference.group_size={group_size}",
+        "inference.batch_size=8",
+        "inference.max_generated_tokens=8",
+        "orchestration.stall_timeout_s=120",
+        # The random tiny model emits a '7' sometimes: some groups vary, many do not.
+        "reward_functions=[{_component_: grpo.rewards.TokenPresenceReward, token: '7'}]",
+        "ref.reward_weights=null",
+        "debug_logging_enabled=true",
+        f"debug_num_samples_per_step={batch_size}",
+    )
+    try:
+        state = run.run()
+    finally:
+        run.shutdown()
+    assert state.step == num_steps
+
+    trained = read_jsonl(run_dir / "trained.jsonl")
+    scored_records = read_jsonl(run_dir / "scored.jsonl")
+    scored = {sid for r in scored_records for sid in r["sequence_ids"]}
+    dropped = {sid for r in scored_records for sid in r["dropped_sequence_ids"]}
+    trained_ids = [sid for r in trained for sid in r["sequence_ids"]]
+    assert [len(r["sequence_ids"]) for r in trained] == [batch_size] * num_steps
+    assert len(set(trained_ids)) == len(trained_ids), "a trajectory was trained on twice"
+    assert set(trained_ids) <= scored - dropped
+    assert dropped, "no group had equal rewards: the filter was not exercised"
+
+    # Every trained group is whole and its rewards differ (from the debug table's rows).
+    group_of = {sid: g for r in trained for sid, g in zip(r["sequence_ids"], r["group_ids"])}
+    rewards: dict[int, list[float]] = defaultdict(list)
+    for table in read_jsonl(run_dir / "tables" / "per_sample_debug_table.jsonl"):
+        columns = table["columns"]
+        for row in table["rows"]:
+            sid = row[columns.index("Sequence ID")]
+            rewards[group_of[sid]].append(row[columns.index("Reward_token_presence")])
+    assert sum(len(r) for r in rewards.values()) == num_steps * batch_size
+    for group_id, values in rewards.items():
+        assert len(values) == group_size and len(set(values)) > 1, (group_id, values)
+
+    # The per-step counts add up to what scored.jsonl holds, up to the calls that finished
+    # after the last step.
+    steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if ZERO_VARIANCE_GROUPS in r]
+    assert [r["step"] for r in steps] == list(range(1, num_steps + 1))
+    assert all(r[GROUPS_KEPT] == r[GROUPS_SCORED] - r[ZERO_VARIANCE_GROUPS] for r in steps)
+    logged_dropped = sum(r[ZERO_VARIANCE_GROUPS] for r in steps)
+    assert 0 < logged_dropped <= len(dropped) // group_size
+    assert sum(r[GROUPS_SCORED] for r in steps) <= len(scored) // group_size
+
+
+@pytest.mark.slow
+def test_synchronous_run_whose_rewards_never_differ_stops_naming_the_cause(
+    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+):
+    """A constant reward with the filter: a synchronous run generates round after round,
+    then stops with an error that says every group had equal rewards."""
+    from grpo.testing import start_tiny_run
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run_dir = tmp_path / "run"
+    run = start_tiny_run(
+        tiny_model_dir,
+        run_dir,
+        2,
+        "training.filter_zero_variance_groups=true",
+        "orchestration.synchronous=true",
+        "orchestration.stall_timeout_s=3",
+        "training.batch_size=16",
+        "inference.group_size=4",
+        "inference.batch_size=4",
+        "inference.max_generated_tokens=4",
+        "reward_functions=[{_component_: grpo.rewards.TokenPresenceReward, token: '7', "
+        "reward: 0.0}]",
+        "ref.reward_weights=null",
+    )
+    try:
+        with pytest.raises(NoInformativeGroupsError, match="every group had equal rewards"):
+            run.run()
+    finally:
+        run.shutdown()
+    assert run.state.step == 0
+    records = read_jsonl(Path(run_dir) / "scored.jsonl")
+    # Several generation rounds, all of them scored and dropped, none trained.
+    assert len(records) >= 2
+    assert all(r["sequence_ids"] == r["dropped_sequence_ids"] for r in records)
+    assert not read_jsonl(Path(run_dir) / "trained.jsonl")
