@@ -27,6 +27,7 @@ own output goes to ``output_dir/logs/`` unless ``log_level`` is debug (see `grpo
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -135,15 +136,28 @@ def progress_fields(state: RunState) -> dict[str, str]:
     return fields
 
 
+def _has_sized_terminal() -> bool:
+    """Whether stdout is a terminal that reports its size.
+
+    A pseudo-terminal without one (0 columns or rows, as some containers and ``script`` give)
+    makes tqdm draw nothing at all.
+    """
+    try:
+        size = os.get_terminal_size(sys.stdout.fileno())
+    except (OSError, ValueError):
+        return False
+    return sys.stdout.isatty() and size.columns > 0 and size.lines > 0
+
+
 @contextmanager
 def progress_bar(num_steps: int, state: RunState):
     """Progress over training steps; yields ``on_step(state)``, called after each step.
 
-    On a terminal: one tqdm bar (rate, ETA and `progress_fields`). Anywhere else (a file, a
-    pipe, a test capturing stdout), where a bar's carriage returns would pile up: a plain
-    line every tenth of the run and at its last step.
+    On a terminal that reports its size: one tqdm bar (rate, ETA and `progress_fields`).
+    Anywhere else (a file, a pipe, a test capturing stdout), where a bar's carriage returns
+    would pile up: a plain line every tenth of the run and at its last step.
     """
-    interactive = sys.stdout.isatty()
+    interactive = _has_sized_terminal()
     every = max(1, num_steps // 10)
     first_step, started = state.step, time.monotonic()
     with tqdm(
