@@ -2,6 +2,8 @@
 
     grpo ls                                     recipes and their configs
     grpo run async_grpo --config NAME k=v ...   validate the config, then run the recipe
+                                                (--verbose: every process's output on the
+                                                terminal instead of OUTPUT_DIR/logs/)
     grpo validate NAME [k=v ...]                check a config without running anything
     grpo cp NAME DEST [--force]                 copy a config or recipe to edit it
     grpo plot RUN_DIR                           write the standard plots of a run
@@ -29,6 +31,7 @@ from types import ModuleType
 
 from grpo.config import (
     ConfigError,
+    add_verbose_flag,
     configs_dir,
     list_configs,
     load_config,
@@ -37,6 +40,7 @@ from grpo.config import (
     split_overrides,
     validate_config,
 )
+from grpo.logs import DriverLog
 
 # A config names its recipe in its launch comment: "#   grpo run async_grpo --config ...".
 _LAUNCH_LINE = re.compile(r"^#.*\bgrpo run\s+(\S+)\s+--config\b", re.MULTILINE)
@@ -132,8 +136,13 @@ def _config_recipe(path: Path) -> str | None:
 
 
 def _run_cmd(args: argparse.Namespace) -> int:
-    recipe_main = load_recipe_main(find_recipe(args.recipe))
-    return run_recipe(recipe_main, args.config, args.overrides, prog="grpo run")
+    # Entered before the recipe is imported: its imports log (torchao warns about its C++
+    # extensions), and those records belong in the run's driver.log, not on the terminal.
+    with DriverLog() as driver_log:
+        recipe_main = load_recipe_main(find_recipe(args.recipe))
+        return run_recipe(
+            recipe_main, args.config, args.overrides, prog="grpo run", driver_log=driver_log
+        )
 
 
 def _validate_cmd(args: argparse.Namespace) -> int:
@@ -235,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("recipe", help="recipe name (see `grpo ls`) or path to a .py file")
     run.add_argument("--config", required=True, help="config name or path to a YAML file")
+    add_verbose_flag(run)
     run.add_argument("overrides", nargs="*", help="key.sub=value or ~key overrides")
     run.set_defaults(func=_run_cmd, takes_overrides=True)
 
@@ -291,7 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "takes_overrides", False):
-        args.overrides = split_overrides(parser, args.overrides, extra)
+        args.overrides = split_overrides(
+            parser, args.overrides, extra, verbose=getattr(args, "verbose", False)
+        )
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

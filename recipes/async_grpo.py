@@ -20,10 +20,14 @@ The whole run, in order (each stage is a paragraph of `recipe_main`):
 5. Checkpoint: every `save_every_n_steps` inside the loop, and here when a signal stopped it.
 6. Verify that the collectors hold the trainer's weights, save the final policy as an
    HF-format folder (loads in vLLM and torchtune), shut every actor down, write plots.
+
+The terminal shows a few lines at the start, one progress bar, and the results; every process's
+own output goes to ``output_dir/logs/`` unless ``log_level`` is debug (see `grpo.logs`).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -36,6 +40,7 @@ from tqdm import tqdm
 
 from grpo.config import instantiate, run_recipe_cli
 from grpo.evaluation import HeldOutEvaluator
+from grpo.logs import is_verbose, logs_dir
 from grpo.models import load_tokenizer
 from grpo.orchestrator import (
     ActorFailedError,
@@ -46,6 +51,8 @@ from grpo.orchestrator import (
     find_checkpoint,
     init_ray,
 )
+from grpo.orchestrator.supervisor import DEFAULT_METRIC_LOGGER
+from grpo.workers.metric_logger import resolve_wandb_mode
 
 
 def prepare_run_dir(cfg: DictConfig) -> Path:
@@ -112,26 +119,114 @@ def stop_on_signals(run: Orchestrator):
             signal.signal(sig, handler)
 
 
+def progress_fields(state: RunState) -> dict[str, str]:
+    """What the progress line shows after a step: policy version, reward, loss, accuracy.
+
+    The reward is that of the groups scored most recently, the loss the last step's, the
+    accuracy the last held-out evaluation's.
+    """
+    fields = {"v": str(state.policy_version)}
+    reward = state.last_scored_metrics.get("ref_actor_rewards/rewards_mean")
+    if reward is not None:
+        fields["reward"] = f"{reward:.3f}"
+    loss = state.last_metrics.get("train_actor_training/loss")
+    if loss is not None:
+        fields["loss"] = f"{loss:.4f}"
+    if state.eval_history:
+        fields["eval_acc"] = f"{state.eval_history[-1][1]['eval/accuracy']:.3f}"
+    return fields
+
+
+def _has_sized_terminal() -> bool:
+    """Whether stdout is a terminal that reports its size.
+
+    A pseudo-terminal without one (0 columns or rows, as some containers and ``script`` give)
+    makes tqdm draw nothing at all.
+    """
+    try:
+        size = os.get_terminal_size(sys.stdout.fileno())
+    except (OSError, ValueError):
+        return False
+    return sys.stdout.isatty() and size.columns > 0 and size.lines > 0
+
+
 @contextmanager
 def progress_bar(num_steps: int, state: RunState):
-    """A tqdm bar over training steps; yields ``on_step(state)`` that advances it."""
+    """Progress over training steps; yields ``on_step(state)``, called after each step.
+
+    On a terminal that reports its size: one tqdm bar (rate, ETA and `progress_fields`).
+    Anywhere else (a file, a pipe, a test capturing stdout), where a bar's carriage returns
+    would pile up: a plain line every tenth of the run and at its last step.
+    """
+    interactive = _has_sized_terminal()
+    every = max(1, num_steps // 10)
+    first_step, started = state.step, time.monotonic()
     with tqdm(
-        total=num_steps, initial=state.step, desc="GRPO", unit="step", file=sys.stdout
+        total=num_steps,
+        initial=state.step,
+        desc="GRPO",
+        unit="step",
+        file=sys.stdout,
+        disable=not interactive,
+        dynamic_ncols=True,
     ) as bar:
 
         def on_step(state: RunState) -> None:
-            metrics = state.last_metrics
-            postfix = {"v": state.policy_version}
-            if "ref_actor_rewards/rewards_mean" in metrics:
-                postfix["reward"] = f"{metrics['ref_actor_rewards/rewards_mean']:.3f}"
-            if "train_actor_training/loss" in metrics:
-                postfix["loss"] = f"{metrics['train_actor_training/loss']:.4f}"
-            if state.eval_history:
-                postfix["eval_acc"] = f"{state.eval_history[-1][1]['eval/accuracy']:.3f}"
-            bar.set_postfix(postfix)
-            bar.update(1)
+            fields = progress_fields(state)
+            if interactive:
+                bar.set_postfix(fields, refresh=False)
+                bar.update(1)
+                return
+            if state.step % every and state.step != num_steps:
+                return
+            elapsed = time.monotonic() - started
+            remaining = elapsed / max(state.step - first_step, 1) * (num_steps - state.step)
+            shown = " ".join(f"{key}={value}" for key, value in fields.items())
+            print(
+                f"step {state.step}/{num_steps} {shown} "
+                f"elapsed={tqdm.format_interval(elapsed)} eta={tqdm.format_interval(remaining)}",
+                flush=True,
+            )
 
         yield on_step
+
+
+def wandb_text(cfg: DictConfig, run_dir: Path) -> str | None:
+    """How the run logs to W&B, for the start lines; None for a metric logger of your own."""
+    node = cfg.get("metric_logger") or {}
+    if node.get("_component_", DEFAULT_METRIC_LOGGER) != DEFAULT_METRIC_LOGGER:
+        return None
+    try:
+        mode = resolve_wandb_mode(node.get("mode", "online"))
+    except ValueError as error:
+        return str(error)
+    if node.get("use_wandb") is False or mode == "disabled":
+        return "off"
+    project = node.get("project", "grpo")
+    if mode == "offline":
+        return f"offline, project {project!r}, in {run_dir / 'wandb'} (upload with `wandb sync`)"
+    return f"online, project {project!r}"
+
+
+def print_start(cfg: DictConfig, run_dir: Path) -> None:
+    """The lines before the progress bar: what runs, where its files and logs go."""
+    orchestration = cfg.orchestration
+    print(
+        f"GRPO: {cfg.base_model_path}, {orchestration.num_steps} steps, "
+        f"{orchestration.num_inference_workers} collector(s), "
+        f"{orchestration.num_ref_workers} reference actor(s), "
+        f"{orchestration.num_training_workers} trainer(s)"
+    )
+    print(f"Run folder: {run_dir}")
+    if not is_verbose(cfg):
+        print(
+            f"Logs: {logs_dir(run_dir)}/ (vLLM, Ray, W&B; --verbose or log_level=debug "
+            "prints them here instead)"
+        )
+    wandb = wandb_text(cfg, run_dir)
+    if wandb:
+        print(f"W&B: {wandb}")
+    sys.stdout.flush()
 
 
 def write_plots(run_dir: Path) -> list[str]:
@@ -157,6 +252,7 @@ def recipe_main(cfg: DictConfig) -> dict:
     # 1. Config and data (the config was validated by the caller).
     datasets = build_datasets(cfg)
     run_dir = prepare_run_dir(cfg)
+    print_start(cfg, run_dir)
     init_ray(cfg)
     tokenizer = load_tokenizer(cfg.base_model_path)
     checkpoint = find_checkpoint(run_dir, cfg.resume_from_checkpoint)
@@ -190,6 +286,11 @@ def recipe_main(cfg: DictConfig) -> dict:
             weights_in_sync = run.verify_weight_sync()
             final_dir = run.save_final_checkpoint()
             seconds = time.monotonic() - started
+        except Exception:
+            if not is_verbose(cfg):
+                # The actors' own messages (a crash, an out-of-memory kill) are in their files.
+                print(f"Each process's output: {logs_dir(run_dir)}/", file=sys.stderr)
+            raise
         finally:
             run.shutdown()
     summary = {
@@ -202,12 +303,24 @@ def recipe_main(cfg: DictConfig) -> dict:
         "seconds": seconds,
         "plots": write_plots(run_dir),
     }
-    print(f"Run finished: {summary['steps']} steps, final policy in {final_dir}")
-    for step, accuracy in summary["eval"]:
-        print(f"  held-out accuracy at step {step}: {accuracy:.3f}")
-    for path in summary["plots"]:
-        print(f"  plot: {path}")
+    print_end(summary)
     return summary
+
+
+def print_end(summary: dict) -> None:
+    """The lines after the progress bar: accuracy, where the policy, metrics and plots are."""
+    print(
+        f"Run finished: {summary['steps']} steps in {tqdm.format_interval(summary['seconds'])}, "
+        f"policy version {summary['policy_version']}"
+    )
+    accuracies = [f"{a:.3f} at step {step}" for step, a in summary["eval"] if a is not None]
+    if accuracies:
+        print(f"Held-out accuracy: {' -> '.join(accuracies)}")
+    print(f"Final policy: {summary['final_checkpoint']}")
+    run_dir = Path(summary["run_dir"])
+    plots = summary["plots"]
+    where_plots = f"; plots: {Path(plots[0]).parent}/ ({len(plots)} PNG)" if plots else ""
+    print(f"Metrics: {run_dir / 'metrics.jsonl'}{where_plots}")
 
 
 if __name__ == "__main__":

@@ -174,6 +174,16 @@ def test_run_recipe_by_name_with_overrides(workspace):
     assert cfg["inference"]["top_p"] == 1.0  # schema default filled
 
 
+def test_run_verbose_flag_is_log_level_debug(workspace):
+    assert main(["run", "record", "--config", "small", "seed=5"]) == 0
+    assert received(workspace)["log_level"] == "info"
+    assert (workspace / "out" / "logs" / "driver.log").is_file()
+    assert main(["run", "record", "--config", "small", "seed=5", "--verbose"]) == 0
+    assert received(workspace)["log_level"] == "debug"
+    assert main(["run", "record", "-v", "--config", "small", "log_level=info"]) == 0
+    assert received(workspace)["log_level"] == "debug"  # the flag wins over an override
+
+
 def test_run_recipe_by_path_and_config_by_path(workspace, tmp_path):
     recipe = tmp_path / "elsewhere" / "my_recipe.py"
     recipe.parent.mkdir()

@@ -196,6 +196,8 @@ def test_dead_trainer_stops_the_run_naming_it(tiny_model_dir, tmp_path, monkeypa
     # ("trainer[0] weight gather failed, an actor died").
     assert "trainer[0]" in str(error.value) and "died" in str(error.value)
     assert "resume from the start (no checkpoint saved yet)" in str(error.value)
+    # It names where the actors' own output is (their files in the run's logs folder).
+    assert str(tmp_path / "run" / "logs") in str(error.value)
     # The loop notices within a couple of its 1 s waits, not after the stall timeout.
     assert stopped_after < 30, f"took {stopped_after:.1f} s to notice"
     assert run.state.step < 200

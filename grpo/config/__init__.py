@@ -44,7 +44,14 @@ from grpo.config.options import (
     run_schema,
     section_of,
 )
-from grpo.config.recipes import Recipe, parse, run_recipe, run_recipe_cli, split_overrides
+from grpo.config.recipes import (
+    Recipe,
+    add_verbose_flag,
+    parse,
+    run_recipe,
+    run_recipe_cli,
+    split_overrides,
+)
 from grpo.config.reference import config_reference_markdown
 from grpo.config.validation import validate_config
 
@@ -59,6 +66,7 @@ __all__ = [
     "InstantiationError",
     "Recipe",
     "Section",
+    "add_verbose_flag",
     "config_reference_markdown",
     "configs_dir",
     "find_config",

@@ -6,6 +6,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -14,34 +15,45 @@ from omegaconf import DictConfig
 from grpo.config.errors import ConfigError
 from grpo.config.loading import load_config
 from grpo.config.validation import validate_config
+from grpo.logs import DriverLog
 
 Recipe = Callable[[DictConfig], Any]
 
 
 def run_recipe(
-    recipe_main: Recipe, config: str | Path, overrides: Sequence[str] = (), prog: str = "grpo run"
+    recipe_main: Recipe,
+    config: str | Path,
+    overrides: Sequence[str] = (),
+    prog: str = "grpo run",
+    driver_log: DriverLog | None = None,
 ) -> int:
     """Load and validate a config, then call ``recipe_main(cfg)``.
 
     Config problems are printed to stderr without a traceback; errors inside the recipe
-    propagate.
+    propagate. While it runs, this process's logging goes where the config's ``log_level``
+    says (`grpo.logs.DriverLog`): ``<output_dir>/logs/driver.log``, and the terminal for the
+    ``grpo`` logger's warnings (every logger's with ``log_level: debug``).
 
     Args:
         recipe_main (Recipe): The recipe's entry point.
         config (str | Path): Config name or path.
         overrides (Sequence[str]): ``key=value`` / ``~key`` overrides.
         prog (str): Program name used in error messages.
+        driver_log (DriverLog | None): One the caller entered already (``grpo run`` does,
+            before it imports the recipe, whose imports log); None enters one here.
 
     Returns:
         int: 0 on success (or the recipe's int return value), 2 on a config error.
     """
-    try:
-        cfg = load_config(config, overrides)
-        validate_config(cfg)
-        result = recipe_main(cfg)
-    except ConfigError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+    with nullcontext(driver_log) if driver_log else DriverLog() as driver_log:
+        try:
+            cfg = load_config(config, overrides)
+            validate_config(cfg)
+            driver_log.start(cfg)
+            result = recipe_main(cfg)
+        except ConfigError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 2
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
@@ -65,20 +77,45 @@ def run_recipe_cli(recipe_main: Recipe, argv: Sequence[str] | None = None) -> No
         description=recipe_main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", required=True, help="config name (configs/NAME.yaml) or path")
+    add_verbose_flag(parser)
     parser.add_argument("overrides", nargs="*", help="key=value or ~key overrides")
     args, extra = parser.parse_known_args(argv)
-    overrides = split_overrides(parser, args.overrides, extra)
+    overrides = split_overrides(parser, args.overrides, extra, verbose=args.verbose)
     sys.exit(run_recipe(recipe_main, args.config, overrides, prog=parser.prog))
 
 
+def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
+    """``--verbose`` / ``-v``: the ``log_level=debug`` override (see `split_overrides`)."""
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show every process's output (vLLM, Ray, W&B) on the terminal instead of "
+        "OUTPUT_DIR/logs/; the same as log_level=debug",
+    )
+
+
 def split_overrides(
-    parser: argparse.ArgumentParser, overrides: Sequence[str], extra: Sequence[str]
+    parser: argparse.ArgumentParser,
+    overrides: Sequence[str],
+    extra: Sequence[str],
+    verbose: bool = False,
 ) -> list[str]:
-    """Overrides after ``--config`` land in argparse's leftovers; accept those, reject flags."""
+    """Overrides after ``--config`` land in argparse's leftovers; accept those, reject flags.
+
+    Args:
+        parser (argparse.ArgumentParser): Reports a flag it does not know.
+        overrides (Sequence[str]): The parsed ``overrides`` positionals.
+        extra (Sequence[str]): argparse's leftovers.
+        verbose (bool): ``--verbose`` was given: ``log_level=debug`` goes last, so it wins.
+
+    Returns:
+        list[str]: Every override, in order.
+    """
     flags = [arg for arg in extra if arg.startswith("-")]
     if flags:
         parser.error(f"unrecognized arguments: {' '.join(flags)} (overrides are key=value)")
-    return [*overrides, *extra]
+    return [*overrides, *extra, *(["log_level=debug"] if verbose else [])]
 
 
 def parse(recipe_main: Recipe) -> Callable[..., Any]:

@@ -32,6 +32,7 @@ from grpo.config.options import (
     section,
     type_ok,
 )
+from grpo.logs import LOG_LEVELS
 from grpo.models import SUPPORTED_MODEL_TYPES
 from grpo.orchestrator.config import OrchestrationConfig, RayConfig
 from grpo.orchestrator.weight_sync import WeightSyncConfig
@@ -89,6 +90,13 @@ class RunConfig(ConfigSection):
     )
     eval_num_examples: int | None = option(
         None, "Held-out examples per evaluation; null: all of eval_dataset.", check=POSITIVE
+    )
+    log_level: str = option(
+        "info",
+        "info: the terminal shows a progress bar and the results; each process's own output "
+        "(vLLM, Ray, W&B) goes to output_dir/logs/. debug (grpo run --verbose): all of it on "
+        "the terminal, with the grpo logger's debug messages.",
+        check=one_of(*LOG_LEVELS),
     )
     ray: RayConfig = section(RayConfig)
     orchestration: OrchestrationConfig = section(OrchestrationConfig)

@@ -268,6 +268,7 @@ class Orchestrator:
         step = self.state.step
         waited = self._waited.pop(call.index, 0.0)
         busy = result["metrics"]["ref_actor_performance/total_rollout_time (s)"]
+        self.state.last_scored_metrics = result["metrics"]
         self._busy["scoring"] += busy
         metrics = {
             **result["metrics"],

@@ -16,11 +16,16 @@ from grpo.orchestrator.supervisor import Role
 
 @dataclass
 class RunState:
-    """The run's clock: training step and policy version; also the last metrics and evals."""
+    """The run's clock: training step and policy version; also the last metrics and evals.
+
+    ``last_metrics`` are the last training step's, ``last_scored_metrics`` the last reference
+    call's (rewards of the groups scored most recently); neither is checkpointed.
+    """
 
     step: int = 0
     policy_version: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
+    last_scored_metrics: dict[str, float] = field(default_factory=dict)
     eval_history: list[tuple[int, float]] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from grpo.config import InstantiationError, locate
 from grpo.config.instantiate import keyword_names
+from grpo.logs import actor_log_path, is_verbose, logs_dir, with_output_to
 from grpo.orchestrator.checkpointer import latest_checkpoint_text
 from grpo.orchestrator.errors import ActorFailedError
 from grpo.orchestrator.weight_sync import TRAINER_CONCURRENCY_GROUPS
@@ -44,12 +45,26 @@ def to_container(node: Any) -> Any:
 
 
 def init_ray(cfg: DictConfig) -> None:
-    """Start a local Ray cluster, or join one when ``ray.address`` is set."""
+    """Start a local Ray cluster, or join one when ``ray.address`` is set.
+
+    Unless ``log_level`` is debug, Ray does not forward the actors' output to this process
+    (each actor writes its own log file, see `grpo.logs`) and its own start-up messages go
+    through the root logger (the run's ``driver.log`` under ``grpo run``) instead of stderr.
+    """
     if ray.is_initialized():
         return
     ray_cfg = cfg.get("ray") or {}
     address = ray_cfg.get("address")
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    verbose = is_verbose(cfg)
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": verbose,
+        "configure_logging": verbose,
+    }
+    if not verbose:
+        # configure_logging=False leaves the "ray" logger with no handler; propagating, its
+        # records reach the root logger's handlers (Python's last resort prints warnings).
+        logging.getLogger("ray").propagate = True
     if address:
         kwargs["address"] = address
     else:
@@ -130,6 +145,9 @@ class ActorSupervisor:
         self.current_step = current_step
         self.dataset = ray.put(dataset) if dataset is not None else to_container(cfg.dataset)
         self.max_actor_restarts = cfg.orchestration.max_actor_restarts
+        # Unless log_level is debug, each actor's process writes to its own file in
+        # <run_dir>/logs (grpo.logs) and Ray forwards nothing to the terminal.
+        self.log_files = not is_verbose(cfg)
         self.on_replaced: dict[Role, Callable[[int, Any], None]] = {}
         self.collectors: list[Any] = []
         self.ref_actors: list[Any] = []
@@ -147,6 +165,28 @@ class ActorSupervisor:
         self.gave_up: ActorFailedError | None = None
 
     # ------------------------------------------------------------------ start
+
+    def _actor_class(self, cls: type, name: str) -> type:
+        """``cls``, or a subclass whose process writes its output to the actor's log file."""
+        if self.log_files:
+            return with_output_to(cls, actor_log_path(self.run_dir, name))
+        return cls
+
+    def output_hint(self, name: str | None = None) -> str:
+        """Where to read what an actor printed, for error messages ("" when on the terminal).
+
+        Args:
+            name (str | None): The actor's name (`actor_name`); None when not known.
+
+        Returns:
+            str: ``" (its output: <run_dir>/logs/<actor>.log)"`` (the folder when ``name`` is
+            None), or "" with log_level debug.
+        """
+        if not self.log_files:
+            return ""
+        if name is None:
+            return f" (each actor's output: {logs_dir(self.run_dir)})"
+        return f" (its output: {actor_log_path(self.run_dir, name)})"
 
     def start_all(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> None:
         """Start every actor, in order; trainers and collectors from ``checkpoint_dir``."""
@@ -184,6 +224,7 @@ class ActorSupervisor:
         for name, value in defaults.items():
             if accepted is None or name in accepted:
                 node.setdefault(name, value)
+        logger_cls = self._actor_class(logger_cls, "metric_logger")
         self.metric_logger = ray.remote(num_cpus=0)(logger_cls).remote(**node)
         return self.metric_logger
 
@@ -195,7 +236,8 @@ class ActorSupervisor:
         from grpo.workers.replay_buffer import ReplayBufferActor
 
         orchestration = self.cfg.orchestration
-        self.replay_buffer = ray.remote(num_cpus=0)(ReplayBufferActor).remote(
+        actor_cls = self._actor_class(ReplayBufferActor, actor_name(Role.REPLAY_BUFFER))
+        self.replay_buffer = ray.remote(num_cpus=0)(actor_cls).remote(
             capacity=orchestration.replay_buffer_size,
             max_policy_lag=orchestration.max_policy_lag,
             seed=self.cfg.seed,
@@ -207,12 +249,15 @@ class ActorSupervisor:
 
         cfg, training = self.cfg, self.cfg.training
         world_size = cfg.orchestration.num_training_workers
-        # Weight-channel calls run in their own concurrency group, beside training steps.
-        actor_cls = ray.remote(
-            **_resources(training), concurrency_groups=TRAINER_CONCURRENCY_GROUPS
-        )(PyTorchActorModel)
+
+        def trainer_class(rank: int) -> Any:
+            # Weight-channel calls run in their own concurrency group, beside training steps.
+            return ray.remote(
+                **_resources(training), concurrency_groups=TRAINER_CONCURRENCY_GROUPS
+            )(self._actor_class(PyTorchActorModel, actor_name(Role.TRAINER, rank)))
+
         self.trainers = [
-            actor_cls.remote(
+            trainer_class(rank).remote(
                 rank=rank,
                 world_size=world_size,
                 model_dir=cfg.base_model_path,
@@ -233,12 +278,13 @@ class ActorSupervisor:
         )
         return self.trainers
 
-    def _new_ref_actor(self) -> Any:
+    def _new_ref_actor(self, index: int) -> Any:
         from grpo.workers.ref import RefActor, RefConfig
 
         cfg = self.cfg
         ref_cfg = cfg.ref
-        return ray.remote(**_resources(ref_cfg))(RefActor).remote(
+        actor_cls = self._actor_class(RefActor, actor_name(Role.REF, index))
+        return ray.remote(**_resources(ref_cfg))(actor_cls).remote(
             model_dir=cfg.base_model_path,
             reward_functions=to_container(cfg.reward_functions),
             target_tokens_per_batch=cfg.target_tokens_per_batch,
@@ -248,7 +294,7 @@ class ActorSupervisor:
 
     def start_ref_actors(self) -> list[Any]:
         self.ref_actors = [
-            self._new_ref_actor() for _ in range(self.cfg.orchestration.num_ref_workers)
+            self._new_ref_actor(index) for index in range(self.cfg.orchestration.num_ref_workers)
         ]
         return self.ref_actors
 
@@ -258,7 +304,8 @@ class ActorSupervisor:
         cfg, inference = self.cfg, self.cfg.inference
         # Threaded actor (max_concurrency 4): evaluate and receive_weights must get through
         # while generate_batch waits on a full rollout queue, or evaluation deadlocks.
-        actor_cls = SyncLLMCollector.as_remote(**_resources(inference))
+        collector_cls = self._actor_class(SyncLLMCollector, actor_name(Role.COLLECTOR, worker_id))
+        actor_cls = collector_cls.as_remote(**_resources(inference))
         return actor_cls.remote(
             worker_id=worker_id,
             num_workers=cfg.orchestration.num_inference_workers,
@@ -301,7 +348,8 @@ class ActorSupervisor:
             return ray.get(refs)
         except RayActorError as error:
             raise ActorFailedError(
-                f"{what or 'an actor'} failed, an actor died ({error}): resume from "
+                f"{what or 'an actor'} failed, an actor died ({error}){self.output_hint()}: "
+                "resume from "
                 f"{latest_checkpoint_text(self.run_dir)}"
             ) from error
         except RayTaskError as error:
@@ -323,7 +371,8 @@ class ActorSupervisor:
             except RayActorError as error:
                 self.replace(role, index, actor, error)
             except RayTaskError as error:
-                raise ActorFailedError(f"{actor_name(role, index)} failed: {error}") from error
+                name = actor_name(role, index)
+                raise ActorFailedError(f"{name} failed{self.output_hint(name)}: {error}") from error
 
     def returned(self, role: Role, index: int, actor: Any) -> None:
         """A call of ``actor`` came back: a replacement's first result ends its recovery."""
@@ -347,8 +396,9 @@ class ActorSupervisor:
         name = actor_name(role, index)
         if role is Role.TRAINER:
             raise ActorFailedError(
-                f"{name} died ({error}); trainers hold the policy and optimizer state and are "
-                f"not restarted: resume from {latest_checkpoint_text(self.run_dir)}"
+                f"{name} died ({error}){self.output_hint(name)}; trainers hold the policy and "
+                "optimizer state and are not restarted: resume from "
+                f"{latest_checkpoint_text(self.run_dir)}"
             )
         if role is Role.ROLLOUT_QUEUE:
             raise ActorFailedError(
@@ -365,15 +415,17 @@ class ActorSupervisor:
             # Replace it once more so the pipeline can be checkpointed, then stop.
             self.gave_up = ActorFailedError(
                 f"{name} died {restarts} times (orchestration.max_actor_restarts="
-                f"{self.max_actor_restarts}); last error: {error}"
+                f"{self.max_actor_restarts}){self.output_hint(name)}; last error: {error}"
             )
         self.restarts[name] = restarts
         recovery = Recovery(name, step, 0.0, str(error))
-        log.warning("%s died at step %d; replacing it: %s", name, step, error)
+        log.warning(
+            "%s died at step %d; replacing it%s: %s", name, step, self.output_hint(name), error
+        )
         if role is Role.COLLECTOR:
             new = self.collectors[index] = self._new_collector(index)
         elif role is Role.REF:
-            new = self.ref_actors[index] = self._new_ref_actor()
+            new = self.ref_actors[index] = self._new_ref_actor(index)
         else:
             new = self.start_replay_buffer()
         hook = self.on_replaced.get(role)

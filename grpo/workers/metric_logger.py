@@ -64,7 +64,7 @@ _WANDB_MODES = ("online", "offline", "disabled")
 _TABLE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-def _resolve_mode(mode: str) -> str:
+def resolve_wandb_mode(mode: str) -> str:
     """W&B mode: ``WANDB_MODE`` in the environment wins over the config (tests, CI)."""
     env_mode = os.environ.get("WANDB_MODE")
     if env_mode:
@@ -148,7 +148,7 @@ class MetricLogger:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.stdout_every_n = stdout_every_n
         self.stdout_keys = tuple(DEFAULT_STDOUT_KEYS if stdout_keys is None else stdout_keys)
-        self.mode = _resolve_mode(mode) if use_wandb else "disabled"
+        self.mode = resolve_wandb_mode(mode) if use_wandb else "disabled"
 
         self._log_path = self.log_dir / "metrics.jsonl"
         # Line-buffered append; `_write_line` flushes explicitly as well.

@@ -1,0 +1,145 @@
+"""What a run prints on the terminal, and where everything else goes (`grpo.logs`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from grpo.config import repo_root
+from grpo.logs import DriverLog, actor_log_path, with_output_to
+
+# vLLM's log format: "(MainProcess pid=12) INFO 11-23 22:28:48 [model.py:733] ...".
+VLLM_LINE = re.compile(r"\b(DEBUG|INFO|WARNING)\b.*\[[\w.]+\.py:\d+\]")
+
+
+def test_actor_log_names_need_no_quoting(tmp_path):
+    assert actor_log_path(tmp_path, "collector[0]") == tmp_path / "logs" / "collector_0.log"
+    assert actor_log_path(tmp_path, "replay_buffer") == tmp_path / "logs" / "replay_buffer.log"
+
+
+class Talker:
+    """Prints from Python and from a child process, as vLLM and its C++ code do."""
+
+    def __init__(self, word: str) -> None:
+        print(f"python {word}")
+        logging.getLogger("talker").info("logged %s", word)
+        os.system(f"echo child {word} 1>&2")
+
+
+def test_with_output_to_sends_the_process_output_to_the_file(tmp_path):
+    log_file = tmp_path / "logs" / "talker.log"
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_terminal_output import Talker
+        from grpo.logs import with_output_to
+
+        cls = with_output_to(Talker, {str(log_file)!r})
+        assert cls.__name__ == "Talker" and issubclass(cls, Talker)
+        cls("hello")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(repo_root())}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "" and result.stderr == ""
+    text = log_file.read_text()
+    assert "python hello" in text and "logged hello" in text and "child hello" in text
+
+
+def test_with_output_to_keeps_the_class_usable():
+    cls = with_output_to(Talker, os.devnull)
+    assert cls.__qualname__ == Talker.__qualname__ and cls.__doc__ == Talker.__doc__
+
+
+def test_driver_log_holds_records_until_it_knows_the_mode(tmp_path, capsys):
+    cfg = {"output_dir": str(tmp_path / "run"), "log_level": "info"}
+    with DriverLog() as driver_log:
+        logging.getLogger("somelib").warning("early library warning")
+        path = driver_log.start(cfg)
+        logging.getLogger("grpo.test").info("grpo info")
+        logging.getLogger("grpo.test").warning("grpo warning")
+    text = path.read_text()
+    assert path == tmp_path / "run" / "logs" / "driver.log"
+    for message in ("early library warning", "grpo info", "grpo warning"):
+        assert message in text
+    err = capsys.readouterr().err
+    # Only the grpo logger's warnings reach the terminal.
+    assert "grpo warning" in err
+    assert "early library warning" not in err and "grpo info" not in err
+    # Undone on exit: later records no longer reach the run's file.
+    assert not any(
+        getattr(h, "baseFilename", None) == str(path) for h in logging.getLogger().handlers
+    )
+
+
+def test_driver_log_in_debug_mode_shows_everything(tmp_path, capsys):
+    cfg = {"output_dir": str(tmp_path / "run"), "log_level": "debug"}
+    with DriverLog() as driver_log:
+        logging.getLogger("somelib").warning("early library warning")
+        driver_log.start(cfg)
+        logging.getLogger("grpo.test").debug("grpo debug")
+    err = capsys.readouterr().err
+    assert "early library warning" in err and "grpo debug" in err
+    assert logging.getLogger("grpo").level == logging.NOTSET  # restored
+
+
+@pytest.mark.slow
+def test_a_run_prints_progress_and_results_and_nothing_else(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "grpo",
+        "run",
+        "async_grpo",
+        "--config",
+        "tiny_arithmetic_cpu",
+        "orchestration.num_steps=3",
+        "eval_num_examples=32",
+        f"output_dir={run_dir}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(repo_root()), "WANDB_MODE": "offline"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out, err = result.stdout, result.stderr
+    terminal = out + err
+
+    # No vLLM, Ray or W&B output on the terminal, on either stream.
+    assert not [line for line in terminal.splitlines() if VLLM_LINE.search(line)], terminal
+    for noise in ("ParallelLMHead", "pid=", "wandb:", "Started a local Ray instance"):
+        assert noise not in terminal, f"{noise!r} reached the terminal:\n{terminal}"
+    assert len(terminal.splitlines()) <= 15, terminal
+
+    # Start lines, one progress line per step (stdout is not a terminal here), results.
+    assert f"Run folder: {run_dir}" in out
+    assert f"Logs: {run_dir / 'logs'}/" in out
+    assert "W&B: offline" in out
+    for step in (1, 2, 3):
+        line = next(line for line in out.splitlines() if line.startswith(f"step {step}/3 "))
+        for field in ("reward=", "loss=", "eval_acc=", "eta="):
+            assert field in line, line
+    assert "Run finished: 3 steps" in out
+    assert "Held-out accuracy: " in out and "at step 3" in out
+    assert f"Final policy: {run_dir / 'final'}" in out
+    assert f"Metrics: {run_dir / 'metrics.jsonl'}" in out
+
+    # What the terminal did not show is in the run folder's logs.
+    logs = run_dir / "logs"
+    collector_log = (logs / "collector_0.log").read_text()
+    assert [line for line in collector_log.splitlines() if VLLM_LINE.search(line)]
+    assert "wandb" in (logs / "metric_logger.log").read_text()
+    assert "ray" in (logs / "driver.log").read_text()
+    for name in ("trainer_0", "ref_actor_0", "replay_buffer"):
+        assert (logs / f"{name}.log").is_file()
+    assert (run_dir / "metrics.jsonl").stat().st_size > 0
