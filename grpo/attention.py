@@ -9,6 +9,11 @@ own sequence only. `grpo.packing.pack_sequences` describes that mask in one of t
 - ``"varlen"``: a `VarlenMask` holding the block lengths; attention runs once per sequence with
   ``is_causal=True`` SDPA, so compute is ``sum(len_i^2)`` instead of ``L^2``.
 
+Shared-prompt packs (``[P R1 R2 ... RG]``, see `grpo.packing`) add one rule to the block-causal
+one: a response block also sees every token of its prompt block. All three forms express it:
+the dense mask and the flex ``mask_mod`` from per-token block ids, and `VarlenMask` through
+``prefix_blocks``.
+
 Why this module exists: torchtune 0.6.1 chooses its attention function once, when each
 ``MultiHeadAttention`` is built (``_sdpa_or_flex_attention``), and uses FlexAttention only when
 ``torchtune.utils._import_guard._SUPPORTS_FLEX_ATTENTION`` holds, which requires CUDA with compute
@@ -51,23 +56,30 @@ __all__ = [
 class VarlenMask:
     """Block-causal mask given by the lengths of consecutive blocks of one packed row.
 
-    Token ``i`` may attend to token ``j`` iff both lie in the same block and ``j <= i``. The
-    lengths are Python ints: attention splits on them in every layer, and ints avoid a
-    device-to-host sync per layer.
+    Token ``i`` may attend to token ``j`` iff both lie in the same block and ``j <= i``, or
+    ``j`` lies in the prefix block of ``i``'s block (``prefix_blocks``): a shared prompt that a
+    response block sees in full. The lengths are Python ints: attention splits on them in
+    every layer, and ints avoid a device-to-host sync per layer.
 
     Args:
         block_lens (tuple[int, ...]): Length of each block, in order; they sum to the packed
             length. A tail padding block is one more block.
+        prefix_blocks (tuple[int, ...]): Empty (no block has a prefix), or one entry per block:
+            the index of an earlier block that the block sees in full, or -1. A prefix block
+            has no prefix of its own.
 
     Raises:
-        ValueError: If there is no block or a length is not a positive int.
+        ValueError: If there is no block, a length is not a positive int, or ``prefix_blocks``
+            has the wrong length or names a block that is not an earlier prefix-free block.
 
     Example:
         >>> VarlenMask((3, 2)).seq_len  # tokens 0-2 see each other causally, tokens 3-4 too
         5
+        >>> shared = VarlenMask((3, 2, 4), prefix_blocks=(-1, 0, 0))  # [P R1 R2]
     """
 
     block_lens: tuple[int, ...]
+    prefix_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.block_lens:
@@ -76,6 +88,26 @@ class VarlenMask:
             if not isinstance(length, int) or length < 1:
                 raise ValueError(
                     f"VarlenMask: block_lens[{index}] must be a positive int, got {length!r}"
+                )
+        if not self.prefix_blocks:
+            return
+        if len(self.prefix_blocks) != len(self.block_lens):
+            raise ValueError(
+                f"VarlenMask: {len(self.prefix_blocks)} prefix_blocks for "
+                f"{len(self.block_lens)} blocks"
+            )
+        for index, prefix in enumerate(self.prefix_blocks):
+            if prefix == -1:
+                continue
+            if not isinstance(prefix, int) or not 0 <= prefix < index:
+                raise ValueError(
+                    f"VarlenMask: prefix_blocks[{index}] must be -1 or an earlier block index, "
+                    f"got {prefix!r}"
+                )
+            if self.prefix_blocks[prefix] != -1:
+                raise ValueError(
+                    f"VarlenMask: prefix_blocks[{index}] names block {prefix}, which has a "
+                    "prefix itself"
                 )
 
     @property
@@ -156,7 +188,13 @@ def _flex_attention(
 def _varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, dropout_p: float
 ) -> torch.Tensor:
-    """Causal SDPA on each block separately; a Python loop over sequences, not tokens."""
+    """Causal SDPA on each block separately; a Python loop over blocks, not tokens.
+
+    A block with a prefix block (a response after its shared prompt) runs SDPA with its own
+    rows as queries and the prefix's rows then its own as keys, under a bottom-right-aligned
+    causal mask: query ``i`` sees the whole prefix and its own keys ``0..i``, exactly the keys
+    it has when the prompt and the response run alone as one sequence.
+    """
     seq_len = q.shape[2]
     if seq_len != mask.seq_len or k.shape[2] != mask.seq_len:
         raise ValueError(
@@ -164,14 +202,37 @@ def _varlen_attention(
             f"{k.shape[2]}; pass the mask built for this pack"
         )
     lens = list(mask.block_lens)
-    # CPU SDPA returns [b, h, s, d] views of [b, s, h, d] memory: concatenating in that layout
-    # is a contiguous copy, and torchtune's following `transpose(1, 2).contiguous()` is free.
-    outputs = [
-        F.scaled_dot_product_attention(
-            q_block, k_block, v_block, dropout_p=dropout_p, is_causal=True
-        ).transpose(1, 2)
-        for q_block, k_block, v_block in zip(q.split(lens, 2), k.split(lens, 2), v.split(lens, 2))
-    ]
+    prefixes = mask.prefix_blocks or (-1,) * len(lens)
+    q_blocks, k_blocks, v_blocks = q.split(lens, 2), k.split(lens, 2), v.split(lens, 2)
+    # One bool mask per (block, prefix) shape, shared by the blocks of that shape; built here,
+    # in each layer, because it is tiny next to the attention it masks. (SDPA's is_causal
+    # aligns the diagonal top-left when queries and keys differ in number, hence the mask.)
+    prefix_masks: dict[tuple[int, int], torch.Tensor] = {}
+    outputs = []
+    for q_block, k_block, v_block, prefix in zip(q_blocks, k_blocks, v_blocks, prefixes):
+        if prefix < 0:
+            out = F.scaled_dot_product_attention(
+                q_block, k_block, v_block, dropout_p=dropout_p, is_causal=True
+            )
+        else:
+            length, prefix_len = q_block.shape[2], lens[prefix]
+            attn_mask = prefix_masks.get((length, prefix_len))
+            if attn_mask is None:
+                attn_mask = torch.ones(
+                    length, prefix_len + length, dtype=torch.bool, device=q.device
+                ).tril(prefix_len)
+                prefix_masks[length, prefix_len] = attn_mask
+            out = F.scaled_dot_product_attention(
+                q_block,
+                torch.cat([k_blocks[prefix], k_block], dim=2),
+                torch.cat([v_blocks[prefix], v_block], dim=2),
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+            )
+        # CPU SDPA returns [b, h, s, d] views of [b, s, h, d] memory: concatenating in that
+        # layout is a contiguous copy, and torchtune's following `transpose(1, 2).contiguous()`
+        # is free.
+        outputs.append(out.transpose(1, 2))
     return torch.cat(outputs, dim=1).transpose(1, 2)
 
 

@@ -5,12 +5,14 @@ response positions only, a chunk of tokens at a time: the full ``[L, V]`` logits
 never built. The projection and log-softmax of a chunk are recomputed in the backward pass
 instead of being kept, so the memory of the vocabulary projection is ``O(chunk_size * V)``
 whatever the number of response tokens. The reference actor scores with it
-(`model_response_logprobs`), the trainer and `grpo.loss` differentiate through it. Logprob of
-token t is read from the hidden state at t - 1: the shift happens here, once. Pure torch.
+(`model_response_logprobs`), the trainer and `grpo.loss` differentiate through it. Which hidden row predicts which
+token is the pack's ``logit_positions`` (`grpo.types.PackedTrajectory`): the previous token of
+the same sequence, and for the first token of each response that shares a prompt, the prompt's
+last token (one row predicting several targets; its gradients add up in backward). Pure torch.
 
 Example:
     >>> hidden = model_hidden_states(model, packed)
-    >>> logprobs = response_logprobs_from_hidden(hidden, output_projection_weight(model), packed)
+    >>> logprobs = packed_logprobs_from_hidden(hidden, output_projection_weight(model), packed)
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def _response_positions(
         )
     if targets.dim() != 1:
         raise ValueError(f"targets must be 1-D, got shape {tuple(targets.shape)}")
-    # The one place where the shift happens: the logits at t-1 predict the token at t.
+    # Contiguous sequences: the logits at t-1 predict the token at t.
     positions = response_mask[1:].bool().nonzero().squeeze(-1).to(device)
     if positions.numel() != targets.numel():
         raise ValueError(
@@ -96,6 +98,77 @@ def _response_positions(
     return positions
 
 
+def _as_packed_row(hidden_states: torch.Tensor, output_weight: torch.Tensor) -> torch.Tensor:
+    """``hidden_states`` as ``[L, D]``, checked against the ``[V, D]`` output weight."""
+    if hidden_states.dim() == 3:
+        if hidden_states.shape[0] != 1:
+            raise ValueError(
+                f"hidden_states must be one packed row [1, L, D], got {tuple(hidden_states.shape)}"
+            )
+        hidden_states = hidden_states[0]
+    if hidden_states.dim() != 2:
+        raise ValueError(
+            f"hidden_states must be [L, D] or [1, L, D], got {tuple(hidden_states.shape)}"
+        )
+    if output_weight.dim() != 2 or output_weight.shape[1] != hidden_states.shape[1]:
+        raise ValueError(
+            f"output_weight must be [V, {hidden_states.shape[1]}], got {tuple(output_weight.shape)}"
+        )
+    return hidden_states
+
+
+def target_logprobs_from_hidden(
+    hidden_states: torch.Tensor,
+    output_weight: torch.Tensor,
+    logit_positions: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Logprob of each target under the hidden row that predicts it, projecting in chunks.
+
+    Gathers ``hidden_states[logit_positions]`` (a row may appear several times: the last
+    prompt token of a shared prompt predicts the first token of every response), projects
+    ``chunk_size`` rows at a time with ``output_weight`` and takes the fp32 log-softmax at
+    ``targets``. The chunk logits are recomputed in backward, never stored; the gradient of a
+    row gathered several times is the sum over its targets.
+
+    Args:
+        hidden_states (torch.Tensor): Final (post-norm) hidden states of one packed row,
+            ``[L, D]`` or ``[1, L, D]``.
+        output_weight (torch.Tensor): Output projection weight ``[V, D]`` (no bias).
+        logit_positions (torch.Tensor): Row index of each target, ``[T]``, values in ``[0, L)``.
+        targets (torch.Tensor): Token ids, ``[T]``.
+        chunk_size (int): Targets projected at once.
+
+    Returns:
+        torch.Tensor: Logprobs ``[T]`` in fp32 (float64 for float64 inputs), differentiable
+        w.r.t. ``hidden_states`` and ``output_weight``.
+
+    Raises:
+        ValueError: On mismatched shapes.
+
+    Example:
+        >>> hidden, weight = torch.randn(6, 16), torch.randn(32, 16)
+        >>> positions = torch.tensor([2, 3, 2, 4])  # row 2 predicts two targets
+        >>> target_logprobs_from_hidden(hidden, weight, positions, torch.tensor([1, 5, 7, 9])).shape
+        torch.Size([4])
+    """
+    check_chunk_size(chunk_size)
+    hidden_states = _as_packed_row(hidden_states, output_weight)
+    if logit_positions.dim() != 1 or targets.dim() != 1:
+        raise ValueError(
+            f"logit_positions and targets must be 1-D, got {tuple(logit_positions.shape)} and "
+            f"{tuple(targets.shape)}"
+        )
+    if logit_positions.numel() != targets.numel():
+        raise ValueError(f"{logit_positions.numel()} logit_positions for {targets.numel()} targets")
+    positions = logit_positions.to(hidden_states.device).long()
+    selected = hidden_states.index_select(0, positions).to(output_weight.dtype)
+    return _ChunkedLinearLogprobs.apply(
+        selected, output_weight, targets.to(selected.device).long(), chunk_size
+    )
+
+
 def response_logprobs_from_hidden(
     hidden_states: torch.Tensor,
     output_weight: torch.Tensor,
@@ -103,11 +176,10 @@ def response_logprobs_from_hidden(
     targets: torch.Tensor,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> torch.Tensor:
-    """Logprobs of the response tokens of a pack, projecting to the vocabulary in chunks.
+    """Logprobs of the response tokens of a row of contiguous sequences, chunk by chunk.
 
-    Selects ``hidden_states[:-1][response_mask[1:]]`` (the hidden state before each response
-    token), projects ``chunk_size`` of them at a time with ``output_weight`` and takes the fp32
-    log-softmax at ``targets``. The chunk logits are recomputed in backward, never stored.
+    `target_logprobs_from_hidden` at ``logit_positions = response_mask[1:].nonzero()``: the
+    hidden state before each response token, for packs without shared prompts.
 
     Args:
         hidden_states (torch.Tensor): Final (post-norm) hidden states of one packed row,
@@ -133,26 +205,42 @@ def response_logprobs_from_hidden(
         torch.Size([5])
     """
     check_chunk_size(chunk_size)
-    if hidden_states.dim() == 3:
-        if hidden_states.shape[0] != 1:
-            raise ValueError(
-                f"hidden_states must be one packed row [1, L, D], got {tuple(hidden_states.shape)}"
-            )
-        hidden_states = hidden_states[0]
-    if hidden_states.dim() != 2:
-        raise ValueError(
-            f"hidden_states must be [L, D] or [1, L, D], got {tuple(hidden_states.shape)}"
-        )
-    if output_weight.dim() != 2 or output_weight.shape[1] != hidden_states.shape[1]:
-        raise ValueError(
-            f"output_weight must be [V, {hidden_states.shape[1]}], got {tuple(output_weight.shape)}"
-        )
+    hidden_states = _as_packed_row(hidden_states, output_weight)
     positions = _response_positions(
         hidden_states.shape[0], response_mask, targets, hidden_states.device
     )
-    selected = hidden_states.index_select(0, positions).to(output_weight.dtype)
-    return _ChunkedLinearLogprobs.apply(
-        selected, output_weight, targets.to(selected.device).long(), chunk_size
+    return target_logprobs_from_hidden(hidden_states, output_weight, positions, targets, chunk_size)
+
+
+def packed_logprobs_from_hidden(
+    hidden_states: torch.Tensor,
+    output_weight: torch.Tensor,
+    packed: PackedTrajectory,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Logprobs of a pack's ``targets``, read at its ``logit_positions`` (any layout).
+
+    Args:
+        hidden_states (torch.Tensor): Post-norm hidden states of the pack, ``[L, D]`` or
+            ``[1, L, D]``.
+        output_weight (torch.Tensor): Output projection weight ``[V, D]`` (no bias).
+        packed (PackedTrajectory): The pack.
+        chunk_size (int): Response tokens projected at once.
+
+    Returns:
+        torch.Tensor: fp32 logprobs ``[packed.num_response_tokens]`` aligned with
+        ``packed.targets``.
+
+    Raises:
+        ValueError: If ``hidden_states`` does not have the pack's length.
+    """
+    rows = hidden_states.shape[-2]
+    if rows != packed.packed_seq_len:
+        raise ValueError(
+            f"hidden_states has {rows} rows but the pack has {packed.packed_seq_len} tokens"
+        )
+    return target_logprobs_from_hidden(
+        hidden_states, output_weight, packed.logit_positions, packed.targets, chunk_size
     )
 
 
@@ -244,6 +332,4 @@ def model_response_logprobs(
         ``packed.targets``; differentiable unless called under ``torch.no_grad()``.
     """
     hidden = model_hidden_states(model, packed)
-    return response_logprobs_from_hidden(
-        hidden, output_projection_weight(model), packed.response_mask, packed.targets, chunk_size
-    )
+    return packed_logprobs_from_hidden(hidden, output_projection_weight(model), packed, chunk_size)

@@ -53,7 +53,7 @@ from grpo.logprobs import (
     DEFAULT_CHUNK_SIZE,
     check_chunk_size,
     output_projection_weight,
-    response_logprobs_from_hidden,
+    packed_logprobs_from_hidden,
 )
 from grpo.types import GRPOStats, PackedTrajectory
 
@@ -487,7 +487,7 @@ class GRPOWithChunkedOutputLoss(nn.Module):
                 (see `model_hidden_states`).
             output_weight (torch.Tensor | nn.Module): The output projection weight ``[V, D]``, or
                 the projection / model it belongs to (see `output_projection_weight`).
-            packed (PackedTrajectory): Carries ``response_mask``, ``targets``,
+            packed (PackedTrajectory): Carries ``logit_positions``, ``targets``,
                 ``ref_logprobs``, ``advantages``, ``behavior_logprobs`` and ``response_lens``.
             loss_normalizer (float | int | torch.Tensor | None): See
                 `compute_loss_from_logprobs`.
@@ -505,8 +505,8 @@ class GRPOWithChunkedOutputLoss(nn.Module):
             raise ValueError("packed.advantages is None: the loss needs a scored pack")
         if not isinstance(output_weight, torch.Tensor):
             output_weight = output_projection_weight(output_weight)
-        pi_logprobs = response_logprobs_from_hidden(
-            hidden_states, output_weight, packed.response_mask, packed.targets, self.chunk_size
+        pi_logprobs = packed_logprobs_from_hidden(
+            hidden_states, output_weight, packed, self.chunk_size
         )
         return self.compute_loss_from_logprobs(
             pi_logprobs,

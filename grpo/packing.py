@@ -5,9 +5,20 @@ between them; padding, when asked for, is one extra block at the tail. Position 
 for every sequence and the attention mask is block-causal, so each sequence sees exactly what it
 would see alone: its logprobs do not depend on what it is packed with.
 
-The logprob of the token at position ``t`` comes from the logits at ``t - 1``. That shift lives
-in `logprobs_from_logits` here (and in the chunked loss, which reads ``targets``); ``targets``
-are the response tokens in pack order, so ``hidden[:-1][response_mask[1:]]`` lines up with them.
+Shared prompts (``share_prompts=True``): the G responses of one GRPO group answer the same
+prompt, so a pack can hold it once, ``[P R1 R2 ... RG]``. Response ``Rj`` attends to all of
+``P`` and causally to its own tokens (never to another response), with position ids
+``prompt_len + k`` as if it ran alone; the logprob of its first token is read from ``P``'s last
+token, shared by the G responses. Every response's logprobs, and the gradients of a loss, are
+the same as without sharing up to fp32 rounding. Sequences share a prompt only when they have
+the same ``group_id`` AND identical prompt tokens (`prompt_groups`); a prompt group that does
+not fit the budget is split into sub-groups, each with its own copy of the prompt
+(`shared_prompt_units`). Sharing is planned and laid out here only: `plan_sequence_packs`,
+`shard_batch` and `pack_sequences` take the same ``share_prompts`` flag.
+
+The logprob of a response token is read from the hidden row at the pack's ``logit_positions``
+(the previous token of its sequence); ``targets`` are the response tokens in sequence order,
+so ``hidden[logit_positions]`` lines up with them. `grpo.logprobs` does the gather.
 
 Every per-token tensor is built with vectorised ops (``repeat_interleave``, ``cumsum``,
 comparisons of block ids); Python loops run over sequences, never over tokens.
@@ -37,6 +48,10 @@ __all__ = [
     "packed_forward_inputs",
     "padding_fraction",
     "plan_packs",
+    "plan_sequence_packs",
+    "prompt_groups",
+    "shard_batch",
+    "shared_prompt_units",
     "unpack_response_logprobs",
 ]
 
@@ -109,15 +124,108 @@ def _padded_length(
     return total_tokens
 
 
-def _block_causal_block_mask(block_ids: torch.Tensor, device: torch.device) -> BlockMask:
-    """FlexAttention BlockMask: same block and causal. O(L) memory."""
+def _block_causal_block_mask(
+    block_ids: torch.Tensor, prefix_ids: torch.Tensor | None, device: torch.device
+) -> BlockMask:
+    """FlexAttention BlockMask: same block and causal (or the block's prefix). O(L) memory."""
     length = block_ids.numel()
+    if prefix_ids is None:
 
-    def mask_mod(batch, head, q_idx, kv_idx):
-        return (block_ids[q_idx] == block_ids[kv_idx]) & (q_idx >= kv_idx)
+        def mask_mod(batch, head, q_idx, kv_idx):
+            return (block_ids[q_idx] == block_ids[kv_idx]) & (q_idx >= kv_idx)
+
+    else:
+        # A response block also sees its whole prompt block; -1 (no prefix) matches no block.
+        def mask_mod(batch, head, q_idx, kv_idx):
+            same_block = (block_ids[q_idx] == block_ids[kv_idx]) & (q_idx >= kv_idx)
+            return same_block | (prefix_ids[q_idx] == block_ids[kv_idx])
 
     # B=None, H=None: one mask broadcast over batch and heads.
     return create_block_mask(mask_mod, None, None, length, length, device=device)
+
+
+def prompt_groups(sequences: Sequence[Any]) -> list[list[int]]:
+    """Indices of the sequences that can share one prompt: same ``group_id``, same prompt.
+
+    Prompt tokens are compared, not only group ids: two sequences of one group with different
+    prompts (e.g. a dataset that reuses ids) never share.
+
+    Args:
+        sequences (Sequence): Trajectories with ``group_id``, ``prompt_len`` and
+            ``prompt_tokens`` (one device).
+
+    Returns:
+        list[list[int]]: One list per distinct (group_id, prompt), in order of first
+        appearance; each in input order. Every index appears exactly once.
+
+    Example:
+        >>> prompt_groups(batch)  # two groups of 3 responses, interleaved
+        [[0, 2, 4], [1, 3, 5]]
+    """
+    groups: list[list[int]] = []
+    # (group_id, prompt_len) -> indices into `groups` of the prompts seen with that key.
+    candidates: dict[tuple[Any, int], list[int]] = {}
+    for index, seq in enumerate(sequences):
+        seen = candidates.setdefault((seq.group_id, seq.prompt_len), [])
+        for group_index in seen:
+            first = sequences[groups[group_index][0]]
+            if torch.equal(first.prompt_tokens.long(), seq.prompt_tokens.long()):
+                groups[group_index].append(index)
+                break
+        else:
+            seen.append(len(groups))
+            groups.append([index])
+    return groups
+
+
+def _unit_tokens(sequences: Sequence[Any], unit: Sequence[int]) -> int:
+    """Tokens of sequences laid out with their (shared) prompt once."""
+    return sequences[unit[0]].prompt_len + sum(sequences[i].response_len for i in unit)
+
+
+def _check_fits(sequences: Sequence[Any], target_tokens_per_batch: int, caller: str) -> None:
+    if target_tokens_per_batch < 1:
+        raise ValueError(
+            f"{caller}: target_tokens_per_batch must be >= 1, got {target_tokens_per_batch}"
+        )
+    for seq in sequences:
+        if seq.total_len > target_tokens_per_batch:
+            raise ValueError(
+                f"{caller}: sequence_id={seq.sequence_id!r} has {seq.total_len} tokens "
+                f"(prompt_len={seq.prompt_len}, response_len={seq.response_len}), more than "
+                f"target_tokens_per_batch={target_tokens_per_batch}"
+            )
+
+
+def shared_prompt_units(sequences: Sequence[Any], target_tokens_per_batch: int) -> list[list[int]]:
+    """Prompt groups (`prompt_groups`), each split to fit the budget with its prompt once.
+
+    A prompt group whose prompt plus responses exceed ``target_tokens_per_batch`` is split
+    into sub-groups (first-fit decreasing of the responses into ``budget - prompt_len``), each
+    of which gets its own copy of the prompt.
+
+    Args:
+        sequences (Sequence): Trajectories (see `prompt_groups`).
+        target_tokens_per_batch (int): Token budget of a pack.
+
+    Returns:
+        list[list[int]]: Units of sequence indices (each in input order) that fit the budget
+        when packed with their prompt once; every index exactly once.
+
+    Raises:
+        ValueError: A budget < 1, or a sequence longer than the budget.
+    """
+    _check_fits(sequences, target_tokens_per_batch, "shared_prompt_units")
+    units: list[list[int]] = []
+    for group in prompt_groups(sequences):
+        if _unit_tokens(sequences, group) <= target_tokens_per_batch:
+            units.append(group)
+            continue
+        # Splitting only happens when some response is non-empty, so the room is >= 1.
+        room = target_tokens_per_batch - sequences[group[0]].prompt_len
+        parts = plan_packs([sequences[i].response_len for i in group], room)
+        units.extend(sorted(group[j] for j in part) for part in parts)
+    return units
 
 
 def pack_sequences(
@@ -128,8 +236,14 @@ def pack_sequences(
     target_tokens_per_batch: int | None = None,
     mask_kind: str = "dense",
     pad_to_multiple_of: int | None = None,
+    share_prompts: bool = False,
 ) -> PackedTrajectory:
     """Concatenate sequences into one block-causal row ``[P1 R1 ... Pn Rn PAD...]``.
+
+    With ``share_prompts``, the sequences of each `prompt_groups` group with more than one
+    member are laid out as ``[P R1 R2 ... RG]`` instead (see the module docstring), at the
+    place of the group's first sequence; ``targets`` and every per-sequence field stay in
+    input order.
 
     Padding, if any, is one extra block at the tail (``sequence_mask == -1``, its own position
     ids from 0, attending only within itself so no attention row is empty). Sequences are never
@@ -142,7 +256,7 @@ def pack_sequences(
     - neither: no padding.
 
     ``target_tokens_per_batch`` is also the budget: a pack longer than it is an error (split the
-    batch with `plan_packs` first).
+    batch with `plan_sequence_packs` first).
 
     Args:
         sequences: Sequences to pack, all `UnscoredTrajectory` or all `ScoredTrajectory`.
@@ -157,11 +271,14 @@ def pack_sequences(
             on CPU (``"varlen"`` on every device). On CPU FlexAttention has no backward and
             compiles once per pack length: give flex packs a ``pad_to_multiple_of``.
         pad_to_multiple_of (int | None): Bucket size for tail padding; see above.
+        share_prompts (bool): Hold each shared prompt once (see above).
 
     Returns:
-        PackedTrajectory: ``targets`` and ``behavior_logprobs`` (the sequences' ``logprobs``)
-        are always filled; ``ref_logprobs`` and per-token ``advantages`` (the sequence's scalar
-        advantage repeated over its response) only for `ScoredTrajectory` input.
+        PackedTrajectory: ``targets``, ``logit_positions`` and ``behavior_logprobs`` (the
+        sequences' ``logprobs``) are always filled; ``ref_logprobs`` and per-token
+        ``advantages`` (the sequence's scalar advantage repeated over its response) only for
+        `ScoredTrajectory` input; ``shared_prompt_tokens`` counts the prompt tokens not
+        repeated.
 
     Raises:
         ValueError: Empty input; mixed trajectory types; tensors on mixed devices; a tensor
@@ -178,66 +295,118 @@ def pack_sequences(
         )
     is_scored = _check_sequences(sequences)
     device = torch.device(device)
-
-    prompt_lens_list = [seq.prompt_len for seq in sequences]
-    response_lens_list = [seq.response_len for seq in sequences]
-    total_tokens = sum(prompt_lens_list) + sum(response_lens_list)
     if target_tokens_per_batch is not None:
-        if target_tokens_per_batch < 1:
-            raise ValueError(
-                "pack_sequences: target_tokens_per_batch must be >= 1, "
-                f"got {target_tokens_per_batch}"
-            )
-        for seq in sequences:
-            if seq.total_len > target_tokens_per_batch:
-                raise ValueError(
-                    f"pack_sequences: sequence_id={seq.sequence_id!r} has {seq.total_len} tokens "
-                    f"(prompt_len={seq.prompt_len}, response_len={seq.response_len}), more than "
-                    f"target_tokens_per_batch={target_tokens_per_batch}"
-                )
-        if total_tokens > target_tokens_per_batch:
-            raise ValueError(
-                f"pack_sequences: {len(sequences)} sequences hold {total_tokens} tokens, more "
-                f"than target_tokens_per_batch={target_tokens_per_batch}; split them with "
-                "plan_packs"
-            )
+        _check_fits(sequences, target_tokens_per_batch, "pack_sequences")
+    num_sequences = len(sequences)
+    groups = prompt_groups(sequences) if share_prompts else [[i] for i in range(num_sequences)]
+
+    # The layout, block by block. A block is a whole sequence ``P R``, a shared prompt ``P``,
+    # or one response after a shared prompt. Per block: its length, the block it also sees in
+    # full (-1: none), the position id of its first token, and the position id from which its
+    # tokens are response tokens.
+    block_lens_list: list[int] = []
+    block_prefix: list[int] = []
+    block_first_position: list[int] = []
+    block_response_from: list[int] = []
+    block_sequence: list[int] = []
+    pieces: list[torch.Tensor] = []
+    # Per sequence: where its response starts, the row that predicts its first response token,
+    # and the [start, end) of its own tokens.
+    response_starts = [0] * num_sequences
+    first_logit_rows = [0] * num_sequences
+    spans = [(0, 0)] * num_sequences
+    offset = 0
+
+    def add_block(length: int, prefix: int, first_position: int, prompt_len: int, owner: int):
+        block_lens_list.append(length)
+        block_prefix.append(prefix)
+        block_first_position.append(first_position)
+        block_response_from.append(prompt_len)
+        block_sequence.append(owner)
+
+    for group in groups:
+        first = sequences[group[0]]
+        prompt_len = first.prompt_len
+        if len(group) == 1:
+            index = group[0]
+            add_block(first.total_len, -1, 0, prompt_len, index)
+            pieces += [first.prompt_tokens, first.response_tokens]
+            response_starts[index] = offset + prompt_len
+            first_logit_rows[index] = offset + prompt_len - 1
+            spans[index] = (offset, offset + first.total_len)
+            offset += first.total_len
+            continue
+        prompt_block = len(block_lens_list)
+        add_block(prompt_len, -1, 0, prompt_len, group[0])
+        pieces.append(first.prompt_tokens)
+        offset += prompt_len
+        last_prompt_row = offset - 1
+        for index in group:
+            seq = sequences[index]
+            response_starts[index] = offset
+            first_logit_rows[index] = last_prompt_row
+            spans[index] = (offset, offset + seq.response_len)
+            if seq.response_len:  # an empty response is no block
+                add_block(seq.response_len, prompt_block, prompt_len, prompt_len, index)
+                pieces.append(seq.response_tokens)
+                offset += seq.response_len
+    total_tokens = offset
+    shared_prompt_tokens = sum(seq.total_len for seq in sequences) - total_tokens
+
+    if target_tokens_per_batch is not None and total_tokens > target_tokens_per_batch:
+        raise ValueError(
+            f"pack_sequences: {num_sequences} sequences hold {total_tokens} tokens, more "
+            f"than target_tokens_per_batch={target_tokens_per_batch}; split them with "
+            "plan_sequence_packs (or plan_packs)"
+        )
     packed_seq_len = _padded_length(total_tokens, target_tokens_per_batch, pad_to_multiple_of)
     num_padding = packed_seq_len - total_tokens
 
     # Tokens: one cat where the sequences live, then a single move to the device.
     source_device = sequences[0].prompt_tokens.device
-    pieces = [t for seq in sequences for t in (seq.prompt_tokens, seq.response_tokens)]
     if num_padding:
         pieces.append(torch.full((num_padding,), pad_token_id, device=source_device))
+        # The padding block's "prompt" is all of it, so none of it counts as response.
+        add_block(num_padding, -1, 0, num_padding, -1)
     tokens = torch.cat([piece.long() for piece in pieces]).to(device)
 
-    num_sequences = len(sequences)
-    prompt_lens = torch.tensor(prompt_lens_list, dtype=torch.long, device=device)
-    response_lens = torch.tensor(response_lens_list, dtype=torch.long, device=device)
-    # Blocks are the sequences plus, if padded, one padding block at the tail.
-    block_lens_list = [p + r for p, r in zip(prompt_lens_list, response_lens_list)]
-    if num_padding:
-        block_lens_list.append(num_padding)
-    block_lens = torch.tensor(block_lens_list, dtype=torch.long, device=device)
-    block_ends = torch.cumsum(block_lens, dim=0)
-    block_starts = block_ends - block_lens
+    def long_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    prompt_lens = long_tensor([seq.prompt_len for seq in sequences])
+    response_lens = long_tensor([seq.response_len for seq in sequences])
+    block_lens = long_tensor(block_lens_list)
+    block_starts = torch.cumsum(block_lens, dim=0) - block_lens
     block_ids = torch.repeat_interleave(
         torch.arange(len(block_lens_list), device=device), block_lens
     )
-
     positions = torch.arange(packed_seq_len, device=device)
-    position_ids = positions - block_starts[block_ids]
-    sequence_mask = torch.where(block_ids < num_sequences, block_ids, -1)
-    # The padding block's "prompt" is all of it, so none of it counts as response.
-    block_prompt_lens = torch.cat([prompt_lens, block_lens[num_sequences:]])
-    response_mask = position_ids >= block_prompt_lens[block_ids]
-    sequence_map = torch.stack([block_starts[:num_sequences], block_ends[:num_sequences]], dim=1)
-    targets = tokens[response_mask]
+    position_ids = (
+        positions - block_starts[block_ids] + long_tensor(block_first_position)[block_ids]
+    )
+    sequence_mask = long_tensor(block_sequence)[block_ids]
+    response_mask = position_ids >= long_tensor(block_response_from)[block_ids]
+    sequence_map = long_tensor([list(span) for span in spans]).reshape(num_sequences, 2)
+
+    # The row predicting response token k of a sequence: the previous token of its response,
+    # and for k = 0 the last prompt token (shared by every response of a shared prompt).
+    num_response_tokens = int(sum(seq.response_len for seq in sequences))
+    sequence_of_token = torch.repeat_interleave(
+        torch.arange(num_sequences, device=device), response_lens
+    )
+    first_token = torch.cumsum(response_lens, dim=0) - response_lens
+    token_index = torch.arange(num_response_tokens, device=device) - first_token[sequence_of_token]
+    logit_positions = torch.where(
+        token_index == 0,
+        long_tensor(first_logit_rows)[sequence_of_token],
+        long_tensor(response_starts)[sequence_of_token] + token_index - 1,
+    )
 
     def flat(name: str) -> torch.Tensor:
         values = torch.cat([getattr(seq, name).float() for seq in sequences])
         return values.to(device)
 
+    targets = torch.cat([seq.response_tokens.long() for seq in sequences]).to(device)
     behavior_logprobs = flat("logprobs")
     ref_logprobs = advantages = None
     if is_scored:
@@ -247,13 +416,19 @@ def pack_sequences(
         )
         advantages = torch.repeat_interleave(sequence_advantages, response_lens)
 
+    has_prefix = any(prefix >= 0 for prefix in block_prefix)
+    prefix_ids = long_tensor(block_prefix)[block_ids] if has_prefix else None
     if mask_kind == "dense":
         same_block = block_ids[:, None] == block_ids[None, :]
         attention_mask = same_block & (positions[:, None] >= positions[None, :])
+        if prefix_ids is not None:
+            attention_mask |= prefix_ids[:, None] == block_ids[None, :]
     elif mask_kind == "flex":
-        attention_mask = _block_causal_block_mask(block_ids, device)
+        attention_mask = _block_causal_block_mask(block_ids, prefix_ids, device)
     else:
-        attention_mask = VarlenMask(tuple(block_lens_list))
+        attention_mask = VarlenMask(
+            tuple(block_lens_list), tuple(block_prefix) if has_prefix else ()
+        )
 
     return PackedTrajectory(
         tokens=tokens,
@@ -272,6 +447,8 @@ def pack_sequences(
         sequence_ids=[seq.sequence_id for seq in sequences],
         group_ids=[seq.group_id for seq in sequences],
         actual_total_tokens=total_tokens,
+        logit_positions=logit_positions,
+        shared_prompt_tokens=shared_prompt_tokens,
     )
 
 
@@ -304,8 +481,8 @@ def unpack_response_logprobs(
 def logprobs_from_logits(logits: torch.Tensor, packed: PackedTrajectory) -> torch.Tensor:
     """Logprobs of the response tokens of a pack, from the model's full logits.
 
-    The token at ``t`` is scored by the logits at ``t - 1``. Only response rows are kept
-    before the fp32 log-softmax. (Training uses the chunked loss on hidden states instead,
+    Each response token is scored by the logits at its ``packed.logit_positions`` row (the
+    previous token of its sequence). Only those rows are kept before the fp32 log-softmax. (Training uses the chunked loss on hidden states instead,
     which never materialises ``[L, V]`` logits.)
 
     Args:
@@ -325,7 +502,7 @@ def logprobs_from_logits(logits: torch.Tensor, packed: PackedTrajectory) -> torc
             f"logprobs_from_logits: expected logits of shape ({packed.packed_seq_len}, V), "
             f"got {tuple(logits.shape)}"
         )
-    response_logits = logits[:-1][packed.response_mask[1:]].float()
+    response_logits = logits.index_select(0, packed.logit_positions).float()
     log_probs = F.log_softmax(response_logits, dim=-1)
     return log_probs.gather(1, packed.targets[:, None]).squeeze(1)
 
@@ -434,6 +611,105 @@ def plan_packs(
     return packs
 
 
+def plan_sequence_packs(
+    sequences: Sequence[Any],
+    target_tokens_per_batch: int,
+    *,
+    share_prompts: bool = False,
+    keep_groups_together: bool = False,
+) -> list[list[int]]:
+    """Assign trajectories to packs of at most ``target_tokens_per_batch`` tokens.
+
+    Without ``share_prompts``: `plan_packs` on ``total_len`` (and ``group_id`` with
+    ``keep_groups_together``). With it, the units placed are `shared_prompt_units`, each
+    costing its prompt once plus its responses, so the packs `pack_sequences` builds with
+    ``share_prompts=True`` fit the budget.
+
+    Args:
+        sequences (Sequence): Trajectories (`UnscoredTrajectory` or `ScoredTrajectory`).
+        target_tokens_per_batch (int): Token budget of a pack.
+        share_prompts (bool): Plan for packs that hold each shared prompt once.
+        keep_groups_together (bool): Never split a ``group_id`` across packs unless it alone
+            exceeds the budget.
+
+    Returns:
+        list[list[int]]: Sequence indices of each pack; every index exactly once.
+
+    Raises:
+        ValueError: A budget < 1, or a sequence longer than the budget.
+
+    Example:
+        >>> plan = plan_sequence_packs(batch, 2048, share_prompts=True)
+        >>> packs = [pack_sequences([batch[i] for i in p], "cpu", 0, share_prompts=True) for p in plan]
+    """
+    _check_fits(sequences, target_tokens_per_batch, "plan_sequence_packs")
+    if not share_prompts:
+        return plan_packs(
+            [seq.total_len for seq in sequences],
+            target_tokens_per_batch,
+            groups=[seq.group_id for seq in sequences] if keep_groups_together else None,
+        )
+    units = shared_prompt_units(sequences, target_tokens_per_batch)
+    plan = plan_packs(
+        [_unit_tokens(sequences, unit) for unit in units],
+        target_tokens_per_batch,
+        groups=[sequences[unit[0]].group_id for unit in units] if keep_groups_together else None,
+    )
+    return [[index for unit in pack for index in units[unit]] for pack in plan]
+
+
+def shard_batch(
+    sequences: Sequence[Any],
+    world_size: int,
+    target_tokens_per_batch: int,
+    *,
+    share_prompts: bool = False,
+) -> list[list[int]]:
+    """Split a batch over ``world_size`` data-parallel ranks; the same answer on every rank.
+
+    Without ``share_prompts``: round robin, ``indices[rank::world_size]``. With it, whole
+    `shared_prompt_units` go to one rank (a prompt is useless to a rank without its responses),
+    largest first to the rank with the fewest tokens so far, which balances tokens. While
+    there are fewer units than ranks, the largest unit of several sequences is halved (each
+    half with its own prompt), so that every rank gets work when the batch has at least
+    ``world_size`` sequences. Deterministic: each rank computes every rank's shard from the
+    whole batch, so all agree on the number of micro-batches without communicating.
+
+    Args:
+        sequences (Sequence): The whole batch.
+        world_size (int): Number of ranks.
+        target_tokens_per_batch (int): Token budget of a pack (units are split to fit it).
+        share_prompts (bool): Keep shared prompts with their responses.
+
+    Returns:
+        list[list[int]]: Per rank, the indices of its sequences, in input order.
+
+    Raises:
+        ValueError: ``world_size`` < 1, and as `shared_prompt_units`.
+    """
+    if world_size < 1:
+        raise ValueError(f"shard_batch: world_size must be >= 1, got {world_size}")
+    if not share_prompts:
+        return [list(range(rank, len(sequences), world_size)) for rank in range(world_size)]
+    units = shared_prompt_units(sequences, target_tokens_per_batch)
+    while len(units) < world_size:
+        splittable = [u for u in range(len(units)) if len(units[u]) > 1]
+        if not splittable:
+            break  # fewer sequences than ranks: some ranks get none
+        largest = max(splittable, key=lambda u: (_unit_tokens(sequences, units[u]), -u))
+        unit = units.pop(largest)
+        half = len(unit) // 2
+        units[largest:largest] = [unit[:half], unit[half:]]
+    costs = [_unit_tokens(sequences, unit) for unit in units]
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for unit in sorted(range(len(units)), key=lambda u: (-costs[u], units[u][0])):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        shards[rank].extend(units[unit])
+        loads[rank] += costs[unit]
+    return [sorted(shard) for shard in shards]
+
+
 def pack_by_budget(
     sequences: Sequence[UnscoredTrajectory] | Sequence[ScoredTrajectory],
     device: torch.device | str,
@@ -443,8 +719,9 @@ def pack_by_budget(
     pad_to_budget: bool = False,
     mask_kind: str = "dense",
     pad_to_multiple_of: int | None = None,
+    share_prompts: bool = False,
 ) -> list[PackedTrajectory]:
-    """Plan packs with `plan_packs` and build them with `pack_sequences`.
+    """Plan packs with `plan_sequence_packs` and build them with `pack_sequences`.
 
     Args:
         sequences: The batch, all `UnscoredTrajectory` or all `ScoredTrajectory`.
@@ -457,17 +734,19 @@ def pack_by_budget(
             Otherwise packs are padded only up to ``pad_to_multiple_of``, if given.
         mask_kind (str): See `pack_sequences`.
         pad_to_multiple_of (int | None): See `pack_sequences`.
+        share_prompts (bool): Hold each shared prompt once per pack (see `pack_sequences`).
 
     Returns:
         list[PackedTrajectory]: The packs, in plan order.
 
     Raises:
-        ValueError: As `plan_packs` and `pack_sequences`.
+        ValueError: As `plan_sequence_packs` and `pack_sequences`.
     """
-    plan = plan_packs(
-        [seq.total_len for seq in sequences],
+    plan = plan_sequence_packs(
+        sequences,
         target_tokens_per_batch,
-        groups=[seq.group_id for seq in sequences] if keep_groups_together else None,
+        share_prompts=share_prompts,
+        keep_groups_together=keep_groups_together,
     )
     if pad_to_budget:
         padding = {"target_tokens_per_batch": target_tokens_per_batch}
@@ -481,7 +760,12 @@ def pack_by_budget(
         padding = {}
     return [
         pack_sequences(
-            [sequences[i] for i in indices], device, pad_token_id, mask_kind=mask_kind, **padding
+            [sequences[i] for i in indices],
+            device,
+            pad_token_id,
+            mask_kind=mask_kind,
+            share_prompts=share_prompts,
+            **padding,
         )
         for indices in plan
     ]

@@ -190,29 +190,46 @@ class PackedTrajectory:
     to earlier tokens of its own sequence) and ``position_ids`` that restart at 0 per sequence.
     Padding, if any, is one extra block at the tail with ``sequence_mask == -1``.
 
-    The logprob of a response token at position ``t`` is read from the logits at ``t - 1``;
-    ``targets`` holds the response tokens in pack order, so
-    ``hidden[:-1][response_mask[1:]]`` lines up with ``targets`` one to one.
+    With shared prompts (`grpo.packing.pack_sequences` with ``share_prompts``), sequences of
+    one group with the same prompt are laid out as ``[P R1 R2 ... RG]``: the prompt once, each
+    response after it with position ids continuing from ``prompt_len`` and attending to the
+    whole prompt and to its own earlier tokens only.
+
+    The logprob of a response token is read from the hidden state at ``logit_positions``: the
+    token before it in its sequence (for the first response token, the prompt's last token,
+    one row shared by every response of that prompt). ``targets`` holds the response tokens,
+    sequence after sequence in the order of ``sequence_ids``, so ``hidden[logit_positions]``
+    lines up with ``targets`` one to one.
 
     Args:
         tokens (torch.Tensor): Shape ``(packed_seq_len,)``.
-        attention_mask (torch.Tensor | BlockMask): Dense bool ``(L, L)`` (True = may attend)
-            or a FlexAttention ``BlockMask``.
+        attention_mask (torch.Tensor | BlockMask | VarlenMask): Dense bool ``(L, L)`` (True =
+            may attend), a FlexAttention ``BlockMask`` or a `grpo.attention.VarlenMask`.
         position_ids (torch.Tensor): Shape ``(packed_seq_len,)``, restarting at 0 per sequence.
         response_mask (torch.Tensor): Bool, True on response tokens, shape ``(packed_seq_len,)``.
-        sequence_mask (torch.Tensor): Index of the sequence each token belongs to, -1 on
-            padding, shape ``(packed_seq_len,)``.
+        sequence_mask (torch.Tensor): Index of the sequence each token belongs to (a shared
+            prompt: the first sequence sharing it), -1 on padding, shape ``(packed_seq_len,)``.
         prompt_lens (torch.Tensor): Shape ``(num_sequences,)``.
         response_lens (torch.Tensor): Shape ``(num_sequences,)``.
-        sequence_map (torch.Tensor): ``[start, end)`` of each sequence, ``(num_sequences, 2)``.
+        sequence_map (torch.Tensor): ``[start, end)`` of each sequence's own tokens,
+            ``(num_sequences, 2)``: its whole block, or its response when it shares its prompt.
         packed_seq_len (int): Length of ``tokens`` including padding.
-        targets (torch.Tensor): Response tokens in pack order, ``(total_response_tokens,)``.
+        targets (torch.Tensor): Response tokens in sequence order, ``(total_response_tokens,)``.
         ref_logprobs (torch.Tensor | None): Reference logprobs, ``(total_response_tokens,)``.
         advantages (torch.Tensor | None): Per-token advantages, ``(total_response_tokens,)``.
         behavior_logprobs (torch.Tensor | None): vLLM logprobs, ``(total_response_tokens,)``.
         sequence_ids (list[str]): Ids of the packed sequences, in order.
         group_ids (list[int]): Group ids of the packed sequences, in order.
         actual_total_tokens (int): Real (non-padding) tokens.
+        logit_positions (torch.Tensor | None): Row of the hidden states that predicts each
+            target, ``(total_response_tokens,)``. None: ``response_mask[1:].nonzero()``, the
+            layout without shared prompts, where every sequence is one contiguous block.
+        shared_prompt_tokens (int): Prompt tokens the pack does not repeat thanks to shared
+            prompts (its sequences' total length minus ``actual_total_tokens``).
+
+    Raises:
+        ValueError: If a shape does not match, or ``logit_positions`` is None and
+            ``response_mask[1:]`` does not select one position per target.
     """
 
     tokens: torch.Tensor
@@ -231,6 +248,8 @@ class PackedTrajectory:
     sequence_ids: list[str] = field(default_factory=list)
     group_ids: list[int] = field(default_factory=list)
     actual_total_tokens: int = 0
+    logit_positions: torch.Tensor | None = None
+    shared_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         owner = "PackedTrajectory"
@@ -254,6 +273,17 @@ class PackedTrajectory:
             raise ValueError(
                 f"{owner}: {len(self.sequence_ids)} sequence_ids for {num_sequences} sequences"
             )
+        if self.logit_positions is None:
+            # Contiguous sequences: the hidden state at t - 1 predicts the token at t.
+            positions = self.response_mask[1:].bool().nonzero().squeeze(-1)
+            if positions.numel() != num_response_tokens:
+                raise ValueError(
+                    f"{owner}: response_mask[1:] selects {positions.numel()} positions but "
+                    f"there are {num_response_tokens} targets (the first token of a pack "
+                    "cannot be a response token)"
+                )
+            self.logit_positions = positions
+        _check_1d("logit_positions", self.logit_positions, num_response_tokens, owner)
 
     @property
     def num_sequences(self) -> int:

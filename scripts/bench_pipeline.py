@@ -20,10 +20,14 @@ Three measurements, printed as tables and summarised at the end:
    the collector's path (``collective_rpc("grpo_update_weights")`` and `WeightReceiver`), next
    to the pipeline's own ``time_weight_sync (s)`` and the collectors' apply time. The two
    transports between processes are compared in ``scripts/bench_weight_sync.py``.
-3. Reference logprobs of a 64-sequence batch, packed (`plan_packs` + `pack_sequences` +
-   `model_response_logprobs`, as `RefActor` does) against one sequence at a time with the same
-   function, on the pipeline's model with arithmetic-like lengths and (unless ``--quick``) on a
-   larger torchtune model with GSM8K-like lengths. Both must agree within 1e-4.
+3. Reference logprobs of a 64-sequence batch, packed (`plan_sequence_packs` + `pack_sequences`
+   + `model_response_logprobs`, as `RefActor` does; dense and varlen masks, each with the
+   prompt repeated per sequence and with shared prompts) against one sequence at a time with
+   the same function, on the pipeline's model with arithmetic-like lengths and (unless
+   ``--quick``) on a larger torchtune model with GSM8K-like lengths. All must agree within
+   1e-4. Then a training forward + backward of the same batches (varlen, as the trainer runs
+   on CPU), shared prompts against repeated ones: the ratio of step times, and the gradients
+   checked to agree.
 
 Micro-benchmarks run their variants round-robin after one warm-up call each (the machine may
 be shared) and report medians, with one torch thread by default (``--threads``), as the
@@ -40,6 +44,7 @@ Usage:
     python scripts/bench_pipeline.py --quick    # about 2 min: 5 steps, no Ray timing, short batch
     python scripts/bench_pipeline.py --model-dir assets/tiny_arithmetic_qwen2 --steps 30
     python scripts/bench_pipeline.py --pipeline-only --steps 16 --warmup-steps 3
+    python scripts/bench_pipeline.py --packing-only --skip-long  # section 3 only, ~1 min
 """
 
 from __future__ import annotations
@@ -74,7 +79,11 @@ from grpo.orchestrator.metrics import (  # noqa: E402
     STEP_WALL,
     WALL_PARTS,
 )
-from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs  # noqa: E402
+from grpo.packing import (  # noqa: E402
+    pack_sequences,
+    plan_sequence_packs,
+    unpack_response_logprobs,
+)
 from grpo.testing import build_tiny_qwen2  # noqa: E402
 from grpo.types import UnscoredTrajectory  # noqa: E402
 from grpo.workers.weight_sync import (  # noqa: E402
@@ -570,18 +579,37 @@ def lognormal_lengths(median: float, sigma: float, cap: int) -> Callable[[torch.
 
 @torch.no_grad()
 def ref_logprobs_packed(
-    model: torch.nn.Module, batch: list[UnscoredTrajectory], budget: int, mask_kind: str
+    model: torch.nn.Module,
+    batch: list[UnscoredTrajectory],
+    budget: int,
+    mask_kind: str,
+    share_prompts: bool = False,
 ) -> list[torch.Tensor]:
     """As `RefActor.reference_logprobs`: whole groups packed into ``budget``-token packs."""
-    plan = plan_packs([t.total_len for t in batch], budget, groups=[t.group_id for t in batch])
+    plan = plan_sequence_packs(
+        batch, budget, share_prompts=share_prompts, keep_groups_together=True
+    )
     results: list[torch.Tensor | None] = [None] * len(batch)
     for pack_indices in plan:
         members = [batch[i] for i in pack_indices]
-        packed = pack_sequences(members, "cpu", PAD_ID, mask_kind=mask_kind)
+        packed = pack_sequences(
+            members, "cpu", PAD_ID, mask_kind=mask_kind, share_prompts=share_prompts
+        )
         logprobs = model_response_logprobs(model, packed)
         for index, values in zip(pack_indices, unpack_response_logprobs(packed, logprobs)):
             results[index] = values
     return results
+
+
+def packed_tokens(batch: list[UnscoredTrajectory], budget: int, share_prompts: bool) -> int:
+    """Tokens the model computes on for ``batch`` in ``budget``-token packs (no padding)."""
+    plan = plan_sequence_packs(batch, budget, share_prompts=share_prompts)
+    return sum(
+        pack_sequences(
+            [batch[i] for i in indices], "cpu", PAD_ID, share_prompts=share_prompts
+        ).actual_total_tokens
+        for indices in plan
+    )
 
 
 @torch.no_grad()
@@ -604,6 +632,7 @@ class RefResult:
     budget: int
     seconds: dict[str, float]
     max_abs_diff: float
+    shared_tokens: int  # tokens computed with shared prompts
 
 
 def bench_ref_logprobs(
@@ -622,29 +651,32 @@ def bench_ref_logprobs(
 
     # Dense masks take torchtune's unchanged SDPA path; varlen needs the patched attention.
     model = use_packed_attention(build_model(model_dir).eval())
-    packed = ref_logprobs_packed(model, batch, budget, "dense")
-    varlen = ref_logprobs_packed(model, batch, budget, "varlen")
-    single = ref_logprobs_single(model, batch)
+    variants: dict[str, Callable[[], list[torch.Tensor]]] = {
+        "packed (dense mask)": lambda: ref_logprobs_packed(model, batch, budget, "dense"),
+        "packed (varlen)": lambda: ref_logprobs_packed(model, batch, budget, "varlen"),
+        "packed (dense, shared prompts)": lambda: ref_logprobs_packed(
+            model, batch, budget, "dense", share_prompts=True
+        ),
+        "packed (varlen, shared prompts)": lambda: ref_logprobs_packed(
+            model, batch, budget, "varlen", share_prompts=True
+        ),
+        "one at a time": lambda: ref_logprobs_single(model, batch),
+    }
+    results = {name: variant() for name, variant in variants.items()}
+    single = results["one at a time"]
     max_abs_diff = max(
         float((a - b).abs().max()) if a.numel() else 0.0
-        for pair in (zip(packed, single), zip(varlen, single))
-        for a, b in pair
+        for values in results.values()
+        for a, b in zip(values, single)
     )
     if not max_abs_diff <= LOGPROB_ATOL:
         raise AssertionError(
             f"{label}: packed and one-at-a-time reference logprobs differ by {max_abs_diff:.2e} "
             f"(max abs), more than {LOGPROB_ATOL:.0e}"
         )
-    seconds = time_interleaved(
-        {
-            "packed (dense mask)": lambda: ref_logprobs_packed(model, batch, budget, "dense"),
-            "packed (varlen)": lambda: ref_logprobs_packed(model, batch, budget, "varlen"),
-            "one at a time": lambda: ref_logprobs_single(model, batch),
-        },
-        repeats,
-        warm_up=False,  # the agreement check above ran every variant once
-    )
-    plan = plan_packs([t.total_len for t in batch], budget, groups=[t.group_id for t in batch])
+    # The agreement check above ran every variant once: that was the warm-up.
+    seconds = time_interleaved(variants, repeats, warm_up=False)
+    plan = plan_sequence_packs(batch, budget, keep_groups_together=True)
     return RefResult(
         label=label,
         model=describe_model(model_dir),
@@ -656,6 +688,7 @@ def bench_ref_logprobs(
         budget=budget,
         seconds={name: statistics.median(values) for name, values in seconds.items()},
         max_abs_diff=max_abs_diff,
+        shared_tokens=packed_tokens(batch, budget, share_prompts=True),
     )
 
 
@@ -665,8 +698,9 @@ def print_ref(result: RefResult, repeats: int) -> None:
         f"3. Reference logprobs, {result.label}: {result.num_sequences} sequences, "
         f"{result.tokens:,} tokens ({result.response_tokens:,} response), longest "
         f"{result.longest}; {result.num_packs} pack(s) of <= {result.budget}; model "
-        f"{result.model}. Median of {repeats}; packed vs single max |diff| "
-        f"{result.max_abs_diff:.1e} (<= {LOGPROB_ATOL:.0e} checked).",
+        f"{result.model}; {result.shared_tokens:,} tokens with shared prompts. Median of "
+        f"{repeats}; packed vs single max |diff| {result.max_abs_diff:.1e} "
+        f"(<= {LOGPROB_ATOL:.0e} checked).",
         ["variant", "ms", "tokens/s", "x one at a time"],
         [
             [
@@ -675,6 +709,92 @@ def print_ref(result: RefResult, repeats: int) -> None:
                 f"{result.tokens / value:,.0f}",
                 f"{base / value:.2f}",
             ]
+            for name, value in result.seconds.items()
+        ],
+    )
+
+
+def train_forward_backward(
+    model: torch.nn.Module, batch: list[UnscoredTrajectory], budget: int, share_prompts: bool
+) -> None:
+    """One training pass as the trainer makes it on CPU: varlen packs, chunked logprobs,
+    backward per micro-batch (a per-sequence weight stands in for the GRPO loss)."""
+    model.zero_grad(set_to_none=True)
+    for indices in plan_sequence_packs(batch, budget, share_prompts=share_prompts):
+        packed = pack_sequences(
+            [batch[i] for i in indices],
+            "cpu",
+            PAD_ID,
+            mask_kind="varlen",
+            share_prompts=share_prompts,
+        )
+        weights = torch.cat(
+            [torch.full((batch[i].response_len,), 1.0 + (i % 5) / 5.0) for i in indices]
+        )
+        (weights * model_response_logprobs(model, packed)).sum().backward()
+
+
+@dataclass
+class TrainResult:
+    label: str
+    num_sequences: int
+    tokens: int  # prompts repeated per sequence
+    shared_tokens: int
+    seconds: dict[str, float]
+    max_grad_diff: float
+
+
+def bench_train_step(
+    label: str, model_dir: Path, batch: list[UnscoredTrajectory], budget: int, repeats: int
+) -> TrainResult:
+    """Median seconds of a training forward + backward, prompts repeated vs shared.
+
+    Raises:
+        AssertionError: If the two give gradients that differ by more than 1e-4 of their scale.
+    """
+    from grpo.attention import use_packed_attention
+
+    model = use_packed_attention(build_model(model_dir).train())
+    grads = []
+    for share_prompts in (False, True):
+        train_forward_backward(model, batch, budget, share_prompts)
+        grads.append([param.grad.clone() for param in model.parameters()])
+    max_grad_diff = max(
+        float((a - b).abs().max() / a.abs().max().clamp(min=1e-12)) for a, b in zip(*grads)
+    )
+    if not max_grad_diff <= LOGPROB_ATOL:
+        raise AssertionError(
+            f"{label}: shared-prompt gradients differ from the unshared ones by "
+            f"{max_grad_diff:.2e} of their scale, more than {LOGPROB_ATOL:.0e}"
+        )
+    seconds = time_interleaved(
+        {
+            "prompts repeated": lambda: train_forward_backward(model, batch, budget, False),
+            "shared prompts": lambda: train_forward_backward(model, batch, budget, True),
+        },
+        repeats,
+        warm_up=False,  # the gradient check above ran both once
+    )
+    return TrainResult(
+        label=label,
+        num_sequences=len(batch),
+        tokens=sum(t.total_len for t in batch),
+        shared_tokens=packed_tokens(batch, budget, share_prompts=True),
+        seconds={name: statistics.median(values) for name, values in seconds.items()},
+        max_grad_diff=max_grad_diff,
+    )
+
+
+def print_train(result: TrainResult, repeats: int) -> None:
+    base = result.seconds["prompts repeated"]
+    tokens = {"prompts repeated": result.tokens, "shared prompts": result.shared_tokens}
+    print_table(
+        f"3b. Training forward + backward (varlen), {result.label}: {result.num_sequences} "
+        f"sequences. Median of {repeats}; gradients agree to {result.max_grad_diff:.1e} of "
+        f"their scale (<= {LOGPROB_ATOL:.0e} checked).",
+        ["variant", "tokens computed", "ms", "x prompts repeated"],
+        [
+            [name, f"{tokens[name]:,}", f"{value * 1e3:,.1f}", f"{base / value:.2f}"]
             for name, value in result.seconds.items()
         ],
     )
@@ -696,6 +816,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--pipeline-only", action="store_true", help="only the pipeline run and its breakdown"
     )
+    parser.add_argument(
+        "--packing-only",
+        action="store_true",
+        help="only section 3: reference logprobs and the training pass, packed variants",
+    )
     parser.add_argument("--run-timeout", type=float, default=420.0, help="seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -713,6 +838,8 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.skip_long = True
         args.no_ray = True
+    if args.packing_only:
+        args.skip_run = True
     if args.steps <= args.warmup_steps:
         parser.error(f"--steps ({args.steps}) must exceed --warmup-steps ({args.warmup_steps})")
     return args
@@ -723,9 +850,11 @@ def progress(message: str) -> None:
 
 
 def summary_rows(
-    pipeline: PipelineResult | None, weight_medians: dict[str, float], ref_results: list[RefResult]
+    pipeline: PipelineResult | None,
+    weight_medians: dict[str, float] | None,
+    ref_results: list[RefResult],
+    train_results: list[TrainResult],
 ) -> list[list[str]]:
-    clone = weight_medians["clone"]
     rows = []
     if pipeline is not None:
         rows += [
@@ -740,7 +869,8 @@ def summary_rows(
             ["trainer time waiting for data", f"{pipeline.waiting_s / pipeline.step_s:.1%}"],
             ["seconds per training step (wall window)", f"{pipeline.seconds_per_step:.3f}"],
         ]
-        if pipeline.weight_sync_s:
+        if pipeline.weight_sync_s and weight_medians is not None:
+            clone = weight_medians["clone"]
             sync = statistics.median(pipeline.weight_sync_s)
             rows.append(
                 [
@@ -748,13 +878,14 @@ def summary_rows(
                     f"{sync * 1e3:.1f} ms vs {clone * 1e3:.2f} ms = {sync / clone:,.0f}x",
                 ]
             )
-    engine = weight_medians["engine_receiver"]
-    rows.append(
-        [
-            "engine update (WeightReceiver) vs in-memory copy",
-            f"{engine * 1e3:.1f} ms vs {clone * 1e3:.2f} ms = {engine / clone:,.0f}x",
-        ]
-    )
+    if weight_medians is not None:
+        engine, clone = weight_medians["engine_receiver"], weight_medians["clone"]
+        rows.append(
+            [
+                "engine update (WeightReceiver) vs in-memory copy",
+                f"{engine * 1e3:.1f} ms vs {clone * 1e3:.2f} ms = {engine / clone:,.0f}x",
+            ]
+        )
     for result in ref_results:
         packed, single = result.seconds["packed (dense mask)"], result.seconds["one at a time"]
         rows.append(
@@ -762,6 +893,25 @@ def summary_rows(
                 f"ref logprobs tokens/s, {result.label.split(' (')[0]}: packed / single",
                 f"{result.tokens / packed:,.0f} / {result.tokens / single:,.0f} = "
                 f"{single / packed:.2f}x",
+            ]
+        )
+        repeated = result.seconds["packed (varlen)"]
+        shared = result.seconds["packed (varlen, shared prompts)"]
+        rows.append(
+            [
+                f"ref logprobs (varlen), {result.label.split(' (')[0]}: shared prompts speed-up",
+                f"{repeated / shared:.2f}x ({result.shared_tokens / result.tokens:.0%} of the "
+                "tokens)",
+            ]
+        )
+    for result in train_results:
+        repeated = result.seconds["prompts repeated"]
+        shared = result.seconds["shared prompts"]
+        rows.append(
+            [
+                f"train fwd+bwd (varlen), {result.label.split(' (')[0]}: shared prompts speed-up",
+                f"{repeated / shared:.2f}x ({result.shared_tokens / result.tokens:.0%} of the "
+                "tokens)",
             ]
         )
     return rows
@@ -811,15 +961,18 @@ def main() -> None:
             response_len=uniform_lengths(5, 24),
             seed=args.seed,
         )
+        short_label = "arithmetic-like (prompts 10-20, responses 5-24, groups of 8)"
         ref_results = [
             bench_ref_logprobs(
-                "arithmetic-like (prompts 10-20, responses 5-24)",
+                short_label,
                 model_dir,
                 short_batch,
                 budget=2048,  # the config's target_tokens_per_batch
                 repeats=args.repeats,
             )
         ]
+        progress("training forward + backward: arithmetic-like batch")
+        train_results = [bench_train_step(short_label, model_dir, short_batch, 2048, args.repeats)]
         long_repeats = max(2, args.repeats - 2)
         if not args.skip_long:
             progress("reference logprobs: GSM8K-like batch on a larger model")
@@ -832,27 +985,35 @@ def main() -> None:
                 response_len=lognormal_lengths(250, 0.5, 1024),
                 seed=args.seed,
             )
+            long_label = "GSM8K-like (prompts 80-250, responses log-normal, median 250)"
             ref_results.append(
                 bench_ref_logprobs(
-                    "GSM8K-like (prompts 80-250, responses log-normal, median 250)",
-                    long_dir,
-                    long_batch,
-                    budget=4096,
-                    repeats=long_repeats,
+                    long_label, long_dir, long_batch, budget=4096, repeats=long_repeats
                 )
             )
+            progress("training forward + backward: GSM8K-like batch")
+            train_results.append(
+                bench_train_step(long_label, long_dir, long_batch, 4096, long_repeats)
+            )
 
-        progress("weight sync: vLLM CPU engine" + ("" if args.no_ray else " and Ray"))
-        weight_medians, facts = bench_weight_sync(model_dir, args.repeats, not args.no_ray)
+        weight_medians = None
+        if not args.packing_only:
+            progress("weight sync: vLLM CPU engine" + ("" if args.no_ray else " and Ray"))
+            weight_medians, facts = bench_weight_sync(model_dir, args.repeats, not args.no_ray)
 
         if pipeline is not None:
             print_pipeline(pipeline)
             print_breakdown(pipeline)
-        print_weight_sync(weight_medians, facts, pipeline, args.repeats)
+        if weight_medians is not None:
+            print_weight_sync(weight_medians, facts, pipeline, args.repeats)
         for index, result in enumerate(ref_results):
             print_ref(result, args.repeats if index == 0 else long_repeats)
+        for index, result in enumerate(train_results):
+            print_train(result, args.repeats if index == 0 else long_repeats)
         print_table(
-            "Summary", ["measurement", "value"], summary_rows(pipeline, weight_medians, ref_results)
+            "Summary",
+            ["measurement", "value"],
+            summary_rows(pipeline, weight_medians, ref_results, train_results),
         )
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)

@@ -1,7 +1,8 @@
 """Tests of grpo.packing and grpo.attention on CPU in fp32.
 
 The central invariant: a sequence's response logprobs are the same whether it is run alone or
-packed with others (any mask kind, with tail padding), and so are the gradients of a loss.
+packed with others (any mask kind, with tail padding, with or without shared prompts), and so
+are the gradients of a loss.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from torchtune.models.qwen2 import qwen2
 
 from grpo.attention import VarlenMask, resolve_mask_kind, use_packed_attention
+from grpo.logprobs import model_hidden_states, output_projection_weight, packed_logprobs_from_hidden
 from grpo.packing import (
     logprobs_from_logits,
     pack_by_budget,
@@ -23,6 +25,10 @@ from grpo.packing import (
     packed_forward_inputs,
     padding_fraction,
     plan_packs,
+    plan_sequence_packs,
+    prompt_groups,
+    shard_batch,
+    shared_prompt_units,
     unpack_response_logprobs,
 )
 from grpo.types import ScoredTrajectory, UnscoredTrajectory
@@ -517,3 +523,257 @@ def test_pack_by_budget_keeps_groups_and_reports_padding():
     assert sum(2 in pack.group_ids for pack in split) == 2
     assert sum(0 in pack.group_ids for pack in split) == 1
     assert sum(1 in pack.group_ids for pack in split) == 1
+
+
+# ---------------------------------------------------------------- shared prompts
+
+
+def with_prompt(sequence, prompt: torch.Tensor):
+    """The sequence with another prompt (same length), as the members of one GRPO group."""
+    sequence.prompt_tokens = prompt.clone()
+    sequence.prompt_len = prompt.numel()
+    return sequence
+
+
+# (group_id, prompt seed, prompt_len, response lengths): a group of 4 with a 0- and a 1-token
+# response, a 1-token prompt shared by 2, a group of one, and group 3 holding two different
+# prompts of the same length (never shared with each other).
+SHARED_GROUPS = [
+    (0, 0, 9, [3, 1, 0, 7]),
+    (1, 1, 1, [4, 2]),
+    (2, 2, 20, [5]),
+    (3, 3, 6, [2, 3]),
+    (3, 4, 6, [4]),
+]
+
+
+def shared_sequences(scored: bool = True) -> list:
+    """Sequences of `SHARED_GROUPS`, interleaved across groups as a replay buffer may give."""
+    sequences = []
+    for group_id, prompt_seed, prompt_len, response_lens in SHARED_GROUPS:
+        prompt = make_unscored("p", prompt_len, 0, seed=1000 + prompt_seed).prompt_tokens
+        for j, response_len in enumerate(response_lens):
+            sequence_id = f"g{group_id}p{prompt_seed}-{j}"
+            seed = 10 * prompt_seed + j
+            if scored:
+                seq = make_scored(
+                    sequence_id, prompt_len, response_len, 0.3 * j - 0.4, group_id, seed
+                )
+            else:
+                seq = make_unscored(sequence_id, prompt_len, response_len, group_id, seed)
+            sequences.append(with_prompt(seq, prompt))
+    return sequences[::2] + sequences[1::2]
+
+
+def mask_from_blocks(mask: VarlenMask) -> torch.Tensor:
+    """Dense bool mask of a `VarlenMask`, written out block by block from its definition."""
+    dense = block_causal_mask(mask.block_lens)
+    starts = [sum(mask.block_lens[:i]) for i in range(len(mask.block_lens))]
+    for block, prefix in enumerate(mask.prefix_blocks):
+        if prefix >= 0:
+            rows = slice(starts[block], starts[block] + mask.block_lens[block])
+            cols = slice(starts[prefix], starts[prefix] + mask.block_lens[prefix])
+            dense[rows, cols] = True
+    return dense
+
+
+def test_prompt_groups_compare_prompts_not_only_group_ids():
+    sequences = shared_sequences()
+    groups = prompt_groups(sequences)
+    by_id = [[sequences[i].sequence_id for i in group] for group in groups]
+    assert sorted(map(sorted, by_id)) == sorted(
+        [
+            ["g0p0-0", "g0p0-1", "g0p0-2", "g0p0-3"],
+            ["g1p1-0", "g1p1-1"],
+            ["g2p2-0"],
+            ["g3p3-0", "g3p3-1"],
+            ["g3p4-0"],
+        ]
+    )
+    assert all(group == sorted(group) for group in groups), "input order within a group"
+    # Same prompt tokens under another group id: not shared either.
+    moved = shared_sequences()
+    moved[0].group_id = 99
+    assert len(prompt_groups(moved)) == len(groups) + 1
+
+
+def test_shared_pack_layout():
+    prompt = torch.tensor([11, 12, 13])
+    first = with_prompt(make_scored("a", 3, 2, advantage=1.0, group_id=5, seed=1), prompt)
+    other = make_scored("b", 2, 1, advantage=0.5, group_id=6, seed=2)
+    second = with_prompt(make_scored("c", 3, 3, advantage=-1.0, group_id=5, seed=3), prompt)
+    packed = pack_sequences(
+        [first, other, second], "cpu", PAD_ID, target_tokens_per_batch=16, share_prompts=True
+    )
+    # [P Ra Rc] [b] PAD: group 5's prompt once, at the place of its first sequence.
+    expected_tokens = torch.cat(
+        [
+            prompt,
+            first.response_tokens,
+            second.response_tokens,
+            other.prompt_tokens,
+            other.response_tokens,
+            torch.full((5,), PAD_ID),
+        ]
+    )
+    assert torch.equal(packed.tokens, expected_tokens)
+    assert packed.actual_total_tokens == 11 and packed.shared_prompt_tokens == 3
+    assert packed.position_ids.tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 0, 1, 2, 0, 1, 2, 3, 4]
+    assert packed.response_mask.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0]
+    assert packed.sequence_mask.tolist() == [0, 0, 0, 0, 0, 2, 2, 2, 1, 1, 1, -1, -1, -1, -1, -1]
+    assert packed.sequence_map.tolist() == [[3, 5], [8, 11], [5, 8]]
+    # Targets in input order; the prompt's last token (row 2) predicts both first tokens.
+    assert torch.equal(
+        packed.targets,
+        torch.cat([first.response_tokens, other.response_tokens, second.response_tokens]),
+    )
+    assert packed.logit_positions.tolist() == [2, 3, 9, 2, 5, 6]
+    assert packed.advantages.tolist() == [1.0, 1.0, 0.5, -1.0, -1.0, -1.0]
+    blocks = [3, 2, 3, 3, 5]  # P, Ra, Rc, b, padding
+    expected_mask = block_causal_mask(blocks)
+    expected_mask[3:8, 0:3] = True  # both responses see the whole prompt
+    assert torch.equal(packed.attention_mask, expected_mask)
+    varlen = pack_sequences(
+        [first, other, second],
+        "cpu",
+        PAD_ID,
+        target_tokens_per_batch=16,
+        mask_kind="varlen",
+        share_prompts=True,
+    ).attention_mask
+    assert varlen == VarlenMask(tuple(blocks), (-1, 0, 0, -1, -1))
+
+
+def test_shared_varlen_and_flex_masks_equal_dense():
+    sequences = shared_sequences()
+    kwargs = {"target_tokens_per_batch": 128, "share_prompts": True}
+    dense = pack_sequences(sequences, "cpu", PAD_ID, **kwargs).attention_mask
+    varlen = pack_sequences(sequences, "cpu", PAD_ID, mask_kind="varlen", **kwargs)
+    flex = pack_sequences(sequences, "cpu", PAD_ID, mask_kind="flex", **kwargs).attention_mask
+    assert torch.equal(mask_from_blocks(varlen.attention_mask), dense)
+    positions = torch.arange(128)
+    assert torch.equal(flex.mask_mod(0, 0, positions[:, None], positions[None, :]), dense)
+    # Group 0 (4 sequences, 9-token prompt), group 1 (2, 1 token), group 3's first prompt (2, 6).
+    assert varlen.shared_prompt_tokens == 3 * 9 + 1 + 6
+
+
+@pytest.mark.parametrize("mask_kind", ["dense", "varlen", "flex"])
+def test_shared_prompt_logprobs_equal_alone(model, mask_kind):
+    sequences = shared_sequences(scored=False)
+    # Flex compiles once per length on CPU: one bucket for it; dense and varlen unpadded.
+    padding = {"pad_to_multiple_of": 128} if mask_kind == "flex" else {}
+    packed = pack_sequences(
+        sequences, "cpu", PAD_ID, mask_kind=mask_kind, share_prompts=True, **padding
+    )
+    assert packed.shared_prompt_tokens > 0
+    with torch.no_grad():
+        alone = [alone_response_logprobs(model, seq) for seq in sequences]
+        logits = model(**packed_forward_inputs(packed))
+    pieces = unpack_response_logprobs(packed, logprobs_from_logits(logits, packed))
+    for seq, expected, got in zip(sequences, alone, pieces):
+        assert got.shape == (seq.response_len,)
+        diff = max_abs_diff(got, expected)
+        assert diff <= TOLERANCE, f"{mask_kind}: {seq.sequence_id} off by {diff}"
+    assert torch.cat(alone).std() > 1.0
+
+
+@pytest.mark.parametrize("mask_kind", ["dense", "varlen"])
+def test_shared_prompt_gradients_equal_sum_of_alone_gradients(model, mask_kind):
+    sequences = shared_sequences()
+    parameters = list(model.parameters())
+    alone_loss = sum(
+        (seq.advantages * alone_response_logprobs(model, seq)).sum() for seq in sequences
+    )
+    packed = pack_sequences(sequences, "cpu", PAD_ID, mask_kind=mask_kind, share_prompts=True)
+    # Through the chunked projection the trainer uses: one hidden row, several targets.
+    hidden = model_hidden_states(model, packed)
+    packed_logprobs = packed_logprobs_from_hidden(
+        hidden, output_projection_weight(model), packed, chunk_size=5
+    )
+    packed_loss = (packed.advantages * packed_logprobs).sum()
+    assert abs(packed_loss.item() - alone_loss.item()) <= 1e-4
+    alone_grads = torch.autograd.grad(alone_loss, parameters)
+    packed_grads = torch.autograd.grad(packed_loss, parameters)
+    for alone_grad, packed_grad in zip(alone_grads, packed_grads):
+        scale = alone_grad.abs().max().clamp(min=1.0)
+        assert ((alone_grad - packed_grad).abs().max() / scale) <= TOLERANCE
+
+
+def test_group_longer_than_the_budget_is_split_and_exact(model):
+    prompt = make_unscored("p", 30, 0, seed=77).prompt_tokens
+    sequences = [
+        with_prompt(make_unscored(f"long-{j}", 30, 20 + 5 * j, group_id=0, seed=j), prompt)
+        for j in range(6)
+    ]
+    budget = 100  # the group needs 30 + 195 tokens with its prompt once
+    units = shared_prompt_units(sequences, budget)
+    assert len(units) >= 3 and sorted(i for unit in units for i in unit) == list(range(6))
+    plan = plan_sequence_packs(sequences, budget, share_prompts=True)
+    with torch.no_grad():
+        for indices in plan:
+            members = [sequences[i] for i in indices]
+            packed = pack_sequences(
+                members,
+                "cpu",
+                PAD_ID,
+                target_tokens_per_batch=budget,
+                mask_kind="varlen",
+                share_prompts=True,
+            )
+            assert packed.actual_total_tokens <= budget
+            assert packed.shared_prompt_tokens == 30 * (len(members) - 1)
+            logits = model(**packed_forward_inputs(packed))
+            pieces = unpack_response_logprobs(packed, logprobs_from_logits(logits, packed))
+            for seq, got in zip(members, pieces):
+                assert max_abs_diff(got, alone_response_logprobs(model, seq)) <= TOLERANCE
+    with pytest.raises(ValueError, match="long-1.*55 tokens.*target_tokens_per_batch=54"):
+        plan_sequence_packs(sequences, 54, share_prompts=True)
+
+
+def test_plan_sequence_packs_fits_the_budget_with_prompts_once():
+    sequences = shared_sequences()
+    unshared = plan_sequence_packs(sequences, 40)
+    shared = plan_sequence_packs(sequences, 40, share_prompts=True)
+    for plan, share in ((unshared, False), (shared, True)):
+        assert sorted(i for pack in plan for i in pack) == list(range(len(sequences)))
+        for indices in plan:
+            members = [sequences[i] for i in indices]
+            packed = pack_sequences(
+                members, "cpu", PAD_ID, target_tokens_per_batch=40, share_prompts=share
+            )
+            assert packed.packed_seq_len == 40
+    assert len(shared) < len(unshared)
+    assert plan_sequence_packs(sequences, 40) == plan_packs([s.total_len for s in sequences], 40)
+
+
+def test_shard_batch_keeps_prompt_groups_whole_and_balances_tokens():
+    sequences = shared_sequences()
+    assert shard_batch(sequences, 3, 128) == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    shards = shard_batch(sequences, 2, 128, share_prompts=True)
+    assert sorted(i for shard in shards for i in shard) == list(range(len(sequences)))
+    assert all(shard == sorted(shard) for shard in shards)
+    rank_of = {i: rank for rank, shard in enumerate(shards) for i in shard}
+    for group in prompt_groups(sequences):
+        assert len({rank_of[i] for i in group}) == 1, "a prompt group was split over ranks"
+
+    def tokens(indices) -> int:
+        members = [sequences[i] for i in indices]
+        return pack_sequences(members, "cpu", PAD_ID, share_prompts=True).actual_total_tokens
+
+    # Largest first onto the lightest rank: the loads differ by at most the largest group.
+    loads = [tokens(shard) for shard in shards]
+    assert max(loads) - min(loads) <= max(tokens(group) for group in prompt_groups(sequences))
+    # More ranks than prompt groups: the largest groups are halved so every rank gets work.
+    many = shard_batch(sequences, len(sequences), 128, share_prompts=True)
+    assert all(len(shard) == 1 for shard in many)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        shard_batch(sequences, 0, 128)
+
+
+def test_varlen_prefix_validation():
+    with pytest.raises(ValueError, match="2 prefix_blocks for 3 blocks"):
+        VarlenMask((3, 2, 1), (-1, 0))
+    with pytest.raises(ValueError, match=r"prefix_blocks\[1\] must be -1 or an earlier"):
+        VarlenMask((3, 2), (-1, 1))
+    with pytest.raises(ValueError, match="has a prefix itself"):
+        VarlenMask((3, 2, 1), (-1, 0, 1))

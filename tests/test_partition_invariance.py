@@ -2,7 +2,8 @@
 
 A batch of scored sequences of mixed lengths is trained on a tiny torchtune Qwen2 model either
 as one pack, or split by `plan_packs` into several micro-batches whose gradients accumulate
-with the whole batch's normaliser. Both must give the same loss and parameter gradients.
+with the whole batch's normaliser. Both must give the same loss and parameter gradients; so
+must shared-prompt packs, sharded over data-parallel ranks by whole prompt groups.
 """
 
 import copy
@@ -15,7 +16,14 @@ from torchtune.models.qwen2 import qwen2
 from grpo.attention import use_packed_attention
 from grpo.logprobs import model_hidden_states, model_response_logprobs, output_projection_weight
 from grpo.loss import AGGREGATIONS, GRPOWithChunkedOutputLoss, combine_stats
-from grpo.packing import pack_sequences, plan_packs, unpack_response_logprobs
+from grpo.packing import (
+    pack_sequences,
+    plan_packs,
+    plan_sequence_packs,
+    shard_batch,
+    shared_prompt_units,
+    unpack_response_logprobs,
+)
 from grpo.types import ScoredTrajectory
 
 VOCAB_SIZE = 256
@@ -39,19 +47,31 @@ def _tiny_model() -> torch.nn.Module:
     return use_packed_attention(model.float())
 
 
-def _scored_batch(model: torch.nn.Module) -> list[ScoredTrajectory]:
-    """Sequences whose behaviour and reference logprobs differ from the model's."""
+def _scored_batch(model: torch.nn.Module, shared_prompts: bool = False) -> list[ScoredTrajectory]:
+    """Sequences whose behaviour and reference logprobs differ from the model's.
+
+    With ``shared_prompts`` the members of a group answer one prompt, as in GRPO.
+    """
     generator = torch.Generator().manual_seed(0)
     sequences = []
     for group_id, group_size in enumerate(GROUP_SIZES):
         rewards = torch.rand(group_size, generator=generator)
         advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        group_prompt = torch.randint(
+            1,
+            VOCAB_SIZE,
+            (int(torch.randint(3, 13, (), generator=generator)),),
+            generator=generator,
+        )
         for index in range(group_size):
             prompt_len = int(torch.randint(3, 13, (), generator=generator))
+            prompt = torch.randint(1, VOCAB_SIZE, (prompt_len,), generator=generator)
+            if shared_prompts:
+                prompt, prompt_len = group_prompt, group_prompt.numel()
             response_len = int(torch.randint(1, MAX_RESPONSE_LEN + 1, (), generator=generator))
             sequences.append(
                 ScoredTrajectory(
-                    prompt_tokens=torch.randint(1, VOCAB_SIZE, (prompt_len,), generator=generator),
+                    prompt_tokens=prompt,
                     response_tokens=torch.randint(
                         1, VOCAB_SIZE, (response_len,), generator=generator
                     ),
@@ -176,3 +196,40 @@ def test_local_normalisation_depends_on_the_split(model_and_batch):
     micro_packs = [pack_sequences([batch[i] for i in ids], "cpu", PAD_TOKEN_ID) for ids in plan]
     split_loss, _, _ = _loss_and_gradients(model, loss_fn, micro_packs, None)
     assert not torch.allclose(split_loss, whole_loss, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("mask_kind", ["dense", "varlen"])
+def test_shared_prompts_over_two_ranks_give_the_unshared_whole_batch(mask_kind):
+    """Shared-prompt micro-batches, sharded over 2 ranks as the trainer does, accumulate the
+    same loss and gradients as the whole batch packed without sharing."""
+    model = _tiny_model()
+    batch = _scored_batch(model, shared_prompts=True)
+    loss_fn = GRPOWithChunkedOutputLoss(
+        epsilon_high=0.28, kl_coeff=0.1, kl_estimator="k3", chunk_size=16
+    )
+    normalizer = loss_fn.batch_loss_normalizer([seq.response_len for seq in batch])
+    whole_pack = pack_sequences(batch, "cpu", PAD_TOKEN_ID, mask_kind=mask_kind)
+    whole_loss, _, whole_gradients = _loss_and_gradients(model, loss_fn, [whole_pack], normalizer)
+
+    budget = 48
+    assert len(shared_prompt_units(batch, budget)) > len(GROUP_SIZES), "no group was split"
+    micro_packs = []
+    for shard in shard_batch(batch, 2, budget, share_prompts=True):
+        members = [batch[i] for i in shard]
+        for indices in plan_sequence_packs(members, budget, share_prompts=True):
+            micro_packs.append(
+                pack_sequences(
+                    [members[i] for i in indices],
+                    "cpu",
+                    PAD_TOKEN_ID,
+                    target_tokens_per_batch=budget,
+                    mask_kind=mask_kind,
+                    share_prompts=True,
+                )
+            )
+    assert sum(packed.shared_prompt_tokens for packed in micro_packs) > 0
+    # The sum over both ranks' micro-batches is what FSDP's reduce gives the update.
+    split_loss, _, split_gradients = _loss_and_gradients(model, loss_fn, micro_packs, normalizer)
+    torch.testing.assert_close(split_loss, whole_loss.detach(), rtol=1e-5, atol=1e-7)
+    for name, gradient in whole_gradients.items():
+        torch.testing.assert_close(split_gradients[name], gradient, rtol=1e-5, atol=1e-7, msg=name)

@@ -22,15 +22,23 @@ LOSS = {
 OPTIMIZER = {"_component_": "torch.optim.SGD", "lr": 0.5}
 
 
-def make_batch(num_sequences: int, vocab_size: int, seed: int = 0) -> list[ScoredTrajectory]:
+def make_batch(
+    num_sequences: int, vocab_size: int, seed: int = 0, shared_prompts: bool = False
+) -> list[ScoredTrajectory]:
+    """Groups of 4 (``group_id = i // 4``); each sequence has its own random prompt unless
+    ``shared_prompts``, where the members of a group answer one prompt, as in GRPO."""
     generator = torch.Generator().manual_seed(seed)
     batch = []
     for i in range(num_sequences):
         prompt_len = int(torch.randint(3, 20, (1,), generator=generator))
         response_len = int(torch.randint(1, 24, (1,), generator=generator))
+        prompt = torch.randint(0, vocab_size, (prompt_len,), generator=generator)
+        if shared_prompts and i % 4:
+            prompt = batch[-1].prompt_tokens
+            prompt_len = prompt.numel()
         batch.append(
             ScoredTrajectory(
-                prompt_tokens=torch.randint(0, vocab_size, (prompt_len,), generator=generator),
+                prompt_tokens=prompt,
                 response_tokens=torch.randint(0, vocab_size, (response_len,), generator=generator),
                 prompt_len=prompt_len,
                 response_len=response_len,
@@ -61,7 +69,7 @@ def assert_same_update(before, after_expected, after_actual, rtol=1e-4):
     assert changed > len(before) // 2, "the step changed almost no weights"
 
 
-def trainer_kwargs(model_dir, rank, world_size, budget, loss=LOSS):
+def trainer_kwargs(model_dir, rank, world_size, budget, loss=LOSS, share_prompts=True):
     return dict(
         rank=rank,
         world_size=world_size,
@@ -69,6 +77,7 @@ def trainer_kwargs(model_dir, rank, world_size, budget, loss=LOSS):
         num_steps=1,
         target_tokens_per_batch=budget,
         pad_token_id=0,
+        share_prompts=share_prompts,
         config=TrainingConfig(
             optimizer=OPTIMIZER, lr_scheduler=None, loss=loss, clip_grad_norm=None
         ),
@@ -91,6 +100,30 @@ def test_micro_batch_split_does_not_change_the_update(tiny_model_dir):
         one_pack["train_actor_training/loss"], rel=1e-5
     )
     assert_same_update(before, weights_one, weights_many)
+
+
+def test_shared_prompts_give_the_unshared_loss_and_update(tiny_model_dir):
+    """Same batch (groups answering one prompt), one worker: sharing prompts changes the
+    tokens computed, not the loss or the update; many packs (budget 48) and one (1024)."""
+    batch = make_batch(12, vocab_size=300, shared_prompts=True)
+    for budget in (1024, 48):
+        results = []
+        for share_prompts in (False, True):
+            trainer = PyTorchActorModel(
+                **trainer_kwargs(tiny_model_dir, 0, 1, budget, share_prompts=share_prompts)
+            )
+            trainer.setup()
+            before = trainer.full_state_dict()
+            metrics = trainer.train_step(batch)
+            results.append((metrics, trainer.full_state_dict()))
+        (plain, weights_plain), (shared, weights_shared) = results
+        assert plain["train_actor_performance/shared_prompt_tokens_saved (%)"] == 0.0
+        saved = shared["train_actor_performance/shared_prompt_tokens_saved (%)"]
+        assert 10.0 < saved < 100.0, saved
+        for name in ("loss", "policy_loss", "kl_loss", "ratios", "clipfrac"):
+            key = f"train_actor_training/{name}"
+            assert shared[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
+        assert_same_update(before, weights_plain, weights_shared, rtol=1e-5)
 
 
 def test_non_finite_steps_are_skipped_counted_and_leave_the_weights(tiny_model_dir):
@@ -122,7 +155,8 @@ def test_non_finite_steps_are_skipped_counted_and_leave_the_weights(tiny_model_d
 
 @pytest.mark.slow
 def test_two_fsdp_workers_match_one_worker(tiny_model_dir, ray_cluster):
-    batch = make_batch(12, vocab_size=300, seed=1)
+    # Shared prompts: each worker trains on whole prompt groups (`grpo.packing.shard_batch`).
+    batch = make_batch(12, vocab_size=300, seed=1, shared_prompts=True)
     single = PyTorchActorModel(**trainer_kwargs(tiny_model_dir, 0, 1, 256))
     single.setup()
     before = single.full_state_dict()

@@ -76,6 +76,13 @@ class RunConfig(ConfigSection):
         "possible sequence must fit.",
         check=POSITIVE,
     )
+    share_prompts: bool = option(
+        True,
+        "Pack the responses of a group after one copy of their shared prompt ([P R1 ... RG]) "
+        "in the reference and training forward passes; logprobs and gradients are the same "
+        "as with the prompt repeated, with fewer tokens to compute. false: one [P R] block "
+        "per sequence.",
+    )
     resume_from_checkpoint: bool | str = option(
         False,
         "false: start fresh; true: resume from the latest checkpoint in output_dir; a path: "

@@ -263,6 +263,7 @@ class ActorSupervisor:
                 model_dir=cfg.base_model_path,
                 num_steps=cfg.orchestration.num_steps,
                 target_tokens_per_batch=cfg.target_tokens_per_batch,
+                share_prompts=cfg.share_prompts,
                 pad_token_id=pad_token_id,
                 config=TrainingConfig.from_mapping(to_container(training)),
                 seed=cfg.seed,
@@ -288,6 +289,7 @@ class ActorSupervisor:
             model_dir=cfg.base_model_path,
             reward_functions=to_container(cfg.reward_functions),
             target_tokens_per_batch=cfg.target_tokens_per_batch,
+            share_prompts=cfg.share_prompts,
             config=RefConfig.from_mapping(to_container(ref_cfg)),
             filter_zero_variance_groups=cfg.training.filter_zero_variance_groups,
         )

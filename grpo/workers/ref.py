@@ -36,7 +36,12 @@ from grpo.config.options import (
 )
 from grpo.logprobs import model_response_logprobs
 from grpo.models import build_model, load_tokenizer, torch_dtype
-from grpo.packing import FLEX_BUCKET, pack_sequences, plan_packs, unpack_response_logprobs
+from grpo.packing import (
+    FLEX_BUCKET,
+    pack_sequences,
+    plan_sequence_packs,
+    unpack_response_logprobs,
+)
 from grpo.rewards import batched_rewards
 from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory
 
@@ -77,6 +82,8 @@ class RefActor:
         model_dir (str): HF-format folder of the frozen reference model.
         reward_functions (list): Reward functions, or ``_component_`` nodes of them.
         target_tokens_per_batch (int): Token budget of one reference forward.
+        share_prompts (bool): Pack the responses of a prompt after one copy of it
+            (`grpo.packing.pack_sequences`).
         config (RefConfig | None): The ``ref:`` options (reward timeout and weights, dtype,
             attention kind); None: their defaults.
         filter_zero_variance_groups (bool): ``training.filter_zero_variance_groups``: leave
@@ -89,6 +96,7 @@ class RefActor:
         model_dir: str,
         reward_functions: list[Any],
         target_tokens_per_batch: int,
+        share_prompts: bool = True,
         config: RefConfig | None = None,
         filter_zero_variance_groups: bool = False,
     ) -> None:
@@ -111,18 +119,24 @@ class RefActor:
         self.reward_timeout_s = config.reward_timeout_s
         self.target_tokens_per_batch = target_tokens_per_batch
         self.filter_zero_variance_groups = filter_zero_variance_groups
+        self.share_prompts = share_prompts
+        # Prompt tokens the last `reference_logprobs` call did not repeat, and all it packed.
+        self._shared_prompt_tokens = 0
+        self._real_tokens = 0
         self.steps_run = 0
         self.reward_failures: dict[str, int] = {}
 
     @torch.no_grad()
     def reference_logprobs(self, trajectories: list[Any]) -> dict[str, torch.Tensor]:
         """Reference logprobs of each trajectory's response, keyed by ``sequence_id``."""
-        plan = plan_packs(
-            [t.total_len for t in trajectories],
+        plan = plan_sequence_packs(
+            trajectories,
             self.target_tokens_per_batch,
-            groups=[t.group_id for t in trajectories],
+            share_prompts=self.share_prompts,
+            keep_groups_together=True,
         )
         by_id = {}
+        self._shared_prompt_tokens = self._real_tokens = 0
         for pack_indices in plan:
             members = [trajectories[i] for i in pack_indices]
             packed = pack_sequences(
@@ -131,7 +145,10 @@ class RefActor:
                 self.tokenizer.pad_id,
                 mask_kind=self.mask_kind,
                 pad_to_multiple_of=FLEX_BUCKET if self.mask_kind == "flex" else None,
+                share_prompts=self.share_prompts,
             )
+            self._shared_prompt_tokens += packed.shared_prompt_tokens
+            self._real_tokens += packed.actual_total_tokens
             logprobs = model_response_logprobs(self.model, packed)
             for traj, lp in zip(members, unpack_response_logprobs(packed, logprobs)):
                 by_id[traj.sequence_id] = lp.float().cpu()
@@ -214,6 +231,13 @@ class RefActor:
             "ref_actor_performance/time_model_running (s)": time_model_running,
             "ref_actor_performance/total_tokens_processed": float(
                 sum(g.total_tokens for g in groups)
+            ),
+            "ref_actor_performance/shared_prompt_tokens_saved (%)": (
+                100.0
+                * self._shared_prompt_tokens
+                / (self._real_tokens + self._shared_prompt_tokens)
+                if self._real_tokens
+                else 0.0
             ),
             "ref_actor_rewards/rewards_mean": float(total_reward.mean()),
             "ref_actor_rewards/successes_mean": float(successes.mean()),

@@ -49,7 +49,13 @@ from grpo.models import (
     torch_dtype,
     tune_to_hf_state_dict,
 )
-from grpo.packing import FLEX_BUCKET, pack_sequences, plan_packs, unpack_response_logprobs
+from grpo.packing import (
+    FLEX_BUCKET,
+    pack_sequences,
+    plan_sequence_packs,
+    shard_batch,
+    unpack_response_logprobs,
+)
 from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
 from grpo.workers.training_checkpoint import (
     TRAINER_SUBDIR,
@@ -243,6 +249,8 @@ class PyTorchActorModel:
         num_steps (int): Training steps of the run (sizes the LR schedule).
         target_tokens_per_batch (int): Token budget of one packed micro-batch.
         pad_token_id (int): Padding token id.
+        share_prompts (bool): Pack the responses of a prompt after one copy of it, and shard
+            the batch over workers by whole prompts (`grpo.packing.shard_batch`).
         config (TrainingConfig | None): The ``training:`` options this actor uses: the
             ``optimizer`` node (the parameters are passed in), the ``lr_scheduler`` node (it
             receives ``optimizer`` and ``num_training_steps``), the ``loss`` node,
@@ -261,6 +269,7 @@ class PyTorchActorModel:
         num_steps: int,
         target_tokens_per_batch: int,
         pad_token_id: int,
+        share_prompts: bool = True,
         config: TrainingConfig | None = None,
         seed: int = 0,
     ) -> None:
@@ -271,6 +280,7 @@ class PyTorchActorModel:
         self.hf_config = load_hf_config(self.model_dir)
         self.target_tokens_per_batch = target_tokens_per_batch
         self.pad_token_id = pad_token_id
+        self.share_prompts = share_prompts
         self.ppo_epochs = config.ppo_epochs
         self.clip_grad_norm = config.clip_grad_norm
         self.compile = config.compile
@@ -394,11 +404,16 @@ class PyTorchActorModel:
         """This rank's packs, and how many micro-batches every rank must run.
 
         Each rank plans every rank's share (they all see the whole batch), so they agree on
-        the number of forward/backward passes without communicating.
+        the number of forward/backward passes without communicating. With shared prompts the
+        shares are whole prompt groups, balanced by tokens (`grpo.packing.shard_batch`).
         """
-        shards = [batch[r :: self.world_size] for r in range(self.world_size)]
+        budget, share = self.target_tokens_per_batch, self.share_prompts
+        shards = [
+            [batch[i] for i in shard]
+            for shard in shard_batch(batch, self.world_size, budget, share_prompts=share)
+        ]
         plans = [
-            plan_packs([t.total_len for t in shard], self.target_tokens_per_batch) if shard else []
+            plan_sequence_packs(shard, budget, share_prompts=share) if shard else []
             for shard in shards
         ]
         mine = [[shards[self.rank][i] for i in pack] for pack in plans[self.rank]]
@@ -435,6 +450,7 @@ class PyTorchActorModel:
                 self.pad_token_id,
                 mask_kind=self.mask_kind,
                 pad_to_multiple_of=FLEX_BUCKET if self.mask_kind == "flex" else None,
+                share_prompts=self.share_prompts,
             )
             for mb in micro_batches
         ]
@@ -526,6 +542,7 @@ class PyTorchActorModel:
         epochs, num_tokens = self.ppo_epochs, max(float(totals[6]), 1.0)
         real_tokens = sum(p.actual_total_tokens for p in packs)
         packed_tokens = sum(p.packed_seq_len for p in packs)
+        shared_tokens = sum(p.shared_prompt_tokens for p in packs)
         response_tokens = sum(t.response_len for t in batch)
         ages = [self.policy_version - t.policy_version for t in batch]
         metrics: dict[str, Any] = {
@@ -558,6 +575,11 @@ class PyTorchActorModel:
             ),
             "train_actor_performance/padded_tokens_percentage (%)": (
                 100.0 * (packed_tokens - real_tokens) / packed_tokens if packed_tokens else 0.0
+            ),
+            # Share of this worker's sequence tokens (prompts repeated) that shared prompts
+            # left out of the forward and backward passes.
+            "train_actor_performance/shared_prompt_tokens_saved (%)": (
+                100.0 * shared_tokens / (real_tokens + shared_tokens) if real_tokens else 0.0
             ),
         }
         if wanted:
