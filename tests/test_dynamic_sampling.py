@@ -132,7 +132,7 @@ def test_ledger_remembers_dropped_groups_and_queues_no_empty_batch():
 
 
 def test_group_counts_per_step_and_reset():
-    counts = GroupCounts(filtering=True, timeout_s=60.0, groups_per_batch=4)
+    counts = GroupCounts(filtering=True, timeout_s=60.0)
     counts.scored(4, num_zero_variance=3, num_dropped=3)
     counts.scored(4, num_zero_variance=1, num_dropped=1)
     assert counts.step_metrics() == {
@@ -155,14 +155,22 @@ def test_group_counts_per_step_and_reset():
 def test_guard_names_equal_rewards_after_the_timeout_of_waiting(monkeypatch, caplog):
     now = [100.0]
     monkeypatch.setattr("grpo.orchestrator.metrics.time.monotonic", lambda: now[0])
-    counts = GroupCounts(filtering=True, timeout_s=10.0, groups_per_batch=8)
+    counts = GroupCounts(filtering=True, timeout_s=10.0)
     waiting_since = 95.0
+
+    def warnings() -> int:
+        return len([r for r in caplog.records if "equal rewards" in r.message])
+
     with caplog.at_level(logging.WARNING, logger="grpo"):
-        for _ in range(3):  # 12 groups in a row dropped: a batch's worth, warned once
+        for _ in range(3):  # 12 groups in a row dropped at once: normal, no warning yet
             counts.scored(4, num_zero_variance=4, num_dropped=4)
-    assert len([r for r in caplog.records if "equal rewards" in r.message]) == 1
-    now[0] = 109.0
-    counts.check(waiting_since)  # 9 s of dropping: not yet
+        counts.check(waiting_since)
+        assert warnings() == 0
+        now[0] = 103.0  # a quarter of the timeout without an informative group: warned once
+        counts.check(waiting_since)
+        now[0] = 109.0
+        counts.check(waiting_since)  # 9 s of dropping: not yet stopped
+    assert warnings() == 1
     now[0] = 111.0
     with pytest.raises(NoInformativeGroupsError) as error:
         counts.check(waiting_since)

@@ -37,6 +37,7 @@ from grpo.testing import (
     EOT_ID,
     IM_END,
     LLAMA3_SPECIAL_TOKENS,
+    RANDOM_MODEL_OVERRIDES,
     TOKENIZER_FILES,
     build_tiny_llama,
     build_tiny_qwen2,
@@ -542,6 +543,7 @@ def test_short_grpo_run(family: str, family_dirs, tmp_path, monkeypatch, ray_cle
     num_steps = 2
     overrides = [
         f"base_model_path={family_dirs[family]}",
+        *RANDOM_MODEL_OVERRIDES,
         f"output_dir={run_dir}",
         f"orchestration.num_steps={num_steps}",
         "eval_every_n_steps=null",

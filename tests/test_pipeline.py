@@ -18,7 +18,7 @@ from grpo.orchestrator.metrics import (
     STEP_WALL,
     WALL_PARTS,
 )
-from grpo.testing import read_jsonl
+from grpo.testing import RANDOM_MODEL_OVERRIDES, read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +39,7 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
         "tiny_arithmetic_cpu",
         [
             f"base_model_path={tiny_model_dir}",
+            *RANDOM_MODEL_OVERRIDES,
             f"output_dir={run_dir}",
             f"orchestration.num_steps={num_steps}",
             "eval_every_n_steps=2",
@@ -148,7 +149,7 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
 def test_learning_signal_on_a_toy_reward(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     """A reward a random model earns sometimes rises well beyond noise in 30 steps."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    cfg = load_config("tiny_arithmetic_cpu")
+    cfg = load_config("tiny_arithmetic_cpu", list(RANDOM_MODEL_OVERRIDES))
     cfg.base_model_path = str(tiny_model_dir)
     cfg.output_dir = str(tmp_path / "run")
     cfg.orchestration.num_steps = 30

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from grpo.cli import main as grpo_main
 from grpo.orchestrator import ActorFailedError, Orchestrator, TrainingDivergedError
-from grpo.testing import kill_at_steps, read_jsonl, start_tiny_run
+from grpo.testing import RANDOM_MODEL_OVERRIDES, kill_at_steps, read_jsonl, start_tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +38,7 @@ def trained_ids(run_dir: Path) -> list[str]:
 def deterministic_overrides(model_dir: Path, run_dir: Path, num_steps: int) -> list[str]:
     return [
         f"base_model_path={model_dir}",
+        *RANDOM_MODEL_OVERRIDES,
         f"output_dir={run_dir}",
         f"orchestration.num_steps={num_steps}",
         "orchestration.synchronous=true",
@@ -283,6 +284,7 @@ def test_signal_stops_gracefully(stop_signal, tiny_model_dir, tmp_path):
             "--config",
             "tiny_arithmetic_cpu",
             f"base_model_path={tiny_model_dir}",
+            *RANDOM_MODEL_OVERRIDES,
             f"output_dir={run_dir}",
             "orchestration.num_steps=500",
             "eval_every_n_steps=null",

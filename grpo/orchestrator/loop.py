@@ -121,7 +121,6 @@ class Orchestrator:
         self.group_counts = GroupCounts(
             cfg.training.filter_zero_variance_groups,
             cfg.orchestration.stall_timeout_s,
-            groups_per_batch=-(-cfg.training.batch_size // cfg.inference.group_size),
         )
 
     # The current actors (replacements included), for the recipe, evaluation and tests.

@@ -158,21 +158,18 @@ class GroupCounts:
     full; if every group keeps having equal rewards, no batch ever fills. `check` turns that
     into an error instead of a silent hang: it raises once groups have come back
     uninformative, and none informative, for ``timeout_s`` seconds of waiting for a batch. A
-    warning comes first, once per such streak, when a whole training batch's worth of groups
-    in a row had equal rewards.
+    warning comes first, once per such streak, after a quarter of that time. Streaks of a few
+    batches' worth of dropped groups are normal once the policy is good at most prompts (each
+    dropped group just costs a generation), so the warning is about time, not a count.
 
     Args:
         filtering (bool): ``training.filter_zero_variance_groups``.
         timeout_s (float): ``orchestration.stall_timeout_s``.
-        groups_per_batch (int): Groups one training batch takes
-            (``training.batch_size / inference.group_size``, rounded up): the warning's
-            threshold.
     """
 
-    def __init__(self, filtering: bool, timeout_s: float, groups_per_batch: int = 1) -> None:
+    def __init__(self, filtering: bool, timeout_s: float) -> None:
         self.filtering = filtering
         self.timeout_s = timeout_s
-        self.groups_per_batch = max(groups_per_batch, 1)
         self.scored_groups = 0
         self.kept_groups = 0
         self.zero_variance = 0
@@ -200,16 +197,6 @@ class GroupCounts:
         if self._streak_since is None:
             self._streak_since = time.monotonic()
         self.dropped_in_a_row += num_dropped
-        if not self._warned and self.dropped_in_a_row >= self.groups_per_batch:
-            self._warned = True
-            log.warning(
-                "the last %d groups all had equal rewards and were dropped "
-                "(training.filter_zero_variance_groups=true); generating more. The run stops "
-                "if no group with differing rewards comes within orchestration.stall_timeout_s "
-                "(%g s) of waiting.",
-                self.dropped_in_a_row,
-                self.timeout_s,
-            )
 
     def check(self, waiting_since: float) -> None:
         """Raise if the driver waited for a batch while only uninformative groups came.
@@ -226,6 +213,16 @@ class GroupCounts:
         if self._streak_since is None:
             return
         waited = time.monotonic() - max(self._streak_since, waiting_since)
+        if not self._warned and waited > self.timeout_s / 4:
+            self._warned = True
+            log.warning(
+                "no group with differing rewards for %.0f s of waiting: the last %d groups all "
+                "had equal rewards and were dropped (training.filter_zero_variance_groups=true); "
+                "generating more. The run stops after orchestration.stall_timeout_s (%g s).",
+                waited,
+                self.dropped_in_a_row,
+                self.timeout_s,
+            )
         if waited > self.timeout_s:
             raise NoInformativeGroupsError(
                 f"no training batch for {waited:.0f} s: every group had equal rewards "

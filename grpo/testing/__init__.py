@@ -15,6 +15,7 @@ Example:
 """
 
 from grpo.testing.helpers import (
+    RANDOM_MODEL_OVERRIDES,
     NonFiniteLoss,
     gathered_training_state,
     kill_at_steps,
@@ -49,6 +50,7 @@ from grpo.testing.tiny_models import (
 )
 
 __all__ = [
+    "RANDOM_MODEL_OVERRIDES",
     "BEGIN_OF_TEXT",
     "CHATML_TEMPLATE",
     "END_HEADER_ID",

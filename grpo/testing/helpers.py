@@ -70,6 +70,12 @@ def response_logprobs_from_logits(
     return logprobs.gather(1, targets.to(logits.device).long()[:, None]).squeeze(1)
 
 
+# A random tiny model earns (almost) no reward: with dynamic sampling on (the demo config's
+# setting) every group would have equal rewards, be dropped, and no batch would ever fill.
+# Runs of random models therefore keep every group.
+RANDOM_MODEL_OVERRIDES = ("training.filter_zero_variance_groups=false",)
+
+
 def start_tiny_run(
     model_dir: str | os.PathLike, run_dir: str | os.PathLike, num_steps: int, *overrides: str
 ) -> Any:
@@ -98,6 +104,7 @@ def start_tiny_run(
             f"output_dir={run_dir}",
             f"orchestration.num_steps={num_steps}",
             "eval_every_n_steps=null",
+            *RANDOM_MODEL_OVERRIDES,
             *overrides,
         ],
     )
