@@ -172,10 +172,6 @@ class RefActor:
             filtering), the zero-variance groups (in order), and timing/reward metrics.
         """
         trajectories = [t for g in groups for t in g.trajectories]
-        model_start = time.perf_counter()
-        ref_logprobs = self.reference_logprobs(trajectories)
-        time_model_running = time.perf_counter() - model_start
-
         completions = [
             self.tokenizer.decode(t.response_tokens.tolist(), skip_special_tokens=True)
             for t in trajectories
@@ -190,15 +186,27 @@ class RefActor:
         total_reward = reward_batch.total(self.reward_weights)
         metadata = {"func_names": list(reward_batch.func_names)}
 
-        scored_groups, zero_variance, offset = [], [], 0
+        # Rewards first: the reference forward then runs only on the groups that are kept
+        # (with dynamic sampling, often less than half of what was generated).
+        kept, zero_variance, offset = [], [], 0
         for group in groups:
             size = len(group.trajectories)
             group_reward = total_reward[offset : offset + size]
-            if bool(zero_variance_groups(group_reward)):
+            is_zero_variance = bool(zero_variance_groups(group_reward))
+            if is_zero_variance:
                 zero_variance.append(group)
-                if self.filter_zero_variance_groups:
-                    offset += size
-                    continue
+            if not (is_zero_variance and self.filter_zero_variance_groups):
+                kept.append((group, offset, group_reward))
+            offset += size
+
+        model_start = time.perf_counter()
+        ref_logprobs = self.reference_logprobs(
+            [t for group, _, _ in kept for t in group.trajectories]
+        )
+        time_model_running = time.perf_counter() - model_start
+
+        scored_groups = []
+        for group, offset, group_reward in kept:
             advantages = group_advantages(group_reward)
             scored = []
             for i, traj in enumerate(group.trajectories):
@@ -222,7 +230,6 @@ class RefActor:
                     )
                 )
             scored_groups.append(scored)
-            offset += size
 
         for name in reward_batch.func_names:
             failures = reward_batch.num_timeouts[name] + reward_batch.num_exceptions[name]
