@@ -75,8 +75,6 @@ from typing import Any
 
 from bench_common import load_average, print_table
 
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-
 CONFIG = "tiny_arithmetic_cpu"
 # The benchmark's workload, where the demo config has moved on: 8 prompts x 8 samples per step,
 # every group trained (TRL has no dynamic sampling) and a plain half-cosine schedule (TRL's
@@ -473,6 +471,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    # Here, not at import: the tests import this script, and the setting would leak into the
+    # runs they start.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     args = parse_args()
     if importlib.util.find_spec("trl") is None:
         sys.exit(f"bench_vs_trl.py needs TRL, an optional dependency: {INSTALL_HINT}")

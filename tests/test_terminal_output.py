@@ -109,7 +109,13 @@ def test_a_run_prints_progress_and_results_and_nothing_else(tmp_path):
         "eval_num_examples=32",
         f"output_dir={run_dir}",
     ]
-    env = {**os.environ, "PYTHONPATH": str(repo_root()), "WANDB_MODE": "offline"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(repo_root()),
+        "WANDB_MODE": "offline",
+        # vLLM's default level: the INFO lines this test looks for in the collector's log.
+        "VLLM_LOGGING_LEVEL": "INFO",
+    }
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     out, err = result.stdout, result.stderr
