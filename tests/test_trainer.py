@@ -84,6 +84,23 @@ def trainer_kwargs(model_dir, rank, world_size, budget, loss=LOSS, share_prompts
     )
 
 
+def train_on_two_workers(ray, worker_kwargs: list[dict], batch: list[ScoredTrajectory]):
+    """One `train_step` on two FSDP trainer actors; their metrics and full state dicts."""
+    remote_cls = ray.remote(num_cpus=1)(PyTorchActorModel)
+    workers = [remote_cls.remote(**kwargs) for kwargs in worker_kwargs]
+    try:
+        address = ray.get(workers[0].get_dist_address.remote())
+        ray.get([w.setup.remote(address) for w in workers])
+        batch_ref = ray.put(batch)
+        metrics = ray.get([w.train_step.remote(batch_ref) for w in workers])
+        weights = ray.get([w.full_state_dict.remote() for w in workers])
+        ray.get([w.shutdown.remote() for w in workers])
+    finally:
+        for worker in workers:
+            ray.kill(worker)
+    return metrics, weights
+
+
 def test_micro_batch_split_does_not_change_the_update(tiny_model_dir):
     batch = make_batch(10, vocab_size=300)
     results = []
@@ -163,19 +180,9 @@ def test_two_fsdp_workers_match_one_worker(tiny_model_dir, ray_cluster):
     single_metrics = single.train_step(batch)
     single_weights = single.full_state_dict()
 
-    ray = ray_cluster
-    remote_cls = ray.remote(num_cpus=1)(PyTorchActorModel)
-    workers = [remote_cls.remote(**trainer_kwargs(tiny_model_dir, r, 2, 256)) for r in range(2)]
-    try:
-        address = ray.get(workers[0].get_dist_address.remote())
-        ray.get([w.setup.remote(address) for w in workers])
-        batch_ref = ray.put(batch)
-        metrics = ray.get([w.train_step.remote(batch_ref) for w in workers])
-        weights = ray.get([w.full_state_dict.remote() for w in workers])
-        ray.get([w.shutdown.remote() for w in workers])
-    finally:
-        for worker in workers:
-            ray.kill(worker)
+    metrics, weights = train_on_two_workers(
+        ray_cluster, [trainer_kwargs(tiny_model_dir, r, 2, 256) for r in range(2)], batch
+    )
 
     assert metrics[0]["train_actor_training/loss"] == pytest.approx(
         single_metrics["train_actor_training/loss"], rel=1e-4
@@ -406,19 +413,7 @@ def test_two_fsdp_workers_match_one_worker_with_tis_over_two_epochs(tiny_model_d
     single_metrics = single.train_step(batch)
     single_weights = single.full_state_dict()
 
-    ray = ray_cluster
-    remote_cls = ray.remote(num_cpus=1)(PyTorchActorModel)
-    workers = [remote_cls.remote(**kwargs(r, 2)) for r in range(2)]
-    try:
-        address = ray.get(workers[0].get_dist_address.remote())
-        ray.get([w.setup.remote(address) for w in workers])
-        batch_ref = ray.put(batch)
-        metrics = ray.get([w.train_step.remote(batch_ref) for w in workers])
-        weights = ray.get([w.full_state_dict.remote() for w in workers])
-        ray.get([w.shutdown.remote() for w in workers])
-    finally:
-        for worker in workers:
-            ray.kill(worker)
+    metrics, weights = train_on_two_workers(ray_cluster, [kwargs(r, 2) for r in range(2)], batch)
 
     for name in ("loss", "mismatch_kl", "mismatch_max_abs"):
         key = f"train_actor_training/{name}"
