@@ -208,11 +208,16 @@ def test_two_workers_read_disjoint_shards(collectors, dataset):
     assert prompts_by_worker[0] | prompts_by_worker[1] == all_prompts
 
 
-def test_full_ray_queue_blocks_the_collector_and_loses_nothing(collector, ray_cluster):
+@pytest.mark.parametrize("queue_kind", ["ray_queue", "rollout_queue"])
+def test_full_ray_queue_blocks_the_collector_and_loses_nothing(collector, ray_cluster, queue_kind):
+    # ray's Queue takes one put per group; RolloutQueue the whole batch with `put_all`, which
+    # returns how many fitted before a timeout, and the collector retries the rest.
     from ray.util.queue import Queue
 
+    from grpo.workers.rollout_queue import RolloutQueue
+
     try:
-        rollout_queue = Queue(maxsize=2)
+        rollout_queue = (Queue if queue_kind == "ray_queue" else RolloutQueue)(maxsize=2)
         collector.rollout_queue = rollout_queue
         num_prompts = 5
         waits_before = collector.totals["queue_put_waits"]
@@ -238,7 +243,8 @@ def test_full_ray_queue_blocks_the_collector_and_loses_nothing(collector, ray_cl
         worker.join(timeout=30)
         assert not worker.is_alive()
         assert rollout_queue.empty()
-        assert len({g.group_id for g in received}) == num_prompts
+        group_ids = [g.group_id for g in received]
+        assert len(set(group_ids)) == num_prompts and group_ids == sorted(group_ids)
         assert all(len(g.trajectories) == GROUP_SIZE for g in received)
         assert result["inference/num_groups"] == num_prompts
         assert result["inference/groups_not_queued"] == 0

@@ -52,6 +52,16 @@ class SpinningReward(RewardFunction):
         return RewardResult(0.75, True)
 
 
+class SlowReward(RewardFunction):
+    """Takes 0.3 s per call: within a 1 s timeout alone, over it four at a time."""
+
+    name = "slow"
+
+    def __call__(self, completion: str, answer: str) -> RewardResult:
+        time.sleep(0.3)
+        return RewardResult(float(len(completion)), True)
+
+
 class RaisingReward(RewardFunction):
     """Raises on completions containing BOOM."""
 
@@ -306,6 +316,22 @@ def test_batched_rewards_hangs_and_errors_off_main_thread(pool):
     assert time.monotonic() - start < 5.0
     assert sum(again.num_timeouts.values()) == 0 and sum(again.num_exceptions.values()) == 0
     torch.testing.assert_close(again.rewards, torch.tensor([[0.25, 0.75, 0.5, 1.0]]).repeat(4, 1))
+
+
+def test_slow_rewards_shrink_the_chunks_and_are_not_timeouts():
+    # 8 calls on 2 workers go as 2 chunks of 4: 1.2 s each, over the 1 s timeout. Run again one
+    # per task, no call overruns, so each gets its real reward and later chunks are smaller.
+    completions = ["a" * length for length in range(1, 9)]
+    with RewardPool(num_workers=2) as pool:
+        batch = batched_rewards([SlowReward()], completions, ["x"] * 8, timeout_s=1.0, pool=pool)
+        assert batch.num_timeouts == {"slow": 0} and batch.num_exceptions == {"slow": 0}
+        torch.testing.assert_close(batch.rewards[:, 0], torch.arange(1.0, 9.0))
+        assert pool.max_calls_per_task == 2
+        start = time.monotonic()
+        again = batched_rewards([SlowReward()], completions, ["x"] * 8, timeout_s=1.0, pool=pool)
+        # 4 chunks of 2 (0.6 s each) on 2 workers: no overrun, so no second pass.
+        assert time.monotonic() - start < 2.5
+        torch.testing.assert_close(again.rewards, batch.rewards)
 
 
 def test_batched_rewards_worker_crash_is_counted(pool):

@@ -7,6 +7,14 @@ terminates the worker of a call that overruns and starts a replacement, and repo
 whose worker died as ``ProcessExpired``. :func:`~grpo.rewards.batched_rewards` gives such calls
 the function's ``failure_reward`` and counts them.
 
+Calls go to the workers in chunks, one task per chunk (a task per call costs a process round
+trip each: ~1 ms, several times the call itself for a math-verify check). A chunk must finish
+within one call's timeout; one that does not, or whose worker dies, is run again one call per
+task, so the call that hung or crashed is found and counted exactly as if every call had had its
+own task. Reward functions that are slow but within their timeout would make every chunk overrun;
+the pool notices (a chunk that overran, none of whose calls did on its own) and halves its chunk
+size for later runs.
+
 Reward functions travel to the workers pickled, as bytes that the task itself unpickles: a
 function that cannot load in a worker (a module missing there) fails its own calls, not the
 pool. The workers' initializer imports the modules of the reward functions the pool has run, so
@@ -88,6 +96,13 @@ def _score(pickled_fn: bytes, completion: str, answer: str) -> Outcome:
     return reward, success, None, None
 
 
+def _score_chunk(pickled_fns: Sequence[bytes], calls: Sequence[Call]) -> list[Outcome]:
+    """Several reward calls in one worker task, in order (see the module docstring)."""
+    return [
+        _score(pickled_fns[fn_index], completion, answer) for fn_index, completion, answer in calls
+    ]
+
+
 def _module_of(reward_fn: RewardFunction) -> str:
     fn = reward_fn.fn if isinstance(reward_fn, FunctionReward) else reward_fn
     return getattr(fn, "__module__", None) or type(fn).__module__
@@ -109,6 +124,8 @@ class RewardPool:
             Not ``"fork"``: forking a process that runs Ray or torch threads is unsafe.
         startup_timeout_s (float): Allowance for the workers to start and import the reward
             functions' modules, within the bound on a whole :meth:`run`.
+        max_calls_per_task (int): Most calls sent to a worker as one task. 1 gives every call
+            its own task (no chunks).
 
     Raises:
         ValueError: On a bad ``num_workers`` or ``start_method``.
@@ -123,11 +140,16 @@ class RewardPool:
         num_workers: int | None = None,
         start_method: str | None = None,
         startup_timeout_s: float = 60.0,
+        max_calls_per_task: int = 64,
     ) -> None:
         if num_workers is None:
             num_workers = min(4, os.cpu_count() or 1)
         if num_workers < 1:
             raise ValueError(f"RewardPool: num_workers must be >= 1, got {num_workers}")
+        if max_calls_per_task < 1:
+            raise ValueError(
+                f"RewardPool: max_calls_per_task must be >= 1, got {max_calls_per_task}"
+            )
         methods = multiprocessing.get_all_start_methods()
         if start_method is None:
             start_method = "forkserver" if "forkserver" in methods else "spawn"
@@ -143,6 +165,7 @@ class RewardPool:
             self._context.set_forkserver_preload(["grpo.rewards"])
         self.num_workers = num_workers
         self.startup_timeout_s = startup_timeout_s
+        self.max_calls_per_task = max_calls_per_task
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._closed = False
@@ -198,19 +221,71 @@ class RewardPool:
                 raise RuntimeError(
                     "RewardPool.run: the pool is closed or belongs to another process"
                 )
-            workers = self._workers_importing(modules)
-            futures = [
-                workers.schedule(
-                    _score, args=(pickled_fns[fn_index], completion, answer), timeout=timeout_s
-                )
-                for fn_index, completion, answer in calls
-            ]
             try:
-                return self._collect(futures, timeout_s)
+                return self._run_chunked(pickled_fns, modules, calls, timeout_s)
             except BaseException:
                 # Interrupted: workers still on these calls would hold up the next run.
                 self._stop_workers()
                 raise
+
+    def _run_chunked(
+        self, pickled_fns: list[bytes], modules: set[str], calls: list[Call], timeout_s: float
+    ) -> list[Outcome]:
+        """Chunks first; the calls of a chunk that overran or crashed again, one per task."""
+        outcomes: list[Outcome | None] = [None] * len(calls)
+        retry: list[int] = []
+        chunk_size = min(self.max_calls_per_task, math.ceil(len(calls) / self.num_workers))
+        if chunk_size > 1:
+            workers = self._workers_importing(modules)
+            starts = range(0, len(calls), chunk_size)
+            futures = [
+                workers.schedule(
+                    _score_chunk,
+                    args=(pickled_fns, calls[start : start + chunk_size]),
+                    timeout=timeout_s,
+                )
+                for start in starts
+            ]
+            overran: list[int] = []
+            for start, result in zip(starts, self._collect(futures, timeout_s)):
+                indices = range(start, min(start + chunk_size, len(calls)))
+                if isinstance(result, list):
+                    for index, outcome in zip(indices, result):
+                        outcomes[index] = outcome
+                    continue
+                retry.extend(indices)
+                if result[2] == "timeout":
+                    overran.extend(indices)
+        else:
+            retry = list(range(len(calls)))
+            overran = []
+        if retry:
+            workers = self._workers_importing(modules)
+            futures = [
+                workers.schedule(
+                    _score,
+                    args=(pickled_fns[calls[i][0]], calls[i][1], calls[i][2]),
+                    timeout=timeout_s,
+                )
+                for i in retry
+            ]
+            for index, outcome in zip(retry, self._collect(futures, timeout_s)):
+                outcomes[index] = outcome
+            self._shrink_chunks_if_slow(overran, outcomes, chunk_size)
+        return outcomes  # type: ignore[return-value]
+
+    def _shrink_chunks_if_slow(
+        self, overran: list[int], outcomes: list[Outcome | None], chunk_size: int
+    ) -> None:
+        # A chunk that overran although none of its calls did alone: the functions are slow,
+        # not hanging. Smaller chunks stop every later run from paying a timeout.
+        if overran and all(outcomes[i][2] != "timeout" for i in overran):  # type: ignore[index]
+            self.max_calls_per_task = max(1, chunk_size // 2)
+            logger.info(
+                "RewardPool: a chunk of calls overran one call's timeout although no call did "
+                "alone (slow reward functions); %d calls per task from now on",
+                self.max_calls_per_task,
+            )
 
     def _workers_importing(self, modules: set[str]) -> pebble.ProcessPool:
         """The running pebble pool, restarted if broken or if it lacks one of ``modules``."""
@@ -232,7 +307,8 @@ class RewardPool:
             self._workers.join()
             self._workers = None
 
-    def _collect(self, futures: list[Any], timeout_s: float) -> list[Outcome]:
+    def _collect(self, futures: list[Any], timeout_s: float) -> list[Any]:
+        """Each future's result (an outcome, or a chunk's list of them), or an error outcome."""
         # Bound the wait by the worst case, every call hanging, so that a task pebble loses (a
         # worker stopped just as it took its next task never reports it) cannot hang the
         # caller; such a call counts as a timeout and the workers are restarted.
@@ -242,7 +318,7 @@ class RewardPool:
         if lost:
             logger.warning("RewardPool: %d call(s) lost by the workers; restarting them", len(lost))
             self._stop_workers()
-        outcomes: list[Outcome] = []
+        outcomes: list[Any] = []
         for future in futures:
             if future in lost:
                 outcomes.append((0.0, False, "timeout", f"no result within {limit_s:.0f} s"))

@@ -578,21 +578,37 @@ class SyncLLMCollector:
             )
         return GroupedUnscoredTrajectories.from_trajectories(trajectories)
 
-    def _put(self, group: GroupedUnscoredTrajectories, batch: dict[str, float]) -> None:
-        """Blocking put, retried on timeout until it succeeds; waits are added to ``batch``."""
+    def _put_groups(self, groups: list[GroupedUnscoredTrajectories], put: dict[str, float]) -> None:
+        """Blocking puts of ``groups`` in order, each retried on timeout until it succeeds.
+
+        A `RolloutQueue` takes them all in one round trip (`RolloutQueue.put_all`), any other
+        queue one ``put`` at a time. ``put["queued"]`` counts the groups queued so far (it is
+        right even when a put raises), ``put["waits"]`` and ``put["wait_s"]`` the timeouts on a
+        full queue and the time spent.
+        """
         if self.rollout_queue is None:
             raise RuntimeError(f"collector {self.worker_id} has no rollout_queue to put groups on")
+        put_all = getattr(self.rollout_queue, "put_all", None)
         start = time.perf_counter()
         try:
-            while True:
-                try:
-                    self.rollout_queue.put(group, block=True, timeout=self.queue_put_timeout_s)
-                    return
-                except queue.Full:  # ray.util.queue.Full subclasses queue.Full
-                    batch["waits"] += 1
-                    self.totals["queue_put_waits"] += 1
+            while (queued := int(put["queued"])) < len(groups):
+                if put_all is not None:
+                    put["queued"] += put_all(groups[queued:], self.queue_put_timeout_s)
+                    if put["queued"] == len(groups):
+                        return
+                else:
+                    try:
+                        self.rollout_queue.put(
+                            groups[queued], block=True, timeout=self.queue_put_timeout_s
+                        )
+                        put["queued"] += 1
+                        continue
+                    except queue.Full:  # ray.util.queue.Full subclasses queue.Full
+                        pass
+                put["waits"] += 1
+                self.totals["queue_put_waits"] += 1
         finally:
-            batch["wait_s"] += time.perf_counter() - start
+            put["wait_s"] += time.perf_counter() - start
 
     def generate_batch(self, num_prompts: int) -> dict[str, float]:
         """Apply pending weights, sample ``group_size`` responses for the next prompts, queue them.
@@ -644,13 +660,11 @@ class SyncLLMCollector:
         generated = sum(response_lens)
         self.batch_counter += 1
 
-        put = {"waits": 0.0, "wait_s": 0.0}
-        queued = 0
+        put = {"waits": 0.0, "wait_s": 0.0, "queued": 0.0}
         try:
-            for group in groups:
-                self._put(group, put)
-                queued += 1
+            self._put_groups(groups, put)
         finally:
+            queued = int(put["queued"])
             metrics = {
                 "inference/worker_id": float(self.worker_id),
                 "inference/policy_version": float(self.policy_version),

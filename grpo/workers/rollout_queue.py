@@ -1,7 +1,10 @@
 """The bounded queue between the collectors and the reference actors.
 
 It is ``ray.util.queue.Queue`` (collectors ``put`` with a timeout and feel back-pressure when
-it is full) with one addition, `take`, which the driver calls with ``num_returns=2``: the
+it is full) with two additions. `put_all` queues a collector's whole generation batch in one
+round trip (a ``put`` per group costs ~10 ms of a busy collector's time each, as much as a
+third of generating the batch on a small model). `take` is called by the driver with
+``num_returns=2``: the
 first return is how many groups were taken (a few bytes the driver reads), the second the
 groups themselves, an object the driver owns but never fetches. The driver hands that object
 to a reference actor; if the actor dies while scoring, the driver still holds the groups and
@@ -18,6 +21,20 @@ from ray.util.queue import Queue, _QueueActor
 
 
 class _RolloutQueueActor(_QueueActor):
+    async def put_all(self, items: list[Any], timeout_s: float) -> int:
+        """Queue ``items`` in order, waiting up to ``timeout_s`` for room for each one.
+
+        Returns:
+            int: How many were queued: all of them, or the count before the one that waited
+            ``timeout_s`` for room in vain (the rest are not queued).
+        """
+        for count, item in enumerate(items):
+            try:
+                await asyncio.wait_for(self.queue.put(item), timeout_s)
+            except asyncio.TimeoutError:
+                return count
+        return len(items)
+
     async def take(self, max_items: int, timeout_s: float) -> tuple[int, list[Any]]:
         """Up to ``max_items`` items, waiting at most ``timeout_s`` for the first one."""
         items: list[Any] = []
@@ -50,6 +67,10 @@ class RolloutQueue(Queue):
     def __init__(self, maxsize: int = 0, actor_options: dict[str, Any] | None = None) -> None:
         self.maxsize = maxsize
         self.actor = ray.remote(_RolloutQueueActor).options(**(actor_options or {})).remote(maxsize)
+
+    def put_all(self, items: list[Any], timeout_s: float) -> int:
+        """Queue ``items`` in one round trip; how many went in (see `_RolloutQueueActor.put_all`)."""
+        return ray.get(self.actor.put_all.remote(items, timeout_s))
 
     def take(self, max_items: int, timeout_s: float) -> tuple[Any, Any]:
         """Start a take: ``(count_ref, groups_ref)``, both owned by the caller."""
