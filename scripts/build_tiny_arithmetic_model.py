@@ -9,10 +9,16 @@ has visible headroom. This script makes one, reproducibly:
 2. Supervised training on the seeded arithmetic TRAIN split: cross-entropy on the response
    tokens only (``<answer>85</answer><|im_end|>``), prompts ``"What is 37 + 48?\\n"``.
 3. Every ``--eval-every`` steps, greedy accuracy on held-out TEST-split questions (a batched
-   greedy loop on the torchtune model). Training stops as soon as it reaches
-   ``--target-accuracy``: the model has learned the format and the easy problems, not yet the
-   hard ones.
+   greedy loop on the torchtune model). Training stops after ``--max-steps`` (700 for the
+   shipped model: the format is learned, ~17% of the answers are right), or as soon as it
+   reaches ``--target-accuracy`` when one is given. A fixed step count reproduces the same
+   weights wherever the accuracy lands; stopping at an accuracy is for trying other points.
 4. The weights are saved with `grpo.models.save_hf_checkpoint` (HF layout: vLLM, torchtune).
+
+Why 700 steps: GRPO amplifies what the policy already samples sometimes. At 700 steps the model
+writes the format always and gets easy problems partly right, so most groups of 8 samples have
+differing rewards and each step learns; a later point (750 steps: 31%) leaves fewer informative
+groups and learns about half as fast per step on this task.
 
 Usage::
 
@@ -65,9 +71,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup-steps", type=int, default=100)
-    parser.add_argument("--max-steps", type=int, default=20_000)
+    parser.add_argument("--max-steps", type=int, default=700, help="supervised steps")
     parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--target-accuracy", type=float, default=0.30)
+    parser.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=None,
+        help="stop as soon as held-out greedy accuracy reaches this (default: run --max-steps)",
+    )
     # One thread: the result does not depend on the machine's core count (float reductions
     # split across threads round differently), and this model is too small to gain from more.
     parser.add_argument("--num-threads", type=int, default=1, help="torch CPU threads")
@@ -218,7 +229,7 @@ def main() -> None:
         eval_answers = [eval_set[i]["answer"] for i in range(len(eval_set))]
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        # Linear warm-up, then constant: training stops early, at a target accuracy.
+        # Linear warm-up, then constant: training stops early, long before it converges.
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: min(1.0, (step + 1) / args.warmup_steps)
         )
@@ -242,7 +253,7 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
 
-            if step % args.eval_every == 0:
+            if step % args.eval_every == 0 or step == args.max_steps:
                 completions = greedy_completions(model, eval_prompts, tokenizer)
                 accuracy, format_rate = score(completions, eval_answers, "<|im_end|>")
                 elapsed = time.perf_counter() - started
@@ -255,10 +266,10 @@ def main() -> None:
                     save_hf_checkpoint(
                         model.state_dict(), base_dir, args.snapshot_dir / f"step_{step}"
                     )
-                if accuracy >= args.target_accuracy:
+                if args.target_accuracy is not None and accuracy >= args.target_accuracy:
                     break
         sft_seconds = time.perf_counter() - started
-        if accuracy < args.target_accuracy:
+        if args.target_accuracy is not None and accuracy < args.target_accuracy:
             raise SystemExit(
                 f"held-out accuracy {accuracy:.3f} is below --target-accuracy "
                 f"{args.target_accuracy} after {step} steps; raise --max-steps or --lr"

@@ -25,10 +25,10 @@ from grpo.testing import set_vllm_cpu_env, tiny_vllm_engine_kwargs
 MODEL_DIR = repo_root() / "assets" / "tiny_arithmetic_qwen2"
 BUILD_SCRIPT = repo_root() / "scripts" / "build_tiny_arithmetic_model.py"
 CONFIG_NAME = "tiny_arithmetic_cpu"
-# Greedy held-out accuracy of the shipped model on the demo's eval set. The build script stops
-# supervised training at ~30% on other held-out questions; this band leaves room for the
+# Greedy held-out accuracy of the shipped model on the demo's eval set. The build script's 700
+# supervised steps give ~17% on other held-out questions; this band leaves room for the
 # difference between question sets and between torchtune and vLLM greedy decoding.
-ACCURACY_RANGE = (0.18, 0.42)
+ACCURACY_RANGE = (0.10, 0.26)
 # The folder ships in the repository: keep it small.
 MAX_FOLDER_BYTES = 8 * 2**20
 
