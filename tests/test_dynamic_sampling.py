@@ -102,6 +102,30 @@ def test_ref_actor_drops_exactly_the_zero_variance_groups(filtering, tiny_model_
     assert info["metrics"]["ref_actor_rewards/rewards_mean"] == pytest.approx(8 / 17)
 
 
+def test_ref_actor_shares_prompts_of_kept_groups_only(tiny_model_dir):
+    from grpo.workers.ref import RefActor
+
+    groups = [group(0, ["1", "0", "1", "0"]), group(1, ["1", "1"]), group(2, ["0", "0", "1"])]
+    scored_by_sharing = {}
+    for share_prompts in (False, True):
+        actor = RefActor(
+            model_dir=str(tiny_model_dir),
+            reward_functions=[answer_as_reward],
+            target_tokens_per_batch=64,
+            filter_zero_variance_groups=True,
+            share_prompts=share_prompts,
+        )
+        info, scored = actor.score(groups)
+        saved = info["metrics"]["ref_actor_performance/shared_prompt_tokens_saved (%)"]
+        scored_by_sharing[share_prompts] = scored
+        # Kept: groups 0 and 2, 7 sequences of 3 prompt + 2 response tokens (35 tokens).
+        # Shared, each group's prompt is packed once: 2 x 3 + 7 x 2 = 20 computed, 15 saved.
+        assert saved == (pytest.approx(100 * 15 / 35) if share_prompts else 0.0)
+    for alone, shared in zip(*scored_by_sharing.values()):
+        for a, b in zip(alone, shared):
+            torch.testing.assert_close(a.ref_logprobs, b.ref_logprobs, atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------- the driver's bookkeeping
 
 

@@ -120,15 +120,17 @@ class RefActor:
         self.target_tokens_per_batch = target_tokens_per_batch
         self.filter_zero_variance_groups = filter_zero_variance_groups
         self.share_prompts = share_prompts
-        # Prompt tokens the last `reference_logprobs` call did not repeat, and all it packed.
-        self._shared_prompt_tokens = 0
-        self._real_tokens = 0
         self.steps_run = 0
         self.reward_failures: dict[str, int] = {}
 
     @torch.no_grad()
-    def reference_logprobs(self, trajectories: list[Any]) -> dict[str, torch.Tensor]:
-        """Reference logprobs of each trajectory's response, keyed by ``sequence_id``."""
+    def reference_logprobs(self, trajectories: list[Any]) -> tuple[dict[str, torch.Tensor], float]:
+        """Reference logprobs of each trajectory's response, keyed by ``sequence_id``.
+
+        Returns:
+            tuple: The logprobs by ``sequence_id``, and the share (%) of the tokens that
+            shared-prompt packing did not compute (0 without ``share_prompts``).
+        """
         plan = plan_sequence_packs(
             trajectories,
             self.target_tokens_per_batch,
@@ -136,7 +138,7 @@ class RefActor:
             keep_groups_together=True,
         )
         by_id = {}
-        self._shared_prompt_tokens = self._real_tokens = 0
+        shared_prompt_tokens = computed_tokens = 0
         for pack_indices in plan:
             members = [trajectories[i] for i in pack_indices]
             packed = pack_sequences(
@@ -147,12 +149,13 @@ class RefActor:
                 pad_to_multiple_of=FLEX_BUCKET if self.mask_kind == "flex" else None,
                 share_prompts=self.share_prompts,
             )
-            self._shared_prompt_tokens += packed.shared_prompt_tokens
-            self._real_tokens += packed.actual_total_tokens
+            shared_prompt_tokens += packed.shared_prompt_tokens
+            computed_tokens += packed.actual_total_tokens
             logprobs = model_response_logprobs(self.model, packed)
             for traj, lp in zip(members, unpack_response_logprobs(packed, logprobs)):
                 by_id[traj.sequence_id] = lp.float().cpu()
-        return by_id
+        all_tokens = computed_tokens + shared_prompt_tokens
+        return by_id, (100.0 * shared_prompt_tokens / all_tokens if all_tokens else 0.0)
 
     def score_groups(
         self, groups: list[GroupedUnscoredTrajectories]
@@ -200,7 +203,7 @@ class RefActor:
             offset += size
 
         model_start = time.perf_counter()
-        ref_logprobs = self.reference_logprobs(
+        ref_logprobs, shared_prompt_saved_pct = self.reference_logprobs(
             [t for group, _, _ in kept for t in group.trajectories]
         )
         time_model_running = time.perf_counter() - model_start
@@ -239,13 +242,7 @@ class RefActor:
             "ref_actor_performance/total_tokens_processed": float(
                 sum(g.total_tokens for g in groups)
             ),
-            "ref_actor_performance/shared_prompt_tokens_saved (%)": (
-                100.0
-                * self._shared_prompt_tokens
-                / (self._real_tokens + self._shared_prompt_tokens)
-                if self._real_tokens
-                else 0.0
-            ),
+            "ref_actor_performance/shared_prompt_tokens_saved (%)": shared_prompt_saved_pct,
             "ref_actor_rewards/rewards_mean": float(total_reward.mean()),
             "ref_actor_rewards/successes_mean": float(successes.mean()),
         }
