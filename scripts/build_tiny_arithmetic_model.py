@@ -15,10 +15,10 @@ has visible headroom. This script makes one, reproducibly:
    weights wherever the accuracy lands; stopping at an accuracy is for trying other points.
 4. The weights are saved with `grpo.models.save_hf_checkpoint` (HF layout: vLLM, torchtune).
 
-Why 700 steps: GRPO amplifies what the policy already samples sometimes. At 700 steps the model
-writes the format always and gets easy problems partly right, so most groups of 8 samples have
-differing rewards and each step learns; a later point (750 steps: 31%) leaves fewer informative
-groups and learns about half as fast per step on this task.
+Why 700 steps: the model then writes the format always and gets a sixth of the answers right,
+and two in five groups of 8 samples hold both right and wrong answers. The next 50 supervised
+steps would take it to ~31% (the earlier demo model): headroom that GRPO reaches in minutes. From
+700 steps the demo gains 21-27 points in 1000 GRPO steps; from 750 it gained 14-17 in 800.
 
 Usage::
 
