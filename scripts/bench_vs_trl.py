@@ -1,13 +1,14 @@
 """Side-by-side benchmark: this project against TRL's ``GRPOTrainer`` on the demo workload.
 
-Both frameworks train the shipped demo model (``assets/tiny_arithmetic_qwen2``) on the same
-job, taken from ``configs/tiny_arithmetic_cpu.yaml`` with `WORKLOAD_OVERRIDES` (batch 64, no
-dynamic sampling, a half-cosine schedule, whatever the demo uses): the arithmetic train split with the
+Both frameworks train the shipped demo model (``assets/tiny_arithmetic_qwen2``) on the same job,
+taken from ``configs/tiny_arithmetic_cpu.yaml`` with `WORKLOAD_OVERRIDES` (batch 64, no dynamic
+sampling, a half-cosine schedule, whatever the demo uses): the arithmetic train split with the
 ``answer_only`` prompt (question + newline, raw text, no chat template), the config's reward
-functions summed with weight 1 (math-verify correctness + ``FormatReward(think_required=False)``),
-8 prompts x 8 samples per step, at most 24 new tokens, temperature 1.0, top-p 1.0, AdamW with
-the config's lr / betas / weight decay, the same warm-up + cosine schedule, gradient clipping at
-1.0, clip epsilon 0.2 / 0.28, no KL (``beta=0.0``), one epoch per batch, fp32, CPU.
+functions summed with weight 1 (math-verify correctness +
+``FormatReward(think_required=False)``), 8 prompts x 8 samples per step, at most 24 new tokens,
+temperature 1.0, top-p 1.0, AdamW with the config's lr / betas / weight decay, the same warm-up
++ cosine schedule, gradient clipping at 1.0, clip epsilon 0.2 / 0.28, no KL (``beta=0.0``), one
+epoch per batch, fp32, CPU.
 
 * **this project** runs the way a user runs it: ``grpo run async_grpo --config
   tiny_arithmetic_cpu`` with overrides (steps, ``eval_every_n_steps=null``, ``output_dir``) in a

@@ -579,36 +579,34 @@ class SyncLLMCollector:
         return GroupedUnscoredTrajectories.from_trajectories(trajectories)
 
     def _put_groups(self, groups: list[GroupedUnscoredTrajectories], put: dict[str, float]) -> None:
-        """Blocking puts of ``groups`` in order, each retried on timeout until it succeeds.
+        """Blocking puts of ``groups`` in order, retried on timeout until every one is queued.
 
-        A `RolloutQueue` takes them all in one round trip (`RolloutQueue.put_all`), any other
-        queue one ``put`` at a time. ``put["queued"]`` counts the groups queued so far (it is
-        right even when a put raises), ``put["waits"]`` and ``put["wait_s"]`` the timeouts on a
-        full queue and the time spent.
+        A `RolloutQueue` takes them in one round trip (`RolloutQueue.put_all`), any other queue
+        one ``put`` at a time (`_put_one_by_one`); both say how many fitted before a timeout.
+        ``put["queued"]`` counts the groups queued so far (right even when a put raises),
+        ``put["waits"]`` and ``put["wait_s"]`` the timeouts on a full queue and the time spent.
         """
         if self.rollout_queue is None:
             raise RuntimeError(f"collector {self.worker_id} has no rollout_queue to put groups on")
-        put_all = getattr(self.rollout_queue, "put_all", None)
+        put_all = getattr(self.rollout_queue, "put_all", self._put_one_by_one)
         start = time.perf_counter()
         try:
             while (queued := int(put["queued"])) < len(groups):
-                if put_all is not None:
-                    put["queued"] += put_all(groups[queued:], self.queue_put_timeout_s)
-                    if put["queued"] == len(groups):
-                        return
-                else:
-                    try:
-                        self.rollout_queue.put(
-                            groups[queued], block=True, timeout=self.queue_put_timeout_s
-                        )
-                        put["queued"] += 1
-                        continue
-                    except queue.Full:  # ray.util.queue.Full subclasses queue.Full
-                        pass
-                put["waits"] += 1
-                self.totals["queue_put_waits"] += 1
+                put["queued"] += put_all(groups[queued:], self.queue_put_timeout_s)
+                if put["queued"] < len(groups):
+                    put["waits"] += 1
+                    self.totals["queue_put_waits"] += 1
         finally:
             put["wait_s"] += time.perf_counter() - start
+
+    def _put_one_by_one(self, groups: list[GroupedUnscoredTrajectories], timeout_s: float) -> int:
+        """`RolloutQueue.put_all` for a queue with only ``put``: how many fitted before a timeout."""
+        for count, group in enumerate(groups):
+            try:
+                self.rollout_queue.put(group, block=True, timeout=timeout_s)
+            except queue.Full:  # ray.util.queue.Full subclasses queue.Full
+                return count
+        return len(groups)
 
     def generate_batch(self, num_prompts: int) -> dict[str, float]:
         """Apply pending weights, sample ``group_size`` responses for the next prompts, queue them.

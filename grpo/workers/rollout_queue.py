@@ -1,14 +1,13 @@
 """The bounded queue between the collectors and the reference actors.
 
-It is ``ray.util.queue.Queue`` (collectors ``put`` with a timeout and feel back-pressure when
-it is full) with two additions. `put_all` queues a collector's whole generation batch in one
-round trip (a ``put`` per group costs ~10 ms of a busy collector's time each, as much as a
-third of generating the batch on a small model). `take` is called by the driver with
-``num_returns=2``: the
-first return is how many groups were taken (a few bytes the driver reads), the second the
-groups themselves, an object the driver owns but never fetches. The driver hands that object
-to a reference actor; if the actor dies while scoring, the driver still holds the groups and
-hands them to its replacement, so nothing taken from the queue is ever lost with an actor.
+It is ``ray.util.queue.Queue`` (collectors ``put`` with a timeout and feel back-pressure when it
+is full) with two additions. `put_all` queues a collector's whole generation batch in one round
+trip (a ``put`` per group costs ~10 ms of a busy collector's time each, as much as a third of
+generating the batch on a small model). `take` is called by the driver with ``num_returns=2``:
+the first return is how many groups were taken (a few bytes the driver reads), the second the
+groups themselves, an object the driver owns but never fetches. The driver hands that object to
+a reference actor; if the actor dies while scoring, the driver still holds the groups and hands
+them to its replacement, so nothing taken from the queue is ever lost with an actor.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ class RolloutQueue(Queue):
         self.actor = ray.remote(_RolloutQueueActor).options(**(actor_options or {})).remote(maxsize)
 
     def put_all(self, items: list[Any], timeout_s: float) -> int:
-        """Queue ``items`` in one round trip; how many went in (see `_RolloutQueueActor.put_all`)."""
+        """Queue ``items`` in one round trip; how many went in (`_RolloutQueueActor.put_all`)."""
         return ray.get(self.actor.put_all.remote(items, timeout_s))
 
     def take(self, max_items: int, timeout_s: float) -> tuple[Any, Any]:
