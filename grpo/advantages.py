@@ -1,7 +1,7 @@
 """GRPO advantages: each sample's total reward relative to the other samples of its group.
 
 Also which groups carry no learning signal at all (`zero_variance_groups`): those whose
-rewards are all equal, which dynamic sampling (``training.filter_zero_variance_groups``)
+rewards are all equal, which dynamic sampling (``ref.filter_zero_variance_groups``)
 leaves out of the replay buffer.
 """
 

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from grpo.choices import MASK_KIND_CHOICES
+
 __all__ = [
     "MASK_KIND_CHOICES",
     "VarlenMask",
@@ -117,7 +119,6 @@ class VarlenMask:
 
 
 # What a config may ask for: a concrete form, or "auto" for the fastest one on the device.
-MASK_KIND_CHOICES = ("auto", "dense", "varlen", "flex")
 
 
 def resolve_mask_kind(mask_kind: str, device: torch.device | str) -> str:

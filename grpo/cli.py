@@ -38,7 +38,6 @@ from grpo.config import (
     repo_root,
     run_recipe,
     split_overrides,
-    validate_config,
 )
 from grpo.logs import DriverLog
 
@@ -106,7 +105,7 @@ def load_recipe_main(path: Path):
         path (Path): The recipe file.
 
     Returns:
-        Callable[[DictConfig], Any]: The recipe's entry point.
+        Callable[[RunConfig], Any]: The recipe's entry point.
 
     Raises:
         CommandError: If the file has no callable ``recipe_main``.
@@ -146,8 +145,7 @@ def _run_cmd(args: argparse.Namespace) -> int:
 
 
 def _validate_cmd(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
-    validate_config(cfg)
+    load_config(args.config, args.overrides, check_components=True)
     print("Config is well-formed!")
     return 0
 

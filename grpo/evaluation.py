@@ -11,8 +11,8 @@ from typing import Any
 
 import ray
 
+from grpo.config import RunConfig
 from grpo.rewards import MathCorrectnessReward, batched_rewards
-from grpo.workers.ref import RefConfig
 
 
 class HeldOutEvaluator:
@@ -37,7 +37,7 @@ class HeldOutEvaluator:
         collector: Any,
         metric_logger: Any = None,
         max_generated_tokens: int = 32,
-        reward_timeout_s: float | None = RefConfig.reward_timeout_s,
+        reward_timeout_s: float | None = RunConfig.model_fields["reward_timeout_s"].default,
     ) -> None:
         if not items:
             raise ValueError("the evaluation set is empty")

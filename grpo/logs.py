@@ -25,27 +25,24 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-# Values of the top-level ``log_level`` option.
-LOG_LEVELS = ("info", "debug")
 # The driver's log file, in `logs_dir`.
 DRIVER_LOG = "driver.log"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def is_verbose(cfg: Mapping[str, Any]) -> bool:
-    """Whether a run config asks for every process's output on the terminal.
+def is_verbose(log_level: str) -> bool:
+    """Whether a run's ``log_level`` asks for every process's output on the terminal.
 
     Args:
-        cfg (Mapping[str, Any]): A run config (``DictConfig`` or dict).
+        log_level (str): The run config's ``log_level``.
 
     Returns:
-        bool: True for ``log_level: debug``.
+        bool: True for ``debug``.
     """
-    return cfg.get("log_level", "info") == "debug"
+    return log_level == "debug"
 
 
 def logs_dir(run_dir: str | os.PathLike) -> Path:
@@ -172,7 +169,7 @@ class DriverLog:
     Example:
         >>> with DriverLog() as driver_log:
         ...     cfg = load_config("tiny_arithmetic_cpu")
-        ...     driver_log.start(cfg)
+        ...     driver_log.start(cfg.output_dir, cfg.log_level)
         ...     recipe_main(cfg)
     """
 
@@ -194,17 +191,18 @@ class DriverLog:
         logging.captureWarnings(True)
         return self
 
-    def start(self, cfg: Mapping[str, Any]) -> Path:
+    def start(self, output_dir: str | Path, log_level: str = "info") -> Path:
         """Route the held records and every later one as the config's ``log_level`` says.
 
         Args:
-            cfg (Mapping[str, Any]): The validated run config (``output_dir``, ``log_level``).
+            output_dir (str | Path): The run folder (``output_dir``).
+            log_level (str): The run config's ``log_level``.
 
         Returns:
             Path: The driver's log file.
         """
-        verbose = is_verbose(cfg)
-        folder = logs_dir(Path(str(cfg["output_dir"])).expanduser().resolve())
+        verbose = is_verbose(log_level)
+        folder = logs_dir(Path(output_dir).expanduser().resolve())
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / DRIVER_LOG
         to_file = logging.FileHandler(self.path, encoding="utf-8")

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+from grpo.choices import AGGREGATIONS, KL_ESTIMATORS, LEVELS
 from grpo.logprobs import (
     DEFAULT_CHUNK_SIZE,
     check_chunk_size,
@@ -57,10 +58,8 @@ from grpo.logprobs import (
 )
 from grpo.types import GRPOStats, PackedTrajectory
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-TIS_LEVELS = ("token", "sequence")
-RATIO_LEVELS = ("token", "sequence")
+# Allowed values, declared once in grpo.choices (the config's Literal types).
+TIS_LEVELS = RATIO_LEVELS = LEVELS
 
 # exp() of a log-ratio above ~88 overflows fp32, and an inf in the unselected branch of the
 # clipped objective turns its zero gradient into NaN (0 * inf). Tokens this far off-policy are

@@ -107,7 +107,7 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         # Counted by the driver over the reference calls that finished since the previous
         # training step, logged once per step (`grpo.orchestrator.metrics.GroupCounts`):
         # groups scored, passed on to the buffer, and with all-equal rewards (dropped when
-        # training.filter_zero_variance_groups is on). scored / kept is the extra generation
+        # ref.filter_zero_variance_groups is on). scored / kept is the extra generation
         # that dynamic sampling costs.
         "ref_actor_rewards/groups_scored",
         "ref_actor_rewards/groups_kept",

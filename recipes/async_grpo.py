@@ -14,10 +14,10 @@ The whole run, in order (each stage is a paragraph of `recipe_main`):
    is resumed.
 3. Restore the rest of the checkpoint: step, policy version, held and buffered groups.
 4. The loop: collectors generate groups onto the queue; reference actors score them into the
-   buffer; trainers sample batches, pack and step; every `steps_before_weight_sync` steps
+   buffer; trainers sample batches, pack and step; every `weight_sync.every_n_steps` steps
    the new weights go to every collector. Held-out accuracy is measured before the first
    step, every `eval_every_n_steps`, and at the end.
-5. Checkpoint: every `save_every_n_steps` inside the loop, and here when a signal stopped it.
+5. Checkpoint: every `checkpoint.save_every_n_steps` inside the loop, and here when a signal stopped it.
 6. Verify that the collectors hold the trainer's weights, save the final policy as an
    HF-format folder (loads in vLLM and torchtune), shut every actor down, write plots.
 
@@ -35,10 +35,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
 from tqdm import tqdm
 
-from grpo.config import instantiate, run_recipe_cli
+from grpo.config import RunConfig, instantiate, run_recipe_cli
 from grpo.evaluation import HeldOutEvaluator
 from grpo.logs import is_verbose, logs_dir
 from grpo.models import load_tokenizer
@@ -51,19 +51,20 @@ from grpo.orchestrator import (
     find_checkpoint,
     init_ray,
 )
+from grpo.orchestrator.metrics import GROUPS_KEPT, GROUPS_SCORED
 from grpo.orchestrator.supervisor import DEFAULT_METRIC_LOGGER
 from grpo.workers.metric_logger import resolve_wandb_mode
 
 
-def prepare_run_dir(cfg: DictConfig) -> Path:
+def prepare_run_dir(cfg: RunConfig) -> Path:
     """Create the run folder and store the resolved config in it."""
     run_dir = Path(cfg.output_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     return run_dir
 
 
-def build_datasets(cfg: DictConfig) -> dict[str, Any]:
+def build_datasets(cfg: RunConfig) -> dict[str, Any]:
     """Build ``dataset`` and ``eval_dataset`` once: report skipped rows, fail on an empty set.
 
     Returns:
@@ -74,9 +75,10 @@ def build_datasets(cfg: DictConfig) -> dict[str, Any]:
     """
     datasets = {}
     for key in ("dataset", "eval_dataset"):
-        if cfg.get(key) is None:
+        node = getattr(cfg, key)
+        if node is None:
             continue
-        dataset = datasets[key] = instantiate(cfg[key])
+        dataset = datasets[key] = instantiate(node, _key_=key)
         if len(dataset) == 0:
             raise ValueError(f"{key}: no usable examples")
         skipped = getattr(dataset, "skipped", None)
@@ -85,22 +87,22 @@ def build_datasets(cfg: DictConfig) -> dict[str, Any]:
     return datasets
 
 
-def build_evaluator(cfg: DictConfig, eval_dataset: Any, run: Orchestrator) -> Any:
+def build_evaluator(cfg: RunConfig, eval_dataset: Any, run: Orchestrator) -> Any:
     """Held-out evaluation on the first ``eval_num_examples`` examples, or None if off.
 
     Returns:
         Callable | None: ``evaluate(step) -> metrics``, generating with the current first
         collector (a dead one is replaced).
     """
-    if eval_dataset is None or not cfg.get("eval_every_n_steps"):
+    if eval_dataset is None or not cfg.eval_every_n_steps:
         return None
-    limit = min(cfg.get("eval_num_examples") or len(eval_dataset), len(eval_dataset))
+    limit = min(cfg.eval_num_examples or len(eval_dataset), len(eval_dataset))
     evaluator = HeldOutEvaluator(
         [eval_dataset[i] for i in range(limit)],
         run.collectors[0],
         run.metric_logger,
         max_generated_tokens=cfg.inference.max_generated_tokens,
-        reward_timeout_s=cfg.ref.reward_timeout_s,
+        reward_timeout_s=cfg.reward_timeout_s,
     )
     return lambda step: evaluator(step, run.collectors[0])
 
@@ -123,12 +125,17 @@ def progress_fields(state: RunState) -> dict[str, str]:
     """What the progress line shows after a step: policy version, reward, loss, accuracy.
 
     The reward is that of the groups scored most recently, the loss the last step's, the
-    accuracy the last held-out evaluation's.
+    accuracy the last held-out evaluation's. When dynamic sampling dropped groups during the
+    step, ``kept`` shows how many of the groups scored reached the buffer.
     """
     fields = {"v": str(state.policy_version)}
     reward = state.last_scored_metrics.get("ref_actor_rewards/rewards_mean")
     if reward is not None:
         fields["reward"] = f"{reward:.3f}"
+    scored = state.last_metrics.get(GROUPS_SCORED)
+    kept = state.last_metrics.get(GROUPS_KEPT)
+    if scored and kept is not None and kept < scored:
+        fields["kept"] = f"{kept:.0f}/{scored:.0f}"
     loss = state.last_metrics.get("train_actor_training/loss")
     if loss is not None:
         fields["loss"] = f"{loss:.4f}"
@@ -191,9 +198,9 @@ def progress_bar(num_steps: int, state: RunState):
         yield on_step
 
 
-def wandb_text(cfg: DictConfig, run_dir: Path) -> str | None:
+def wandb_text(cfg: RunConfig, run_dir: Path) -> str | None:
     """How the run logs to W&B, for the start lines; None for a metric logger of your own."""
-    node = cfg.get("metric_logger") or {}
+    node = cfg.metric_logger
     if node.get("_component_", DEFAULT_METRIC_LOGGER) != DEFAULT_METRIC_LOGGER:
         return None
     try:
@@ -208,8 +215,15 @@ def wandb_text(cfg: DictConfig, run_dir: Path) -> str | None:
     return f"online, project {project!r}"
 
 
-def print_start(cfg: DictConfig, run_dir: Path) -> None:
-    """The lines before the progress bar: what runs, where its files and logs go."""
+def dataset_text(node: dict[str, Any], dataset: Any) -> str:
+    """``grpo.data.prompt_dataset(/data/train.jsonl), 7473 rows``: what a dataset was built from."""
+    source = node.get("source")
+    origin = f"{node['_component_']}({source})" if source else node["_component_"]
+    return f"{origin}, {len(dataset)} rows"
+
+
+def print_start(cfg: RunConfig, run_dir: Path, datasets: dict[str, Any]) -> None:
+    """The lines before the progress bar: what runs, on which data, where its files go."""
     orchestration = cfg.orchestration
     print(
         f"GRPO: {cfg.base_model_path}, {orchestration.num_steps} steps, "
@@ -217,8 +231,10 @@ def print_start(cfg: DictConfig, run_dir: Path) -> None:
         f"{orchestration.num_ref_workers} reference actor(s), "
         f"{orchestration.num_training_workers} trainer(s)"
     )
+    for key, dataset in datasets.items():
+        print(f"Data: {key} {dataset_text(getattr(cfg, key), dataset)}")
     print(f"Run folder: {run_dir}")
-    if not is_verbose(cfg):
+    if not is_verbose(cfg.log_level):
         print(
             f"Logs: {logs_dir(run_dir)}/ (vLLM, Ray, W&B; --verbose or log_level=debug "
             "prints them here instead)"
@@ -240,11 +256,11 @@ def write_plots(run_dir: Path) -> list[str]:
         return []
 
 
-def recipe_main(cfg: DictConfig) -> dict:
+def recipe_main(cfg: RunConfig) -> dict:
     """Run asynchronous GRPO as the config says.
 
     Args:
-        cfg (DictConfig): A validated run config (see ``configs/``).
+        cfg (RunConfig): A validated run config (see ``configs/``).
 
     Returns:
         dict: Final step, policy version, held-out accuracy history and output paths.
@@ -252,7 +268,7 @@ def recipe_main(cfg: DictConfig) -> dict:
     # 1. Config and data (the config was validated by the caller).
     datasets = build_datasets(cfg)
     run_dir = prepare_run_dir(cfg)
-    print_start(cfg, run_dir)
+    print_start(cfg, run_dir, datasets)
     init_ray(cfg)
     tokenizer = load_tokenizer(cfg.base_model_path)
     checkpoint = find_checkpoint(run_dir, cfg.resume_from_checkpoint)
@@ -287,7 +303,7 @@ def recipe_main(cfg: DictConfig) -> dict:
             final_dir = run.save_final_checkpoint()
             seconds = time.monotonic() - started
         except Exception:
-            if not is_verbose(cfg):
+            if not is_verbose(cfg.log_level):
                 # The actors' own messages (a crash, an out-of-memory kill) are in their files.
                 print(f"Each process's output: {logs_dir(run_dir)}/", file=sys.stderr)
             raise

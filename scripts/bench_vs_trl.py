@@ -82,7 +82,7 @@ CONFIG = "tiny_arithmetic_cpu"
 # "cosine"). Both frameworks read the config through these overrides.
 WORKLOAD_OVERRIDES = [
     "training.batch_size=64",
-    "training.filter_zero_variance_groups=false",
+    "ref.filter_zero_variance_groups=false",
     "training.lr_scheduler.num_cycles=0.5",
 ]
 TARGET_SPEEDUP = 1.5
@@ -325,7 +325,7 @@ def trl_child(out_dir: Path, steps: int, threads: int) -> None:
     weights = cfg.ref.reward_weights
     optimizer = cfg.training.optimizer
     loss = cfg.training.loss
-    if float(loss.kl_coeff) != 0.0 or loss.aggregation != "token_mean":
+    if float(loss["kl_coeff"]) != 0.0 or loss["aggregation"] != "token_mean":
         raise ValueError("the TRL mapping assumes kl_coeff=0 and aggregation=token_mean")
     args = GRPOConfig(
         output_dir=str(out_dir / "trainer"),
@@ -337,17 +337,17 @@ def trl_child(out_dir: Path, steps: int, threads: int) -> None:
         temperature=float(cfg.inference.temperature),
         top_p=float(cfg.inference.top_p),
         num_iterations=int(cfg.training.ppo_epochs),
-        learning_rate=float(optimizer.lr),
-        adam_beta1=float(optimizer.betas[0]),
-        adam_beta2=float(optimizer.betas[1]),
-        weight_decay=float(optimizer.weight_decay),
+        learning_rate=float(optimizer["lr"]),
+        adam_beta1=float(optimizer["betas"][0]),
+        adam_beta2=float(optimizer["betas"][1]),
+        weight_decay=float(optimizer["weight_decay"]),
         optim="adamw_torch",
         lr_scheduler_type="cosine",
-        warmup_steps=int(cfg.training.lr_scheduler.num_warmup_steps),
+        warmup_steps=int(cfg.training.lr_scheduler["num_warmup_steps"]),
         max_grad_norm=float(cfg.training.clip_grad_norm),
         beta=0.0,
-        epsilon=float(loss.epsilon_low),
-        epsilon_high=float(loss.epsilon_high),
+        epsilon=float(loss["epsilon_low"]),
+        epsilon_high=float(loss["epsilon_high"]),
         loss_type="dapo",
         scale_rewards="group",
         reward_weights=list(weights) if weights is not None else None,
@@ -500,8 +500,8 @@ def main() -> None:
     print(
         f"workload: {args.steps} steps x {cfg.inference.batch_size} prompts x "
         f"{cfg.inference.group_size} samples, <= {cfg.inference.max_generated_tokens} new tokens, "
-        f"lr {cfg.training.optimizer.lr}, eps {cfg.training.loss.epsilon_low}/"
-        f"{cfg.training.loss.epsilon_high}, no KL, token-mean loss (TRL loss_type='dapo')"
+        f"lr {cfg.training.optimizer['lr']}, eps {cfg.training.loss['epsilon_low']}/"
+        f"{cfg.training.loss['epsilon_high']}, no KL, token-mean loss (TRL loss_type='dapo')"
     )
     order = [name.strip() for name in args.order.split(",") if name.strip()]
     if args.no_sync:

@@ -50,7 +50,7 @@ def drill(victim: str, model_dir: Path, run_dir: Path, steps: int, kill_at: int)
         run_dir,
         steps,
         "orchestration.stall_timeout_s=120",
-        "training.save_every_n_steps=2",
+        "checkpoint.save_every_n_steps=2",
         "metric_logger.mode=disabled",
     )
     killed_at = kill_at_steps(run, [(kill_at, victim)])

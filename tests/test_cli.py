@@ -25,8 +25,6 @@ RECIPE_SOURCE = '''
 import json
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from grpo.config import parse
 
 
@@ -35,7 +33,7 @@ def recipe_main(cfg):
     """Write the config this recipe received."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "received.json").write_text(json.dumps(OmegaConf.to_container(cfg, resolve=True)))
+    (out / "received.json").write_text(json.dumps(cfg.model_dump()))
     return 0
 
 
@@ -151,7 +149,7 @@ def test_validate_reports_every_problem(workspace, capsys):
     assert status == 2
     err = capsys.readouterr().err
     assert "inference.group_size: must be >= 2" in err
-    assert "inference.top_p: must be in (0, 1]" in err
+    assert "inference.top_p: must be > 0, got 0" in err
     assert "Traceback" not in err
 
 

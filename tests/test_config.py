@@ -13,12 +13,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo.config import (
     REQUIRED,
-    Component,
-    ComponentList,
     ConfigError,
-    Field,
+    InferenceConfig,
     InstantiationError,
+    RunConfig,
     Section,
+    compose_config,
     config_reference_markdown,
     configs_dir,
     instantiate,
@@ -27,11 +27,10 @@ from grpo.config import (
     parse,
     repo_root,
     run_recipe_cli,
-    run_schema,
     validate_config,
 )
+from grpo.config.schema import component_spec, default_of, section_type
 from grpo.testing import make_fake_model_dir
-from grpo.workers.collector import InferenceConfig
 
 # Small stand-ins for the real components, so these tests import nothing heavy.
 COMPONENTS_SOURCE = """
@@ -131,7 +130,7 @@ def problems_of(cfg, **kwargs) -> list[str]:
 
 
 def test_load_by_path_fills_schema_defaults(config_path):
-    cfg = load_config(config_path)
+    cfg = compose_config(config_path)
     assert isinstance(cfg, DictConfig)
     assert cfg.inference.group_size == 4  # from the file
     assert cfg.inference.top_p == InferenceConfig().top_p  # absent from the file: its default
@@ -145,7 +144,7 @@ def test_load_by_name_from_configs_dir(tmp_path, fake_model_dir, monkeypatch):
     monkeypatch.setenv("GRPO_CONFIGS_DIR", str(tmp_path))
     write_config(tmp_path / "my_run.yaml", valid_config(fake_model_dir, tmp_path / "out"))
     assert list_configs() == ["my_run"]
-    assert load_config("my_run").orchestration.num_steps == 3
+    assert compose_config("my_run").orchestration.num_steps == 3
 
 
 def test_shipped_configs_are_listed_and_load():
@@ -153,14 +152,14 @@ def test_shipped_configs_are_listed_and_load():
     assert configs_dir() == repo_root() / "configs"
     assert {"tiny_arithmetic_cpu", "qwen2_5_0_5b_gsm8k"} <= set(names)
     for name in names:
-        cfg = load_config(name)
+        cfg = compose_config(name)
         assert Path(cfg.base_model_path).is_absolute()
         assert "tokenizer" not in cfg and "model" not in cfg
 
 
 def test_unknown_config_name_lists_available_names():
     with pytest.raises(ConfigError) as info:
-        load_config("tiny_arithmetic")
+        compose_config("tiny_arithmetic")
     message = str(info.value)
     assert "did you mean 'tiny_arithmetic_cpu'" in message.lower()
     for name in list_configs():
@@ -169,18 +168,18 @@ def test_unknown_config_name_lists_available_names():
 
 def test_missing_config_path_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
-        load_config(tmp_path / "nope.yaml")
+        compose_config(tmp_path / "nope.yaml")
 
 
 def test_config_must_be_a_mapping(tmp_path):
     path = tmp_path / "list.yaml"
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
-        load_config(path)
+        compose_config(path)
 
 
 def test_overrides_are_typed_like_yaml(config_path):
-    cfg = load_config(
+    cfg = compose_config(
         config_path,
         [
             "inference.group_size=16",
@@ -205,7 +204,7 @@ def test_overrides_are_typed_like_yaml(config_path):
 
 
 def test_overrides_may_add_keys_inside_open_nodes(config_path):
-    cfg = load_config(
+    cfg = compose_config(
         config_path,
         [
             "training.optimizer.fused=false",  # a component keyword
@@ -223,7 +222,7 @@ def test_overrides_may_add_keys_inside_open_nodes(config_path):
 
 
 def test_component_shorthand_replaces_the_component(config_path):
-    cfg = load_config(config_path, [f"dataset={COMPONENTS}.build_model"])
+    cfg = compose_config(config_path, [f"dataset={COMPONENTS}.build_model"])
     assert cfg.dataset._component_ == f"{COMPONENTS}.build_model"
     assert cfg.dataset.seed == cfg.seed  # the other keys stay
 
@@ -231,7 +230,7 @@ def test_component_shorthand_replaces_the_component(config_path):
 def test_new_component_node_from_overrides(tmp_path, fake_model_dir):
     config = valid_config(fake_model_dir, tmp_path / "out")
     config["eval_dataset"] = None
-    cfg = load_config(
+    cfg = compose_config(
         write_config(tmp_path / "c.yaml", config),
         [f"eval_dataset._component_={COMPONENTS}.make_dataset", "eval_dataset.num_examples=2"],
     )
@@ -240,7 +239,7 @@ def test_new_component_node_from_overrides(tmp_path, fake_model_dir):
 
 def test_unknown_override_key_suggests_the_right_one(config_path):
     with pytest.raises(ConfigError) as info:
-        load_config(config_path, ["inference.grup_size=4", "group_size=4", "bogus.key=1"])
+        compose_config(config_path, ["inference.grup_size=4", "group_size=4", "bogus.key=1"])
     problems = info.value.problems
     assert len(problems) == 3  # every bad override, at once
     assert "inference.grup_size" in problems[0]
@@ -251,15 +250,15 @@ def test_unknown_override_key_suggests_the_right_one(config_path):
 
 def test_malformed_overrides(config_path):
     with pytest.raises(ConfigError, match="key=value"):
-        load_config(config_path, ["inference.group_size"])
+        compose_config(config_path, ["inference.group_size"])
     with pytest.raises(ConfigError, match="is a value"):
-        load_config(config_path, ["seed.value=3"])
+        compose_config(config_path, ["seed.value=3"])
     with pytest.raises(ConfigError, match="index"):
-        load_config(config_path, ["reward_functions.5.weight=1"])
+        compose_config(config_path, ["reward_functions.5.weight=1"])
 
 
 def test_tilde_removes_keys(config_path):
-    cfg = load_config(
+    cfg = compose_config(
         config_path,
         ["~training.optimizer.weight_decay", "~eval_dataset", "~inference.group_size"],
     )
@@ -271,12 +270,12 @@ def test_tilde_removes_keys(config_path):
 
 def test_tilde_on_a_missing_key_is_an_error(config_path):
     with pytest.raises(ConfigError, match="did you mean training.optimizer.weight_decay"):
-        load_config(config_path, ["~training.optimizer.weight_decy"])
+        compose_config(config_path, ["~training.optimizer.weight_decy"])
 
 
 def test_interpolation_follows_overrides(config_path, tmp_path):
     other = make_fake_model_dir(tmp_path / "other_model")
-    cfg = load_config(config_path, [f"base_model_path={other}"])
+    cfg = compose_config(config_path, [f"base_model_path={other}"])
     assert cfg.base_model_path == str(other)
     assert cfg.metric_logger.log_dir == cfg.output_dir
     assert cfg.dataset.seed == cfg.seed
@@ -285,14 +284,14 @@ def test_interpolation_follows_overrides(config_path, tmp_path):
 def test_relative_model_path_resolves_against_cwd_then_repo(tmp_path, config_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     make_fake_model_dir(tmp_path / "local_model")
-    cfg = load_config(config_path, ["base_model_path=local_model", "output_dir=runs/a"])
+    cfg = compose_config(config_path, ["base_model_path=local_model", "output_dir=runs/a"])
     assert cfg.base_model_path == str(tmp_path / "local_model")
     assert cfg.output_dir == str(tmp_path / "runs/a")
     # Not in the current directory, but in the repo: the repo's folder.
-    cfg = load_config(config_path, ["base_model_path=configs"])
+    cfg = compose_config(config_path, ["base_model_path=configs"])
     assert cfg.base_model_path == str(repo_root() / "configs")
     # Nowhere: kept relative to the current directory, so the error names that path.
-    cfg = load_config(config_path, ["base_model_path=no_such_model"])
+    cfg = compose_config(config_path, ["base_model_path=no_such_model"])
     assert cfg.base_model_path == str(tmp_path / "no_such_model")
 
 
@@ -300,11 +299,11 @@ def test_relative_model_path_resolves_against_cwd_then_repo(tmp_path, config_pat
 
 
 def test_valid_config_passes(config_path):
-    validate_config(load_config(config_path))
+    validate_config(compose_config(config_path))
 
 
 def test_every_problem_is_reported_at_once(config_path, tmp_path):
-    cfg = load_config(
+    cfg = compose_config(
         config_path,
         [
             "inference.group_size=1",
@@ -340,7 +339,7 @@ def test_every_problem_is_reported_at_once(config_path, tmp_path):
 
 
 def test_relations_between_keys(config_path):
-    cfg = load_config(
+    cfg = compose_config(
         config_path,
         [
             "target_tokens_per_batch=40",  # < 32 prompt + 16 generated
@@ -364,20 +363,22 @@ def test_relations_between_keys(config_path):
 
 def test_training_batch_need_not_be_a_multiple_of_group_size(config_path):
     # Advantages are computed per group before the buffer, so a step may mix groups.
-    validate_config(load_config(config_path, ["training.batch_size=6", "inference.group_size=4"]))
+    validate_config(
+        compose_config(config_path, ["training.batch_size=6", "inference.group_size=4"])
+    )
 
 
 def test_prompt_bound_falls_back_to_max_model_len_then_the_model(config_path, tmp_path):
     # As the collectors do: a null max_prompt_tokens lets prompts fill max_model_len.
-    cfg = load_config(config_path, ["inference.max_prompt_tokens=null"])
+    cfg = compose_config(config_path, ["inference.max_prompt_tokens=null"])
     validate_config(cfg)  # max_model_len (128) <= 256
-    cfg = load_config(
+    cfg = compose_config(
         config_path, ["inference.max_prompt_tokens=null", "target_tokens_per_batch=100"]
     )
     problems = problems_of(cfg)
     assert len(problems) == 1 and problems[0].startswith("target_tokens_per_batch: 100")
     assert "inference.engine_args.max_model_len (128)" in problems[0]
-    cfg = load_config(
+    cfg = compose_config(
         config_path,
         ["inference.max_prompt_tokens=null", "inference.engine_args.max_model_len=16"],
     )
@@ -391,16 +392,16 @@ def test_prompt_bound_falls_back_to_max_model_len_then_the_model(config_path, tm
         "inference.max_prompt_tokens=null",
         "~inference.engine_args.max_model_len",
     ]
-    problems = problems_of(load_config(config_path, overrides))
+    problems = problems_of(compose_config(config_path, overrides))
     assert len(problems) == 1 and problems[0].startswith("target_tokens_per_batch: 256")
     assert "max_position_embeddings (4096)" in problems[0]
-    validate_config(load_config(config_path, [*overrides, "target_tokens_per_batch=4096"]))
+    validate_config(compose_config(config_path, [*overrides, "target_tokens_per_batch=4096"]))
     # Without the model folder nothing bounds the sequences: nothing to check.
-    validate_config(load_config(config_path, overrides), check_files=False)
+    validate_config(compose_config(config_path, overrides), check_files=False)
 
     model_dir = make_fake_model_dir(tmp_path / "short", max_position_embeddings=64)
     problems = problems_of(
-        load_config(
+        compose_config(
             config_path, [f"base_model_path={model_dir}", "inference.max_prompt_tokens=null"]
         )
     )
@@ -418,7 +419,7 @@ def test_removed_model_and_tokenizer_keys_say_what_replaced_them(config_path, tm
     }
     config["model"] = {"_component_": "grpo.models.build_model", "model_dir": "${base_model_path}"}
     path = write_config(tmp_path / "old.yaml", config)
-    problems = problems_of(load_config(path))
+    problems = problems_of(compose_config(path))
     assert len(problems) == 2, problems
     model, tokenizer = sorted(problems)
     assert model.startswith("model: no longer used") and "base_model_path" in model
@@ -426,31 +427,31 @@ def test_removed_model_and_tokenizer_keys_say_what_replaced_them(config_path, tm
     assert tokenizer.startswith("tokenizer: no longer used") and "base_model_path" in tokenizer
     # An override naming them gets the same explanation.
     with pytest.raises(ConfigError, match="tokenizer is no longer used: .*base_model_path"):
-        load_config(config_path, ["tokenizer.max_seq_len=64"])
+        compose_config(config_path, ["tokenizer.max_seq_len=64"])
 
 
 def test_model_folder_files_and_positions(tmp_path, config_path):
     incomplete = tmp_path / "incomplete"
     incomplete.mkdir()
     (incomplete / "config.json").write_text("{}")
-    problems = problems_of(load_config(config_path, [f"base_model_path={incomplete}"]))
+    problems = problems_of(compose_config(config_path, [f"base_model_path={incomplete}"]))
     assert len(problems) == 1
     assert str(incomplete) in problems[0]
     for name in ("tokenizer.json", "*.safetensors"):
         assert name in problems[0]
 
     short = make_fake_model_dir(tmp_path / "short", max_position_embeddings=40)
-    problems = problems_of(load_config(config_path, [f"base_model_path={short}"]))
+    problems = problems_of(compose_config(config_path, [f"base_model_path={short}"]))
     assert len(problems) == 1 and "max_position_embeddings (40)" in problems[0]
 
 
 def test_file_checks_can_be_skipped(config_path, tmp_path):
-    cfg = load_config(config_path, [f"base_model_path={tmp_path / 'nowhere'}"])
+    cfg = compose_config(config_path, [f"base_model_path={tmp_path / 'nowhere'}"])
     validate_config(cfg, check_files=False)
 
 
 def test_component_paths_and_keywords_are_checked(config_path):
-    cfg = load_config(
+    cfg = compose_config(
         config_path,
         [
             f"dataset._component_={COMPONENTS}.make_datset",
@@ -474,13 +475,13 @@ def test_component_paths_and_keywords_are_checked(config_path):
 
 
 def test_nested_component_nodes_are_checked(config_path):
-    cfg = load_config(config_path, ["dataset.template.chatty=true"])
+    cfg = compose_config(config_path, ["dataset.template.chatty=true"])
     problems = problems_of(cfg)
     assert len(problems) == 1 and problems[0].startswith("dataset.template.chatty:")
 
 
 def test_missing_required_keys_and_bad_nodes(config_path):
-    cfg = load_config(config_path, ["~dataset", "~orchestration.num_steps"])
+    cfg = compose_config(config_path, ["~dataset", "~orchestration.num_steps"])
     cfg.reward_functions = []
     cfg.metric_logger = "not a node"
     problems = problems_of(cfg)
@@ -493,7 +494,7 @@ def test_missing_required_keys_and_bad_nodes(config_path):
 
 
 def test_broken_interpolation_names_the_key(config_path):
-    cfg = load_config(config_path, ["output_dir=${no_such_key}/x"])
+    cfg = compose_config(config_path, ["output_dir=${no_such_key}/x"])
     problems = problems_of(cfg)
     # Reported at the key itself and at metric_logger.log_dir, which interpolates it.
     assert any(p.startswith("output_dir:") and "no_such_key" in p for p in problems)
@@ -501,22 +502,22 @@ def test_broken_interpolation_names_the_key(config_path):
 
 
 def test_local_ray_cluster_must_fit_the_actors(config_path):
-    cfg = load_config(config_path, ["ray.num_cpus=2", "orchestration.num_inference_workers=2"])
+    cfg = compose_config(config_path, ["ray.num_cpus=2", "orchestration.num_inference_workers=2"])
     problems = problems_of(cfg)
     assert len(problems) == 1 and problems[0].startswith("ray.num_cpus: the actors need 4")
     # Joining an existing cluster: its size is not known here, so no check.
-    validate_config(load_config(config_path, ["ray.num_cpus=2", "ray.address=auto"]))
-    cfg = load_config(config_path, ["training.num_gpus=1", "ray.num_gpus=0.5"])
+    validate_config(compose_config(config_path, ["ray.num_cpus=2", "ray.address=auto"]))
+    cfg = compose_config(config_path, ["training.num_gpus=1", "ray.num_gpus=0.5"])
     assert problems_of(cfg)[0].startswith("ray.num_gpus: the actors need 1")
 
 
 def test_ray_address_and_reward_weights(config_path):
-    cfg = load_config(config_path, ["ray.address=localhost", "ref.reward_weights=[1.0]"])
+    cfg = compose_config(config_path, ["ray.address=localhost", "ref.reward_weights=[1.0]"])
     text = "\n".join(problems_of(cfg))
     assert "ray.address: must be null" in text
     assert "ref.reward_weights: 1 weights for 2 reward_functions" in text
     for address in ("auto", "ray://head:10001", "10.0.0.1:6379"):
-        validate_config(load_config(config_path, [f"ray.address={address}"]))
+        validate_config(compose_config(config_path, [f"ray.address={address}"]))
 
 
 def test_validate_accepts_a_plain_dict(tmp_path, fake_model_dir):
@@ -524,11 +525,21 @@ def test_validate_accepts_a_plain_dict(tmp_path, fake_model_dir):
 
 
 def test_resume_path_must_exist(config_path, tmp_path):
-    problems = problems_of(load_config(config_path, [f"resume_from_checkpoint={tmp_path}/ckpt"]))
+    problems = problems_of(compose_config(config_path, [f"resume_from_checkpoint={tmp_path}/ckpt"]))
     assert len(problems) == 1 and problems[0].startswith("resume_from_checkpoint:")
     (tmp_path / "ckpt").mkdir()
-    validate_config(load_config(config_path, [f"resume_from_checkpoint={tmp_path}/ckpt"]))
-    validate_config(load_config(config_path, ["resume_from_checkpoint=true"]))
+    problems = problems_of(compose_config(config_path, [f"resume_from_checkpoint={tmp_path}/ckpt"]))
+    assert problems == [
+        f"resume_from_checkpoint: {tmp_path}/ckpt is not a checkpoint folder (no state.json)"
+    ]
+    (tmp_path / "ckpt" / "state.json").write_text("{}")
+    validate_config(compose_config(config_path, [f"resume_from_checkpoint={tmp_path}/ckpt"]))
+    # true: the latest checkpoint of output_dir, which must have one.
+    assert problems_of(compose_config(config_path, ["resume_from_checkpoint=true"]))
+    latest = tmp_path / "out" / "checkpoints" / "latest"
+    latest.parent.mkdir(parents=True)
+    latest.write_text("step_000001")
+    validate_config(compose_config(config_path, ["resume_from_checkpoint=true"]))
 
 
 @pytest.mark.parametrize("name", list_configs())
@@ -537,12 +548,15 @@ def test_shipped_configs_validate_against_the_real_components(name, tmp_path):
     # keyword the code does not take. The model folder and cluster size stand in for the real
     # ones, which this machine does not have.
     model_dir = make_fake_model_dir(tmp_path / "model", max_position_embeddings=32768)
-    cfg = load_config(name, [f"base_model_path={model_dir}", "ray.num_cpus=64", "ray.num_gpus=8"])
+    (model_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    cfg = compose_config(
+        name, [f"base_model_path={model_dir}", "ray.num_cpus=64", "ray.num_gpus=8"]
+    )
     validate_config(cfg)
 
 
 def test_tiny_config_points_at_the_shipped_model():
-    cfg = load_config("tiny_arithmetic_cpu")
+    cfg = compose_config("tiny_arithmetic_cpu")
     assert cfg.base_model_path.endswith("assets/tiny_arithmetic_qwen2")
     assert cfg.inference.group_size >= 2
     assert cfg.training.num_gpus == 0 and cfg.inference.num_gpus == 0
@@ -552,7 +566,7 @@ def test_tiny_config_points_at_the_shipped_model():
 
 
 def test_instantiate_builds_nested_components(config_path):
-    cfg = load_config(config_path)
+    cfg = compose_config(config_path)
     dataset = instantiate(cfg.dataset)
     assert dataset["seed"] == cfg.seed  # interpolation resolved
     assert type(dataset["template"]).__name__ == "Template"  # nested node built first
@@ -562,7 +576,7 @@ def test_instantiate_builds_nested_components(config_path):
 
 
 def test_instantiate_positional_args_and_kwarg_overrides(config_path):
-    cfg = load_config(config_path)
+    cfg = compose_config(config_path)
     params = [torch.nn.Parameter(torch.zeros(2))]
     optimizer = instantiate(cfg.training.optimizer, params, lr=0.5)
     assert isinstance(optimizer, torch.optim.AdamW)
@@ -579,7 +593,7 @@ def test_instantiate_none_is_none():
 
 
 def test_instantiate_bad_path_names_key_and_component(config_path):
-    cfg = load_config(config_path, [f"training.loss._component_={COMPONENTS}.Los"])
+    cfg = compose_config(config_path, [f"training.loss._component_={COMPONENTS}.Los"])
     with pytest.raises(InstantiationError) as info:
         instantiate(cfg.training.loss)
     message = str(info.value)
@@ -588,7 +602,7 @@ def test_instantiate_bad_path_names_key_and_component(config_path):
 
 
 def test_instantiate_bad_keyword_names_key_and_component(config_path):
-    cfg = load_config(config_path, ["training.loss.kl_coef=0.1"])
+    cfg = compose_config(config_path, ["training.loss.kl_coef=0.1"])
     with pytest.raises(InstantiationError) as info:
         instantiate(cfg.training.loss)
     message = str(info.value)
@@ -598,7 +612,7 @@ def test_instantiate_bad_keyword_names_key_and_component(config_path):
 
 
 def test_instantiate_error_in_a_list_item_names_its_index(config_path):
-    cfg = load_config(config_path, ["reward_functions.1.wieght=2"])
+    cfg = compose_config(config_path, ["reward_functions.1.wieght=2"])
     with pytest.raises(InstantiationError, match=r"^reward_functions\[1\]: cannot call "):
         instantiate(cfg.reward_functions[1])
     # A plain dict (as actors receive nodes) has no key: the message names the component.
@@ -608,7 +622,7 @@ def test_instantiate_error_in_a_list_item_names_its_index(config_path):
 
 
 def test_instantiate_nested_failure_names_the_nested_key(config_path):
-    cfg = load_config(config_path, ["dataset.template.chatty=1"])
+    cfg = compose_config(config_path, ["dataset.template.chatty=1"])
     with pytest.raises(InstantiationError, match=r"^dataset\.template: "):
         instantiate(cfg.dataset)
 
@@ -659,30 +673,34 @@ def test_run_recipe_cli_and_parse_decorator(config_path, capsys):
 # ------------------------------------------------------------------------------ reference
 
 
-def _schema_entries(section: Section, prefix: str = ""):
-    for key, spec in section.fields.items():
-        if isinstance(spec, Section):
-            yield from _schema_entries(spec, f"{prefix}{key}.")
+def _schema_entries(model: type[Section] = RunConfig, prefix: str = ""):
+    for key, info in model.model_fields.items():
+        nested = section_type(info)
+        if nested is not None:
+            yield from _schema_entries(nested, f"{prefix}{key}.")
         else:
-            yield prefix + key, spec
+            yield prefix + key, info
 
 
 def test_reference_markdown_documents_every_key():
     markdown = config_reference_markdown()
-    entries = list(_schema_entries(run_schema()))
+    entries = list(_schema_entries())
     assert len(entries) > 40
-    for path, spec in entries:
+    for path, info in entries:
         rows = [line for line in markdown.splitlines() if line.startswith(f"| `{path}` |")]
         assert len(rows) == 1, path
-        assert spec.doc in rows[0]
-        if isinstance(spec, Field) and spec.default is not REQUIRED:
-            assert f"`{json.dumps(spec.default)}`" in rows[0], path
-        if isinstance(spec, Component):
-            if isinstance(spec.default, dict):
-                assert spec.default["_component_"] in rows[0]
-            for name, kwarg in spec.kwargs.items():
-                assert f"| `{path}.{name}` |" in markdown and kwarg.doc in markdown
-        if isinstance(spec, ComponentList):
+        assert " ".join(info.description.split()) in rows[0], path
+        default = default_of(info)
+        spec = component_spec(info)
+        if spec is None and default is not REQUIRED:
+            assert f"`{json.dumps(default)}`" in rows[0], path
+        if spec is not None and isinstance(default, dict):
+            assert default["_component_"] in rows[0]
+        if spec is not None and spec.args is not None:
+            for name, arg in spec.args.model_fields.items():
+                assert f"| `{path}.{name}` |" in markdown
+                assert " ".join(arg.description.split()) in markdown
+        if spec is not None and spec.many:
             assert "list of components" in rows[0]
 
 
@@ -697,43 +715,79 @@ def test_reference_markdown_tables_are_well_formed():
 
 
 def test_typed_section_checks_every_option_when_built_in_code():
-    with pytest.raises(ConfigError) as info:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as info:
         InferenceConfig(group_size=1, top_p=1.5, max_generated_tokens="many")
-    problems = info.value.problems
-    assert len(problems) == 3, problems
-    assert problems[0].startswith("InferenceConfig.group_size: must be >= 2")
-    assert problems[1].startswith("InferenceConfig.max_generated_tokens: expected int")
-    assert problems[2].startswith("InferenceConfig.top_p: must be in (0, 1]")
-    with pytest.raises(TypeError, match="grup_size"):
+    assert {error["loc"][0] for error in info.value.errors()} == {
+        "group_size",
+        "top_p",
+        "max_generated_tokens",
+    }
+    with pytest.raises(ValidationError, match="grup_size"):
         InferenceConfig(grup_size=4)
 
 
-def test_run_config_from_a_loaded_config(config_path):
-    from grpo.config import RunConfig
-
-    cfg = load_config(config_path, ["inference.temperature=0.5"])
-    validate_config(cfg)
-    run = RunConfig.from_mapping(OmegaConf.to_container(cfg, resolve=True))
-    assert isinstance(run.inference, InferenceConfig)
+def test_load_config_returns_the_typed_run_config(config_path):
+    run = load_config(config_path, ["inference.temperature=0.5"])
+    assert isinstance(run, RunConfig) and isinstance(run.inference, InferenceConfig)
     assert run.inference.temperature == 0.5 and run.inference.group_size == 4
     assert run.training.loss == {"_component_": f"{COMPONENTS}.Loss", "kl_estimator": "k2"}
     assert run.orchestration.num_steps == 3
     assert run.metric_logger["log_dir"] == run.output_dir  # interpolation resolved
-    # The README reference, the defaults load_config fills and the typed section agree.
-    assert run_schema().fields["ref"].fields["reward_timeout_s"].default == (
-        run.ref.reward_timeout_s
+    assert run.reward_timeout_s == RunConfig.model_fields["reward_timeout_s"].default
+    with pytest.raises(Exception, match="frozen"):
+        run.inference.temperature = 2.0  # a loaded config is read, never changed
+
+
+def test_loading_a_config_imports_no_torch(config_path):
+    import subprocess
+
+    code = (
+        "import sys; from grpo.config import load_config; "
+        f"load_config({str(config_path)!r}); "
+        "print(sorted(m for m in ('torch', 'ray', 'vllm') if m in sys.modules))"
     )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_moved_keys_name_their_new_place(config_path, tmp_path):
+    config = yaml.safe_load(config_path.read_text())
+    config["training"]["save_every_n_steps"] = 5
+    config["training"]["filter_zero_variance_groups"] = True
+    config["inference"]["steps_before_weight_sync"] = 1
+    problems = problems_of(compose_config(write_config(tmp_path / "old.yaml", config)))
+    assert sorted(problems) == [
+        "inference.steps_before_weight_sync: moved to inference.weight_check_every_n_batches",
+        "training.filter_zero_variance_groups: moved to ref.filter_zero_variance_groups",
+        "training.save_every_n_steps: moved to checkpoint.save_every_n_steps",
+    ]
+    # On the command line too, before anything is validated.
+    with pytest.raises(ConfigError, match="moved to weight_sync.every_n_steps"):
+        compose_config(config_path, ["training.steps_before_weight_sync=2"])
+
+
+def test_flow_mapping_overrides_parse_with_interpolations(config_path):
+    cfg = compose_config(
+        config_path,
+        [f"dataset.template={{_component_: {COMPONENTS}.Template, chat: ${{seed}}}}"],
+    )
+    run = validate_config(cfg, check_files=False)
+    assert run.dataset["template"] == {"_component_": f"{COMPONENTS}.Template", "chat": 0}
+    with pytest.raises(ConfigError) as info:
+        compose_config(config_path, ["dataset.template={_component_: a, b: [1}"])
+    (problem,) = info.value.problems
+    assert "\n" not in problem and "dataset.template._component_=" in problem
 
 
 def test_dtype_option_accepts_exactly_the_dtypes_the_actors_know():
-    from grpo.config.options import DTYPE
-    from grpo.models import DTYPES
+    from grpo.choices import DTYPE_CHOICES, MODEL_TYPES
+    from grpo.models import DTYPES, SUPPORTED_MODEL_TYPES
 
-    # The option check cannot import torch, so it spells the names out: keep them equal.
-    message = DTYPE("fp64")
-    accepted = message.split("must be one of ")[1].split(";")[0].split(", ")
-    assert sorted(accepted) == sorted(DTYPES)
-    assert all(DTYPE(name) is None for name in DTYPES)
+    # The config cannot import torch, so it spells the names out: keep them equal.
+    assert sorted(DTYPE_CHOICES) == sorted(DTYPES)
+    assert MODEL_TYPES == SUPPORTED_MODEL_TYPES
 
 
 def test_unsupported_model_type_is_named_before_anything_starts(config_path, tmp_path):
@@ -742,8 +796,86 @@ def test_unsupported_model_type_is_named_before_anything_starts(config_path, tmp
     folder = make_fake_model_dir(tmp_path / "mistral")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    problems = problems_of(load_config(config_path, [f"base_model_path={folder}"]))
+    problems = problems_of(compose_config(config_path, [f"base_model_path={folder}"]))
     assert len(problems) == 1, problems
     assert problems[0].startswith("base_model_path:")
     assert "'mistral'" in problems[0] and str(folder / "config.json") in problems[0]
     assert all(name in problems[0] for name in SUPPORTED_MODEL_TYPES)
+
+
+# ------------------------------------------------------------------------------ what a run needs
+
+
+def test_validate_checks_what_the_run_will_need(config_path, tmp_path, fake_model_dir):
+    """Each new-user mistake is one line naming the key, the file and what was expected."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1 + 1?", "answer": "2"}\n')
+    dataset = [
+        "dataset._component_=grpo.data.prompt_dataset",
+        "~dataset.seed",
+        f"dataset.source={data}",
+        "~dataset.template",
+        "dataset.template=answer_only",
+    ]
+    # A good local dataset passes.
+    validate_config(compose_config(config_path, [*dataset, "dataset.prompt_key=question"]))
+
+    missing = problems_of(compose_config(config_path, [*dataset, f"dataset.source={data}.gone"]))
+    assert missing == [f"dataset.source: file {data}.gone does not exist"]
+
+    column = problems_of(compose_config(config_path, [*dataset, "dataset.prompt_key=problem"]))
+    assert len(column) == 1 and column[0].startswith("dataset.prompt_key: column 'problem'")
+    assert "question, answer" in column[0]
+
+    unwritable = problems_of(compose_config(config_path, ["output_dir=/proc/grpo_run"]))
+    assert len(unwritable) == 1 and unwritable[0].startswith("output_dir: /proc/grpo_run")
+    assert "not writable" in unwritable[0]
+
+    no_checkpoint = problems_of(
+        compose_config(config_path, ["resume_from_checkpoint=true", f"output_dir={tmp_path}/new"])
+    )
+    assert no_checkpoint == [
+        f"resume_from_checkpoint: true, but {tmp_path}/new holds no checkpoint yet (no "
+        "checkpoints/latest); start fresh with resume_from_checkpoint=false, or give a "
+        "checkpoint folder"
+    ]
+
+
+def test_a_plain_template_value_becomes_a_component_node_by_dotted_overrides(config_path):
+    cfg = compose_config(
+        config_path,
+        [
+            "~dataset.template",
+            "dataset.template=answer_only",
+            f"dataset.template._component_={COMPONENTS}.Template",
+            "dataset.template.chat=true",
+        ],
+    )
+    assert OmegaConf.to_container(cfg.dataset.template) == {
+        "_component_": f"{COMPONENTS}.Template",
+        "chat": True,
+    }
+    # Any other key below a plain value is still an error.
+    with pytest.raises(ConfigError, match="is a value, not a mapping"):
+        compose_config(
+            config_path,
+            ["~dataset.template", "dataset.template=answer_only", "dataset.template.chat=1"],
+        )
+
+
+def test_validate_reads_component_signatures_without_importing(config_path):
+    cfg = compose_config(
+        config_path,
+        [
+            "training.optimizer._component_=torch.optim.AdamWW",
+            "training.optimizer.lr=0.1",
+            "training.loss.epsilon_lo=0.1",
+        ],
+    )
+    problems = problems_of(cfg, import_components=False)
+    assert problems == [
+        "training.optimizer._component_: cannot import: module torch.optim has no 'AdamWW'; "
+        "did you mean 'AdamW'?",
+        f"training.loss.epsilon_lo: {COMPONENTS}.Loss takes no argument 'epsilon_lo'; did you "
+        "mean epsilon_low?",
+    ]

@@ -1,4 +1,4 @@
-"""Dynamic sampling (``training.filter_zero_variance_groups``): groups whose rewards are all
+"""Dynamic sampling (``ref.filter_zero_variance_groups``): groups whose rewards are all
 equal are dropped before the replay buffer, counted per step, and the trainer still gets full
 batches of informative, unique trajectories."""
 
@@ -68,13 +68,14 @@ def test_zero_variance_groups_flags_exactly_the_groups_with_equal_rewards():
 
 @pytest.mark.parametrize("filtering", [True, False], ids=["filter", "no_filter"])
 def test_ref_actor_drops_exactly_the_zero_variance_groups(filtering, tiny_model_dir):
+    from grpo.config import RefConfig
     from grpo.workers.ref import RefActor
 
     actor = RefActor(
         model_dir=str(tiny_model_dir),
         reward_functions=[answer_as_reward],
         target_tokens_per_batch=64,
-        filter_zero_variance_groups=filtering,
+        config=RefConfig(filter_zero_variance_groups=filtering),
     )
     groups = [
         group(0, ["1", "0", "1", "0"]),  # mixed: kept
@@ -103,6 +104,7 @@ def test_ref_actor_drops_exactly_the_zero_variance_groups(filtering, tiny_model_
 
 
 def test_ref_actor_shares_prompts_of_kept_groups_only(tiny_model_dir):
+    from grpo.config import RefConfig
     from grpo.workers.ref import RefActor
 
     groups = [group(0, ["1", "0", "1", "0"]), group(1, ["1", "1"]), group(2, ["0", "0", "1"])]
@@ -112,7 +114,7 @@ def test_ref_actor_shares_prompts_of_kept_groups_only(tiny_model_dir):
             model_dir=str(tiny_model_dir),
             reward_functions=[answer_as_reward],
             target_tokens_per_batch=64,
-            filter_zero_variance_groups=True,
+            config=RefConfig(filter_zero_variance_groups=True),
             share_prompts=share_prompts,
         )
         info, scored = actor.score(groups)
@@ -200,7 +202,7 @@ def test_guard_names_equal_rewards_after_the_timeout_of_waiting(monkeypatch, cap
         counts.check(waiting_since)
     message = str(error.value)
     assert "every group had equal rewards" in message and "12 groups in a row" in message
-    assert "training.filter_zero_variance_groups" in message
+    assert "ref.filter_zero_variance_groups" in message
 
     # One informative group ends the streak.
     counts.scored(4, num_zero_variance=3, num_dropped=3)
@@ -234,7 +236,7 @@ def test_run_with_filter_trains_full_batches_of_informative_unique_groups(
         tiny_model_dir,
         run_dir,
         num_steps,
-        "training.filter_zero_variance_groups=true",
+        "ref.filter_zero_variance_groups=true",
         f"training.batch_size={batch_size}",
         f"inference.group_size={group_size}",
         "inference.batch_size=8",
@@ -298,7 +300,7 @@ def test_synchronous_run_whose_rewards_never_differ_stops_naming_the_cause(
         tiny_model_dir,
         run_dir,
         2,
-        "training.filter_zero_variance_groups=true",
+        "ref.filter_zero_variance_groups=true",
         "orchestration.synchronous=true",
         "orchestration.stall_timeout_s=3",
         "training.batch_size=16",

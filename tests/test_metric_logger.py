@@ -595,7 +595,7 @@ class RecordingLogger(MetricLogger):
 def test_the_run_uses_the_logger_class_the_config_names(tmp_path, ray_cluster):
     from ray import cloudpickle
 
-    from grpo.config import load_config, validate_config
+    from grpo.config import load_config
     from grpo.orchestrator.supervisor import ActorSupervisor
 
     # Ray workers cannot import this test module: send its classes by value.
@@ -609,8 +609,9 @@ def test_the_run_uses_the_logger_class_the_config_names(tmp_path, ray_cluster):
             "metric_logger.tag=mine",
             "metric_logger.mode=disabled",
         ],
+        check_components=True,
     )
-    validate_config(cfg)  # the class's own keywords (tag) are accepted
+    # load_config checked the class's own keywords (tag) against its signature.
     supervisor = ActorSupervisor(
         cfg, tmp_path / "run", log_metrics=lambda *_: None, current_step=lambda: 0, dataset=[]
     )

@@ -10,7 +10,7 @@ import ray
 from omegaconf import OmegaConf
 
 from grpo.cli import main as grpo_main
-from grpo.config import load_config
+from grpo.config import compose_config
 from grpo.metric_names import METRIC_NAMES
 from grpo.orchestrator.metrics import (
     GENERATION_BUSY,
@@ -149,7 +149,7 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
 def test_learning_signal_on_a_toy_reward(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     """A reward a random model earns sometimes rises well beyond noise in 30 steps."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    cfg = load_config("tiny_arithmetic_cpu", list(RANDOM_MODEL_OVERRIDES))
+    cfg = compose_config("tiny_arithmetic_cpu", list(RANDOM_MODEL_OVERRIDES))
     cfg.base_model_path = str(tiny_model_dir)
     cfg.output_dir = str(tmp_path / "run")
     cfg.orchestration.num_steps = 30

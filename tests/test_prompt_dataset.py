@@ -604,9 +604,9 @@ def test_collector_generates_from_chat_turns(tmp_path, qwen25_dir):
 
 @pytest.mark.parametrize("name", ["qwen2_5_0_5b_gsm8k", "qwen2_5_1_5b_gsm8k", "qwen2_5_3b_gsm8k"])
 def test_shipped_configs_prompt_with_the_model_chat_template(name, qwen25_dir):
-    from grpo.config import load_config
+    from grpo.config import compose_config
 
-    cfg = load_config(name, [f"base_model_path={qwen25_dir}"])
+    cfg = compose_config(name, [f"base_model_path={qwen25_dir}"])
     for key in ("dataset", "eval_dataset"):
         template = instantiate(cfg[key].template)
         assert isinstance(template, ChatTemplate) and template.stop == ("</answer>",)

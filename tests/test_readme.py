@@ -5,9 +5,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_readme_config_reference_matches_the_schema():
+def test_config_reference_matches_the_schema():
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "update_readme_config.py"), "--check"],
+        [sys.executable, str(REPO / "scripts" / "update_config_docs.py"), "--check"],
         capture_output=True,
         text=True,
     )

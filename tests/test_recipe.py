@@ -3,9 +3,9 @@
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,8 +18,9 @@ def load_recipe():
 
 
 def gsm8k_config(path: Path):
-    return OmegaConf.create(
-        {"dataset": {"_component_": "grpo.data.gsm8k_dataset", "source": str(path)}}
+    return SimpleNamespace(
+        dataset={"_component_": "grpo.data.gsm8k_dataset", "source": str(path)},
+        eval_dataset=None,
     )
 
 

@@ -43,7 +43,7 @@ def deterministic_overrides(model_dir: Path, run_dir: Path, num_steps: int) -> l
         f"orchestration.num_steps={num_steps}",
         "orchestration.synchronous=true",
         "training.lr_scheduler=null",
-        "training.save_every_n_steps=2",
+        "checkpoint.save_every_n_steps=2",
         "eval_every_n_steps=null",
         "inference.max_generated_tokens=12",
         "inference.batch_size=4",
@@ -239,7 +239,7 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(
         run_dir,
         200,
         "training.loss._component_=grpo.testing.NonFiniteLoss",
-        "training.max_nonfinite_steps_in_a_row=2",
+        "orchestration.max_nonfinite_steps_in_a_row=2",
     )
     try:
         with pytest.raises(TrainingDivergedError) as error:
@@ -247,7 +247,7 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(
     finally:
         run.shutdown()
     assert "2 training steps in a row" in str(error.value)
-    assert "training.max_nonfinite_steps_in_a_row=2" in str(error.value)
+    assert "orchestration.max_nonfinite_steps_in_a_row=2" in str(error.value)
     assert run.state.step == 2
     skipped = [
         r["train_actor_training/nonfinite_steps_skipped"]

@@ -156,6 +156,9 @@ def test_math_correctness_defaults_and_unparsable_gold():
     reward_fn = MathCorrectnessReward()
     assert reward_fn.name == "math_correctness"
     assert reward_fn("<answer>86</answer>", "85") == (0.0, False)  # partial credit defaults to 0
+    # Strict format by default: a last number that happens to match earns nothing untagged.
+    assert reward_fn("I think it is 85", "85") == (0.0, False)
+    assert reward_fn("\\boxed{85}", "85") == (1.0, True)
     with pytest.raises(ValueError, match="gold answer"):
         reward_fn("<answer>85</answer>", "not a number")
 
@@ -164,9 +167,10 @@ def test_extract_answer_order_of_preference():
     assert extract_answer("<answer> 7 </answer> \\boxed{8} 9") == "7"
     assert extract_answer("<answer> </answer> \\boxed{8} 9") == "8"
     assert extract_answer("\\boxed{\\frac{1}{2}} then 9") == "\\frac{1}{2}"
-    assert extract_answer("pages 3-5, total 1,234.") == "1,234"
-    assert extract_answer("pages 3-5") == "5"
-    assert extract_answer("it is -4") == "-4"
+    assert extract_answer("pages 3-5, total 1,234.", allow_last_number=True) == "1,234"
+    assert extract_answer("pages 3-5", allow_last_number=True) == "5"
+    assert extract_answer("it is -4", allow_last_number=True) == "-4"
+    assert extract_answer("it is -4") is None  # strict by default
     assert extract_answer("no digits", allow_last_number=True) is None
     assert extract_answer("9 apples", allow_last_number=False) is None
 

@@ -66,7 +66,7 @@ def test_driver_log_holds_records_until_it_knows_the_mode(tmp_path, capsys):
     cfg = {"output_dir": str(tmp_path / "run"), "log_level": "info"}
     with DriverLog() as driver_log:
         logging.getLogger("somelib").warning("early library warning")
-        path = driver_log.start(cfg)
+        path = driver_log.start(**cfg)
         logging.getLogger("grpo.test").info("grpo info")
         logging.getLogger("grpo.test").warning("grpo warning")
     text = path.read_text()
@@ -87,7 +87,7 @@ def test_driver_log_in_debug_mode_shows_everything(tmp_path, capsys):
     cfg = {"output_dir": str(tmp_path / "run"), "log_level": "debug"}
     with DriverLog() as driver_log:
         logging.getLogger("somelib").warning("early library warning")
-        driver_log.start(cfg)
+        driver_log.start(**cfg)
         logging.getLogger("grpo.test").debug("grpo debug")
     err = capsys.readouterr().err
     assert "early library warning" in err and "grpo debug" in err

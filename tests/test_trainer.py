@@ -1,7 +1,5 @@
 """The trainer's update does not depend on how many workers share the batch."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -198,8 +196,8 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(tiny_model_dir, mask_
     results = []
     for compile_layers in (False, True):
         kwargs = trainer_kwargs(tiny_model_dir, 0, 1, budget=128)
-        kwargs["config"] = dataclasses.replace(
-            kwargs["config"], mask_kind=mask_kind, compile=compile_layers
+        kwargs["config"] = kwargs["config"].model_copy(
+            update={"mask_kind": mask_kind, "compile": compile_layers}
         )
         trainer = PyTorchActorModel(**kwargs)
         trainer.setup()
@@ -365,7 +363,7 @@ def _expected_mismatch(calls):
 def test_train_step_reports_the_mismatch_of_pi_old_and_behaviour(tiny_model_dir, ppo_epochs):
     batch = make_batch(8, vocab_size=300)
     kwargs = trainer_kwargs(tiny_model_dir, 0, 1, budget=64)
-    kwargs["config"] = dataclasses.replace(kwargs["config"], ppo_epochs=ppo_epochs)
+    kwargs["config"] = kwargs["config"].model_copy(update={"ppo_epochs": ppo_epochs})
     trainer = PyTorchActorModel(**kwargs)
     trainer.setup()
     loss_options = {k: v for k, v in LOSS.items() if k != "_component_"}
@@ -404,7 +402,7 @@ def test_two_fsdp_workers_match_one_worker_with_tis_over_two_epochs(tiny_model_d
 
     def kwargs(rank, world_size):
         result = trainer_kwargs(tiny_model_dir, rank, world_size, 128, loss=loss)
-        result["config"] = dataclasses.replace(result["config"], ppo_epochs=2)
+        result["config"] = result["config"].model_copy(update={"ppo_epochs": 2})
         return result
 
     single = PyTorchActorModel(**kwargs(0, 1))

@@ -1,49 +1,30 @@
-"""YAML configs: load, override from the command line, validate, and instantiate components.
+"""Run configs: typed sections, YAML loading with overrides, checks, and ``_component_`` nodes.
 
 A config is a YAML file laid out like torchtune's async GRPO config. Its options are declared
-once, as typed dataclasses next to the components they configure, and everything else here is
-derived from those declarations. The parts:
+once, as pydantic models (`grpo.config.sections`, `grpo.config.run.RunConfig`), and everything
+else here is derived from those declarations. Nothing in this package imports torch, Ray or
+vLLM: components import their section from here, never the other way round. The parts:
 
-* `options`: how a component declares its options (`option`, `component`, `ConfigSection`).
-* `run`: `RunConfig`, the whole file as one typed object, and the checks across sections.
+* `schema`: how a section declares its options (`Section`, `Component`, `ComponentList`).
+* `sections`: one section per component; `run`: `RunConfig` and the checks across sections.
 * `loading`: find a config by name or path, apply ``key=value`` / ``~key`` overrides, fill
-  defaults (`load_config`).
+  defaults (`compose_config`), and check it into a `RunConfig` (`load_config`).
 * `validation`: report every problem of a config at once, with did-you-mean hints
   (`validate_config`).
 * `instantiate`: build a ``_component_`` node (`instantiate`).
 * `recipes`: the command line of a recipe (`run_recipe`, `parse`).
-* `reference`: the README's config reference (`config_reference_markdown`).
+* `reference`: the config reference, ``docs/config.md`` (`config_reference_markdown`).
 
 Example:
     >>> cfg = load_config("tiny_arithmetic_cpu", ["inference.group_size=4"])
-    >>> validate_config(cfg)
-    >>> run = RunConfig.from_mapping(OmegaConf.to_container(cfg, resolve=True))
-    >>> run.inference.group_size
+    >>> cfg.inference.group_size
     4
 """
 
-# Nothing here imports a component module: they import `instantiate` and `options` from here.
 from grpo.config.errors import ConfigError, InstantiationError
 from grpo.config.instantiate import instantiate, locate
-from grpo.config.loading import (
-    configs_dir,
-    find_config,
-    list_configs,
-    load_config,
-    repo_root,
-    resolve_path,
-)
-from grpo.config.options import (
-    COMPONENT_DEFAULT,
-    REQUIRED,
-    Component,
-    ComponentList,
-    ConfigSection,
-    Field,
-    Section,
-    run_schema,
-    section_of,
-)
+from grpo.config.loading import compose_config, load_config
+from grpo.config.paths import configs_dir, find_config, list_configs, repo_root, resolve_path
 from grpo.config.recipes import (
     Recipe,
     add_verbose_flag,
@@ -53,20 +34,46 @@ from grpo.config.recipes import (
     split_overrides,
 )
 from grpo.config.reference import config_reference_markdown
+from grpo.config.run import RunConfig
+from grpo.config.schema import (
+    COMPONENT_DEFAULT,
+    REQUIRED,
+    Component,
+    ComponentArgs,
+    ComponentList,
+    Section,
+)
+from grpo.config.sections import (
+    CheckpointConfig,
+    InferenceConfig,
+    OrchestrationConfig,
+    RayConfig,
+    RefConfig,
+    TrainingConfig,
+    WeightSyncConfig,
+)
 from grpo.config.validation import validate_config
 
 __all__ = [
     "COMPONENT_DEFAULT",
     "REQUIRED",
+    "CheckpointConfig",
     "Component",
+    "ComponentArgs",
     "ComponentList",
     "ConfigError",
-    "ConfigSection",
-    "Field",
+    "InferenceConfig",
     "InstantiationError",
+    "OrchestrationConfig",
+    "RayConfig",
     "Recipe",
+    "RefConfig",
+    "RunConfig",
     "Section",
+    "TrainingConfig",
+    "WeightSyncConfig",
     "add_verbose_flag",
+    "compose_config",
     "config_reference_markdown",
     "configs_dir",
     "find_config",
@@ -79,18 +86,6 @@ __all__ = [
     "resolve_path",
     "run_recipe",
     "run_recipe_cli",
-    "run_schema",
-    "section_of",
     "split_overrides",
     "validate_config",
 ]
-
-
-def __getattr__(name: str):
-    # `RunConfig` lives in grpo.config.run, which imports the component modules; loading it
-    # lazily keeps `from grpo.config import instantiate` in those modules cycle-free.
-    if name == "RunConfig":
-        from grpo.config.run import RunConfig
-
-        return RunConfig
-    raise AttributeError(f"module 'grpo.config' has no attribute {name!r}")

@@ -88,7 +88,12 @@ def _node_key(node: Any) -> str:
     return "".join(reversed(parts)).lstrip(".")
 
 
-def instantiate(node: DictConfig | Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> Any:
+def instantiate(
+    node: DictConfig | Mapping[str, Any] | None,
+    *args: Any,
+    _key_: str | None = None,
+    **kwargs: Any,
+) -> Any:
     """Build the object a ``_component_`` node describes.
 
     The other keys of the node are keyword arguments; nested ``_component_`` nodes (in values
@@ -99,6 +104,8 @@ def instantiate(node: DictConfig | Mapping[str, Any] | None, *args: Any, **kwarg
         node (DictConfig | Mapping[str, Any] | None): The node; None returns None, so optional
             components (``lr_scheduler: null``) need no special case.
         *args (Any): Positional arguments, e.g. the parameters of an optimizer.
+        _key_ (str | None): The node's config key for messages (``training.optimizer``); an
+            OmegaConf node knows its own.
         **kwargs (Any): Keyword arguments that take precedence over the node's.
 
     Returns:
@@ -115,7 +122,7 @@ def instantiate(node: DictConfig | Mapping[str, Any] | None, *args: Any, **kwarg
     """
     if node is None:
         return None
-    key = _node_key(node)
+    key = _key_ or _node_key(node)
     if isinstance(node, (DictConfig, ListConfig)):
         try:
             plain = OmegaConf.to_container(node, resolve=True)

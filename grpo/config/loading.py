@@ -1,12 +1,12 @@
-"""Find a config, load its YAML, apply ``key=value`` / ``~key`` overrides, fill defaults.
+"""Load a config: find its YAML, apply ``key=value`` / ``~key`` overrides, fill defaults, check.
 
 Conventions (torchtune's):
 
 * ``grpo run async_grpo --config NAME key=value ...``: NAME is a file in the repo's
   ``configs/`` folder (``configs/NAME.yaml``) or a path to a YAML file.
 * ``key.sub=value`` overrides a nested key; values are parsed as YAML (``3``, ``1e-5``,
-  ``true``, ``null``, ``[1, 2]``). Overriding a component node with a string replaces its
-  ``_component_`` (``dataset=grpo.data.gsm8k_dataset``).
+  ``true``, ``null``, ``[1, 2]``, ``{_component_: pkg.Cls, arg: 1}``). Overriding a component
+  node with a string replaces its ``_component_`` (``dataset=grpo.data.gsm8k_dataset``).
 * ``~key`` removes a key. Keys the schema knows fall back to their default (so
   ``~eval_dataset`` turns evaluation off); keys inside a component node fall back to the
   component's own default.
@@ -20,8 +20,6 @@ when it does not exist there, so the shipped demo model is found from any direct
 
 from __future__ import annotations
 
-import difflib
-import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,113 +27,29 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-import grpo
 from grpo.config.errors import ConfigError
-from grpo.config.options import (
-    REQUIRED,
-    Component,
-    ComponentList,
-    Field,
-    Section,
-    run_schema,
-)
-
-# Schema lookups below a component or a free-form mapping: any key may exist there.
-_OPEN = object()
-
-# --------------------------------------------------------------------------------------------
-# Locations
-# --------------------------------------------------------------------------------------------
-
-
-def repo_root() -> Path:
-    """The folder holding ``grpo/``, ``configs/`` and ``recipes/``."""
-    return Path(grpo.__file__).resolve().parent.parent
-
-
-def configs_dir() -> Path:
-    """Folder of named configs: ``$GRPO_CONFIGS_DIR`` if set, else ``<repo>/configs``."""
-    return Path(os.environ.get("GRPO_CONFIGS_DIR") or repo_root() / "configs")
-
-
-def list_configs() -> list[str]:
-    """Names of the configs in `configs_dir`, sorted."""
-    folder = configs_dir()
-    return sorted(path.stem for path in folder.glob("*.yaml")) if folder.is_dir() else []
-
-
-def find_config(name_or_path: str | Path) -> Path:
-    """Turn a config name (``configs/NAME.yaml``) or a path into the path of an existing file.
-
-    Args:
-        name_or_path (str | Path): A name such as ``tiny_arithmetic_cpu`` or a YAML path.
-
-    Returns:
-        Path: The config file.
-
-    Raises:
-        ConfigError: If no such file exists; the message lists the available names.
-    """
-    text = str(name_or_path)
-    available = list_configs()
-    listing = ", ".join(available) or f"none in {configs_dir()}"
-    looks_like_path = text.endswith((".yaml", ".yml")) or os.sep in text or "/" in text
-    if looks_like_path or Path(text).is_file():
-        path = Path(text).expanduser()
-        if path.is_file():
-            return path
-        raise ConfigError(f"config file {text} not found. Named configs: {listing}")
-    path = configs_dir() / f"{text}.yaml"
-    if path.is_file():
-        return path
-    close = difflib.get_close_matches(text, available, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"unknown config {text!r}.{hint} Named configs: {listing}")
-
-
-def resolve_path(path: str | Path, *, fall_back_to_repo: bool = False) -> Path:
-    """Make a config path absolute.
-
-    Args:
-        path (str | Path): Absolute, or relative to the current directory.
-        fall_back_to_repo (bool): If the relative path does not exist in the current directory
-            but does under the repo root, use that one.
-
-    Returns:
-        Path: An absolute path (which may not exist).
-    """
-    path = Path(path).expanduser()
-    if path.is_absolute():
-        return path
-    from_cwd = Path.cwd() / path
-    if fall_back_to_repo and not from_cwd.exists() and (repo_root() / path).exists():
-        return repo_root() / path
-    return from_cwd
-
+from grpo.config.keys import fill_defaults, may_hold_keys, schema_at, siblings_at, suggest
+from grpo.config.paths import find_config, resolve_path
+from grpo.config.run import RunConfig
 
 # --------------------------------------------------------------------------------------------
 # Loading and overrides
 # --------------------------------------------------------------------------------------------
 
 
-def load_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
-    """Load a config, fill schema defaults, apply command-line overrides.
+def compose_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
+    """The YAML of a config with overrides applied and defaults filled in, not yet checked.
 
     Args:
         name_or_path (str | Path): Config name (``configs/NAME.yaml``) or path to a YAML file.
         overrides (Sequence[str]): ``key.sub=value`` (value parsed as YAML) or ``~key``.
 
     Returns:
-        DictConfig: The config, not yet validated (see `validate_config`).
+        DictConfig: The composed config (interpolations unresolved), for `validate_config`.
 
     Raises:
         ConfigError: If the file is missing or not a YAML mapping, or overrides are malformed
             or name keys the schema does not know (all override problems are listed at once).
-
-    Example:
-        >>> cfg = load_config("tiny_arithmetic_cpu", ["inference.group_size=4", "~eval_dataset"])
-        >>> cfg.inference.group_size
-        4
     """
     path = find_config(name_or_path)
     try:
@@ -144,7 +58,7 @@ def load_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> Dict
         raise ConfigError(f"{path}: not a valid YAML config: {exc}") from None
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(cfg).__name__}")
-    fill_defaults(cfg, run_schema())
+    fill_defaults(cfg)
     problems: list[str] = []
     for override in overrides:
         try:
@@ -154,23 +68,49 @@ def load_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> Dict
     if problems:
         raise ConfigError(problems)
     # Again: `~key` on a key the schema knows restores its default.
-    fill_defaults(cfg, run_schema())
+    fill_defaults(cfg)
     _absolutize_paths(cfg)
     return cfg
 
 
-def fill_defaults(node: DictConfig, section: Section) -> None:
-    """Set absent keys to their schema default; component nodes are never merged into."""
-    for key, spec in section.fields.items():
-        if isinstance(spec, Section):
-            child = node._get_node(key) if key in node else None
-            if child is None or child._is_none():  # absent, or an empty `inference:` line
-                node[key] = {}
-                child = node._get_node(key)
-            if isinstance(child, DictConfig):
-                fill_defaults(child, spec)
-        elif key not in node and spec.default is not REQUIRED:
-            node[key] = spec.default
+def load_config(
+    name_or_path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    check_files: bool = True,
+    check_components: bool = False,
+    import_components: bool = False,
+) -> RunConfig:
+    """Load a config, apply command-line overrides, check it, and return it typed.
+
+    Args:
+        name_or_path (str | Path): Config name (``configs/NAME.yaml``) or path to a YAML file.
+        overrides (Sequence[str]): ``key.sub=value`` (value parsed as YAML) or ``~key``.
+        check_files (bool): Check the model folder, the resume target and the run folder.
+        check_components (bool): Check that every ``_component_`` exists and takes its
+            node's keywords.
+        import_components (bool): Check them by importing them (exact, slow: torch and the
+            like) rather than by reading their source.
+
+    Returns:
+        RunConfig: The typed config, interpolations resolved.
+
+    Raises:
+        ConfigError: Listing every problem at once, each as ``key: what is wrong``.
+
+    Example:
+        >>> cfg = load_config("tiny_arithmetic_cpu", ["inference.group_size=4", "~eval_dataset"])
+        >>> cfg.inference.group_size
+        4
+    """
+    from grpo.config.validation import validate_config  # it imports this module's helpers
+
+    return validate_config(
+        compose_config(name_or_path, overrides),
+        check_files=check_files,
+        check_components=check_components,
+        import_components=import_components,
+    )
 
 
 def _absolutize_paths(cfg: DictConfig) -> None:
@@ -190,11 +130,33 @@ def _try_get(cfg: DictConfig, key: str) -> Any:
         return None
 
 
-def _parse_value(raw: str) -> Any:
-    """Parse an override value the way OmegaConf parses YAML values ("None" also means null)."""
+# `${key}` inside a YAML flow mapping or sequence: YAML reads `{` as the start of a mapping,
+# so interpolations there are quoted before parsing (OmegaConf resolves them as strings).
+_INTERPOLATION = re.compile(r"(?<!['\"])(\$\{[^{}]*\})")
+
+
+def _parse_value(raw: str, override: str) -> Any:
+    """Parse an override value as YAML, as OmegaConf does ("None" also means null).
+
+    Raises:
+        ConfigError: A value YAML cannot read, in one line with the dotted form to use.
+    """
     if raw == "None":
         return None
-    return OmegaConf.to_container(OmegaConf.from_dotlist([f"value={raw}"]), resolve=False)["value"]
+    text = raw
+    if raw.lstrip().startswith(("{", "[")):
+        text = _INTERPOLATION.sub(r"'\1'", raw)
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]), resolve=False)[
+            "value"
+        ]
+    except Exception as exc:  # yaml's and OmegaConf's parser errors
+        key = override.partition("=")[0]
+        reason = str(exc).strip().splitlines()[0]
+        raise ConfigError(
+            f"{override}: cannot parse the value as YAML ({reason}); set the keys one by one "
+            f"instead, e.g. {key}._component_=pkg.Class {key}.arg=value"
+        ) from None
 
 
 def _split_key(key: str) -> list[str]:
@@ -202,55 +164,14 @@ def _split_key(key: str) -> list[str]:
     return [part for part in re.split(r"\.|\[(\d+)\]", key) if part]
 
 
-def _schema_at(parts: Sequence[str]) -> Any:
-    """Schema entry of a dotted key: a spec, `_OPEN` (inside a free-form node), or None."""
-    spec: Any = run_schema()
-    for part in parts:
-        if isinstance(spec, Section):
-            spec = spec.fields.get(part)
-            if spec is None:
-                return None
-        elif isinstance(spec, (Component, ComponentList)) or (
-            isinstance(spec, Field) and dict in spec.types
-        ):
-            return _OPEN
-        else:  # below a scalar, or unknown
-            return _OPEN if spec is _OPEN else None
-    return spec
+def _walk(
+    cfg: DictConfig, parts: Sequence[str], create: bool, override: str, final: str = ""
+) -> Any:
+    """Return the container node at `parts`, creating mappings the schema allows if `create`.
 
-
-def _all_schema_keys(section: Section | None = None, prefix: str = "") -> list[str]:
-    section = section or run_schema()
-    keys = []
-    for key, spec in section.fields.items():
-        keys.append(prefix + key)
-        if isinstance(spec, Section):
-            keys.extend(_all_schema_keys(spec, f"{prefix}{key}."))
-    return keys
-
-
-def suggest(prefix: str, key: str, siblings: Sequence[str]) -> str:
-    """A ``; did you mean ...?`` hint for an unknown key, or an empty string."""
-    from grpo.config.run import REMOVED_KEYS  # imports the component modules: not at import
-
-    if not prefix and key in REMOVED_KEYS:
-        return f"; {key} is no longer used: {REMOVED_KEYS[key]}"
-    close = difflib.get_close_matches(key, list(siblings), n=1, cutoff=0.6)
-    if close:
-        return f"; did you mean {prefix}{close[0]}?"
-    elsewhere = [full for full in _all_schema_keys() if full.rsplit(".", 1)[-1] == key]
-    if elsewhere:
-        return f"; did you mean {' or '.join(elsewhere)}?"
-    return ""
-
-
-def _schema_siblings(parts: Sequence[str]) -> list[str]:
-    spec = _schema_at(parts) if parts else run_schema()
-    return list(spec.fields) if isinstance(spec, Section) else []
-
-
-def _walk(cfg: DictConfig, parts: Sequence[str], create: bool, override: str) -> Any:
-    """Return the container node at `parts`, creating mappings the schema allows if `create`."""
+    `final` is the key the override sets below `parts`: ``_component_`` there turns a plain
+    value at `parts` (``template: answer_only``) into a component node.
+    """
     node: Any = cfg
     for depth, part in enumerate(parts):
         dotted = ".".join(parts[: depth + 1])
@@ -261,13 +182,7 @@ def _walk(cfg: DictConfig, parts: Sequence[str], create: bool, override: str) ->
             continue
         child = node._get_node(part) if part in node else None
         if child is None or child._is_none():
-            known = _schema_at(parts[: depth + 1])
-            may_create = (
-                known is _OPEN
-                or isinstance(known, (Section, Component))
-                or (isinstance(known, Field) and dict in known.types)
-            )
-            if not (create and may_create):
+            if not (create and may_hold_keys(schema_at(parts[: depth + 1]))):
                 raise ConfigError(
                     f"{override}: no key {dotted} in the config"
                     f"{_unknown_hint(node, parts[: depth + 1])}"
@@ -275,6 +190,18 @@ def _walk(cfg: DictConfig, parts: Sequence[str], create: bool, override: str) ->
             node[part] = {}
             child = node._get_node(part)
         if not isinstance(child, (DictConfig, ListConfig)):
+            last = depth == len(parts) - 1
+            if (
+                create
+                and last
+                and final == "_component_"
+                and may_hold_keys(schema_at(parts[: depth + 1]))
+            ):
+                # `dataset.template._component_=pkg.Cls` where `template: answer_only`: the
+                # value becomes a component node (its other keys follow as overrides).
+                node[part] = {}
+                node = node._get_node(part)
+                continue
             raise ConfigError(f"{override}: {dotted} is a value, not a mapping")
         node = child
     return node
@@ -282,7 +209,7 @@ def _walk(cfg: DictConfig, parts: Sequence[str], create: bool, override: str) ->
 
 def _unknown_hint(parent: Any, parts: Sequence[str]) -> str:
     """Did-you-mean for the last of `parts`, among schema keys and keys present in `parent`."""
-    siblings = _schema_siblings(parts[:-1])
+    siblings = siblings_at(parts[:-1])
     if isinstance(parent, DictConfig):
         siblings += [str(key) for key in parent.keys()]
     prefix = ".".join(parts[:-1]) + "." if len(parts) > 1 else ""
@@ -298,7 +225,7 @@ def _apply_override(cfg: DictConfig, override: str) -> None:
     if not removing and (not sep or not parts):
         raise ConfigError(f"{override!r}: overrides are key=value or ~key")
 
-    parent = _walk(cfg, parts[:-1], create=not removing, override=override)
+    parent = _walk(cfg, parts[:-1], create=not removing, override=override, final=parts[-1])
     last = parts[-1]
     if isinstance(parent, ListConfig):
         if not last.isdigit() or int(last) >= len(parent):
@@ -306,7 +233,7 @@ def _apply_override(cfg: DictConfig, override: str) -> None:
         if removing:
             del parent[int(last)]
         else:
-            parent[int(last)] = _parse_value(raw)
+            parent[int(last)] = _parse_value(raw, override)
         return
 
     if removing:
@@ -318,9 +245,9 @@ def _apply_override(cfg: DictConfig, override: str) -> None:
         del parent[last]
         return
 
-    value = _parse_value(raw)
+    value = _parse_value(raw, override)
     current = parent._get_node(last) if last in parent else None
-    if current is None and _schema_at(parts) is None:
+    if current is None and schema_at(parts) is None:
         raise ConfigError(f"{override}: unknown key {key}{_unknown_hint(parent, parts)}")
     if (
         isinstance(current, DictConfig)

@@ -1,4 +1,4 @@
-"""Run a recipe from the command line: load, validate once, call the recipe's main."""
+"""Run a recipe from the command line: load and check the config, call the recipe's main."""
 
 from __future__ import annotations
 
@@ -10,14 +10,12 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NoReturn
 
-from omegaconf import DictConfig
-
 from grpo.config.errors import ConfigError
 from grpo.config.loading import load_config
-from grpo.config.validation import validate_config
+from grpo.config.run import RunConfig
 from grpo.logs import DriverLog
 
-Recipe = Callable[[DictConfig], Any]
+Recipe = Callable[[RunConfig], Any]
 
 
 def run_recipe(
@@ -47,9 +45,8 @@ def run_recipe(
     """
     with nullcontext(driver_log) if driver_log else DriverLog() as driver_log:
         try:
-            cfg = load_config(config, overrides)
-            validate_config(cfg)
-            driver_log.start(cfg)
+            cfg = load_config(config, overrides, check_components=True, import_components=True)
+            driver_log.start(cfg.output_dir, cfg.log_level)
             result = recipe_main(cfg)
         except ConfigError as exc:
             print(f"{prog}: error: {exc}", file=sys.stderr)
@@ -133,14 +130,14 @@ def parse(recipe_main: Recipe) -> Callable[..., Any]:
 
     Example:
         >>> @parse
-        ... def recipe_main(cfg: DictConfig) -> None:
+        ... def recipe_main(cfg: RunConfig) -> None:
         ...     ...
         >>> if __name__ == "__main__":
         ...     recipe_main()
     """
 
     @functools.wraps(recipe_main)
-    def wrapper(cfg: DictConfig | None = None) -> Any:
+    def wrapper(cfg: RunConfig | None = None) -> Any:
         if cfg is not None:
             return recipe_main(cfg)
         run_recipe_cli(recipe_main)

@@ -1,17 +1,21 @@
-"""The config reference of the README, rendered from the declared options."""
+"""The config reference (``docs/config.md``), rendered from the declared sections."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from grpo.config.options import (
+from pydantic import BaseModel
+
+from grpo.config.run import RunConfig
+from grpo.config.schema import (
     COMPONENT_DEFAULT,
     REQUIRED,
-    Component,
-    Field,
     Section,
-    run_schema,
+    component_spec,
+    constraints_of,
+    default_of,
+    section_type,
     type_name,
 )
 
@@ -28,42 +32,49 @@ def _format_default(value: Any) -> str:
     return f"`{json.dumps(value)}`"
 
 
+def _doc(model: type[BaseModel], key: str) -> str:
+    info = model.model_fields[key]
+    text = " ".join((info.description or "").split())
+    bounds = constraints_of(info)
+    return f"{text} ({bounds})" if bounds else text
+
+
+def _title(model: type[BaseModel]) -> str:
+    return (model.__doc__ or model.__name__).strip().splitlines()[0].rstrip(".")
+
+
 def config_reference_markdown() -> str:
     """Render every config key with its type, default and description as Markdown tables.
 
     Returns:
-        str: One table per section, for the README.
+        str: One table per section (``docs/config.md``).
     """
     lines: list[str] = []
 
-    def table(section: Section, prefix: str, title: str) -> None:
+    def table(model: type[Section], prefix: str, title: str) -> None:
         rows: list[str] = []
-        nested: list[tuple[Section, str]] = []
-        for key, spec in section.fields.items():
+        nested: list[tuple[type[Section], str]] = []
+        for key, info in model.model_fields.items():
             path = prefix + key
-            if isinstance(spec, Section):
-                nested.append((spec, f"{path}."))
-            elif isinstance(spec, Field):
-                rows.append(
-                    f"| `{path}` | {type_name(spec.types)} | "
-                    f"{_format_default(spec.default)} | {spec.doc} |"
-                )
-            elif isinstance(spec, Component):
-                optional = " or null" if spec.default is None else ""
-                rows.append(
-                    f"| `{path}` | component{optional} | "
-                    f"{_format_default(spec.default)} | {spec.doc} |"
-                )
-                for name, kwarg in spec.kwargs.items():
-                    rows.append(
-                        f"| `{path}.{name}` | {type_name(kwarg.types)} | "
-                        f"{_format_default(kwarg.default)} | {kwarg.doc} |"
-                    )
+            child = section_type(info)
+            if child is not None:
+                nested.append((child, f"{path}."))
+                continue
+            spec = component_spec(info)
+            default = _format_default(default_of(info))
+            if spec is None:
+                kind = type_name(info.annotation)
+            elif spec.many:
+                kind = "list of components"
             else:
-                rows.append(
-                    f"| `{path}` | list of components | "
-                    f"{_format_default(spec.default)} | {spec.doc} |"
-                )
+                kind = "component or null" if default_of(info) is None else "component"
+            rows.append(f"| `{path}` | {kind} | {default} | {_doc(model, key)} |")
+            if spec is not None and spec.args is not None:
+                for name, arg in spec.args.model_fields.items():
+                    rows.append(
+                        f"| `{path}.{name}` | {type_name(arg.annotation)} | "
+                        f"{_format_default(arg.default)} | {_doc(spec.args, name)} |"
+                    )
         if rows:
             lines.extend(
                 [
@@ -76,8 +87,7 @@ def config_reference_markdown() -> str:
                 ]
             )
         for child, child_prefix in nested:
-            table(child, child_prefix, f"`{child_prefix[:-1]}`: {child.doc}")
+            table(child, child_prefix, f"`{child_prefix[:-1]}`: {_title(child)}")
 
-    schema = run_schema()
-    table(schema, "", schema.doc)
+    table(RunConfig, "", _title(RunConfig))
     return "\n".join(lines)

@@ -1,47 +1,39 @@
-"""The run config: top-level options, the sections of each component, and checks across them.
+"""The run config: top-level options, one section per component, and checks across them.
 
-`RunConfig` is the whole YAML file as one typed object. Each section's options are declared
-beside the component they configure (`InferenceConfig` in `grpo.workers.collector`, `RefConfig`
-in `grpo.workers.ref`, `TrainingConfig` in `grpo.workers.trainer`, `RayConfig` and
-`OrchestrationConfig` in `grpo.orchestrator.config` for the driver, `WeightSyncConfig` in
-`grpo.orchestrator.weight_sync`). The checks that involve more than one section
+`RunConfig` is the whole YAML file as one typed object. Each section is the config of the
+component that reads it (`grpo.config.sections`). The checks that involve more than one section
 (token budget vs prompt and response lengths, batch divisibility, buffer size, Ray resources,
-the model folder) are here, in one place.
+the model folder) are here, in one place; they read the plain values, so they run (and report)
+beside the per-option checks even when some option is invalid.
 """
-
-from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from grpo.config.loading import resolve_path
-from grpo.config.options import (
-    NON_NEGATIVE,
-    NUMBER,
-    POSITIVE,
-    UNRESOLVED,
-    ConfigSection,
-    component,
-    component_list,
-    keyword,
-    one_of,
-    option,
-    section,
-    type_ok,
+from pydantic import Field
+
+from grpo.choices import MODEL_TYPES, LogLevel
+from grpo.config.paths import STATE_FILE, find_checkpoint, resolve_path
+from grpo.config.schema import Component, ComponentList, Section
+from grpo.config.sections import (
+    CheckpointConfig,
+    InferenceConfig,
+    MetricLoggerArgs,
+    OrchestrationConfig,
+    RayConfig,
+    RefConfig,
+    TrainingConfig,
+    WeightSyncConfig,
 )
-from grpo.logs import LOG_LEVELS
-from grpo.models import SUPPORTED_MODEL_TYPES
-from grpo.orchestrator.config import OrchestrationConfig, RayConfig
-from grpo.orchestrator.weight_sync import WeightSyncConfig
-from grpo.workers.collector import InferenceConfig
-from grpo.workers.ref import RefConfig
-from grpo.workers.trainer import TrainingConfig
 
 # Files a model folder must hold; weights are checked separately (*.safetensors).
 MODEL_FILES = ("config.json", "tokenizer.json")
+# Marks a value whose interpolation failed; the failure is already reported.
+UNRESOLVED = object()
+NUMBER = (int, float)
 
 # Top-level keys of older configs that nothing reads any more, with what to do instead. They
 # looked like components but were never built: the actors build the model and load the
@@ -53,85 +45,74 @@ REMOVED_KEYS = {
     "(inference.max_prompt_tokens bounds the prompt length)",
 }
 
+# Options that moved to the section of the component that reads them: old key -> new key.
+MOVED_KEYS = {
+    "training.filter_zero_variance_groups": "ref.filter_zero_variance_groups",
+    "training.save_every_n_steps": "checkpoint.save_every_n_steps",
+    "training.steps_before_weight_sync": "weight_sync.every_n_steps",
+    "training.max_nonfinite_steps_in_a_row": "orchestration.max_nonfinite_steps_in_a_row",
+    "inference.steps_before_weight_sync": "inference.weight_check_every_n_batches",
+    "ref.reward_timeout_s": "reward_timeout_s",
+}
 
-@dataclass(kw_only=True)
-class RunConfig(ConfigSection):
+
+class RunConfig(Section):
     """Top level.
 
     The whole run config as one typed object: top-level options, one section per component,
-    and the component nodes (dataset, rewards, metric logger). Build it
-    from a validated config with ``RunConfig.from_mapping(OmegaConf.to_container(cfg,
-    resolve=True))``.
+    and the component nodes (dataset, rewards, metric logger). `grpo.config.load_config`
+    returns one.
     """
 
-    base_model_path: str = option(
-        doc="Hugging Face model folder (config.json, *.safetensors, tokenizer.json). "
-        "Relative: current directory first, then the repo root."
-    )
-    output_dir: str = option(doc="Checkpoints, metrics and logs are written here.")
-    seed: int = option(0, "Seed for data order, sampling and initialisation.")
-    target_tokens_per_batch: int = option(
-        4096,
-        "Token budget of one packed micro-batch (prompt + response tokens). The longest "
-        "possible sequence must fit.",
-        check=POSITIVE,
-    )
-    share_prompts: bool = option(
-        True,
-        "Pack the responses of a group after one copy of their shared prompt ([P R1 ... RG]) "
-        "in the reference and training forward passes; logprobs and gradients are the same "
-        "as with the prompt repeated, with fewer tokens to compute. false: one [P R] block "
-        "per sequence.",
-    )
-    resume_from_checkpoint: bool | str = option(
-        False,
-        "false: start fresh; true: resume from the latest checkpoint in output_dir; a path: "
-        "resume from that checkpoint.",
-    )
-    debug_logging_enabled: bool = option(False, "Log decoded sample prompts/responses every step.")
-    debug_num_samples_per_step: int = option(
-        1, "How many samples the debug log shows per step.", check=NON_NEGATIVE
-    )
-    eval_every_n_steps: int | None = option(
-        None, "Evaluate on eval_dataset every N training steps; null: never.", check=POSITIVE
-    )
-    eval_num_examples: int | None = option(
-        None, "Held-out examples per evaluation; null: all of eval_dataset.", check=POSITIVE
-    )
-    log_level: str = option(
-        "info",
-        "info: the terminal shows a progress bar and the results; each process's own output "
-        "(vLLM, Ray, W&B) goes to output_dir/logs/. debug (grpo run --verbose): all of it on "
-        "the terminal, with the grpo logger's debug messages.",
-        check=one_of(*LOG_LEVELS),
-    )
-    ray: RayConfig = section(RayConfig)
-    orchestration: OrchestrationConfig = section(OrchestrationConfig)
-    inference: InferenceConfig = section(InferenceConfig)
-    ref: RefConfig = section(RefConfig)
-    training: TrainingConfig = section(TrainingConfig)
-    weight_sync: WeightSyncConfig = section(WeightSyncConfig)
-    reward_functions: list[Any] = component_list(
-        "Reward functions; each scores every response, the rewards are summed."
-    )
-    dataset: dict[str, Any] = component(doc="Training prompts and answers.")
-    eval_dataset: dict[str, Any] | None = component(
-        None, "Evaluation prompts; null: no evaluation."
-    )
-    metric_logger: dict[str, Any] = component(
-        doc="Metric logger, run as a Ray actor: grpo.workers.metric_logger.MetricLogger "
-        "(JSONL, W&B, stdout) or your own class with its methods. log_dir and config default "
-        "to the run folder and the resolved config.",
-        kwargs={
-            "mode": keyword(
-                (str,),
-                "W&B mode: online, offline or disabled.",
-                one_of("online", "offline", "disabled"),
-            ),
-            "project": keyword((str,), "W&B project."),
-            "log_dir": keyword((str,), "Folder for local logs."),
-        },
-    )
+    base_model_path: str
+    """Hugging Face model folder (config.json, *.safetensors, tokenizer.json). Relative:
+    current directory first, then the repo root."""
+    output_dir: str
+    """Checkpoints, metrics and logs are written here."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    target_tokens_per_batch: int = Field(4096, ge=1)
+    """Token budget of one packed micro-batch (prompt + response tokens). The longest possible
+    sequence must fit."""
+    share_prompts: bool = True
+    """Pack the responses of a group after one copy of their shared prompt ([P R1 ... RG]) in
+    the reference and training forward passes; logprobs and gradients are the same as with
+    the prompt repeated, with fewer tokens to compute. false: one [P R] block per sequence."""
+    resume_from_checkpoint: bool | str = False
+    """false: start fresh; true: resume from the latest checkpoint in output_dir; a path:
+    resume from that checkpoint."""
+    debug_logging_enabled: bool = False
+    """Log decoded sample prompts/responses every step."""
+    debug_num_samples_per_step: int = Field(1, ge=0)
+    """How many samples the debug log shows per step."""
+    eval_every_n_steps: int | None = Field(None, ge=1)
+    """Evaluate on eval_dataset every N training steps; null: never."""
+    eval_num_examples: int | None = Field(None, ge=1)
+    """Held-out examples per evaluation; null: all of eval_dataset."""
+    log_level: LogLevel = "info"
+    """info: the terminal shows a progress bar and the results; each process's own output
+    (vLLM, Ray, W&B) goes to output_dir/logs/. debug (grpo run --verbose): all of it on the
+    terminal, with the grpo logger's debug messages."""
+    reward_timeout_s: float = Field(10.0, gt=0)
+    """Seconds one reward call may take before it scores 0 (math parsers can hang); for
+    training and held-out evaluation."""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    orchestration: OrchestrationConfig
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    reward_functions: ComponentList
+    """Reward functions; each scores every response, the rewards are summed."""
+    dataset: Component()
+    """Training prompts and answers."""
+    eval_dataset: Component() | None = None
+    """Evaluation prompts; null: no evaluation."""
+    metric_logger: Component(MetricLoggerArgs)
+    """Metric logger, run as a Ray actor: grpo.workers.metric_logger.MetricLogger (JSONL, W&B,
+    stdout) or your own class with its methods. log_dir and config default to the run folder
+    and the resolved config."""
 
     @staticmethod
     def relation_problems(values: dict, check_files: bool = True) -> list[str]:
@@ -153,6 +134,15 @@ class RunConfig(ConfigSection):
         if check_files:
             _check_files(values, problems)
         return problems
+
+
+def type_ok(value: Any, types: tuple[type, ...]) -> bool:
+    """Whether `value` is one of `types` (ints count as floats; bools never as numbers)."""
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True
+    return isinstance(value, types)
 
 
 def _get(values: dict, path: str, types: tuple[type, ...] = NUMBER) -> Any:
@@ -325,9 +315,49 @@ def _check_files(values: dict, problems: list[str]) -> None:
                     "Hugging Face model folder)"
                 )
             _check_model_config(folder, values, problems)
+    output_dir = values.get("output_dir")
+    if isinstance(output_dir, str) and output_dir:
+        problem = _unwritable(resolve_path(output_dir))
+        if problem:
+            problems.append(f"output_dir: {problem}")
     resume = values.get("resume_from_checkpoint")
-    if isinstance(resume, str) and resume and not resolve_path(resume).exists():
-        problems.append(f"resume_from_checkpoint: {resolve_path(resume)} does not exist")
+    if resume is True and isinstance(output_dir, str) and output_dir:
+        try:
+            find_checkpoint(resolve_path(output_dir), True)
+        except FileNotFoundError:
+            problems.append(
+                f"resume_from_checkpoint: true, but {resolve_path(output_dir)} holds no "
+                "checkpoint yet (no checkpoints/latest); start fresh with "
+                "resume_from_checkpoint=false, or give a checkpoint folder"
+            )
+    elif isinstance(resume, str) and resume:
+        path = resolve_path(resume)
+        if not path.exists():
+            problems.append(f"resume_from_checkpoint: {path} does not exist")
+        elif not (path / STATE_FILE).is_file():
+            problems.append(
+                f"resume_from_checkpoint: {path} is not a checkpoint folder (no {STATE_FILE})"
+            )
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why a run could not write into `folder` (created if absent), or None if it can.
+
+    Tries a file in the folder, or in its nearest existing parent, and removes it at once.
+    """
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder; the run folder {folder} cannot be made"
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".grpo-write-check-", dir=existing)
+    except OSError as exc:
+        where = "" if existing == folder else f" (its nearest existing parent {existing})"
+        return f"{folder} is not writable{where}: {exc.strerror or exc}"
+    os.close(handle)
+    os.unlink(probe)
+    return None
 
 
 def _check_model_config(folder: Path, values: dict, problems: list[str]) -> None:
@@ -340,10 +370,10 @@ def _check_model_config(folder: Path, values: dict, problems: list[str]) -> None
         problems.append(f"base_model_path: {config_path} is not valid JSON: {exc}")
         return
     model_type = model_config.get("model_type")
-    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type is not None and model_type not in MODEL_TYPES:
         problems.append(
             f"base_model_path: {config_path} has model_type {model_type!r}; supported model "
-            f"types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"types: {', '.join(MODEL_TYPES)}"
         )
     max_positions = model_config.get("max_position_embeddings")
     if not isinstance(max_positions, int) or isinstance(max_positions, bool):

@@ -1,26 +1,37 @@
-"""Check a config against the declared options and report every problem at once."""
+"""Check a config and report every problem at once, each as ``key: what is wrong``.
+
+One pass of pydantic over the declared sections (`grpo.config.sections`) checks types, ranges
+and choices and refuses unknown keys; the checks across keys and of the files a config names
+(`RunConfig.relation_problems`) and of its ``_component_`` nodes run beside it, so a config with
+several mistakes gets all of them in one message.
+"""
 
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from pydantic import BaseModel, ValidationError
 
 from grpo.config.errors import ConfigError, InstantiationError
 from grpo.config.instantiate import keyword_names, locate
-from grpo.config.loading import fill_defaults, suggest
-from grpo.config.options import (
-    REQUIRED,
-    UNRESOLVED,
-    Component,
-    ComponentList,
-    Field,
-    Section,
-    field_problem,
-    run_schema,
-)
+from grpo.config.keys import fill_defaults, siblings_at, suggest
+from grpo.config.run import MOVED_KEYS, REMOVED_KEYS, UNRESOLVED, RunConfig
+from grpo.config.schema import ComponentSpec, Section, component_spec, section_type
+from grpo.config.signatures import static_keyword_names
+
+_TYPE_NAMES = {
+    "int": "int",
+    "float": "number",
+    "bool": "bool",
+    "str": "string",
+    "dict": "mapping",
+    "list": "list",
+    "none": "null",
+}
 
 
 def validate_config(
@@ -28,134 +39,237 @@ def validate_config(
     *,
     check_files: bool = True,
     check_components: bool = True,
-) -> None:
-    """Check a config against the schema and report every problem at once.
+    import_components: bool = True,
+) -> RunConfig:
+    """Check a config and return it typed; report every problem at once.
 
-    Checks unknown keys (with did-you-mean), types, value ranges and enums, relations between
-    keys (token budget, divisibility, buffer size, Ray resources), the model folder, and that
-    every ``_component_`` imports and accepts its keyword arguments. Nothing is instantiated.
+    Checks unknown and moved keys (with did-you-mean), types, value ranges and choices,
+    relations between keys (token budget, divisibility, buffer size, Ray resources), the model
+    folder, and that every ``_component_`` imports and accepts its keyword arguments. Nothing is
+    instantiated.
 
     Args:
-        cfg (DictConfig | Mapping[str, Any]): The config, e.g. from `load_config`.
-        check_files (bool): Check the model folder and the resume checkpoint exist.
-        check_components (bool): Import every ``_component_`` and check its keyword arguments.
+        cfg (DictConfig | Mapping[str, Any]): The config, e.g. from `compose_config`.
+        check_files (bool): Check the model folder and the resume checkpoint.
+        check_components (bool): Check that every ``_component_`` exists and takes the keyword
+            arguments its node gives.
+        import_components (bool): Check by importing the components (exact; loads torch and
+            the like); False reads their source instead (`grpo.config.signatures`: fast, and
+            skips what the source does not tell).
+
+    Returns:
+        RunConfig: The typed config, interpolations resolved.
 
     Raises:
         ConfigError: Listing every problem, each as ``key: what is wrong``.
 
     Example:
-        >>> validate_config(load_config("tiny_arithmetic_cpu"))
+        >>> run = validate_config(compose_config("tiny_arithmetic_cpu"))
+        >>> run.inference.group_size
+        8
     """
     problems: list[str] = []
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=False)
     if not isinstance(cfg, Mapping):
         raise ConfigError(f"a config must be a mapping, got {type(cfg).__name__}")
-    # A copy with the schema defaults, as `load_config` would give it; the caller's is untouched.
-    cfg = OmegaConf.create(dict(cfg))
-    schema = run_schema()
-    fill_defaults(cfg, schema)
-    values = _resolve_all(cfg, "", problems)
-    # Imported here for the same reason as in `run_schema`.
-    from grpo.config.run import REMOVED_KEYS, RunConfig
+    # A copy with the declared defaults, as `compose_config` gives it; the caller's is untouched.
+    node = OmegaConf.create(dict(cfg))
+    fill_defaults(node)
+    unresolved: list[str] = []
+    values = _resolve_all(node, "", problems, unresolved)
 
     for key, instead in REMOVED_KEYS.items():
         if key in values:  # more useful than "unknown key" for a key that used to exist
             problems.append(f"{key}: no longer used; {instead}")
             del values[key]
-    _check_section(schema, values, "", problems, check_components)
+    for old, new in MOVED_KEYS.items():
+        section, _, key = old.rpartition(".")
+        parent = values.get(section) if section else values
+        if isinstance(parent, dict) and key in parent:
+            problems.append(f"{old}: moved to {new}")
+            del parent[key]
+
+    run = None
+    try:
+        run = RunConfig.model_validate(values)
+    except ValidationError as exc:
+        problems.extend(pydantic_problems(exc, RunConfig, skip=unresolved))
+    mode = ("import" if import_components else "source") if check_components else None
+    problems.extend(_component_problems(values, mode))
     problems.extend(RunConfig.relation_problems(values, check_files))
+    if check_files:
+        problems.extend(_dataset_problems(values))
     if problems:
         raise ConfigError(problems)
+    assert run is not None
+    return run
 
 
-def _resolve_all(node: Any, path: str, problems: list[str]) -> Any:
+def pydantic_problems(
+    error: ValidationError, model: type[BaseModel], prefix: str = "", skip: list[str] = ()
+) -> list[str]:
+    """Turn pydantic's errors into ``key: what is wrong`` lines, one per key.
+
+    Args:
+        error (ValidationError): From ``model.model_validate``.
+        model (type[BaseModel]): The model validated (to tell keys from union member tags).
+        prefix (str): Dotted path of the model in the whole config, with a trailing dot.
+        skip (list[str]): Keys whose value is already reported (failed interpolations).
+
+    Returns:
+        list[str]: The problems, in pydantic's order.
+    """
+    by_path: dict[str, list[tuple[dict, str | None]]] = {}
+    for item in error.errors(include_url=False):
+        path, member = _path_of(item["loc"], model, prefix)
+        if any(path == key or path.startswith(f"{key}.") for key in skip):
+            continue
+        by_path.setdefault(path, []).append((item, member))
+    problems = []
+    for path, items in by_path.items():
+        members = [member for _, member in items if member]
+        if len(members) > 1:  # every member of a union refused the value
+            names = " or ".join(_TYPE_NAMES.get(member, member) for member in members)
+            problems.append(f"{path}: expected {names}, got {items[0][0]['input']!r}")
+        else:
+            problems.append(f"{path}: {_message(items[0][0], path)}")
+    return problems
+
+
+def _path_of(loc: tuple, model: type[BaseModel], prefix: str) -> tuple[str, str | None]:
+    """Dotted path of an error location, and the union member it names, if any."""
+    path, member = prefix.rstrip("."), None
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(current, type) and issubclass(current, BaseModel):
+            path = f"{path}.{part}" if path else str(part)
+            info = current.model_fields.get(part)
+            current = section_type(info) if info is not None else None
+        else:  # below a plain field: a union member's tag (`bool`, `str`)
+            member = str(part)
+    return path, member
+
+
+def _message(item: dict, path: str) -> str:
+    kind, value, ctx = item["type"], item.get("input"), item.get("ctx") or {}
+    if kind == "missing":
+        return "required key is missing"
+    if kind == "extra_forbidden":
+        prefix, _, key = path.rpartition(".")
+        parts = prefix.split(".") if prefix else []
+        return "unknown key" + suggest(f"{prefix}." if prefix else "", key, siblings_at(parts))
+    if kind == "literal_error":
+        choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"must be one of {', '.join(choices)}; got {value!r}{hint}"
+    for bound, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if bound in ctx and kind.startswith(("greater", "less")):
+            limit = ctx[bound]
+            if isinstance(limit, float) and limit.is_integer():
+                limit = int(limit)
+            return f"must be {sign} {limit}, got {value!r}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"expected a mapping, got {value!r}"
+    if kind.endswith(("_type", "_parsing")) and kind.split("_")[0] in _TYPE_NAMES:
+        return f"expected {_TYPE_NAMES[kind.split('_')[0]]}, got {value!r}"
+    if kind == "value_error":
+        return str(ctx.get("error", item["msg"]))
+    return item["msg"]
+
+
+def _resolve_all(node: Any, path: str, problems: list[str], unresolved: list[str]) -> Any:
     """Plain Python copy of `node` with interpolations resolved; failures become UNRESOLVED."""
+    if isinstance(node, (DictConfig, ListConfig)) and node._is_none():
+        return None
     if isinstance(node, DictConfig):
-        if node._is_none():
-            return None
-        out = {}
-        for key in node.keys():
-            full = f"{path}.{key}" if path else str(key)
-            try:
-                child = node[key]
-            except Exception as exc:  # interpolation or missing-value errors of OmegaConf
-                problems.append(f"{full}: {str(exc).splitlines()[0]}")
-                out[key] = UNRESOLVED
-                continue
-            out[key] = _resolve_all(child, full, problems)
-        return out
-    if isinstance(node, ListConfig):
-        if node._is_none():
-            return None
-        out_list = []
-        for index in range(len(node)):
-            full = f"{path}[{index}]"
-            try:
-                child = node[index]
-            except Exception as exc:
-                problems.append(f"{full}: {str(exc).splitlines()[0]}")
-                out_list.append(UNRESOLVED)
-                continue
-            out_list.append(_resolve_all(child, full, problems))
-        return out_list
-    return node
+        items = [(key, f"{path}.{key}" if path else str(key)) for key in node.keys()]
+    elif isinstance(node, ListConfig):
+        items = [(index, f"{path}[{index}]") for index in range(len(node))]
+    else:
+        return node
+    out: dict | list = {} if isinstance(node, DictConfig) else []
+    for key, full in items:
+        try:
+            child = _resolve_all(node[key], full, problems, unresolved)
+        except Exception as exc:  # interpolation or missing-value errors of OmegaConf
+            problems.append(f"{full}: {str(exc).splitlines()[0]}")
+            unresolved.append(full)
+            child = UNRESOLVED
+        if isinstance(out, dict):
+            out[key] = child
+        else:
+            out.append(child)
+    return out
 
 
-def _check_field(path: str, spec: Field, value: Any, problems: list[str]) -> None:
-    if value is UNRESOLVED:
-        return
-    problem = field_problem(spec, value)
-    if problem:
-        problems.append(f"{path}: {problem}")
+def _dataset_problems(values: dict) -> list[str]:
+    """What the dataset nodes' files say: missing files and columns, template mismatches."""
+    # The checks of a source's files live beside the loaders that read them; they import
+    # neither torch nor the hub.
+    from grpo.data.preflight import dataset_problems
+
+    problems = []
+    model_path = values.get("base_model_path")
+    for key in ("dataset", "eval_dataset"):
+        node = values.get(key)
+        if isinstance(node, dict) and isinstance(node.get("_component_"), str):
+            unresolved = any(value is UNRESOLVED for value in node.values())
+            if not unresolved:
+                problems.extend(
+                    dataset_problems(key, node, model_path if isinstance(model_path, str) else None)
+                )
+    return problems
 
 
-def _check_section(
-    section: Section, values: dict, prefix: str, problems: list[str], check_components: bool
-) -> None:
-    for key in values:
-        if key not in section.fields:
-            hint = suggest(prefix, str(key), list(section.fields))
-            problems.append(f"{prefix}{key}: unknown key{hint}")
-    for key, spec in section.fields.items():
-        path = prefix + key
-        if key not in values:
-            if not isinstance(spec, Section) and spec.default is REQUIRED:
-                problems.append(f"{path}: required key is missing")
-            elif isinstance(spec, Section):
-                _check_section(spec, {}, f"{path}.", problems, check_components)
+# --------------------------------------------------------------------------------------------
+# _component_ nodes
+# --------------------------------------------------------------------------------------------
+
+
+def _component_nodes(values: dict, model: type[Section], prefix: str = ""):
+    """(path, node, spec) of every component node the config sets, sections included."""
+    for key, info in model.model_fields.items():
+        value = values.get(key) if isinstance(values, dict) else None
+        nested = section_type(info)
+        if nested is not None:
+            yield from _component_nodes(value or {}, nested, f"{prefix}{key}.")
             continue
-        value = values[key]
-        if value is UNRESOLVED:
+        spec = component_spec(info)
+        if spec is None or value is None or value is UNRESOLVED:
             continue
-        if isinstance(spec, Section):
-            if not isinstance(value, dict):
-                problems.append(f"{path}: expected a mapping, got {value!r}")
-            else:
-                _check_section(spec, value, f"{path}.", problems, check_components)
-        elif isinstance(spec, Field):
-            _check_field(path, spec, value, problems)
-        elif isinstance(spec, Component):
-            if value is None:
-                if spec.default is REQUIRED:
-                    problems.append(f"{path}: required component is null")
-            else:
-                _check_component(path, value, spec.kwargs, problems, check_components)
-        elif isinstance(spec, ComponentList):
-            if not isinstance(value, list) or not value:
-                problems.append(f"{path}: expected a non-empty list of _component_ nodes")
-            else:
-                for index, item in enumerate(value):
-                    _check_component(f"{path}[{index}]", item, {}, problems, check_components)
+        if spec.many:
+            for index, item in enumerate(value if isinstance(value, list) else []):
+                yield f"{prefix}{key}[{index}]", item, ComponentSpec()
+        else:
+            yield f"{prefix}{key}", value, spec
 
 
-def _check_component(
-    path: str,
-    node: Any,
-    kwarg_specs: Mapping[str, Field],
-    problems: list[str],
-    check_components: bool,
-) -> None:
+def _component_problems(values: dict, mode: str | None) -> list[str]:
+    problems: list[str] = []
+    for path, node, spec in _component_nodes(values, RunConfig):
+        if not isinstance(node, dict) or not isinstance(node.get("_component_"), str):
+            continue  # reported by the section checks
+        if spec.args is not None:
+            documented = {
+                key: node[key]
+                for key in spec.args.model_fields
+                if key in node and node[key] is not UNRESOLVED
+            }
+            try:
+                spec.args.model_validate(documented)
+            except ValidationError as exc:
+                problems.extend(pydantic_problems(exc, spec.args, prefix=f"{path}."))
+        _check_component(path, node, problems, mode)
+    return problems
+
+
+def _check_component(path: str, node: Any, problems: list[str], mode: str | None) -> None:
+    """Check a node's path and keywords: by importing it (`mode` "import"), from its source
+    ("source"), or only its shape (None)."""
     if node is UNRESOLVED:
         return
     if not isinstance(node, dict) or "_component_" not in node:
@@ -168,16 +282,14 @@ def _check_component(
     if not isinstance(target, str) or not target:
         problems.append(f"{path}._component_: expected a dotted import path, got {target!r}")
         return
-    for key, spec in kwarg_specs.items():
-        if key in node:
-            _check_field(f"{path}.{key}", spec, node[key], problems)
-    if check_components:
+    if mode is not None:
         try:
-            component = locate(target)
+            accepted = (
+                keyword_names(locate(target)) if mode == "import" else static_keyword_names(target)
+            )
         except InstantiationError as exc:
             problems.append(f"{path}._component_: {exc}")
         else:
-            accepted = keyword_names(component)
             if accepted is not None:
                 for key in node:
                     if key != "_component_" and key not in accepted:
@@ -190,4 +302,4 @@ def _check_component(
         for index, item in enumerate(items):
             if isinstance(item, dict) and "_component_" in item:
                 suffix = f"[{index}]" if isinstance(value, list) else ""
-                _check_component(f"{path}.{key}{suffix}", item, {}, problems, check_components)
+                _check_component(f"{path}.{key}{suffix}", item, problems, mode)

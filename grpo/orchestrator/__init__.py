@@ -12,7 +12,7 @@ nothing lost. The parts, none of which knows the orchestrator:
   ids, what the buffer holds until sampled), with its own ``state_dict()``.
 - `weight_sync`: `WeightSync`, driver side: gather from the trainers, send to the
   collectors (over a channel per collector, or the object store), verify, and the payload a
-  replacement collector needs; `WeightSyncConfig` (``weight_sync:``).
+  replacement collector needs.
 - `checkpointer`: `Checkpointer` composes the parts' ``state_dict()``s into one atomic
   checkpoint and restores them; `find_checkpoint`.
 - `state`: `RunState` (step, policy version: tracked only there) and the kinds of call.
@@ -21,7 +21,9 @@ nothing lost. The parts, none of which knows the orchestrator:
 - `metrics`: `RunLedger` (scored/trained ids on disk), `step_metrics`, `debug_tables`,
   `GroupCounts` (groups scored and dropped per step, and the no-informative-group guard).
 - `errors`: `ActorFailedError`, `TrainingDivergedError`, `NoInformativeGroupsError`.
-- `config`: `RayConfig` and `OrchestrationConfig`, the driver's sections of a run config.
+
+The driver reads the typed `grpo.config.RunConfig`; its own sections are ``ray:``,
+``orchestration:``, ``checkpoint:`` and ``weight_sync:`` (`grpo.config.sections`).
 """
 
 from grpo.orchestrator.checkpointer import Checkpointer, find_checkpoint
@@ -34,7 +36,7 @@ from grpo.orchestrator.ledger import InFlightLedger, ScoredBatch
 from grpo.orchestrator.loop import Orchestrator
 from grpo.orchestrator.metrics import RunLedger, debug_tables, step_metrics
 from grpo.orchestrator.state import RunState
-from grpo.orchestrator.supervisor import ActorSupervisor, Recovery, Role, init_ray, to_container
+from grpo.orchestrator.supervisor import ActorSupervisor, Recovery, Role, init_ray
 from grpo.orchestrator.weight_sync import WeightSync
 
 __all__ = [
@@ -55,5 +57,4 @@ __all__ = [
     "find_checkpoint",
     "init_ray",
     "step_metrics",
-    "to_container",
 ]

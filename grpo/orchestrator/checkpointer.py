@@ -27,6 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+# Where checkpoints live in a run folder is the config's to say (`grpo validate` checks a resume
+# target before anything starts); the checkpointer writes them there.
+from grpo.config.paths import CHECKPOINTS_DIR, LATEST_FILE, find_checkpoint, latest_checkpoint_text
+
+__all__ = ["Checkpointer", "Stateful", "find_checkpoint", "latest_checkpoint_text"]
+
 
 class Stateful(Protocol):
     """A part of the run that can save and restore itself."""
@@ -34,36 +40,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def find_checkpoint(run_dir: Path, resume: bool | str) -> Path | None:
-    """The checkpoint to resume from: ``true`` means the latest in ``run_dir``.
-
-    Raises:
-        FileNotFoundError: If ``resume`` is true and ``run_dir`` has no checkpoint.
-    """
-    if resume is False or resume is None:
-        return None
-    if resume is True:
-        latest = run_dir / "checkpoints" / "latest"
-        if not latest.is_file():
-            raise FileNotFoundError(
-                f"resume_from_checkpoint=true but {latest} does not exist (no checkpoint saved "
-                "in this output_dir yet)"
-            )
-        return run_dir / "checkpoints" / latest.read_text().strip()
-    path = Path(resume)
-    if not (path / "state.json").is_file():
-        raise FileNotFoundError(f"resume_from_checkpoint: {path} is not a checkpoint folder")
-    return path
-
-
-def latest_checkpoint_text(run_dir: Path) -> str:
-    """Where to resume from, for error messages: the latest checkpoint, or the start."""
-    latest = run_dir / "checkpoints" / "latest"
-    if latest.is_file():
-        return str(run_dir / "checkpoints" / latest.read_text().strip())
-    return "the start (no checkpoint saved yet)"
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -92,7 +68,7 @@ class Checkpointer:
         pipeline: list[Stateful],
         save_model: Callable[[Path], None],
     ) -> None:
-        self.folder = Path(run_dir) / "checkpoints"
+        self.folder = Path(run_dir) / CHECKPOINTS_DIR
         self.run_state = run_state
         self.pipeline = pipeline
         self.save_model = save_model
@@ -125,7 +101,7 @@ class Checkpointer:
         os.replace(tmp, final)
         latest_tmp = self.folder / ".latest.tmp"
         latest_tmp.write_text(final.name)
-        os.replace(latest_tmp, self.folder / "latest")
+        os.replace(latest_tmp, self.folder / LATEST_FILE)
         return final
 
     def load(self, checkpoint_dir: Path) -> None:

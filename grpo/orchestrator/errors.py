@@ -11,5 +11,5 @@ class TrainingDivergedError(RuntimeError):
 
 
 class NoInformativeGroupsError(RuntimeError):
-    """With ``training.filter_zero_variance_groups``, every group for too long had equal
+    """With ``ref.filter_zero_variance_groups``, every group for too long had equal
     rewards, so no training batch could be filled."""

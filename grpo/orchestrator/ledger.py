@@ -8,7 +8,7 @@ it is sampled. With them a dead reference actor's or buffer's work is redone and
 lost. It also remembers every group id it has seen, so the groups a replaced collector
 generates again are skipped, not trained twice.
 
-Groups a reference actor dropped for equal rewards (``training.filter_zero_variance_groups``)
+Groups a reference actor dropped for equal rewards (``ref.filter_zero_variance_groups``)
 never come back from it: the ledger only remembers their ids as seen, so nothing waits for
 them and a checkpoint holds none of them.
 

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from omegaconf import DictConfig
 from ray.exceptions import RayActorError, RayTaskError
 
+from grpo.config import RunConfig
 from grpo.metric_names import ratio_metrics
 from grpo.orchestrator.checkpointer import Checkpointer
 from grpo.orchestrator.errors import ActorFailedError, TrainingDivergedError
@@ -41,9 +41,8 @@ from grpo.orchestrator.supervisor import (
     Recovery,
     Role,
     actor_name,
-    to_container,
 )
-from grpo.orchestrator.weight_sync import WeightSync, WeightSyncConfig
+from grpo.orchestrator.weight_sync import WeightSync
 
 log = logging.getLogger("grpo")
 
@@ -58,7 +57,7 @@ class Orchestrator:
     """Wires the parts of a run and drives its actors until the last training step.
 
     Args:
-        cfg (DictConfig): The validated run config.
+        cfg (RunConfig): The run config.
         run_dir (Path): Folder for logs and checkpoints.
         tokenizer: Decodes debug tables (optional).
         dataset: The training dataset, built once by the recipe; None builds it from
@@ -66,7 +65,7 @@ class Orchestrator:
     """
 
     def __init__(
-        self, cfg: DictConfig, run_dir: Path, tokenizer: Any = None, dataset: Any = None
+        self, cfg: RunConfig, run_dir: Path, tokenizer: Any = None, dataset: Any = None
     ) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -84,7 +83,7 @@ class Orchestrator:
         self.weights = WeightSync(
             self.actors.get_all,
             wait_for_receipt=cfg.orchestration.synchronous,
-            config=WeightSyncConfig.from_mapping(to_container(cfg.weight_sync)),
+            config=cfg.weight_sync,
         )
         self.checkpointer = Checkpointer(
             self.run_dir, self.state, [self.actors, self.inflight], self._save_trainers
@@ -117,9 +116,9 @@ class Orchestrator:
         # during the current step (they run beside training, so they overlap its wall time).
         self._busy = {"generation": 0.0, "scoring": 0.0}
         # Groups scored and dropped for equal rewards per step, and the guard that stops a
-        # run whose groups all have equal rewards (training.filter_zero_variance_groups).
+        # run whose groups all have equal rewards (ref.filter_zero_variance_groups).
         self.group_counts = GroupCounts(
-            cfg.training.filter_zero_variance_groups,
+            cfg.ref.filter_zero_variance_groups,
             cfg.orchestration.stall_timeout_s,
         )
 
@@ -363,9 +362,9 @@ class Orchestrator:
             ActorFailedError: An actor raised, a trainer died, or an actor died more often
                 than ``max_actor_restarts`` (then after saving a checkpoint); its name is in
                 the message.
-            TrainingDivergedError: ``training.max_nonfinite_steps_in_a_row`` steps in a row
+            TrainingDivergedError: ``orchestration.max_nonfinite_steps_in_a_row`` steps in a row
                 were skipped for a non-finite loss (after saving a checkpoint).
-            NoInformativeGroupsError: With ``training.filter_zero_variance_groups``, every
+            NoInformativeGroupsError: With ``ref.filter_zero_variance_groups``, every
                 group had equal rewards for ``orchestration.stall_timeout_s`` of waiting.
         """
         cfg = self.cfg
@@ -385,13 +384,13 @@ class Orchestrator:
                 break  # stop requested while waiting
             metrics = self._train(batch_ref, summary, waited)
             self._after_train_step(
-                metrics, batch_ref, summary, cfg.training.steps_before_weight_sync, step_start
+                metrics, batch_ref, summary, cfg.weight_sync.every_n_steps, step_start
             )
             step = self.state.step
             if evaluate is not None and eval_every and step % eval_every == 0:
                 self.state.eval_history.append((step, evaluate(step)))
             self._stop_if_failing(metrics)
-            save_every = cfg.training.save_every_n_steps
+            save_every = cfg.checkpoint.save_every_n_steps
             if save_every and step % save_every == 0:
                 self.save_checkpoint()
             if on_step is not None:
@@ -407,15 +406,14 @@ class Orchestrator:
         if self.actors.gave_up is not None:
             self.save_checkpoint()
             raise self.actors.gave_up
-        training = self.cfg.training
+        limit = self.cfg.orchestration.max_nonfinite_steps_in_a_row
         in_a_row = int(metrics.get("train_actor_training/nonfinite_steps_in_a_row", 0))
-        if in_a_row >= training.max_nonfinite_steps_in_a_row:
+        if in_a_row >= limit:
             saved = self.save_checkpoint()
             raise TrainingDivergedError(
                 f"{in_a_row} training steps in a row (up to step {self.state.step}) had a "
                 "non-finite loss or gradient norm and were skipped "
-                f"(training.max_nonfinite_steps_in_a_row="
-                f"{training.max_nonfinite_steps_in_a_row}); saved {saved}. Lower "
+                f"(orchestration.max_nonfinite_steps_in_a_row={limit}); saved {saved}. Lower "
                 "training.optimizer.lr or check the rewards and the data."
             )
 
@@ -460,7 +458,7 @@ class Orchestrator:
         """Generate with the current weights and score everything, then sample a batch.
 
         One generation round per collector at a time, as many rounds as it takes: with
-        ``training.filter_zero_variance_groups`` a round may leave fewer trajectories than a
+        ``ref.filter_zero_variance_groups`` a round may leave fewer trajectories than a
         batch needs (or none), and the next round makes up for it. `GroupCounts.check` stops
         a run whose rounds keep yielding only groups with equal rewards.
         """

@@ -153,7 +153,7 @@ class GroupCounts:
 
     The driver reports each reference call's groups (`scored`). `step_metrics` returns the
     counts since the previous step and starts counting afresh, so the sum over steps is every
-    group scored. With ``filtering`` (``training.filter_zero_variance_groups``), groups with
+    group scored. With ``filtering`` (``ref.filter_zero_variance_groups``), groups with
     equal rewards are dropped before the buffer and the run keeps generating until a batch is
     full; if every group keeps having equal rewards, no batch ever fills. `check` turns that
     into an error instead of a silent hang: it raises once groups have come back
@@ -163,7 +163,7 @@ class GroupCounts:
     dropped group just costs a generation), so the warning is about time, not a count.
 
     Args:
-        filtering (bool): ``training.filter_zero_variance_groups``.
+        filtering (bool): ``ref.filter_zero_variance_groups``.
         timeout_s (float): ``orchestration.stall_timeout_s``.
     """
 
@@ -217,7 +217,7 @@ class GroupCounts:
             self._warned = True
             log.warning(
                 "no group with differing rewards for %.0f s of waiting: the last %d groups all "
-                "had equal rewards and were dropped (training.filter_zero_variance_groups=true); "
+                "had equal rewards and were dropped (ref.filter_zero_variance_groups=true); "
                 "generating more. The run stops after orchestration.stall_timeout_s (%g s).",
                 waited,
                 self.dropped_in_a_row,
@@ -227,10 +227,10 @@ class GroupCounts:
             raise NoInformativeGroupsError(
                 f"no training batch for {waited:.0f} s: every group had equal rewards "
                 f"({self.dropped_in_a_row} groups in a row), and "
-                "training.filter_zero_variance_groups=true drops such groups "
+                "ref.filter_zero_variance_groups=true drops such groups "
                 f"(orchestration.stall_timeout_s={self.timeout_s:g}). Check that the reward "
                 "functions can tell this model's answers apart, raise inference.temperature or "
-                "inference.group_size, or set training.filter_zero_variance_groups=false."
+                "inference.group_size, or set ref.filter_zero_variance_groups=false."
             )
 
     def step_metrics(self) -> dict[str, float]:

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from omegaconf import DictConfig, OmegaConf
 from ray.exceptions import RayActorError, RayTaskError
 
-from grpo.config import InstantiationError, locate
+from grpo.config import InstantiationError, RunConfig, locate
 from grpo.config.instantiate import keyword_names
 from grpo.logs import actor_log_path, is_verbose, logs_dir, with_output_to
 from grpo.orchestrator.checkpointer import latest_checkpoint_text
@@ -37,14 +36,7 @@ log = logging.getLogger("grpo")
 DEFAULT_METRIC_LOGGER = "grpo.workers.metric_logger.MetricLogger"
 
 
-def to_container(node: Any) -> Any:
-    """Plain Python containers from an OmegaConf node (interpolations resolved)."""
-    if isinstance(node, DictConfig) or OmegaConf.is_config(node):
-        return OmegaConf.to_container(node, resolve=True)
-    return node
-
-
-def init_ray(cfg: DictConfig) -> None:
+def init_ray(cfg: RunConfig) -> None:
     """Start a local Ray cluster, or join one when ``ray.address`` is set.
 
     Unless ``log_level`` is debug, Ray does not forward the actors' output to this process
@@ -53,9 +45,7 @@ def init_ray(cfg: DictConfig) -> None:
     """
     if ray.is_initialized():
         return
-    ray_cfg = cfg.get("ray") or {}
-    address = ray_cfg.get("address")
-    verbose = is_verbose(cfg)
+    verbose = is_verbose(cfg.log_level)
     kwargs: dict[str, Any] = {
         "include_dashboard": False,
         "log_to_driver": verbose,
@@ -65,13 +55,13 @@ def init_ray(cfg: DictConfig) -> None:
         # configure_logging=False leaves the "ray" logger with no handler; propagating, its
         # records reach the root logger's handlers (Python's last resort prints warnings).
         logging.getLogger("ray").propagate = True
-    if address:
-        kwargs["address"] = address
+    if cfg.ray.address:
+        kwargs["address"] = cfg.ray.address
     else:
-        if ray_cfg.get("num_cpus") is not None:
-            kwargs["num_cpus"] = ray_cfg["num_cpus"]
-        if ray_cfg.get("num_gpus") is not None:
-            kwargs["num_gpus"] = ray_cfg["num_gpus"]
+        if cfg.ray.num_cpus is not None:
+            kwargs["num_cpus"] = cfg.ray.num_cpus
+        if cfg.ray.num_gpus is not None:
+            kwargs["num_gpus"] = cfg.ray.num_gpus
     ray.init(**kwargs)
 
 
@@ -119,7 +109,7 @@ class ActorSupervisor:
     """Starts, names, replaces and ends the actors of one run.
 
     Args:
-        cfg (DictConfig): The validated run config.
+        cfg (RunConfig): The run config.
         run_dir (Path): The run folder (logs; errors name its latest checkpoint).
         log_metrics (Callable): ``log_metrics(metrics, step)``, for the ``faults/*`` metrics.
         current_step (Callable[[], int]): The training step now (recoveries record it).
@@ -133,7 +123,7 @@ class ActorSupervisor:
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: RunConfig,
         run_dir: Path,
         log_metrics: Callable[[dict[str, float], int], None],
         current_step: Callable[[], int],
@@ -143,11 +133,11 @@ class ActorSupervisor:
         self.run_dir = Path(run_dir)
         self.log_metrics = log_metrics
         self.current_step = current_step
-        self.dataset = ray.put(dataset) if dataset is not None else to_container(cfg.dataset)
+        self.dataset = ray.put(dataset) if dataset is not None else cfg.dataset
         self.max_actor_restarts = cfg.orchestration.max_actor_restarts
         # Unless log_level is debug, each actor's process writes to its own file in
         # <run_dir>/logs (grpo.logs) and Ray forwards nothing to the terminal.
-        self.log_files = not is_verbose(cfg)
+        self.log_files = not is_verbose(cfg.log_level)
         self.on_replaced: dict[Role, Callable[[int, Any], None]] = {}
         self.collectors: list[Any] = []
         self.ref_actors: list[Any] = []
@@ -208,7 +198,7 @@ class ActorSupervisor:
             InstantiationError: If ``_component_`` does not import or is not a class (the
                 logger is a Ray actor, so it must be one).
         """
-        node = to_container(self.cfg.get("metric_logger")) or {}
+        node = dict(self.cfg.metric_logger)
         target = node.pop("_component_", DEFAULT_METRIC_LOGGER)
         try:
             logger_cls = locate(target)
@@ -220,7 +210,7 @@ class ActorSupervisor:
                 "as a Ray actor, so name a class with MetricLogger's methods"
             )
         accepted = keyword_names(logger_cls)  # None: it takes **kwargs
-        defaults = {"log_dir": str(self.run_dir), "config": to_container(self.cfg)}
+        defaults = {"log_dir": str(self.run_dir), "config": self.cfg.model_dump()}
         for name, value in defaults.items():
             if accepted is None or name in accepted:
                 node.setdefault(name, value)
@@ -245,7 +235,7 @@ class ActorSupervisor:
         return self.replay_buffer
 
     def start_trainers(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> list[Any]:
-        from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
+        from grpo.workers.trainer import PyTorchActorModel
 
         cfg, training = self.cfg, self.cfg.training
         world_size = cfg.orchestration.num_training_workers
@@ -265,7 +255,7 @@ class ActorSupervisor:
                 target_tokens_per_batch=cfg.target_tokens_per_batch,
                 share_prompts=cfg.share_prompts,
                 pad_token_id=pad_token_id,
-                config=TrainingConfig.from_mapping(to_container(training)),
+                config=training,
                 seed=cfg.seed,
             )
             for rank in range(world_size)
@@ -280,18 +270,18 @@ class ActorSupervisor:
         return self.trainers
 
     def _new_ref_actor(self, index: int) -> Any:
-        from grpo.workers.ref import RefActor, RefConfig
+        from grpo.workers.ref import RefActor
 
         cfg = self.cfg
         ref_cfg = cfg.ref
         actor_cls = self._actor_class(RefActor, actor_name(Role.REF, index))
         return ray.remote(**_resources(ref_cfg))(actor_cls).remote(
             model_dir=cfg.base_model_path,
-            reward_functions=to_container(cfg.reward_functions),
+            reward_functions=cfg.reward_functions,
             target_tokens_per_batch=cfg.target_tokens_per_batch,
             share_prompts=cfg.share_prompts,
-            config=RefConfig.from_mapping(to_container(ref_cfg)),
-            filter_zero_variance_groups=cfg.training.filter_zero_variance_groups,
+            config=ref_cfg,
+            reward_timeout_s=cfg.reward_timeout_s,
         )
 
     def start_ref_actors(self) -> list[Any]:
@@ -301,7 +291,7 @@ class ActorSupervisor:
         return self.ref_actors
 
     def _new_collector(self, worker_id: int) -> Any:
-        from grpo.workers.collector import InferenceConfig, SyncLLMCollector
+        from grpo.workers.collector import SyncLLMCollector
 
         cfg, inference = self.cfg, self.cfg.inference
         # Threaded actor (max_concurrency 4): evaluate and receive_weights must get through
@@ -314,7 +304,7 @@ class ActorSupervisor:
             model_dir=self.collector_model_dir,
             dataset=self.dataset,
             rollout_queue=self.rollout_queue,
-            config=InferenceConfig.from_mapping(to_container(inference)),
+            config=inference,
             seed=cfg.seed,
             weight_transport=cfg.weight_sync.transport,
         )

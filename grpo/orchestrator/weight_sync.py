@@ -21,13 +21,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from grpo.config.options import ConfigSection, greater_than, one_of, option
+from grpo.config.sections import WeightSyncConfig
 from grpo.orchestrator.errors import ActorFailedError
 
 log = logging.getLogger("grpo")
@@ -37,43 +36,6 @@ log = logging.getLogger("grpo")
 # Transfers to different collectors may overlap; the driver keeps one per channel at a time.
 CHANNEL_GROUP = "weight_channel"
 TRAINER_CONCURRENCY_GROUPS = {CHANNEL_GROUP: 8}
-
-
-@dataclass(kw_only=True)
-class WeightSyncConfig(ConfigSection):
-    """Weight sync (trainer to collectors).
-
-    The ``weight_sync:`` section of a run config; the README's config reference is made from
-    these declarations.
-    """
-
-    transport: str = option(
-        "collective",
-        "collective: trainer rank 0 broadcasts the weights to each collector over its own "
-        "two-rank process group (gloo on CPU, NCCL on GPU); object_store: through Ray's "
-        "object store.",
-        check=one_of("collective", "object_store"),
-    )
-    # 32 MiB on purpose: on CPU, glibc reuses freed blocks up to its 32 MiB mmap threshold,
-    # while each bigger bucket is a fresh mapping paid in page faults on both ends
-    # (scripts/bench_weight_sync.py: 256 MiB of fp32 in 0.28 s with 256 MiB buckets, 0.11 s
-    # with 32 MiB ones). A tensor bigger than a bucket is sent alone.
-    bucket_mb: float = option(
-        32.0,
-        "collective: tensors are sent in flat buckets of about this many MiB (a bigger "
-        "tensor alone).",
-        check=greater_than(0),
-    )
-    timeout_s: float = option(
-        120.0,
-        "collective: limit in seconds of a channel's rendezvous and of each bucket's "
-        "broadcast; a collector that does not keep up is treated as failed.",
-        check=greater_than(0),
-    )
-
-    @property
-    def bucket_bytes(self) -> int:
-        return max(1, int(self.bucket_mb * 2**20))
 
 
 class WeightSync:

@@ -40,7 +40,7 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
-def extract_answer(completion: str, allow_last_number: bool = True) -> str | None:
+def extract_answer(completion: str, allow_last_number: bool = False) -> str | None:
     """Find the final answer in a completion.
 
     Tries, in order: the last non-empty ``<answer>...</answer>``, the last ``\\boxed{...}``,
@@ -48,7 +48,8 @@ def extract_answer(completion: str, allow_last_number: bool = True) -> str | Non
 
     Args:
         completion (str): Model output.
-        allow_last_number (bool): Fall back to the last number in the text.
+        allow_last_number (bool): Fall back to the last number in the text (lenient: a
+            response with no answer format at all can then score).
 
     Returns:
         str | None: The candidate answer, stripped, or None if nothing was found.
@@ -117,7 +118,9 @@ class MathCorrectnessReward(RewardFunction):
     Args:
         partial_credit (float): Reward for a parsable but wrong answer.
         allow_last_number (bool): Fall back to the last number in the text when there is no
-            ``<answer>`` tag and no ``\\boxed{}``.
+            ``<answer>`` tag and no ``\\boxed{}``. Off by default: a reward that pays for a
+            number that merely happens to end an unformatted response teaches the policy to
+            drop the format (a reward hack); turn it on only for data without a format.
         name (str): Reward name.
         failure_reward (float): Reward on exception or timeout.
 
@@ -136,7 +139,7 @@ class MathCorrectnessReward(RewardFunction):
         self,
         *,
         partial_credit: float = 0.0,
-        allow_last_number: bool = True,
+        allow_last_number: bool = False,
         name: str | None = None,
         failure_reward: float = 0.0,
     ) -> None:

@@ -25,7 +25,7 @@ class NonFiniteLoss(GRPOWithChunkedOutputLoss):
 
     For tests of the non-finite guard (``training.loss._component_=grpo.testing.NonFiniteLoss``):
     the trainer must skip such steps, leave the weights alone and count them, and the run must
-    stop with a checkpoint after ``training.max_nonfinite_steps_in_a_row``.
+    stop with a checkpoint after ``orchestration.max_nonfinite_steps_in_a_row``.
     """
 
     def compute_loss_from_logprobs(self, *args: Any, **kwargs: Any) -> GRPOStats:
@@ -73,7 +73,7 @@ def response_logprobs_from_logits(
 # A random tiny model earns (almost) no reward: with dynamic sampling on (the demo config's
 # setting) every group would have equal rewards, be dropped, and no batch would ever fill.
 # Runs of random models therefore keep every group.
-RANDOM_MODEL_OVERRIDES = ("training.filter_zero_variance_groups=false",)
+RANDOM_MODEL_OVERRIDES = ("ref.filter_zero_variance_groups=false",)
 
 
 def start_tiny_run(

@@ -39,20 +39,11 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from grpo.config.options import (
-    NON_NEGATIVE,
-    POSITIVE,
-    ConfigSection,
-    at_least,
-    greater_than,
-    in_unit_interval,
-    option,
-)
+from grpo.config.sections import InferenceConfig
 from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
 from grpo.workers.weight_channel import (
     RECEIVER_RANK,
@@ -66,48 +57,6 @@ from grpo.workers.weight_sync import (
     WeightSyncError,
     WeightUpdate,
 )
-
-
-@dataclass(kw_only=True)
-class InferenceConfig(ConfigSection):
-    """Generation (vLLM collectors).
-
-    The ``inference:`` section of a run config; the README's config reference is made from
-    these declarations.
-    """
-
-    batch_size: int = option(
-        8, "Prompts per generation batch (each sampled group_size times).", check=POSITIVE
-    )
-    group_size: int = option(
-        8,
-        "Responses per prompt; advantages are normalised within a group, so at least 2.",
-        check=at_least(2),
-    )
-    max_prompt_tokens: int | None = option(
-        None,
-        "Longest prompt in tokens (longer ones are skipped); null: engine_args.max_model_len "
-        "(default: the model's max_position_embeddings) minus max_generated_tokens.",
-        check=POSITIVE,
-    )
-    max_generated_tokens: int = option(256, "Most tokens generated per response.", check=POSITIVE)
-    temperature: float = option(1.0, "Sampling temperature.", check=greater_than(0))
-    top_p: float = option(1.0, "Nucleus sampling mass.", check=in_unit_interval)
-    steps_before_weight_sync: int = option(
-        1, "Generation batches between checks for new weights.", check=POSITIVE
-    )
-    queue_maxsize: int = option(64, "Capacity of the rollout queue, in groups.", check=POSITIVE)
-    queue_put_timeout_s: float = option(
-        1.0, "Timeout in seconds of one put onto a full rollout queue.", check=greater_than(0)
-    )
-    engine_args: dict[str, Any] = option(
-        {},
-        "Keyword arguments passed through to vllm.LLM (enforce_eager, dtype, max_model_len, "
-        "gpu_memory_utilization, ...).",
-    )
-    num_gpus: float = option(0, "GPUs per collector actor.", check=NON_NEGATIVE)
-    num_cpus: float = option(1, "CPUs per collector actor.", check=NON_NEGATIVE)
-
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +104,7 @@ def _resolve_dataset(dataset: Any) -> Sequence[dict[str, Any]]:
     if isinstance(dataset, Mapping):
         from grpo.config import instantiate
 
-        return instantiate(dataset)
+        return instantiate(dataset, _key_="dataset")
     if dataset is None or not isinstance(dataset, Sequence):
         raise TypeError(
             "dataset must be a sequence of {'question', 'answer'} dicts (e.g. a PromptDataset) "
@@ -185,7 +134,7 @@ class SyncLLMCollector:
             raising ``queue.Full`` on timeout (``ray.util.queue.Queue``, ``queue.Queue``).
         config (InferenceConfig | None): The ``inference:`` options this actor uses
             (``group_size``, ``max_generated_tokens``, ``temperature``, ``top_p``,
-            ``max_prompt_tokens``, ``queue_put_timeout_s``, ``steps_before_weight_sync``,
+            ``max_prompt_tokens``, ``queue_put_timeout_s``, ``weight_check_every_n_batches``,
             ``engine_args``); None: their defaults. ``engine_args`` are merged over
             `CPU_ENGINE_DEFAULTS` (on CPU) and `ENGINE_DEFAULTS`; without ``max_model_len``
             it is ``max_prompt_tokens + max_generated_tokens`` when ``max_prompt_tokens`` is
@@ -255,7 +204,7 @@ class SyncLLMCollector:
         self.queue_put_timeout_s = float(config.queue_put_timeout_s)
         self.metric_logger = metric_logger
         self.verify_weights = verify_weights
-        self.steps_before_weight_sync = config.steps_before_weight_sync
+        self.weight_check_every_n_batches = config.weight_check_every_n_batches
 
         self.dataset = _resolve_dataset(dataset)
         self.template = None if template is None else resolve_template(template, "answer_only")
@@ -631,7 +580,7 @@ class SyncLLMCollector:
 
         weight_update_s = (
             self.apply_pending_weights()
-            if self.batch_counter % self.steps_before_weight_sync == 0
+            if self.batch_counter % self.weight_check_every_n_batches == 0
             else 0.0
         )
         prompts = self._next_prompts(num_prompts)

@@ -35,6 +35,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from grpo.choices import WANDB_MODES
 from grpo.metric_names import (
     GLOBAL_STEP,
     INFERENCE_STEP,
@@ -60,7 +61,6 @@ DEFAULT_STDOUT_KEYS: tuple[str, ...] = (
     "eval/accuracy",
 )
 
-_WANDB_MODES = ("online", "offline", "disabled")
 _TABLE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -69,8 +69,8 @@ def resolve_wandb_mode(mode: str) -> str:
     env_mode = os.environ.get("WANDB_MODE")
     if env_mode:
         mode = "offline" if env_mode == "dryrun" else env_mode
-    if mode not in _WANDB_MODES:
-        raise ValueError(f"W&B mode must be one of {_WANDB_MODES}, got {mode!r}")
+    if mode not in WANDB_MODES:
+        raise ValueError(f"W&B mode must be one of {WANDB_MODES}, got {mode!r}")
     return mode
 
 

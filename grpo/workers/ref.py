@@ -7,7 +7,7 @@ model once per pack, scores every sample with every reward function, and returns
 scored groups that come back (it hands them on to the replay buffer), so the actor holds no
 trajectory between calls and a crash loses nothing: its replacement scores the same groups.
 
-Dynamic sampling (``training.filter_zero_variance_groups``): a group whose rewards are all
+Dynamic sampling (``ref.filter_zero_variance_groups``): a group whose rewards are all
 equal is left out of what `score` returns, so it never reaches the buffer, and the driver
 keeps generating until the buffer has a full batch of informative groups. Such a group has
 all-zero advantages, so dropping it removes no policy-gradient term; what changes is the
@@ -18,22 +18,14 @@ the KL term (computed only on kept samples).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from grpo.advantages import group_advantages, zero_variance_groups
-from grpo.attention import MASK_KIND_CHOICES, resolve_mask_kind, use_packed_attention
+from grpo.attention import resolve_mask_kind, use_packed_attention
 from grpo.config import instantiate
-from grpo.config.options import (
-    DTYPE,
-    NON_NEGATIVE,
-    ConfigSection,
-    greater_than,
-    one_of,
-    option,
-)
+from grpo.config.sections import RefConfig
 from grpo.logprobs import model_response_logprobs
 from grpo.models import build_model, load_tokenizer, torch_dtype
 from grpo.packing import (
@@ -46,35 +38,6 @@ from grpo.rewards import batched_rewards
 from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory
 
 
-@dataclass(kw_only=True)
-class RefConfig(ConfigSection):
-    """Reference model and rewards.
-
-    The ``ref:`` section of a run config; the README's config reference is made from
-    these declarations.
-    """
-
-    num_gpus: float = option(0, "GPUs per reference actor.", check=NON_NEGATIVE)
-    num_cpus: float = option(1, "CPUs per reference actor.", check=NON_NEGATIVE)
-    reward_timeout_s: float = option(
-        10.0,
-        "Seconds one reward call may take before it scores 0 (math parsers can hang).",
-        check=greater_than(0),
-    )
-    reward_weights: list[float] | None = option(
-        None,
-        "Weight of each reward function in the total reward, in the order of "
-        "reward_functions; null: all 1.",
-    )
-    dtype: str = option("fp32", "Reference model dtype: fp32 or bf16.", check=DTYPE)
-    mask_kind: str = option(
-        "auto",
-        "Attention of reference packs: auto (flex on CUDA, varlen elsewhere), dense, varlen "
-        "(fastest on CPU) or flex (FlexAttention BlockMask; best on CUDA).",
-        check=one_of(*MASK_KIND_CHOICES),
-    )
-
-
 class RefActor:
     """Scores generated groups. Wrap with ``ray.remote`` to run it as an actor.
 
@@ -84,10 +47,11 @@ class RefActor:
         target_tokens_per_batch (int): Token budget of one reference forward.
         share_prompts (bool): Pack the responses of a prompt after one copy of it
             (`grpo.packing.pack_sequences`).
-        config (RefConfig | None): The ``ref:`` options (reward timeout and weights, dtype,
-            attention kind); None: their defaults.
-        filter_zero_variance_groups (bool): ``training.filter_zero_variance_groups``: leave
-            groups whose rewards are all equal out of what `score` returns.
+        config (RefConfig | None): The ``ref:`` options (dynamic sampling, reward weights,
+            dtype, attention kind); None: their defaults. With
+            ``filter_zero_variance_groups``, groups whose rewards are all equal are left out
+            of what `score` returns.
+        reward_timeout_s (float): Seconds one reward call may take before it scores 0.
     """
 
     def __init__(
@@ -98,7 +62,7 @@ class RefActor:
         target_tokens_per_batch: int,
         share_prompts: bool = True,
         config: RefConfig | None = None,
-        filter_zero_variance_groups: bool = False,
+        reward_timeout_s: float = 10.0,
     ) -> None:
         config = config or RefConfig()
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -112,13 +76,15 @@ class RefActor:
             parameter.requires_grad_(False)
         self.tokenizer = load_tokenizer(model_dir)
         self.reward_fns = [
-            instantiate(fn) if isinstance(fn, dict) or hasattr(fn, "keys") else fn
-            for fn in reward_functions
+            instantiate(fn, _key_=f"reward_functions[{index}]")
+            if isinstance(fn, dict) or hasattr(fn, "keys")
+            else fn
+            for index, fn in enumerate(reward_functions)
         ]
         self.reward_weights = config.reward_weights
-        self.reward_timeout_s = config.reward_timeout_s
+        self.reward_timeout_s = reward_timeout_s
         self.target_tokens_per_batch = target_tokens_per_batch
-        self.filter_zero_variance_groups = filter_zero_variance_groups
+        self.filter_zero_variance_groups = config.filter_zero_variance_groups
         self.share_prompts = share_prompts
         self.steps_run = 0
         self.reward_failures: dict[str, int] = {}

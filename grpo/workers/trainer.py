@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from grpo.attention import MASK_KIND_CHOICES, resolve_mask_kind, use_packed_attention
+from grpo.attention import resolve_mask_kind, use_packed_attention
 from grpo.config import instantiate
-from grpo.config.options import (
-    DTYPE,
-    NON_NEGATIVE,
-    NONE,
-    NUMBER,
-    POSITIVE,
-    ConfigSection,
-    component,
-    greater_than,
-    keyword,
-    one_of,
-    option,
-)
+from grpo.config.sections import TrainingConfig
 from grpo.logprobs import model_response_logprobs
 from grpo.models import (
     build_model,
@@ -69,113 +56,6 @@ from grpo.workers.weight_channel import (
     tensor_specs,
 )
 from grpo.workers.weight_sync import state_dict_checksum
-
-
-@dataclass(kw_only=True)
-class TrainingConfig(ConfigSection):
-    """Policy optimisation.
-
-    The ``training:`` section of a run config; the README's config reference is made from
-    these declarations.
-    """
-
-    batch_size: int = option(
-        64,
-        "Trajectories per optimizer step, split evenly over the training workers.",
-        check=POSITIVE,
-    )
-    ppo_epochs: int = option(1, "Passes over each sampled batch.", check=POSITIVE)
-    # Read by the reference actors, which score groups before the buffer: the trainer only
-    # ever sees the groups they keep.
-    filter_zero_variance_groups: bool = option(
-        False,
-        "Dynamic sampling: drop groups whose rewards are all equal (zero advantages) before "
-        "the replay buffer, and generate more until a batch of batch_size informative "
-        "trajectories is there (the extra generation shows in ref_actor_rewards/groups_scored).",
-    )
-    optimizer: dict[str, Any] = component(
-        {"_component_": "torch.optim.AdamW", "lr": 1e-6},
-        "Optimizer; the trainer passes the parameters positionally.",
-        kwargs={"lr": keyword(NUMBER, "Learning rate.", greater_than(0))},
-    )
-    lr_scheduler: dict[str, Any] | None = component(
-        None,
-        "Learning-rate schedule; the trainer passes the optimizer and num_training_steps "
-        "(num_steps x ppo_epochs). null: constant.",
-        kwargs={
-            "num_warmup_steps": keyword((int,), "Linear warm-up steps.", NON_NEGATIVE),
-            "num_cycles": keyword(
-                NUMBER, "Cosine cycles (0.5: decay to zero once).", greater_than(0)
-            ),
-        },
-    )
-    loss: dict[str, Any] = component(
-        {"_component_": "grpo.loss.GRPOWithChunkedOutputLoss"},
-        "GRPO loss on packed batches.",
-        kwargs={
-            "epsilon_low": keyword(NUMBER, "Lower clip: ratio >= 1 - epsilon_low.", NON_NEGATIVE),
-            "epsilon_high": keyword(NUMBER, "Upper clip: ratio <= 1 + epsilon_high.", NON_NEGATIVE),
-            "kl_coeff": keyword(
-                NUMBER, "Weight of the KL penalty to the reference model.", NON_NEGATIVE
-            ),
-            "kl_estimator": keyword(
-                (str,), "KL estimator: k1, k2 or k3.", one_of("k1", "k2", "k3")
-            ),
-            "aggregation": keyword(
-                (str,),
-                "token_mean, seq_mean_token_mean, or seq_mean_token_sum_norm (Dr. GRPO).",
-                one_of("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
-            ),
-            "tis_cap": keyword(
-                (*NUMBER, NONE),
-                "Truncated importance sampling of the vLLM/trainer mismatch: ratio against "
-                "the trainer's pre-update logprobs, each token's loss weighted by "
-                "min(exp(pi_old - behaviour), tis_cap). null: off.",
-                greater_than(0),
-            ),
-            "tis_level": keyword(
-                (str,),
-                "TIS weight per token, or per sequence (from its summed log-ratio).",
-                one_of("token", "sequence"),
-            ),
-            "ratio_level": keyword(
-                (str,),
-                "token (PPO/GRPO) or sequence (GSPO: length-normalised sequence ratio, clipped "
-                "per sequence; use tiny epsilons such as 3e-4 / 4e-4).",
-                one_of("token", "sequence"),
-            ),
-        },
-    )
-    clip_grad_norm: float | None = option(
-        1.0, "Clip the gradient norm to this; null: no clipping.", check=greater_than(0)
-    )
-    steps_before_weight_sync: int = option(
-        1, "Optimizer steps between pushes of new weights to collectors.", check=POSITIVE
-    )
-    max_nonfinite_steps_in_a_row: int = option(
-        3,
-        "A step whose loss or gradient norm is not finite is skipped (weights and optimizer "
-        "untouched) and counted; this many in a row stop the run with a checkpoint.",
-        check=POSITIVE,
-    )
-    save_every_n_steps: int | None = option(
-        None, "Checkpoint every N steps; null: only at the end.", check=POSITIVE
-    )
-    num_gpus: float = option(0, "GPUs per training actor.", check=NON_NEGATIVE)
-    num_cpus: float = option(1, "CPUs per training actor.", check=NON_NEGATIVE)
-    dtype: str = option("fp32", "Parameter dtype: fp32 or bf16.", check=DTYPE)
-    mask_kind: str = option(
-        "auto",
-        "Attention of packed micro-batches: auto (flex on CUDA, varlen elsewhere), dense (an [L, L] bool mask), varlen (one causal "
-        "SDPA per sequence; fastest on CPU) or flex (FlexAttention BlockMask, O(L) memory; "
-        "CUDA only for training).",
-        check=one_of(*MASK_KIND_CHOICES),
-    )
-    compile: bool = option(
-        False,
-        "torch.compile each decoder layer (inductor); the first step pays the compile time. "
-        "Varlen and flex attention run outside the compiled graphs.",
-    )
 
 
 class ResponseLogprobModel(nn.Module):
@@ -340,13 +220,16 @@ class PyTorchActorModel:
         self.policy.train()
 
         nodes = self._component_nodes
-        self.loss_fn = instantiate(nodes["loss"])
-        self.optimizer = instantiate(nodes["optimizer"], self.policy.parameters())
+        self.loss_fn = instantiate(nodes["loss"], _key_="training.loss")
+        self.optimizer = instantiate(
+            nodes["optimizer"], self.policy.parameters(), _key_="training.optimizer"
+        )
         self.lr_scheduler = (
             instantiate(
                 nodes["lr_scheduler"],
                 self.optimizer,
                 num_training_steps=self.num_steps * self.ppo_epochs,
+                _key_="training.lr_scheduler",
             )
             if nodes["lr_scheduler"]
             else None

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
+from grpo.choices import TRANSPORTS
+
 WORKER_EXTENSION_CLS = "grpo.workers.weight_sync.WeightSyncWorkerExtension"
-TRANSPORTS = ("collective", "object_store")
 
 
 class WeightSyncError(RuntimeError):

@@ -1,0 +1,49 @@
+"""Allowed values of the run config's enumerated options, each written once.
+
+The config sections (`grpo.config.sections`) type their options with these `Literal`s, and the
+components that take the same values (the loss, attention, the model builder, the weight
+transports) read their tuples from here, so a config that validates is a config the components
+accept. This module imports nothing but `typing`: compute modules and the light config package
+both import it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+DType = Literal["fp32", "bf16", "float32", "bfloat16"]
+"""Parameter dtypes of the reference and training models (``ref.dtype``, ``training.dtype``)."""
+
+MaskKind = Literal["auto", "dense", "varlen", "flex"]
+"""Attention of packed batches: auto (flex on CUDA, varlen elsewhere), dense, varlen, flex."""
+
+KLEstimator = Literal["k1", "k2", "k3"]
+"""Estimators of the KL divergence to the reference model."""
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+"""How per-token losses become the batch loss."""
+
+Level = Literal["token", "sequence"]
+"""Token- or sequence-level importance ratios and TIS weights."""
+
+WeightTransportKind = Literal["collective", "object_store"]
+"""How new weights travel from the trainer to the collectors."""
+
+LogLevel = Literal["info", "debug"]
+"""Terminal verbosity of ``grpo run``."""
+
+WandbMode = Literal["online", "offline", "disabled"]
+"""W&B modes."""
+
+ModelType = Literal["qwen2", "qwen3", "llama"]
+"""``model_type`` values of ``config.json`` that `grpo.models.build_model` builds."""
+
+DTYPE_CHOICES: tuple[str, ...] = get_args(DType)
+MASK_KIND_CHOICES: tuple[str, ...] = get_args(MaskKind)
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+LEVELS: tuple[str, ...] = get_args(Level)
+TRANSPORTS: tuple[str, ...] = get_args(WeightTransportKind)
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
+MODEL_TYPES: tuple[str, ...] = get_args(ModelType)

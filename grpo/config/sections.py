@@ -1,0 +1,278 @@
+"""The sections of a run config, one per component that reads them.
+
+Each section is the config of one component, which imports it from here (the collector takes an
+`InferenceConfig`, the reference actor a `RefConfig`, ...); nothing here imports a component.
+An option lives in the section of the component that reads it. Imports: pydantic and typing.
+"""
+
+import re
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from grpo.choices import (
+    Aggregation,
+    DType,
+    KLEstimator,
+    Level,
+    MaskKind,
+    WandbMode,
+    WeightTransportKind,
+)
+from grpo.config.schema import COMPONENT_DEFAULT, Component, ComponentArgs, Section
+
+# --------------------------------------------------------------------------------------------
+# ray: and orchestration: (the driver)
+# --------------------------------------------------------------------------------------------
+
+
+class RayConfig(Section):
+    """Ray cluster."""
+
+    address: str | None = None
+    """null: start a local cluster; 'auto' or 'ray://HOST:PORT': join one."""
+    num_cpus: float | None = Field(None, ge=0)
+    """CPU slots of a local cluster (logical, may exceed the cores); null: the machine's core
+    count."""
+    num_gpus: float | None = Field(None, ge=0)
+    """GPUs of a local cluster; null: all visible GPUs."""
+
+    @field_validator("address")
+    @classmethod
+    def _known_address_form(cls, value: str | None) -> str | None:
+        if value is None or value == "auto" or value.startswith("ray://"):
+            return value
+        if re.fullmatch(r"[\w.\-]+:\d+", value):
+            return value
+        raise ValueError(
+            "must be null (start a local cluster), 'auto', 'ray://HOST:PORT' or 'HOST:PORT'; "
+            f"got {value!r}"
+        )
+
+
+class OrchestrationConfig(Section):
+    """Actors and the run length."""
+
+    num_steps: int = Field(ge=1)
+    """Optimizer steps to train for."""
+    synchronous: bool = False
+    """true: generate, score and train in lock-step (on-policy, reproducible to the bit; for
+    debugging and exact-resume checks); false: overlap them."""
+    num_inference_workers: int = Field(1, ge=1)
+    """vLLM collector actors, each with its own dataset shard."""
+    num_ref_workers: int = Field(1, ge=1)
+    """Reference-model actors (ref logprobs, rewards, advantages)."""
+    num_training_workers: int = Field(1, ge=1)
+    """Training actors; more than one shards the model with FSDP2."""
+    replay_buffer_size: int = Field(512, ge=1)
+    """Most trajectories the replay buffer holds; when it is full, scored groups wait for room
+    (nothing is dropped)."""
+    max_policy_lag: int = Field(1, ge=0)
+    """Drop trajectories generated more than this many weight versions ago (0: strictly
+    on-policy)."""
+    stall_timeout_s: float = Field(600.0, gt=0)
+    """Abort the run when no actor finishes any work for this many seconds, or when every group
+    scored while waiting this long for a batch had equal rewards
+    (ref.filter_zero_variance_groups)."""
+    max_actor_restarts: int = Field(3, ge=0)
+    """Times each collector, reference actor and the replay buffer may be restarted after dying
+    (their work is rebuilt, nothing is lost); one more death stops the run with a checkpoint.
+    Trainers are never restarted."""
+    max_nonfinite_steps_in_a_row: int = Field(3, ge=1)
+    """A step whose loss or gradient norm is not finite is skipped (weights and optimizer
+    untouched) and counted; this many in a row stop the run with a checkpoint."""
+
+
+class CheckpointConfig(Section):
+    """Checkpoints."""
+
+    save_every_n_steps: int | None = Field(None, ge=1)
+    """Checkpoint every N steps; null: only at the end."""
+
+
+# --------------------------------------------------------------------------------------------
+# inference: (SyncLLMCollector)
+# --------------------------------------------------------------------------------------------
+
+
+class InferenceConfig(Section):
+    """Generation (vLLM collectors)."""
+
+    batch_size: int = Field(8, ge=1)
+    """Prompts per generation batch (each sampled group_size times)."""
+    group_size: int = Field(8, ge=2)
+    """Responses per prompt; advantages are normalised within a group, so at least 2."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Longest prompt in tokens (longer ones are skipped); null: engine_args.max_model_len
+    (default: the model's max_position_embeddings) minus max_generated_tokens."""
+    max_generated_tokens: int = Field(256, ge=1)
+    """Most tokens generated per response."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    weight_check_every_n_batches: int = Field(1, ge=1)
+    """Generation batches between checks for new weights."""
+    queue_maxsize: int = Field(64, ge=1)
+    """Capacity of the rollout queue, in groups."""
+    queue_put_timeout_s: float = Field(1.0, gt=0)
+    """Timeout in seconds of one put onto a full rollout queue."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed through to vllm.LLM (enforce_eager, dtype, max_model_len,
+    gpu_memory_utilization, ...)."""
+    num_gpus: float = Field(0, ge=0)
+    """GPUs per collector actor."""
+    num_cpus: float = Field(1, ge=0)
+    """CPUs per collector actor."""
+
+
+# --------------------------------------------------------------------------------------------
+# ref: (RefActor)
+# --------------------------------------------------------------------------------------------
+
+
+class RefConfig(Section):
+    """Reference model, rewards and advantages."""
+
+    filter_zero_variance_groups: bool = False
+    """Dynamic sampling: drop groups whose rewards are all equal (zero advantages) before the
+    replay buffer, and generate more until a batch of training.batch_size informative
+    trajectories is there (the extra generation shows in ref_actor_rewards/groups_scored)."""
+    reward_weights: list[float] | None = None
+    """Weight of each reward function in the total reward, in the order of reward_functions;
+    null: all 1."""
+    dtype: DType = "fp32"
+    """Reference model dtype."""
+    mask_kind: MaskKind = "auto"
+    """Attention of reference packs: auto (flex on CUDA, varlen elsewhere), dense, varlen
+    (fastest on CPU) or flex (FlexAttention BlockMask; best on CUDA)."""
+    num_gpus: float = Field(0, ge=0)
+    """GPUs per reference actor."""
+    num_cpus: float = Field(1, ge=0)
+    """CPUs per reference actor."""
+
+
+# --------------------------------------------------------------------------------------------
+# training: (PyTorchActorModel)
+# --------------------------------------------------------------------------------------------
+
+
+class OptimizerArgs(ComponentArgs):
+    """Documented keywords of ``training.optimizer``."""
+
+    lr: float = Field(COMPONENT_DEFAULT, gt=0)
+    """Learning rate."""
+
+
+class LRSchedulerArgs(ComponentArgs):
+    """Documented keywords of ``training.lr_scheduler``."""
+
+    num_warmup_steps: int = Field(COMPONENT_DEFAULT, ge=0)
+    """Linear warm-up steps."""
+    num_cycles: float = Field(COMPONENT_DEFAULT, gt=0)
+    """Cosine cycles (0.5: decay to zero once)."""
+
+
+class LossArgs(ComponentArgs):
+    """Documented keywords of ``training.loss`` (`grpo.loss.GRPOWithChunkedOutputLoss`)."""
+
+    epsilon_low: float = Field(COMPONENT_DEFAULT, ge=0)
+    """Lower clip: ratio >= 1 - epsilon_low."""
+    epsilon_high: float = Field(COMPONENT_DEFAULT, ge=0)
+    """Upper clip: ratio <= 1 + epsilon_high."""
+    kl_coeff: float = Field(COMPONENT_DEFAULT, ge=0)
+    """Weight of the KL penalty to the reference model."""
+    kl_estimator: KLEstimator = COMPONENT_DEFAULT  # type: ignore[assignment]
+    """KL estimator."""
+    aggregation: Aggregation = COMPONENT_DEFAULT  # type: ignore[assignment]
+    """token_mean, seq_mean_token_mean, or seq_mean_token_sum_norm (Dr. GRPO)."""
+    tis_cap: float | None = Field(COMPONENT_DEFAULT, gt=0)
+    """Truncated importance sampling of the vLLM/trainer mismatch: ratio against the trainer's
+    pre-update logprobs, each token's loss weighted by min(exp(pi_old - behaviour), tis_cap).
+    null: off."""
+    tis_level: Level = COMPONENT_DEFAULT  # type: ignore[assignment]
+    """TIS weight per token, or per sequence (from its summed log-ratio)."""
+    ratio_level: Level = COMPONENT_DEFAULT  # type: ignore[assignment]
+    """token (PPO/GRPO) or sequence (GSPO: length-normalised sequence ratio, clipped per
+    sequence; use tiny epsilons such as 3e-4 / 4e-4)."""
+
+
+class TrainingConfig(Section):
+    """Policy optimisation."""
+
+    batch_size: int = Field(64, ge=1)
+    """Trajectories per optimizer step, split evenly over the training workers."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each sampled batch."""
+    optimizer: Component(OptimizerArgs) = Field(
+        default_factory=lambda: {"_component_": "torch.optim.AdamW", "lr": 1e-6}
+    )
+    """Optimizer; the trainer passes the parameters positionally."""
+    lr_scheduler: Component(LRSchedulerArgs) | None = None
+    """Learning-rate schedule; the trainer passes the optimizer and num_training_steps
+    (num_steps x ppo_epochs). null: constant."""
+    loss: Component(LossArgs) = Field(
+        default_factory=lambda: {"_component_": "grpo.loss.GRPOWithChunkedOutputLoss"}
+    )
+    """GRPO loss on packed batches."""
+    clip_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the gradient norm to this; null: no clipping."""
+    dtype: DType = "fp32"
+    """Parameter dtype."""
+    mask_kind: MaskKind = "auto"
+    """Attention of packed micro-batches: auto (flex on CUDA, varlen elsewhere), dense (an
+    [L, L] bool mask), varlen (one causal SDPA per sequence; fastest on CPU) or flex
+    (FlexAttention BlockMask, O(L) memory; CUDA only for training)."""
+    compile: bool = False
+    """torch.compile each decoder layer (inductor); the first step pays the compile time.
+    Varlen and flex attention run outside the compiled graphs."""
+    num_gpus: float = Field(0, ge=0)
+    """GPUs per training actor."""
+    num_cpus: float = Field(1, ge=0)
+    """CPUs per training actor."""
+
+
+# --------------------------------------------------------------------------------------------
+# weight_sync: (trainer -> collectors)
+# --------------------------------------------------------------------------------------------
+
+
+class WeightSyncConfig(Section):
+    """Weight sync (trainer to collectors)."""
+
+    every_n_steps: int = Field(1, ge=1)
+    """Optimizer steps between pushes of new weights to the collectors."""
+    transport: WeightTransportKind = "collective"
+    """collective: trainer rank 0 broadcasts the weights to each collector over its own
+    two-rank process group (gloo on CPU, NCCL on GPU); object_store: through Ray's object
+    store."""
+    # 32 MiB on purpose: on CPU, glibc reuses freed blocks up to its 32 MiB mmap threshold,
+    # while each bigger bucket is a fresh mapping paid in page faults on both ends
+    # (scripts/bench_weight_sync.py). A tensor bigger than a bucket is sent alone.
+    bucket_mb: float = Field(32.0, gt=0)
+    """collective: tensors are sent in flat buckets of about this many MiB (a bigger tensor
+    alone)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """collective: limit in seconds of a channel's rendezvous and of each bucket's broadcast; a
+    collector that does not keep up is treated as failed."""
+
+    @property
+    def bucket_bytes(self) -> int:
+        """``bucket_mb`` in bytes."""
+        return max(1, int(self.bucket_mb * 2**20))
+
+
+# --------------------------------------------------------------------------------------------
+# metric_logger: (a component; its documented keywords)
+# --------------------------------------------------------------------------------------------
+
+
+class MetricLoggerArgs(ComponentArgs):
+    """Documented keywords of ``metric_logger``."""
+
+    mode: WandbMode = COMPONENT_DEFAULT  # type: ignore[assignment]
+    """W&B mode: online, offline or disabled."""
+    project: str = COMPONENT_DEFAULT  # type: ignore[assignment]
+    """W&B project."""
+    log_dir: str = COMPONENT_DEFAULT  # type: ignore[assignment]
+    """Folder for local logs."""
