@@ -86,11 +86,11 @@ from grpo.packing import (  # noqa: E402
 )
 from grpo.testing import build_tiny_qwen2  # noqa: E402
 from grpo.types import UnscoredTrajectory  # noqa: E402
-from grpo.workers.weight_sync import (  # noqa: E402
+from grpo.weights.checksum import state_dict_checksum  # noqa: E402
+from grpo.weights.engine import (  # noqa: E402
     WORKER_EXTENSION_CLS,
     WeightReceiver,
     WeightUpdate,
-    state_dict_checksum,
 )
 
 CONFIG = "tiny_arithmetic_cpu"
@@ -439,7 +439,7 @@ def bench_weight_sync(
     llm = LLM(model=str(model_dir), worker_extension_cls=WORKER_EXTENSION_CLS, **engine_kwargs)
     facts["engine_start_s"] = time.perf_counter() - start
 
-    receiver = WeightReceiver("object_store")
+    receiver = WeightReceiver()
     version = 0
 
     def clone() -> None:

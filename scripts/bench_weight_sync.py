@@ -8,7 +8,7 @@ For each state dict (the tiny demo model's HF weights, and a synthetic fp32 one 
   it (what the ``object_store`` transport does between trainer rank 0 and a collector).
 * collective: a sender actor broadcasts it over a two-rank gloo group (loopback) to a receiver
   actor, in flat buckets of ``--bucket-mb``, and the receiver rebuilds the named tensors
-  (`grpo.workers.weight_channel`, what the ``collective`` transport does).
+  (`grpo.weights.channel`, what the ``collective`` transport does).
 
 Each transport is timed from the driver, end to end (until the receiver holds the named
 tensors); the vLLM reload that follows is the same for both and is not included. Variants run
@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import load_average
 
+from grpo.config import WeightSyncConfig  # noqa: E402
 from grpo.models import load_hf_state_dict  # noqa: E402
-from grpo.orchestrator.weight_sync import WeightSyncConfig  # noqa: E402
 from grpo.testing import build_tiny_qwen2  # noqa: E402
-from grpo.workers.weight_channel import (  # noqa: E402
+from grpo.weights.channel import (  # noqa: E402
     RECEIVER_RANK,
     SENDER_RANK,
     TensorSpec,

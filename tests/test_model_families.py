@@ -491,7 +491,8 @@ def test_vllm_greedy_decoding_and_logprobs_match_torchtune(engine) -> None:
 
 @pytest.mark.slow
 def test_vllm_in_place_weight_update_passes_checksum_and_probe(engine) -> None:
-    from grpo.workers.weight_sync import WeightReceiver, WeightUpdate, state_dict_checksum
+    from grpo.weights.checksum import state_dict_checksum
+    from grpo.weights.engine import WeightReceiver, WeightUpdate
 
     llm, model_dir, family = engine
     config = models.load_hf_config(model_dir)

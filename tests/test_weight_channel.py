@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from grpo.workers.weight_channel import (
+from grpo.weights.channel import (
     ALIGN_BYTES,
     RECEIVER_RANK,
     SENDER_RANK,

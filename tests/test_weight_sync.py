@@ -8,12 +8,8 @@ import time
 import pytest
 import torch
 
-from grpo.workers.weight_sync import (
-    WeightReceiver,
-    WeightSyncError,
-    WeightUpdate,
-    state_dict_checksum,
-)
+from grpo.weights.checksum import WeightSyncError, state_dict_checksum
+from grpo.weights.engine import WeightReceiver, WeightUpdate
 
 ENGINE_ARGS = {"kv_cache_memory_bytes": 64 * 2**20}
 GROUP_SIZE = 2
@@ -74,9 +70,20 @@ def test_checksum_sees_every_value_name_and_shape():
         state_dict_checksum([("a", torch.ones(1)), ("a", torch.ones(1))])
 
 
-def test_transport_names_are_checked():
-    with pytest.raises(ValueError, match="unknown weight transport"):
-        WeightReceiver(transport="shared_memory")
+def test_each_configured_transport_has_one_implementation():
+    from pydantic import ValidationError
+
+    from grpo.choices import TRANSPORTS
+    from grpo.config import WeightSyncConfig
+    from grpo.weights.base import WeightTransport
+    from grpo.weights.transports import TRANSPORT_CLASSES, make_transport
+
+    assert set(TRANSPORT_CLASSES) == set(TRANSPORTS)
+    for name, cls in TRANSPORT_CLASSES.items():
+        transport = make_transport(WeightSyncConfig(transport=name), lambda refs, what: [])
+        assert type(transport) is cls and isinstance(transport, WeightTransport)
+    with pytest.raises(ValidationError, match="shared_memory"):
+        WeightSyncConfig(transport="shared_memory")
 
 
 def test_receiver_keeps_only_the_newest_update():
@@ -372,11 +379,9 @@ def test_collective_sync_from_a_trainer_actor_and_a_replacement_joins_a_new_pair
     replaced by one that catches up over a new channel and gets the next weights through it."""
     from ray.util.queue import Queue
 
-    from grpo.orchestrator.weight_sync import (
-        TRAINER_CONCURRENCY_GROUPS,
-        WeightSync,
-        WeightSyncConfig,
-    )
+    from grpo.config import WeightSyncConfig
+    from grpo.weights.collective import TRAINER_CONCURRENCY_GROUPS
+    from grpo.weights.sync import WeightSync
     from grpo.workers.collector import InferenceConfig, SyncLLMCollector
     from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
 

@@ -26,18 +26,18 @@ The driver reads the typed `grpo.config.RunConfig`; its own sections are ``ray:`
 ``orchestration:``, ``checkpoint:`` and ``weight_sync:`` (`grpo.config.sections`).
 """
 
-from grpo.orchestrator.checkpointer import Checkpointer, find_checkpoint
-from grpo.orchestrator.errors import (
+from grpo.errors import (
     ActorFailedError,
     NoInformativeGroupsError,
     TrainingDivergedError,
 )
+from grpo.orchestrator.checkpointer import Checkpointer, find_checkpoint
 from grpo.orchestrator.ledger import InFlightLedger, ScoredBatch
 from grpo.orchestrator.loop import Orchestrator
 from grpo.orchestrator.metrics import RunLedger, debug_tables, step_metrics
 from grpo.orchestrator.state import RunState
 from grpo.orchestrator.supervisor import ActorSupervisor, Recovery, Role, init_ray
-from grpo.orchestrator.weight_sync import WeightSync
+from grpo.weights.sync import WeightSync
 
 __all__ = [
     "ActorFailedError",

@@ -24,9 +24,9 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from grpo.config import RunConfig
+from grpo.errors import ActorFailedError, TrainingDivergedError
 from grpo.metric_names import ratio_metrics
 from grpo.orchestrator.checkpointer import Checkpointer
-from grpo.orchestrator.errors import ActorFailedError, TrainingDivergedError
 from grpo.orchestrator.ledger import InFlightLedger
 from grpo.orchestrator.metrics import (
     GroupCounts,
@@ -42,7 +42,7 @@ from grpo.orchestrator.supervisor import (
     Role,
     actor_name,
 )
-from grpo.orchestrator.weight_sync import WeightSync
+from grpo.weights.sync import WeightSync
 
 log = logging.getLogger("grpo")
 

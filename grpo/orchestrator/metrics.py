@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from grpo.errors import NoInformativeGroupsError
 from grpo.metric_names import ratio_metrics
-from grpo.orchestrator.errors import NoInformativeGroupsError
 
 log = logging.getLogger("grpo")
 

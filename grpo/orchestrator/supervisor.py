@@ -24,10 +24,10 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from grpo.config import InstantiationError, RunConfig, locate
 from grpo.config.instantiate import keyword_names
+from grpo.errors import ActorFailedError
 from grpo.logs import actor_log_path, is_verbose, logs_dir, with_output_to
 from grpo.orchestrator.checkpointer import latest_checkpoint_text
-from grpo.orchestrator.errors import ActorFailedError
-from grpo.orchestrator.weight_sync import TRAINER_CONCURRENCY_GROUPS
+from grpo.weights.collective import TRAINER_CONCURRENCY_GROUPS
 from grpo.workers.rollout_queue import RolloutQueue
 
 log = logging.getLogger("grpo")
@@ -306,7 +306,6 @@ class ActorSupervisor:
             rollout_queue=self.rollout_queue,
             config=inference,
             seed=cfg.seed,
-            weight_transport=cfg.weight_sync.transport,
         )
 
     def start_collectors(self, weights_dir: Path | None = None) -> list[Any]:

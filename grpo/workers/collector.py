@@ -45,13 +45,9 @@ import torch
 
 from grpo.config.sections import InferenceConfig
 from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
-from grpo.workers.weight_channel import (
-    RECEIVER_RANK,
-    TensorSpec,
-    WeightChannel,
-    WeightChannelError,
-)
-from grpo.workers.weight_sync import (
+from grpo.weights.channel import TensorSpec
+from grpo.weights.collective import ChannelReceiver
+from grpo.weights.engine import (
     WORKER_EXTENSION_CLS,
     WeightReceiver,
     WeightSyncError,
@@ -150,8 +146,6 @@ class SyncLLMCollector:
         stop (Sequence[str] | None): Stop strings; default the template's ``stop`` attribute
             (``("</answer>",)`` for the shipped templates). The tokens that complete one are
             kept in the response.
-        weight_transport (str): ``"collective"`` (`receive_weights_over_channel`) or
-            ``"object_store"`` (`receive_weights`); see `grpo.workers.weight_sync`.
         verify_weights (bool): Check the checksum of every received update.
 
     Raises:
@@ -178,7 +172,6 @@ class SyncLLMCollector:
         template: Any = None,
         metric_logger: Any = None,
         stop: Sequence[str] | None = None,
-        weight_transport: str = "collective",
         verify_weights: bool = True,
     ) -> None:
         config = config or InferenceConfig()
@@ -233,7 +226,7 @@ class SyncLLMCollector:
             )
         self.max_prompt_tokens = max_prompt_tokens
 
-        self.weights = WeightReceiver(weight_transport)
+        self.weights = WeightReceiver()
         self._weights_error: str | None = None  # set while the engine holds unverified weights
         self.policy_version = 0
         self.sequence_counter = 0
@@ -244,8 +237,7 @@ class SyncLLMCollector:
         # vLLM's engine is not thread-safe; a threaded actor serialises calls on it here.
         self._engine_lock = threading.RLock()
         # The weight channel to trainer rank 0 (collective transport), one transfer at a time.
-        self._weight_channel: WeightChannel | None = None
-        self._channel_lock = threading.Lock()
+        self.weight_channel = ChannelReceiver(f"collector[{worker_id}]")
 
     @classmethod
     def as_remote(cls, **options: Any) -> Any:
@@ -327,27 +319,7 @@ class SyncLLMCollector:
             WeightChannelError: No channel, or the rendezvous or a broadcast failed or timed
                 out.
         """
-        name = f"collector[{self.worker_id}]"
-        with self._channel_lock:  # one transfer at a time per channel, in call order
-            if join is not None:
-                if self._weight_channel is not None:
-                    self._weight_channel.close()
-                self._weight_channel = None
-                self._weight_channel = WeightChannel(
-                    name,
-                    RECEIVER_RANK,
-                    join["host"],
-                    join["port"],
-                    device=join["device"],
-                    timeout_s=join["timeout_s"],
-                )
-            if self._weight_channel is None:
-                raise WeightChannelError(f"{name} has no weight channel; join one first")
-            try:
-                weights = self._weight_channel.receive(specs, bucket_bytes)
-            except WeightChannelError:
-                self._weight_channel = None
-                raise
+        weights = self.weight_channel.receive(specs, bucket_bytes, join)
         return self.receive_weights(weights, version, checksum, probe)
 
     def apply_pending_weights(self) -> float:
@@ -664,8 +636,7 @@ class SyncLLMCollector:
         code holding several collectors in one process (tests) closes them explicitly, last
         created first.
         """
-        if self._weight_channel is not None:
-            self._weight_channel.close()
+        self.weight_channel.close()
         with self._engine_lock:
             llm, self.llm = self.llm, None
             if llm is not None:

@@ -44,18 +44,14 @@ from grpo.packing import (
     unpack_response_logprobs,
 )
 from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
+from grpo.weights.channel import tensor_specs
+from grpo.weights.checksum import state_dict_checksum
+from grpo.weights.collective import ChannelSender
 from grpo.workers.training_checkpoint import (
     TRAINER_SUBDIR,
     load_training_state,
     save_training_state,
 )
-from grpo.workers.weight_channel import (
-    SENDER_RANK,
-    WeightChannel,
-    WeightChannelError,
-    tensor_specs,
-)
-from grpo.workers.weight_sync import state_dict_checksum
 
 
 class ResponseLogprobModel(nn.Module):
@@ -178,9 +174,8 @@ class PyTorchActorModel:
         self.policy_version = 0
         self.num_nonfinite_skipped = 0
         self._nonfinite_in_a_row = 0
-        # Weight channels (rank 0): collector name -> channel, and the weights they send.
-        self._weight_channels: dict[str, WeightChannel] = {}
-        self._outgoing_weights: tuple[int, dict[str, torch.Tensor]] | None = None
+        # Rank 0's end of the collective transport's channels, and the weights they send.
+        self.weight_channels = ChannelSender(f"trainer[{rank}]", self.device.type)
 
     def setup(self, dist_init_method: str | None = None, checkpoint_dir: str | None = None) -> None:
         """Join the process group (several workers), build the model, optimizer and loss.
@@ -556,17 +551,11 @@ class PyTorchActorModel:
         atol = 1e-3 if self.dtype == torch.float32 else 0.1
         return {"token_ids": token_ids, "logprobs": logprobs, "atol": atol}
 
-    def gather_hf_weights(self, transport: str = "object_store") -> dict[str, Any] | None:
-        """Gather full weights in HF names for the collectors and bump the policy version.
+    def _gather_hf_weights(self) -> dict[str, Any] | None:
+        """Every rank: full weights in HF names, their checksum and a probe; bump the version.
 
-        Every rank must call it (the gather is collective); rank 0 returns
-        ``{"weights", "version", "checksum", "probe", "specs"}``, the others None.
-
-        Args:
-            transport (str): ``"object_store"``: ``weights`` is an ObjectRef when Ray is
-                running (the tensors themselves otherwise). ``"collective"``: rank 0 keeps the
-                tensors for `send_weights`, ``weights`` is None and ``specs`` (a list of
-                `TensorSpec`) describes them.
+        Collective (every rank must call it); rank 0 returns ``{"weights", "version",
+        "checksum", "probe", "specs"}`` with the HF state dict as ``weights``, the others None.
         """
         tune_state = self.full_state_dict()
         probe = self.probe_logprobs()
@@ -574,92 +563,73 @@ class PyTorchActorModel:
         if self.rank != 0:
             return None
         hf_state = tune_to_hf_state_dict(tune_state, self.hf_config)
-        checksum = state_dict_checksum(hf_state)
-        specs = None
-        if transport == "collective":
-            # Held until the next gather: every channel sends this version, a replacement
-            # collector's new channel included.
-            self._outgoing_weights = (self.policy_version, hf_state)
-            specs, hf_state = tensor_specs(hf_state), None
-        elif ray.is_initialized():
-            # Put once, from here: the driver handles only this reference, and every
-            # collector reads the same object.
-            hf_state = ray.put(hf_state)
         return {
             "weights": hf_state,
             "version": self.policy_version,
-            "checksum": checksum,
+            "checksum": state_dict_checksum(hf_state),
             "probe": probe,
-            "specs": specs,
+            "specs": None,
         }
+
+    def gather_hf_weights(self) -> dict[str, Any] | None:
+        """Gather the weights for the object-store transport (every rank must call it).
+
+        Returns:
+            dict | None: On rank 0, the payload with ``weights`` an ObjectRef when Ray is
+            running (the tensors themselves otherwise): put once, from here, so the driver
+            handles only the reference and every collector reads the same object.
+        """
+        payload = self._gather_hf_weights()
+        if payload is not None and ray.is_initialized():
+            payload["weights"] = ray.put(payload["weights"])
+        return payload
+
+    def gather_hf_weights_for_channels(self) -> dict[str, Any] | None:
+        """Gather the weights for the collective transport (every rank must call it).
+
+        Rank 0 holds the tensors until the next gather: every channel sends this version, a
+        replacement collector's new one included.
+
+        Returns:
+            dict | None: On rank 0, the payload with ``weights`` None and ``specs`` (a list of
+            `TensorSpec`) describing the held tensors.
+        """
+        payload = self._gather_hf_weights()
+        if payload is None:
+            return None
+        self.weight_channels.hold(payload["version"], payload["weights"])
+        return {**payload, "weights": None, "specs": tensor_specs(payload["weights"])}
 
     def open_weight_channel(self, collector: str, timeout_s: float) -> dict[str, Any]:
         """Start the rendezvous of a new weight channel to ``collector`` (rank 0 only).
 
-        Returns at once with the address the collector joins (`WeightChannel`); the group is
-        built in the background and `send_weights` waits for it. An older channel of the same
-        name (a collector that was replaced) is closed. Call it, like `send_weights`, in the
-        actor's ``weight_channel`` concurrency group, so that neither waits behind a training
-        step nor behind a send to a dead collector (which times out on its own thread).
-
-        Args:
-            collector (str): The collector's name, e.g. ``"collector[0]"``.
-            timeout_s (float): Limit of the rendezvous and of every broadcast.
+        Returns at once with the address the collector joins; the group is built in the
+        background and `send_weights` waits for it. An older channel of the same name (a
+        collector that was replaced) is closed. Call it, like `send_weights`, in the actor's
+        ``weight_channel`` concurrency group, so that neither waits behind a training step nor
+        behind a send to a dead collector (which times out on its own thread).
 
         Returns:
             dict: ``{"host", "port", "device"}`` for the collector's ``join``.
         """
-        self.close_weight_channel(collector)
-        channel = WeightChannel(
-            collector,
-            SENDER_RANK,
-            ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1",
-            0,
-            device=self.device.type,
-            timeout_s=timeout_s,
-        )
-        self._weight_channels[collector] = channel
-        return {"host": channel.host, "port": channel.port, "device": channel.device.type}
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        return self.weight_channels.open(collector, host, timeout_s)
 
     def send_weights(self, collector: str, version: int, bucket_bytes: int) -> float:
-        """Broadcast the weights of the last `gather_hf_weights` over ``collector``'s channel.
-
-        Args:
-            collector (str): A name given to `open_weight_channel`.
-            version (int): The version the driver announced to the collector.
-            bucket_bytes (int): Bucket size; the collector receives with the same.
+        """Broadcast the weights of the last gather over ``collector``'s channel.
 
         Returns:
             float: Seconds the transfer took.
 
         Raises:
-            WeightChannelError: No such channel, or the transfer failed or timed out (a dead
-                collector); the channel is then closed and a new one must be opened.
+            WeightChannelError: No such channel, or the transfer failed or timed out.
             ValueError: The weights held are not of ``version``.
         """
-        channel = self._weight_channels.get(collector)
-        if channel is None:
-            raise WeightChannelError(f"trainer[{self.rank}] has no weight channel to {collector}")
-        held_version, hf_state = self._outgoing_weights or (None, None)
-        if held_version != version:
-            raise ValueError(
-                f"send_weights to {collector}: asked for version {version}, trainer[{self.rank}] "
-                f"holds version {held_version} (gather_hf_weights(transport='collective') first)"
-            )
-        start = time.perf_counter()
-        try:
-            channel.send(hf_state, bucket_bytes)
-        except WeightChannelError:
-            if self._weight_channels.get(collector) is channel:  # not yet replaced by a new one
-                del self._weight_channels[collector]
-            raise
-        return time.perf_counter() - start
+        return self.weight_channels.send(collector, version, bucket_bytes)
 
     def close_weight_channel(self, collector: str) -> None:
         """Close the weight channel to ``collector``, if there is one."""
-        channel = self._weight_channels.pop(collector, None)
-        if channel is not None:
-            channel.close()
+        self.weight_channels.close(collector)
 
     def weights_checksum(self) -> Any:
         """Checksum of the current weights, in the same definition the collectors use."""
@@ -690,7 +660,6 @@ class PyTorchActorModel:
         return f"tcp://{ip}:{port}"
 
     def shutdown(self) -> None:
-        for collector in list(self._weight_channels):
-            self.close_weight_channel(collector)
+        self.weight_channels.close_all()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """The ways a run stops on its own: an actor that cannot go on, a diverged loss, and no data
-left to learn from."""
+left to learn from. Shared by the driver and the weight transports, so it imports nothing."""
 
 
 class ActorFailedError(RuntimeError):

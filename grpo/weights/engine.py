@@ -1,18 +1,13 @@
-"""Moving the trainer's weights into the collectors' vLLM engines, and proving they arrived.
+"""The collector's side of weight sync: loading new weights into vLLM and proving they arrived.
 
-Three pieces:
+Two pieces:
 
-* `state_dict_checksum`: one definition of "these weights", used by the trainer on the state
-  dict it sends and by the vLLM worker on the tensors it actually loads.
 * `WeightSyncWorkerExtension`: methods added to vLLM's worker (engine argument
   ``worker_extension_cls``) and called through ``LLM.collective_rpc``; they reload weights in
   place and report the checksum.
 * `WeightReceiver` (collector side): keeps the newest update pending and applies it between
-  generation batches, whichever transport brought it. ``"collective"``: trainer rank 0
-  broadcasts the tensors in flat buckets over a two-rank process group per collector
-  (`grpo.workers.weight_channel`), and the collector hands the received tensors over by value.
-  ``"object_store"``: the trainer puts the HF state dict into Ray's object store once and the
-  same reference reaches every collector.
+  generation batches, whichever transport brought it (`grpo.weights.collective`,
+  `grpo.weights.object_store`).
 
 Why the checksum is over the sent HF state dict and not over vLLM's parameters: vLLM fuses
 ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``, pads the vocabulary,
@@ -22,65 +17,22 @@ The checksum proves the worker received exactly the trainer's tensors and handed
 loader. That the engine then computes with them is a separate, functional check: compare
 `SyncLLMCollector.probe_logprobs` with the trainer's own forward (the tests do).
 
-This module imports neither vLLM nor Ray at import time: the trainer imports
-`state_dict_checksum` from here.
+This module imports neither vLLM nor Ray at import time. The checksum both ends compute is
+`grpo.weights.checksum.state_dict_checksum`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from grpo.choices import TRANSPORTS
+from grpo.weights.checksum import WeightSyncError, state_dict_checksum
 
-WORKER_EXTENSION_CLS = "grpo.workers.weight_sync.WeightSyncWorkerExtension"
-
-
-class WeightSyncError(RuntimeError):
-    """Weights did not arrive intact (checksum mismatch) or the engine does not use them."""
-
-
-def state_dict_checksum(
-    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-) -> str:
-    """SHA-256 of a set of named tensors, independent of their order, device and float width.
-
-    Tensors are visited in sorted-name order; each contributes its name, its shape and the
-    bytes of its values cast to float32 (integer and bool tensors too). Casting bf16 or fp16
-    to float32 is exact, so a bf16 state dict and its float32 upcast hash the same, and the
-    trainer (whatever its dtype) and the vLLM worker agree exactly, with no tolerance.
-
-    Args:
-        named_tensors (Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]): HF
-            names to tensors, e.g. ``tune_to_hf_state_dict(model.state_dict(), hf_config)``.
-
-    Returns:
-        str: 64 hex digits.
-
-    Raises:
-        ValueError: If a name appears twice.
-
-    Example:
-        >>> state_dict_checksum({"w": torch.ones(2)}) == state_dict_checksum(
-        ...     {"w": torch.ones(2, dtype=torch.bfloat16)})
-        True
-    """
-    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-    names = [name for name, _ in items]
-    if len(set(names)) != len(names):
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        raise ValueError(f"state_dict_checksum: duplicate tensor names {duplicates[:5]}")
-    digest = hashlib.sha256()
-    for name, tensor in sorted(items, key=lambda item: item[0]):
-        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        digest.update(f"{name}\0{tuple(values.shape)}\0".encode())
-        digest.update(memoryview(values.numpy()).cast("B"))
-    return digest.hexdigest()
+WORKER_EXTENSION_CLS = "grpo.weights.engine.WeightSyncWorkerExtension"
 
 
 class WeightSyncWorkerExtension:
@@ -187,20 +139,10 @@ class WeightReceiver:
     one before it was applied is counted in ``num_superseded`` (the newer weights are
     complete, so nothing is lost).
 
-    Args:
-        transport (str): ``"collective"`` or ``"object_store"`` (what brings the updates;
-            both offer them here the same way).
-
-    Raises:
-        ValueError: On an unknown transport.
+    Every transport offers its updates here the same way.
     """
 
-    def __init__(self, transport: str = "collective") -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(
-                f"unknown weight transport {transport!r}; expected one of {TRANSPORTS}"
-            )
-        self.transport = transport
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: WeightUpdate | None = None
         self.num_superseded = 0

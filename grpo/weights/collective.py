@@ -1,0 +1,250 @@
+"""The ``collective`` transport: trainer rank 0 broadcasts the weights to each collector over a
+two-rank process group of their own (`grpo.weights.channel`: gloo on CPU, NCCL on GPU).
+
+Three sides, each in the process that runs it:
+
+* `ChannelSender`, inside trainer rank 0: holds the gathered weights of the latest version and
+  one open channel per collector, and broadcasts them on request;
+* `ChannelReceiver`, inside a collector: joins a channel and receives one version at a time;
+* `CollectiveTransport`, in the driver: opens channels (a replacement collector gets a new
+  one), starts each transfer as a pair of calls (the trainer sends, the collector receives), and
+  waits for it before the next on the same channel, which keeps versions in order.
+
+Only tensor bytes cross the channel; names, shapes and dtypes (`TensorSpec`) travel once
+through Ray, in the gathered payload.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from grpo.errors import ActorFailedError
+from grpo.weights.base import WeightTransport
+from grpo.weights.channel import (
+    RECEIVER_RANK,
+    SENDER_RANK,
+    TensorSpec,
+    WeightChannel,
+    WeightChannelError,
+)
+
+log = logging.getLogger("grpo")
+
+# The trainer actor's concurrency group for channel calls: a rendezvous or a transfer does not
+# wait behind a training step, nor behind a send to a dead collector that is timing out.
+# Transfers to different collectors may overlap; the driver keeps one per channel at a time.
+CHANNEL_GROUP = "weight_channel"
+TRAINER_CONCURRENCY_GROUPS = {CHANNEL_GROUP: 8}
+
+
+class ChannelSender:
+    """Trainer rank 0's end: the weights of the latest gather and the open channels.
+
+    Args:
+        owner (str): The trainer's name, for errors (``trainer[0]``).
+        device (str): Where the buckets live: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+    """
+
+    def __init__(self, owner: str, device: str) -> None:
+        self.owner = owner
+        self.device = device
+        self._channels: dict[str, WeightChannel] = {}
+        self._outgoing: tuple[int, Mapping[str, torch.Tensor]] | None = None
+
+    def hold(self, version: int, hf_state: Mapping[str, torch.Tensor]) -> None:
+        """Keep ``hf_state`` as what every channel sends until the next gather."""
+        self._outgoing = (version, hf_state)
+
+    def open(self, collector: str, host: str, timeout_s: float) -> dict[str, Any]:
+        """Start the rendezvous of a new channel to ``collector``; an older one is closed.
+
+        Returns:
+            dict: ``{"host", "port", "device"}`` for the collector's `ChannelReceiver.join`.
+        """
+        self.close(collector)
+        channel = WeightChannel(collector, SENDER_RANK, host, 0, self.device, timeout_s)
+        self._channels[collector] = channel
+        return {"host": channel.host, "port": channel.port, "device": channel.device.type}
+
+    def send(self, collector: str, version: int, bucket_bytes: int) -> float:
+        """Broadcast the held weights over ``collector``'s channel.
+
+        Returns:
+            float: Seconds the transfer took.
+
+        Raises:
+            WeightChannelError: No such channel, or the transfer failed or timed out (a dead
+                collector); the channel is then closed and a new one must be opened.
+            ValueError: The weights held are not of ``version``.
+        """
+        channel = self._channels.get(collector)
+        if channel is None:
+            raise WeightChannelError(f"{self.owner} has no weight channel to {collector}")
+        held_version, hf_state = self._outgoing or (None, None)
+        if held_version != version:
+            raise ValueError(
+                f"send to {collector}: asked for version {version}, {self.owner} holds "
+                f"version {held_version} (gather the weights for the collective transport first)"
+            )
+        start = time.perf_counter()
+        try:
+            channel.send(hf_state, bucket_bytes)
+        except WeightChannelError:
+            if self._channels.get(collector) is channel:  # not yet replaced by a new one
+                del self._channels[collector]
+            raise
+        return time.perf_counter() - start
+
+    def close(self, collector: str) -> None:
+        """Close the channel to ``collector``, if there is one."""
+        channel = self._channels.pop(collector, None)
+        if channel is not None:
+            channel.close()
+
+    def close_all(self) -> None:
+        for collector in list(self._channels):
+            self.close(collector)
+
+
+class ChannelReceiver:
+    """A collector's end: one channel, one transfer at a time, in call order.
+
+    Args:
+        owner (str): The collector's name (``collector[0]``).
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._lock = threading.Lock()
+        self._channel: WeightChannel | None = None
+
+    def receive(
+        self,
+        specs: Sequence[TensorSpec],
+        bucket_bytes: int,
+        join: dict[str, Any] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Join a new channel if asked, then receive one broadcast version.
+
+        Args:
+            specs (Sequence[TensorSpec]): Names, shapes and dtypes, in the sender's order.
+            bucket_bytes (int): The sender's bucket size.
+            join (dict | None): ``{"host", "port", "device", "timeout_s"}`` of a new channel
+                (`ChannelSender.open`), replacing any old one.
+
+        Returns:
+            dict[str, torch.Tensor]: The received tensors (views into the received buckets).
+
+        Raises:
+            WeightChannelError: No channel, or the rendezvous or a broadcast failed or timed
+                out.
+        """
+        with self._lock:
+            if join is not None:
+                self.close()
+                self._channel = WeightChannel(
+                    self.owner,
+                    RECEIVER_RANK,
+                    join["host"],
+                    join["port"],
+                    device=join["device"],
+                    timeout_s=join["timeout_s"],
+                )
+            if self._channel is None:
+                raise WeightChannelError(f"{self.owner} has no weight channel; join one first")
+            try:
+                return self._channel.receive(specs, bucket_bytes)
+            except WeightChannelError:
+                self._channel = None
+                raise
+
+    def close(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+
+
+class CollectiveTransport(WeightTransport):
+    """Driver side: a channel per collector from trainer rank 0, one transfer in flight each."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # By collector actor id (a replacement has the name of the collector it replaces):
+        # the open channel's collector name, and the transfer in flight as (name, send, receive).
+        self._channels: dict[str, str] = {}
+        self._transfers: dict[str, tuple[str, Any, Any]] = {}
+
+    def gather(self, trainers: list[Any]) -> list[Any]:
+        return [trainer.gather_hf_weights_for_channels.remote() for trainer in trainers]
+
+    def send(self, sender: Any, name: str, collector: Any, payload: dict[str, Any]) -> None:
+        config, key = self.config, collector._actor_id.hex()
+        self.finish(collector)  # the channel carries one transfer at a time
+        join = None
+        if key not in self._channels:
+            opening = sender.open_weight_channel.options(concurrency_group=CHANNEL_GROUP).remote(
+                name, config.timeout_s
+            )
+            address = self._get_all([opening], f"trainer[0] opening the weight channel to {name}")
+            join = {**address[0], "timeout_s": config.timeout_s}
+            self._channels[key] = name
+        version = payload["version"]
+        sent = sender.send_weights.options(concurrency_group=CHANNEL_GROUP).remote(
+            name, version, config.bucket_bytes
+        )
+        received = collector.receive_weights_over_channel.remote(
+            version,
+            payload["specs"],
+            config.bucket_bytes,
+            payload["checksum"],
+            payload["probe"],
+            join,
+        )
+        self._transfers[key] = (name, sent, received)
+
+    def finish(self, collector: Any) -> None:
+        """Wait for the transfer in flight to ``collector``, if any.
+
+        A dead collector is left to its generation call, which finds it and has it replaced
+        (the replacement catches up over a new channel; the trainer's send times out and
+        closes the old one).
+
+        Raises:
+            ActorFailedError: A live collector failed to receive, or trainer[0] to send.
+        """
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        key = collector._actor_id.hex()
+        transfer = self._transfers.pop(key, None)
+        if transfer is None:
+            return
+        name, sent, received = transfer
+        try:
+            ray.get(received)
+        except RayActorError:
+            self._channels.pop(key, None)
+            log.warning("%s died during a weight transfer; it will be replaced", name)
+            return
+        except RayTaskError as error:
+            self._channels.pop(key, None)
+            raise ActorFailedError(f"{name} failed to receive weights: {error}") from error
+        try:
+            ray.get(sent)
+        except (RayActorError, RayTaskError) as error:
+            self._channels.pop(key, None)
+            raise ActorFailedError(
+                f"trainer[0] failed to send weights to {name}: {error}"
+            ) from error
+
+    def forget(self, name: str) -> None:
+        # The trainer closes its end of the old channel when the replacement's opens.
+        for key in [key for key, channel in self._channels.items() if channel == name]:
+            del self._channels[key]
+            self._transfers.pop(key, None)
