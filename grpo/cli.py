@@ -31,15 +31,13 @@ from types import ModuleType
 
 from grpo.config import (
     ConfigError,
-    add_verbose_flag,
     configs_dir,
     list_configs,
     load_config,
     repo_root,
-    run_recipe,
-    split_overrides,
 )
-from grpo.logs import DriverLog
+from grpo.observability.logs import DriverLog
+from grpo.recipe import add_verbose_flag, run_recipe, split_overrides
 
 # A config names its recipe in its launch comment: "#   grpo run async_grpo --config ...".
 _LAUNCH_LINE = re.compile(r"^#.*\bgrpo run\s+(\S+)\s+--config\b", re.MULTILINE)
@@ -211,7 +209,7 @@ def _plot_cmd(args: argparse.Namespace) -> int:
         raise CommandError(f"run folder {run_dir} does not exist", 2)
     try:
         # Imported here: matplotlib is slow to import and only this command needs it.
-        from grpo.plotting import plot_run
+        from grpo.observability.plotting import plot_run
     except ImportError as exc:
         raise CommandError(f"plotting is unavailable: {exc}") from None
     written = plot_run(run_dir)

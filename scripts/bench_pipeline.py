@@ -13,7 +13,7 @@ Three measurements, printed as tables and summarised at the end:
    The breakdown table gives each step's wall time and the parts that add up to it (buffer
    wait, train compute, weight gather, transfer, engine reload, driver overhead), means over
    the measured steps, next to the generation and scoring busy times that overlap them (see
-   `grpo.orchestrator.metrics.step_time_breakdown`).
+   `grpo.observability.metrics.step_time_breakdown`).
 2. Weight sync against an in-memory copy of the same HF-named state dict, side by side in
    this process: ``{k: v.clone()}``, the trainer-side gather (copy, torchtune -> HF names,
    checksum), optionally ``ray.put`` + ``ray.get``, and the update of a vLLM CPU engine through
@@ -73,7 +73,7 @@ from bench_common import load_average, print_table
 from grpo.config import repo_root  # noqa: E402
 from grpo.logprobs import model_response_logprobs  # noqa: E402
 from grpo.models import build_model, load_hf_config, tune_to_hf_state_dict  # noqa: E402
-from grpo.orchestrator.metrics import (  # noqa: E402
+from grpo.observability.metrics import (  # noqa: E402
     GENERATION_BUSY,
     SCORING_BUSY,
     STEP_WALL,

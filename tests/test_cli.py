@@ -25,7 +25,7 @@ RECIPE_SOURCE = '''
 import json
 from pathlib import Path
 
-from grpo.config import parse
+from grpo.recipe import parse
 
 
 @parse
@@ -232,9 +232,9 @@ def test_recipe_file_runs_as_a_script(workspace, monkeypatch):
 
 def test_plot_calls_plot_run(workspace, tmp_path, monkeypatch, capsys):
     calls = []
-    fake = types.ModuleType("grpo.plotting")
+    fake = types.ModuleType("grpo.observability.plotting")
     fake.plot_run = lambda run_dir: calls.append(Path(run_dir)) or [Path(run_dir) / "a.png"]
-    monkeypatch.setitem(sys.modules, "grpo.plotting", fake)
+    monkeypatch.setitem(sys.modules, "grpo.observability.plotting", fake)
     assert main(["plot", str(tmp_path)]) == 0
     assert calls == [tmp_path]
     assert str(tmp_path / "a.png") in capsys.readouterr().out
@@ -243,7 +243,7 @@ def test_plot_calls_plot_run(workspace, tmp_path, monkeypatch, capsys):
 def test_plot_errors(workspace, tmp_path, monkeypatch, capsys):
     assert main(["plot", str(tmp_path / "no_run")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    monkeypatch.setitem(sys.modules, "grpo.plotting", None)  # import fails
+    monkeypatch.setitem(sys.modules, "grpo.observability.plotting", None)  # import fails
     assert main(["plot", str(tmp_path)]) == 1
     assert "plotting is unavailable" in capsys.readouterr().err
 

@@ -24,12 +24,11 @@ from grpo.config import (
     instantiate,
     list_configs,
     load_config,
-    parse,
     repo_root,
-    run_recipe_cli,
     validate_config,
 )
 from grpo.config.schema import component_spec, default_of, section_type
+from grpo.recipe import parse, run_recipe_cli
 from grpo.testing import make_fake_model_dir
 
 # Small stand-ins for the real components, so these tests import nothing heavy.

@@ -12,13 +12,9 @@ import pytest
 import torch
 
 from grpo.advantages import group_advantages, zero_variance_groups
+from grpo.observability.metric_names import GROUPS_KEPT, GROUPS_SCORED, ZERO_VARIANCE_GROUPS
 from grpo.orchestrator import InFlightLedger, NoInformativeGroupsError
-from grpo.orchestrator.metrics import (
-    GROUPS_KEPT,
-    GROUPS_SCORED,
-    ZERO_VARIANCE_GROUPS,
-    GroupCounts,
-)
+from grpo.orchestrator.group_counts import GroupCounts
 from grpo.testing import read_jsonl
 from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
 
@@ -180,7 +176,7 @@ def test_group_counts_per_step_and_reset():
 
 def test_guard_names_equal_rewards_after_the_timeout_of_waiting(monkeypatch, caplog):
     now = [100.0]
-    monkeypatch.setattr("grpo.orchestrator.metrics.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("grpo.orchestrator.group_counts.time.monotonic", lambda: now[0])
     counts = GroupCounts(filtering=True, timeout_s=10.0)
     waiting_since = 95.0
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 import yaml
 
-from grpo.metric_names import (
+from grpo.observability.metric_logger import MetricLogger
+from grpo.observability.metric_names import (
     GLOBAL_STEP,
     INFERENCE_STEP,
     METRIC_NAMES,
@@ -27,7 +28,6 @@ from grpo.metric_names import (
     reward_metric_names,
     step_metric_for,
 )
-from grpo.workers.metric_logger import MetricLogger
 
 
 def _strict_json_lines(path: Path) -> list[dict]:
@@ -104,7 +104,7 @@ def test_reopening_appends(tmp_path):
 
 def test_nonfinite_values_are_null_and_counted(tmp_path, caplog):
     logger = _logger(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="grpo.workers.metric_logger"):
+    with caplog.at_level(logging.WARNING, logger="grpo.observability.metric_logger"):
         logger.log_dict({"a": float("nan"), "b": float("inf"), "c": 1.5}, step=0)
         logger.log_dict(
             {"a": torch.tensor(float("nan")), "b": -math.inf, "c": np.float32("nan")}, step=1
@@ -448,7 +448,7 @@ def test_wandb_mode_comes_from_the_environment_first(tmp_path, fake_wandb, monke
 
 def test_use_wandb_false_never_imports_wandb(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` would raise ImportError
-    with caplog.at_level(logging.WARNING, logger="grpo.workers.metric_logger"):
+    with caplog.at_level(logging.WARNING, logger="grpo.observability.metric_logger"):
         logger = _logger(tmp_path, use_wandb=False)
         logger.log_dict({"x": 1.0}, step=0)
         logger.close()
@@ -461,7 +461,7 @@ def test_wandb_init_failure_is_reported_once_and_logging_continues(tmp_path, fak
         raise ConnectionError("no route to api.wandb.ai")
 
     fake_wandb.init = broken_init
-    with caplog.at_level(logging.WARNING, logger="grpo.workers.metric_logger"):
+    with caplog.at_level(logging.WARNING, logger="grpo.observability.metric_logger"):
         logger = _logger(tmp_path, use_wandb=True, mode="online")
         for step in range(3):
             logger.log_dict({"train_actor_training/loss": 0.1 * step}, step=step, actor="train")
@@ -475,7 +475,7 @@ def test_wandb_init_failure_is_reported_once_and_logging_continues(tmp_path, fak
 def test_missing_wandb_package_is_reported_once(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    with caplog.at_level(logging.WARNING, logger="grpo.workers.metric_logger"):
+    with caplog.at_level(logging.WARNING, logger="grpo.observability.metric_logger"):
         logger = _logger(tmp_path, use_wandb=True, mode="offline")
         logger.log_dict({"x": 1.0}, step=0)
         logger.close()
@@ -487,7 +487,7 @@ def test_wandb_log_failure_turns_wandb_off_once(tmp_path, fake_wandb, caplog):
     logger = _logger(tmp_path, use_wandb=True, mode="online")
     run = fake_wandb.runs[0]
     run.fail_log = True
-    with caplog.at_level(logging.WARNING, logger="grpo.workers.metric_logger"):
+    with caplog.at_level(logging.WARNING, logger="grpo.observability.metric_logger"):
         for step in range(3):
             logger.log_dict({"eval/accuracy": 0.5}, step=step, actor="eval")
     failures = [r.getMessage() for r in caplog.records if "W&B failed" in r.getMessage()]

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.metric_names import METRIC_NAMES
-from grpo.orchestrator import InFlightLedger, RunState, step_metrics
-from grpo.orchestrator.metrics import (
+from grpo.observability.metric_names import METRIC_NAMES
+from grpo.observability.metrics import (
     DRIVER_OVERHEAD,
     ENGINE_RELOAD,
     GENERATION_BUSY,
@@ -19,8 +18,10 @@ from grpo.orchestrator.metrics import (
     WALL_PARTS,
     WEIGHT_GATHER,
     WEIGHT_TRANSFER,
+    step_metrics,
     step_time_breakdown,
 )
+from grpo.orchestrator import InFlightLedger, RunState
 from grpo.orchestrator.state import CallKind
 
 

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from grpo.cli import main as grpo_main
 from grpo.config import compose_config
-from grpo.metric_names import METRIC_NAMES
-from grpo.orchestrator.metrics import (
+from grpo.observability.metric_names import METRIC_NAMES
+from grpo.observability.metrics import (
     GENERATION_BUSY,
     SCORING_BUSY,
     STEP_WALL,

@@ -11,9 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpo.metric_names import METRIC_NAMES, is_known_metric
-from grpo.plotting import PLOTS, default_smoothing_window, moving_average, plot_run, read_metrics
-from grpo.workers.metric_logger import MetricLogger
+from grpo.observability.metric_logger import MetricLogger
+from grpo.observability.metric_names import METRIC_NAMES, is_known_metric
+from grpo.observability.plotting import (
+    PLOTS,
+    default_smoothing_window,
+    moving_average,
+    plot_run,
+    read_metrics,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -84,7 +90,7 @@ def test_plot_run_writes_every_plot_as_png(tmp_path):
 def test_plot_run_skips_absent_metrics_and_says_which(tmp_path, caplog):
     run_dir = tmp_path / "run"
     _write_synthetic_run(run_dir, with_eval=False, with_rewards=False)
-    with caplog.at_level(logging.INFO, logger="grpo.plotting"):
+    with caplog.at_level(logging.INFO, logger="grpo.observability.plotting"):
         paths = plot_run(run_dir, out_dir=tmp_path / "elsewhere")
     names = {p.name for p in paths}
     assert names == {"kl.png", "response_length.png", "tokens_per_second.png", "policy_age.png"}

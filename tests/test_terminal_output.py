@@ -1,4 +1,4 @@
-"""What a run prints on the terminal, and where everything else goes (`grpo.logs`)."""
+"""What a run prints on the terminal, and where everything else goes (`grpo.observability.logs`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from grpo.config import repo_root
-from grpo.logs import DriverLog, actor_log_path, with_output_to
+from grpo.observability.logs import DriverLog, actor_log_path, with_output_to
 
 # vLLM's log format: "(MainProcess pid=12) INFO 11-23 22:28:48 [model.py:733] ...".
 VLLM_LINE = re.compile(r"\b(DEBUG|INFO|WARNING)\b.*\[[\w.]+\.py:\d+\]")
@@ -40,7 +40,7 @@ def test_with_output_to_sends_the_process_output_to_the_file(tmp_path):
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_terminal_output import Talker
-        from grpo.logs import with_output_to
+        from grpo.observability.logs import with_output_to
 
         cls = with_output_to(Talker, {str(log_file)!r})
         assert cls.__name__ == "Talker" and issubclass(cls, Talker)

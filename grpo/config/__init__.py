@@ -12,7 +12,6 @@ vLLM: components import their section from here, never the other way round. The 
 * `validation`: report every problem of a config at once, with did-you-mean hints
   (`validate_config`).
 * `instantiate`: build a ``_component_`` node (`instantiate`).
-* `recipes`: the command line of a recipe (`run_recipe`, `parse`).
 * `reference`: the config reference, ``docs/config.md`` (`config_reference_markdown`).
 
 Example:
@@ -25,14 +24,6 @@ from grpo.config.errors import ConfigError, InstantiationError
 from grpo.config.instantiate import instantiate, locate
 from grpo.config.loading import compose_config, load_config
 from grpo.config.paths import configs_dir, find_config, list_configs, repo_root, resolve_path
-from grpo.config.recipes import (
-    Recipe,
-    add_verbose_flag,
-    parse,
-    run_recipe,
-    run_recipe_cli,
-    split_overrides,
-)
 from grpo.config.reference import config_reference_markdown
 from grpo.config.run import RunConfig
 from grpo.config.schema import (
@@ -66,13 +57,11 @@ __all__ = [
     "InstantiationError",
     "OrchestrationConfig",
     "RayConfig",
-    "Recipe",
     "RefConfig",
     "RunConfig",
     "Section",
     "TrainingConfig",
     "WeightSyncConfig",
-    "add_verbose_flag",
     "compose_config",
     "config_reference_markdown",
     "configs_dir",
@@ -81,11 +70,7 @@ __all__ = [
     "list_configs",
     "load_config",
     "locate",
-    "parse",
     "repo_root",
     "resolve_path",
-    "run_recipe",
-    "run_recipe_cli",
-    "split_overrides",
     "validate_config",
 ]

@@ -110,7 +110,7 @@ class RunConfig(Section):
     eval_dataset: Component() | None = None
     """Evaluation prompts; null: no evaluation."""
     metric_logger: Component(MetricLoggerArgs)
-    """Metric logger, run as a Ray actor: grpo.workers.metric_logger.MetricLogger (JSONL, W&B,
+    """Metric logger, run as a Ray actor: grpo.observability.metric_logger.MetricLogger (JSONL, W&B,
     stdout) or your own class with its methods. log_dir and config default to the run folder
     and the resolved config."""
 

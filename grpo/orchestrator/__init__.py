@@ -10,19 +10,17 @@ nothing lost. The parts, none of which knows the orchestrator:
   the restart budget (``orchestration.max_actor_restarts``), and asks idle actors for state.
 - `ledger`: `InFlightLedger`, what the driver holds (taken groups, scored batches, seen group
   ids, what the buffer holds until sampled), with its own ``state_dict()``.
-- `weight_sync`: `WeightSync`, driver side: gather from the trainers, send to the
-  collectors (over a channel per collector, or the object store), verify, and the payload a
-  replacement collector needs.
 - `checkpointer`: `Checkpointer` composes the parts' ``state_dict()``s into one atomic
   checkpoint and restores them; `find_checkpoint`.
 - `state`: `RunState` (step, policy version: tracked only there) and the kinds of call.
 - `loop`: `Orchestrator` wires the parts and runs the loop: one call in flight per actor,
   one handler per kind of call.
-- `metrics`: `RunLedger` (scored/trained ids on disk), `step_metrics`, `debug_tables`,
-  `GroupCounts` (groups scored and dropped per step, and the no-informative-group guard).
-- `errors`: `ActorFailedError`, `TrainingDivergedError`, `NoInformativeGroupsError`.
+- `group_counts`: `GroupCounts` (groups scored and dropped per step, and the
+  no-informative-group guard of dynamic sampling).
 
-The driver reads the typed `grpo.config.RunConfig`; its own sections are ``ray:``,
+Beside them, from other packages: `grpo.weights.sync.WeightSync` (gather, send, verify the
+weights), `grpo.observability` (step metrics, the run ledger, debug tables) and `grpo.errors`
+(`ActorFailedError`, `TrainingDivergedError`, `NoInformativeGroupsError`). The driver reads the typed `grpo.config.RunConfig`; its own sections are ``ray:``,
 ``orchestration:``, ``checkpoint:`` and ``weight_sync:`` (`grpo.config.sections`).
 """
 
@@ -34,7 +32,6 @@ from grpo.errors import (
 from grpo.orchestrator.checkpointer import Checkpointer, find_checkpoint
 from grpo.orchestrator.ledger import InFlightLedger, ScoredBatch
 from grpo.orchestrator.loop import Orchestrator
-from grpo.orchestrator.metrics import RunLedger, debug_tables, step_metrics
 from grpo.orchestrator.state import RunState
 from grpo.orchestrator.supervisor import ActorSupervisor, Recovery, Role, init_ray
 from grpo.weights.sync import WeightSync
@@ -48,13 +45,10 @@ __all__ = [
     "Orchestrator",
     "Recovery",
     "Role",
-    "RunLedger",
     "RunState",
     "ScoredBatch",
     "TrainingDivergedError",
     "WeightSync",
-    "debug_tables",
     "find_checkpoint",
     "init_ray",
-    "step_metrics",
 ]

@@ -25,16 +25,16 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from grpo.config import RunConfig
 from grpo.errors import ActorFailedError, TrainingDivergedError
-from grpo.metric_names import ratio_metrics
-from grpo.orchestrator.checkpointer import Checkpointer
-from grpo.orchestrator.ledger import InFlightLedger
-from grpo.orchestrator.metrics import (
-    GroupCounts,
+from grpo.observability.metric_names import ratio_metrics
+from grpo.observability.metrics import (
     RunLedger,
     debug_tables,
     step_metrics,
     step_time_breakdown,
 )
+from grpo.orchestrator.checkpointer import Checkpointer
+from grpo.orchestrator.group_counts import GroupCounts
+from grpo.orchestrator.ledger import InFlightLedger
 from grpo.orchestrator.state import Call, CallKind, RunState
 from grpo.orchestrator.supervisor import (
     ActorSupervisor,

@@ -25,22 +25,20 @@ from ray.exceptions import RayActorError, RayTaskError
 from grpo.config import InstantiationError, RunConfig, locate
 from grpo.config.instantiate import keyword_names
 from grpo.errors import ActorFailedError
-from grpo.logs import actor_log_path, is_verbose, logs_dir, with_output_to
+from grpo.observability.logs import actor_log_path, is_verbose, logs_dir, with_output_to
+from grpo.observability.metric_logger import DEFAULT_METRIC_LOGGER
 from grpo.orchestrator.checkpointer import latest_checkpoint_text
 from grpo.weights.collective import TRAINER_CONCURRENCY_GROUPS
 from grpo.workers.rollout_queue import RolloutQueue
 
 log = logging.getLogger("grpo")
 
-# The metric logger a node without ``_component_`` gets.
-DEFAULT_METRIC_LOGGER = "grpo.workers.metric_logger.MetricLogger"
-
 
 def init_ray(cfg: RunConfig) -> None:
     """Start a local Ray cluster, or join one when ``ray.address`` is set.
 
     Unless ``log_level`` is debug, Ray does not forward the actors' output to this process
-    (each actor writes its own log file, see `grpo.logs`) and its own start-up messages go
+    (each actor writes its own log file, see `grpo.observability.logs`) and its own start-up messages go
     through the root logger (the run's ``driver.log`` under ``grpo run``) instead of stderr.
     """
     if ray.is_initialized():
@@ -136,7 +134,7 @@ class ActorSupervisor:
         self.dataset = ray.put(dataset) if dataset is not None else cfg.dataset
         self.max_actor_restarts = cfg.orchestration.max_actor_restarts
         # Unless log_level is debug, each actor's process writes to its own file in
-        # <run_dir>/logs (grpo.logs) and Ray forwards nothing to the terminal.
+        # <run_dir>/logs (grpo.observability.logs) and Ray forwards nothing to the terminal.
         self.log_files = not is_verbose(cfg.log_level)
         self.on_replaced: dict[Role, Callable[[int, Any], None]] = {}
         self.collectors: list[Any] = []

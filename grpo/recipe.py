@@ -10,10 +10,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NoReturn
 
-from grpo.config.errors import ConfigError
-from grpo.config.loading import load_config
-from grpo.config.run import RunConfig
-from grpo.logs import DriverLog
+from grpo.config import ConfigError, RunConfig, load_config
+from grpo.observability.logs import DriverLog
 
 Recipe = Callable[[RunConfig], Any]
 
@@ -29,7 +27,7 @@ def run_recipe(
 
     Config problems are printed to stderr without a traceback; errors inside the recipe
     propagate. While it runs, this process's logging goes where the config's ``log_level``
-    says (`grpo.logs.DriverLog`): ``<output_dir>/logs/driver.log``, and the terminal for the
+    says (`grpo.observability.logs.DriverLog`): ``<output_dir>/logs/driver.log``, and the terminal for the
     ``grpo`` logger's warnings (every logger's with ``log_level: debug``).
 
     Args:

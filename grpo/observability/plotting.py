@@ -1,6 +1,6 @@
 """Plots of a run from its ``metrics.jsonl``, no W&B needed.
 
-`read_metrics` turns the log written by `grpo.workers.metric_logger.MetricLogger` into one
+`read_metrics` turns the log written by `grpo.observability.metric_logger.MetricLogger` into one
 ``(step, value)`` series per metric; `plot_run` draws the curves one looks at first in a GRPO run
 (reward per function, held-out accuracy, KL, response length, throughput, policy age) into
 ``RUN_DIR/plots/*.png``. Each series is drawn raw (faint) with a light moving average on top.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grpo.metric_names import RESERVED_KEYS, step_metric_for
+from grpo.observability.metric_names import RESERVED_KEYS, step_metric_for
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class PlotSpec:
     one_panel_per_series: bool = False
 
 
-# The metric names are `grpo.metric_names.METRIC_NAMES` entries (a test checks it).
+# The metric names are `grpo.observability.metric_names.METRIC_NAMES` entries (a test checks it).
 PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec(
         "rewards_per_function",

@@ -19,6 +19,11 @@ INFERENCE_STEP = "inference_step"
 # Step metric of a key that no rule covers and whose call named no known actor.
 GLOBAL_STEP = "global_step"
 
+# Per-step group counts of dynamic sampling (`grpo.orchestrator.group_counts.GroupCounts`).
+GROUPS_SCORED = "ref_actor_rewards/groups_scored"
+GROUPS_KEPT = "ref_actor_rewards/groups_kept"
+ZERO_VARIANCE_GROUPS = "ref_actor_rewards/zero_variance_groups"
+
 # (W&B metric name or glob, step metric), checked in order: exact names before the namespace
 # globs that would otherwise claim them. The `queues/` keys come from different actors, so each
 # one is routed to the actor that logs it.
@@ -76,7 +81,7 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         "train_actor_performance/time_weight_gather (s)",
         "train_actor_performance/pct_time_weight_gather (%)",
         # The step's wall time and the parts that add up to it (`step_time_breakdown` in
-        # grpo.orchestrator.metrics explains each): time_waiting_buffer, time_train_compute,
+        # grpo.observability.metrics explains each): time_waiting_buffer, time_train_compute,
         # time_weight_gather, time_weight_transfer, time_engine_reload, time_driver_overhead.
         "train_actor_performance/step_wall_time (s)",
         "train_actor_performance/time_train_compute (s)",
@@ -105,13 +110,13 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         "ref_actor_rewards/rewards_func_{name}_mean",
         "ref_actor_rewards/successes_func_{name}_mean",
         # Counted by the driver over the reference calls that finished since the previous
-        # training step, logged once per step (`grpo.orchestrator.metrics.GroupCounts`):
+        # training step, logged once per step (`grpo.orchestrator.group_counts.GroupCounts`):
         # groups scored, passed on to the buffer, and with all-equal rewards (dropped when
         # ref.filter_zero_variance_groups is on). scored / kept is the extra generation
         # that dynamic sampling costs.
-        "ref_actor_rewards/groups_scored",
-        "ref_actor_rewards/groups_kept",
-        "ref_actor_rewards/zero_variance_groups",
+        GROUPS_SCORED,
+        GROUPS_KEPT,
+        ZERO_VARIANCE_GROUPS,
     ),
     # SyncLLMCollector (vLLM), keyed on its generation round (`inference_step`).
     "inference": (

@@ -11,7 +11,7 @@ in any order. The JSONL keeps each call's step as given (plus the ``actor`` that
 drops a ``log(..., step=s)`` whose ``s`` is lower than a step already logged, so the logger never
 passes ``step=`` to W&B. It declares one step metric per namespace with ``define_metric``
 instead (``train_actor_*`` and ``eval/*`` on ``train_step``, ``ref_actor_*`` on ``ref_step``,
-``inference/*`` on ``inference_step``, see `grpo.metric_names.STEP_METRIC_RULES`) and sends that step metric's
+``inference/*`` on ``inference_step``, see `grpo.observability.metric_names.STEP_METRIC_RULES`) and sends that step metric's
 value with every ``log`` call. W&B's own ``_step`` then just counts calls (always increasing),
 and each chart uses its namespace's step as x axis, so an actor running behind loses nothing.
 
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.choices import WANDB_MODES
-from grpo.metric_names import (
+from grpo.observability.metric_names import (
     GLOBAL_STEP,
     INFERENCE_STEP,
     REF_STEP,
@@ -90,6 +90,10 @@ def _to_jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+# The metric logger a run uses unless its config names another class.
+DEFAULT_METRIC_LOGGER = "grpo.observability.metric_logger.MetricLogger"
 
 
 class MetricLogger:

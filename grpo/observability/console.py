@@ -1,0 +1,176 @@
+"""What a run shows on the terminal: a few start lines, one progress bar, the results.
+
+Everything else a run's processes print goes to ``output_dir/logs/`` (`grpo.observability.logs`)
+unless ``log_level`` is debug. On a terminal that reports its size the progress is one tqdm bar;
+anywhere else (a file, a pipe, a test) a plain line every tenth of the run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from grpo.config import RunConfig
+from grpo.observability.logs import is_verbose, logs_dir
+from grpo.observability.metric_logger import DEFAULT_METRIC_LOGGER, resolve_wandb_mode
+from grpo.observability.metric_names import GROUPS_KEPT, GROUPS_SCORED
+
+
+def progress_fields(state: Any) -> dict[str, str]:
+    """What the progress line shows after a step: policy version, reward, loss, accuracy.
+
+    Args:
+        state: The run's `grpo.orchestrator.RunState`.
+
+    The reward is that of the groups scored most recently, the loss the last step's, the
+    accuracy the last held-out evaluation's. When dynamic sampling dropped groups during the
+    step, ``kept`` shows how many of the groups scored reached the buffer.
+    """
+    fields = {"v": str(state.policy_version)}
+    reward = state.last_scored_metrics.get("ref_actor_rewards/rewards_mean")
+    if reward is not None:
+        fields["reward"] = f"{reward:.3f}"
+    scored = state.last_metrics.get(GROUPS_SCORED)
+    kept = state.last_metrics.get(GROUPS_KEPT)
+    if scored and kept is not None and kept < scored:
+        fields["kept"] = f"{kept:.0f}/{scored:.0f}"
+    loss = state.last_metrics.get("train_actor_training/loss")
+    if loss is not None:
+        fields["loss"] = f"{loss:.4f}"
+    if state.eval_history:
+        fields["eval_acc"] = f"{state.eval_history[-1][1]['eval/accuracy']:.3f}"
+    return fields
+
+
+def _has_sized_terminal() -> bool:
+    """Whether stdout is a terminal that reports its size.
+
+    A pseudo-terminal without one (0 columns or rows, as some containers and ``script`` give)
+    makes tqdm draw nothing at all.
+    """
+    try:
+        size = os.get_terminal_size(sys.stdout.fileno())
+    except (OSError, ValueError):
+        return False
+    return sys.stdout.isatty() and size.columns > 0 and size.lines > 0
+
+
+@contextmanager
+def progress_bar(num_steps: int, state: Any):
+    """Progress over training steps; yields ``on_step(state)``, called after each step.
+
+    On a terminal that reports its size: one tqdm bar (rate, ETA and `progress_fields`).
+    Anywhere else (a file, a pipe, a test capturing stdout), where a bar's carriage returns
+    would pile up: a plain line every tenth of the run and at its last step.
+    """
+    interactive = _has_sized_terminal()
+    every = max(1, num_steps // 10)
+    first_step, started = state.step, time.monotonic()
+    with tqdm(
+        total=num_steps,
+        initial=state.step,
+        desc="GRPO",
+        unit="step",
+        file=sys.stdout,
+        disable=not interactive,
+        dynamic_ncols=True,
+    ) as bar:
+
+        def on_step(state: Any) -> None:
+            fields = progress_fields(state)
+            if interactive:
+                bar.set_postfix(fields, refresh=False)
+                bar.update(1)
+                return
+            if state.step % every and state.step != num_steps:
+                return
+            elapsed = time.monotonic() - started
+            remaining = elapsed / max(state.step - first_step, 1) * (num_steps - state.step)
+            shown = " ".join(f"{key}={value}" for key, value in fields.items())
+            print(
+                f"step {state.step}/{num_steps} {shown} "
+                f"elapsed={tqdm.format_interval(elapsed)} eta={tqdm.format_interval(remaining)}",
+                flush=True,
+            )
+
+        yield on_step
+
+
+def wandb_text(cfg: RunConfig, run_dir: Path) -> str | None:
+    """How the run logs to W&B, for the start lines; None for a metric logger of your own."""
+    node = cfg.metric_logger
+    if node.get("_component_", DEFAULT_METRIC_LOGGER) != DEFAULT_METRIC_LOGGER:
+        return None
+    try:
+        mode = resolve_wandb_mode(node.get("mode", "online"))
+    except ValueError as error:
+        return str(error)
+    if node.get("use_wandb") is False or mode == "disabled":
+        return "off"
+    project = node.get("project", "grpo")
+    if mode == "offline":
+        return f"offline, project {project!r}, in {run_dir / 'wandb'} (upload with `wandb sync`)"
+    return f"online, project {project!r}"
+
+
+def dataset_text(node: dict[str, Any], dataset: Any) -> str:
+    """``grpo.data.prompt_dataset(/data/train.jsonl), 7473 rows``: what a dataset was built from."""
+    source = node.get("source")
+    origin = f"{node['_component_']}({source})" if source else node["_component_"]
+    return f"{origin}, {len(dataset)} rows"
+
+
+def print_start(cfg: RunConfig, run_dir: Path, datasets: dict[str, Any]) -> None:
+    """The lines before the progress bar: what runs, on which data, where its files go."""
+    orchestration = cfg.orchestration
+    print(
+        f"GRPO: {cfg.base_model_path}, {orchestration.num_steps} steps, "
+        f"{orchestration.num_inference_workers} collector(s), "
+        f"{orchestration.num_ref_workers} reference actor(s), "
+        f"{orchestration.num_training_workers} trainer(s)"
+    )
+    for key, dataset in datasets.items():
+        print(f"Data: {key} {dataset_text(getattr(cfg, key), dataset)}")
+    print(f"Run folder: {run_dir}")
+    if not is_verbose(cfg.log_level):
+        print(
+            f"Logs: {logs_dir(run_dir)}/ (vLLM, Ray, W&B; --verbose or log_level=debug "
+            "prints them here instead)"
+        )
+    wandb = wandb_text(cfg, run_dir)
+    if wandb:
+        print(f"W&B: {wandb}")
+    sys.stdout.flush()
+
+
+def write_plots(run_dir: Path) -> list[str]:
+    """Plots of the run's metrics; a failure is reported, never fatal to a finished run."""
+    try:
+        from grpo.observability.plotting import plot_run
+
+        return [str(p) for p in plot_run(run_dir)]
+    except Exception as error:  # plots are a convenience; never fail a finished run on them
+        print(f"could not write plots: {error}", file=sys.stderr)
+        return []
+
+
+def print_end(summary: dict) -> None:
+    """The lines after the progress bar: accuracy, where the policy, metrics and plots are."""
+    print(
+        f"Run finished: {summary['steps']} steps in {tqdm.format_interval(summary['seconds'])}, "
+        f"policy version {summary['policy_version']}"
+    )
+    accuracies = [f"{a:.3f} at step {step}" for step, a in summary["eval"] if a is not None]
+    if accuracies:
+        print(f"Held-out accuracy: {' -> '.join(accuracies)}")
+    print(f"Final policy: {summary['final_checkpoint']}")
+    run_dir = Path(summary["run_dir"])
+    plots = summary["plots"]
+    where_plots = f"; plots: {Path(plots[0]).parent}/ ({len(plots)} PNG)" if plots else ""
+    print(f"Metrics: {run_dir / 'metrics.jsonl'}{where_plots}")
