@@ -1,9 +1,10 @@
 """The GRPO loss on packed batches.
 
-`GRPOWithChunkedOutputLoss` takes the hidden states of a pack and reads the response-token
-logprobs through `grpo.logprobs` (chunked: the ``[L, V]`` logits are never built). The loss
-itself (`GRPOWithChunkedOutputLoss.compute_loss_from_logprobs`) works on flat per-token tensors
-aligned with ``PackedTrajectory.targets``:
+`GRPOWithChunkedOutputLoss.compute_loss_from_logprobs` works on the flat per-token response
+logprobs of a pack, aligned with ``PackedTrajectory.targets``. They come from
+`grpo.logprobs.model_response_logprobs`, which projects the response positions' hidden states
+to the vocabulary in chunks (the ``[L, V]`` logits are never built); the trainer runs it inside
+its FSDP root module's forward, so the output projection is unsharded there:
 
     ratio_t   = exp(pi_t - behaviour_t)
     policy_t  = -min(ratio_t * A_t, clamp(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
@@ -36,8 +37,10 @@ Example:
     >>> loss_fn = GRPOWithChunkedOutputLoss(epsilon_high=0.28)
     >>> normalizer = loss_fn.batch_loss_normalizer(torch.cat([p.response_lens for p in packs]))
     >>> for packed in packs:
-    ...     hidden = model_hidden_states(model, packed)
-    ...     stats = loss_fn(hidden, output_projection_weight(model), packed, normalizer)
+    ...     stats = loss_fn.compute_loss_from_logprobs(
+    ...         model_response_logprobs(model, packed), packed.ref_logprobs, packed.advantages,
+    ...         packed.behavior_logprobs, response_lens=packed.response_lens,
+    ...         loss_normalizer=normalizer)
     ...     stats.loss.backward()
 """
 
@@ -47,16 +50,9 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn as nn
 
 from grpo.choices import AGGREGATIONS, KL_ESTIMATORS, LEVELS
-from grpo.logprobs import (
-    DEFAULT_CHUNK_SIZE,
-    check_chunk_size,
-    output_projection_weight,
-    packed_logprobs_from_hidden,
-)
-from grpo.types import GRPOStats, PackedTrajectory
+from grpo.types import GRPOStats
 
 # Allowed values, declared once in grpo.choices (the config's Literal types).
 TIS_LEVELS = RATIO_LEVELS = LEVELS
@@ -109,7 +105,7 @@ def _per_sequence_sum(values: torch.Tensor, response_lens: torch.Tensor) -> torc
 # --------------------------------------------------------------------------------------------
 
 
-class GRPOWithChunkedOutputLoss(nn.Module):
+class GRPOWithChunkedOutputLoss:
     """GRPO / PPO clipped surrogate with a KL penalty to a reference, on packed batches.
 
     Args:
@@ -126,7 +122,6 @@ class GRPOWithChunkedOutputLoss(nn.Module):
         aggregation (str): ``"token_mean"`` (all tokens weigh the same), ``"seq_mean_token_mean"``
             (mean per sequence, then over sequences) or ``"seq_mean_token_sum_norm"``
             (Dr. GRPO: token sum per sequence / ``max_response_len``, then mean over sequences).
-        chunk_size (int): Response tokens projected to the vocabulary at once in `forward`.
         max_response_len (int | None): The Dr. GRPO constant; required by, and only used by,
             ``"seq_mean_token_sum_norm"``.
         tis_cap (float | None): Truncated importance sampling of the sampler/trainer mismatch:
@@ -153,13 +148,11 @@ class GRPOWithChunkedOutputLoss(nn.Module):
         kl_coeff: float = 0.0,
         kl_estimator: str = "k3",
         aggregation: str = "token_mean",
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
         max_response_len: int | None = None,
         tis_cap: float | None = None,
         tis_level: str = "token",
         ratio_level: str = "token",
     ) -> None:
-        super().__init__()
         for key, value in (
             ("epsilon_low", epsilon_low),
             ("epsilon_high", epsilon_high),
@@ -177,7 +170,6 @@ class GRPOWithChunkedOutputLoss(nn.Module):
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-        check_chunk_size(chunk_size)
         if max_response_len is not None and (
             isinstance(max_response_len, bool)
             or not isinstance(max_response_len, int)
@@ -208,19 +200,19 @@ class GRPOWithChunkedOutputLoss(nn.Module):
         self.kl_coeff = float(kl_coeff)
         self.kl_estimator = kl_estimator
         self.aggregation = aggregation
-        self.chunk_size = chunk_size
         self.max_response_len = max_response_len
         self.tis_cap = None if tis_cap is None else float(tis_cap)
         self.tis_level = tis_level
         self.ratio_level = ratio_level
 
-    def extra_repr(self) -> str:
+    def __repr__(self) -> str:
         return (
+            f"{type(self).__name__}("
             f"epsilon_low={self.epsilon_low}, epsilon_high={self.epsilon_high}, "
             f"kl_coeff={self.kl_coeff}, kl_estimator={self.kl_estimator!r}, "
-            f"aggregation={self.aggregation!r}, chunk_size={self.chunk_size}, "
+            f"aggregation={self.aggregation!r}, "
             f"max_response_len={self.max_response_len}, tis_cap={self.tis_cap}, "
-            f"tis_level={self.tis_level!r}, ratio_level={self.ratio_level!r}"
+            f"tis_level={self.tis_level!r}, ratio_level={self.ratio_level!r})"
         )
 
     # ---- normalisation ----------------------------------------------------------------------
@@ -468,55 +460,6 @@ class GRPOWithChunkedOutputLoss(nn.Module):
         # Clamp before exp so a far-off sequence cannot overflow to inf; the cap then applies
         # to a finite number. No lower clamp: a weight that underflows to 0 is exact enough.
         return torch.exp(log_weight.clamp(max=_MAX_LOG_RATIO)).clamp(max=self.tis_cap)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        output_weight: torch.Tensor | nn.Module,
-        packed: PackedTrajectory,
-        loss_normalizer: float | int | torch.Tensor | None = None,
-        *,
-        old_logprobs: torch.Tensor | None = None,
-        return_pi_logprobs: bool = False,
-    ) -> GRPOStats:
-        """The GRPO loss of one pack from its final hidden states.
-
-        Args:
-            hidden_states (torch.Tensor): Post-norm hidden states ``[L, D]`` or ``[1, L, D]``
-                (see `model_hidden_states`).
-            output_weight (torch.Tensor | nn.Module): The output projection weight ``[V, D]``, or
-                the projection / model it belongs to (see `output_projection_weight`).
-            packed (PackedTrajectory): Carries ``logit_positions``, ``targets``,
-                ``ref_logprobs``, ``advantages``, ``behavior_logprobs`` and ``response_lens``.
-            loss_normalizer (float | int | torch.Tensor | None): See
-                `compute_loss_from_logprobs`.
-            old_logprobs (torch.Tensor | None): The pack's pre-update trainer logprobs; see
-                `compute_loss_from_logprobs`.
-            return_pi_logprobs (bool): Put detached ``pi_logprobs`` in ``metadata``.
-
-        Returns:
-            GRPOStats: See `compute_loss_from_logprobs`.
-
-        Raises:
-            ValueError: If the pack has no advantages.
-        """
-        if packed.advantages is None:
-            raise ValueError("packed.advantages is None: the loss needs a scored pack")
-        if not isinstance(output_weight, torch.Tensor):
-            output_weight = output_projection_weight(output_weight)
-        pi_logprobs = packed_logprobs_from_hidden(
-            hidden_states, output_weight, packed, self.chunk_size
-        )
-        return self.compute_loss_from_logprobs(
-            pi_logprobs,
-            packed.ref_logprobs,
-            packed.advantages,
-            packed.behavior_logprobs,
-            old_logprobs=old_logprobs,
-            response_lens=packed.response_lens,
-            loss_normalizer=loss_normalizer,
-            return_pi_logprobs=return_pi_logprobs,
-        )
 
 
 def combine_stats(stats: Sequence[GRPOStats]) -> GRPOStats:

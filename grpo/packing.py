@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from grpo.attention import VarlenMask
@@ -42,11 +41,8 @@ from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
 __all__ = [
     "FLEX_BUCKET",
     "MASK_KINDS",
-    "logprobs_from_logits",
-    "pack_by_budget",
     "pack_sequences",
     "packed_forward_inputs",
-    "padding_fraction",
     "plan_packs",
     "plan_sequence_packs",
     "prompt_groups",
@@ -460,7 +456,7 @@ def unpack_response_logprobs(
     Args:
         packed (PackedTrajectory): The pack the values were computed on.
         packed_logprobs (torch.Tensor): Shape ``(packed.num_response_tokens,)``, aligned with
-            ``packed.targets`` (e.g. from `logprobs_from_logits`).
+            ``packed.targets`` (e.g. from `grpo.logprobs.model_response_logprobs`).
 
     Returns:
         list[torch.Tensor]: ``packed.num_sequences`` views; entry i has ``response_lens[i]``
@@ -476,35 +472,6 @@ def unpack_response_logprobs(
             f"tokens), got {tuple(packed_logprobs.shape)}"
         )
     return list(torch.split(packed_logprobs, packed.response_lens.tolist()))
-
-
-def logprobs_from_logits(logits: torch.Tensor, packed: PackedTrajectory) -> torch.Tensor:
-    """Logprobs of the response tokens of a pack, from the model's full logits.
-
-    Each response token is scored by the logits at its ``packed.logit_positions`` row (the
-    previous token of its sequence). Only those rows are kept before the fp32 log-softmax. (Training uses the chunked loss on hidden states instead,
-    which never materialises ``[L, V]`` logits.)
-
-    Args:
-        logits (torch.Tensor): ``[L, V]`` or ``[1, L, V]``.
-        packed (PackedTrajectory): The pack the logits were computed on.
-
-    Returns:
-        torch.Tensor: fp32 ``(packed.num_response_tokens,)`` aligned with ``packed.targets``.
-
-    Raises:
-        ValueError: If ``logits`` does not have the pack's length.
-    """
-    if logits.dim() == 3 and logits.shape[0] == 1:
-        logits = logits[0]
-    if logits.dim() != 2 or logits.shape[0] != packed.packed_seq_len:
-        raise ValueError(
-            f"logprobs_from_logits: expected logits of shape ({packed.packed_seq_len}, V), "
-            f"got {tuple(logits.shape)}"
-        )
-    response_logits = logits.index_select(0, packed.logit_positions).float()
-    log_probs = F.log_softmax(response_logits, dim=-1)
-    return log_probs.gather(1, packed.targets[:, None]).squeeze(1)
 
 
 def packed_forward_inputs(packed: PackedTrajectory) -> dict[str, Any]:
@@ -708,78 +675,3 @@ def shard_batch(
         shards[rank].extend(units[unit])
         loads[rank] += costs[unit]
     return [sorted(shard) for shard in shards]
-
-
-def pack_by_budget(
-    sequences: Sequence[UnscoredTrajectory] | Sequence[ScoredTrajectory],
-    device: torch.device | str,
-    pad_token_id: int,
-    target_tokens_per_batch: int,
-    keep_groups_together: bool = False,
-    pad_to_budget: bool = False,
-    mask_kind: str = "dense",
-    pad_to_multiple_of: int | None = None,
-    share_prompts: bool = False,
-) -> list[PackedTrajectory]:
-    """Plan packs with `plan_sequence_packs` and build them with `pack_sequences`.
-
-    Args:
-        sequences: The batch, all `UnscoredTrajectory` or all `ScoredTrajectory`.
-        device (torch.device | str): Device of the packs.
-        pad_token_id (int): Padding token id.
-        target_tokens_per_batch (int): Token budget of each pack.
-        keep_groups_together (bool): Never split a ``group_id`` across packs (unless the group
-            alone exceeds the budget).
-        pad_to_budget (bool): Pad every pack to exactly the budget (one static shape).
-            Otherwise packs are padded only up to ``pad_to_multiple_of``, if given.
-        mask_kind (str): See `pack_sequences`.
-        pad_to_multiple_of (int | None): See `pack_sequences`.
-        share_prompts (bool): Hold each shared prompt once per pack (see `pack_sequences`).
-
-    Returns:
-        list[PackedTrajectory]: The packs, in plan order.
-
-    Raises:
-        ValueError: As `plan_sequence_packs` and `pack_sequences`.
-    """
-    plan = plan_sequence_packs(
-        sequences,
-        target_tokens_per_batch,
-        share_prompts=share_prompts,
-        keep_groups_together=keep_groups_together,
-    )
-    if pad_to_budget:
-        padding = {"target_tokens_per_batch": target_tokens_per_batch}
-    elif pad_to_multiple_of is not None:
-        # The budget caps the bucketed length.
-        padding = {
-            "target_tokens_per_batch": target_tokens_per_batch,
-            "pad_to_multiple_of": pad_to_multiple_of,
-        }
-    else:
-        padding = {}
-    return [
-        pack_sequences(
-            [sequences[i] for i in indices],
-            device,
-            pad_token_id,
-            mask_kind=mask_kind,
-            share_prompts=share_prompts,
-            **padding,
-        )
-        for indices in plan
-    ]
-
-
-def padding_fraction(packs: Sequence[PackedTrajectory]) -> float:
-    """Share of padding tokens over all tokens of some packs (0.0 for no tokens).
-
-    Args:
-        packs (Sequence[PackedTrajectory]): Packs, e.g. the micro-batches of one step.
-
-    Returns:
-        float: ``sum(padding) / sum(packed_seq_len)``.
-    """
-    total = sum(pack.packed_seq_len for pack in packs)
-    padding = sum(pack.padding_tokens for pack in packs)
-    return padding / total if total else 0.0

@@ -52,13 +52,8 @@ from torch import nn
 from torchtune.models.qwen2 import qwen2
 
 from grpo.attention import packed_attention, use_packed_attention
-from grpo.packing import (
-    FLEX_BUCKET,
-    logprobs_from_logits,
-    pack_by_budget,
-    packed_forward_inputs,
-    padding_fraction,
-)
+from grpo.packing import FLEX_BUCKET, packed_forward_inputs
+from grpo.testing.packing import logprobs_from_logits, pack_by_budget, padding_fraction
 from grpo.types import PackedTrajectory, ScoredTrajectory
 
 VOCAB_SIZE = 4096

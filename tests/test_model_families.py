@@ -26,7 +26,6 @@ from torchtune.modules import MultiHeadAttention
 from grpo import models
 from grpo.attention import use_packed_attention
 from grpo.packing import (
-    logprobs_from_logits,
     pack_sequences,
     packed_forward_inputs,
     unpack_response_logprobs,
@@ -43,6 +42,7 @@ from grpo.testing import (
     build_tiny_qwen2,
     build_tiny_qwen3,
 )
+from grpo.testing.packing import logprobs_from_logits
 from grpo.types import UnscoredTrajectory
 
 FAMILIES = ("qwen2", "qwen3", "llama")

@@ -19,11 +19,8 @@ from torchtune.models.qwen2 import qwen2
 from grpo.attention import VarlenMask, resolve_mask_kind, use_packed_attention
 from grpo.logprobs import model_hidden_states, output_projection_weight, packed_logprobs_from_hidden
 from grpo.packing import (
-    logprobs_from_logits,
-    pack_by_budget,
     pack_sequences,
     packed_forward_inputs,
-    padding_fraction,
     plan_packs,
     plan_sequence_packs,
     prompt_groups,
@@ -31,6 +28,7 @@ from grpo.packing import (
     shared_prompt_units,
     unpack_response_logprobs,
 )
+from grpo.testing.packing import logprobs_from_logits, pack_by_budget, padding_fraction
 from grpo.types import ScoredTrajectory, UnscoredTrajectory
 
 VOCAB_SIZE = 256

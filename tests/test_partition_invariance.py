@@ -14,7 +14,7 @@ import torch
 from torchtune.models.qwen2 import qwen2
 
 from grpo.attention import use_packed_attention
-from grpo.logprobs import model_hidden_states, model_response_logprobs, output_projection_weight
+from grpo.logprobs import model_response_logprobs
 from grpo.loss import AGGREGATIONS, GRPOWithChunkedOutputLoss, combine_stats
 from grpo.packing import (
     pack_sequences,
@@ -117,8 +117,14 @@ def _loss_and_gradients(model, loss_fn, packs, loss_normalizer):
     model.zero_grad(set_to_none=True)
     all_stats = []
     for packed in packs:
-        hidden = model_hidden_states(model, packed)
-        stats = loss_fn(hidden, output_projection_weight(model), packed, loss_normalizer)
+        stats = loss_fn.compute_loss_from_logprobs(
+            model_response_logprobs(model, packed),
+            packed.ref_logprobs,
+            packed.advantages,
+            packed.behavior_logprobs,
+            response_lens=packed.response_lens,
+            loss_normalizer=loss_normalizer,
+        )
         stats.loss.backward()
         all_stats.append(stats)
     gradients = {name: param.grad.detach().clone() for name, param in model.named_parameters()}
@@ -137,7 +143,6 @@ def test_loss_and_gradients_do_not_depend_on_the_split(model_and_batch, aggregat
         kl_coeff=0.1,
         kl_estimator="k3",
         aggregation=aggregation,
-        chunk_size=16,
         max_response_len=MAX_RESPONSE_LEN,
     )
     normalizer = loss_fn.batch_loss_normalizer([seq.response_len for seq in batch])
@@ -188,7 +193,7 @@ def test_local_normalisation_depends_on_the_split(model_and_batch):
     """Without the whole-batch normaliser, micro-batch losses do NOT add up to the batch's."""
     model, batch = model_and_batch
     model = copy.deepcopy(model)
-    loss_fn = GRPOWithChunkedOutputLoss(epsilon_high=0.28, chunk_size=16)
+    loss_fn = GRPOWithChunkedOutputLoss(epsilon_high=0.28)
     whole_loss, _, _ = _loss_and_gradients(
         model, loss_fn, [pack_sequences(batch, "cpu", PAD_TOKEN_ID)], None
     )
@@ -204,9 +209,7 @@ def test_shared_prompts_over_two_ranks_give_the_unshared_whole_batch(mask_kind):
     same loss and gradients as the whole batch packed without sharing."""
     model = _tiny_model()
     batch = _scored_batch(model, shared_prompts=True)
-    loss_fn = GRPOWithChunkedOutputLoss(
-        epsilon_high=0.28, kl_coeff=0.1, kl_estimator="k3", chunk_size=16
-    )
+    loss_fn = GRPOWithChunkedOutputLoss(epsilon_high=0.28, kl_coeff=0.1, kl_estimator="k3")
     normalizer = loss_fn.batch_loss_normalizer([seq.response_len for seq in batch])
     whole_pack = pack_sequences(batch, "cpu", PAD_TOKEN_ID, mask_kind=mask_kind)
     whole_loss, _, whole_gradients = _loss_and_gradients(model, loss_fn, [whole_pack], normalizer)

@@ -59,6 +59,9 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         "train_actor_training/ratios",
         "train_actor_training/clipfrac",
         "train_actor_training/approx_policy_kls",
+        # Token mean of the KL estimate to the reference model (the loss's estimator), logged
+        # whether or not the KL term is in the loss (kl_coeff 0).
+        "train_actor_training/kl_to_ref",
         # Sampler (vLLM) vs trainer logprobs of the same pre-update policy: token mean of the
         # k3 estimate of KL(behaviour || pi_old), and the largest |pi_old - behaviour|.
         "train_actor_training/mismatch_kl",

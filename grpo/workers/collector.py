@@ -109,15 +109,6 @@ def _resolve_dataset(dataset: Any) -> Sequence[dict[str, Any]]:
     return dataset
 
 
-def _call_logger(metric_logger: Any, metrics: dict[str, float], step: int) -> None:
-    """Log to a Ray actor handle (``log_dict.remote``) or a local logger (``log_dict``)."""
-    log_dict = metric_logger.log_dict
-    if hasattr(log_dict, "remote"):
-        log_dict.remote(metrics, step=step, actor="inference")
-    else:
-        log_dict(metrics, step=step, actor="inference")
-
-
 class SyncLLMCollector:
     """Generates GRPO groups with vLLM from one shard of a prompt dataset.
 
@@ -139,13 +130,6 @@ class SyncLLMCollector:
             groups are never dropped. Prompts longer than ``max_prompt_tokens`` are skipped
             (counted in ``inference/skipped_long_prompts``).
         seed (int): Seeds the prompt order and every request's sampler.
-        template: Optional template (a name, ``_component_`` node or ``question -> prompt``
-            callable, see `grpo.data.resolve_template`); by default each example's
-            ``"prompt"`` (rendered by the dataset's template) is used.
-        metric_logger: Optional `MetricLogger` actor handle (or local instance).
-        stop (Sequence[str] | None): Stop strings; default the template's ``stop`` attribute
-            (``("</answer>",)`` for the shipped templates). The tokens that complete one are
-            kept in the response.
         verify_weights (bool): Check the checksum of every received update.
 
     Raises:
@@ -169,9 +153,6 @@ class SyncLLMCollector:
         config: InferenceConfig | None = None,
         *,
         seed: int = 0,
-        template: Any = None,
-        metric_logger: Any = None,
-        stop: Sequence[str] | None = None,
         verify_weights: bool = True,
     ) -> None:
         config = config or InferenceConfig()
@@ -182,7 +163,6 @@ class SyncLLMCollector:
         from vllm import LLM
 
         from grpo.data.stream import PromptStream
-        from grpo.data.templates import resolve_template
         from grpo.models import load_tokenizer
 
         self.worker_id = worker_id
@@ -195,18 +175,16 @@ class SyncLLMCollector:
         self.rollout_queue = rollout_queue
         self.seed = seed
         self.queue_put_timeout_s = float(config.queue_put_timeout_s)
-        self.metric_logger = metric_logger
         self.verify_weights = verify_weights
         self.weight_check_every_n_batches = config.weight_check_every_n_batches
 
         self.dataset = _resolve_dataset(dataset)
-        self.template = None if template is None else resolve_template(template, "answer_only")
         self.stream = PromptStream(self.dataset, worker_id, num_workers, seed=seed)
         self.tokenizer = load_tokenizer(self.model_dir)
-        prompt_template = self.template or getattr(self.dataset, "template", None)
-        if stop is None:
-            stop = getattr(prompt_template, "stop", ())
-        self.stop_strings = list(stop)
+        # Each example's "prompt" is rendered by the dataset's template, whose stop strings
+        # end a response (the tokens that complete one are kept).
+        prompt_template = getattr(self.dataset, "template", None)
+        self.stop_strings = list(getattr(prompt_template, "stop", ()))
         # A chat template's text already holds the model's leading special tokens (Llama 3's
         # writes <|begin_of_text|>): adding a bos on top would start the prompt with two.
         self.add_bos = bool(getattr(prompt_template, "add_bos", True))
@@ -408,15 +386,10 @@ class SyncLLMCollector:
     # ------------------------------------------------------------------ generation
 
     def _prompt_token_ids(self, item: Mapping[str, Any]) -> list[int]:
-        from grpo.data.dataset import template_input
-
-        if self.template is not None:
-            text = self.template(template_input(item))  # chat turns if the example has them
-        else:
-            text = item.get("prompt")
+        text = item.get("prompt")
         if text is None:
             raise KeyError(
-                f"example {item.get('index')} has no 'prompt' and the collector has no template"
+                f"example {item.get('index')} has no 'prompt' (build the dataset with a template)"
             )
         # add_eos=False: the prompt continues into the response. A plain prompt gets a bos
         # only for families whose tokenizer adds one (Llama 3); a chat template's text is
@@ -607,8 +580,6 @@ class SyncLLMCollector:
                     self.worker_id,
                     len(groups) - queued,
                 )
-            if self.metric_logger is not None:
-                _call_logger(self.metric_logger, metrics, self.batch_counter)
         return metrics
 
     def generate_batch_with_state(self, num_prompts: int) -> dict[str, Any]:

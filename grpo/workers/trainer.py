@@ -29,6 +29,7 @@ from grpo.attention import resolve_mask_kind, use_packed_attention
 from grpo.config import instantiate
 from grpo.config.sections import TrainingConfig
 from grpo.logprobs import model_response_logprobs
+from grpo.loss import combine_stats
 from grpo.models import (
     build_model,
     load_hf_config,
@@ -43,7 +44,7 @@ from grpo.packing import (
     shard_batch,
     unpack_response_logprobs,
 )
-from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
+from grpo.types import GRPOStats, PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
 from grpo.weights.channel import tensor_specs
 from grpo.weights.checksum import state_dict_checksum
 from grpo.weights.collective import ChannelSender
@@ -335,10 +336,8 @@ class PyTorchActorModel:
         # Normalise by the WHOLE batch's count (tokens or sequences), so gradients do not
         # depend on how the batch is split into packs or across workers.
         normalizer = self.loss_fn.batch_loss_normalizer([t.response_len for t in batch])
-        # Sums over micro-batches and epochs: loss parts, and token-weighted stats; and the
-        # max of the per-token mismatch, which is reduced with max rather than summed.
-        totals = torch.zeros(8, dtype=torch.float64)
-        mismatch_max_abs = torch.zeros((), dtype=torch.float64)
+        # Every real micro-batch's stats over all epochs, combined by the loss's own rule.
+        step_stats: list[GRPOStats] = []
         wanted = set(debug_sequence_ids or ())
         debug_pi_logprobs: dict[str, list[float]] = {}
         grad_norm = torch.tensor(0.0)
@@ -377,24 +376,7 @@ class PyTorchActorModel:
                 if is_filler:
                     continue
                 epoch_loss += stats.loss.detach().double()
-                tokens = float(stats.metadata["num_tokens"])
-                totals += torch.tensor(
-                    [
-                        float(stats.loss.detach()),
-                        float(stats.policy_loss.detach()),
-                        float(stats.kl_loss.detach()),
-                        float(stats.ratios) * tokens,
-                        float(stats.clipfrac) * tokens,
-                        float(stats.approx_policy_kls) * tokens,
-                        tokens,
-                        float(stats.metadata["mismatch_kl"]) * tokens,
-                    ],
-                    dtype=torch.float64,
-                )
-                mismatch_max_abs = torch.maximum(
-                    mismatch_max_abs,
-                    torch.tensor(float(stats.metadata["mismatch_max_abs"]), dtype=torch.float64),
-                )
+                step_stats.append(stats)
             total_loss = float(self._all_reduce_sum(epoch_loss))
             grad_norm = self._clip_and_norm()
             if not (math.isfinite(total_loss) and math.isfinite(float(grad_norm))):
@@ -405,8 +387,7 @@ class PyTorchActorModel:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         time_grpo_steps = time.perf_counter() - grpo_start
-        totals = self._all_reduce_sum(totals)
-        mismatch_max_abs = self._all_reduce_max(mismatch_max_abs)
+        loss_metrics = self._combined_loss_metrics(step_stats)
 
         # A skipped step leaves weights and optimizer untouched; the driver decides when too
         # many in a row mean the run has diverged (it can then still save a checkpoint).
@@ -417,21 +398,13 @@ class PyTorchActorModel:
             self._nonfinite_in_a_row = 0
         self.steps_run += 1
 
-        epochs, num_tokens = self.ppo_epochs, max(float(totals[6]), 1.0)
         real_tokens = sum(p.actual_total_tokens for p in packs)
         packed_tokens = sum(p.packed_seq_len for p in packs)
         shared_tokens = sum(p.shared_prompt_tokens for p in packs)
         response_tokens = sum(t.response_len for t in batch)
         ages = [self.policy_version - t.policy_version for t in batch]
         metrics: dict[str, Any] = {
-            "train_actor_training/loss": float(totals[0]) / epochs,
-            "train_actor_training/policy_loss": float(totals[1]) / epochs,
-            "train_actor_training/kl_loss": float(totals[2]) / epochs,
-            "train_actor_training/ratios": float(totals[3]) / num_tokens,
-            "train_actor_training/clipfrac": float(totals[4]) / num_tokens,
-            "train_actor_training/approx_policy_kls": float(totals[5]) / num_tokens,
-            "train_actor_training/mismatch_kl": float(totals[7]) / num_tokens,
-            "train_actor_training/mismatch_max_abs": float(mismatch_max_abs),
+            **loss_metrics,
             "train_actor_training/grad_norm": float(grad_norm),
             "train_actor_training/lr": self.optimizer.param_groups[0]["lr"],
             "train_actor_training/response_lengths": response_tokens / len(batch),
@@ -449,7 +422,7 @@ class PyTorchActorModel:
             "train_actor_performance/time_train_compute (s)": time.perf_counter() - step_start,
             "train_actor_performance/time_waiting_buffer (s)": time_waiting_buffer,
             "train_actor_performance/tokens_per_second": (
-                response_tokens * epochs / time_grpo_steps if time_grpo_steps else 0.0
+                response_tokens * self.ppo_epochs / time_grpo_steps if time_grpo_steps else 0.0
             ),
             "train_actor_performance/padded_tokens_percentage (%)": (
                 100.0 * (packed_tokens - real_tokens) / packed_tokens if packed_tokens else 0.0
@@ -491,6 +464,43 @@ class PyTorchActorModel:
                 if index < len(packs):
                     old_logprobs.append(logprobs.detach().float())
         return old_logprobs
+
+    def _combined_loss_metrics(self, step_stats: list[GRPOStats]) -> dict[str, float]:
+        """The step's loss metrics over every micro-batch, epoch and rank.
+
+        `combine_stats` gives this rank's exact values; across ranks, loss parts are weighted
+        by each rank's share of the normaliser and token means by its tokens, so the result is
+        the same however the batch was split.
+        """
+        combined = combine_stats(step_stats)
+        count = float(combined.metadata["normalizer_count"])
+        tokens = float(combined.metadata["num_tokens"])
+        weighted = {
+            "loss": float(combined.loss) * count,
+            "policy_loss": float(combined.policy_loss) * count,
+            "kl_loss": float(combined.kl_loss) * count,
+            "normalizer_count": count,
+            "ratios": float(combined.ratios) * tokens,
+            "clipfrac": float(combined.clipfrac) * tokens,
+            "approx_policy_kls": float(combined.approx_policy_kls) * tokens,
+            "kl_to_ref": float(combined.metadata["kl_to_ref"]) * tokens,
+            "mismatch_kl": float(combined.metadata["mismatch_kl"]) * tokens,
+            "num_tokens": tokens,
+        }
+        summed = self._all_reduce_sum(torch.tensor(list(weighted.values()), dtype=torch.float64))
+        total = dict(zip(weighted, summed.tolist()))
+        mismatch_max_abs = self._all_reduce_max(
+            torch.tensor(float(combined.metadata["mismatch_max_abs"]), dtype=torch.float64)
+        )
+        count, tokens = max(total["normalizer_count"], 1.0), max(total["num_tokens"], 1.0)
+        metrics = {
+            f"train_actor_training/{name}": total[name] / count
+            for name in ("loss", "policy_loss", "kl_loss")
+        }
+        for name in ("ratios", "clipfrac", "approx_policy_kls", "kl_to_ref", "mismatch_kl"):
+            metrics[f"train_actor_training/{name}"] = total[name] / tokens
+        metrics["train_actor_training/mismatch_max_abs"] = float(mismatch_max_abs)
+        return metrics
 
     def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
