@@ -153,6 +153,20 @@ def test_validate_reports_every_problem(workspace, capsys):
     assert "Traceback" not in err
 
 
+def test_validate_the_demo_config_imports_no_component(tmp_path):
+    """grpo validate checks every component from its source: no torch, Ray or vLLM import,
+    and so no import-time warnings before the verdict."""
+    code = (
+        "import sys; from grpo.cli import main; "
+        f"status = main(['validate', 'tiny_arithmetic_cpu', 'output_dir={tmp_path}/run']); "
+        "print(status, sorted(m for m in ('torch', 'ray', 'vllm', 'math_verify') "
+        "if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.splitlines() == ["Config is well-formed!", "0 []"], result
+    assert result.stderr == ""
+
+
 def test_validate_unknown_config_lists_names(workspace, capsys):
     assert main(["validate", "nope"]) == 2
     err = capsys.readouterr().err

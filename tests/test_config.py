@@ -552,6 +552,8 @@ def test_shipped_configs_validate_against_the_real_components(name, tmp_path):
         name, [f"base_model_path={model_dir}", "ray.num_cpus=64", "ray.num_gpus=8"]
     )
     validate_config(cfg)
+    # grpo validate reads the same components from their source, importing none of them.
+    validate_config(cfg, import_components=False)
 
 
 def test_tiny_config_points_at_the_shipped_model():
