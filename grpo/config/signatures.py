@@ -82,7 +82,8 @@ def _spec_location(spec) -> Path | None:
 
 
 def _submodule(package: Path, name: str) -> Path | None:
-    if (package / name / "__init__.py").is_file():
+    # A folder without __init__.py is a namespace package: descend; nothing in it is read.
+    if (package / name).is_dir():
         return package / name
     if (package / f"{name}.py").is_file():
         return package / f"{name}.py"
