@@ -83,13 +83,6 @@ def validate_config(
         if key in values:  # more useful than "unknown key" for a key that used to exist
             problems.append(f"{key}: no longer used; {instead}")
             del values[key]
-    for old, new in MOVED_KEYS.items():
-        section, _, key = old.rpartition(".")
-        parent = values.get(section) if section else values
-        if isinstance(parent, dict) and key in parent:
-            problems.append(f"{old}: moved to {new}")
-            del parent[key]
-
     run = None
     try:
         run = RunConfig.model_validate(values)
@@ -158,6 +151,8 @@ def _message(item: dict, path: str) -> str:
     if kind == "missing":
         return "required key is missing"
     if kind == "extra_forbidden":
+        if path in MOVED_KEYS:  # more useful than "unknown key" for a key that used to exist
+            return f"moved to {MOVED_KEYS[path]}"
         prefix, _, key = path.rpartition(".")
         parts = prefix.split(".") if prefix else []
         return "unknown key" + suggest(f"{prefix}." if prefix else "", key, siblings_at(parts))
