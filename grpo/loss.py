@@ -100,6 +100,15 @@ def _per_sequence_sum(values: torch.Tensor, response_lens: torch.Tensor) -> torc
     return sums.index_add_(0, index, values)[index]
 
 
+def _segment_counts(keep: torch.Tensor, response_lens: torch.Tensor) -> torch.Tensor:
+    """Number of True entries of the flat ``keep`` within each sequence's tokens."""
+    index = torch.arange(response_lens.numel(), device=keep.device).repeat_interleave(
+        response_lens, output_size=keep.numel()
+    )
+    counts = torch.zeros_like(response_lens)
+    return counts.index_add_(0, index, keep.long())
+
+
 # --------------------------------------------------------------------------------------------
 # Loss
 # --------------------------------------------------------------------------------------------
@@ -224,8 +233,9 @@ class GRPOWithChunkedOutputLoss:
         response counts as a sequence with zero loss).
 
         Args:
-            response_lens (torch.Tensor | Sequence[int]): Response lengths of EVERY sequence of
-                the batch, across all its micro-batches.
+            response_lens (torch.Tensor | Sequence[int]): Trained tokens (the policy's: all of
+                a single-turn response) of EVERY sequence of the batch, across all its
+                micro-batches.
 
         Returns:
             int: Pass it as ``loss_normalizer`` to every micro-batch of the batch.
@@ -279,6 +289,7 @@ class GRPOWithChunkedOutputLoss:
         *,
         old_logprobs: torch.Tensor | None = None,
         response_lens: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
         loss_normalizer: float | int | torch.Tensor | None = None,
         return_pi_logprobs: bool = False,
     ) -> GRPOStats:
@@ -300,6 +311,11 @@ class GRPOWithChunkedOutputLoss:
             response_lens (torch.Tensor | None): Tokens per sequence ``[N]`` (summing to ``T``);
                 required by the ``seq_*`` aggregations, ``ratio_level="sequence"`` and
                 ``tis_level="sequence"`` (with ``tis_cap``).
+            loss_mask (torch.Tensor | None): Bool ``[T]``, True on the tokens to train
+                (``PackedTrajectory.loss_mask``: the policy's tokens of a multi-turn episode).
+                The loss, its token and sequence counts, clip fraction, KL, TIS weights,
+                sequence ratios and every metric are then those of the True tokens alone, as
+                if the others were not there; they get exactly zero gradient. None: all.
             loss_normalizer (float | int | torch.Tensor | None): The whole batch's count (see
                 `batch_loss_normalizer`) when accumulating gradients over micro-batches; None
                 normalises within this call.
@@ -339,6 +355,27 @@ class GRPOWithChunkedOutputLoss:
             raise ValueError(f"ref_logprobs is required when kl_coeff={self.kl_coeff} > 0")
 
         device = pi_logprobs.device
+        all_pi_logprobs = pi_logprobs
+        if loss_mask is not None:
+            if tuple(loss_mask.shape) != (num_tokens,):
+                raise ValueError(
+                    f"loss_mask must have shape ({num_tokens},) like pi_logprobs, got "
+                    f"{tuple(loss_mask.shape)}"
+                )
+            # Selecting the trained tokens first makes every term below (aggregation weights,
+            # per-sequence sums, token means) exactly that of the policy tokens alone.
+            keep = loss_mask.to(device).bool()
+            if response_lens is not None:
+                lens = _checked_response_lens(response_lens, num_tokens, device, "")
+                response_lens = _segment_counts(keep, lens)
+            pi_logprobs = pi_logprobs[keep]
+            ref_logprobs = None if ref_logprobs is None else ref_logprobs.to(device)[keep]
+            advantages = advantages.to(device)[keep]
+            if behavior_logprobs is not None:
+                behavior_logprobs = behavior_logprobs.to(device)[keep]
+            if old_logprobs is not None:
+                old_logprobs = old_logprobs.to(device)[keep]
+            num_tokens = pi_logprobs.numel()
         pi_logprobs = pi_logprobs.float()
         # Inputs computed elsewhere are constants of the loss: never let gradient reach them.
         advantages = advantages.detach().to(device, torch.float32)
@@ -428,7 +465,7 @@ class GRPOWithChunkedOutputLoss:
                 ),
             }
             if return_pi_logprobs:
-                metadata["pi_logprobs"] = pi_logprobs.detach()
+                metadata["pi_logprobs"] = all_pi_logprobs.detach().float()
             return GRPOStats(
                 loss=loss,
                 policy_loss=policy_loss,

@@ -90,6 +90,8 @@ def _check_sequences(sequences: Sequence[Any]) -> bool:
         }
         if kind is ScoredTrajectory:
             tensors["ref_logprobs"] = (seq.ref_logprobs, seq.response_len)
+        if seq.response_mask is not None:
+            tensors["response_mask"] = (seq.response_mask, seq.response_len)
         for name, (tensor, length) in tensors.items():
             if tensor.dim() != 1 or tensor.numel() != length:
                 raise ValueError(
@@ -271,7 +273,8 @@ def pack_sequences(
 
     Returns:
         PackedTrajectory: ``targets``, ``logit_positions`` and ``behavior_logprobs`` (the
-        sequences' ``logprobs``) are always filled; ``ref_logprobs`` and per-token
+        sequences' ``logprobs``) are always filled; ``loss_mask`` when a sequence has a
+        ``response_mask`` (multi-turn episodes); ``ref_logprobs`` and per-token
         ``advantages`` (the sequence's scalar advantage repeated over its response) only for
         `ScoredTrajectory` input; ``shared_prompt_tokens`` counts the prompt tokens not
         repeated.
@@ -404,6 +407,18 @@ def pack_sequences(
 
     targets = torch.cat([seq.response_tokens.long() for seq in sequences]).to(device)
     behavior_logprobs = flat("logprobs")
+    # Environment tokens of multi-turn episodes stay in the sequence (the policy's later turns
+    # attend to them) but are not trained: the loss reads this mask.
+    loss_mask = None
+    if any(seq.response_mask is not None for seq in sequences):
+        loss_mask = torch.cat(
+            [
+                seq.response_mask
+                if seq.response_mask is not None
+                else torch.ones(seq.response_len, dtype=torch.bool, device=source_device)
+                for seq in sequences
+            ]
+        ).to(device)
     ref_logprobs = advantages = None
     if is_scored:
         ref_logprobs = flat("ref_logprobs")
@@ -445,6 +460,7 @@ def pack_sequences(
         actual_total_tokens=total_tokens,
         logit_positions=logit_positions,
         shared_prompt_tokens=shared_prompt_tokens,
+        loss_mask=loss_mask,
     )
 
 

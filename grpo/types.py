@@ -22,6 +22,19 @@ def _check_1d(name: str, tensor: torch.Tensor, length: int, owner: str) -> None:
         raise ValueError(f"{owner}: {name} must have shape ({length},), got {tuple(tensor.shape)}")
 
 
+def _check_response_mask(mask: torch.Tensor | None, length: int, owner: str) -> None:
+    """Raise a ValueError unless ``mask`` is None or a 1-D bool tensor of ``length`` elements."""
+    if mask is None:
+        return
+    _check_1d("response_mask", mask, length, owner)
+    if mask.dtype != torch.bool:
+        raise ValueError(f"{owner}: response_mask must be a bool tensor, got {mask.dtype}")
+
+
+def _policy_len(response_len: int, mask: torch.Tensor | None) -> int:
+    return response_len if mask is None else int(mask.sum())
+
+
 @dataclass
 class UnscoredTrajectory:
     """One generated sequence: an unpadded prompt, its response and the sampler's logprobs.
@@ -37,6 +50,14 @@ class UnscoredTrajectory:
         sequence_id (str): Unique id of this sequence.
         policy_version (int): Version of the weights that generated it.
         group_id (int): Id of the prompt group it belongs to.
+        response_mask (torch.Tensor | None): Bool ``(response_len,)``: True on the tokens the
+            policy sampled (trained), False on the environment's tokens of a multi-turn
+            episode (tool results, user replies: in the sequence, never trained; their
+            ``logprobs`` entries are 0). None: every response token is the policy's.
+        env_rewards (dict[str, float] | None): Rewards the environment gave the episode, by
+            name; None: the reference actor scores the response with its reward functions.
+        episode_stats (dict[str, float] | None): Counts of a multi-turn episode (turns, tool
+            calls, tool errors, environment tokens, truncation), for metrics.
 
     Raises:
         ValueError: If a length does not match its tensor.
@@ -51,6 +72,9 @@ class UnscoredTrajectory:
     sequence_id: str
     policy_version: int
     group_id: int
+    response_mask: torch.Tensor | None = None
+    env_rewards: dict[str, float] | None = None
+    episode_stats: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         owner = f"{type(self).__name__}(sequence_id={self.sequence_id!r})"
@@ -61,11 +85,17 @@ class UnscoredTrajectory:
         _check_1d("prompt_tokens", self.prompt_tokens, self.prompt_len, owner)
         _check_1d("response_tokens", self.response_tokens, self.response_len, owner)
         _check_1d("logprobs", self.logprobs, self.response_len, owner)
+        _check_response_mask(self.response_mask, self.response_len, owner)
 
     @property
     def total_len(self) -> int:
         """Prompt plus response length."""
         return self.prompt_len + self.response_len
+
+    @property
+    def policy_len(self) -> int:
+        """Response tokens the policy sampled: the ones the loss trains."""
+        return _policy_len(self.response_len, self.response_mask)
 
 
 @dataclass
@@ -131,6 +161,9 @@ class ScoredTrajectory:
         group_id (int): Prompt group id.
         reward_metadata (dict): At least ``func_names``, one per reward function.
         policy_version (int): Version of the weights that generated it.
+        response_mask (torch.Tensor | None): Bool ``(response_len,)``, True on policy tokens
+            (see `UnscoredTrajectory`); None: all of them.
+        episode_stats (dict[str, float] | None): See `UnscoredTrajectory`.
 
     Raises:
         ValueError: If a shape does not match.
@@ -150,6 +183,8 @@ class ScoredTrajectory:
     group_id: int
     reward_metadata: dict[str, Any]
     policy_version: int
+    response_mask: torch.Tensor | None = None
+    episode_stats: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         owner = f"ScoredTrajectory(sequence_id={self.sequence_id!r})"
@@ -161,6 +196,7 @@ class ScoredTrajectory:
         _check_1d("response_tokens", self.response_tokens, self.response_len, owner)
         _check_1d("logprobs", self.logprobs, self.response_len, owner)
         _check_1d("ref_logprobs", self.ref_logprobs, self.response_len, owner)
+        _check_response_mask(self.response_mask, self.response_len, owner)
         self.advantages = torch.as_tensor(self.advantages, dtype=torch.float32)
         if self.advantages.numel() != 1:
             raise ValueError(
@@ -180,6 +216,11 @@ class ScoredTrajectory:
     def total_len(self) -> int:
         """Prompt plus response length."""
         return self.prompt_len + self.response_len
+
+    @property
+    def policy_len(self) -> int:
+        """Response tokens the policy sampled: the ones the loss trains."""
+        return _policy_len(self.response_len, self.response_mask)
 
 
 @dataclass
@@ -226,6 +267,10 @@ class PackedTrajectory:
             layout without shared prompts, where every sequence is one contiguous block.
         shared_prompt_tokens (int): Prompt tokens the pack does not repeat thanks to shared
             prompts (its sequences' total length minus ``actual_total_tokens``).
+        loss_mask (torch.Tensor | None): Bool ``(total_response_tokens,)`` aligned with
+            ``targets``: the sequences' ``response_mask`` concatenated (True = policy token,
+            trained; False = an environment token, which the loss skips). None: every target
+            is trained.
 
     Raises:
         ValueError: If a shape does not match, or ``logit_positions`` is None and
@@ -250,6 +295,7 @@ class PackedTrajectory:
     actual_total_tokens: int = 0
     logit_positions: torch.Tensor | None = None
     shared_prompt_tokens: int = 0
+    loss_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         owner = "PackedTrajectory"
@@ -265,7 +311,7 @@ class PackedTrajectory:
             )
         num_response_tokens = int(self.response_lens.sum())
         _check_1d("targets", self.targets, num_response_tokens, owner)
-        for name in ("ref_logprobs", "advantages", "behavior_logprobs"):
+        for name in ("ref_logprobs", "advantages", "behavior_logprobs", "loss_mask"):
             value = getattr(self, name)
             if value is not None:
                 _check_1d(name, value, num_response_tokens, owner)
@@ -292,8 +338,19 @@ class PackedTrajectory:
 
     @property
     def num_response_tokens(self) -> int:
-        """Number of response tokens, i.e. of loss terms."""
+        """Number of response tokens (policy and environment)."""
         return self.targets.numel()
+
+    @property
+    def policy_lens(self) -> torch.Tensor:
+        """Trained (policy) tokens of each sequence, ``(num_sequences,)``."""
+        if self.loss_mask is None:
+            return self.response_lens
+        sequence_of_token = torch.repeat_interleave(
+            torch.arange(self.num_sequences, device=self.targets.device), self.response_lens
+        )
+        counts = torch.zeros_like(self.response_lens)
+        return counts.index_add_(0, sequence_of_token, self.loss_mask.long())
 
     @property
     def padding_tokens(self) -> int:

@@ -3,7 +3,9 @@
 A batch of scored sequences of mixed lengths is trained on a tiny torchtune Qwen2 model either
 as one pack, or split by `plan_packs` into several micro-batches whose gradients accumulate
 with the whole batch's normaliser. Both must give the same loss and parameter gradients; so
-must shared-prompt packs, sharded over data-parallel ranks by whole prompt groups.
+must shared-prompt packs, sharded over data-parallel ranks by whole prompt groups. The same
+holds for multi-turn episodes, whose environment tokens (``response_mask`` False) the loss
+skips.
 """
 
 import copy
@@ -47,10 +49,24 @@ def _tiny_model() -> torch.nn.Module:
     return use_packed_attention(model.float())
 
 
-def _scored_batch(model: torch.nn.Module, shared_prompts: bool = False) -> list[ScoredTrajectory]:
+def _episode_mask(response_len: int, generator: torch.Generator) -> torch.Tensor:
+    """A multi-turn ``response_mask``: policy turns (True) and environment turns (False)."""
+    mask = torch.ones(response_len, dtype=torch.bool)
+    start = 1
+    while start < response_len - 1:
+        env_len = int(torch.randint(1, 5, (), generator=generator))
+        mask[start : start + env_len] = False
+        start += env_len + int(torch.randint(1, 6, (), generator=generator))
+    return mask
+
+
+def _scored_batch(
+    model: torch.nn.Module, shared_prompts: bool = False, masked: bool = False
+) -> list[ScoredTrajectory]:
     """Sequences whose behaviour and reference logprobs differ from the model's.
 
-    With ``shared_prompts`` the members of a group answer one prompt, as in GRPO.
+    With ``shared_prompts`` the members of a group answer one prompt, as in GRPO. With
+    ``masked`` they are multi-turn episodes: runs of environment tokens in each response.
     """
     generator = torch.Generator().manual_seed(0)
     sequences = []
@@ -87,6 +103,7 @@ def _scored_batch(model: torch.nn.Module, shared_prompts: bool = False) -> list[
                     group_id=group_id,
                     reward_metadata={"func_names": ["random"]},
                     policy_version=0,
+                    response_mask=_episode_mask(response_len, generator) if masked else None,
                 )
             )
     # Behaviour (sampler) and reference logprobs: the model's own, perturbed, so ratios spread
@@ -106,10 +123,13 @@ def _scored_batch(model: torch.nn.Module, shared_prompts: bool = False) -> list[
     return batch
 
 
-@pytest.fixture(scope="module")
-def model_and_batch():
+@pytest.fixture(scope="module", params=[False, True], ids=["single_turn", "multi_turn"])
+def model_and_batch(request):
     model = _tiny_model()
-    return model, _scored_batch(model)
+    batch = _scored_batch(model, masked=request.param)
+    if request.param:
+        assert 0 < sum(seq.policy_len for seq in batch) < sum(seq.response_len for seq in batch)
+    return model, batch
 
 
 def _loss_and_gradients(model, loss_fn, packs, loss_normalizer):
@@ -123,6 +143,7 @@ def _loss_and_gradients(model, loss_fn, packs, loss_normalizer):
             packed.advantages,
             packed.behavior_logprobs,
             response_lens=packed.response_lens,
+            loss_mask=packed.loss_mask,
             loss_normalizer=loss_normalizer,
         )
         stats.loss.backward()
@@ -145,9 +166,9 @@ def test_loss_and_gradients_do_not_depend_on_the_split(model_and_batch, aggregat
         aggregation=aggregation,
         max_response_len=MAX_RESPONSE_LEN,
     )
-    normalizer = loss_fn.batch_loss_normalizer([seq.response_len for seq in batch])
+    normalizer = loss_fn.batch_loss_normalizer([seq.policy_len for seq in batch])
     if aggregation == "token_mean":
-        assert normalizer == sum(seq.response_len for seq in batch)
+        assert normalizer == sum(seq.policy_len for seq in batch)
     else:
         assert normalizer == len(batch)
 
@@ -203,14 +224,16 @@ def test_local_normalisation_depends_on_the_split(model_and_batch):
     assert not torch.allclose(split_loss, whole_loss, rtol=1e-3, atol=0)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["single_turn", "multi_turn"])
 @pytest.mark.parametrize("mask_kind", ["dense", "varlen"])
-def test_shared_prompts_over_two_ranks_give_the_unshared_whole_batch(mask_kind):
+def test_shared_prompts_over_two_ranks_give_the_unshared_whole_batch(mask_kind, masked):
     """Shared-prompt micro-batches, sharded over 2 ranks as the trainer does, accumulate the
-    same loss and gradients as the whole batch packed without sharing."""
+    same loss and gradients as the whole batch packed without sharing (with environment
+    tokens masked out of the loss, too)."""
     model = _tiny_model()
-    batch = _scored_batch(model, shared_prompts=True)
+    batch = _scored_batch(model, shared_prompts=True, masked=masked)
     loss_fn = GRPOWithChunkedOutputLoss(epsilon_high=0.28, kl_coeff=0.1, kl_estimator="k3")
-    normalizer = loss_fn.batch_loss_normalizer([seq.response_len for seq in batch])
+    normalizer = loss_fn.batch_loss_normalizer([seq.policy_len for seq in batch])
     whole_pack = pack_sequences(batch, "cpu", PAD_TOKEN_ID, mask_kind=mask_kind)
     whole_loss, _, whole_gradients = _loss_and_gradients(model, loss_fn, [whole_pack], normalizer)
 

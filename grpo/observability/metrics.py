@@ -218,6 +218,8 @@ def debug_tables(
             "Answer": traj.answer,
             "Advantage": float(traj.advantages),
             "Response Length": traj.response_len,
+            # Below Response Length for multi-turn episodes: the rest is environment turns.
+            "Trained Tokens": traj.policy_len,
             "Policy Version": traj.policy_version,
             "Step": step,
         }
@@ -229,12 +231,20 @@ def debug_tables(
         sample_columns = list(sample)
         sample_rows.append(list(sample.values()))
         generated, ref = traj.logprobs.tolist(), traj.ref_logprobs.tolist()
+        trained = (
+            traj.response_mask.tolist()
+            if traj.response_mask is not None
+            else [True] * traj.response_len
+        )
         for position, token_id in enumerate(traj.response_tokens.tolist()):
             token = {
                 "Sequence ID": traj.sequence_id,
                 "Token Position": position,
                 "Token ID": token_id,
                 "Decoded Token": tokenizer.decode([token_id], skip_special_tokens=False),
+                # "policy": sampled and trained; "env": an environment turn, not trained (its
+                # generated logprob is a 0 placeholder).
+                "Source": "policy" if trained[position] else "env",
                 "Generated Logprob": generated[position],
                 "Ref Logprob": ref[position],
                 "Pi Logprob": pi[position],

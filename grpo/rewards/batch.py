@@ -67,6 +67,42 @@ class RewardBatch:
         return total_reward(self.rewards, reward_weights)
 
 
+def env_reward_batch(trajectories: Sequence[Any]) -> RewardBatch:
+    """The rewards environments gave episodes (``env_rewards``), as a `RewardBatch`.
+
+    A reward above 0 counts as a success. Every trajectory must carry rewards under the same
+    names (one environment scored them all).
+
+    Args:
+        trajectories (Sequence): Trajectories with ``env_rewards`` and ``sequence_id``.
+
+    Returns:
+        RewardBatch: One column per reward name, in the first trajectory's order; no timeouts
+        or exceptions (the environment counted its own).
+
+    Raises:
+        ValueError: A trajectory without ``env_rewards``, or with other names.
+    """
+    names = list(trajectories[0].env_rewards or {})
+    rows = []
+    for traj in trajectories:
+        if traj.env_rewards is None or list(traj.env_rewards) != names:
+            raise ValueError(
+                f"sequence_id={traj.sequence_id!r} has env_rewards "
+                f"{None if traj.env_rewards is None else list(traj.env_rewards)}, expected the "
+                f"names {names} of the other episodes of the batch"
+            )
+        rows.append([float(traj.env_rewards[name]) for name in names])
+    rewards = torch.tensor(rows, dtype=torch.float32).reshape(len(trajectories), len(names))
+    return RewardBatch(
+        rewards=rewards,
+        successes=(rewards > 0).float(),
+        func_names=names,
+        num_timeouts=dict.fromkeys(names, 0),
+        num_exceptions=dict.fromkeys(names, 0),
+    )
+
+
 def _run_inline(reward_fns: list[RewardFunction], calls: list[Call]) -> list[Outcome]:
     """Run calls in this thread, without timeouts (exceptions are still caught)."""
     outcomes: list[Outcome] = []

@@ -35,6 +35,7 @@ from grpo.packing import (
     unpack_response_logprobs,
 )
 from grpo.rewards import batched_rewards
+from grpo.rewards.batch import env_reward_batch
 from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory
 
 
@@ -128,6 +129,9 @@ class RefActor:
     ) -> tuple[list[list[ScoredTrajectory]], list[GroupedUnscoredTrajectories], dict[str, float]]:
         """Reference logprobs, rewards and advantages of whole groups.
 
+        Episodes an environment already scored (``env_rewards``, multi-turn environments)
+        keep those rewards; the reward functions score the others.
+
         A group whose total rewards are all equal (`zero_variance_groups`; a group of one
         sample counts) has all-zero advantages. With ``filter_zero_variance_groups`` it is
         left out of the scored groups; without, it is scored like any other. Either way it is
@@ -141,16 +145,19 @@ class RefActor:
             filtering), the zero-variance groups (in order), and timing/reward metrics.
         """
         trajectories = [t for g in groups for t in g.trajectories]
-        completions = [
-            self.tokenizer.decode(t.response_tokens.tolist(), skip_special_tokens=True)
-            for t in trajectories
-        ]
-        reward_batch = batched_rewards(
-            self.reward_fns,
-            completions,
-            [t.answer for t in trajectories],
-            timeout_s=self.reward_timeout_s,
-        )
+        if any(t.env_rewards is not None for t in trajectories):
+            reward_batch = env_reward_batch(trajectories)
+        else:
+            completions = [
+                self.tokenizer.decode(t.response_tokens.tolist(), skip_special_tokens=True)
+                for t in trajectories
+            ]
+            reward_batch = batched_rewards(
+                self.reward_fns,
+                completions,
+                [t.answer for t in trajectories],
+                timeout_s=self.reward_timeout_s,
+            )
         rewards, successes = reward_batch.rewards, reward_batch.successes
         total_reward = reward_batch.total(self.reward_weights)
         metadata = {"func_names": list(reward_batch.func_names)}
@@ -196,6 +203,8 @@ class RefActor:
                         group_id=traj.group_id,
                         reward_metadata=metadata,
                         policy_version=traj.policy_version,
+                        response_mask=traj.response_mask,
+                        episode_stats=traj.episode_stats,
                     )
                 )
             scored_groups.append(scored)

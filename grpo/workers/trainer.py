@@ -335,7 +335,7 @@ class PyTorchActorModel:
         ]
         # Normalise by the WHOLE batch's count (tokens or sequences), so gradients do not
         # depend on how the batch is split into packs or across workers.
-        normalizer = self.loss_fn.batch_loss_normalizer([t.response_len for t in batch])
+        normalizer = self.loss_fn.batch_loss_normalizer([t.policy_len for t in batch])
         # Every real micro-batch's stats over all epochs, combined by the loss's own rule.
         step_stats: list[GRPOStats] = []
         wanted = set(debug_sequence_ids or ())
@@ -367,6 +367,7 @@ class PyTorchActorModel:
                     packed.behavior_logprobs,
                     old_logprobs=old_logprobs[index % len(packs)],
                     response_lens=packed.response_lens,
+                    loss_mask=packed.loss_mask,
                     loss_normalizer=normalizer,
                 )
                 # FSDP averages gradients over ranks; the loss is already normalised by the
@@ -402,12 +403,17 @@ class PyTorchActorModel:
         packed_tokens = sum(p.packed_seq_len for p in packs)
         shared_tokens = sum(p.shared_prompt_tokens for p in packs)
         response_tokens = sum(t.response_len for t in batch)
+        policy_tokens = sum(t.policy_len for t in batch)
         ages = [self.policy_version - t.policy_version for t in batch]
         metrics: dict[str, Any] = {
             **loss_metrics,
             "train_actor_training/grad_norm": float(grad_norm),
             "train_actor_training/lr": self.optimizer.param_groups[0]["lr"],
             "train_actor_training/response_lengths": response_tokens / len(batch),
+            # Below 1 only with multi-turn episodes: environment tokens are not trained.
+            "train_actor_training/trained_token_fraction": (
+                policy_tokens / response_tokens if response_tokens else 1.0
+            ),
             "train_actor_training/policy_age_mean": sum(ages) / len(ages),
             "train_actor_training/policy_age_max": float(max(ages)),
             "train_actor_training/num_micro_batches": float(len(packs)),
