@@ -1,0 +1,39 @@
+"""Environments: multi-turn and tool-using episodes, token-exact.
+
+* `MultiTurnEnv` (`base`): the environment answers each policy turn, ends the episode, scores it.
+* `ToolEnv` (`tool_env`): the answers are results of tools, plain Python functions with type
+  hints (`tools`), run in worker processes with a timeout (`runner`); `builtin_tools` has a
+  calculator and a Python interpreter.
+* `run_episodes` (`rollout`): drives episodes on an inference engine, batched across episodes;
+  `render` turns the environment's messages into tokens the way the chat template does.
+
+A dataset with reward functions and no environment is the single-turn case.
+"""
+
+from grpo.envs.base import Episode, MultiTurnEnv
+from grpo.envs.builtin_tools import calculator, python
+from grpo.envs.render import ChatTurnRenderer, PlainTurnRenderer, turn_renderer
+from grpo.envs.rollout import Sample, SampleRequest, episode_groups, run_episodes
+from grpo.envs.runner import ToolOutcome, ToolRunner
+from grpo.envs.tool_env import ToolEnv
+from grpo.envs.tools import Tool, ToolCall, parse_tool_calls
+
+__all__ = [
+    "ChatTurnRenderer",
+    "Episode",
+    "MultiTurnEnv",
+    "PlainTurnRenderer",
+    "Sample",
+    "SampleRequest",
+    "Tool",
+    "ToolCall",
+    "ToolEnv",
+    "ToolOutcome",
+    "ToolRunner",
+    "calculator",
+    "episode_groups",
+    "parse_tool_calls",
+    "python",
+    "run_episodes",
+    "turn_renderer",
+]

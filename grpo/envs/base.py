@@ -1,0 +1,219 @@
+"""Environments: what answers the policy between its turns, ends an episode and scores it.
+
+An episode is a conversation: the policy's turns (the tokens it sampled, with their logprobs:
+trained) interleaved with the environment's turns (tool results, user replies: in the sequence,
+never trained). `grpo.envs.rollout.run_episodes` drives episodes on an inference engine; an
+environment only says, given the conversation so far, what it answers (`MultiTurnEnv.env_response`)
+and, at the end, what the episode scored (`MultiTurnEnv.score`).
+
+A dataset with reward functions and no environment is the single-turn case: the collector
+samples one response per episode and the reference actor scores it, as before.
+
+Write your own environment by subclassing `MultiTurnEnv`:
+
+    class GuessTheNumber(MultiTurnEnv):
+        def env_response(self, messages, state):
+            guess = messages[-1]["content"].strip()
+            if guess == state["answer"]:
+                return None  # solved: the episode ends
+            return [{"role": "user", "content": "higher" if guess < state["answer"] else "lower"}]
+
+Pure Python apart from the reward scoring (``grpo.rewards``); no Ray, no vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Message = dict[str, str]
+
+
+@dataclass
+class Episode:
+    """One conversation in progress, token-exact.
+
+    Args:
+        example (dict): The dataset example (``question``, ``answer``, ``prompt``, ``index``).
+        prompt_ids (list[int]): Token ids of the rendered prompt.
+        messages (list[Message]): The conversation as chat turns: the question, then each
+            assistant turn (decoded, for the environment to read) and environment turn.
+        state (dict): The environment's own per-episode state (`MultiTurnEnv.reset`).
+    """
+
+    example: dict[str, Any]
+    prompt_ids: list[int]
+    messages: list[Message]
+    state: dict[str, Any] = field(default_factory=dict)
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    response_mask: list[bool] = field(default_factory=list)
+    turn_lengths: list[int] = field(default_factory=list)  # policy tokens of each turn
+    policy_versions: set[int] = field(default_factory=set)
+    env_tokens: int = 0
+    tool_calls: int = 0
+    tool_errors: dict[str, int] = field(default_factory=dict)
+    truncated: bool = False  # ended by the token budget or a turn cut at max tokens
+    hit_max_turns: bool = False
+    done: bool = False
+    error: str | None = None  # the environment raised: the episode is dropped
+
+    def add_policy_turn(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        self.response_ids.extend(int(t) for t in token_ids)
+        self.logprobs.extend(float(lp) for lp in logprobs)
+        self.response_mask.extend([True] * len(token_ids))
+        self.turn_lengths.append(len(token_ids))
+
+    def add_env_turn(self, token_ids: Sequence[int]) -> None:
+        self.response_ids.extend(int(t) for t in token_ids)
+        # A placeholder: the loss never reads the logprob of an environment token.
+        self.logprobs.extend([0.0] * len(token_ids))
+        self.response_mask.extend([False] * len(token_ids))
+        self.env_tokens += len(token_ids)
+
+    def count_tool_error(self, kind: str) -> None:
+        self.tool_errors[kind] = self.tool_errors.get(kind, 0) + 1
+
+    @property
+    def num_turns(self) -> int:
+        """Policy turns so far."""
+        return len(self.turn_lengths)
+
+    def last_assistant_text(self) -> str:
+        """The policy's last turn, decoded (what reward functions score)."""
+        for message in reversed(self.messages):
+            if message["role"] == "assistant":
+                return message["content"]
+        return ""
+
+    def stats(self) -> dict[str, float]:
+        """Counts for metrics (`grpo.types.UnscoredTrajectory.episode_stats`)."""
+        return {
+            "turns": float(self.num_turns),
+            "tool_calls": float(self.tool_calls),
+            "tool_errors": float(sum(self.tool_errors.values())),
+            **{f"tool_errors_{kind}": float(n) for kind, n in self.tool_errors.items()},
+            "env_tokens": float(self.env_tokens),
+            "policy_tokens": float(sum(self.turn_lengths)),
+            "truncated": float(self.truncated),
+            "hit_max_turns": float(self.hit_max_turns),
+        }
+
+
+class MultiTurnEnv:
+    """Base of multi-turn environments: answer each assistant turn until the episode is done.
+
+    Args:
+        reward_functions (Sequence): Reward functions (`grpo.rewards`), or ``_component_``
+            nodes of them, that score the episode's last assistant turn against the example's
+            answer; they run in the reward worker pool with ``reward_timeout_s``.
+        max_turns (int): Most policy turns in an episode; an episode that reaches it ends
+            (flagged ``hit_max_turns``) and is scored as it stands.
+        max_episode_tokens (int | None): Most response tokens (policy and environment) in an
+            episode; one that would exceed it ends there, flagged ``truncated``, and is scored
+            as it stands. None: the engine's context length is the only bound.
+        max_tokens_per_turn (int | None): Most tokens the policy samples in one turn; default
+            the collector's ``inference.max_generated_tokens``.
+        stop (Sequence[str]): Extra stop strings that end a policy turn (kept in the turn).
+        reward_timeout_s (float): Seconds one reward call may take before it scores 0.
+
+    Raises:
+        ValueError: A limit below 1.
+    """
+
+    def __init__(
+        self,
+        reward_functions: Sequence[Any] = (),
+        max_turns: int = 4,
+        max_episode_tokens: int | None = None,
+        max_tokens_per_turn: int | None = None,
+        stop: Sequence[str] = (),
+        reward_timeout_s: float = 10.0,
+    ) -> None:
+        for key, value in (
+            ("max_turns", max_turns),
+            ("max_episode_tokens", max_episode_tokens),
+            ("max_tokens_per_turn", max_tokens_per_turn),
+        ):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{type(self).__name__}: {key} must be an int >= 1, got {value!r}")
+        from grpo.config import instantiate
+
+        self.reward_functions = [
+            instantiate(fn, _key_=f"environment.reward_functions[{index}]")
+            if isinstance(fn, Mapping)
+            else fn
+            for index, fn in enumerate(reward_functions)
+        ]
+        self.max_turns = max_turns
+        self.max_episode_tokens = max_episode_tokens
+        self.max_tokens_per_turn = max_tokens_per_turn
+        self.stop = tuple(stop)
+        self.reward_timeout_s = reward_timeout_s
+
+    # ---- what a subclass writes ------------------------------------------------------------
+
+    def reset(self, example: Mapping[str, Any]) -> dict[str, Any]:
+        """The episode's initial state; by default the example's answer."""
+        return {"answer": example.get("answer")}
+
+    def env_response(
+        self, messages: list[Message], state: dict[str, Any], episode: Episode
+    ) -> list[Message] | None:
+        """The environment's turns after the policy's last turn (``messages[-1]``).
+
+        Args:
+            messages (list[Message]): The conversation so far; the last one is the assistant's.
+            state (dict): The episode's state, to read and update.
+            episode (Episode): The episode (counters such as ``tool_calls``, ``tool_errors``).
+
+        Returns:
+            list[Message] | None: Turns to append (``{"role": "tool" | "user", "content"}``),
+            after which the policy takes its next turn; None ends the episode.
+        """
+        raise NotImplementedError
+
+    def respond(self, episodes: Sequence[Episode]) -> list[list[Message] | None]:
+        """`env_response` for several episodes at once (one round of a batch).
+
+        An episode whose `env_response` raises is marked with its ``error`` (and dropped by the
+        rollout); the others go on. Subclasses that can batch (tools run concurrently) override
+        this.
+        """
+        answers: list[list[Message] | None] = []
+        for episode in episodes:
+            try:
+                answers.append(self.env_response(episode.messages, episode.state, episode))
+            except Exception as error:  # the run goes on; the episode is dropped and named
+                episode.error = f"{type(error).__name__}: {error}"
+                answers.append(None)
+        return answers
+
+    def score(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
+        """Rewards of finished episodes, by reward name.
+
+        By default every reward function scores the last assistant turn against the answer.
+        """
+        if not self.reward_functions:
+            raise ValueError(
+                f"{type(self).__name__} has no reward_functions: give it some, or override score"
+            )
+        from grpo.rewards import batched_rewards
+
+        batch = batched_rewards(
+            self.reward_functions,
+            [episode.last_assistant_text() for episode in episodes],
+            [str(episode.example.get("answer", "")) for episode in episodes],
+            timeout_s=self.reward_timeout_s,
+        )
+        return [
+            {
+                name: float(batch.rewards[row, column])
+                for column, name in enumerate(batch.func_names)
+            }
+            for row in range(len(episodes))
+        ]

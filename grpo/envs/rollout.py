@@ -1,0 +1,217 @@
+"""Run multi-turn episodes on an inference engine, token-exact, batched across episodes.
+
+Every round, each unfinished episode asks the engine for one policy turn: its whole token
+sequence so far (prompt, policy turns, environment turns) goes in as token ids, and the
+sampled ids come back with their logprobs. All episodes' requests of a round go to the engine
+together, so generation stays batched. The environment then answers every episode that did not
+finish (tool calls of all of them run concurrently in worker processes, each with its timeout);
+its turns are rendered to tokens (`grpo.envs.render`) and appended, masked from the loss.
+
+An episode ends when the environment says so, at ``max_turns`` policy turns (``hit_max_turns``),
+when a policy turn is cut by its token limit, or when the next environment turn would not leave
+room for a policy token within ``max_episode_tokens`` or the engine's context (both
+``truncated``). An environment that raises drops that episode only (``error``), and the run goes
+on.
+
+The engine is a callable (`Sampler`): the collector wraps vLLM; tests may script it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from grpo.envs.base import Episode, MultiTurnEnv
+from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
+
+log = logging.getLogger(__name__)
+
+
+class SampleRequest(NamedTuple):
+    """One policy turn to sample: the sequence so far and the limits of the turn."""
+
+    token_ids: list[int]
+    max_tokens: int
+    seed: int
+    stop: tuple[str, ...]
+
+
+class Sample(NamedTuple):
+    """What the engine sampled for a request."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop token or string) or "length"
+
+
+Sampler = Callable[[Sequence[SampleRequest]], list[Sample]]
+
+
+def run_episodes(
+    env: MultiTurnEnv,
+    sample: Sampler,
+    tokenizer: Any,
+    renderer: Any,
+    prompts: Sequence[tuple[Mapping[str, Any], list[int]]],
+    *,
+    group_size: int,
+    max_tokens_per_turn: int,
+    max_model_len: int,
+    seeds: Sequence[int],
+) -> list[list[Episode]]:
+    """Run ``group_size`` episodes per prompt to their end.
+
+    Args:
+        env (MultiTurnEnv): The environment.
+        sample (Sampler): The engine: one `Sample` per `SampleRequest`, in order.
+        tokenizer: Decodes policy turns for the environment (``decode``, ``stop_tokens``).
+        renderer: Turns environment messages into tokens (`grpo.envs.render`).
+        prompts (Sequence): ``(example, prompt token ids)`` per prompt.
+        group_size (int): Episodes per prompt.
+        max_tokens_per_turn (int): Tokens the policy may sample in one turn (the environment's
+            ``max_tokens_per_turn`` wins when set).
+        max_model_len (int): The engine's context: prompt plus response never exceed it.
+        seeds (Sequence[int]): One seed per prompt; episode ``j`` of it, turn ``t`` samples
+            with ``seed + j + group_size * t`` so a resumed stream samples the same.
+
+    Returns:
+        list[list[Episode]]: Per prompt, its episodes (finished; those whose environment
+        raised have ``error`` set).
+    """
+    per_turn = env.max_tokens_per_turn or max_tokens_per_turn
+    groups: list[list[Episode]] = []
+    for example, prompt_ids in prompts:
+        question = example.get("question")
+        messages = (
+            [dict(turn) for turn in question]
+            if isinstance(question, list)
+            else [{"role": "user", "content": str(question)}]
+        )
+        groups.append(
+            [
+                Episode(
+                    example=dict(example),
+                    prompt_ids=list(prompt_ids),
+                    messages=[dict(m) for m in messages],
+                    state=env.reset(example),
+                )
+                for _ in range(group_size)
+            ]
+        )
+    seed_of = {
+        id(episode): (seed, member)
+        for seed, group in zip(seeds, groups)
+        for member, episode in enumerate(group)
+    }
+    stop_tokens = set(tokenizer.stop_tokens)
+    active = [episode for group in groups for episode in group]
+    while active:
+        requests = []
+        for episode in active:
+            seed, member = seed_of[id(episode)]
+            requests.append(
+                SampleRequest(
+                    token_ids=episode.prompt_ids + episode.response_ids,
+                    max_tokens=min(per_turn, _room(env, episode, max_model_len)),
+                    seed=(seed + member + group_size * episode.num_turns) % 2**62,
+                    stop=env.stop,
+                )
+            )
+        samples = sample(requests)
+        to_answer, closed = [], []
+        for episode, turn in zip(active, samples):
+            episode.add_policy_turn(turn.token_ids, turn.logprobs)
+            text = tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+            episode.messages.append({"role": "assistant", "content": text})
+            if turn.finish_reason == "length":
+                episode.truncated = True
+                episode.done = True
+            elif episode.num_turns >= env.max_turns:
+                episode.hit_max_turns = True
+                episode.done = True
+            else:
+                to_answer.append(episode)
+                closed.append(bool(turn.token_ids) and turn.token_ids[-1] in stop_tokens)
+        answers = env.respond(to_answer) if to_answer else []
+        for episode, answer, is_closed in zip(to_answer, answers, closed):
+            if episode.error is not None or answer is None:
+                episode.done = True
+                continue
+            env_ids = renderer.env_tokens(answer, closed=is_closed)
+            if len(env_ids) >= _room(env, episode, max_model_len):
+                episode.truncated = True  # no room for the answer and a policy token after it
+                episode.done = True
+                continue
+            episode.add_env_turn(env_ids)
+            episode.messages.extend(dict(m) for m in answer)
+        active = [episode for episode in active if not episode.done]
+    for episode in (e for group in groups for e in group):
+        if episode.error is not None:
+            log.warning(
+                "environment %s raised on example %s; the episode is dropped: %s",
+                type(env).__name__,
+                episode.example.get("index"),
+                episode.error,
+            )
+    return groups
+
+
+def _room(env: MultiTurnEnv, episode: Episode, max_model_len: int) -> int:
+    """Response tokens the episode may still add."""
+    room = max_model_len - len(episode.prompt_ids) - len(episode.response_ids)
+    if env.max_episode_tokens is not None:
+        room = min(room, env.max_episode_tokens - len(episode.response_ids))
+    return room
+
+
+def episode_groups(
+    groups: Sequence[Sequence[Episode]],
+    rewards: Sequence[dict[str, float]],
+    *,
+    group_ids: Sequence[int],
+    sequence_id: Callable[[], str],
+    policy_version: int,
+) -> list[GroupedUnscoredTrajectories]:
+    """Finished episodes as trajectory groups, with their rewards and stats.
+
+    Args:
+        groups (Sequence[Sequence[Episode]]): Per prompt, its episodes (`run_episodes`).
+        rewards (Sequence[dict[str, float]]): One per episode without ``error``, in order.
+        group_ids (Sequence[int]): One per prompt.
+        sequence_id (Callable[[], str]): Makes the next unique sequence id.
+        policy_version (int): Version of the weights that sampled every policy token.
+
+    Returns:
+        list[GroupedUnscoredTrajectories]: One per prompt that kept at least one episode
+        (episodes whose environment raised are left out).
+    """
+    scored = iter(rewards)
+    result = []
+    for group, group_id in zip(groups, group_ids):
+        trajectories = []
+        for episode in group:
+            if episode.error is not None:
+                continue
+            response = torch.tensor(episode.response_ids, dtype=torch.long)
+            trajectories.append(
+                UnscoredTrajectory(
+                    prompt_tokens=torch.tensor(episode.prompt_ids, dtype=torch.long),
+                    response_tokens=response,
+                    prompt_len=len(episode.prompt_ids),
+                    response_len=response.numel(),
+                    logprobs=torch.tensor(episode.logprobs, dtype=torch.float32),
+                    answer=str(episode.example.get("answer", "")),
+                    sequence_id=sequence_id(),
+                    policy_version=policy_version,
+                    group_id=group_id,
+                    response_mask=torch.tensor(episode.response_mask, dtype=torch.bool),
+                    env_rewards=next(scored),
+                    episode_stats=episode.stats(),
+                )
+            )
+        if trajectories:
+            result.append(GroupedUnscoredTrajectories.from_trajectories(trajectories))
+    return result

@@ -1,0 +1,157 @@
+"""Tool calls in worker processes, each with a timeout: a tool that hangs or crashes costs one
+error turn, never the collector.
+
+Each call is its own pebble task with ``timeout=timeout_s``: pebble terminates the worker of a
+call that overruns and starts a replacement, and reports a worker that died (a segfault, an
+``os._exit``, the kernel's OOM killer) as ``ProcessExpired``. Calls of one round (every
+episode of a batch that called a tool) run concurrently on the workers, so the round waits for
+its slowest call at most ``timeout_s``.
+
+Pure Python: no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import multiprocessing
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import pebble
+
+from grpo.envs.tools import CRASH, EXCEPTION, TIMEOUT, Tool
+
+# Beyond a call's timeout, for pebble to notice the overrun and stop the worker.
+_STOP_GRACE_S = 5.0
+# A tool's answer longer than this is cut: a runaway print must not flood the context.
+MAX_RESULT_CHARS = 2000
+
+
+class ToolOutcome(NamedTuple):
+    """What one call returned: its text, or the error kind and message."""
+
+    text: str
+    error: str | None = None  # one of TIMEOUT, CRASH, EXCEPTION; None: it answered
+
+
+def _exit_when_parent_dies(parent: Any) -> None:
+    parent.join()
+    os._exit(1)
+
+
+def _start_worker() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # never outlive the collector, even from inside a hanging call
+        threading.Thread(target=_exit_when_parent_dies, args=(parent,), daemon=True).start()
+
+
+def _call(tool: Tool, arguments: Mapping[str, Any]) -> tuple[str, str | None]:
+    try:
+        result = tool.fn(**arguments)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"[:MAX_RESULT_CHARS], EXCEPTION
+    return str(result)[:MAX_RESULT_CHARS], None
+
+
+class ToolRunner:
+    """Worker processes that run tool calls with a per-call timeout.
+
+    Args:
+        num_workers (int): Worker processes (calls of a round run this many at a time).
+        start_method (str): ``"forkserver"`` or ``"spawn"``; never ``"fork"`` (the collector
+            runs threads and an inference engine).
+
+    Example:
+        >>> runner = ToolRunner()
+        >>> runner.run([(Tool(calculator), {"expression": "2*3"})], timeout_s=5.0)
+        [ToolOutcome(text='6', error=None)]
+    """
+
+    def __init__(self, num_workers: int = 2, start_method: str | None = None) -> None:
+        methods = multiprocessing.get_all_start_methods()
+        if start_method is None:
+            start_method = "forkserver" if "forkserver" in methods else "spawn"
+        self._context = multiprocessing.get_context(start_method)
+        self.num_workers = num_workers
+        self._workers: pebble.ProcessPool | None = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def _pool(self) -> pebble.ProcessPool:
+        if self._workers is None or not self._workers.active:
+            self._workers = pebble.ProcessPool(
+                max_workers=self.num_workers, initializer=_start_worker, context=self._context
+            )
+        return self._workers
+
+    def close(self) -> None:
+        """Stop the workers."""
+        with self._lock:
+            if self._workers is not None:
+                self._workers.stop()
+                self._workers.join()
+                self._workers = None
+
+    def run(
+        self, calls: Sequence[tuple[Tool, Mapping[str, Any]]], timeout_s: float
+    ) -> list[ToolOutcome]:
+        """Run ``calls`` concurrently; one outcome per call, in order.
+
+        Args:
+            calls (Sequence[tuple[Tool, Mapping]]): A tool and its checked arguments, per call.
+            timeout_s (float): Limit of each call, from when a worker takes it.
+
+        Returns:
+            list[ToolOutcome]: The tool's text, or an error (timeout, crash of the worker, or an
+            exception the tool raised, with its message).
+        """
+        if not calls:
+            return []
+        with self._lock:
+            pool = self._pool()
+            futures = [
+                pool.schedule(_call, args=(tool, dict(arguments)), timeout=timeout_s)
+                for tool, arguments in calls
+            ]
+            rounds = -(-len(calls) // self.num_workers)
+            limit_s = 30.0 + rounds * (timeout_s + _STOP_GRACE_S)
+            _, lost = concurrent.futures.wait(futures, timeout=limit_s)
+            outcomes = []
+            for future in futures:
+                if future in lost:
+                    outcomes.append(ToolOutcome(f"no result within {limit_s:.0f} s", TIMEOUT))
+                    continue
+                try:
+                    text, error = future.result()
+                    outcomes.append(ToolOutcome(text, error))
+                except concurrent.futures.TimeoutError:
+                    outcomes.append(
+                        ToolOutcome(f"the tool took longer than {timeout_s} s", TIMEOUT)
+                    )
+                except pebble.ProcessExpired as error:
+                    outcomes.append(
+                        ToolOutcome(f"the tool crashed (exit code {error.exitcode})", CRASH)
+                    )
+                except Exception as error:  # the tool could not be unpickled, a broken pool
+                    outcomes.append(ToolOutcome(f"{type(error).__name__}: {error}", EXCEPTION))
+            if lost:
+                self._workers.stop()
+                self._workers = None
+            return outcomes
+
+
+_default_runner: ToolRunner | None = None
+_default_runner_lock = threading.Lock()
+
+
+def default_tool_runner() -> ToolRunner:
+    """The process-wide runner environments use when given none (closed at exit)."""
+    global _default_runner
+    with _default_runner_lock:
+        if _default_runner is None or _default_runner._pid != os.getpid():
+            _default_runner = ToolRunner()
+            atexit.register(_default_runner.close)
+        return _default_runner

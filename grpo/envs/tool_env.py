@@ -1,0 +1,132 @@
+"""An environment whose answers are tool results: the policy calls tools until it answers.
+
+Each assistant turn is searched for tool calls (`grpo.envs.tools.parse_tool_calls`). A turn
+without one ends the episode (it is the final answer, scored by the reward functions). Every
+call is answered with one ``tool`` turn: the tool's result, or an error the model can read (a
+call that does not parse, a tool that is not declared, arguments of the wrong type, a tool that
+raised, crashed or overran its timeout). Errors are counted by kind in the episode's stats.
+Calls of every episode of a round run concurrently in worker processes (`ToolRunner`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from grpo.envs.base import Episode, Message, MultiTurnEnv
+from grpo.envs.runner import ToolRunner, default_tool_runner
+from grpo.envs.tools import (
+    BAD_ARGUMENTS,
+    CALL_FORMATS,
+    PARSE_ERROR,
+    UNKNOWN_TOOL,
+    Tool,
+    parse_tool_calls,
+    resolve_tools,
+)
+
+
+class ToolEnv(MultiTurnEnv):
+    """The policy calls tools (plain Python functions) over several turns, then answers.
+
+    Args:
+        tools (Sequence): Functions with type hints, their dotted paths, or `Tool` objects,
+            e.g. ``[grpo.envs.builtin_tools.calculator]``.
+        call_format (str): ``"json"`` (``<tool_call>{"name", "arguments"}</tool_call>``, the
+            format of Qwen chat templates) or ``"tag"`` (``<calculator>2*3</calculator>``).
+        tool_timeout_s (float): Seconds one call may take; a slower call is stopped and
+            answered with an error.
+        max_tool_calls_per_turn (int): Calls of one turn beyond this are answered with an
+            error without running.
+        runner (ToolRunner | None): Worker processes for the calls; default a process-wide one.
+        **kwargs: `MultiTurnEnv`'s options (``reward_functions``, ``max_turns``,
+            ``max_episode_tokens``, ``max_tokens_per_turn``, ``stop``, ``reward_timeout_s``).
+
+    Raises:
+        ValueError: An unknown ``call_format``, a tool `Tool` refuses, no tools.
+
+    Example:
+        >>> env = ToolEnv(tools=["grpo.envs.builtin_tools.calculator"], call_format="tag",
+        ...               reward_functions=[MathCorrectnessReward()], max_turns=3)
+    """
+
+    def __init__(
+        self,
+        tools: Sequence[Tool | Callable[..., Any] | str],
+        call_format: str = "json",
+        tool_timeout_s: float = 5.0,
+        max_tool_calls_per_turn: int = 4,
+        runner: ToolRunner | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if call_format not in CALL_FORMATS:
+            raise ValueError(f"call_format must be one of {CALL_FORMATS}, got {call_format!r}")
+        if not tools:
+            raise ValueError("ToolEnv needs at least one tool")
+        if not tool_timeout_s > 0:
+            raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s!r}")
+        self.tools = resolve_tools(tools)
+        self.call_format = call_format
+        self.tool_timeout_s = float(tool_timeout_s)
+        self.max_tool_calls_per_turn = max_tool_calls_per_turn
+        self.runner = runner
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The tools as chat templates list them (``apply_chat_template(tools=...)``)."""
+        return [tool.schema() for tool in self.tools.values()]
+
+    def env_response(
+        self, messages: list[Message], state: dict[str, Any], episode: Episode
+    ) -> list[Message] | None:
+        return self.respond([episode])[0]
+
+    def respond(self, episodes: Sequence[Episode]) -> list[list[Message] | None]:
+        """Parse every episode's calls, run the good ones together, answer each with tool turns."""
+        answers: list[list[Message] | None] = [None] * len(episodes)
+        # (episode index, position in its answer) of each call that runs
+        pending: list[tuple[int, int]] = []
+        to_run: list[tuple[Tool, dict[str, Any]]] = []
+        for index, episode in enumerate(episodes):
+            try:
+                calls = parse_tool_calls(
+                    episode.last_assistant_text(), self.call_format, self.tools
+                )
+            except Exception as error:
+                episode.error = f"{type(error).__name__}: {error}"
+                continue
+            if not calls:
+                continue  # no call: this turn is the answer, the episode ends
+            turns: list[Message] = []
+            for number, call in enumerate(calls):
+                episode.tool_calls += 1
+                problem, kind = self._refusal(call, number)
+                if problem is not None:
+                    episode.count_tool_error(kind)
+                    turns.append({"role": "tool", "content": f"error: {problem}"})
+                    continue
+                pending.append((index, len(turns)))
+                to_run.append((self.tools[call.name], call.arguments))
+                turns.append({"role": "tool", "content": ""})
+            answers[index] = turns
+        runner = self.runner or default_tool_runner()
+        for (index, position), outcome in zip(
+            pending, runner.run(to_run, timeout_s=self.tool_timeout_s)
+        ):
+            content = outcome.text
+            if outcome.error is not None:
+                episodes[index].count_tool_error(outcome.error)
+                content = f"error: {outcome.text}"
+            answers[index][position]["content"] = content
+        return answers
+
+    def _refusal(self, call: Any, number: int) -> tuple[str | None, str]:
+        """Why a parsed call is answered with an error without running, and its kind."""
+        if call.error is not None:
+            return call.error, PARSE_ERROR
+        if number >= self.max_tool_calls_per_turn:
+            return f"at most {self.max_tool_calls_per_turn} tool calls per turn", BAD_ARGUMENTS
+        if call.name not in self.tools:
+            return f"no tool named {call.name!r}; tools: {sorted(self.tools)}", UNKNOWN_TOOL
+        problem = self.tools[call.name].check_arguments(call.arguments)
+        return problem, BAD_ARGUMENTS

@@ -1,0 +1,236 @@
+"""Tools: plain Python functions with type hints, and the parsing of the model's calls to them.
+
+A tool is any module-level function whose parameters have type hints (``int``, ``float``,
+``str``, ``bool``); its docstring's first line describes it to the model. `Tool` checks a
+call's arguments against the hints before the function runs, so a call with a missing, unknown
+or mistyped argument becomes an error turn for the model, not an exception in a worker.
+
+Two call formats (`parse_tool_calls`):
+
+* ``"json"``: ``<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>``,
+  the Hermes format that Qwen2.5 and Qwen3 chat templates use for tool calls.
+* ``"tag"``: ``<calculator>2+3</calculator>``: the tag is the tool's name and the text inside is
+  its first parameter. For small models and plain (non-chat) templates.
+
+Pure Python: no torch, no Ray (tools are unpickled in worker processes).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import re
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+CALL_FORMATS = ("json", "tag")
+
+# Error kinds of a tool call, counted in the episode's stats and the collector's metrics.
+PARSE_ERROR = "parse_error"
+UNKNOWN_TOOL = "unknown_tool"
+BAD_ARGUMENTS = "bad_arguments"
+TIMEOUT = "timeout"
+CRASH = "crash"
+EXCEPTION = "exception"
+TOOL_ERROR_KINDS = (PARSE_ERROR, UNKNOWN_TOOL, BAD_ARGUMENTS, TIMEOUT, CRASH, EXCEPTION)
+
+_JSON_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_SIMPLE_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
+
+
+@dataclass
+class ToolCall:
+    """One call the model wrote: a tool name and its arguments, or why it does not parse."""
+
+    name: str | None
+    arguments: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # a parse error: the call is answered with it
+
+
+def _import_function(dotted_path: str) -> Callable[..., Any]:
+    module_name, _, attr = dotted_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"cannot import tool {dotted_path!r}: {error}") from error
+
+
+class Tool:
+    """A Python function the model may call, checked against its type hints.
+
+    Args:
+        fn (Callable | str): A module-level function (or its dotted path) whose parameters
+            all have type hints among ``int``, ``float``, ``str``, ``bool``. It returns
+            something whose ``str()`` is the tool's answer.
+        name (str | None): Name the model calls it by; default the function's name.
+
+    Raises:
+        ValueError: If the function cannot be imported, is not module-level, or a parameter
+            has no supported type hint (named).
+
+    Example:
+        >>> def add(a: int, b: int) -> int:
+        ...     '''Add two integers.'''
+        ...     return a + b
+        >>> Tool(add).check_arguments({"a": 1, "b": "2"})
+        "argument 'b' of add must be an integer, got '2'"
+    """
+
+    def __init__(self, fn: Callable[..., Any] | str, name: str | None = None) -> None:
+        if isinstance(fn, str):
+            fn = _import_function(fn)
+        if not callable(fn):
+            raise ValueError(f"a tool must be a function, got {type(fn).__name__}")
+        qualname = getattr(fn, "__qualname__", "")
+        if "<locals>" in qualname or "<lambda>" in qualname:
+            raise ValueError(
+                f"tool {qualname!r} must be a module-level function: tools run in worker "
+                "processes, which import it by name"
+            )
+        self.fn = fn
+        self.name = name or fn.__name__
+        hints = typing.get_type_hints(fn)
+        self.parameters: dict[str, type] = {}
+        self.required: list[str] = []
+        for parameter in inspect.signature(fn).parameters.values():
+            hint = hints.get(parameter.name)
+            if hint not in _SIMPLE_TYPES:
+                raise ValueError(
+                    f"tool {self.name}: parameter {parameter.name!r} needs a type hint among "
+                    f"int, float, str, bool (got {hint!r})"
+                )
+            self.parameters[parameter.name] = hint
+            if parameter.default is inspect.Parameter.empty:
+                self.required.append(parameter.name)
+        if not self.parameters:
+            raise ValueError(f"tool {self.name} takes no parameter; give it at least one")
+        self.description = (inspect.getdoc(fn) or self.name).strip().splitlines()[0]
+
+    def __repr__(self) -> str:
+        return f"Tool({self.name})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as the function's import path: workers import it.
+        return (Tool, (f"{self.fn.__module__}.{self.fn.__qualname__}", self.name))
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI-style function schema chat templates render in their tool list."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        name: {"type": _SIMPLE_TYPES[hint]}
+                        for name, hint in self.parameters.items()
+                    },
+                    "required": list(self.required),
+                },
+            },
+        }
+
+    def check_arguments(self, arguments: Mapping[str, Any]) -> str | None:
+        """Why ``arguments`` cannot be passed to the tool, or None if they can."""
+        if not isinstance(arguments, Mapping):
+            return f"arguments of {self.name} must be an object, got {type(arguments).__name__}"
+        unknown = sorted(set(arguments) - set(self.parameters))
+        if unknown:
+            return f"{self.name} takes no argument {unknown[0]!r}; it takes {list(self.parameters)}"
+        missing = [name for name in self.required if name not in arguments]
+        if missing:
+            return f"{self.name} is missing the argument {missing[0]!r}"
+        for name, value in arguments.items():
+            hint = self.parameters[name]
+            ok = isinstance(value, hint) and not (hint is not bool and isinstance(value, bool))
+            if hint is float and isinstance(value, int) and not isinstance(value, bool):
+                ok = True
+            if not ok:
+                article = "an" if _SIMPLE_TYPES[hint][0] in "aeiou" else "a"
+                return (
+                    f"argument {name!r} of {self.name} must be {article} "
+                    f"{_SIMPLE_TYPES[hint]}, got {value!r}"
+                )
+        return None
+
+
+def resolve_tools(tools: Sequence[Tool | Callable[..., Any] | str]) -> dict[str, Tool]:
+    """Tools by name, from functions, dotted paths or `Tool` objects.
+
+    Raises:
+        ValueError: A tool that `Tool` refuses, or two tools with one name.
+    """
+    by_name: dict[str, Tool] = {}
+    for index, spec in enumerate(tools):
+        try:
+            tool = spec if isinstance(spec, Tool) else Tool(spec)
+        except ValueError as error:
+            raise ValueError(f"tools[{index}]: {error}") from error
+        if tool.name in by_name:
+            raise ValueError(f"tools[{index}]: two tools are named {tool.name!r}")
+        by_name[tool.name] = tool
+    return by_name
+
+
+def parse_tool_calls(text: str, call_format: str, tools: Mapping[str, Tool]) -> list[ToolCall]:
+    """The tool calls in an assistant turn's text, in order.
+
+    Args:
+        text (str): The assistant turn, decoded.
+        call_format (str): ``"json"`` or ``"tag"`` (see the module docstring).
+        tools (Mapping[str, Tool]): The declared tools (the ``"tag"`` format looks for their
+            names).
+
+    Returns:
+        list[ToolCall]: Empty when the turn calls no tool. A call that does not parse has its
+        ``error`` set (answered with it, counted as a parse error).
+
+    Example:
+        >>> parse_tool_calls("<calculator>2*3</calculator>", "tag", {"calculator": calc})
+        [ToolCall(name='calculator', arguments={'expression': '2*3'}, error=None)]
+    """
+    if call_format == "json":
+        calls = []
+        for body in _JSON_CALL.findall(text):
+            try:
+                payload = json.loads(body)
+            except json.JSONDecodeError as error:
+                calls.append(ToolCall(None, error=f"the tool call is not valid JSON: {error}"))
+                continue
+            if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+                calls.append(
+                    ToolCall(None, error='a tool call needs {"name": ..., "arguments": {...}}')
+                )
+                continue
+            arguments = payload.get("arguments", {})
+            if isinstance(arguments, str):  # some models write the arguments as a JSON string
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    pass
+            calls.append(
+                ToolCall(
+                    payload["name"], arguments if isinstance(arguments, dict) else {"": arguments}
+                )
+            )
+        return calls
+    if call_format == "tag":
+        if not tools:
+            return []
+        names = "|".join(re.escape(name) for name in tools)
+        calls = []
+        for name, body in re.findall(rf"<({names})>(.*?)</\1>", text, flags=re.DOTALL):
+            first, hint = next(iter(tools[name].parameters.items()))
+            value: Any = body.strip()
+            if hint in (int, float):
+                try:
+                    value = hint(value)
+                except ValueError:
+                    pass  # left a string: the argument check reports it
+            calls.append(ToolCall(name, {first: value}))
+        return calls
+    raise ValueError(f"call_format must be one of {CALL_FORMATS}, got {call_format!r}")

@@ -1,0 +1,49 @@
+"""Tools that misbehave on purpose, and a scripted multi-turn environment, for tests and drills.
+
+They live in the package (not in a test file) because tools run in worker processes, which
+import them by name.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from grpo.envs.base import Episode, Message, MultiTurnEnv
+
+
+def hang(seconds: float) -> str:
+    """Sleep for the given seconds (a tool that hangs)."""
+    time.sleep(seconds)
+    return "woke up"
+
+
+def crash(code: int) -> str:
+    """Kill the worker process with the given exit code (a tool that crashes)."""
+    os._exit(code)
+
+
+def fail(message: str) -> str:
+    """Raise a ValueError with the given message (a tool that raises)."""
+    raise ValueError(message)
+
+
+class EchoUserEnv(MultiTurnEnv):
+    """A user who answers every assistant turn with ``"again"`` until ``max_turns``.
+
+    Any policy produces multi-turn episodes with it, so an untrained model exercises the whole
+    multi-turn path. ``raise_on_turn`` makes the environment raise at that turn of the episodes
+    of examples with an even ``index`` (an environment that fails on some episodes).
+    """
+
+    def __init__(self, raise_on_turn: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.raise_on_turn = raise_on_turn
+
+    def env_response(
+        self, messages: list[Message], state: dict[str, Any], episode: Episode
+    ) -> list[Message] | None:
+        if episode.num_turns == self.raise_on_turn and episode.example.get("index", 1) % 2 == 0:
+            raise RuntimeError(f"scripted failure at turn {episode.num_turns}")
+        return [{"role": "user", "content": "again"}]

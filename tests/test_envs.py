@@ -1,0 +1,314 @@
+"""Multi-turn and tool-using episodes: token-exact sequences, limits, and tools that misbehave.
+
+The engine is scripted here (a unit test of the rollout logic around it): each policy turn
+returns the canonical tokens of a scripted text, so the expected sequence is known exactly.
+Tools run for real in worker processes; the tokenizer and chat template are the tiny Qwen2's
+(ChatML). The real engine runs the same path in tests/test_collector.py.
+"""
+
+import time
+
+import pytest
+import torch
+
+from grpo.envs import (
+    ChatTurnRenderer,
+    MultiTurnEnv,
+    PlainTurnRenderer,
+    Sample,
+    Tool,
+    ToolEnv,
+    ToolRunner,
+    episode_groups,
+    parse_tool_calls,
+    run_episodes,
+)
+from grpo.envs.builtin_tools import calculator, python
+from grpo.models import load_tokenizer
+from grpo.rewards import MathCorrectnessReward
+from grpo.testing.tools import EchoUserEnv
+
+
+def _call(expression: str) -> str:
+    return (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "'
+        + expression
+        + '"}}</tool_call>'
+    )
+
+
+class ScriptedEngine:
+    """Samples scripted assistant texts: turn t of every episode is ``script[t]``."""
+
+    def __init__(self, tokenizer, script: list[str], close_with_stop_token: bool = True):
+        self.tokenizer = tokenizer
+        self.script = script
+        self.close = close_with_stop_token
+        self.requests = []
+
+    def __call__(self, requests):
+        self.requests.append(list(requests))
+        samples = []
+        for request in requests:
+            turn = self._turn_of(request)
+            ids = self.tokenizer.encode(self.script[turn], add_bos=False, add_eos=False)
+            if self.close:
+                ids.append(self.tokenizer.eos_id)
+            finish = "stop"
+            if len(ids) > request.max_tokens:
+                ids, finish = ids[: request.max_tokens], "length"
+            samples.append(Sample(ids, [-0.5] * len(ids), finish))
+        return samples
+
+    def _turn_of(self, request):
+        # How many rounds this sequence has been through: count earlier requests it extends.
+        return sum(
+            any(request.token_ids[: len(r.token_ids)] == r.token_ids for r in round_requests)
+            for round_requests in self.requests[:-1]
+        )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    with_runner = ToolRunner(num_workers=2)
+    yield with_runner
+    with_runner.close()
+
+
+def _prompt(tokenizer, question: str, index: int = 0):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    example = {"question": question, "answer": "7", "prompt": text, "index": index}
+    return example, tokenizer.encode(text, add_bos=False, add_eos=False)
+
+
+def _run(env, engine, tokenizer, prompts, group_size=1, max_model_len=2048, per_turn=256):
+    return run_episodes(
+        env,
+        engine,
+        tokenizer,
+        ChatTurnRenderer(tokenizer),
+        prompts,
+        group_size=group_size,
+        max_tokens_per_turn=per_turn,
+        max_model_len=max_model_len,
+        seeds=[0] * len(prompts),
+    )
+
+
+def test_three_turn_episode_is_the_sampled_tokens_plus_rendered_tool_turns(tokenizer, runner):
+    script = [_call("2*3"), _call("6+1"), "<answer>7</answer>"]
+    env = ToolEnv(
+        tools=[calculator],
+        reward_functions=[MathCorrectnessReward()],
+        max_turns=5,
+        runner=runner,
+    )
+    engine = ScriptedEngine(tokenizer, script)
+    example, prompt_ids = _prompt(tokenizer, "What is 2*3+1?")
+    [[episode]] = _run(env, engine, tokenizer, [(example, prompt_ids)])
+
+    assert episode.error is None and not episode.truncated and not episode.hit_max_turns
+    assert episode.num_turns == 3 and episode.tool_calls == 2 and not episode.tool_errors
+    assert [m["role"] for m in episode.messages] == [
+        "user", "assistant", "tool", "assistant", "tool", "assistant",
+    ]  # fmt: skip
+    assert [m["content"] for m in episode.messages if m["role"] == "tool"] == ["6", "7"]
+
+    # The policy's tokens, in order, are exactly what the engine sampled.
+    response = torch.tensor(episode.response_ids)
+    mask = torch.tensor(episode.response_mask)
+    sampled = [t for turn in script for t in tokenizer.encode(turn, add_bos=False, add_eos=False)]
+    policy_ids = response[mask].tolist()
+    assert policy_ids == [
+        t
+        for turn in script
+        for t in [*tokenizer.encode(turn, add_bos=False, add_eos=False), tokenizer.eos_id]
+    ]
+    assert len(policy_ids) == len(sampled) + 3
+    # Each turn's request extended the previous tokens: nothing was re-tokenised.
+    rounds = [r[0].token_ids for r in engine.requests]
+    for earlier, later in zip(rounds, rounds[1:]):
+        assert later[: len(earlier)] == earlier
+    # ChatML renders every turn the same wherever it sits, so the whole sequence is the chat
+    # template's rendering of the whole conversation (up to the final end-of-turn token).
+    whole = tokenizer.encode(
+        tokenizer.apply_chat_template(episode.messages, add_generation_prompt=False),
+        add_bos=False,
+        add_eos=False,
+    )
+    sequence = prompt_ids + episode.response_ids
+    assert whole[: len(sequence)] == sequence
+    assert tokenizer.decode(whole[len(sequence) :]) == "\n"
+    # Environment tokens carry no logprob and are not trained.
+    assert all(lp == 0.0 for lp, m in zip(episode.logprobs, episode.response_mask) if not m)
+    assert episode.env_tokens == int((~mask).sum())
+
+    [group] = episode_groups(
+        [[episode]],
+        env.score([episode]),
+        group_ids=[3],
+        sequence_id=iter(["s0"]).__next__,
+        policy_version=2,
+    )
+    [trajectory] = group.trajectories
+    assert trajectory.env_rewards == {"math_correctness": 1.0}
+    assert trajectory.policy_len == len(policy_ids)
+    assert trajectory.episode_stats["turns"] == 3.0
+    assert trajectory.episode_stats["tool_calls"] == 2.0
+
+
+def test_a_turn_that_stops_on_a_stop_string_is_closed_by_the_environment(tokenizer, runner):
+    """Stopped on ``</tool_call>`` (no end-of-turn token): the env turn starts with it."""
+    env = ToolEnv(tools=[calculator], reward_functions=[MathCorrectnessReward()], runner=runner)
+    engine = ScriptedEngine(tokenizer, [_call("3+4"), "<answer>7</answer>"], False)
+    example, prompt_ids = _prompt(tokenizer, "What is 3+4?")
+    [[episode]] = _run(env, engine, tokenizer, [(example, prompt_ids)])
+    first_env = episode.response_ids[episode.turn_lengths[0] :][:3]
+    assert tokenizer.decode(first_env).startswith("<|im_end|>\n<|im_start|>")
+
+
+def test_misbehaving_tools_answer_with_errors_and_are_counted(tokenizer):
+    """A hanging, a crashing and a raising tool, an undeclared tool, bad arguments and a call
+    that does not parse: each is one error turn; the episodes go on to their answer."""
+    runner = ToolRunner(num_workers=2)
+    try:
+        env = ToolEnv(
+            tools=[
+                calculator,
+                "grpo.testing.tools.hang",
+                "grpo.testing.tools.crash",
+                "grpo.testing.tools.fail",
+            ],
+            tool_timeout_s=1.0,
+            reward_functions=[MathCorrectnessReward()],
+            max_turns=3,
+            runner=runner,
+        )
+        first_turn = (
+            '<tool_call>{"name": "hang", "arguments": {"seconds": 30}}</tool_call>'
+            '<tool_call>{"name": "crash", "arguments": {"code": 3}}</tool_call>'
+            '<tool_call>{"name": "fail", "arguments": {"message": "boom"}}</tool_call>'
+            '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>'
+        )
+        second_turn = (
+            '<tool_call>{"name": "calculator", "arguments": {"expression": 7}}</tool_call>'
+            "<tool_call>{not json</tool_call>"
+        )
+        engine = ScriptedEngine(tokenizer, [first_turn, second_turn, "<answer>7</answer>"])
+        example, prompt_ids = _prompt(tokenizer, "What is 3+4?")
+        start = time.perf_counter()
+        [[episode]] = _run(env, engine, tokenizer, [(example, prompt_ids)], per_turn=600)
+        elapsed = time.perf_counter() - start
+    finally:
+        runner.close()
+    assert elapsed < 15, "a hanging tool held the episode past its timeout"
+    assert episode.error is None and episode.num_turns == 3
+    assert episode.tool_calls == 6
+    assert episode.tool_errors == {
+        "timeout": 1,
+        "crash": 1,
+        "exception": 1,
+        "unknown_tool": 1,
+        "bad_arguments": 1,
+        "parse_error": 1,
+    }
+    tool_turns = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert len(tool_turns) == 6 and all(turn.startswith("error: ") for turn in tool_turns)
+    assert "boom" in tool_turns[2]
+    assert "no tool named 'search'" in tool_turns[3]
+    assert "must be a string, got 7" in tool_turns[4]
+    assert episode.stats()["tool_errors"] == 6.0
+
+
+def test_max_turns_and_token_budget_end_episodes(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["one two three"] * 10)
+    prompts = [_prompt(tokenizer, "Hi", index=1)]
+    env = EchoUserEnv(max_turns=3, reward_functions=[MathCorrectnessReward()])
+    [[episode]] = _run(env, engine, tokenizer, prompts)
+    assert episode.num_turns == 3 and episode.hit_max_turns and not episode.truncated
+    assert [m["content"] for m in episode.messages if m["role"] == "user"][1:] == ["again"] * 2
+
+    budget_env = EchoUserEnv(max_turns=10, max_episode_tokens=30, reward_functions=[])
+    engine = ScriptedEngine(tokenizer, ["one two three"] * 10)
+    [[episode]] = _run(budget_env, engine, tokenizer, prompts)
+    assert episode.truncated and not episode.hit_max_turns
+    assert len(episode.response_ids) <= 30
+    assert 1 < episode.num_turns < 10
+
+
+def test_an_environment_that_raises_drops_only_its_episode(tokenizer, caplog):
+    env = EchoUserEnv(max_turns=3, raise_on_turn=2, reward_functions=[MathCorrectnessReward()])
+    engine = ScriptedEngine(tokenizer, ["<answer>7</answer>"] * 3)
+    prompts = [_prompt(tokenizer, "Hi", index=0), _prompt(tokenizer, "Hi", index=1)]
+    groups = _run(env, engine, tokenizer, prompts, group_size=2)
+    failed = [e for group in groups for e in group if e.error is not None]
+    assert len(failed) == 2 and all(e.example["index"] == 0 for e in failed)
+    assert "scripted failure at turn 2" in failed[0].error
+    assert "scripted failure" in caplog.text
+    kept = [e for group in groups for e in group if e.error is None]
+    trajectories = episode_groups(
+        groups,
+        env.score(kept),
+        group_ids=[0, 1],
+        sequence_id=iter(f"s{i}" for i in range(9)).__next__,
+        policy_version=0,
+    )
+    assert [g.group_id for g in trajectories] == [1]
+    assert len(trajectories[0].trajectories) == 2
+
+
+def test_tools_check_their_arguments_and_calls_parse_in_both_formats():
+    tool = Tool(calculator)
+    assert tool.check_arguments({"expression": "1+1"}) is None
+    assert "missing the argument 'expression'" in tool.check_arguments({})
+    assert tool.schema()["function"]["parameters"]["required"] == ["expression"]
+    tools = {"calculator": tool}
+    [call] = parse_tool_calls("I will compute <calculator>12*34</calculator>", "tag", tools)
+    assert (call.name, call.arguments) == ("calculator", {"expression": "12*34"})
+    [call] = parse_tool_calls(_call("1+2"), "json", tools)
+    assert call.arguments == {"expression": "1+2"}
+    assert parse_tool_calls("<answer>3</answer>", "json", tools) == []
+    with pytest.raises(ValueError, match="module-level function"):
+        Tool(lambda expression: expression)
+    with pytest.raises(ValueError, match="needs a type hint"):
+        Tool(len)
+
+
+def test_python_tool_has_no_network_and_writes_only_in_its_folder(runner):
+    tool = Tool(python)
+    outcomes = runner.run(
+        [
+            (tool, {"code": "print(sum(range(10)))"}),
+            (tool, {"code": "import socket\nsocket.create_connection(('127.0.0.1', 9))"}),
+            (tool, {"code": "open('/tmp/grpo-python-tool-escape', 'w')"}),
+            (tool, {"code": "open('notes.txt', 'w').write('ok'); print(open('notes.txt').read())"}),
+            (tool, {"code": "import subprocess\nsubprocess.run(['ls'])"}),
+        ],
+        timeout_s=20,
+    )
+    assert outcomes[0].text == "45\n" and outcomes[0].error is None
+    assert "network access is disabled" in outcomes[1].text and outcomes[1].error == "exception"
+    assert "writing outside the working folder" in outcomes[2].text
+    assert outcomes[3].text == "ok\n"
+    assert "disabled" in outcomes[4].text
+
+
+def test_plain_renderer_formats_environment_turns(tokenizer):
+    renderer = PlainTurnRenderer(tokenizer)
+    ids = renderer.env_tokens([{"role": "tool", "content": "42"}], closed=True)
+    assert tokenizer.decode(ids) == "<result>42</result>"
+    with pytest.raises(ValueError, match="no plain format for 'system'"):
+        renderer.env_tokens([{"role": "system", "content": "x"}], closed=True)
+
+
+def test_base_environment_needs_env_response():
+    env = MultiTurnEnv(reward_functions=[MathCorrectnessReward()])
+    with pytest.raises(NotImplementedError):
+        env.env_response([], {}, None)
+    with pytest.raises(ValueError, match="max_turns must be an int >= 1"):
+        MultiTurnEnv(max_turns=0)
