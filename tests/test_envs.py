@@ -312,3 +312,41 @@ def test_base_environment_needs_env_response():
         env.env_response([], {}, None)
     with pytest.raises(ValueError, match="max_turns must be an int >= 1"):
         MultiTurnEnv(max_turns=0)
+
+
+def test_validate_names_each_environment_mistake(tmp_path, capsys):
+    from grpo.cli import main
+
+    def problems(environment: str) -> str:
+        status = main(
+            ["validate", "tiny_arithmetic_cpu", f"output_dir={tmp_path}/run", environment]
+        )
+        err = capsys.readouterr().err
+        assert status == 2 and "Traceback" not in err
+        return err
+
+    assert "environment.tools[0]: cannot import tool 'grpo.envs.calculatorr'" in problems(
+        "environment={_component_: grpo.envs.ToolEnv, tools: [grpo.envs.calculatorr]}"
+    )
+    assert "environment.tools[0]: tool getcwd takes no parameter" in problems(
+        "environment={_component_: grpo.envs.ToolEnv, tools: [os.getcwd]}"
+    )
+    assert "environment.call_format: 'xml' is not one of json, tag" in problems(
+        "environment={_component_: grpo.envs.ToolEnv, tools: [grpo.envs.calculator], "
+        "call_format: xml}"
+    )
+    assert "environment.max_turn: grpo.envs.ToolEnv takes no argument 'max_turn'" in problems(
+        "environment={_component_: grpo.envs.ToolEnv, tools: [grpo.envs.calculator], max_turn: 3}"
+    )
+    assert (
+        main(
+            [
+                "validate",
+                "tiny_arithmetic_cpu",
+                f"output_dir={tmp_path}/run",
+                "environment={_component_: grpo.envs.ToolEnv, tools: [grpo.envs.calculator, "
+                "grpo.envs.python], max_turns: 3}",
+            ]
+        )
+        == 0
+    )

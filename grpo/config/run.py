@@ -109,6 +109,10 @@ class RunConfig(Section):
     """Training prompts and answers."""
     eval_dataset: Component() | None = None
     """Evaluation prompts; null: no evaluation."""
+    environment: Component() | None = None
+    """Multi-turn environment that answers the policy's turns (tool results, user replies) and
+    scores each episode with reward_functions, e.g. {_component_: grpo.envs.ToolEnv, tools:
+    [grpo.envs.calculator], max_turns: 3}; null: single-turn (one response per prompt)."""
     metric_logger: Component(MetricLoggerArgs)
     """Metric logger, run as a Ray actor: grpo.observability.metric_logger.MetricLogger (JSONL, W&B,
     stdout) or your own class with its methods. log_dir and config default to the run folder

@@ -93,6 +93,7 @@ def validate_config(
     problems.extend(RunConfig.relation_problems(values, check_files))
     if check_files:
         problems.extend(_dataset_problems(values))
+        problems.extend(_environment_problems(values))
     if problems:
         raise ConfigError(problems)
     assert run is not None
@@ -218,6 +219,16 @@ def _dataset_problems(values: dict) -> list[str]:
                     dataset_problems(key, node, model_path if isinstance(model_path, str) else None)
                 )
     return problems
+
+
+def _environment_problems(values: dict) -> list[str]:
+    """What the environment node's tools say: imports and type hints (no torch)."""
+    node = values.get("environment")
+    if not isinstance(node, dict) or any(value is UNRESOLVED for value in node.values()):
+        return []
+    from grpo.envs.preflight import environment_problems
+
+    return environment_problems("environment", node)
 
 
 # --------------------------------------------------------------------------------------------

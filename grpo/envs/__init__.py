@@ -7,7 +7,8 @@
 * `run_episodes` (`rollout`): drives episodes on an inference engine, batched across episodes;
   `render` turns the environment's messages into tokens the way the chat template does.
 
-A dataset with reward functions and no environment is the single-turn case.
+A dataset with reward functions and no environment is the single-turn case. Importing this
+package loads no torch (``grpo validate`` reads tools and environments).
 """
 
 from grpo.envs.base import Episode, MultiTurnEnv

@@ -108,8 +108,7 @@ class MultiTurnEnv:
     """Base of multi-turn environments: answer each assistant turn until the episode is done.
 
     Args:
-        reward_functions (Sequence): Reward functions (`grpo.rewards`), or ``_component_``
-            nodes of them, that score the episode's last assistant turn against the example's
+        reward_functions (Sequence): Reward functions (`grpo.rewards`) that score the episode's last assistant turn against the example's
             answer; they run in the reward worker pool with ``reward_timeout_s``.
         max_turns (int): Most policy turns in an episode; an episode that reaches it ends
             (flagged ``hit_max_turns``) and is scored as it stands.
@@ -141,14 +140,14 @@ class MultiTurnEnv:
         ):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{type(self).__name__}: {key} must be an int >= 1, got {value!r}")
-        from grpo.config import instantiate
-
-        self.reward_functions = [
-            instantiate(fn, _key_=f"environment.reward_functions[{index}]")
-            if isinstance(fn, Mapping)
-            else fn
-            for index, fn in enumerate(reward_functions)
-        ]
+        for index, fn in enumerate(reward_functions):
+            if not callable(fn):
+                raise ValueError(
+                    f"{type(self).__name__}: reward_functions[{index}] is a "
+                    f"{type(fn).__name__}, not a reward function (build _component_ nodes "
+                    "with grpo.config.instantiate first)"
+                )
+        self.reward_functions = list(reward_functions)
         self.max_turns = max_turns
         self.max_episode_tokens = max_episode_tokens
         self.max_tokens_per_turn = max_tokens_per_turn

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from grpo.envs.base import Episode, MultiTurnEnv
-from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
+
+if TYPE_CHECKING:
+    from grpo.types import GroupedUnscoredTrajectories
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,11 @@ def episode_groups(
         list[GroupedUnscoredTrajectories]: One per prompt that kept at least one episode
         (episodes whose environment raised are left out).
     """
+    # Imported here: `grpo validate` reads this package without loading torch.
+    import torch
+
+    from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
+
     scored = iter(rewards)
     result = []
     for group, group_id in zip(groups, group_ids):

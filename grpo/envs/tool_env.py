@@ -39,8 +39,11 @@ class ToolEnv(MultiTurnEnv):
         max_tool_calls_per_turn (int): Calls of one turn beyond this are answered with an
             error without running.
         runner (ToolRunner | None): Worker processes for the calls; default a process-wide one.
-        **kwargs: `MultiTurnEnv`'s options (``reward_functions``, ``max_turns``,
-            ``max_episode_tokens``, ``max_tokens_per_turn``, ``stop``, ``reward_timeout_s``).
+        reward_functions, max_turns, max_episode_tokens, max_tokens_per_turn,
+            reward_timeout_s: As `MultiTurnEnv`.
+        stop (Sequence[str] | None): Stop strings of a policy turn; default the end of a call
+            (``</tool_call>``, or ``</name>`` of each tool for the tag format), so a turn ends
+            as soon as it has made its call.
 
     Raises:
         ValueError: An unknown ``call_format``, a tool `Tool` refuses, no tools.
@@ -57,9 +60,13 @@ class ToolEnv(MultiTurnEnv):
         tool_timeout_s: float = 5.0,
         max_tool_calls_per_turn: int = 4,
         runner: ToolRunner | None = None,
-        **kwargs: Any,
+        reward_functions: Sequence[Any] = (),
+        max_turns: int = 4,
+        max_episode_tokens: int | None = None,
+        max_tokens_per_turn: int | None = None,
+        stop: Sequence[str] | None = None,
+        reward_timeout_s: float = 10.0,
     ) -> None:
-        super().__init__(**kwargs)
         if call_format not in CALL_FORMATS:
             raise ValueError(f"call_format must be one of {CALL_FORMATS}, got {call_format!r}")
         if not tools:
@@ -67,6 +74,21 @@ class ToolEnv(MultiTurnEnv):
         if not tool_timeout_s > 0:
             raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s!r}")
         self.tools = resolve_tools(tools)
+        # A policy turn stops right after a call: the result comes before the model goes on.
+        if stop is None:
+            stop = (
+                ("</tool_call>",)
+                if call_format == "json"
+                else tuple(f"</{name}>" for name in self.tools)
+            )
+        super().__init__(
+            reward_functions=reward_functions,
+            max_turns=max_turns,
+            max_episode_tokens=max_episode_tokens,
+            max_tokens_per_turn=max_tokens_per_turn,
+            stop=stop,
+            reward_timeout_s=reward_timeout_s,
+        )
         self.call_format = call_format
         self.tool_timeout_s = float(tool_timeout_s)
         self.max_tool_calls_per_turn = max_tool_calls_per_turn

@@ -304,6 +304,9 @@ class ActorSupervisor:
             rollout_queue=self.rollout_queue,
             config=inference,
             seed=cfg.seed,
+            environment=cfg.environment,
+            reward_functions=cfg.reward_functions,
+            reward_timeout_s=cfg.reward_timeout_s,
         )
 
     def start_collectors(self, weights_dir: Path | None = None) -> list[Any]:

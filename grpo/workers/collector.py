@@ -109,6 +109,55 @@ def _resolve_dataset(dataset: Any) -> Sequence[dict[str, Any]]:
     return dataset
 
 
+def episode_metrics(
+    episodes: Sequence[Any], dropped: int, dropped_total: float
+) -> dict[str, float]:
+    """Metrics of one batch of multi-turn episodes (`grpo.envs.Episode`).
+
+    ``truncated`` (a count) is for the caller's ``inference/truncated_fraction``; the rest are
+    ``inference/episode_*`` and ``inference/tool_*`` metrics.
+    """
+    count = max(len(episodes), 1)
+    turn_lengths = [n for e in episodes for n in e.turn_lengths]
+    env_tokens = sum(e.env_tokens for e in episodes)
+    policy_tokens = sum(turn_lengths)
+    errors: dict[str, int] = {}
+    for episode in episodes:
+        for kind, number in episode.tool_errors.items():
+            errors[kind] = errors.get(kind, 0) + number
+    metrics = {
+        "truncated": float(sum(e.truncated for e in episodes)),
+        "inference/episode_turns_mean": sum(e.num_turns for e in episodes) / count,
+        "inference/episode_turns_max": float(max((e.num_turns for e in episodes), default=0)),
+        "inference/episode_turn_length_mean": policy_tokens / max(len(turn_lengths), 1),
+        "inference/episode_env_token_fraction": env_tokens / max(env_tokens + policy_tokens, 1),
+        "inference/episode_truncated": float(sum(e.truncated for e in episodes)),
+        "inference/episode_hit_max_turns": float(sum(e.hit_max_turns for e in episodes)),
+        "inference/episodes_dropped": float(dropped),
+        "inference/episodes_dropped_total": dropped_total,
+        "inference/tool_calls_per_episode": sum(e.tool_calls for e in episodes) / count,
+        "inference/tool_errors": float(sum(errors.values())),
+        "inference/tool_timeouts": float(errors.get("timeout", 0)),
+    }
+    for kind, number in errors.items():
+        metrics[f"inference/tool_errors_{kind}"] = float(number)
+    return metrics
+
+
+def _resolve_environment(
+    environment: Any, reward_functions: Sequence[Any], reward_timeout_s: float
+) -> Any:
+    """An environment object, built from its ``_component_`` node if need be (or None)."""
+    if environment is None or not isinstance(environment, Mapping):
+        return environment
+    from grpo.config import instantiate
+
+    node = dict(environment)
+    node.setdefault("reward_functions", list(reward_functions))
+    node.setdefault("reward_timeout_s", reward_timeout_s)
+    return instantiate(node, _key_="environment")
+
+
 class SyncLLMCollector:
     """Generates GRPO groups with vLLM from one shard of a prompt dataset.
 
@@ -131,6 +180,12 @@ class SyncLLMCollector:
             (counted in ``inference/skipped_long_prompts``).
         seed (int): Seeds the prompt order and every request's sampler.
         verify_weights (bool): Check the checksum of every received update.
+        environment: A multi-turn environment (`grpo.envs.MultiTurnEnv`) or its
+            ``_component_`` node; None: single-turn (one sampled response per episode, scored
+            by the reference actor).
+        reward_functions (Sequence): The run's reward functions (nodes or objects), given to
+            an environment node that names none of its own.
+        reward_timeout_s (float): Timeout of one reward call, likewise.
 
     Raises:
         ValueError: On inconsistent sizes (worker id out of range, a shard that is empty, no
@@ -154,6 +209,9 @@ class SyncLLMCollector:
         *,
         seed: int = 0,
         verify_weights: bool = True,
+        environment: Any = None,
+        reward_functions: Sequence[Any] = (),
+        reward_timeout_s: float = 10.0,
     ) -> None:
         config = config or InferenceConfig()
         max_generated_tokens = config.max_generated_tokens
@@ -204,6 +262,15 @@ class SyncLLMCollector:
             )
         self.max_prompt_tokens = max_prompt_tokens
 
+        # Multi-turn episodes: the environment answers each policy turn and scores the episode
+        # (with the run's reward functions unless its node names its own).
+        self.environment = _resolve_environment(environment, reward_functions, reward_timeout_s)
+        self.renderer = None
+        if self.environment is not None:
+            from grpo.envs import turn_renderer
+
+            self.renderer = turn_renderer(self.tokenizer)
+
         self.weights = WeightReceiver()
         self._weights_error: str | None = None  # set while the engine holds unverified weights
         self.policy_version = 0
@@ -211,7 +278,11 @@ class SyncLLMCollector:
         self.group_counter = 0
         self.batch_counter = 0
         # Cumulative counters, readable while a batch runs.
-        self.totals: dict[str, float] = {"queue_put_waits": 0.0, "skipped_long_prompts": 0.0}
+        self.totals: dict[str, float] = {
+            "queue_put_waits": 0.0,
+            "skipped_long_prompts": 0.0,
+            "episodes_dropped": 0.0,
+        }
         # vLLM's engine is not thread-safe; a threaded actor serialises calls on it here.
         self._engine_lock = threading.RLock()
         # The weight channel to trainer rank 0 (collective transport), one transfer at a time.
@@ -472,6 +543,83 @@ class SyncLLMCollector:
             )
         return GroupedUnscoredTrajectories.from_trajectories(trajectories)
 
+    def _sample_turns(self, requests: Sequence[Any], temperature: float | None = None) -> list[Any]:
+        """The engine as a `grpo.envs.Sampler`: one policy turn per request, batched."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from grpo.envs import Sample
+
+        params = [
+            SamplingParams(
+                n=1,
+                max_tokens=request.max_tokens,
+                temperature=self.temperature if temperature is None else temperature,
+                top_p=self.top_p if temperature is None else 1.0,
+                logprobs=0,
+                seed=request.seed,
+                stop=[*self.stop_strings, *request.stop] or None,
+                include_stop_str_in_output=True,
+                stop_token_ids=list(self.tokenizer.stop_tokens),
+            )
+            for request in requests
+        ]
+        with self._engine_lock:
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=request.token_ids) for request in requests],
+                params,
+                use_tqdm=False,
+            )
+        samples = []
+        for output in outputs:
+            completion = output.outputs[0]
+            token_ids = list(completion.token_ids)
+            logprobs = [
+                entry[token].logprob for token, entry in zip(token_ids, completion.logprobs or ())
+            ]
+            if len(logprobs) != len(token_ids):
+                raise RuntimeError(
+                    f"vLLM returned {len(logprobs)} logprobs for {len(token_ids)} tokens"
+                )
+            samples.append(Sample(token_ids, logprobs, completion.finish_reason or "stop"))
+        return samples
+
+    def _run_episodes(
+        self, prompts: list[tuple[dict[str, Any], list[int]]], group_ids: list[int]
+    ) -> tuple[list[GroupedUnscoredTrajectories], dict[str, float]]:
+        """Multi-turn episodes of the environment for ``prompts``, scored, as groups."""
+        from grpo.envs import episode_groups, run_episodes
+
+        episodes = run_episodes(
+            self.environment,
+            self._sample_turns,
+            self.tokenizer,
+            self.renderer,
+            prompts,
+            group_size=self.group_size,
+            max_tokens_per_turn=self.max_generated_tokens,
+            max_model_len=self.max_model_len,
+            seeds=[self._request_seed(group_id) for group_id in group_ids],
+        )
+        kept = [e for group in episodes for e in group if e.error is None]
+        dropped = sum(e.error is not None for group in episodes for e in group)
+        self.totals["episodes_dropped"] += dropped
+        rewards = self.environment.score(kept) if kept else []
+
+        def next_sequence_id() -> str:
+            sequence_id = f"w{self.worker_id}-{self.sequence_counter}"
+            self.sequence_counter += 1
+            return sequence_id
+
+        groups = episode_groups(
+            episodes,
+            rewards,
+            group_ids=group_ids,
+            sequence_id=next_sequence_id,
+            policy_version=self.policy_version,
+        )
+        return groups, episode_metrics(kept, dropped, self.totals["episodes_dropped"])
+
     def _put_groups(self, groups: list[GroupedUnscoredTrajectories], put: dict[str, float]) -> None:
         """Blocking puts of ``groups`` in order, retried on timeout until every one is queued.
 
@@ -533,23 +681,32 @@ class SyncLLMCollector:
             self.worker_id + self.num_workers * (self.group_counter + i) for i in range(num_prompts)
         ]
         self.group_counter += num_prompts
-        params = [
-            self._sampling_params(group_id, self.max_generated_tokens) for group_id in group_ids
-        ]
-        with self._engine_lock:
-            start = time.perf_counter()
-            outputs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts], params, use_tqdm=False
+        start = time.perf_counter()
+        if self.environment is None:
+            params = [
+                self._sampling_params(group_id, self.max_generated_tokens) for group_id in group_ids
+            ]
+            with self._engine_lock:
+                outputs = self.llm.generate(
+                    [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts],
+                    params,
+                    use_tqdm=False,
+                )
+            groups = [
+                self._build_group(item, ids, group_id, output.outputs)
+                for (item, ids), group_id, output in zip(prompts, group_ids, outputs)
+            ]
+            truncated = sum(
+                c.finish_reason == "length" for output in outputs for c in output.outputs
             )
-            generation_s = time.perf_counter() - start
-
-        groups = [
-            self._build_group(item, ids, group_id, output.outputs)
-            for (item, ids), group_id, output in zip(prompts, group_ids, outputs)
-        ]
-        response_lens = [t.response_len for g in groups for t in g.trajectories]
-        truncated = sum(c.finish_reason == "length" for output in outputs for c in output.outputs)
-        generated = sum(response_lens)
+            episode_metrics: dict[str, float] = {}
+        else:
+            groups, episode_metrics = self._run_episodes(prompts, group_ids)
+            truncated = episode_metrics.pop("truncated")
+        generation_s = time.perf_counter() - start
+        response_lens = [t.response_len for g in groups for t in g.trajectories] or [0]
+        # Tokens the policy sampled (environment turns of multi-turn episodes are not).
+        generated = sum(t.policy_len for g in groups for t in g.trajectories)
         self.batch_counter += 1
 
         put = {"waits": 0.0, "wait_s": 0.0, "queued": 0.0}
@@ -567,12 +724,13 @@ class SyncLLMCollector:
                 "inference/tokens_per_second": generated / max(generation_s, 1e-9),
                 "inference/time_generation (s)": generation_s,
                 "inference/time_weight_update (s)": weight_update_s,
-                "inference/response_length_mean": generated / len(response_lens),
+                "inference/response_length_mean": sum(response_lens) / len(response_lens),
                 "inference/response_length_max": float(max(response_lens)),
                 "inference/truncated_fraction": truncated / len(response_lens),
                 "inference/skipped_long_prompts": self.totals["skipped_long_prompts"],
                 "queues/rollout_queue_put_wait_s": put["wait_s"],
                 "queues/rollout_queue_put_waits": put["waits"],
+                **episode_metrics,
             }
             if queued < len(groups):
                 log.warning(
@@ -658,6 +816,8 @@ class SyncLLMCollector:
             for i in fits
         ]
         completions = [""] * len(prompt_ids)
+        if fits and self.environment is not None:
+            return self._evaluate_episodes(dataset_items, prompt_ids, fits, budget, completions)
         if fits:
             with self._engine_lock:
                 outputs = self.llm.generate(
@@ -668,6 +828,32 @@ class SyncLLMCollector:
             for i, output in zip(fits, outputs):
                 token_ids = list(output.outputs[0].token_ids)
                 completions[i] = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return completions
+
+    def _evaluate_episodes(
+        self,
+        dataset_items: Sequence[Mapping[str, Any]],
+        prompt_ids: list[list[int]],
+        fits: list[int],
+        budget: int,
+        completions: list[str],
+    ) -> list[str]:
+        """Greedy episodes of the environment; each one's last assistant turn is its answer."""
+        from grpo.envs import run_episodes
+
+        episodes = run_episodes(
+            self.environment,
+            lambda requests: self._sample_turns(requests, temperature=0.0),
+            self.tokenizer,
+            self.renderer,
+            [(dict(dataset_items[i]), prompt_ids[i]) for i in fits],
+            group_size=1,
+            max_tokens_per_turn=budget,
+            max_model_len=self.max_model_len,
+            seeds=[0] * len(fits),
+        )
+        for i, [episode] in zip(fits, episodes):
+            completions[i] = episode.last_assistant_text() if episode.error is None else ""
         return completions
 
     # ------------------------------------------------------------------ checkpointing

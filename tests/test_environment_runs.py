@@ -1,0 +1,103 @@
+"""Whole runs with a multi-turn environment: exact resume, and a replaced collector.
+
+The environment is `grpo.testing.tools.EchoUserEnv` (a user who answers every turn), with
+stop strings the random tiny model writes often, so every step trains on real multi-turn
+episodes whose environment tokens are masked from the loss.
+"""
+
+from pathlib import Path
+
+import pytest
+import ray
+
+from grpo.cli import main as grpo_main
+from grpo.testing import RANDOM_MODEL_OVERRIDES, kill_at_steps, read_jsonl, start_tiny_run
+
+pytestmark = pytest.mark.slow
+
+ENVIRONMENT = (
+    "environment={_component_: grpo.testing.tools.EchoUserEnv, max_turns: 3, stop: [' ', 'e', 'a']}"
+)
+MULTI_TURN = [
+    ENVIRONMENT,
+    "inference.engine_args.max_model_len=256",
+    "inference.max_generated_tokens=12",
+    "inference.batch_size=4",
+    "training.batch_size=32",
+    "reward_functions=[{_component_: grpo.rewards.TokenPresenceReward, token: '7'}]",
+    "ref.reward_weights=null",
+]
+
+
+def trained_ids(run_dir: Path) -> list[str]:
+    return [sid for r in read_jsonl(run_dir / "trained.jsonl") for sid in r["sequence_ids"]]
+
+
+def metric(run_dir: Path, name: str) -> list[float]:
+    return [r[name] for r in read_jsonl(run_dir / "metrics.jsonl") if name in r]
+
+
+def test_multi_turn_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
+    """2 steps + resume + 2 steps == 4 straight steps, with multi-turn episodes."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+
+    def run(run_dir: Path, num_steps: int, *more: str) -> None:
+        args = [
+            "run",
+            "async_grpo",
+            "--config",
+            "tiny_arithmetic_cpu",
+            f"base_model_path={tiny_model_dir}",
+            *RANDOM_MODEL_OVERRIDES,
+            f"output_dir={run_dir}",
+            f"orchestration.num_steps={num_steps}",
+            "orchestration.synchronous=true",
+            "training.lr_scheduler=null",
+            "checkpoint.save_every_n_steps=2",
+            "eval_every_n_steps=null",
+            *MULTI_TURN,
+            *more,
+        ]
+        assert grpo_main(args) == 0
+        ray.shutdown()
+
+    run(straight, 4)
+    run(resumed, 2)
+    run(resumed, 4, "resume_from_checkpoint=true")
+
+    assert trained_ids(resumed) == trained_ids(straight)
+    assert len(set(trained_ids(straight))) == len(trained_ids(straight)) == 4 * 32
+    losses = {r["step"]: r["train_actor_training/loss"] for r in read_jsonl(straight / "metrics.jsonl") if "train_actor_training/loss" in r}  # fmt: skip
+    resumed_losses = {r["step"]: r["train_actor_training/loss"] for r in read_jsonl(resumed / "metrics.jsonl") if "train_actor_training/loss" in r}  # fmt: skip
+    assert sorted(resumed_losses) == [1, 2, 3, 4]
+    for step, value in losses.items():
+        assert resumed_losses[step] == pytest.approx(value, rel=1e-6, abs=1e-9)
+
+    # The episodes were multi-turn, and the environment's tokens were not trained.
+    assert max(metric(straight, "inference/episode_turns_mean")) > 1.5
+    assert max(metric(straight, "inference/episode_env_token_fraction")) > 0.05
+    assert min(metric(straight, "train_actor_training/trained_token_fraction")) < 0.95
+
+
+def test_replaced_collector_loses_no_episode(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
+    """A collector killed mid-run with a multi-turn environment: its replacement regenerates
+    the batch; every step completes and nothing is trained twice."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run_dir = tmp_path / "run"
+    run = start_tiny_run(
+        tiny_model_dir, run_dir, 6, "orchestration.stall_timeout_s=60", *MULTI_TURN
+    )
+    kill_at_steps(run, [(2, "collector[0]")])
+    try:
+        state = run.run()
+    finally:
+        run.shutdown()
+    assert state.step == 6
+    assert [r.actor for r in run.recoveries] == ["collector[0]"]
+    scored = [sid for r in read_jsonl(run_dir / "scored.jsonl") for sid in r["sequence_ids"]]
+    numbers = sorted({int(sid.split("-")[1]) for sid in scored})
+    assert numbers == list(range(numbers[-1] + 1))
+    trained = trained_ids(run_dir)
+    assert len(trained) == len(set(trained)) == 6 * 32
+    assert set(trained) <= set(scored)
