@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 EXTRA  ?= cpu
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: setup test test-fast demo lint clean
+.PHONY: setup test test-fast demo demo-tools lint clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test-fast: setup
 
 demo: setup
 	$(VENV)/bin/grpo run async_grpo --config tiny_arithmetic_cpu
+
+# The multi-turn demo: the tiny model learns when to call a calculator.
+demo-tools: setup
+	$(VENV)/bin/grpo run async_grpo --config tiny_calculator_cpu
 
 lint: setup
 	$(VENV)/bin/ruff check grpo tests scripts recipes

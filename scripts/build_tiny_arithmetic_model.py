@@ -20,9 +20,16 @@ and two in five groups of 8 samples hold both right and wrong answers. The next 
 steps would take it to ~31% (the earlier demo model): headroom that GRPO reaches in minutes. From
 700 steps the demo gains 21-27 points in 1000 GRPO steps; from 750 it gained 14-17 in 800.
 
+With ``--tool-fraction F`` a share F of the training examples answers through the calculator
+in the turns of a tool episode (``<calculator>37 * 48</calculator>``, then the environment's
+``<result>1776</result>``, not trained, then ``<answer>1776</answer>``): the tool demo's model
+(``configs/tiny_calculator_cpu.yaml``), which answers directly when greedy but sometimes calls
+the tool when sampling, and copies a tool's result into its answer.
+
 Usage::
 
     python scripts/build_tiny_arithmetic_model.py --out assets/tiny_arithmetic_qwen2
+    python scripts/build_tiny_arithmetic_model.py --out assets/tiny_calculator_qwen2 --tool-fraction 0.15 --num-threads 2
 
 The held-out questions used for stopping (``--eval-seed``) differ from the demo config's
 ``eval_dataset`` (seed 1), so the demo's start accuracy is not selected on its own eval set.
@@ -81,6 +88,13 @@ def parse_args() -> argparse.Namespace:
     )
     # One thread: the result does not depend on the machine's core count (float reductions
     # split across threads round differently), and this model is too small to gain from more.
+    parser.add_argument(
+        "--tool-fraction",
+        type=float,
+        default=0.0,
+        help="share of the training examples answered through the calculator tool (the "
+        "tool demo's model: configs/tiny_calculator_cpu.yaml)",
+    )
     parser.add_argument("--num-threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument(
         "--snapshot-dir",
@@ -92,42 +106,76 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+# One training example: prompt ids, response ids, and per response token whether it is trained
+# (False on a tool result: the environment writes it, the policy only reads it).
+Example = tuple[list[int], list[int], list[bool]]
+
+
+def calculator_expression(question: str) -> str:
+    """The expression of ``"What is 37 * 48?"``: ``"37 * 48"`` (what the tool call copies)."""
+    return question.removeprefix("What is ").removesuffix("?")
+
+
 def encode_examples(
-    dataset: PromptDataset, tokenizer, template: AnswerOnlyTemplate
-) -> list[tuple[list[int], list[int]]]:
-    """Token ids of every example: ``(prompt_ids, response_ids)``, response ending in EOS.
+    dataset: PromptDataset,
+    tokenizer,
+    template: AnswerOnlyTemplate,
+    tool_fraction: float = 0.0,
+    rng: random.Random | None = None,
+) -> list[Example]:
+    """Token ids of every example: ``(prompt_ids, response_ids, trained)``, ending in EOS.
 
     The prompt is encoded on its own, exactly as the collector encodes it, and the response
     separately: the policy sees the same prompt tokens at training and at generation time.
+
+    With ``tool_fraction``, that share of the examples (drawn with ``rng``) answers through the
+    calculator, in the turns a tool episode has (`grpo.envs.ToolEnv`, tag format, plain turns):
+    ``<calculator>37 * 48</calculator>`` (trained), ``<result>1776</result>`` (the
+    environment's turn: in the sequence, not trained), ``<answer>1776</answer>`` and EOS
+    (trained). Each turn is encoded on its own, as the rollout samples and renders it.
     """
+    from grpo.envs.builtin_tools import calculator
+
     encoded = []
     for index in range(len(dataset)):
         example = dataset[index]
         prompt_ids = tokenizer.encode(example["prompt"], add_bos=True, add_eos=False)
-        response_ids = tokenizer.encode(template.target(example["answer"]), add_bos=False)
-        if response_ids[-1] != tokenizer.eos_id:  # encode appends EOS by default
-            response_ids.append(tokenizer.eos_id)
-        encoded.append((prompt_ids, response_ids))
+        answer_ids = tokenizer.encode(template.target(example["answer"]), add_bos=False)
+        if answer_ids[-1] != tokenizer.eos_id:  # encode appends EOS by default
+            answer_ids.append(tokenizer.eos_id)
+        if tool_fraction and rng is not None and rng.random() < tool_fraction:
+            expression = calculator_expression(example["question"])
+            call_ids = tokenizer.encode(
+                f"<calculator>{expression}</calculator>", add_bos=False, add_eos=False
+            )
+            result_ids = tokenizer.encode(
+                f"<result>{calculator(expression)}</result>", add_bos=False, add_eos=False
+            )
+            response = call_ids + result_ids + answer_ids
+            trained = [True] * len(call_ids) + [False] * len(result_ids) + [True] * len(answer_ids)
+            encoded.append((prompt_ids, response, trained))
+        else:
+            encoded.append((prompt_ids, answer_ids, [True] * len(answer_ids)))
     return encoded
 
 
-def collate(
-    batch: list[tuple[list[int], list[int]]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``tokens`` and ``labels`` (``IGNORE_INDEX`` outside the response).
+def collate(batch: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``tokens`` and ``labels`` (``IGNORE_INDEX`` where nothing is trained).
 
     ``labels[i, t]`` is the token the model must predict at position ``t`` (the next token), so
     the loss is a plain cross-entropy of ``logits[:, t]`` against ``labels[:, t]``.
     """
-    length = max(len(prompt) + len(response) for prompt, response in batch)
+    length = max(len(prompt) + len(response) for prompt, response, _ in batch)
     tokens = torch.full((len(batch), length), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), length), IGNORE_INDEX, dtype=torch.long)
-    for row, (prompt, response) in enumerate(batch):
+    for row, (prompt, response, trained) in enumerate(batch):
         sequence = prompt + response
         tokens[row, : len(sequence)] = torch.tensor(sequence)
         # Position t predicts token t + 1: the last prompt position predicts the first
         # response token, the last response token (EOS) is only a target.
-        labels[row, len(prompt) - 1 : len(sequence) - 1] = torch.tensor(response)
+        targets = torch.tensor(response)
+        targets[~torch.tensor(trained)] = IGNORE_INDEX
+        labels[row, len(prompt) - 1 : len(sequence) - 1] = targets
     return tokens, labels
 
 
@@ -224,8 +272,10 @@ def main() -> None:
             split="test",
             template=template,
         )
-        train_examples = encode_examples(train_set, tokenizer, template)
-        eval_prompts = [prompt for prompt, _ in encode_examples(eval_set, tokenizer, template)]
+        train_examples = encode_examples(
+            train_set, tokenizer, template, args.tool_fraction, random.Random(args.seed + 1)
+        )
+        eval_prompts = [prompt for prompt, _, _ in encode_examples(eval_set, tokenizer, template)]
         eval_answers = [eval_set[i]["answer"] for i in range(len(eval_set))]
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -256,10 +306,12 @@ def main() -> None:
             if step % args.eval_every == 0 or step == args.max_steps:
                 completions = greedy_completions(model, eval_prompts, tokenizer)
                 accuracy, format_rate = score(completions, eval_answers, "<|im_end|>")
+                tool_calls = sum(c.startswith("<calculator>") for c in completions)
                 elapsed = time.perf_counter() - started
                 print(
                     f"step {step:5d}  loss {loss.item():.4f}  held-out accuracy {accuracy:.3f}  "
-                    f"format {format_rate:.3f}  ({elapsed:.0f} s)",
+                    f"format {format_rate:.3f}  greedy tool calls {tool_calls / len(completions):.3f}"
+                    f"  ({elapsed:.0f} s)",
                     flush=True,
                 )
                 if args.snapshot_dir is not None:

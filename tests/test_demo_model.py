@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import random
 import re
 from pathlib import Path
 from types import ModuleType
@@ -135,3 +136,74 @@ def test_vllm_greedy_accuracy_in_range(eval_items: list[dict[str, str]]) -> None
     tune_answers = [c.replace("<|im_end|>", "") for c in tune_completions]
     agree = sum(a == b for a, b in zip(completions, tune_answers))
     assert agree >= 0.95 * len(prompts), agree
+
+
+# ------------------------------------------------------------------ the tool demo's model
+
+TOOL_MODEL_DIR = repo_root() / "assets" / "tiny_calculator_qwen2"
+
+
+def test_tool_demo_config_points_at_its_model_and_a_tool_environment() -> None:
+    cfg = load_config("tiny_calculator_cpu")
+    assert Path(cfg.base_model_path).resolve() == TOOL_MODEL_DIR.resolve()
+    assert cfg.environment["_component_"] == "grpo.envs.ToolEnv"
+    folder_bytes = sum(p.stat().st_size for p in TOOL_MODEL_DIR.iterdir() if p.is_file())
+    assert folder_bytes <= MAX_FOLDER_BYTES
+
+
+def test_tool_examples_train_the_calls_and_the_answer_but_not_the_result() -> None:
+    build_script = load_build_script()
+    tokenizer = load_tokenizer(TOOL_MODEL_DIR)
+    dataset = instantiate(load_config("tiny_calculator_cpu").eval_dataset)
+    [example] = build_script.encode_examples(
+        [dataset[0]], tokenizer, dataset.template, tool_fraction=1.0, rng=random.Random(0)
+    )
+    prompt, response, trained = example
+    text = lambda ids: tokenizer.decode(ids)  # noqa: E731
+    call = [t for t, keep in zip(response, trained) if keep]
+    result = [t for t, keep in zip(response, trained) if not keep]
+    assert text(result).startswith("<result>") and text(result).endswith("</result>")
+    assert text(call).startswith("<calculator>") and "<answer>" in text(call)
+    tokens, labels = build_script.collate([example], tokenizer.pad_id)
+    assert (labels != build_script.IGNORE_INDEX).sum() == len(call)
+
+
+def test_tool_model_answers_calls_and_copies_the_result(eval_items: list[dict[str, str]]) -> None:
+    """What GRPO builds on: greedy, it answers directly (so it starts where the demo model
+    does); sampling, it sometimes calls the calculator; given a call and its result, it copies
+    the result into its answer."""
+    build_script = load_build_script()
+    tokenizer = load_tokenizer(TOOL_MODEL_DIR)
+    model = build_model(TOOL_MODEL_DIR).eval()
+    items = eval_items[:64]
+    prompts = [tokenizer.encode(item["prompt"], add_bos=True, add_eos=False) for item in items]
+    completions = build_script.greedy_completions(model, prompts, tokenizer)
+    assert sum(c.startswith("<answer>") for c in completions) >= 0.9 * len(items)
+    accuracy, _ = accuracy_and_format(completions, items)
+    assert accuracy <= 0.30, accuracy
+
+    tool_token = tokenizer.encode("<", add_bos=False, add_eos=False)[0]
+    from grpo.envs.builtin_tools import calculator
+
+    with torch.no_grad():
+        first = torch.stack([model(torch.tensor([p]))[0, -1].float().softmax(-1) for p in prompts])
+        assert 0.05 <= first[:, tool_token].mean() <= 0.30
+        after_tool = []
+        for item, prompt in zip(items, prompts):
+            expression = build_script.calculator_expression(item["question"])
+            # Each turn encoded on its own, as the rollout samples and renders them.
+            turns = [
+                f"<calculator>{expression}</calculator>",
+                f"<result>{calculator(expression)}</result>",
+            ]
+            after_tool.append(
+                prompt
+                + [
+                    t
+                    for turn in turns
+                    for t in tokenizer.encode(turn, add_bos=False, add_eos=False)
+                ]
+            )
+    answers = build_script.greedy_completions(model, after_tool, tokenizer)
+    copied, _ = accuracy_and_format(answers, items)
+    assert copied >= 0.8, copied

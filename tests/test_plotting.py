@@ -24,7 +24,9 @@ from grpo.observability.plotting import (
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _write_synthetic_run(run_dir: Path, with_eval: bool = True, with_rewards: bool = True) -> None:
+def _write_synthetic_run(
+    run_dir: Path, with_eval: bool = True, with_rewards: bool = True, with_episodes: bool = True
+) -> None:
     """A small run as the actors would log it: interleaved actors, each on its own step."""
     rng = random.Random(0)
     logger = MetricLogger(run_dir, use_wandb=False, stdout_every_n=0)
@@ -62,8 +64,21 @@ def _write_synthetic_run(run_dir: Path, with_eval: bool = True, with_rewards: bo
                     step=ref_step,
                     actor="ref",
                 )
+        episodes = {
+            # A multi-turn environment's batch metrics (grpo.envs).
+            "inference/episode_turns_mean": 1 + min(1, step / 40),
+            "inference/tool_calls_per_episode": min(1, step / 40),
+            "inference/tool_errors": float(rng.randint(0, 2)),
+            "inference/episode_env_token_fraction": 0.1 + 0.2 * min(1, step / 40),
+            "inference/episode_truncated": float(rng.randint(0, 1)),
+        }
         logger.log_dict(
-            {"inference/tokens_per_second": 2000 + rng.gauss(0, 100)}, step=step, actor="inference"
+            {
+                "inference/tokens_per_second": 2000 + rng.gauss(0, 100),
+                **(episodes if with_episodes else {}),
+            },
+            step=step,
+            actor="inference",
         )
     logger.close()
 
@@ -89,7 +104,7 @@ def test_plot_run_writes_every_plot_as_png(tmp_path):
 
 def test_plot_run_skips_absent_metrics_and_says_which(tmp_path, caplog):
     run_dir = tmp_path / "run"
-    _write_synthetic_run(run_dir, with_eval=False, with_rewards=False)
+    _write_synthetic_run(run_dir, with_eval=False, with_rewards=False, with_episodes=False)
     with caplog.at_level(logging.INFO, logger="grpo.observability.plotting"):
         paths = plot_run(run_dir, out_dir=tmp_path / "elsewhere")
     names = {p.name for p in paths}
@@ -97,8 +112,9 @@ def test_plot_run_skips_absent_metrics_and_says_which(tmp_path, caplog):
     assert all(p.parent == tmp_path / "elsewhere" for p in paths)
     assert not (run_dir / "plots").exists()
     skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping")]
-    assert len(skipped) == 3
+    assert len(skipped) == 4
     assert any("eval_accuracy" in m and "eval/accuracy" in m for m in skipped)
+    assert any("episodes" in m and "inference/episode_turns_mean" in m for m in skipped)
     assert any("rewards_per_function" in m for m in skipped)
     assert any("successes_per_function" in m for m in skipped)
 

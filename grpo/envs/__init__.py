@@ -13,7 +13,7 @@ package loads no torch (``grpo validate`` reads tools and environments).
 
 from grpo.envs.base import Episode, MultiTurnEnv
 from grpo.envs.builtin_tools import calculator, python
-from grpo.envs.render import ChatTurnRenderer, PlainTurnRenderer, turn_renderer
+from grpo.envs.render import ChatTurnRenderer, PlainTurnRenderer
 from grpo.envs.rollout import Sample, SampleRequest, episode_groups, run_episodes
 from grpo.envs.runner import ToolOutcome, ToolRunner
 from grpo.envs.tool_env import ToolEnv
@@ -36,5 +36,4 @@ __all__ = [
     "parse_tool_calls",
     "python",
     "run_episodes",
-    "turn_renderer",
 ]

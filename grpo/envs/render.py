@@ -14,8 +14,9 @@ turns), the sequence keeps what the model really saw while it sampled, earlier t
 included. The sampler and the trainer then see the same tokens, which is what makes the
 logprobs match. The rendering the template would give at inference is not what is trained.
 
-Models without a chat template use `PlainTurnRenderer`: each environment message is a text
-format filled with its content.
+Runs whose prompts are plain text (no chat template) use `PlainTurnRenderer`: each
+environment message is a text format filled with its content. The collector picks the one that
+matches the dataset's template.
 """
 
 from __future__ import annotations
@@ -116,10 +117,3 @@ class PlainTurnRenderer:
                 )
             parts.append(self.formats[role].format(content=message["content"]))
         return self.tokenizer.encode("".join(parts), add_bos=False, add_eos=False)
-
-
-def turn_renderer(tokenizer: Any) -> ChatTurnRenderer | PlainTurnRenderer:
-    """The renderer for a model: its chat template when it has one, plain text otherwise."""
-    if getattr(tokenizer, "chat_template", None):
-        return ChatTurnRenderer(tokenizer)
-    return PlainTurnRenderer(tokenizer)

@@ -128,6 +128,15 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         "inference/time_weight_update (s)",
         "inference/policy_version",
         "inference/response_length_mean",
+        # Multi-turn environments only (`grpo.envs`): per batch of episodes.
+        "inference/episode_turns_mean",
+        "inference/episode_turn_length_mean",
+        "inference/episode_env_token_fraction",
+        "inference/episode_truncated",
+        "inference/episodes_dropped",
+        "inference/tool_calls_per_episode",
+        "inference/tool_errors",
+        "inference/tool_timeouts",
     ),
     # Held-out evaluation, keyed on the train step whose weights were evaluated.
     "eval": (

@@ -2,7 +2,8 @@
 
 `read_metrics` turns the log written by `grpo.observability.metric_logger.MetricLogger` into one
 ``(step, value)`` series per metric; `plot_run` draws the curves one looks at first in a GRPO run
-(reward per function, held-out accuracy, KL, response length, throughput, policy age) into
+(reward per function, held-out accuracy, KL, response length, throughput, multi-turn
+episodes, policy age) into
 ``RUN_DIR/plots/*.png``. Each series is drawn raw (faint) with a light moving average on top.
 The x axis of each series is its actor's own step (``train_step``, ``ref_step``,
 ``inference_step``): the actors count steps independently.
@@ -87,6 +88,19 @@ PLOTS: tuple[PlotSpec, ...] = (
         "Throughput",
         "tokens / s",
         ("train_actor_performance/tokens_per_second", "inference/tokens_per_second"),
+        one_panel_per_series=True,
+    ),
+    PlotSpec(
+        "episodes",
+        "Multi-turn episodes (per generation batch: means per episode, counts per batch)",
+        "value",
+        (
+            "inference/episode_turns_mean",
+            "inference/tool_calls_per_episode",
+            "inference/tool_errors",
+            "inference/episode_env_token_fraction",
+            "inference/episode_truncated",
+        ),
         one_panel_per_series=True,
     ),
     PlotSpec(

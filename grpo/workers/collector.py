@@ -267,9 +267,12 @@ class SyncLLMCollector:
         self.environment = _resolve_environment(environment, reward_functions, reward_timeout_s)
         self.renderer = None
         if self.environment is not None:
-            from grpo.envs import turn_renderer
+            from grpo.envs import ChatTurnRenderer, PlainTurnRenderer
 
-            self.renderer = turn_renderer(self.tokenizer)
+            # Environment turns are written like the prompt: as the chat template renders
+            # them after a chat-template prompt, as plain text after a plain one.
+            chat = bool(getattr(prompt_template, "chat", False))
+            self.renderer = (ChatTurnRenderer if chat else PlainTurnRenderer)(self.tokenizer)
 
         self.weights = WeightReceiver()
         self._weights_error: str | None = None  # set while the engine holds unverified weights
