@@ -38,20 +38,34 @@ def _call(expression: str) -> str:
 
 
 class ScriptedEngine:
-    """Samples scripted assistant texts: turn t of every episode is ``script[t]``."""
+    """Samples scripted assistant texts: turn t of every episode is ``script[t]``.
 
-    def __init__(self, tokenizer, script: list[str], close_with_stop_token: bool = True):
+    ``script`` may instead map prompt token ids (a tuple) to that prompt's turns. Each call's
+    time is kept in ``times``.
+    """
+
+    def __init__(self, tokenizer, script, close_with_stop_token: bool = True):
         self.tokenizer = tokenizer
         self.script = script
         self.close = close_with_stop_token
         self.requests = []
+        self.times = []
+
+    def _turns(self, request):
+        if isinstance(self.script, list):
+            return self.script
+        for prompt, turns in self.script.items():
+            if tuple(request.token_ids[: len(prompt)]) == prompt:
+                return turns
+        raise KeyError("no script for this prompt")
 
     def __call__(self, requests):
         self.requests.append(list(requests))
+        self.times.append(time.perf_counter())
         samples = []
         for request in requests:
             turn = self._turn_of(request)
-            ids = self.tokenizer.encode(self.script[turn], add_bos=False, add_eos=False)
+            ids = self.tokenizer.encode(self._turns(request)[turn], add_bos=False, add_eos=False)
             if self.close:
                 ids.append(self.tokenizer.eos_id)
             finish = "stop"
@@ -223,6 +237,43 @@ def test_misbehaving_tools_answer_with_errors_and_are_counted(tokenizer):
     assert "no tool named 'search'" in tool_turns[3]
     assert "must be a string, got 7" in tool_turns[4]
     assert episode.stats()["tool_errors"] == 6.0
+
+
+def test_an_episode_waiting_on_a_tool_holds_no_other(tokenizer):
+    """One episode's tool sleeps 4 s; the other's episode runs to its end meanwhile."""
+    runner = ToolRunner(num_workers=2)
+    try:
+        env = ToolEnv(
+            tools=[calculator, "grpo.testing.tools.hang"],
+            tool_timeout_s=10.0,
+            reward_functions=[MathCorrectnessReward()],
+            max_turns=3,
+            runner=runner,
+        )
+        slow_example, slow_prompt = _prompt(tokenizer, "Wait for it.", index=0)
+        fast_example, fast_prompt = _prompt(tokenizer, "What is 3+4?", index=1)
+        slow_call = '<tool_call>{"name": "hang", "arguments": {"seconds": 4}}</tool_call>'
+        engine = ScriptedEngine(
+            tokenizer,
+            {
+                tuple(slow_prompt): [slow_call, "<answer>done</answer>"],
+                tuple(fast_prompt): [_call("3+4"), "<answer>7</answer>"],
+            },
+        )
+        start = time.perf_counter()
+        [[slow], [fast]] = _run(
+            env, engine, tokenizer, [(slow_example, slow_prompt), (fast_example, fast_prompt)]
+        )
+    finally:
+        runner.close()
+    # The first round held both; the fast episode's answer turn came in a round of its own,
+    # long before the sleeping tool returned; the slow one's answer turn after it.
+    assert [len(round_requests) for round_requests in engine.requests] == [2, 1, 1]
+    assert engine.times[1] - start < 2.5
+    assert engine.times[2] - start >= 4.0
+    assert fast.last_assistant_text() == "<answer>7</answer>" and fast.num_turns == 2
+    assert [m["content"] for m in slow.messages if m["role"] == "tool"] == ["woke up"]
+    assert slow.num_turns == 2 and not slow.tool_errors
 
 
 def test_max_turns_and_token_budget_end_episodes(tokenizer):

@@ -23,7 +23,9 @@ Pure Python apart from the reward scoring (``grpo.rewards``); no Ray, no vLLM.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +106,55 @@ class Episode:
         }
 
 
+class PendingResponse:
+    """The environment's answer to one policy turn, possibly still being computed.
+
+    Tool calls run in worker processes; the rollout asks `done` without blocking and takes
+    `result` once it is. An answer computed at once is simply done.
+
+    Args:
+        answer (list[Message] | None): The turns (None: the episode ends); entries that wait on
+            a job are filled by ``finish``.
+        futures (Sequence): Futures of the jobs the answer waits on.
+        finish (Callable | None): Called once all futures are done, or at ``deadline``, to fill
+            ``answer`` from them (it sees unfinished futures too, and must treat them as lost).
+        deadline (float | None): ``time.monotonic()`` after which the jobs count as lost.
+    """
+
+    def __init__(
+        self,
+        answer: list[Message] | None,
+        futures: Sequence[Any] = (),
+        finish: Any = None,
+        deadline: float | None = None,
+    ) -> None:
+        self._answer = answer
+        self.futures = list(futures)
+        self._finish = finish
+        self._deadline = deadline
+        self._finished = not self.futures
+
+    def done(self) -> bool:
+        """Whether `result` can be taken without waiting."""
+        if self._finished:
+            return True
+        return all(f.done() for f in self.futures) or (
+            self._deadline is not None and time.monotonic() >= self._deadline
+        )
+
+    def result(self) -> list[Message] | None:
+        """The answer; waits for the jobs (until the deadline) if they are still running."""
+        if not self._finished:
+            timeout = None
+            if self._deadline is not None:
+                timeout = max(self._deadline - time.monotonic(), 0.0)
+            concurrent.futures.wait(self.futures, timeout=timeout)
+            if self._finish is not None:
+                self._finish()
+            self._finished = True
+        return self._answer
+
+
 class MultiTurnEnv:
     """Base of multi-turn environments: answer each assistant turn until the episode is done.
 
@@ -176,21 +227,24 @@ class MultiTurnEnv:
         """
         raise NotImplementedError
 
-    def respond(self, episodes: Sequence[Episode]) -> list[list[Message] | None]:
-        """`env_response` for several episodes at once (one round of a batch).
+    def start_response(self, episode: Episode) -> PendingResponse:
+        """Begin the answer to the episode's last policy turn; it may finish later.
 
-        An episode whose `env_response` raises is marked with its ``error`` (and dropped by the
-        rollout); the others go on. Subclasses that can batch (tools run concurrently) override
-        this.
+        By default `env_response` runs now. An episode whose environment raises is marked with
+        its ``error`` (and dropped by the rollout); the others go on. Environments with slow
+        steps (tools in worker processes) override this to return a `PendingResponse` that
+        finishes later, so the rollout goes on with the other episodes meanwhile.
         """
-        answers: list[list[Message] | None] = []
-        for episode in episodes:
-            try:
-                answers.append(self.env_response(episode.messages, episode.state, episode))
-            except Exception as error:  # the run goes on; the episode is dropped and named
-                episode.error = f"{type(error).__name__}: {error}"
-                answers.append(None)
-        return answers
+        try:
+            return PendingResponse(self.env_response(episode.messages, episode.state, episode))
+        except Exception as error:  # the run goes on; the episode is dropped and named
+            episode.error = f"{type(error).__name__}: {error}"
+            return PendingResponse(None)
+
+    def respond(self, episodes: Sequence[Episode]) -> list[list[Message] | None]:
+        """The answers to several episodes' last turns, started together and waited for."""
+        pending = [self.start_response(episode) for episode in episodes]
+        return [response.result() for response in pending]
 
     def score(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
         """Rewards of finished episodes, by reward name.

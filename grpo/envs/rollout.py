@@ -1,11 +1,12 @@
 """Run multi-turn episodes on an inference engine, token-exact, batched across episodes.
 
-Every round, each unfinished episode asks the engine for one policy turn: its whole token
-sequence so far (prompt, policy turns, environment turns) goes in as token ids, and the
-sampled ids come back with their logprobs. All episodes' requests of a round go to the engine
-together, so generation stays batched. The environment then answers every episode that did not
-finish (tool calls of all of them run concurrently in worker processes, each with its timeout);
-its turns are rendered to tokens (`grpo.envs.render`) and appended, masked from the loss.
+Each episode that needs a policy turn asks the engine for one: its whole token sequence so far
+(prompt, policy turns, environment turns) goes in as token ids, and the sampled ids come back
+with their logprobs. Every episode that is ready goes to the engine in one request batch, so
+generation stays batched. The environment then starts its answer to each (tool calls run in
+worker processes, each with its timeout); an episode whose answer is in goes to the next batch
+while the others' tools still run, so one episode waiting on a tool holds no other. The
+answer's turns are rendered to tokens (`grpo.envs.render`) and appended, masked from the loss.
 
 An episode ends when the environment says so, at ``max_turns`` policy turns (``hit_max_turns``),
 when a policy turn is cut by its token limit, or when the next environment turn would not leave
@@ -18,11 +19,12 @@ The engine is a callable (`Sampler`): the collector wraps vLLM; tests may script
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from grpo.envs.base import Episode, MultiTurnEnv
+from grpo.envs.base import Episode, MultiTurnEnv, PendingResponse
 
 if TYPE_CHECKING:
     from grpo.types import GroupedUnscoredTrajectories
@@ -61,6 +63,7 @@ def run_episodes(
     max_tokens_per_turn: int,
     max_model_len: int,
     seeds: Sequence[int],
+    gather_s: float = 0.02,
 ) -> list[list[Episode]]:
     """Run ``group_size`` episodes per prompt to their end.
 
@@ -76,6 +79,8 @@ def run_episodes(
         max_model_len (int): The engine's context: prompt plus response never exceed it.
         seeds (Sequence[int]): One seed per prompt; episode ``j`` of it, turn ``t`` samples
             with ``seed + j + group_size * t`` so a resumed stream samples the same.
+        gather_s (float): Once one episode's answer is in, how long to wait for others'
+            (a bigger generation batch) before sampling its next turn.
 
     Returns:
         list[list[Episode]]: Per prompt, its episodes (finished; those whose environment
@@ -107,10 +112,23 @@ def run_episodes(
         for member, episode in enumerate(group)
     }
     stop_tokens = set(tokenizer.stop_tokens)
-    active = [episode for group in groups for episode in group]
-    while active:
+    # Episodes that need a policy turn, and those whose environment is still answering.
+    ready = [episode for group in groups for episode in group]
+    waiting: list[tuple[Episode, PendingResponse, bool]] = []
+    while ready or waiting:
+        if not ready:
+            _wait_for_answers([pending for _, pending, _ in waiting], gather_s)
+        still_waiting = []
+        for episode, pending, closed in waiting:
+            if not pending.done():
+                still_waiting.append((episode, pending, closed))
+            elif _apply_answer(env, renderer, episode, pending.result(), closed, max_model_len):
+                ready.append(episode)
+        waiting = still_waiting
+        if not ready:
+            continue
         requests = []
-        for episode in active:
+        for episode in ready:
             seed, member = seed_of[id(episode)]
             requests.append(
                 SampleRequest(
@@ -121,8 +139,7 @@ def run_episodes(
                 )
             )
         samples = sample(requests)
-        to_answer, closed = [], []
-        for episode, turn in zip(active, samples):
+        for episode, turn in zip(ready, samples):
             episode.add_policy_turn(turn.token_ids, turn.logprobs)
             text = tokenizer.decode(turn.token_ids, skip_special_tokens=True)
             episode.messages.append({"role": "assistant", "content": text})
@@ -133,21 +150,9 @@ def run_episodes(
                 episode.hit_max_turns = True
                 episode.done = True
             else:
-                to_answer.append(episode)
-                closed.append(bool(turn.token_ids) and turn.token_ids[-1] in stop_tokens)
-        answers = env.respond(to_answer) if to_answer else []
-        for episode, answer, is_closed in zip(to_answer, answers, closed):
-            if episode.error is not None or answer is None:
-                episode.done = True
-                continue
-            env_ids = renderer.env_tokens(answer, closed=is_closed)
-            if len(env_ids) >= _room(env, episode, max_model_len):
-                episode.truncated = True  # no room for the answer and a policy token after it
-                episode.done = True
-                continue
-            episode.add_env_turn(env_ids)
-            episode.messages.extend(dict(m) for m in answer)
-        active = [episode for episode in active if not episode.done]
+                closed = bool(turn.token_ids) and turn.token_ids[-1] in stop_tokens
+                waiting.append((episode, env.start_response(episode), closed))
+        ready = []
     for episode in (e for group in groups for e in group):
         if episode.error is not None:
             log.warning(
@@ -157,6 +162,45 @@ def run_episodes(
                 episode.error,
             )
     return groups
+
+
+def _wait_for_answers(pending: Sequence[PendingResponse], gather_s: float) -> None:
+    """Block until an answer is done, then up to ``gather_s`` more for others to join it.
+
+    The wait for company keeps generation batched when many episodes' tools finish close
+    together, without letting a slow tool hold the episodes whose answers are in.
+    """
+    futures = [future for response in pending for future in response.futures]
+    while not any(response.done() for response in pending):
+        # Short waits: a deadline can pass without any future finishing.
+        concurrent.futures.wait(
+            futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED
+        )
+    if gather_s > 0 and not all(response.done() for response in pending):
+        unfinished = [f for f in futures if not f.done()]
+        concurrent.futures.wait(unfinished, timeout=gather_s)
+
+
+def _apply_answer(
+    env: MultiTurnEnv,
+    renderer: Any,
+    episode: Episode,
+    answer: list[dict[str, str]] | None,
+    closed: bool,
+    max_model_len: int,
+) -> bool:
+    """Append the environment's answer to the episode; whether it goes on to a policy turn."""
+    if episode.error is not None or answer is None:
+        episode.done = True
+        return False
+    env_ids = renderer.env_tokens(answer, closed=closed)
+    if len(env_ids) >= _room(env, episode, max_model_len):
+        episode.truncated = True  # no room for the answer and a policy token after it
+        episode.done = True
+        return False
+    episode.add_env_turn(env_ids)
+    episode.messages.extend(dict(m) for m in answer)
+    return True
 
 
 def _room(env: MultiTurnEnv, episode: Episode, max_model_len: int) -> int:

@@ -95,10 +95,41 @@ class ToolRunner:
                 self._workers.join()
                 self._workers = None
 
+    def submit(
+        self, tool: Tool, arguments: Mapping[str, Any], timeout_s: float
+    ) -> concurrent.futures.Future:
+        """Start one call; its future gives ``(text, error)`` (see `outcome`)."""
+        with self._lock:
+            return self._pool().schedule(_call, args=(tool, dict(arguments)), timeout=timeout_s)
+
+    @staticmethod
+    def outcome(future: concurrent.futures.Future, timeout_s: float) -> ToolOutcome:
+        """The `ToolOutcome` of a finished call's future (an unfinished one: a timeout)."""
+        if not future.done():
+            future.cancel()
+            return ToolOutcome(f"no result within {timeout_s + _STOP_GRACE_S:.0f} s", TIMEOUT)
+        try:
+            text, error = future.result()
+            return ToolOutcome(text, error)
+        except concurrent.futures.TimeoutError:
+            return ToolOutcome(f"the tool took longer than {timeout_s} s", TIMEOUT)
+        except concurrent.futures.CancelledError:
+            return ToolOutcome(f"no result within {timeout_s + _STOP_GRACE_S:.0f} s", TIMEOUT)
+        except pebble.ProcessExpired as error:
+            return ToolOutcome(f"the tool crashed (exit code {error.exitcode})", CRASH)
+        except Exception as error:  # the tool could not be unpickled, a broken pool
+            return ToolOutcome(f"{type(error).__name__}: {error}", EXCEPTION)
+
+    def deadline(self, num_calls: int, timeout_s: float) -> float:
+        """Seconds after which calls submitted together count as lost (pebble never reported
+        them): every call overrunning, one round of workers after another."""
+        rounds = -(-num_calls // self.num_workers)
+        return 30.0 + rounds * (timeout_s + _STOP_GRACE_S)
+
     def run(
         self, calls: Sequence[tuple[Tool, Mapping[str, Any]]], timeout_s: float
     ) -> list[ToolOutcome]:
-        """Run ``calls`` concurrently; one outcome per call, in order.
+        """Run ``calls`` concurrently and wait for them; one outcome per call, in order.
 
         Args:
             calls (Sequence[tuple[Tool, Mapping]]): A tool and its checked arguments, per call.
@@ -108,39 +139,19 @@ class ToolRunner:
             list[ToolOutcome]: The tool's text, or an error (timeout, crash of the worker, or an
             exception the tool raised, with its message).
         """
-        if not calls:
-            return []
+        futures = [self.submit(tool, arguments, timeout_s) for tool, arguments in calls]
+        concurrent.futures.wait(futures, timeout=self.deadline(len(futures), timeout_s))
+        outcomes = [self.outcome(future, timeout_s) for future in futures]
+        if not all(future.done() for future in futures):
+            self.restart()
+        return outcomes
+
+    def restart(self) -> None:
+        """Stop the workers (a call was lost); the next call starts new ones."""
         with self._lock:
-            pool = self._pool()
-            futures = [
-                pool.schedule(_call, args=(tool, dict(arguments)), timeout=timeout_s)
-                for tool, arguments in calls
-            ]
-            rounds = -(-len(calls) // self.num_workers)
-            limit_s = 30.0 + rounds * (timeout_s + _STOP_GRACE_S)
-            _, lost = concurrent.futures.wait(futures, timeout=limit_s)
-            outcomes = []
-            for future in futures:
-                if future in lost:
-                    outcomes.append(ToolOutcome(f"no result within {limit_s:.0f} s", TIMEOUT))
-                    continue
-                try:
-                    text, error = future.result()
-                    outcomes.append(ToolOutcome(text, error))
-                except concurrent.futures.TimeoutError:
-                    outcomes.append(
-                        ToolOutcome(f"the tool took longer than {timeout_s} s", TIMEOUT)
-                    )
-                except pebble.ProcessExpired as error:
-                    outcomes.append(
-                        ToolOutcome(f"the tool crashed (exit code {error.exitcode})", CRASH)
-                    )
-                except Exception as error:  # the tool could not be unpickled, a broken pool
-                    outcomes.append(ToolOutcome(f"{type(error).__name__}: {error}", EXCEPTION))
-            if lost:
+            if self._workers is not None:
                 self._workers.stop()
                 self._workers = None
-            return outcomes
 
 
 _default_runner: ToolRunner | None = None

@@ -5,15 +5,17 @@ without one ends the episode (it is the final answer, scored by the reward funct
 call is answered with one ``tool`` turn: the tool's result, or an error the model can read (a
 call that does not parse, a tool that is not declared, arguments of the wrong type, a tool that
 raised, crashed or overran its timeout). Errors are counted by kind in the episode's stats.
-Calls of every episode of a round run concurrently in worker processes (`ToolRunner`).
+Calls run in worker processes (`ToolRunner`), concurrently across episodes; an episode waiting
+on its calls holds no other (`start_response` returns at once, `grpo.envs.rollout` goes on).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from grpo.envs.base import Episode, Message, MultiTurnEnv
+from grpo.envs.base import Episode, Message, MultiTurnEnv, PendingResponse
 from grpo.envs.runner import ToolRunner, default_tool_runner
 from grpo.envs.tools import (
     BAD_ARGUMENTS,
@@ -101,46 +103,52 @@ class ToolEnv(MultiTurnEnv):
     def env_response(
         self, messages: list[Message], state: dict[str, Any], episode: Episode
     ) -> list[Message] | None:
-        return self.respond([episode])[0]
+        return self.start_response(episode).result()
 
-    def respond(self, episodes: Sequence[Episode]) -> list[list[Message] | None]:
-        """Parse every episode's calls, run the good ones together, answer each with tool turns."""
-        answers: list[list[Message] | None] = [None] * len(episodes)
-        # (episode index, position in its answer) of each call that runs
-        pending: list[tuple[int, int]] = []
-        to_run: list[tuple[Tool, dict[str, Any]]] = []
-        for index, episode in enumerate(episodes):
-            try:
-                calls = parse_tool_calls(
-                    episode.last_assistant_text(), self.call_format, self.tools
-                )
-            except Exception as error:
-                episode.error = f"{type(error).__name__}: {error}"
-                continue
-            if not calls:
-                continue  # no call: this turn is the answer, the episode ends
-            turns: list[Message] = []
-            for number, call in enumerate(calls):
-                episode.tool_calls += 1
-                problem, kind = self._refusal(call, number)
-                if problem is not None:
-                    episode.count_tool_error(kind)
-                    turns.append({"role": "tool", "content": f"error: {problem}"})
-                    continue
-                pending.append((index, len(turns)))
-                to_run.append((self.tools[call.name], call.arguments))
-                turns.append({"role": "tool", "content": ""})
-            answers[index] = turns
+    def start_response(self, episode: Episode) -> PendingResponse:
+        """Parse the turn's calls and start the good ones on the workers; answer the rest now.
+
+        The answer is one tool turn per call, in order: a refused call's error at once, a
+        running call's result (or error) when its worker reports. No call: the episode ends.
+        """
+        try:
+            calls = parse_tool_calls(episode.last_assistant_text(), self.call_format, self.tools)
+        except Exception as error:  # the run goes on; the episode is dropped and named
+            episode.error = f"{type(error).__name__}: {error}"
+            return PendingResponse(None)
+        if not calls:
+            return PendingResponse(None)  # no call: this turn is the answer
         runner = self.runner or default_tool_runner()
-        for (index, position), outcome in zip(
-            pending, runner.run(to_run, timeout_s=self.tool_timeout_s)
-        ):
-            content = outcome.text
-            if outcome.error is not None:
-                episodes[index].count_tool_error(outcome.error)
-                content = f"error: {outcome.text}"
-            answers[index][position]["content"] = content
-        return answers
+        turns: list[Message] = []
+        jobs: list[tuple[int, Any]] = []  # (position in turns, future) of each running call
+        for number, call in enumerate(calls):
+            episode.tool_calls += 1
+            problem, kind = self._refusal(call, number)
+            if problem is not None:
+                episode.count_tool_error(kind)
+                turns.append({"role": "tool", "content": f"error: {problem}"})
+                continue
+            future = runner.submit(self.tools[call.name], call.arguments, self.tool_timeout_s)
+            jobs.append((len(turns), future))
+            turns.append({"role": "tool", "content": ""})
+
+        def finish() -> None:
+            for position, future in jobs:
+                outcome = runner.outcome(future, self.tool_timeout_s)
+                content = outcome.text
+                if outcome.error is not None:
+                    episode.count_tool_error(outcome.error)
+                    content = f"error: {outcome.text}"
+                turns[position]["content"] = content
+            if not all(future.done() for _, future in jobs):
+                runner.restart()  # a call pebble lost would hold a worker forever
+
+        return PendingResponse(
+            turns,
+            [future for _, future in jobs],
+            finish,
+            deadline=time.monotonic() + runner.deadline(len(jobs), self.tool_timeout_s),
+        )
 
     def _refusal(self, call: Any, number: int) -> tuple[str | None, str]:
         """Why a parsed call is answered with an error without running, and its kind."""
