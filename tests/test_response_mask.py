@@ -5,6 +5,7 @@ aligned with the pack's targets) to the loss, which must then equal the loss of 
 tokens alone in value, gradient and every metric.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -155,6 +156,4 @@ def test_a_malformed_response_mask_fails_where_it_is_made():
             response_mask=torch.tensor([True, False]),
         )
     with pytest.raises(ValueError, match="response_mask must be a bool tensor"):
-        _episode("s", [1], [2, 3], None).__class__(
-            **{**_episode("s", [1], [2, 3], None).__dict__, "response_mask": torch.ones(2)}
-        )
+        dataclasses.replace(_episode("s", [1], [2, 3], None), response_mask=torch.ones(2))
