@@ -22,6 +22,10 @@ Choices that other actors rely on:
   ``group_id``: a resumed stream regenerates exactly the same samples from the same weights.
 * New weights arrive through `receive_weights` at any time and are applied only between
   generation batches; every trajectory carries the ``policy_version`` that generated it.
+* With an ``environment`` (`grpo.envs`), an episode is a conversation: the collector samples
+  the policy's turns on its engine (`grpo.envs.run_episodes`, batched across episodes), the
+  environment answers them and scores the finished episode, and each trajectory carries the
+  environment's tokens with ``response_mask`` False and the environment's rewards.
 
 The orchestrator makes it a threaded Ray actor (`SyncLLMCollector.as_remote`) and drives it
 one batch at a time with `generate_batch_with_state`; `receive_weights` and `evaluate` reach it
@@ -791,7 +795,8 @@ class SyncLLMCollector:
         Returns:
             list[str]: One completion per example, decoded with the model's tokenizer like
             the reference actor decodes training responses (special tokens dropped). A prompt
-            that does not fit the engine's context gets ``""``.
+            that does not fit the engine's context gets ``""``. With an environment, the
+            completion is the last policy turn of a greedy episode (tool calls answered).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
