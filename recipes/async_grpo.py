@@ -45,6 +45,7 @@ from grpo.observability.console import print_end, print_start, progress_bar, wri
 from grpo.observability.logs import is_verbose, logs_dir
 from grpo.orchestrator import Orchestrator, find_checkpoint, init_ray
 from grpo.recipe import run_recipe_cli
+from grpo.workers.collector import build_environment
 
 
 def recipe_main(cfg: RunConfig) -> dict:
@@ -57,6 +58,7 @@ def recipe_main(cfg: RunConfig) -> dict:
         dict: Final step, policy version, held-out accuracy history and output paths.
     """
     datasets = build_datasets(cfg)  # 1. build
+    check_environment(cfg)
     run_dir = prepare_run_dir(cfg)
     print_start(cfg, run_dir, datasets)
     init_ray(cfg)
@@ -167,6 +169,18 @@ def build_datasets(cfg: RunConfig) -> dict[str, Any]:
         if skipped is not None and skipped.count:
             print(f"{key}: {skipped.summary()}", file=sys.stderr)
     return datasets
+
+
+def check_environment(cfg: RunConfig) -> None:
+    """Build the environment once here, so that a bad value is one line before Ray starts.
+
+    The collectors build their own from the same node.
+
+    Raises:
+        ConfigError: If it cannot be built (e.g. ``max_turns: 0``).
+    """
+    if cfg.environment is not None:
+        build_environment(cfg.environment, cfg.reward_functions, cfg.reward_timeout_s)
 
 
 def build_evaluator(cfg: RunConfig, eval_dataset: Any, run: Orchestrator) -> Any:

@@ -401,3 +401,24 @@ def test_validate_names_each_environment_mistake(tmp_path, capsys):
         )
         == 0
     )
+
+
+def test_run_refuses_an_environment_that_cannot_be_built(tmp_path, capsys, monkeypatch):
+    """A value only the environment can judge is one line from ``grpo run``, before Ray."""
+    from grpo.cli import main
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    status = main(
+        [
+            "run",
+            "async_grpo",
+            "--config",
+            "tiny_calculator_cpu",
+            f"output_dir={tmp_path}/run",
+            "environment.max_turns=0",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "environment: ToolEnv: max_turns must be an int >= 1, got 0" in err
+    assert "Traceback" not in err

@@ -148,18 +148,31 @@ def episode_metrics(
     return metrics
 
 
-def _resolve_environment(
+def build_environment(
     environment: Any, reward_functions: Sequence[Any], reward_timeout_s: float
 ) -> Any:
-    """An environment object, built from its ``_component_`` node if need be (or None)."""
+    """An environment object, built from its ``_component_`` node if need be (or None).
+
+    The node gets the run's ``reward_functions`` and ``reward_timeout_s`` unless it names its
+    own. The driver builds it once before any actor starts (`recipes/async_grpo.py`), so a bad
+    value is one line there, not an error in a collector.
+
+    Raises:
+        ConfigError: If the environment cannot be built, naming the key and the reason.
+    """
     if environment is None or not isinstance(environment, Mapping):
         return environment
-    from grpo.config import instantiate
+    from grpo.config import ConfigError, instantiate
 
     node = dict(environment)
     node.setdefault("reward_functions", list(reward_functions))
     node.setdefault("reward_timeout_s", reward_timeout_s)
-    return instantiate(node, _key_="environment")
+    try:
+        return instantiate(node, _key_="environment")
+    except ConfigError:
+        raise
+    except Exception as error:  # the environment's own check of its arguments
+        raise ConfigError(f"environment: {error}") from error
 
 
 class SyncLLMCollector:
@@ -268,7 +281,7 @@ class SyncLLMCollector:
 
         # Multi-turn episodes: the environment answers each policy turn and scores the episode
         # (with the run's reward functions unless its node names its own).
-        self.environment = _resolve_environment(environment, reward_functions, reward_timeout_s)
+        self.environment = build_environment(environment, reward_functions, reward_timeout_s)
         self.renderer = None
         if self.environment is not None:
             from grpo.envs import ChatTurnRenderer, PlainTurnRenderer
