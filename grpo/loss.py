@@ -52,7 +52,7 @@ from collections.abc import Sequence
 import torch
 
 from grpo.choices import AGGREGATIONS, KL_ESTIMATORS, LEVELS
-from grpo.types import GRPOStats
+from grpo.types import GRPOStats, count_per_sequence
 
 # Allowed values, declared once in grpo.choices (the config's Literal types).
 TIS_LEVELS = RATIO_LEVELS = LEVELS
@@ -98,15 +98,6 @@ def _per_sequence_sum(values: torch.Tensor, response_lens: torch.Tensor) -> torc
     )
     sums = torch.zeros(num_sequences, dtype=values.dtype, device=values.device)
     return sums.index_add_(0, index, values)[index]
-
-
-def _segment_counts(keep: torch.Tensor, response_lens: torch.Tensor) -> torch.Tensor:
-    """Number of True entries of the flat ``keep`` within each sequence's tokens."""
-    index = torch.arange(response_lens.numel(), device=keep.device).repeat_interleave(
-        response_lens, output_size=keep.numel()
-    )
-    counts = torch.zeros_like(response_lens)
-    return counts.index_add_(0, index, keep.long())
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,7 +358,7 @@ class GRPOWithChunkedOutputLoss:
             keep = loss_mask.to(device).bool()
             if response_lens is not None:
                 lens = _checked_response_lens(response_lens, num_tokens, device, "")
-                response_lens = _segment_counts(keep, lens)
+                response_lens = count_per_sequence(keep, lens)
             pi_logprobs = pi_logprobs[keep]
             ref_logprobs = None if ref_logprobs is None else ref_logprobs.to(device)[keep]
             advantages = advantages.to(device)[keep]

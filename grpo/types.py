@@ -35,6 +35,19 @@ def _policy_len(response_len: int, mask: torch.Tensor | None) -> int:
     return response_len if mask is None else int(mask.sum())
 
 
+def count_per_sequence(mask: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """True entries of the flat ``mask`` within each sequence, whose lengths are ``lens``.
+
+    Example:
+        >>> count_per_sequence(torch.tensor([1, 0, 1, 1], dtype=torch.bool), torch.tensor([3, 1]))
+        tensor([2, 1])
+    """
+    index = torch.arange(lens.numel(), device=mask.device).repeat_interleave(
+        lens, output_size=mask.numel()
+    )
+    return torch.zeros_like(lens).index_add_(0, index, mask.long())
+
+
 @dataclass
 class UnscoredTrajectory:
     """One generated sequence: an unpadded prompt, its response and the sampler's logprobs.
@@ -346,11 +359,7 @@ class PackedTrajectory:
         """Trained (policy) tokens of each sequence, ``(num_sequences,)``."""
         if self.loss_mask is None:
             return self.response_lens
-        sequence_of_token = torch.repeat_interleave(
-            torch.arange(self.num_sequences, device=self.targets.device), self.response_lens
-        )
-        counts = torch.zeros_like(self.response_lens)
-        return counts.index_add_(0, sequence_of_token, self.loss_mask.long())
+        return count_per_sequence(self.loss_mask, self.response_lens)
 
     @property
     def padding_tokens(self) -> int:

@@ -12,7 +12,7 @@ samples one response per episode and the reference actor scores it, as before.
 Write your own environment by subclassing `MultiTurnEnv`:
 
     class GuessTheNumber(MultiTurnEnv):
-        def env_response(self, messages, state):
+        def env_response(self, messages, state, episode):
             guess = messages[-1]["content"].strip()
             if guess == state["answer"]:
                 return None  # solved: the episode ends
@@ -45,23 +45,23 @@ class Episode:
         messages (list[Message]): The conversation as chat turns: the question, then each
             assistant turn (decoded, for the environment to read) and environment turn.
         state (dict): The environment's own per-episode state (`MultiTurnEnv.reset`).
+        seed (int): Sampling seed of the first policy turn; turn ``t`` samples with
+            ``seed + t * group_size`` (`grpo.envs.rollout.run_episodes`).
     """
 
     example: dict[str, Any]
     prompt_ids: list[int]
     messages: list[Message]
     state: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     response_mask: list[bool] = field(default_factory=list)
     turn_lengths: list[int] = field(default_factory=list)  # policy tokens of each turn
-    policy_versions: set[int] = field(default_factory=set)
-    env_tokens: int = 0
     tool_calls: int = 0
     tool_errors: dict[str, int] = field(default_factory=dict)
     truncated: bool = False  # ended by the token budget or a turn cut at max tokens
     hit_max_turns: bool = False
-    done: bool = False
     error: str | None = None  # the environment raised: the episode is dropped
 
     def add_policy_turn(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
@@ -75,10 +75,14 @@ class Episode:
         # A placeholder: the loss never reads the logprob of an environment token.
         self.logprobs.extend([0.0] * len(token_ids))
         self.response_mask.extend([False] * len(token_ids))
-        self.env_tokens += len(token_ids)
 
     def count_tool_error(self, kind: str) -> None:
         self.tool_errors[kind] = self.tool_errors.get(kind, 0) + 1
+
+    @property
+    def env_tokens(self) -> int:
+        """Environment tokens in the response (not trained)."""
+        return len(self.response_ids) - sum(self.turn_lengths)
 
     @property
     def num_turns(self) -> int:
@@ -159,8 +163,9 @@ class MultiTurnEnv:
     """Base of multi-turn environments: answer each assistant turn until the episode is done.
 
     Args:
-        reward_functions (Sequence): Reward functions (`grpo.rewards`) that score the episode's last assistant turn against the example's
-            answer; they run in the reward worker pool with ``reward_timeout_s``.
+        reward_functions (Sequence): Reward functions (`grpo.rewards`) that score the episode's
+            last assistant turn against the example's answer; they run in the reward worker
+            pool with ``reward_timeout_s``.
         max_turns (int): Most policy turns in an episode; an episode that reaches it ends
             (flagged ``hit_max_turns``) and is scored as it stands.
         max_episode_tokens (int | None): Most response tokens (policy and environment) in an
@@ -240,11 +245,6 @@ class MultiTurnEnv:
         except Exception as error:  # the run goes on; the episode is dropped and named
             episode.error = f"{type(error).__name__}: {error}"
             return PendingResponse(None)
-
-    def respond(self, episodes: Sequence[Episode]) -> list[list[Message] | None]:
-        """The answers to several episodes' last turns, started together and waited for."""
-        pending = [self.start_response(episode) for episode in episodes]
-        return [response.result() for response in pending]
 
     def score(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
         """Rewards of finished episodes, by reward name.

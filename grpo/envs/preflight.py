@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo.envs.tools import CALL_FORMATS, Tool
+from grpo.envs.tools import call_format_problem, check_tools
 
 
 def environment_problems(key: str, node: dict[str, Any]) -> list[str]:
@@ -23,10 +23,8 @@ def environment_problems(key: str, node: dict[str, Any]) -> list[str]:
     """
     problems = []
     call_format = node.get("call_format")
-    if call_format is not None and call_format not in CALL_FORMATS:
-        problems.append(
-            f"{key}.call_format: {call_format!r} is not one of {', '.join(CALL_FORMATS)}"
-        )
+    if call_format is not None and (problem := call_format_problem(call_format)):
+        problems.append(f"{key}.call_format: {problem}")
     tools = node.get("tools")
     if tools is None:
         return problems
@@ -35,19 +33,5 @@ def environment_problems(key: str, node: dict[str, Any]) -> list[str]:
             *problems,
             f"{key}.tools: expected a list of dotted paths of functions, got {tools!r}",
         ]
-    names: dict[str, int] = {}
-    for index, spec in enumerate(tools):
-        if not isinstance(spec, str):
-            continue  # a _component_ node or an object: checked when it is built
-        try:
-            tool = Tool(spec)
-        except Exception as error:  # an import error of the user's module, an untyped tool
-            problems.append(f"{key}.tools[{index}]: {error}")
-            continue
-        if tool.name in names:
-            problems.append(
-                f"{key}.tools[{index}]: a second tool named {tool.name!r} "
-                f"(tools[{names[tool.name]}])"
-            )
-        names[tool.name] = index
-    return problems
+    _, tool_problems = check_tools(tools)
+    return problems + [f"{key}.{problem}" for problem in tool_problems]

@@ -48,6 +48,12 @@ class ChatTurnRenderer:
         # so only the rest comes from the environment.
         self._anchored = anchored
         self._after_assistant = anchored[anchored.index(_SENTINEL) + len(_SENTINEL) :]
+        self._after_stop_token = self._after_assistant
+        for token_id in tokenizer.stop_tokens:
+            stop_text = tokenizer.decode([token_id], skip_special_tokens=False)
+            if stop_text and self._after_assistant.startswith(stop_text):
+                self._after_stop_token = self._after_assistant[len(stop_text) :]
+                break
 
     def env_tokens(self, messages: Sequence[Mapping[str, str]], closed: bool) -> list[int]:
         """Token ids of ``messages`` (environment turns) following an assistant turn.
@@ -73,17 +79,8 @@ class ChatTurnRenderer:
                 "it; environment turns cannot extend the sampled tokens"
             )
         suffix = text[len(self._anchored) :]
-        bridge = self._after_assistant
-        if closed:
-            bridge = self._strip_stop_token(bridge)
+        bridge = self._after_stop_token if closed else self._after_assistant
         return self.tokenizer.encode(bridge + suffix, add_bos=False, add_eos=False)
-
-    def _strip_stop_token(self, bridge: str) -> str:
-        for token_id in self.tokenizer.stop_tokens:
-            stop_text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if stop_text and bridge.startswith(stop_text):
-                return bridge[len(stop_text) :]
-        return bridge
 
 
 class PlainTurnRenderer:

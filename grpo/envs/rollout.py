@@ -78,7 +78,8 @@ def run_episodes(
             ``max_tokens_per_turn`` wins when set).
         max_model_len (int): The engine's context: prompt plus response never exceed it.
         seeds (Sequence[int]): One seed per prompt; episode ``j`` of it, turn ``t`` samples
-            with ``seed + j + group_size * t`` so a resumed stream samples the same.
+            with ``seed + j + group_size * t`` (`Episode.seed`) so a resumed stream samples the
+            same.
         gather_s (float): Once one episode's answer is in, how long to wait for others'
             (a bigger generation batch) before sampling its next turn.
 
@@ -88,7 +89,7 @@ def run_episodes(
     """
     per_turn = env.max_tokens_per_turn or max_tokens_per_turn
     groups: list[list[Episode]] = []
-    for example, prompt_ids in prompts:
+    for (example, prompt_ids), seed in zip(prompts, seeds):
         question = example.get("question")
         messages = (
             [dict(turn) for turn in question]
@@ -102,15 +103,11 @@ def run_episodes(
                     prompt_ids=list(prompt_ids),
                     messages=[dict(m) for m in messages],
                     state=env.reset(example),
+                    seed=seed + member,
                 )
-                for _ in range(group_size)
+                for member in range(group_size)
             ]
         )
-    seed_of = {
-        id(episode): (seed, member)
-        for seed, group in zip(seeds, groups)
-        for member, episode in enumerate(group)
-    }
     stop_tokens = set(tokenizer.stop_tokens)
     # Episodes that need a policy turn, and those whose environment is still answering.
     ready = [episode for group in groups for episode in group]
@@ -127,17 +124,15 @@ def run_episodes(
         waiting = still_waiting
         if not ready:
             continue
-        requests = []
-        for episode in ready:
-            seed, member = seed_of[id(episode)]
-            requests.append(
-                SampleRequest(
-                    token_ids=episode.prompt_ids + episode.response_ids,
-                    max_tokens=min(per_turn, _room(env, episode, max_model_len)),
-                    seed=(seed + member + group_size * episode.num_turns) % 2**62,
-                    stop=env.stop,
-                )
+        requests = [
+            SampleRequest(
+                token_ids=episode.prompt_ids + episode.response_ids,
+                max_tokens=min(per_turn, _room(env, episode, max_model_len)),
+                seed=(episode.seed + group_size * episode.num_turns) % 2**62,
+                stop=env.stop,
             )
+            for episode in ready
+        ]
         samples = sample(requests)
         for episode, turn in zip(ready, samples):
             episode.add_policy_turn(turn.token_ids, turn.logprobs)
@@ -145,10 +140,8 @@ def run_episodes(
             episode.messages.append({"role": "assistant", "content": text})
             if turn.finish_reason == "length":
                 episode.truncated = True
-                episode.done = True
             elif episode.num_turns >= env.max_turns:
                 episode.hit_max_turns = True
-                episode.done = True
             else:
                 closed = bool(turn.token_ids) and turn.token_ids[-1] in stop_tokens
                 waiting.append((episode, env.start_response(episode), closed))
@@ -191,12 +184,10 @@ def _apply_answer(
 ) -> bool:
     """Append the environment's answer to the episode; whether it goes on to a policy turn."""
     if episode.error is not None or answer is None:
-        episode.done = True
         return False
     env_ids = renderer.env_tokens(answer, closed=closed)
     if len(env_ids) >= _room(env, episode, max_model_len):
         episode.truncated = True  # no room for the answer and a policy token after it
-        episode.done = True
         return False
     episode.add_env_turn(env_ids)
     episode.messages.extend(dict(m) for m in answer)
@@ -241,13 +232,15 @@ def episode_groups(
     result = []
     for group, group_id in zip(groups, group_ids):
         trajectories = []
+        # One tensor for the prompt every episode of the group starts from.
+        prompt_tokens = torch.tensor(group[0].prompt_ids, dtype=torch.long)
         for episode in group:
             if episode.error is not None:
                 continue
             response = torch.tensor(episode.response_ids, dtype=torch.long)
             trajectories.append(
                 UnscoredTrajectory(
-                    prompt_tokens=torch.tensor(episode.prompt_ids, dtype=torch.long),
+                    prompt_tokens=prompt_tokens,
                     response_tokens=response,
                     prompt_len=len(episode.prompt_ids),
                     response_len=response.numel(),

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import pebble
 
 from grpo.envs.tools import CRASH, EXCEPTION, TIMEOUT, Tool
+from grpo.worker_processes import exit_with_parent
 
 # Beyond a call's timeout, for pebble to notice the overrun and stop the worker.
 _STOP_GRACE_S = 5.0
@@ -35,17 +36,6 @@ class ToolOutcome(NamedTuple):
 
     text: str
     error: str | None = None  # one of TIMEOUT, CRASH, EXCEPTION; None: it answered
-
-
-def _exit_when_parent_dies(parent: Any) -> None:
-    parent.join()
-    os._exit(1)
-
-
-def _start_worker() -> None:
-    parent = multiprocessing.parent_process()
-    if parent is not None:  # never outlive the collector, even from inside a hanging call
-        threading.Thread(target=_exit_when_parent_dies, args=(parent,), daemon=True).start()
 
 
 def _call(tool: Tool, arguments: Mapping[str, Any]) -> tuple[str, str | None]:
@@ -83,7 +73,7 @@ class ToolRunner:
     def _pool(self) -> pebble.ProcessPool:
         if self._workers is None or not self._workers.active:
             self._workers = pebble.ProcessPool(
-                max_workers=self.num_workers, initializer=_start_worker, context=self._context
+                max_workers=self.num_workers, initializer=exit_with_parent, context=self._context
             )
         return self._workers
 

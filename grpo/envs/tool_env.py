@@ -19,10 +19,10 @@ from grpo.envs.base import Episode, Message, MultiTurnEnv, PendingResponse
 from grpo.envs.runner import ToolRunner, default_tool_runner
 from grpo.envs.tools import (
     BAD_ARGUMENTS,
-    CALL_FORMATS,
     PARSE_ERROR,
     UNKNOWN_TOOL,
     Tool,
+    call_format_problem,
     parse_tool_calls,
     resolve_tools,
 )
@@ -69,8 +69,8 @@ class ToolEnv(MultiTurnEnv):
         stop: Sequence[str] | None = None,
         reward_timeout_s: float = 10.0,
     ) -> None:
-        if call_format not in CALL_FORMATS:
-            raise ValueError(f"call_format must be one of {CALL_FORMATS}, got {call_format!r}")
+        if problem := call_format_problem(call_format):
+            raise ValueError(f"call_format: {problem}")
         if not tools:
             raise ValueError("ToolEnv needs at least one tool")
         if not tool_timeout_s > 0:

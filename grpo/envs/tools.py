@@ -158,22 +158,57 @@ class Tool:
         return None
 
 
+def check_tools(
+    tools: Sequence[Tool | Callable[..., Any] | str | Mapping[str, Any]],
+) -> tuple[dict[str, Tool], list[str]]:
+    """Tools by name, and every problem of the specs that cannot be tools.
+
+    Specs are functions, dotted paths or `Tool` objects; a ``_component_`` mapping (a config
+    node) is skipped: it is checked when it is built. `grpo validate` reports every problem;
+    `resolve_tools` raises the first.
+
+    Returns:
+        tuple: ``{name: Tool}`` of the good specs, and problems as ``tools[i]: what is wrong``
+        (a spec `Tool` refuses, or a second tool with a name already taken).
+    """
+    by_name: dict[str, Tool] = {}
+    index_of: dict[str, int] = {}
+    problems: list[str] = []
+    for index, spec in enumerate(tools):
+        if isinstance(spec, Mapping):
+            continue
+        try:
+            tool = spec if isinstance(spec, Tool) else Tool(spec)
+        except Exception as error:  # an import error of the user's module, an untyped tool
+            problems.append(f"tools[{index}]: {error}")
+            continue
+        if tool.name in by_name:
+            problems.append(
+                f"tools[{index}]: a second tool named {tool.name!r} (tools[{index_of[tool.name]}])"
+            )
+            continue
+        by_name[tool.name] = tool
+        index_of[tool.name] = index
+    return by_name, problems
+
+
 def resolve_tools(tools: Sequence[Tool | Callable[..., Any] | str]) -> dict[str, Tool]:
     """Tools by name, from functions, dotted paths or `Tool` objects.
 
     Raises:
-        ValueError: A tool that `Tool` refuses, or two tools with one name.
+        ValueError: A tool that `Tool` refuses, or two tools with one name (see `check_tools`).
     """
-    by_name: dict[str, Tool] = {}
-    for index, spec in enumerate(tools):
-        try:
-            tool = spec if isinstance(spec, Tool) else Tool(spec)
-        except ValueError as error:
-            raise ValueError(f"tools[{index}]: {error}") from error
-        if tool.name in by_name:
-            raise ValueError(f"tools[{index}]: two tools are named {tool.name!r}")
-        by_name[tool.name] = tool
+    by_name, problems = check_tools(tools)
+    if problems:
+        raise ValueError(problems[0])
     return by_name
+
+
+def call_format_problem(call_format: Any) -> str | None:
+    """Why ``call_format`` is not a call format, or None if it is one."""
+    if call_format in CALL_FORMATS:
+        return None
+    return f"{call_format!r} is not one of {', '.join(CALL_FORMATS)}"
 
 
 def parse_tool_calls(text: str, call_format: str, tools: Mapping[str, Tool]) -> list[ToolCall]:

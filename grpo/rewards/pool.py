@@ -41,6 +41,7 @@ from typing import Any
 import pebble
 
 from grpo.rewards.base import FunctionReward, RewardFunction, call_reward, short_error
+from grpo.worker_processes import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -54,20 +55,13 @@ Outcome = tuple[float, bool, str | None, str | None]
 _STOP_GRACE_S = 5.0
 
 
-def _exit_when_parent_dies(parent: Any) -> None:
-    parent.join()
-    os._exit(1)
-
-
 def _start_worker(modules: Sequence[str]) -> None:
     """Initializer of a worker process: import the reward modules before taking any call.
 
     Never raises: pebble would restart a worker whose initializer fails, forever. A module
     that does not import here makes the calls that need it fail, and those are counted.
     """
-    parent = multiprocessing.parent_process()
-    if parent is not None:  # Do not outlive the parent, even when a call hangs.
-        threading.Thread(target=_exit_when_parent_dies, args=(parent,), daemon=True).start()
+    exit_with_parent()
     # Timeouts are ours; silence math-verify's one-time "timeout is disabled" warning.
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).setLevel(logging.ERROR)

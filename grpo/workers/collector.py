@@ -116,11 +116,8 @@ def _resolve_dataset(dataset: Any) -> Sequence[dict[str, Any]]:
 def episode_metrics(
     episodes: Sequence[Any], dropped: int, dropped_total: float
 ) -> dict[str, float]:
-    """Metrics of one batch of multi-turn episodes (`grpo.envs.Episode`).
-
-    ``truncated`` (a count) is for the caller's ``inference/truncated_fraction``; the rest are
-    ``inference/episode_*`` and ``inference/tool_*`` metrics.
-    """
+    """``inference/episode_*`` and ``inference/tool_*`` metrics of one batch of multi-turn
+    episodes (`grpo.envs.Episode`)."""
     count = max(len(episodes), 1)
     turn_lengths = [n for e in episodes for n in e.turn_lengths]
     env_tokens = sum(e.env_tokens for e in episodes)
@@ -130,7 +127,6 @@ def episode_metrics(
         for kind, number in episode.tool_errors.items():
             errors[kind] = errors.get(kind, 0) + number
     metrics = {
-        "truncated": float(sum(e.truncated for e in episodes)),
         "inference/episode_turns_mean": sum(e.num_turns for e in episodes) / count,
         "inference/episode_turns_max": float(max((e.num_turns for e in episodes), default=0)),
         "inference/episode_turn_length_mean": policy_tokens / max(len(turn_lengths), 1),
@@ -512,22 +508,49 @@ class SyncLLMCollector:
         # spacing groups by group_size keeps every sample's seed distinct.
         return (self.seed * 1_000_003 + group_id * self.group_size) % 2**62
 
-    def _sampling_params(self, group_id: int, max_tokens: int) -> Any:
+    def _sampling_params(
+        self,
+        seed: int,
+        max_tokens: int,
+        n: int | None = None,
+        extra_stop: Sequence[str] = (),
+        greedy: bool = False,
+    ) -> Any:
+        """The sampling of a training request: ``n`` samples (default ``group_size``) with the
+        run's temperature and top-p (``greedy``: temperature 0), stopping on the template's
+        stop strings, ``extra_stop`` and the model's stop tokens."""
         from vllm import SamplingParams
 
         return SamplingParams(
-            n=self.group_size,
+            n=self.group_size if n is None else n,
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
+            temperature=0.0 if greedy else self.temperature,
+            top_p=1.0 if greedy else self.top_p,
             logprobs=0,  # the sampled token's logprob only
-            seed=self._request_seed(group_id),
-            stop=self.stop_strings or None,
+            seed=seed,
+            stop=[*self.stop_strings, *extra_stop] or None,
             include_stop_str_in_output=True,
             # torchtune's stop tokens (<|im_end|>, <|endoftext|>), in case the model folder's
             # generation_config names only one of them.
             stop_token_ids=list(self.tokenizer.stop_tokens),
         )
+
+    @staticmethod
+    def _sampled_logprobs(completion: Any, where: str) -> list[float]:
+        """vLLM's logprob of each sampled token of a completion (one per token, checked)."""
+        token_ids = completion.token_ids
+        entries = completion.logprobs or ()
+        if len(entries) != len(token_ids):
+            raise RuntimeError(
+                f"vLLM returned {len(entries)} logprobs for {len(token_ids)} tokens ({where})"
+            )
+        return [entry[token].logprob for token, entry in zip(token_ids, entries)]
+
+    def _next_sequence_id(self) -> str:
+        """``w{worker_id}-{n}``: unique across workers, in generation order."""
+        sequence_id = f"w{self.worker_id}-{self.sequence_counter}"
+        self.sequence_counter += 1
+        return sequence_id
 
     def _build_group(
         self, item: Mapping[str, Any], prompt_ids: list[int], group_id: int, completions: Any
@@ -536,18 +559,9 @@ class SyncLLMCollector:
         trajectories = []
         for completion in completions:
             token_ids = list(completion.token_ids)
-            num_logprobs = len(completion.logprobs or ())
-            if num_logprobs != len(token_ids):
-                raise RuntimeError(
-                    f"vLLM returned {num_logprobs} logprobs for {len(token_ids)} tokens "
-                    f"(group {group_id})"
-                )
             logprobs = torch.tensor(
-                [entry[token].logprob for token, entry in zip(token_ids, completion.logprobs)],
-                dtype=torch.float32,
+                self._sampled_logprobs(completion, f"group {group_id}"), dtype=torch.float32
             )
-            sequence_id = f"w{self.worker_id}-{self.sequence_counter}"
-            self.sequence_counter += 1
             trajectories.append(
                 UnscoredTrajectory(
                     prompt_tokens=prompt_tokens,
@@ -556,32 +570,21 @@ class SyncLLMCollector:
                     response_len=len(token_ids),
                     logprobs=logprobs,
                     answer=item["answer"],
-                    sequence_id=sequence_id,
+                    sequence_id=self._next_sequence_id(),
                     policy_version=self.policy_version,
                     group_id=group_id,
                 )
             )
         return GroupedUnscoredTrajectories.from_trajectories(trajectories)
 
-    def _sample_turns(self, requests: Sequence[Any], temperature: float | None = None) -> list[Any]:
+    def _sample_turns(self, requests: Sequence[Any], greedy: bool = False) -> list[Any]:
         """The engine as a `grpo.envs.Sampler`: one policy turn per request, batched."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         from grpo.envs import Sample
 
         params = [
-            SamplingParams(
-                n=1,
-                max_tokens=request.max_tokens,
-                temperature=self.temperature if temperature is None else temperature,
-                top_p=self.top_p if temperature is None else 1.0,
-                logprobs=0,
-                seed=request.seed,
-                stop=[*self.stop_strings, *request.stop] or None,
-                include_stop_str_in_output=True,
-                stop_token_ids=list(self.tokenizer.stop_tokens),
-            )
+            self._sampling_params(request.seed, request.max_tokens, 1, request.stop, greedy)
             for request in requests
         ]
         with self._engine_lock:
@@ -590,19 +593,14 @@ class SyncLLMCollector:
                 params,
                 use_tqdm=False,
             )
-        samples = []
-        for output in outputs:
-            completion = output.outputs[0]
-            token_ids = list(completion.token_ids)
-            logprobs = [
-                entry[token].logprob for token, entry in zip(token_ids, completion.logprobs or ())
-            ]
-            if len(logprobs) != len(token_ids):
-                raise RuntimeError(
-                    f"vLLM returned {len(logprobs)} logprobs for {len(token_ids)} tokens"
-                )
-            samples.append(Sample(token_ids, logprobs, completion.finish_reason or "stop"))
-        return samples
+        return [
+            Sample(
+                list(output.outputs[0].token_ids),
+                self._sampled_logprobs(output.outputs[0], "policy turn"),
+                output.outputs[0].finish_reason or "stop",
+            )
+            for output in outputs
+        ]
 
     def _run_episodes(
         self, prompts: list[tuple[dict[str, Any], list[int]]], group_ids: list[int]
@@ -626,16 +624,11 @@ class SyncLLMCollector:
         self.totals["episodes_dropped"] += dropped
         rewards = self.environment.score(kept) if kept else []
 
-        def next_sequence_id() -> str:
-            sequence_id = f"w{self.worker_id}-{self.sequence_counter}"
-            self.sequence_counter += 1
-            return sequence_id
-
         groups = episode_groups(
             episodes,
             rewards,
             group_ids=group_ids,
-            sequence_id=next_sequence_id,
+            sequence_id=self._next_sequence_id,
             policy_version=self.policy_version,
         )
         return groups, episode_metrics(kept, dropped, self.totals["episodes_dropped"])
@@ -704,7 +697,8 @@ class SyncLLMCollector:
         start = time.perf_counter()
         if self.environment is None:
             params = [
-                self._sampling_params(group_id, self.max_generated_tokens) for group_id in group_ids
+                self._sampling_params(self._request_seed(group_id), self.max_generated_tokens)
+                for group_id in group_ids
             ]
             with self._engine_lock:
                 outputs = self.llm.generate(
@@ -722,7 +716,7 @@ class SyncLLMCollector:
             episode_metrics: dict[str, float] = {}
         else:
             groups, episode_metrics = self._run_episodes(prompts, group_ids)
-            truncated = episode_metrics.pop("truncated")
+            truncated = episode_metrics["inference/episode_truncated"]
         generation_s = time.perf_counter() - start
         response_lens = [t.response_len for g in groups for t in g.trajectories] or [0]
         # Tokens the policy sampled (environment turns of multi-turn episodes are not).
@@ -864,7 +858,7 @@ class SyncLLMCollector:
 
         episodes = run_episodes(
             self.environment,
-            lambda requests: self._sample_turns(requests, temperature=0.0),
+            lambda requests: self._sample_turns(requests, greedy=True),
             self.tokenizer,
             self.renderer,
             [(dict(dataset_items[i]), prompt_ids[i]) for i in fits],
