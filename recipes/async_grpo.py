@@ -57,8 +57,8 @@ def recipe_main(cfg: RunConfig) -> dict:
     Returns:
         dict: Final step, policy version, held-out accuracy history and output paths.
     """
-    datasets = build_datasets(cfg)  # 1. build
-    check_environment(cfg)
+    environment = check_environment(cfg)  # 1. build
+    datasets = build_datasets(cfg, environment)
     run_dir = prepare_run_dir(cfg)
     print_start(cfg, run_dir, datasets)
     init_ray(cfg)
@@ -148,8 +148,10 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
-def build_datasets(cfg: RunConfig) -> dict[str, Any]:
+def build_datasets(cfg: RunConfig, environment: Any = None) -> dict[str, Any]:
     """Build ``dataset`` and ``eval_dataset`` once: report skipped rows, fail on an empty set.
+
+    Without a ``dataset``, the environment's own tasks are the dataset (a verifiers taskset).
 
     Returns:
         dict[str, Any]: The built datasets by config key (absent keys left out).
@@ -161,6 +163,8 @@ def build_datasets(cfg: RunConfig) -> dict[str, Any]:
     for key in ("dataset", "eval_dataset"):
         node = getattr(cfg, key)
         if node is None:
+            if key == "dataset" and getattr(environment, "supplies_tasks", False):
+                datasets[key] = environment.examples()
             continue
         dataset = datasets[key] = instantiate(node, _key_=key)
         if len(dataset) == 0:
@@ -171,16 +175,21 @@ def build_datasets(cfg: RunConfig) -> dict[str, Any]:
     return datasets
 
 
-def check_environment(cfg: RunConfig) -> None:
+def check_environment(cfg: RunConfig) -> Any:
     """Build the environment once here, so that a bad value is one line before Ray starts.
 
     The collectors build their own from the same node.
 
+    Returns:
+        The environment (None without one); a verifiers environment's tasks are the dataset
+        of a run that names none.
+
     Raises:
         ConfigError: If it cannot be built (e.g. ``max_turns: 0``).
     """
-    if cfg.environment is not None:
-        build_environment(cfg.environment, cfg.reward_functions, cfg.reward_timeout_s)
+    if cfg.environment is None:
+        return None
+    return build_environment(cfg.environment, cfg.reward_functions, cfg.reward_timeout_s)
 
 
 def build_evaluator(cfg: RunConfig, eval_dataset: Any, run: Orchestrator) -> Any:

@@ -105,14 +105,16 @@ class RunConfig(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     reward_functions: ComponentList
     """Reward functions; each scores every response, the rewards are summed."""
-    dataset: Component()
-    """Training prompts and answers."""
+    dataset: Component() | None = None
+    """Training prompts and answers; null only with an environment that brings its own tasks
+    (grpo.envs.verifiers_env: the taskset's rows)."""
     eval_dataset: Component() | None = None
     """Evaluation prompts; null: no evaluation."""
     environment: Component() | None = None
     """Multi-turn environment that answers the policy's turns (tool results, user replies) and
     scores each episode with reward_functions, e.g. {_component_: grpo.envs.ToolEnv, tools:
-    [grpo.envs.calculator], max_turns: 3}; null: single-turn (one response per prompt)."""
+    [grpo.envs.calculator], max_turns: 3}, or a verifiers environment ({_component_:
+    grpo.envs.verifiers_env, taskset: MODULE}); null: single-turn (one response per prompt)."""
     metric_logger: Component(MetricLoggerArgs)
     """Metric logger, run as a Ray actor: grpo.observability.metric_logger.MetricLogger (JSONL, W&B,
     stdout) or your own class with its methods. log_dir and config default to the run folder
@@ -245,6 +247,22 @@ def _check_relations(values: dict, problems: list[str]) -> None:
         and values.get("eval_dataset") is None
     ):
         problems.append("eval_every_n_steps: set, but eval_dataset is null")
+    environment = values.get("environment")
+    plays_verifiers = (
+        isinstance(environment, dict)
+        and environment.get("_component_") == "grpo.envs.verifiers_env"
+    )
+    if values.get("dataset") is None and not plays_verifiers:
+        problems.append(
+            "dataset: required key is missing (only an environment with its own tasks, "
+            "grpo.envs.verifiers_env, runs without one)"
+        )
+    if plays_verifiers and _get(values, "eval_every_n_steps", (int,)) is not None:
+        problems.append(
+            "eval_every_n_steps: held-out evaluation scores eval_dataset with reward_functions, "
+            "but a verifiers environment's episodes are scored by its taskset; set "
+            "eval_every_n_steps: null (the taskset's reward is in the training metrics)"
+        )
 
     weights = _get(values, "ref.reward_weights", (list,))
     functions = values.get("reward_functions")

@@ -4,6 +4,9 @@
 * `ToolEnv` (`tool_env`): the answers are results of tools, plain Python functions with type
   hints (`tools`), run in worker processes with a timeout (`runner`); `builtin_tools` has a
   calculator and a Python interpreter.
+* `verifiers_env` (`verifiers_adapter`): a verifiers environment (``verifiers.v1``), its episodes
+  played against the collector's engine served on vLLM's token-in, token-out endpoint
+  (`generate_server`), with the harness of `verifiers_harness` by default.
 * `run_episodes` (`rollout`): drives episodes on an inference engine, batched across episodes;
   `render` turns the environment's messages into tokens the way the chat template does.
 
@@ -18,6 +21,7 @@ from grpo.envs.rollout import Sample, SampleRequest, episode_groups, run_episode
 from grpo.envs.runner import ToolOutcome, ToolRunner
 from grpo.envs.tool_env import ToolEnv
 from grpo.envs.tools import Tool, ToolCall, parse_tool_calls
+from grpo.envs.verifiers_adapter import VerifiersEnv, verifiers_env
 
 __all__ = [
     "ChatTurnRenderer",
@@ -31,9 +35,11 @@ __all__ = [
     "ToolEnv",
     "ToolOutcome",
     "ToolRunner",
+    "VerifiersEnv",
     "calculator",
     "episode_groups",
     "parse_tool_calls",
     "python",
     "run_episodes",
+    "verifiers_env",
 ]

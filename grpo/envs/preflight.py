@@ -19,8 +19,13 @@ def environment_problems(key: str, node: dict[str, Any]) -> list[str]:
         node (dict): The node, interpolations resolved.
 
     Returns:
-        list[str]: Empty when the tools import and take typed arguments.
+        list[str]: Empty when the tools import and take typed arguments (for a verifiers
+        environment: when the extra is installed and its modules import).
     """
+    if node.get("_component_") == "grpo.envs.verifiers_env":
+        from grpo.envs.verifiers_adapter import verifiers_problems
+
+        return verifiers_problems(key, node)
     problems = []
     call_format = node.get("call_format")
     if call_format is not None and (problem := call_format_problem(call_format)):

@@ -121,7 +121,7 @@ def wandb_text(cfg: RunConfig, run_dir: Path) -> str | None:
 
 def dataset_text(node: dict[str, Any], dataset: Any) -> str:
     """``grpo.data.prompt_dataset(/data/train.jsonl), 7473 rows``: what a dataset was built from."""
-    source = node.get("source")
+    source = node.get("source") or node.get("taskset")  # a verifiers environment's tasks
     origin = f"{node['_component_']}({source})" if source else node["_component_"]
     return f"{origin}, {len(dataset)} rows"
 
@@ -136,7 +136,8 @@ def print_start(cfg: RunConfig, run_dir: Path, datasets: dict[str, Any]) -> None
         f"{orchestration.num_training_workers} trainer(s)"
     )
     for key, dataset in datasets.items():
-        print(f"Data: {key} {dataset_text(getattr(cfg, key), dataset)}")
+        node = getattr(cfg, key) or cfg.environment  # no dataset: the environment's tasks
+        print(f"Data: {key} {dataset_text(node, dataset)}")
     print(f"Run folder: {run_dir}")
     if not is_verbose(cfg.log_level):
         print(

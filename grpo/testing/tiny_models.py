@@ -92,6 +92,46 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# Qwen2.5's tool-call delimiters, tokens of their own there (151657, 151658).
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
+
+# ChatML with Qwen2.5's tool calling: the tools listed in the system turn, each call as a
+# <tool_call> JSON block in the assistant turn, tool results in a user turn as
+# <tool_response> blocks (Qwen2.5's template, without its default system prompt).
+TOOL_CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call functions. Their signatures, within <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and "
+    "arguments within <tool_call></tool_call> tags.<|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 # Files written next to the weights; `grpo.models.save_hf_checkpoint` copies them along.
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json")
 
@@ -143,8 +183,10 @@ def _train_tokenizer(
     special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
     pretokenize_regex: str = QWEN2_PRETOKENIZE_REGEX,
     bos_token: str | None = None,
+    extra_tokens: tuple[str, ...] = (),
 ) -> Tokenizer:
-    """Train a byte-level BPE on `tiny_corpus` and append the special tokens.
+    """Train a byte-level BPE on `tiny_corpus` and append the special tokens, then
+    ``extra_tokens``.
 
     The defaults give Qwen2's tokenizer. With ``bos_token`` set, a ``TemplateProcessing``
     post-processor prepends it to every encoding made with special tokens, as Llama 3's
@@ -180,6 +222,14 @@ def _train_tokenizer(
         [
             AddedToken(token, special=True, normalized=False, lstrip=False, rstrip=False)
             for token in special_tokens
+        ]
+    )
+    # Whole-word tokens of a tool-call format (Qwen2.5's <tool_call>) after them; as in Qwen2.5
+    # they are added tokens that are not special (decoding keeps them).
+    tokenizer.add_tokens(
+        [
+            AddedToken(token, special=False, normalized=False, lstrip=False, rstrip=False)
+            for token in extra_tokens
         ]
     )
     if bos_token is not None:
@@ -308,17 +358,28 @@ def _added_tokens_decoder(special_ids: dict[str, int]) -> dict[str, dict[str, An
     }
 
 
-def _chatml_tokenizer_config(special_ids: dict[str, int], max_seq_len: int) -> dict[str, Any]:
+def _chatml_tokenizer_config(
+    special_ids: dict[str, int],
+    max_seq_len: int,
+    chat_template: str = CHATML_TEMPLATE,
+    extra_ids: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """``tokenizer_config.json`` of Qwen2 and Qwen3: ChatML, eos ``<|im_end|>``, no bos."""
     return {
         "tokenizer_class": "Qwen2Tokenizer",
-        "added_tokens_decoder": _added_tokens_decoder(special_ids),
+        "added_tokens_decoder": {
+            **_added_tokens_decoder(special_ids),
+            **{
+                str(token_id): {**entry, "special": False}
+                for token_id, entry in _added_tokens_decoder(extra_ids or {}).items()
+            },
+        },
         "additional_special_tokens": [IM_START, IM_END],
         "bos_token": None,
         "eos_token": IM_END,
         "pad_token": ENDOFTEXT,
         "unk_token": None,
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "errors": "replace",
         "model_max_length": max_seq_len,
@@ -374,6 +435,7 @@ def build_tiny_qwen2(
     rms_norm_eps: float = 1e-6,
     tie_word_embeddings: bool = True,
     seed: int = 0,
+    tool_calls: bool = False,
 ) -> Path:
     """Write a tiny random Qwen2 checkpoint with a trained byte-level BPE tokenizer.
 
@@ -402,6 +464,10 @@ def build_tiny_qwen2(
         tie_word_embeddings (bool): Share the embedding with the output projection, as
             Qwen2.5-0.5B/1.5B/3B do; with ``False`` the checkpoint stores ``lm_head.weight``.
         seed (int): Seed of the weight initialisation.
+        tool_calls (bool): Qwen2.5's tool calling: ``<tool_call>`` and ``</tool_call>`` are
+            tokens of their own (after the special tokens, within ``vocab_size``) and the chat
+            template renders tools, tool calls and tool results as Qwen2.5's does
+            (`TOOL_CHATML_TEMPLATE`).
 
     Returns:
         Path: ``out_dir``.
@@ -420,7 +486,11 @@ def build_tiny_qwen2(
         embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=None
     )
     _check_vocab_size(vocab_size, SPECIAL_TOKENS)
-    tokenizer = _train_tokenizer(bpe_vocab_size=vocab_size - len(SPECIAL_TOKENS))
+    extra_tokens = TOOL_CALL_TOKENS if tool_calls else ()
+    tokenizer = _train_tokenizer(
+        bpe_vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(extra_tokens),
+        extra_tokens=extra_tokens,
+    )
     special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     weights = _init_weights(
         num_layers=num_layers,
@@ -469,7 +539,12 @@ def build_tiny_qwen2(
         config=config,
         generation_config=generation_config,
         tokenizer=tokenizer,
-        tokenizer_config=_chatml_tokenizer_config(special_ids, max_seq_len),
+        tokenizer_config=_chatml_tokenizer_config(
+            special_ids,
+            max_seq_len,
+            TOOL_CHATML_TEMPLATE if tool_calls else CHATML_TEMPLATE,
+            {token: tokenizer.token_to_id(token) for token in extra_tokens},
+        ),
         weights=weights,
     )
 

@@ -249,6 +249,11 @@ class SyncLLMCollector:
         self.verify_weights = verify_weights
         self.weight_check_every_n_batches = config.weight_check_every_n_batches
 
+        # An environment that brings its own tasks (a verifiers taskset) is the dataset of a
+        # run that names none.
+        self.environment = build_environment(environment, reward_functions, reward_timeout_s)
+        if dataset is None and getattr(self.environment, "supplies_tasks", False):
+            dataset = self.environment.examples()
         self.dataset = _resolve_dataset(dataset)
         self.stream = PromptStream(self.dataset, worker_id, num_workers, seed=seed)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -276,10 +281,10 @@ class SyncLLMCollector:
         self.max_prompt_tokens = max_prompt_tokens
 
         # Multi-turn episodes: the environment answers each policy turn and scores the episode
-        # (with the run's reward functions unless its node names its own).
-        self.environment = build_environment(environment, reward_functions, reward_timeout_s)
+        # (with the run's reward functions unless its node names its own). A verifiers
+        # environment renders its own turns.
         self.renderer = None
-        if self.environment is not None:
+        if self.environment is not None and not self._plays_own_episodes:
             from grpo.envs import ChatTurnRenderer, PlainTurnRenderer
 
             # Environment turns are written like the prompt: as the chat template renders
@@ -303,6 +308,11 @@ class SyncLLMCollector:
         self._engine_lock = threading.RLock()
         # The weight channel to trainer rank 0 (collective transport), one transfer at a time.
         self.weight_channel = ChannelReceiver(f"collector[{worker_id}]")
+
+    @property
+    def _plays_own_episodes(self) -> bool:
+        """The environment runs its episodes itself and asks the engine over HTTP (verifiers)."""
+        return getattr(self.environment, "supplies_tasks", False)
 
     @classmethod
     def as_remote(cls, **options: Any) -> Any:
@@ -485,6 +495,8 @@ class SyncLLMCollector:
 
     def _next_prompts(self, num_prompts: int) -> list[tuple[dict[str, Any], list[int]]]:
         """The next ``num_prompts`` examples of the shard that fit, with their token ids."""
+        if self._plays_own_episodes:  # its client renders the prompts
+            return [(item, []) for item in self.stream.next_batch(num_prompts)]
         prompts: list[tuple[dict[str, Any], list[int]]] = []
         skipped_in_a_row = 0
         while len(prompts) < num_prompts:
@@ -608,17 +620,33 @@ class SyncLLMCollector:
         """Multi-turn episodes of the environment for ``prompts``, scored, as groups."""
         from grpo.envs import episode_groups, run_episodes
 
-        episodes = run_episodes(
-            self.environment,
-            self._sample_turns,
-            self.tokenizer,
-            self.renderer,
-            prompts,
-            group_size=self.group_size,
-            max_tokens_per_turn=self.max_generated_tokens,
-            max_model_len=self.max_model_len,
-            seeds=[self._request_seed(group_id) for group_id in group_ids],
-        )
+        if self._plays_own_episodes:
+            self.environment.start(
+                self.model_dir,
+                max_model_len=self.max_model_len,
+                max_tokens=self.max_generated_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+            )
+            episodes = self.environment.run_groups(
+                [item for item, _ in prompts],
+                self._sample_turns,
+                group_size=self.group_size,
+                max_tokens=self.max_generated_tokens,
+                seed=self._request_seed(group_ids[0]),
+            )
+        else:
+            episodes = run_episodes(
+                self.environment,
+                self._sample_turns,
+                self.tokenizer,
+                self.renderer,
+                prompts,
+                group_size=self.group_size,
+                max_tokens_per_turn=self.max_generated_tokens,
+                max_model_len=self.max_model_len,
+                seeds=[self._request_seed(group_id) for group_id in group_ids],
+            )
         kept = [e for group in episodes for e in group if e.error is None]
         dropped = sum(e.error is not None for group in episodes for e in group)
         self.totals["episodes_dropped"] += dropped
@@ -631,7 +659,10 @@ class SyncLLMCollector:
             sequence_id=self._next_sequence_id,
             policy_version=self.policy_version,
         )
-        return groups, episode_metrics(kept, dropped, self.totals["episodes_dropped"])
+        metrics = episode_metrics(kept, dropped, self.totals["episodes_dropped"])
+        if self._plays_own_episodes:
+            metrics["inference/episode_split_traces"] = float(self.environment.split_traces)
+        return groups, metrics
 
     def _put_groups(self, groups: list[GroupedUnscoredTrajectories], put: dict[str, float]) -> None:
         """Blocking puts of ``groups`` in order, retried on timeout until every one is queued.
@@ -734,7 +765,8 @@ class SyncLLMCollector:
                 "inference/num_groups": float(queued),
                 "inference/groups_not_queued": float(len(groups) - queued),
                 "inference/generated_tokens": float(generated),
-                "inference/prompt_tokens": float(sum(len(ids) for _, ids in prompts)),
+                # Each group's prompt once (an environment's client may render its own).
+                "inference/prompt_tokens": float(sum(g.trajectories[0].prompt_len for g in groups)),
                 "inference/tokens_per_second": generated / max(generation_s, 1e-9),
                 "inference/time_generation (s)": generation_s,
                 "inference/time_weight_update (s)": weight_update_s,
@@ -780,6 +812,9 @@ class SyncLLMCollector:
         created first.
         """
         self.weight_channel.close()
+        close_environment = getattr(self.environment, "close", None)
+        if close_environment is not None:
+            close_environment()
         with self._engine_lock:
             llm, self.llm = self.llm, None
             if llm is not None:
@@ -808,6 +843,11 @@ class SyncLLMCollector:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self._plays_own_episodes:  # `grpo validate` refuses this config
+            raise ValueError(
+                "held-out evaluation scores eval_dataset with reward functions; a verifiers "
+                "environment's taskset scores its own episodes"
+            )
         self.apply_pending_weights()
         budget = max_generated_tokens or self.max_generated_tokens
         prompt_ids = [self._prompt_token_ids(item) for item in dataset_items]

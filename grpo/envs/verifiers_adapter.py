@@ -1,0 +1,505 @@
+"""Train on a verifiers environment (``verifiers.v1``), with the exact tokens its episodes sampled.
+
+A verifiers environment is a taskset (the rows, their tools and their rewards) played by a
+harness (the agent loop). Its client renders every prompt to token ids itself and asks an
+engine for completions on vLLM's token-in, token-out endpoint; the episode's ``Trace`` records
+each message's tokens, which of them were sampled and their logprobs. Here the collector's own
+engine answers on that endpoint (`grpo.envs.generate_server`): the environment's episodes run
+in a background event loop, their requests arrive over HTTP on 127.0.0.1, and the collector
+samples every request waiting at that moment in one batch.
+
+A finished episode becomes one trajectory: the trace's branch (its root-to-leaf token
+sequence) up to the first sampled token is the prompt, the rest the response, with the
+sampled tokens trained (``response_mask`` 1) and everything else (tool results, template
+scaffolding) masked. The sampled tokens are checked against what the engine returned for that
+episode: a trace whose tokens differ is dropped and counted, never trained. Where the chat
+template rewrites an earlier turn, verifiers splits the trace into several branches; the last
+branch (the whole final conversation, earlier turns as context) is the one trained, and the
+split is counted (``inference/episode_split_traces``).
+
+The reward is the trace's ``reward`` (the taskset's weighted reward functions).
+
+Needs the optional extra: ``pip install -e ".[verifiers]"``.
+
+Example config:
+
+    environment:
+      _component_: grpo.envs.verifiers_env
+      taskset: my_package.my_taskset   # a module whose __all__ names one vf.Taskset
+      max_turns: 4
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import importlib.util
+import itertools
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from grpo.envs.base import Episode
+from grpo.envs.rollout import Sample, SampleRequest
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = 'pip install -e ".[verifiers]"'
+DEFAULT_HARNESS = "grpo.envs.verifiers_harness"
+TOOL_PARSERS = ("qwen3", "qwen3.5", "glm", "deepseek-v3")
+
+
+def verifiers_problems(key: str, node: Mapping[str, Any]) -> list[str]:
+    """What is wrong with a ``grpo.envs.verifiers_env`` node, without loading the environment.
+
+    Args:
+        key (str): The node's config key (``environment``).
+        node (Mapping): The node's arguments.
+
+    Returns:
+        list[str]: Each problem as ``key: what is wrong`` (the extra not installed, a taskset
+        or harness module that does not import, a bad ``max_turns`` or ``tool_parser``).
+    """
+    if importlib.util.find_spec("verifiers") is None:
+        return [f"{key}: the verifiers extra is not installed; run: {INSTALL_HINT}"]
+    problems = []
+    for name, default in (("taskset", None), ("harness", DEFAULT_HARNESS)):
+        module = node.get(name, default)
+        if not isinstance(module, str) or not module:
+            problems.append(f"{key}.{name}: expected the name of a module, got {module!r}")
+        elif (problem := _module_problem(module)) is not None:
+            problems.append(f"{key}.{name}: {problem}")
+    max_turns = node.get("max_turns", 8)
+    if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+        problems.append(f"{key}.max_turns: expected an int >= 1, got {max_turns!r}")
+    tool_parser = node.get("tool_parser", "qwen3")
+    if tool_parser not in TOOL_PARSERS:
+        problems.append(
+            f"{key}.tool_parser: {tool_parser!r} is not one of {', '.join(TOOL_PARSERS)}"
+        )
+    return problems
+
+
+def _module_problem(module: str) -> str | None:
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as error:
+        return f"cannot import {module!r}: {error}"
+    if found is None:
+        return (
+            f"no module named {module!r} is installed (a verifiers environment is a "
+            "module whose __all__ names its Taskset or Harness)"
+        )
+    return None
+
+
+def verifiers_env(
+    taskset: str,
+    *,
+    harness: str = DEFAULT_HARNESS,
+    max_turns: int = 8,
+    tool_parser: str = "qwen3",
+    taskset_args: Mapping[str, Any] | None = None,
+    harness_args: Mapping[str, Any] | None = None,
+    episode_timeout_s: float = 600.0,
+    reward_functions: Sequence[Any] = (),
+    reward_timeout_s: float = 10.0,
+) -> VerifiersEnv:
+    """A verifiers environment to train on (the ``_component_`` of an ``environment:`` node).
+
+    Args:
+        taskset (str): Module of the taskset (its ``__all__`` names one ``vf.Taskset``), as
+            verifiers' ``load_environment`` takes a taskset id.
+        harness (str): Module of the harness; the default runs the chat and tool loop in the
+            collector's process (`grpo.envs.verifiers_harness`).
+        max_turns (int): Model turns per episode.
+        tool_parser (str): How the client finds tool calls in sampled tokens (verifiers'
+            renderer parsers; ``qwen3`` reads Hermes ``<tool_call>`` blocks).
+        taskset_args (Mapping | None): More fields of the taskset's config.
+        harness_args (Mapping | None): More fields of the harness's config.
+        episode_timeout_s (float): How long a group of episodes may take.
+        reward_functions (Sequence): Ignored: the taskset's rewards score its episodes (the
+            run's reward functions are passed to every environment node).
+        reward_timeout_s (float): Ignored, likewise.
+
+    Returns:
+        VerifiersEnv: The environment, with its tasks loaded.
+
+    Raises:
+        ValueError: If the extra is missing or an argument is wrong (the message names it).
+    """
+    del reward_functions, reward_timeout_s  # the taskset scores its own episodes
+    problems = verifiers_problems(
+        "verifiers_env",
+        {
+            "taskset": taskset,
+            "harness": harness,
+            "max_turns": max_turns,
+            "tool_parser": tool_parser,
+        },
+    )
+    if problems:
+        raise ValueError(problems[0])
+    return VerifiersEnv(
+        taskset,
+        harness=harness,
+        max_turns=max_turns,
+        tool_parser=tool_parser,
+        taskset_args=dict(taskset_args or {}),
+        harness_args=dict(harness_args or {}),
+        episode_timeout_s=episode_timeout_s,
+    )
+
+
+class VerifiersEnv:
+    """A loaded verifiers environment that plays its episodes against the collector's engine.
+
+    Build it with `verifiers_env`. The collector calls `examples` (the rows it samples from,
+    when the run has no ``dataset``), `run_groups` (episodes, token-exact), `score` and
+    `close`.
+    """
+
+    supplies_tasks = True
+
+    def __init__(
+        self,
+        taskset: str,
+        *,
+        harness: str,
+        max_turns: int,
+        tool_parser: str,
+        taskset_args: dict[str, Any],
+        harness_args: dict[str, Any],
+        episode_timeout_s: float,
+    ) -> None:
+        import verifiers.v1 as vf
+
+        self.taskset = taskset
+        self.max_turns = max_turns
+        self.tool_parser = tool_parser
+        self.episode_timeout_s = episode_timeout_s
+        config = vf.SingleAgentEnvConfig(
+            taskset={"id": _plugin_id(taskset), **taskset_args},
+            agent={
+                "harness": {"id": _plugin_id(harness), "max_turns": max_turns, **harness_args},
+                # Local processes only: verifiers' default runtime is a remote sandbox.
+                "runtime": {"type": "subprocess"},
+                "max_turns": max_turns,
+            },
+        )
+        self.env = vf.load_environment(config)
+        self.tasks = list(self.env.taskset)
+        if not self.tasks:
+            raise ValueError(f"verifiers_env: taskset {taskset!r} has no tasks")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._serving: concurrent.futures.Future | None = None
+        self._stop_serving: asyncio.Event | None = None
+        self._server: Any = None
+        self._context: Any = None
+        # Per episode (the client's session id), what the engine sampled for it, in order.
+        self._sampled: dict[str, list[Sample]] = {}
+        self._seeds = itertools.count()
+        self.split_traces = 0
+
+    # ------------------------------------------------------------------ the rows
+
+    def examples(self) -> list[dict[str, Any]]:
+        """The taskset's rows as dataset examples (``index``, ``question``, ``answer``)."""
+        rows = []
+        for index, task in enumerate(self.tasks):
+            data = task.data
+            prompt = data.prompt
+            question = prompt if isinstance(prompt, str) else _messages_text(prompt)
+            rows.append(
+                {
+                    "index": index,
+                    "question": question,
+                    "prompt": question,
+                    "answer": str(getattr(data, "answer", "") or ""),
+                }
+            )
+        return rows
+
+    # ------------------------------------------------------------------ serving
+
+    def start(
+        self,
+        model_dir: str,
+        *,
+        max_model_len: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+    ) -> None:
+        """Serve the engine's endpoint and open the environment (tool servers); once."""
+        if self._loop is not None:
+            return
+        import verifiers.v1 as vf
+        from renderers import DefaultRendererConfig
+
+        from grpo.envs.generate_server import GenerateServer
+
+        # The client loads the tokenizer from the model folder; never from the hub.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        self._server = GenerateServer(max_model_len=max_model_len)
+        self._context = vf.ModelContext(
+            model=self._server.model_name,
+            client=vf.TrainClientConfig(
+                base_url=f"{self._server.base_url}/v1",
+                # A variable of its own: the default (PRIME_API_KEY) reads a user config file.
+                api_key_var="GRPO_VERIFIERS_API_KEY",
+                renderer=DefaultRendererConfig(tool_parser=self.tool_parser),
+                renderer_model_name=str(model_dir),
+            ),
+            sampling=vf.SamplingConfig(temperature=temperature, top_p=top_p, max_tokens=max_tokens),
+        )
+        self._loop = _event_loop()
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._serving = asyncio.run_coroutine_threadsafe(self._hold_serving(ready), self._loop)
+        ready.result(timeout=120)
+
+    async def _hold_serving(self, ready: concurrent.futures.Future) -> None:
+        """Keep ``env.serving()`` (interception server, tool servers) open in one task."""
+        self._stop_serving = asyncio.Event()
+        try:
+            async with self.env.serving():
+                ready.set_result(True)
+                await self._stop_serving.wait()
+        except BaseException as error:
+            if not ready.done():
+                ready.set_exception(error)
+            raise
+
+    def close(self) -> None:
+        """Close the environment's servers and the endpoint."""
+        if self._loop is None:
+            return
+        loop, self._loop = self._loop, None
+        loop.call_soon_threadsafe(self._stop_serving.set)
+        try:
+            self._serving.result(timeout=60)
+        except Exception as error:  # closing: say it, do not raise over the caller's error
+            log.warning("verifiers environment did not close cleanly: %s", error)
+        self._server.close()
+
+    # ------------------------------------------------------------------ episodes
+
+    def run_groups(
+        self,
+        examples: Sequence[Mapping[str, Any]],
+        sample: Callable[[Sequence[SampleRequest]], list[Sample]],
+        *,
+        group_size: int,
+        max_tokens: int,
+        seed: int,
+    ) -> list[list[Episode]]:
+        """Run ``group_size`` episodes of each example's task to their end.
+
+        The episodes run in the environment's event loop; their model calls arrive at the
+        endpoint and are sampled here, every request waiting at the time in one batch, until
+        every episode is over.
+
+        Args:
+            examples (Sequence[Mapping]): Rows from `examples` (their ``index`` names the task).
+            sample: The engine: one `Sample` per `SampleRequest`, in order.
+            group_size (int): Episodes per example.
+            max_tokens (int): Most tokens of one model turn.
+            seed (int): First sampling seed; each request takes the next.
+
+        Returns:
+            list[list[Episode]]: Per example, its episodes; one whose trace failed or whose
+            tokens differ from what the engine sampled has ``error`` set.
+        """
+        if self._loop is None:
+            raise RuntimeError("VerifiersEnv.start must be called before run_groups")
+        groups = [
+            asyncio.run_coroutine_threadsafe(
+                self._play(self.tasks[int(example["index"])], group_size), self._loop
+            )
+            for example in examples
+        ]
+        seeds = (seed + n for n in itertools.count())
+        pending = list(groups)
+        while pending:
+            requests = self._server.take(timeout_s=0.05)
+            if requests:
+                self._serve(requests, sample, max_tokens, seeds)
+            pending = [group for group in pending if not group.done()]
+        return [
+            self._group_episodes(example, group, group_size)
+            for example, group in zip(examples, groups)
+        ]
+
+    async def _play(self, task: Any, group_size: int) -> list[Any]:
+        slots = self.env.slots(task, group_size)
+        return await asyncio.wait_for(
+            asyncio.gather(
+                *(self.env.run_slot(slot, self._context) for slot in slots),
+                return_exceptions=True,
+            ),
+            timeout=self.episode_timeout_s,
+        )
+
+    def _serve(
+        self,
+        requests: Sequence[Any],
+        sample: Callable[[Sequence[SampleRequest]], list[Sample]],
+        max_tokens: int,
+        seeds: Any,
+    ) -> None:
+        """Sample every request in one batch and answer each; record what each episode got."""
+        servable = []
+        for request in requests:
+            room = self._server.max_model_len - len(request.token_ids)
+            if room < 1:
+                self._server.fail(
+                    [request],
+                    f"a prompt of {len(request.token_ids)} tokens leaves no room in "
+                    f"max_model_len={self._server.max_model_len}",
+                    status=400,
+                )
+            else:
+                servable.append((request, min(request.max_tokens or max_tokens, max_tokens, room)))
+        if not servable:
+            return
+        batch = [
+            SampleRequest(list(request.token_ids), limit, next(seeds) % 2**62, request.stop)
+            for request, limit in servable
+        ]
+        try:
+            samples = sample(batch)
+        except Exception as error:
+            self._server.fail([request for request, _ in servable], f"engine failed: {error}")
+            raise
+        for (request, _), result in zip(servable, samples):
+            if request.session is not None:
+                self._sampled.setdefault(request.session, []).append(result)
+            self._server.answer(request, result)
+
+    def _group_episodes(
+        self, example: Mapping[str, Any], group: concurrent.futures.Future, group_size: int
+    ) -> list[Episode]:
+        try:
+            outcomes = group.result()
+        except Exception as error:  # the group timed out or the environment failed
+            outcomes = [error] * group_size
+        return [self._episode(example, outcome) for outcome in outcomes]
+
+    def _episode(self, example: Mapping[str, Any], outcome: Any) -> Episode:
+        """A finished verifiers episode as an `Episode` (token-exact), or one with ``error``."""
+        episode = Episode(example=dict(example), prompt_ids=[], messages=[])
+        if isinstance(outcome, BaseException):
+            episode.error = f"{type(outcome).__name__}: {outcome}"
+            return episode
+        trace = outcome.traces[-1] if outcome.traces else None
+        sampled = self._sampled.pop(trace.id, []) if trace is not None else []
+        if trace is None or not trace.ok:
+            errors = [*(trace.errors if trace else ()), *outcome.errors]
+            detail = "; ".join(f"{e.type}: {e.message}"[:300] for e in errors)
+            stop = trace.stop_condition if trace else None
+            episode.error = f"the episode failed ({stop}): {detail or 'no detail'}"
+            return episode
+        branches = [branch for branch in trace.branches if branch.trainable]
+        if not branches:
+            episode.error = "the trace has no trainable branch"
+            return episode
+        if len(branches) > 1:
+            self.split_traces += 1
+        branch = branches[-1]
+        problem = _fill_from_branch(episode, branch.token_ids, branch.sampled_mask, sampled)
+        if problem is not None:
+            episode.error = problem
+            return episode
+        episode.messages = [{"role": "assistant", "content": trace.last_reply}]
+        episode.tool_calls = sum(1 for node in branch.nodes if node.message.role == "tool")
+        episode.truncated = bool(trace.is_truncated) and trace.stop_condition != "max_turns"
+        episode.hit_max_turns = trace.stop_condition == "max_turns"
+        episode.state["reward"] = float(trace.reward)
+        return episode
+
+    def score(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
+        """The taskset's reward of each episode (the trace's weighted reward functions)."""
+        return [{"reward": episode.state["reward"]} for episode in episodes]
+
+
+def _fill_from_branch(
+    episode: Episode, token_ids: list[int], sampled_mask: list[bool], sampled: list[Sample]
+) -> str | None:
+    """Split a branch into prompt and turns, checking its sampled runs against the engine's.
+
+    Returns:
+        str | None: Why the branch cannot be trained as it stands, or None.
+    """
+    if True not in sampled_mask:
+        return "the trace sampled no token"
+    first = sampled_mask.index(True)
+    runs: list[tuple[bool, list[int]]] = []
+    for token, is_sampled in zip(token_ids[first:], sampled_mask[first:]):
+        if runs and runs[-1][0] == is_sampled:
+            runs[-1][1].append(token)
+        else:
+            runs.append((is_sampled, [token]))
+    policy_runs = [tokens for is_sampled, tokens in runs if is_sampled]
+    # The trained turns are the last ones the engine sampled for this episode (a split trace
+    # trains its final branch, whose earlier turns are context).
+    engine_turns = [turn for turn in sampled if turn.token_ids][-len(policy_runs) :]
+    if [list(t.token_ids) for t in engine_turns] != policy_runs:
+        return (
+            "the trace's sampled tokens differ from the tokens the engine sampled for it "
+            f"({sum(map(len, policy_runs))} vs {sum(len(t.token_ids) for t in engine_turns)} "
+            "tokens)"
+        )
+    episode.prompt_ids = list(token_ids[:first])
+    turns = iter(engine_turns)
+    for is_sampled, tokens in runs:
+        if is_sampled:
+            turn = next(turns)
+            episode.add_policy_turn(turn.token_ids, turn.logprobs)
+        else:
+            episode.add_env_turn(tokens)
+    return None
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """The process's one event loop for verifiers, running in a daemon thread.
+
+    One for every environment of the process: verifiers keeps process-wide state (its
+    renderer pool's locks) bound to the loop that first used it.
+    """
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, name="verifiers", daemon=True).start()
+        return _LOOP
+
+
+def _plugin_id(module: str) -> str:
+    """A verifiers plugin id for ``module``.
+
+    verifiers 0.4.0 looks a plugin id up as ``verifiers.v1.<group>.<id>`` first, which fails on
+    a dotted id (``my_package.my_taskset``) before it tries the id itself; the module is
+    imported here and registered under a flat alias that it finds.
+    """
+    if "." not in module and module == module.lower():
+        return module
+    alias = "grpo_plugin__" + module.replace(".", "__").lower()
+    sys.modules.setdefault(alias, importlib.import_module(module))
+    return alias
+
+
+def _messages_text(messages: Any) -> str:
+    """A chat prompt's text, for tables and logs."""
+    parts = []
+    for message in messages or ():
+        content = message.get("content") if isinstance(message, Mapping) else message.content
+        parts.append(content if isinstance(content, str) else str(content))
+    return "\n".join(parts)

@@ -1,0 +1,32 @@
+"""A single-turn verifiers taskset for tests: sums of two small numbers, one reward.
+
+A verifiers environment module: ``__all__`` names its ``Taskset``, which verifiers' loader
+takes (``environment: {_component_: grpo.envs.verifiers_env, taskset:
+grpo.testing.verifiers_arithmetic}``). Needs the verifiers extra.
+"""
+
+from __future__ import annotations
+
+import verifiers.v1 as vf
+
+__all__ = ["SumTaskset"]
+
+# (question, answer) rows; small sums the tiny test models can sometimes get right.
+SUMS = tuple((f"What is {a} + {b}?", str(a + b)) for a, b in ((2, 3), (4, 1), (3, 3), (6, 2)))
+
+
+class SumData(vf.TaskData):
+    answer: str = ""
+
+
+class SumTask(vf.Task[SumData]):
+    @vf.reward(weight=1.0)
+    async def correct(self, trace: vf.Trace) -> float:
+        """1 when the last reply holds the answer."""
+        return 1.0 if self.data.answer in trace.last_reply else 0.0
+
+
+class SumTaskset(vf.Taskset[SumTask]):
+    def load(self):
+        for question, answer in SUMS:
+            yield SumTask(SumData(prompt=question, answer=answer), self.config.task)

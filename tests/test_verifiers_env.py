@@ -1,0 +1,327 @@
+"""verifiers environments: the endpoint, token-exact episodes, and what is refused.
+
+The episodes here are real verifiers episodes (``verifiers.v1``: its loader, interception server,
+client and renderer, and an MCP tool server in a process of its own) against a scripted engine
+behind `grpo.envs.generate_server.GenerateServer`, so the tokens each turn samples are known.
+Whole runs with vLLM are in ``test_verifiers_runs.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("verifiers", reason="the verifiers extra: pip install -e '.[verifiers]'")
+
+from grpo.envs import verifiers_env  # noqa: E402
+from grpo.envs.generate_server import GENERATE_PATH, GenerateServer  # noqa: E402
+from grpo.envs.rollout import Sample  # noqa: E402
+from grpo.envs.verifiers_adapter import _fill_from_branch, verifiers_problems  # noqa: E402
+from grpo.testing.tiny_models import build_tiny_qwen2  # noqa: E402
+
+ARITHMETIC = "grpo.testing.verifiers_arithmetic"
+ADD_TOOL = "grpo.testing.verifiers_add_tool"
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory):
+    """A tiny Qwen2 folder whose tokenizer has Qwen2.5's tool tokens and template."""
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tool_model") / "model", tool_calls=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tool_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tool_model_dir))
+
+
+class ScriptedEngine:
+    """Answers like a model that knows sums: with the ``add`` tool when it is offered.
+
+    ``compact_calls`` writes the call's JSON without spaces, which the chat template then
+    writes back with spaces (an earlier turn rewritten by the template).
+    """
+
+    def __init__(self, tokenizer, wrong: bool = False, compact_calls: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.wrong = wrong
+        self.compact_calls = compact_calls
+        self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.samples: list[list[int]] = []
+
+    def reply(self, text: str) -> str:
+        a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", text)[-1])
+        last_user = text.rsplit("<|im_start|>user", 1)[-1]
+        if "<tool_response>" in last_user:
+            result = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", last_user)[-1]
+            return f"The answer is {result}."
+        if "<tools>" in text:
+            separators = (",", ":") if self.compact_calls else (", ", ": ")
+            call = json.dumps({"name": "add", "arguments": {"a": a, "b": b}}, separators=separators)
+            return f"<tool_call>\n{call}\n</tool_call>"
+        return str(a + b + (1 if self.wrong else 0))
+
+    def __call__(self, requests):
+        samples = []
+        for request in requests:
+            ids = self.tokenizer.encode(self.reply(self.tokenizer.decode(request.token_ids)))
+            ids = [*ids, self.end][: request.max_tokens]
+            self.samples.append(ids)
+            logprobs = [-0.25 - 0.01 * i for i in range(len(ids))]
+            samples.append(Sample(ids, logprobs, "stop"))
+        return samples
+
+
+def run_groups(model_dir, taskset, engine, *, group_size=2, rows=2, **env_args):
+    env = verifiers_env(taskset, max_turns=3, **env_args)
+    env.start(str(model_dir), max_model_len=1024, max_tokens=64, temperature=1.0, top_p=1.0)
+    try:
+        examples = env.examples()[:rows]
+        return (
+            env,
+            examples,
+            env.run_groups(examples, engine, group_size=group_size, max_tokens=64, seed=0),
+        )
+    finally:
+        env.close()
+
+
+# ---------------------------------------------------------------------------- the endpoint
+
+
+def _post(url: str, body: object) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_generate_server_speaks_the_token_in_token_out_protocol():
+    server = GenerateServer(model_name="policy", max_model_len=333)
+    try:
+        replies: dict[int, tuple[int, dict]] = {}
+        bodies = [
+            {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "stop": ["x"]}},
+            {"token_ids": [9], "sampling_params": {"temperature": 0}},
+        ]
+        threads = [
+            threading.Thread(
+                target=lambda i=i, b=b: replies.__setitem__(
+                    i, _post(server.base_url + GENERATE_PATH, b)
+                )
+            )
+            for i, b in enumerate(bodies)
+        ]
+        for thread in threads:
+            thread.start()
+        requests = []
+        while len(requests) < 2:
+            requests += server.take(timeout_s=10.0)
+        requests.sort(key=lambda r: len(r.token_ids), reverse=True)
+        assert [r.token_ids for r in requests] == [[5, 6, 7], [9]]
+        assert (requests[0].max_tokens, requests[0].stop, requests[0].greedy) == (4, ("x",), False)
+        assert (requests[1].max_tokens, requests[1].greedy) == (None, True)
+        server.answer(requests[0], Sample([11, 12], [-0.5, -1.5], "length"))
+        server.answer(requests[1], Sample([13], [-0.25], "stop"))
+        for thread in threads:
+            thread.join(30)
+
+        status, body = replies[0]
+        assert status == 200
+        [choice] = body["choices"]
+        assert choice["token_ids"] == [11, 12] and choice["finish_reason"] == "length"
+        assert [
+            (c["token"], c["token_id"], c["logprob"]) for c in choice["logprobs"]["content"]
+        ] == [
+            ("token_id:11", 11, -0.5),
+            ("token_id:12", 12, -1.5),
+        ]
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        assert replies[1][1]["choices"][0]["token_ids"] == [13]
+
+        with urllib.request.urlopen(server.base_url + "/v1/models", timeout=30) as response:
+            [model] = json.loads(response.read())["data"]
+        assert (model["id"], model["max_model_len"]) == ("policy", 333)
+        status, body = _post(server.base_url + GENERATE_PATH, {"token_ids": []})
+        assert status == 400 and "token_ids" in body["error"]
+        status, body = _post(
+            server.base_url + GENERATE_PATH, {"token_ids": [1], "sampling_params": {"n": 4}}
+        )
+        assert status == 400 and "sampling_params.n must be 1" in body["error"]
+        status, body = _post(server.base_url + "/v1/completions", {"token_ids": [1]})
+        assert status == 404 and GENERATE_PATH in body["error"]
+    finally:
+        server.close()
+
+
+# ---------------------------------------------------------------------------- episodes
+
+
+def test_single_turn_episodes_are_the_sampled_tokens_after_the_rendered_prompt(
+    tool_model_dir, tokenizer
+):
+    engine = ScriptedEngine(tokenizer)
+    env, examples, groups = run_groups(tool_model_dir, ARITHMETIC, engine)
+    assert [len(group) for group in groups] == [2, 2]
+    for example, group in zip(examples, groups):
+        for episode in group:
+            assert episode.error is None
+            conversation = [{"role": "user", "content": example["question"]}]
+            prompt = tokenizer.encode(
+                tokenizer.apply_chat_template(
+                    conversation, tokenize=False, add_generation_prompt=True
+                )
+            )
+            assert episode.prompt_ids == prompt
+            assert episode.response_ids == tokenizer.encode(example["answer"]) + [
+                tokenizer.convert_tokens_to_ids("<|im_end|>")
+            ]
+            assert all(episode.response_mask) and episode.num_turns == 1
+            assert episode.logprobs == pytest.approx(
+                [-0.25 - 0.01 * i for i in range(len(episode.response_ids))]
+            )
+    assert env.score([e for g in groups for e in g]) == [{"reward": 1.0}] * 4
+
+    wrong = ScriptedEngine(tokenizer, wrong=True)
+    env, _, groups = run_groups(tool_model_dir, ARITHMETIC, wrong, rows=1, group_size=1)
+    assert env.score(groups[0]) == [{"reward": 0.0}]
+
+
+def test_tool_episode_trains_the_calls_and_masks_the_tool_results(tool_model_dir, tokenizer):
+    engine = ScriptedEngine(tokenizer)
+    env, examples, groups = run_groups(tool_model_dir, ADD_TOOL, engine, rows=1)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for episode in groups[0]:
+        assert episode.error is None, episode.error
+        assert (episode.num_turns, episode.tool_calls) == (2, 1)
+        call = tokenizer.encode(engine.reply("<tools> What is 2 + 3?")) + [im_end]
+        answer = tokenizer.encode("The answer is 5.") + [im_end]
+        tool_turn = tokenizer.encode(
+            "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+        # Exactly: the sampled call, the template's tool turn (masked), the sampled answer.
+        assert episode.response_ids == call + tool_turn + answer
+        assert episode.response_mask == [True] * len(call) + [False] * len(tool_turn) + [
+            True
+        ] * len(answer)
+        assert episode.turn_lengths == [len(call), len(answer)]
+        # The prompt is the template's: system turn with the tool's schema, the question.
+        prompt = tokenizer.decode(episode.prompt_ids)
+        assert prompt.startswith("<|im_start|>system\nUse the add tool.\n\n# Tools")
+        assert '"name": "add"' in prompt
+        assert prompt.endswith(
+            "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+        )
+    assert env.score(groups[0]) == [{"reward": 1.0}] * 2
+    assert env.split_traces == 0
+
+
+def test_a_turn_the_template_rewrites_trains_the_final_branch_only(tool_model_dir, tokenizer):
+    """The model's compact JSON is written back with spaces: verifiers splits the trace, and
+    the last branch (the earlier call as masked context, the final answer trained) is kept."""
+    engine = ScriptedEngine(tokenizer, compact_calls=True)
+    env, _, groups = run_groups(tool_model_dir, ADD_TOOL, engine, rows=1, group_size=1)
+    [episode] = groups[0]
+    assert episode.error is None, episode.error
+    assert env.split_traces == 1
+    answer = tokenizer.encode("The answer is 5.") + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    trained = [t for t, m in zip(episode.response_ids, episode.response_mask) if m]
+    assert trained == answer and episode.num_turns == 1
+    context = tokenizer.decode(episode.prompt_ids + episode.response_ids)
+    assert '{"name": "add", "arguments": {"a": 2, "b": 3}}' in context  # re-rendered, masked
+    assert env.score(groups[0]) == [{"reward": 1.0}]
+
+
+def test_tokens_the_engine_did_not_sample_are_never_trained():
+    from grpo.envs import Episode
+
+    sampled = [Sample([7, 8], [-1.0, -2.0], "stop"), Sample([9], [-3.0], "stop")]
+    episode = Episode(example={}, prompt_ids=[], messages=[])
+    mask = [False, False, True, True, False, True]
+    assert _fill_from_branch(episode, [1, 2, 7, 8, 5, 9], mask, sampled) is None
+    assert (episode.prompt_ids, episode.response_ids) == ([1, 2], [7, 8, 5, 9])
+    assert episode.response_mask == [True, True, False, True]
+    assert episode.logprobs == [-1.0, -2.0, 0.0, -3.0]
+
+    retokenized = Episode(example={}, prompt_ids=[], messages=[])
+    problem = _fill_from_branch(retokenized, [1, 2, 7, 4, 5, 9], mask, sampled)
+    assert problem is not None and "differ from the tokens the engine sampled" in problem
+    assert _fill_from_branch(retokenized, [1, 2], [False, False], sampled) == (
+        "the trace sampled no token"
+    )
+
+
+def test_an_engine_failure_reaches_the_collector(tool_model_dir, tokenizer):
+    def broken(requests):
+        raise RuntimeError("engine is down")
+
+    with pytest.raises(RuntimeError, match="engine is down"):
+        run_groups(tool_model_dir, ARITHMETIC, broken, rows=1, group_size=1)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_bad_verifiers_nodes_are_one_line_each(monkeypatch):
+    node = {"taskset": "no_such_package.tasks", "max_turns": 0, "tool_parser": "hermes"}
+    assert verifiers_problems("environment", node) == [
+        "environment.taskset: cannot import 'no_such_package.tasks': "
+        "No module named 'no_such_package'",
+        "environment.max_turns: expected an int >= 1, got 0",
+        "environment.tool_parser: 'hermes' is not one of qwen3, qwen3.5, glm, deepseek-v3",
+    ]
+    assert verifiers_problems("environment", {"taskset": "grpo.no_such_tasks"}) == [
+        "environment.taskset: no module named 'grpo.no_such_tasks' is installed (a verifiers "
+        "environment is a module whose __all__ names its Taskset or Harness)"
+    ]
+    assert verifiers_problems("environment", {"taskset": ARITHMETIC}) == []
+
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "verifiers" else find_spec(name, *a),
+    )
+    assert verifiers_problems("environment", {"taskset": ARITHMETIC}) == [
+        'environment: the verifiers extra is not installed; run: pip install -e ".[verifiers]"'
+    ]
+
+
+def test_grpo_validate_names_the_verifiers_mistakes(tiny_model_dir, tmp_path, capsys):
+    from grpo.cli import main as grpo_main
+
+    base = [
+        "validate",
+        "tiny_arithmetic_cpu",
+        f"base_model_path={tiny_model_dir}",
+        f"output_dir={tmp_path / 'run'}",
+        "dataset=null",
+    ]
+    env = "environment={_component_: grpo.envs.verifiers_env, taskset: %s}"
+    assert grpo_main([*base, env % "my_tasks.missing", "eval_every_n_steps=null"]) != 0
+    err = capsys.readouterr().err
+    assert "environment.taskset: cannot import 'my_tasks.missing'" in err
+
+    assert grpo_main([*base, env % ARITHMETIC]) != 0
+    err = capsys.readouterr().err
+    assert "eval_every_n_steps: held-out evaluation scores eval_dataset" in err
+
+    assert grpo_main([*base, env % ARITHMETIC, "eval_every_n_steps=null"]) == 0
+    assert grpo_main([*base, "environment=null", "eval_every_n_steps=null"]) != 0
+    assert (
+        "dataset: required key is missing (only an environment with its own tasks"
+        in capsys.readouterr().err
+    )
