@@ -1,4 +1,5 @@
-"""What every worker process of a pool (rewards, tools) does first: never outlive its parent.
+"""What every worker process of a pool (rewards, tools) does first: never outlive its parent,
+and (tools) stay within a memory limit.
 
 Pure Python: worker initializers import it without torch.
 """
@@ -25,3 +26,27 @@ def exit_with_parent() -> None:
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_when_parent_dies, args=(parent,), daemon=True).start()
+
+
+def limit_memory(memory_mb: int | None) -> None:
+    """Cap this process's data memory (heap and anonymous mappings: ``RLIMIT_DATA``).
+
+    An allocation past the cap fails inside the process (``MemoryError`` in Python) instead of
+    taking memory from the actors beside it. The address space is left alone: libraries map
+    far more of it than they use.
+    """
+    if memory_mb is None:
+        return
+    import resource
+
+    limit = int(memory_mb) * 2**20
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+
+
+def start_tool_worker(memory_mb: int | None) -> None:
+    """A tool worker's initializer: `exit_with_parent`, then `limit_memory`."""
+    exit_with_parent()
+    limit_memory(memory_mb)

@@ -259,3 +259,37 @@ def test_evaluate_is_greedy_decoding(collector, tune_model, dataset):
                 if next_token in stop_tokens or any(s in text for s in collector.stop_strings):
                     break
         assert completion == collector.tokenizer.decode(generated, skip_special_tokens=True)
+
+
+def test_continuous_turns_sample_what_a_batch_samples(collector, dataset):
+    """The engine as a `TurnEngine`: a turn submitted while others run joins them, and every
+    turn gets the tokens and logprobs a batch ``generate`` of the same request gets."""
+    from vllm.inputs import TokensPrompt
+
+    from grpo.envs import SampleRequest
+
+    requests = [
+        SampleRequest(collector._prompt_token_ids(dataset[i]), 10, 1000 + i, ()) for i in range(4)
+    ]
+    with collector._engine_lock:
+        engine = collector._turn_engine()
+        keys = [engine.submit(request) for request in requests[:3]]
+        finished = dict(engine.step())  # prefill and the first token of the three
+        keys.append(engine.submit(requests[3]))  # joins the running batch
+        steps = 1
+        while len(finished) < 4:
+            finished.update(engine.step())
+            steps += 1
+        outputs = collector.llm.generate(
+            [TokensPrompt(prompt_token_ids=r.token_ids) for r in requests],
+            [collector._sampling_params(r.seed, r.max_tokens, 1, r.stop) for r in requests],
+            use_tqdm=False,
+        )
+    assert steps <= 10 + 2  # the fourth turn ran beside the others, not after them
+    for key, output in zip(keys, outputs):
+        sample, [batched] = finished[key], output.outputs
+        assert sample.token_ids == list(batched.token_ids)
+        assert sample.logprobs == pytest.approx(
+            collector._sampled_logprobs(batched, "batch"), abs=1e-4
+        )
+        assert sample.finish_reason == batched.finish_reason

@@ -276,6 +276,77 @@ def test_an_episode_waiting_on_a_tool_holds_no_other(tokenizer):
     assert slow.num_turns == 2 and not slow.tool_errors
 
 
+class SteppedEngine:
+    """A continuous engine (`grpo.envs.rollout.TurnEngine`) that samples a scripted turn one
+    token per step of ``step_s`` seconds, like vLLM's; ``log`` records each turn's submit and
+    finish step."""
+
+    def __init__(self, tokenizer, script, step_s=0.02):
+        self.step_s = step_s
+        self.script = ScriptedEngine(tokenizer, script)
+        self.running = {}
+        self.steps = 0
+        self.log = []
+
+    def submit(self, request):
+        [sample] = self.script([request])
+        key = len(self.log)
+        self.running[key] = [sample, len(sample.token_ids)]
+        self.log.append({"submitted": self.steps, "request": request})
+        return key
+
+    def step(self):
+        time.sleep(self.step_s)
+        self.steps += 1
+        finished = []
+        for key, entry in list(self.running.items()):
+            entry[1] -= 1
+            if entry[1] <= 0:
+                finished.append((key, entry[0]))
+                self.log[key]["finished"] = self.steps
+                del self.running[key]
+        return finished
+
+
+def test_a_ready_episode_joins_the_running_batch(tokenizer, runner):
+    """With a continuous engine, an episode whose tool answered starts its next turn while a
+    long turn of another episode is still being sampled."""
+    env = ToolEnv(tools=[calculator], reward_functions=[MathCorrectnessReward()], runner=runner)
+    long_example, long_prompt = _prompt(tokenizer, "Tell me a story.", index=0)
+    short_example, short_prompt = _prompt(tokenizer, "What is 3+4?", index=1)
+    story = "<answer>" + "once upon a time " * 12 + "</answer>"
+    engine = SteppedEngine(
+        tokenizer,
+        {
+            tuple(long_prompt): [story],
+            tuple(short_prompt): [_call("3+4"), "<answer>7</answer>"],
+        },
+    )
+    [[long], [short]] = _run(
+        env, engine, tokenizer, [(long_example, long_prompt), (short_example, short_prompt)]
+    )
+    story_turn, call_turn, answer_turn = engine.log
+    assert story_turn["request"].token_ids == long_prompt
+    assert answer_turn["submitted"] > call_turn["finished"]
+    assert answer_turn["finished"] < story_turn["finished"]  # joined while the story ran
+    assert short.last_assistant_text() == "<answer>7</answer>" and short.tool_calls == 1
+    assert long.num_turns == 1 and long.last_assistant_text() == story
+
+
+def test_a_tool_past_its_memory_cap_gets_an_error_and_the_worker_lives_on():
+    from grpo.envs.tools import EXCEPTION
+    from grpo.testing.tools import allocate
+
+    runner = ToolRunner(num_workers=1, memory_mb=256)
+    try:
+        tool = Tool(allocate)
+        big, small = runner.run([(tool, {"megabytes": 1024}), (tool, {"megabytes": 16})], 10.0)
+    finally:
+        runner.close()
+    assert big.error == EXCEPTION and big.text.startswith("MemoryError")
+    assert small == ("held 16 MB", None)  # the same worker, still serving
+
+
 def test_max_turns_and_token_budget_end_episodes(tokenizer):
     engine = ScriptedEngine(tokenizer, ["one two three"] * 10)
     prompts = [_prompt(tokenizer, "Hi", index=1)]

@@ -775,3 +775,23 @@ def test_varlen_prefix_validation():
         VarlenMask((3, 2), (-1, 1))
     with pytest.raises(ValueError, match="has a prefix itself"):
         VarlenMask((3, 2, 1), (-1, 0, 1))
+
+
+def test_packs_longer_than_the_models_context_give_the_alone_logprobs(tmp_path):
+    """A pack may hold more tokens than max_position_embeddings: positions restart in each
+    sequence, and `build_model(packed_len=...)` lets the decoder take the longer row."""
+    from grpo.models import build_model
+    from grpo.testing.tiny_models import build_tiny_qwen2
+
+    folder = build_tiny_qwen2(tmp_path / "model", max_seq_len=256)  # longest sequence: 205
+    sequences = mixed_sequences()
+    packed = pack_sequences(sequences, "cpu", PAD_ID, target_tokens_per_batch=512)
+    short = build_model(folder).eval()
+    with torch.no_grad(), pytest.raises(Exception, match="max_seq_len"):
+        short(**packed_forward_inputs(packed))
+    model = build_model(folder, packed_len=512).eval()
+    with torch.no_grad():
+        logits = model(**packed_forward_inputs(packed))
+        pieces = unpack_response_logprobs(packed, logprobs_from_logits(logits, packed))
+        for seq, got in zip(sequences, pieces):
+            assert max_abs_diff(got, alone_response_logprobs(short, seq)) <= TOLERANCE

@@ -2,27 +2,28 @@
 
 Each episode that needs a policy turn asks the engine for one: its whole token sequence so far
 (prompt, policy turns, environment turns) goes in as token ids, and the sampled ids come back
-with their logprobs. Every episode that is ready goes to the engine in one request batch, so
-generation stays batched. The environment then starts its answer to each (tool calls run in
-worker processes, each with its timeout); an episode whose answer is in goes to the next batch
-while the others' tools still run, so one episode waiting on a tool holds no other. The
-answer's turns are rendered to tokens (`grpo.envs.render`) and appended, masked from the loss.
+with their logprobs. With a continuous engine (`TurnEngine`: the collector's vLLM engine), a
+turn joins the running batch at the engine's next step, as soon as its episode is ready; with a
+`Sampler` (a batch call, as tests script it), the turns ready together form one batch. The
+environment starts its answer to each finished turn (tool calls run in worker processes, each
+with its timeout), and the episode is ready again when its answer is in, while the others'
+tools still run: one episode waiting on a tool holds no other. The answer's turns are rendered
+to tokens (`grpo.envs.render`) and appended, masked from the loss.
 
 An episode ends when the environment says so, at ``max_turns`` policy turns (``hit_max_turns``),
 when a policy turn is cut by its token limit, or when the next environment turn would not leave
 room for a policy token within ``max_episode_tokens`` or the engine's context (both
 ``truncated``). An environment that raises drops that episode only (``error``), and the run goes
 on.
-
-The engine is a callable (`Sampler`): the collector wraps vLLM; tests may script it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from grpo.envs.base import Episode, MultiTurnEnv, PendingResponse
 
@@ -52,9 +53,53 @@ class Sample(NamedTuple):
 Sampler = Callable[[Sequence[SampleRequest]], list[Sample]]
 
 
+class TurnEngine(Protocol):
+    """An engine that samples policy turns continuously.
+
+    A submitted turn joins the engine's running batch at its next step; each step advances
+    every running turn by a token and returns the turns that finished. vLLM's engine is one
+    (the collector's); `BatchEngine` makes one of a `Sampler`.
+    """
+
+    def submit(self, request: SampleRequest) -> Hashable:
+        """Start sampling ``request``; returns the key its `Sample` will come back under."""
+        ...
+
+    def step(self) -> list[tuple[Hashable, Sample]]:
+        """Advance the running turns; the ones that finished, by key."""
+        ...
+
+
+class BatchEngine:
+    """A `Sampler` as a `TurnEngine`: each step samples, to the end, every turn submitted
+    since the previous step (one batch)."""
+
+    def __init__(self, sample: Sampler) -> None:
+        self.sample = sample
+        self._submitted: list[tuple[int, SampleRequest]] = []
+        self._keys = itertools.count()
+
+    def submit(self, request: SampleRequest) -> int:
+        key = next(self._keys)
+        self._submitted.append((key, request))
+        return key
+
+    def step(self) -> list[tuple[Hashable, Sample]]:
+        submitted, self._submitted = self._submitted, []
+        if not submitted:
+            return []
+        samples = self.sample([request for _, request in submitted])
+        return [(key, sample) for (key, _), sample in zip(submitted, samples)]
+
+
+def as_turn_engine(engine: TurnEngine | Sampler) -> TurnEngine:
+    """``engine`` itself if it is a `TurnEngine`, else the `Sampler` in a `BatchEngine`."""
+    return engine if hasattr(engine, "submit") else BatchEngine(engine)
+
+
 def run_episodes(
     env: MultiTurnEnv,
-    sample: Sampler,
+    engine: TurnEngine | Sampler,
     tokenizer: Any,
     renderer: Any,
     prompts: Sequence[tuple[Mapping[str, Any], list[int]]],
@@ -69,7 +114,9 @@ def run_episodes(
 
     Args:
         env (MultiTurnEnv): The environment.
-        sample (Sampler): The engine: one `Sample` per `SampleRequest`, in order.
+        engine (TurnEngine | Sampler): The engine: continuous (a `TurnEngine`: a turn joins
+            the running batch as soon as its episode is ready), or a `Sampler` (one `Sample`
+            per `SampleRequest`, in order; the turns ready together form a batch).
         tokenizer: Decodes policy turns for the environment (``decode``, ``stop_tokens``).
         renderer: Turns environment messages into tokens (`grpo.envs.render`).
         prompts (Sequence): ``(example, prompt token ids)`` per prompt.
@@ -80,8 +127,8 @@ def run_episodes(
         seeds (Sequence[int]): One seed per prompt; episode ``j`` of it, turn ``t`` samples
             with ``seed + j + group_size * t`` (`Episode.seed`) so a resumed stream samples the
             same.
-        gather_s (float): Once one episode's answer is in, how long to wait for others'
-            (a bigger generation batch) before sampling its next turn.
+        gather_s (float): When the engine is idle and one episode's answer is in, how long to
+            wait for others' (a bigger batch) before sampling its next turn.
 
     Returns:
         list[list[Episode]]: Per prompt, its episodes (finished; those whose environment
@@ -109,11 +156,29 @@ def run_episodes(
             ]
         )
     stop_tokens = set(tokenizer.stop_tokens)
-    # Episodes that need a policy turn, and those whose environment is still answering.
+    engine = as_turn_engine(engine)
+    # Episodes that need a policy turn, those being sampled (by engine key), and those whose
+    # environment is still answering.
     ready = [episode for group in groups for episode in group]
+    sampling: dict[Hashable, Episode] = {}
     waiting: list[tuple[Episode, PendingResponse, bool]] = []
-    while ready or waiting:
-        if not ready:
+    while ready or sampling or waiting:
+        for episode in ready:
+            request = SampleRequest(
+                token_ids=episode.prompt_ids + episode.response_ids,
+                max_tokens=min(per_turn, _room(env, episode, max_model_len)),
+                seed=(episode.seed + group_size * episode.num_turns) % 2**62,
+                stop=env.stop,
+            )
+            sampling[engine.submit(request)] = episode
+        ready = []
+        if sampling:
+            for key, turn in engine.step():
+                episode = sampling.pop(key)
+                if _add_turn(env, tokenizer, episode, turn, stop_tokens):
+                    closed = bool(turn.token_ids) and turn.token_ids[-1] in stop_tokens
+                    waiting.append((episode, env.start_response(episode), closed))
+        elif waiting:  # nothing to sample until an answer is in
             _wait_for_answers([pending for _, pending, _ in waiting], gather_s)
         still_waiting = []
         for episode, pending, closed in waiting:
@@ -122,30 +187,6 @@ def run_episodes(
             elif _apply_answer(env, renderer, episode, pending.result(), closed, max_model_len):
                 ready.append(episode)
         waiting = still_waiting
-        if not ready:
-            continue
-        requests = [
-            SampleRequest(
-                token_ids=episode.prompt_ids + episode.response_ids,
-                max_tokens=min(per_turn, _room(env, episode, max_model_len)),
-                seed=(episode.seed + group_size * episode.num_turns) % 2**62,
-                stop=env.stop,
-            )
-            for episode in ready
-        ]
-        samples = sample(requests)
-        for episode, turn in zip(ready, samples):
-            episode.add_policy_turn(turn.token_ids, turn.logprobs)
-            text = tokenizer.decode(turn.token_ids, skip_special_tokens=True)
-            episode.messages.append({"role": "assistant", "content": text})
-            if turn.finish_reason == "length":
-                episode.truncated = True
-            elif episode.num_turns >= env.max_turns:
-                episode.hit_max_turns = True
-            else:
-                closed = bool(turn.token_ids) and turn.token_ids[-1] in stop_tokens
-                waiting.append((episode, env.start_response(episode), closed))
-        ready = []
     for episode in (e for group in groups for e in group):
         if episode.error is not None:
             log.warning(
@@ -155,6 +196,22 @@ def run_episodes(
                 episode.error,
             )
     return groups
+
+
+def _add_turn(
+    env: MultiTurnEnv, tokenizer: Any, episode: Episode, turn: Sample, stop_tokens: set[int]
+) -> bool:
+    """Append a sampled policy turn; whether the environment answers it (the episode goes on)."""
+    episode.add_policy_turn(turn.token_ids, turn.logprobs)
+    text = tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+    episode.messages.append({"role": "assistant", "content": text})
+    if turn.finish_reason == "length":
+        episode.truncated = True
+        return False
+    if episode.num_turns >= env.max_turns:
+        episode.hit_max_turns = True
+        return False
+    return True
 
 
 def _wait_for_answers(pending: Sequence[PendingResponse], gather_s: float) -> None:

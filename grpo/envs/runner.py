@@ -3,7 +3,8 @@ error turn, never the collector.
 
 Each call is its own pebble task with ``timeout=timeout_s``: pebble terminates the worker of a
 call that overruns and starts a replacement, and reports a worker that died (a segfault, an
-``os._exit``, the kernel's OOM killer) as ``ProcessExpired``. Calls of one round (every
+``os._exit``, the kernel's OOM killer) as ``ProcessExpired``. Each worker's data memory is
+capped (``memory_mb``): an allocation past it raises ``MemoryError`` in the tool. Calls of one round (every
 episode of a batch that called a tool) run concurrently on the workers, so the round waits for
 its slowest call at most ``timeout_s``.
 
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple
 import pebble
 
 from grpo.envs.tools import CRASH, EXCEPTION, TIMEOUT, Tool
-from grpo.worker_processes import exit_with_parent
+from grpo.worker_processes import start_tool_worker
 
 # Beyond a call's timeout, for pebble to notice the overrun and stop the worker.
 _STOP_GRACE_S = 5.0
@@ -53,6 +54,8 @@ class ToolRunner:
         num_workers (int): Worker processes (calls of a round run this many at a time).
         start_method (str): ``"forkserver"`` or ``"spawn"``; never ``"fork"`` (the collector
             runs threads and an inference engine).
+        memory_mb (int | None): Data memory each worker may use (``RLIMIT_DATA``); None: no
+            cap.
 
     Example:
         >>> runner = ToolRunner()
@@ -60,12 +63,15 @@ class ToolRunner:
         [ToolOutcome(text='6', error=None)]
     """
 
-    def __init__(self, num_workers: int = 2, start_method: str | None = None) -> None:
+    def __init__(
+        self, num_workers: int = 2, start_method: str | None = None, memory_mb: int | None = 2048
+    ) -> None:
         methods = multiprocessing.get_all_start_methods()
         if start_method is None:
             start_method = "forkserver" if "forkserver" in methods else "spawn"
         self._context = multiprocessing.get_context(start_method)
         self.num_workers = num_workers
+        self.memory_mb = memory_mb
         self._workers: pebble.ProcessPool | None = None
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -73,7 +79,10 @@ class ToolRunner:
     def _pool(self) -> pebble.ProcessPool:
         if self._workers is None or not self._workers.active:
             self._workers = pebble.ProcessPool(
-                max_workers=self.num_workers, initializer=exit_with_parent, context=self._context
+                max_workers=self.num_workers,
+                initializer=start_tool_worker,
+                initargs=(self.memory_mb,),
+                context=self._context,
             )
         return self._workers
 
@@ -144,15 +153,16 @@ class ToolRunner:
                 self._workers = None
 
 
-_default_runner: ToolRunner | None = None
+_default_runners: dict[int | None, ToolRunner] = {}
 _default_runner_lock = threading.Lock()
 
 
-def default_tool_runner() -> ToolRunner:
-    """The process-wide runner environments use when given none (closed at exit)."""
-    global _default_runner
+def default_tool_runner(memory_mb: int | None = 2048) -> ToolRunner:
+    """The process-wide runner with ``memory_mb`` that environments use when given none
+    (closed at exit)."""
     with _default_runner_lock:
-        if _default_runner is None or _default_runner._pid != os.getpid():
-            _default_runner = ToolRunner()
-            atexit.register(_default_runner.close)
-        return _default_runner
+        runner = _default_runners.get(memory_mb)
+        if runner is None or runner._pid != os.getpid():
+            runner = _default_runners[memory_mb] = ToolRunner(memory_mb=memory_mb)
+            atexit.register(runner.close)
+        return runner

@@ -40,6 +40,9 @@ class ToolEnv(MultiTurnEnv):
             answered with an error.
         max_tool_calls_per_turn (int): Calls of one turn beyond this are answered with an
             error without running.
+        tool_memory_mb (int | None): Data memory a tool's worker may use; past it the call
+            fails with ``MemoryError`` (an ``exception`` error turn). None: no cap. Ignored
+            with a ``runner`` of your own.
         runner (ToolRunner | None): Worker processes for the calls; default a process-wide one.
         reward_functions, max_turns, max_episode_tokens, max_tokens_per_turn,
             reward_timeout_s: As `MultiTurnEnv`.
@@ -61,6 +64,7 @@ class ToolEnv(MultiTurnEnv):
         call_format: str = "json",
         tool_timeout_s: float = 5.0,
         max_tool_calls_per_turn: int = 4,
+        tool_memory_mb: int | None = 2048,
         runner: ToolRunner | None = None,
         reward_functions: Sequence[Any] = (),
         max_turns: int = 4,
@@ -75,6 +79,10 @@ class ToolEnv(MultiTurnEnv):
             raise ValueError("ToolEnv needs at least one tool")
         if not tool_timeout_s > 0:
             raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s!r}")
+        if tool_memory_mb is not None and not (
+            isinstance(tool_memory_mb, int) and tool_memory_mb >= 64
+        ):
+            raise ValueError(f"tool_memory_mb must be an int >= 64 or null, got {tool_memory_mb!r}")
         self.tools = resolve_tools(tools)
         # A policy turn stops right after a call: the result comes before the model goes on.
         if stop is None:
@@ -94,6 +102,7 @@ class ToolEnv(MultiTurnEnv):
         self.call_format = call_format
         self.tool_timeout_s = float(tool_timeout_s)
         self.max_tool_calls_per_turn = max_tool_calls_per_turn
+        self.tool_memory_mb = tool_memory_mb
         self.runner = runner
 
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -118,7 +127,7 @@ class ToolEnv(MultiTurnEnv):
             return PendingResponse(None)
         if not calls:
             return PendingResponse(None)  # no call: this turn is the answer
-        runner = self.runner or default_tool_runner()
+        runner = self.runner or default_tool_runner(self.tool_memory_mb)
         turns: list[Message] = []
         jobs: list[tuple[int, Any]] = []  # (position in turns, future) of each running call
         for number, call in enumerate(calls):

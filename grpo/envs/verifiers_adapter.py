@@ -40,11 +40,11 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from grpo.envs.base import Episode
-from grpo.envs.rollout import Sample, SampleRequest
+from grpo.envs.rollout import Sample, Sampler, SampleRequest, TurnEngine, as_turn_engine
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ class VerifiersEnv:
     def run_groups(
         self,
         examples: Sequence[Mapping[str, Any]],
-        sample: Callable[[Sequence[SampleRequest]], list[Sample]],
+        engine: TurnEngine | Sampler,
         *,
         group_size: int,
         max_tokens: int,
@@ -300,12 +300,13 @@ class VerifiersEnv:
         """Run ``group_size`` episodes of each example's task to their end.
 
         The episodes run in the environment's event loop; their model calls arrive at the
-        endpoint and are sampled here, every request waiting at the time in one batch, until
-        every episode is over.
+        endpoint and go to the engine as they come (a continuous engine: into its running
+        batch at the next step), until every episode is over.
 
         Args:
             examples (Sequence[Mapping]): Rows from `examples` (their ``index`` names the task).
-            sample: The engine: one `Sample` per `SampleRequest`, in order.
+            engine (TurnEngine | Sampler): The engine (`grpo.envs.rollout.run_episodes` has
+                both kinds).
             group_size (int): Episodes per example.
             max_tokens (int): Most tokens of one model turn.
             seed (int): First sampling seed; each request takes the next.
@@ -316,6 +317,7 @@ class VerifiersEnv:
         """
         if self._loop is None:
             raise RuntimeError("VerifiersEnv.start must be called before run_groups")
+        engine = as_turn_engine(engine)
         groups = [
             asyncio.run_coroutine_threadsafe(
                 self._play(self.tasks[int(example["index"])], group_size), self._loop
@@ -323,12 +325,29 @@ class VerifiersEnv:
             for example in examples
         ]
         seeds = (seed + n for n in itertools.count())
-        pending = list(groups)
-        while pending:
-            requests = self._server.take(timeout_s=0.05)
-            if requests:
-                self._serve(requests, sample, max_tokens, seeds)
-            pending = [group for group in pending if not group.done()]
+        sampling: dict[Hashable, Any] = {}  # engine key -> the request it answers
+        try:
+            while any(not group.done() for group in groups):
+                # Wait for requests only while the engine has nothing to do.
+                idle = not sampling
+                requests = self._server.take(
+                    timeout_s=0.05 if idle else 0.0, gather_s=0.02 if idle else 0.0
+                )
+                for request in requests:
+                    if (limit := self._turn_limit(request, max_tokens)) is not None:
+                        turn = SampleRequest(
+                            list(request.token_ids), limit, next(seeds) % 2**62, request.stop
+                        )
+                        sampling[engine.submit(turn)] = request
+                if sampling:
+                    for key, result in engine.step():
+                        request = sampling.pop(key)
+                        if request.session is not None:
+                            self._sampled.setdefault(request.session, []).append(result)
+                        self._server.answer(request, result)
+        except Exception as error:
+            self._server.fail(list(sampling.values()), f"engine failed: {error}")
+            raise
         return [
             self._group_episodes(example, group, group_size)
             for example, group in zip(examples, groups)
@@ -344,41 +363,18 @@ class VerifiersEnv:
             timeout=self.episode_timeout_s,
         )
 
-    def _serve(
-        self,
-        requests: Sequence[Any],
-        sample: Callable[[Sequence[SampleRequest]], list[Sample]],
-        max_tokens: int,
-        seeds: Any,
-    ) -> None:
-        """Sample every request in one batch and answer each; record what each episode got."""
-        servable = []
-        for request in requests:
-            room = self._server.max_model_len - len(request.token_ids)
-            if room < 1:
-                self._server.fail(
-                    [request],
-                    f"a prompt of {len(request.token_ids)} tokens leaves no room in "
-                    f"max_model_len={self._server.max_model_len}",
-                    status=400,
-                )
-            else:
-                servable.append((request, min(request.max_tokens or max_tokens, max_tokens, room)))
-        if not servable:
-            return
-        batch = [
-            SampleRequest(list(request.token_ids), limit, next(seeds) % 2**62, request.stop)
-            for request, limit in servable
-        ]
-        try:
-            samples = sample(batch)
-        except Exception as error:
-            self._server.fail([request for request, _ in servable], f"engine failed: {error}")
-            raise
-        for (request, _), result in zip(servable, samples):
-            if request.session is not None:
-                self._sampled.setdefault(request.session, []).append(result)
-            self._server.answer(request, result)
+    def _turn_limit(self, request: Any, max_tokens: int) -> int | None:
+        """Tokens ``request`` may sample, or None (answered with an error) if none fit."""
+        room = self._server.max_model_len - len(request.token_ids)
+        if room < 1:
+            self._server.fail(
+                [request],
+                f"a prompt of {len(request.token_ids)} tokens leaves no room in "
+                f"max_model_len={self._server.max_model_len}",
+                status=400,
+            )
+            return None
+        return min(request.max_tokens or max_tokens, max_tokens, room)
 
     def _group_episodes(
         self, example: Mapping[str, Any], group: concurrent.futures.Future, group_size: int

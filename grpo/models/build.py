@@ -46,6 +46,7 @@ def build_model(
     device: str | torch.device = "cpu",
     load_weights: bool = True,
     max_seq_len: int | None = None,
+    packed_len: int | None = None,
 ) -> TransformerDecoder:
     """Build a torchtune ``TransformerDecoder`` from a Hugging Face model folder.
 
@@ -60,6 +61,9 @@ def build_model(
         load_weights (bool): Load the checkpoint's weights; otherwise keep torchtune's init.
         max_seq_len (int | None): Longest sequence the model will see (sizes the RoPE cache);
             defaults to ``max_position_embeddings``.
+        packed_len (int | None): Longest packed input (several sequences in one row, each
+            with positions from 0): the decoder accepts inputs up to this long even when it is
+            more than ``max_seq_len``. No position past ``max_seq_len`` is ever looked up.
 
     Returns:
         TransformerDecoder: The model, in training mode.
@@ -82,6 +86,11 @@ def build_model(
     builder_args = family.builder_args(hf_config)
     if max_seq_len is not None:
         builder_args["max_seq_len"] = max_seq_len
+    if packed_len is not None:
+        # torchtune's decoder refuses an input longer than max_seq_len, and sizes its RoPE
+        # cache by it; positions restart in every packed sequence, so a longer cache changes
+        # nothing but that check.
+        builder_args["max_seq_len"] = max(int(builder_args["max_seq_len"]), int(packed_len))
     if torch.device(device).type == "meta" and load_weights:
         raise ValueError("device='meta' builds an empty model; pass load_weights=False")
     with set_default_dtype(dtype), torch.device(device):

@@ -24,6 +24,12 @@ def crash(code: int) -> str:
     os._exit(code)
 
 
+def allocate(megabytes: int) -> str:
+    """Hold the given megabytes of memory for a moment (a tool that needs memory)."""
+    block = bytearray(megabytes * 2**20)
+    return f"held {len(block) // 2**20} MB"
+
+
 def fail(message: str) -> str:
     """Raise a ValueError with the given message (a tool that raises)."""
     raise ValueError(message)

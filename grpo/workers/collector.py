@@ -23,9 +23,11 @@ Choices that other actors rely on:
 * New weights arrive through `receive_weights` at any time and are applied only between
   generation batches; every trajectory carries the ``policy_version`` that generated it.
 * With an ``environment`` (`grpo.envs`), an episode is a conversation: the collector samples
-  the policy's turns on its engine (`grpo.envs.run_episodes`, batched across episodes), the
-  environment answers them and scores the finished episode, and each trajectory carries the
-  environment's tokens with ``response_mask`` False and the environment's rewards.
+  the policy's turns on its engine run continuously (`TurnEngine`: a turn joins the running
+  batch as soon as its episode is ready), the environment answers them and scores the
+  finished episode, and each trajectory carries the environment's tokens with
+  ``response_mask`` False and the environment's rewards. A verifiers environment plays its
+  own episodes and asks the engine over HTTP (`grpo.envs.verifiers_env`).
 
 The orchestrator makes it a threaded Ray actor (`SyncLLMCollector.as_remote`) and drives it
 one batch at a time with `generate_batch_with_state`; `receive_weights` and `evaluate` reach it
@@ -37,6 +39,7 @@ declares), whose methods all share the engine, the prompt stream and the weight 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -97,6 +100,81 @@ def engine_kwargs(
         kwargs.update(CPU_ENGINE_DEFAULTS)
     kwargs.update(dict(engine_args or {}))
     return kwargs
+
+
+def cuda_available() -> bool:
+    """Whether this process sees a GPU (vLLM then runs its CUDA platform)."""
+    return torch.cuda.is_available()
+
+
+def whole_prefills(kwargs: Mapping[str, Any], model_dir: str) -> dict[str, Any]:
+    """Engine arguments that never split a prompt's prefill across steps (the CPU default).
+
+    vLLM 0.32 rewinds the sampling generator of a seeded request whose prefill was split
+    (chunked prefill), and the CPU generator has no offset to rewind: ``RuntimeError: CPU
+    Generator does not use offset`` as soon as a batch's prompts exceed one step's token budget
+    (64 samples of a 100-token prompt). Without chunked prefill a prompt that does not fit the
+    step waits for the next one, whole; the budget must then hold the longest sequence.
+
+    Returns:
+        dict[str, Any]: ``enable_chunked_prefill`` False and ``max_num_batched_tokens`` at
+        least ``max_model_len`` (the model's ``max_position_embeddings`` when not set).
+    """
+    from grpo.models.hf_folder import load_hf_config
+
+    max_model_len = kwargs.get("max_model_len") or load_hf_config(model_dir).get(
+        "max_position_embeddings", 0
+    )
+    budget = max(int(kwargs.get("max_num_batched_tokens") or 4096), int(max_model_len))
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
+
+
+_TURN_IDS = itertools.count()  # request ids of policy turns, unique in the process
+
+
+class TurnEngine:
+    """A collector's vLLM engine as a continuous `grpo.envs.rollout.TurnEngine`.
+
+    Each turn is a request of its own in vLLM's engine, added when its episode is ready; each
+    step runs the engine's scheduler once (a decode step of every running request, prefill of
+    new ones), so a turn joins the running batch without waiting for the others to finish.
+    The caller holds the collector's engine lock from the first submit to the last step: a
+    ``generate`` call in between would run these requests to completion as its own.
+    """
+
+    def __init__(self, collector: SyncLLMCollector, greedy: bool = False) -> None:
+        self.collector = collector
+        self.greedy = greedy
+        self._engine = collector.llm.llm_engine
+
+    def submit(self, request: Any) -> str:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = self.collector._sampling_params(
+            request.seed, request.max_tokens, 1, request.stop, self.greedy
+        )
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output, when the turn ends
+        # The outputs carry this id (vLLM adds a suffix of its own only inside the engine).
+        request_id = f"turn-{next(_TURN_IDS)}"
+        prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
+        self._engine.add_request(request_id, prompt, params)
+        return request_id
+
+    def step(self) -> list[tuple[str, Any]]:
+        from grpo.envs import Sample
+
+        finished = []
+        for output in self._engine.step():
+            if output.finished:
+                [completion] = output.outputs
+                sample = Sample(
+                    list(completion.token_ids),
+                    self.collector._sampled_logprobs(completion, "policy turn"),
+                    completion.finish_reason or "stop",
+                )
+                finished.append((output.request_id, sample))
+        return finished
 
 
 def _resolve_dataset(dataset: Any) -> Sequence[dict[str, Any]]:
@@ -269,6 +347,8 @@ class SyncLLMCollector:
         max_prompt_tokens = config.max_prompt_tokens
         if "max_model_len" not in kwargs and max_prompt_tokens is not None:
             kwargs["max_model_len"] = max_prompt_tokens + max_generated_tokens
+        if "enable_chunked_prefill" not in (config.engine_args or {}) and not cuda_available():
+            kwargs.update(whole_prefills(kwargs, self.model_dir))
         self.llm = LLM(model=self.model_dir, **kwargs)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         if max_prompt_tokens is None:
@@ -589,30 +669,9 @@ class SyncLLMCollector:
             )
         return GroupedUnscoredTrajectories.from_trajectories(trajectories)
 
-    def _sample_turns(self, requests: Sequence[Any], greedy: bool = False) -> list[Any]:
-        """The engine as a `grpo.envs.Sampler`: one policy turn per request, batched."""
-        from vllm.inputs import TokensPrompt
-
-        from grpo.envs import Sample
-
-        params = [
-            self._sampling_params(request.seed, request.max_tokens, 1, request.stop, greedy)
-            for request in requests
-        ]
-        with self._engine_lock:
-            outputs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=request.token_ids) for request in requests],
-                params,
-                use_tqdm=False,
-            )
-        return [
-            Sample(
-                list(output.outputs[0].token_ids),
-                self._sampled_logprobs(output.outputs[0], "policy turn"),
-                output.outputs[0].finish_reason or "stop",
-            )
-            for output in outputs
-        ]
+    def _turn_engine(self, greedy: bool = False) -> TurnEngine:
+        """The engine as a continuous `grpo.envs.rollout.TurnEngine` (hold the engine lock)."""
+        return TurnEngine(self, greedy)
 
     def _run_episodes(
         self, prompts: list[tuple[dict[str, Any], list[int]]], group_ids: list[int]
@@ -628,25 +687,27 @@ class SyncLLMCollector:
                 temperature=self.temperature,
                 top_p=self.top_p,
             )
-            episodes = self.environment.run_groups(
-                [item for item, _ in prompts],
-                self._sample_turns,
-                group_size=self.group_size,
-                max_tokens=self.max_generated_tokens,
-                seed=self._request_seed(group_ids[0]),
-            )
+            with self._engine_lock:  # its turns are in the engine until the batch ends
+                episodes = self.environment.run_groups(
+                    [item for item, _ in prompts],
+                    self._turn_engine(),
+                    group_size=self.group_size,
+                    max_tokens=self.max_generated_tokens,
+                    seed=self._request_seed(group_ids[0]),
+                )
         else:
-            episodes = run_episodes(
-                self.environment,
-                self._sample_turns,
-                self.tokenizer,
-                self.renderer,
-                prompts,
-                group_size=self.group_size,
-                max_tokens_per_turn=self.max_generated_tokens,
-                max_model_len=self.max_model_len,
-                seeds=[self._request_seed(group_id) for group_id in group_ids],
-            )
+            with self._engine_lock:
+                episodes = run_episodes(
+                    self.environment,
+                    self._turn_engine(),
+                    self.tokenizer,
+                    self.renderer,
+                    prompts,
+                    group_size=self.group_size,
+                    max_tokens_per_turn=self.max_generated_tokens,
+                    max_model_len=self.max_model_len,
+                    seeds=[self._request_seed(group_id) for group_id in group_ids],
+                )
         kept = [e for group in episodes for e in group if e.error is None]
         dropped = sum(e.error is not None for group in episodes for e in group)
         self.totals["episodes_dropped"] += dropped
@@ -896,17 +957,18 @@ class SyncLLMCollector:
         """Greedy episodes of the environment; each one's last assistant turn is its answer."""
         from grpo.envs import run_episodes
 
-        episodes = run_episodes(
-            self.environment,
-            lambda requests: self._sample_turns(requests, greedy=True),
-            self.tokenizer,
-            self.renderer,
-            [(dict(dataset_items[i]), prompt_ids[i]) for i in fits],
-            group_size=1,
-            max_tokens_per_turn=budget,
-            max_model_len=self.max_model_len,
-            seeds=[0] * len(fits),
-        )
+        with self._engine_lock:
+            episodes = run_episodes(
+                self.environment,
+                self._turn_engine(greedy=True),
+                self.tokenizer,
+                self.renderer,
+                [(dict(dataset_items[i]), prompt_ids[i]) for i in fits],
+                group_size=1,
+                max_tokens_per_turn=budget,
+                max_model_len=self.max_model_len,
+                seeds=[0] * len(fits),
+            )
         for i, [episode] in zip(fits, episodes):
             completions[i] = episode.last_assistant_text() if episode.error is None else ""
         return completions

@@ -68,7 +68,10 @@ class RefActor:
         config = config or RefConfig()
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.model = build_model(
-            model_dir, dtype=torch_dtype(config.dtype), device=self.device
+            model_dir,
+            dtype=torch_dtype(config.dtype),
+            device=self.device,
+            packed_len=target_tokens_per_batch,
         ).eval()
         self.mask_kind = resolve_mask_kind(config.mask_kind, self.device)
         if self.mask_kind != "dense":

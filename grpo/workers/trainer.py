@@ -201,7 +201,12 @@ class PyTorchActorModel:
         # Same seed on every rank: identical initial weights before sharding.
         _set_seed(self.seed)
         weights_dir = str(Path(checkpoint_dir) / "model") if checkpoint_dir else self.model_dir
-        decoder = build_model(weights_dir, dtype=self.dtype, device=self.device)
+        decoder = build_model(
+            weights_dir,
+            dtype=self.dtype,
+            device=self.device,
+            packed_len=self.target_tokens_per_batch,
+        )
         if self.mask_kind != "dense":
             use_packed_attention(decoder)
         if self.compile:
