@@ -88,7 +88,7 @@ def _check_sequences(sequences: Sequence[Any]) -> bool:
             "response_tokens": (seq.response_tokens, seq.response_len),
             "logprobs": (seq.logprobs, seq.response_len),
         }
-        if kind is ScoredTrajectory:
+        if kind is ScoredTrajectory and seq.ref_logprobs is not None:
             tensors["ref_logprobs"] = (seq.ref_logprobs, seq.response_len)
         if seq.response_mask is not None:
             tensors["response_mask"] = (seq.response_mask, seq.response_len)
@@ -421,7 +421,14 @@ def pack_sequences(
         ).to(device)
     ref_logprobs = advantages = None
     if is_scored:
-        ref_logprobs = flat("ref_logprobs")
+        # A run without a reference model (kl_coeff 0) scores every sequence without one.
+        with_ref = [seq.ref_logprobs is not None for seq in sequences]
+        if any(with_ref) and not all(with_ref):
+            raise ValueError(
+                "pack_sequences: some sequences have ref_logprobs and others None "
+                f"(sequence_id={sequences[with_ref.index(False)].sequence_id!r} has none)"
+            )
+        ref_logprobs = flat("ref_logprobs") if all(with_ref) else None
         sequence_advantages = torch.stack(
             [seq.advantages.reshape(()).to(device=device, dtype=torch.float32) for seq in sequences]
         )

@@ -165,7 +165,8 @@ class ScoredTrajectory:
         prompt_len (int): Number of prompt tokens.
         response_len (int): Number of response tokens.
         logprobs (torch.Tensor): Behaviour (vLLM) logprobs, shape ``(response_len,)``.
-        ref_logprobs (torch.Tensor): Reference-model logprobs, shape ``(response_len,)``.
+        ref_logprobs (torch.Tensor | None): Reference-model logprobs, shape
+            ``(response_len,)``; None when the run has no reference model (``kl_coeff`` 0).
         rewards (torch.Tensor): One reward per reward function, shape ``(num_funcs,)``.
         advantages (torch.Tensor): Scalar advantage of the sequence.
         successes (torch.Tensor): One success flag per reward function, shape ``(num_funcs,)``.
@@ -187,7 +188,7 @@ class ScoredTrajectory:
     prompt_len: int
     response_len: int
     logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None
     rewards: torch.Tensor
     advantages: torch.Tensor
     successes: torch.Tensor
@@ -208,7 +209,8 @@ class ScoredTrajectory:
         _check_1d("prompt_tokens", self.prompt_tokens, self.prompt_len, owner)
         _check_1d("response_tokens", self.response_tokens, self.response_len, owner)
         _check_1d("logprobs", self.logprobs, self.response_len, owner)
-        _check_1d("ref_logprobs", self.ref_logprobs, self.response_len, owner)
+        if self.ref_logprobs is not None:
+            _check_1d("ref_logprobs", self.ref_logprobs, self.response_len, owner)
         _check_response_mask(self.response_mask, self.response_len, owner)
         self.advantages = torch.as_tensor(self.advantages, dtype=torch.float32)
         if self.advantages.numel() != 1:

@@ -1,14 +1,16 @@
-"""What every worker process of a pool (rewards, tools) does first: never outlive its parent,
-and (tools) stay within a memory limit.
+"""What worker processes of a pool (rewards, tools) share: they never outlive their parent,
+and a tool call stays within its memory cap.
 
 Pure Python: worker initializers import it without torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -28,25 +30,40 @@ def exit_with_parent() -> None:
         threading.Thread(target=_exit_when_parent_dies, args=(parent,), daemon=True).start()
 
 
-def limit_memory(memory_mb: int | None) -> None:
-    """Cap this process's data memory (heap and anonymous mappings: ``RLIMIT_DATA``).
+def _data_bytes() -> int | None:
+    """This process's data segment (``VmData``), what ``RLIMIT_DATA`` is checked against."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
-    An allocation past the cap fails inside the process (``MemoryError`` in Python) instead of
-    taking memory from the actors beside it. The address space is left alone: libraries map
-    far more of it than they use.
+
+@contextlib.contextmanager
+def memory_cap(memory_mb: int | None) -> Iterator[None]:
+    """Within the block, this process may allocate at most ``memory_mb`` more data memory.
+
+    ``RLIMIT_DATA`` (heap and anonymous mappings) is lowered to what the process holds now
+    plus ``memory_mb``, and restored after: an allocation past it fails inside the process
+    (``MemoryError`` in Python) instead of taking memory from the actors beside it, and the
+    libraries the worker loaded before stay usable. The address space is left alone:
+    libraries map far more of it than they use. A no-op where ``VmData`` cannot be read.
     """
-    if memory_mb is None:
+    held = _data_bytes() if memory_mb is not None else None
+    if held is None:
+        yield
         return
     import resource
 
-    limit = int(memory_mb) * 2**20
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = held + int(memory_mb) * 2**20
     if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
-
-
-def start_tool_worker(memory_mb: int | None) -> None:
-    """A tool worker's initializer: `exit_with_parent`, then `limit_memory`."""
-    exit_with_parent()
-    limit_memory(memory_mb)
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))

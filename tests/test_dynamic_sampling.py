@@ -124,6 +124,47 @@ def test_ref_actor_shares_prompts_of_kept_groups_only(tiny_model_dir):
             torch.testing.assert_close(a.ref_logprobs, b.ref_logprobs, atol=1e-5, rtol=0)
 
 
+def test_without_a_kl_term_the_ref_actor_loads_no_model_and_scores_the_same(tiny_model_dir):
+    """kl_coeff 0: no reference model, the same rewards and advantages, and trajectories
+    without ref_logprobs that pack and train (the loss needs none)."""
+    from grpo.config import RefConfig, load_config
+    from grpo.loss import GRPOWithChunkedOutputLoss
+    from grpo.packing import pack_sequences
+    from grpo.workers.ref import RefActor
+
+    assert not load_config("tiny_arithmetic_cpu").uses_reference_model()
+    assert load_config("tiny_arithmetic_cpu", ["training.loss.kl_coeff=0.1"]).uses_reference_model()
+    groups = [group(0, ["1", "0", "1", "0"]), group(1, ["0", "1"])]
+    scored = {}
+    for load_model in (True, False):
+        actor = RefActor(
+            model_dir=str(tiny_model_dir),
+            reward_functions=[answer_as_reward],
+            target_tokens_per_batch=64,
+            config=RefConfig(filter_zero_variance_groups=True),
+            load_model=load_model,
+        )
+        assert (actor.model is None) == (not load_model)
+        info, scored[load_model] = actor.score(groups)
+        assert info["group_ids"] == [0, 1]
+    for with_model, without in zip(*(sum(scored[k], []) for k in (True, False))):
+        assert with_model.ref_logprobs is not None and without.ref_logprobs is None
+        assert float(with_model.advantages) == float(without.advantages)
+        assert with_model.rewards.tolist() == without.rewards.tolist()
+
+    packed = pack_sequences(sum(scored[False], []), "cpu", 0)
+    assert packed.ref_logprobs is None
+    num_tokens = packed.targets.numel()
+    pi = torch.full((num_tokens,), -1.0, requires_grad=True)
+    loss = GRPOWithChunkedOutputLoss(kl_coeff=0.0).compute_loss_from_logprobs(
+        pi, packed.ref_logprobs, packed.advantages, packed.behavior_logprobs
+    )
+    loss.loss.backward()
+    assert torch.isfinite(pi.grad).all() and pi.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="some sequences have ref_logprobs"):
+        pack_sequences([*scored[True][0], *scored[False][1]], "cpu", 0)
+
+
 # ---------------------------------------------------------------- the driver's bookkeeping
 
 

@@ -48,6 +48,8 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
             "debug_num_samples_per_step=2",
             "inference.batch_size=4",
             "training.batch_size=32",
+            # A KL term: the reference model is loaded and its logprobs reach the loss.
+            "training.loss.kl_coeff=0.01",
         ],
     )
 
@@ -130,6 +132,9 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     for name in ("Generated Logprob", "Ref Logprob", "Pi Logprob"):
         values = [row[token_columns.index(name)] for row in tokens[0]["rows"]]
         assert values and all(v <= 0.0 for v in values)
+    # (The random model earns no reward here, so the policy never moves from the reference.)
+    kl_to_ref = [v for _, v in metric_series(run_dir, "train_actor_training/kl_to_ref")]
+    assert len(kl_to_ref) == num_steps and all(v >= 0.0 for v in kl_to_ref)
 
     # Plots were written.
     assert (run_dir / "plots" / "eval_accuracy.png").stat().st_size > 1000

@@ -120,6 +120,24 @@ class RunConfig(Section):
     stdout) or your own class with its methods. log_dir and config default to the run folder
     and the resolved config."""
 
+    def uses_reference_model(self) -> bool:
+        """Whether the loss has a KL term to the reference model (``kl_coeff`` above 0).
+
+        Without one the reference actor loads no model and computes no reference logprobs.
+        A loss class of your own with no ``kl_coeff`` keyword is taken to use the model.
+        """
+        node = dict(self.training.loss)
+        if "kl_coeff" in node:
+            return float(node["kl_coeff"]) > 0.0
+        import inspect
+
+        from grpo.config.instantiate import locate
+
+        parameter = inspect.signature(locate(node["_component_"])).parameters.get("kl_coeff")
+        if parameter is None or parameter.default is inspect.Parameter.empty:
+            return True
+        return float(parameter.default) > 0.0
+
     @staticmethod
     def relation_problems(values: dict, check_files: bool = True) -> list[str]:
         """Problems that involve more than one key, and with the files a config names.

@@ -3,8 +3,8 @@ error turn, never the collector.
 
 Each call is its own pebble task with ``timeout=timeout_s``: pebble terminates the worker of a
 call that overruns and starts a replacement, and reports a worker that died (a segfault, an
-``os._exit``, the kernel's OOM killer) as ``ProcessExpired``. Each worker's data memory is
-capped (``memory_mb``): an allocation past it raises ``MemoryError`` in the tool. Calls of one round (every
+``os._exit``, the kernel's OOM killer) as ``ProcessExpired``. Each call may allocate at most
+``memory_mb`` of data memory: past it an allocation raises ``MemoryError`` in the tool. Calls of one round (every
 episode of a batch that called a tool) run concurrently on the workers, so the round waits for
 its slowest call at most ``timeout_s``.
 
@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import pebble
 
 from grpo.envs.tools import CRASH, EXCEPTION, TIMEOUT, Tool
-from grpo.worker_processes import start_tool_worker
+from grpo.worker_processes import exit_with_parent, memory_cap
 
 # Beyond a call's timeout, for pebble to notice the overrun and stop the worker.
 _STOP_GRACE_S = 5.0
@@ -39,9 +39,12 @@ class ToolOutcome(NamedTuple):
     error: str | None = None  # one of TIMEOUT, CRASH, EXCEPTION; None: it answered
 
 
-def _call(tool: Tool, arguments: Mapping[str, Any]) -> tuple[str, str | None]:
+def _call(
+    tool: Tool, arguments: Mapping[str, Any], memory_mb: int | None
+) -> tuple[str, str | None]:
     try:
-        result = tool.fn(**arguments)
+        with memory_cap(memory_mb):
+            result = tool.fn(**arguments)
     except Exception as error:
         return f"{type(error).__name__}: {error}"[:MAX_RESULT_CHARS], EXCEPTION
     return str(result)[:MAX_RESULT_CHARS], None
@@ -54,8 +57,8 @@ class ToolRunner:
         num_workers (int): Worker processes (calls of a round run this many at a time).
         start_method (str): ``"forkserver"`` or ``"spawn"``; never ``"fork"`` (the collector
             runs threads and an inference engine).
-        memory_mb (int | None): Data memory each worker may use (``RLIMIT_DATA``); None: no
-            cap.
+        memory_mb (int | None): Data memory one call may allocate (``RLIMIT_DATA`` while it
+            runs); None: no cap.
 
     Example:
         >>> runner = ToolRunner()
@@ -80,8 +83,7 @@ class ToolRunner:
         if self._workers is None or not self._workers.active:
             self._workers = pebble.ProcessPool(
                 max_workers=self.num_workers,
-                initializer=start_tool_worker,
-                initargs=(self.memory_mb,),
+                initializer=exit_with_parent,
                 context=self._context,
             )
         return self._workers
@@ -99,7 +101,9 @@ class ToolRunner:
     ) -> concurrent.futures.Future:
         """Start one call; its future gives ``(text, error)`` (see `outcome`)."""
         with self._lock:
-            return self._pool().schedule(_call, args=(tool, dict(arguments)), timeout=timeout_s)
+            return self._pool().schedule(
+                _call, args=(tool, dict(arguments), self.memory_mb), timeout=timeout_s
+            )
 
     @staticmethod
     def outcome(future: concurrent.futures.Future, timeout_s: float) -> ToolOutcome:

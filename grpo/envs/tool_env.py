@@ -40,7 +40,7 @@ class ToolEnv(MultiTurnEnv):
             answered with an error.
         max_tool_calls_per_turn (int): Calls of one turn beyond this are answered with an
             error without running.
-        tool_memory_mb (int | None): Data memory a tool's worker may use; past it the call
+        tool_memory_mb (int | None): Data memory one call may allocate; past it the call
             fails with ``MemoryError`` (an ``exception`` error turn). None: no cap. Ignored
             with a ``runner`` of your own.
         runner (ToolRunner | None): Worker processes for the calls; default a process-wide one.

@@ -230,7 +230,9 @@ def debug_tables(
             sample[f"Success_{name}"] = success
         sample_columns = list(sample)
         sample_rows.append(list(sample.values()))
-        generated, ref = traj.logprobs.tolist(), traj.ref_logprobs.tolist()
+        generated = traj.logprobs.tolist()
+        # No reference model (kl_coeff 0): no reference logprobs.
+        ref = traj.ref_logprobs.tolist() if traj.ref_logprobs is not None else None
         trained = (
             traj.response_mask.tolist()
             if traj.response_mask is not None
@@ -246,9 +248,9 @@ def debug_tables(
                 # generated logprob is a 0 placeholder).
                 "Source": "policy" if trained[position] else "env",
                 "Generated Logprob": generated[position],
-                "Ref Logprob": ref[position],
+                "Ref Logprob": ref[position] if ref is not None else None,
                 "Pi Logprob": pi[position],
-                "Abs Diff Pi-Ref": abs(pi[position] - ref[position]),
+                "Abs Diff Pi-Ref": abs(pi[position] - ref[position]) if ref is not None else None,
                 "Abs Diff Pi-Generated": abs(pi[position] - generated[position]),
                 "Step": step,
             }

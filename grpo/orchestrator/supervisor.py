@@ -280,6 +280,7 @@ class ActorSupervisor:
             share_prompts=cfg.share_prompts,
             config=ref_cfg,
             reward_timeout_s=cfg.reward_timeout_s,
+            load_model=cfg.uses_reference_model(),
         )
 
     def start_ref_actors(self) -> list[Any]:

@@ -53,6 +53,9 @@ class RefActor:
             ``filter_zero_variance_groups``, groups whose rewards are all equal are left out
             of what `score` returns.
         reward_timeout_s (float): Seconds one reward call may take before it scores 0.
+        load_model (bool): Load the reference model and compute ``ref_logprobs``. False when
+            the loss has no KL term (``kl_coeff`` 0): the actor then only scores rewards and
+            advantages, and its trajectories carry ``ref_logprobs=None``.
     """
 
     def __init__(
@@ -64,20 +67,23 @@ class RefActor:
         share_prompts: bool = True,
         config: RefConfig | None = None,
         reward_timeout_s: float = 10.0,
+        load_model: bool = True,
     ) -> None:
         config = config or RefConfig()
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self.model = build_model(
-            model_dir,
-            dtype=torch_dtype(config.dtype),
-            device=self.device,
-            packed_len=target_tokens_per_batch,
-        ).eval()
         self.mask_kind = resolve_mask_kind(config.mask_kind, self.device)
-        if self.mask_kind != "dense":
-            use_packed_attention(self.model)
-        for parameter in self.model.parameters():
-            parameter.requires_grad_(False)
+        self.model = None
+        if load_model:
+            self.model = build_model(
+                model_dir,
+                dtype=torch_dtype(config.dtype),
+                device=self.device,
+                packed_len=target_tokens_per_batch,
+            ).eval()
+            if self.mask_kind != "dense":
+                use_packed_attention(self.model)
+            for parameter in self.model.parameters():
+                parameter.requires_grad_(False)
         self.tokenizer = load_tokenizer(model_dir)
         self.reward_fns = [
             instantiate(fn, _key_=f"reward_functions[{index}]")
@@ -99,8 +105,11 @@ class RefActor:
 
         Returns:
             tuple: The logprobs by ``sequence_id``, and the share (%) of the tokens that
-            shared-prompt packing did not compute (0 without ``share_prompts``).
+            shared-prompt packing did not compute (0 without ``share_prompts``). Without a
+            reference model: nothing, 0.
         """
+        if self.model is None:
+            return {}, 0.0
         plan = plan_sequence_packs(
             trajectories,
             self.target_tokens_per_batch,
@@ -197,7 +206,9 @@ class RefActor:
                         prompt_len=traj.prompt_len,
                         response_len=traj.response_len,
                         logprobs=traj.logprobs,
-                        ref_logprobs=ref_logprobs[traj.sequence_id],
+                        ref_logprobs=(
+                            ref_logprobs[traj.sequence_id] if self.model is not None else None
+                        ),
                         rewards=rewards[row],
                         advantages=advantages[i],
                         successes=successes[row],
@@ -220,10 +231,13 @@ class RefActor:
             "ref_actor_performance/total_tokens_processed": float(
                 sum(g.total_tokens for g in groups)
             ),
-            "ref_actor_performance/shared_prompt_tokens_saved (%)": shared_prompt_saved_pct,
             "ref_actor_rewards/rewards_mean": float(total_reward.mean()),
             "ref_actor_rewards/successes_mean": float(successes.mean()),
         }
+        if self.model is not None:
+            metrics["ref_actor_performance/shared_prompt_tokens_saved (%)"] = (
+                shared_prompt_saved_pct
+            )
         for column, name in enumerate(reward_batch.func_names):
             metrics[f"ref_actor_rewards/rewards_func_{name}_mean"] = float(
                 rewards[:, column].mean()
