@@ -29,9 +29,9 @@ epoch per batch, fp32, CPU.
   pool with a timeout.
 
 Threads: Ray gives each of our actors one torch thread (``OMP_NUM_THREADS=1``), and the TRL
-process gets ``--trl-threads`` (default 1). On a busy 2-core machine two OpenMP threads per
-process make TRL's generate and backward 10-30x slower (their barriers spin while the cores are
-taken), so one thread is TRL's better setting there; pass ``--trl-threads 2`` on an idle machine.
+process runs with torch's default thread count, as TRL's users run it; ``--trl-threads N``
+sets it (on a busy 2-core machine two OpenMP threads per process can make TRL's generate and
+backward much slower, their barriers spinning while the cores are taken).
 
 Steady state excludes the first ``--warmup-steps`` steps (default 5): seconds per step is the
 wall time from the end of step ``warmup`` to the end of the last step divided by the number of
@@ -257,18 +257,15 @@ def run_ours(
     )
 
 
-def run_trl(out_dir: Path, steps: int, threads: int, timeout_s: float) -> RunResult:
-    """TRL's GRPOTrainer in a child process (this script with ``--trl-child``)."""
-    command = [
-        *[sys.executable, __file__, "--trl-child", str(out_dir)],
-        *["--steps", str(steps), "--trl-threads", str(threads)],
-    ]
-    env = {
-        **os.environ,
-        "WANDB_MODE": "disabled",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": str(threads),
-    }
+def run_trl(out_dir: Path, steps: int, threads: int | None, timeout_s: float) -> RunResult:
+    """TRL's GRPOTrainer in a child process (this script with ``--trl-child``); ``threads``
+    None leaves torch's thread count at its default, as TRL's users get it."""
+    command = [*[sys.executable, __file__, "--trl-child", str(out_dir)], "--steps", str(steps)]
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("OMP_NUM_THREADS", None)  # inherited from a caller, it would not be the default
+    if threads is not None:
+        command += ["--trl-threads", str(threads)]
+        env["OMP_NUM_THREADS"] = str(threads)
     log_path = out_dir.parent / f"{out_dir.name}.log"
     launched = time.time()
     wall = run_child(command, log_path, timeout_s, env)
@@ -294,11 +291,12 @@ def _load_cfg():
 # ------------------------------------------------------------------------ TRL child
 
 
-def trl_child(out_dir: Path, steps: int, threads: int) -> None:
+def trl_child(out_dir: Path, steps: int, threads: int | None) -> None:
     """Train with TRL's GRPOTrainer on the demo workload; write timing.json and final/."""
     import torch
 
-    torch.set_num_threads(threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -464,8 +462,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--trl-threads",
         type=int,
-        default=1,
-        help="torch threads of the TRL process (each of our Ray actors gets 1)",
+        default=None,
+        help="torch threads of the TRL process; default: torch's own default, as TRL's users "
+        "run it (each of our Ray actors gets 1)",
     )
     parser.add_argument("--trl-child", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -495,7 +494,12 @@ def main() -> None:
     print(f"load average at start: {load_average()}")
     print(
         f"torch {torch.__version__}, trl {trl.__version__}; model {cfg.base_model_path}; "
-        f"TRL process: {args.trl_threads} torch thread(s)"
+        "TRL process: "
+        + (
+            f"{args.trl_threads} torch thread(s)"
+            if args.trl_threads is not None
+            else f"torch's default threads ({os.cpu_count()} cores)"
+        )
     )
     print(
         f"workload: {args.steps} steps x {cfg.inference.batch_size} prompts x "
