@@ -4,9 +4,9 @@ error turn, never the collector.
 Each call is its own pebble task with ``timeout=timeout_s``: pebble terminates the worker of a
 call that overruns and starts a replacement, and reports a worker that died (a segfault, an
 ``os._exit``, the kernel's OOM killer) as ``ProcessExpired``. Each call may allocate at most
-``memory_mb`` of data memory: past it an allocation raises ``MemoryError`` in the tool. Calls of one round (every
-episode of a batch that called a tool) run concurrently on the workers, so the round waits for
-its slowest call at most ``timeout_s``.
+``memory_mb`` of data memory: past it an allocation raises ``MemoryError`` in the tool. Calls
+of one round (every episode of a batch that called a tool) run concurrently on the workers, so
+the round waits for its slowest call at most ``timeout_s``.
 
 Pure Python: no torch, no Ray.
 """

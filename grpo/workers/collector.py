@@ -102,11 +102,6 @@ def engine_kwargs(
     return kwargs
 
 
-def cuda_available() -> bool:
-    """Whether this process sees a GPU (vLLM then runs its CUDA platform)."""
-    return torch.cuda.is_available()
-
-
 def whole_prefills(kwargs: Mapping[str, Any], model_dir: str) -> dict[str, Any]:
     """Engine arguments that never split a prompt's prefill across steps (the CPU default).
 
@@ -347,7 +342,8 @@ class SyncLLMCollector:
         max_prompt_tokens = config.max_prompt_tokens
         if "max_model_len" not in kwargs and max_prompt_tokens is not None:
             kwargs["max_model_len"] = max_prompt_tokens + max_generated_tokens
-        if "enable_chunked_prefill" not in (config.engine_args or {}) and not cuda_available():
+        user_args = config.engine_args or {}
+        if not torch.cuda.is_available() and "enable_chunked_prefill" not in user_args:
             kwargs.update(whole_prefills(kwargs, self.model_dir))
         self.llm = LLM(model=self.model_dir, **kwargs)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
