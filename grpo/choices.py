@@ -29,6 +29,10 @@ Level = Literal["token", "sequence"]
 WeightTransportKind = Literal["collective", "object_store"]
 """How new weights travel from the trainer to the collectors."""
 
+WeightUpdateMode = Literal["in_flight", "between_batches"]
+"""When a collector loads new weights: between two decode steps of a running batch, or only
+between generation batches."""
+
 LogLevel = Literal["info", "debug"]
 """Terminal verbosity of ``grpo run``."""
 

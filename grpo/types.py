@@ -61,7 +61,8 @@ class UnscoredTrajectory:
             shape ``(response_len,)``.
         answer (str): Ground-truth answer of the prompt.
         sequence_id (str): Unique id of this sequence.
-        policy_version (int): Version of the weights that generated it.
+        policy_version (int): Version of the weights that generated its oldest token (the
+            replay buffer's ``max_policy_lag`` counts from it).
         group_id (int): Id of the prompt group it belongs to.
         response_mask (torch.Tensor | None): Bool ``(response_len,)``: True on the tokens the
             policy sampled (trained), False on the environment's tokens of a multi-turn
@@ -71,6 +72,9 @@ class UnscoredTrajectory:
             name; None: the reference actor scores the response with its reward functions.
         episode_stats (dict[str, float] | None): Counts of a multi-turn episode (turns, tool
             calls, tool errors, environment tokens, truncation), for metrics.
+        last_policy_version (int | None): Version of the weights that generated its newest
+            token, newer than ``policy_version`` when weights changed while it was sampled
+            (an in-flight update); None: the same as ``policy_version``.
 
     Raises:
         ValueError: If a length does not match its tensor.
@@ -88,6 +92,7 @@ class UnscoredTrajectory:
     response_mask: torch.Tensor | None = None
     env_rewards: dict[str, float] | None = None
     episode_stats: dict[str, float] | None = None
+    last_policy_version: int | None = None
 
     def __post_init__(self) -> None:
         owner = f"{type(self).__name__}(sequence_id={self.sequence_id!r})"
@@ -174,10 +179,11 @@ class ScoredTrajectory:
         sequence_id (str): Unique id of this sequence.
         group_id (int): Prompt group id.
         reward_metadata (dict): At least ``func_names``, one per reward function.
-        policy_version (int): Version of the weights that generated it.
+        policy_version (int): Version of the weights that generated its oldest token.
         response_mask (torch.Tensor | None): Bool ``(response_len,)``, True on policy tokens
             (see `UnscoredTrajectory`); None: all of them.
         episode_stats (dict[str, float] | None): See `UnscoredTrajectory`.
+        last_policy_version (int | None): See `UnscoredTrajectory`.
 
     Raises:
         ValueError: If a shape does not match.
@@ -199,6 +205,7 @@ class ScoredTrajectory:
     policy_version: int
     response_mask: torch.Tensor | None = None
     episode_stats: dict[str, float] | None = None
+    last_policy_version: int | None = None
 
     def __post_init__(self) -> None:
         owner = f"ScoredTrajectory(sequence_id={self.sequence_id!r})"

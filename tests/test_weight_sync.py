@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 
@@ -232,6 +233,178 @@ def test_update_is_applied_between_batches_and_used(engines, kind):
     )
 
 
+@contextlib.contextmanager
+def weight_updates(collector, mode: str):
+    """The collector loads weights ``mode`` (in_flight, between_batches) inside the block."""
+    previous, collector.weight_updates = collector.weight_updates, mode
+    try:
+        yield
+    finally:
+        collector.weight_updates = previous
+
+
+def offer_during_step(collector, step: int, offer) -> list[int]:
+    """Call ``offer()`` inside the engine's ``step``-th scheduler step of the next batch.
+
+    The update is then pending when that step returns and loaded before the next one: every
+    sample has exactly ``step`` tokens from the old weights. Returns the list of the calls'
+    numbers (to check the batch took more steps than that).
+    """
+    engine = collector.llm.llm_engine
+    real_step, calls = engine.step, []
+
+    def step_and_offer():
+        outputs = real_step()
+        calls.append(len(calls) + 1)
+        if len(calls) == step:
+            offer()
+        return outputs
+
+    engine.step = step_and_offer
+    return calls
+
+
+def sequence_logprobs(model, trajectory) -> torch.Tensor:
+    """``model``'s logprob of each response token of ``trajectory``."""
+    tokens = torch.cat([trajectory.prompt_tokens, trajectory.response_tokens])
+    return forward_logprobs(model, tokens)[trajectory.prompt_len - 1 :]
+
+
+def probe_of(model, seed: int = 0) -> dict:
+    tokens = torch.arange(3 + seed, 40 + seed)
+    return {"token_ids": tokens.tolist(), "logprobs": forward_logprobs(model, tokens).tolist()}
+
+
+SWITCH_STEP = 3  # the in-flight tests load new weights after this many tokens of each sample
+
+
+def generate_with_update_at(collector, offer) -> tuple[list, dict]:
+    """One 2-prompt batch with ``offer()`` called during its `SWITCH_STEP`-th step."""
+    calls = offer_during_step(collector, SWITCH_STEP, offer)
+    try:
+        metrics = collector.generate_batch(2)
+    finally:
+        del collector.llm.llm_engine.step  # the instance attribute hid the engine's method
+    assert len(calls) > SWITCH_STEP
+    trajectories = [
+        t for _ in range(2) for t in collector.rollout_queue.get(timeout=30).trajectories
+    ]
+    assert len(trajectories) == 2 * GROUP_SIZE  # nothing lost at the switch
+    return trajectories, metrics
+
+
+@pytest.mark.slow
+def test_in_flight_update_switches_the_running_samples(engines):
+    """New weights arrive while a batch samples: each sample's tokens before the switch are the
+    old policy's, the ones after it the new policy's (its KV prefilled again), and the
+    trajectory carries both versions."""
+    model_dir, collector = engines["tied"]
+    old_model, hf_config = trainer_side(model_dir)
+    base = hf_weights(old_model, hf_config)
+    assert collector.receive_weights(base, collector.policy_version + 1, state_dict_checksum(base))
+    collector.apply_pending_weights()
+    version = collector.policy_version
+    new_model, _ = trainer_side(model_dir)
+    perturb(new_model, seed=11)
+    weights = hf_weights(new_model, hf_config)
+    checksum = state_dict_checksum(weights)
+    trajectories, metrics = generate_with_update_at(
+        collector,
+        lambda: collector.receive_weights(weights, version + 1, checksum, probe_of(new_model)),
+    )
+    assert collector.policy_version == version + 1
+    assert collector.get_weights_checksum() == checksum
+    spanning = [t for t in trajectories if t.response_len > SWITCH_STEP]
+    assert spanning, "every sample ended before the switch"
+    for t in spanning:
+        assert (t.policy_version, t.last_policy_version) == (version, version + 1)
+        old, new = sequence_logprobs(old_model, t), sequence_logprobs(new_model, t)
+        before, after = slice(0, SWITCH_STEP), slice(SWITCH_STEP, None)
+        torch.testing.assert_close(t.logprobs[before], old[before], atol=1e-3, rtol=0)
+        torch.testing.assert_close(t.logprobs[after], new[after], atol=1e-3, rtol=0)
+        assert float((t.logprobs[after] - old[after]).abs().max()) > 0.05
+    assert metrics["inference/weight_updates_in_flight"] == 1
+    assert metrics["inference/time_engine_paused (s)"] > 0
+    assert metrics["inference/trajectories_spanning_versions"] == len(spanning)
+    assert metrics["inference/tokens_version_lag_1"] == SWITCH_STEP * len(spanning)
+    assert metrics["inference/tokens_version_lag_0"] == (
+        sum(t.response_len for t in trajectories) - SWITCH_STEP * len(spanning)
+    )
+
+
+@pytest.mark.slow
+def test_in_flight_update_that_fails_verification_is_rolled_back(engines):
+    """A checksum that does not match: the engine reloads its weights before sampling on. A
+    probe that does not match: the tokens sampled while it ran carry the rejected version,
+    the rest the kept one. Three rejections in a row stop the collector."""
+    model_dir, collector = engines["tied"]
+    old_model, hf_config = trainer_side(model_dir)
+    base = hf_weights(old_model, hf_config)
+    assert collector.receive_weights(base, collector.policy_version + 1, state_dict_checksum(base))
+    collector.apply_pending_weights()
+    version = collector.policy_version
+    rejected_before = collector.totals["weight_updates_rejected"]
+    new_model, _ = trainer_side(model_dir)
+    perturb(new_model, seed=12)
+    weights = hf_weights(new_model, hf_config)
+    checksum = state_dict_checksum(weights)
+
+    trajectories, metrics = generate_with_update_at(
+        collector, lambda: collector.receive_weights(weights, version + 1, "0" * 64)
+    )
+    assert collector.policy_version == version
+    assert collector.get_weights_checksum() == state_dict_checksum(base)
+    for t in trajectories:
+        assert (t.policy_version, t.last_policy_version) == (version, version)
+        torch.testing.assert_close(t.logprobs, sequence_logprobs(old_model, t), atol=1e-3, rtol=0)
+    assert metrics["inference/weight_updates_rejected"] == rejected_before + 1
+
+    wrong_probe = {**probe_of(new_model), "logprobs": [0.0] * 36}
+    trajectories, _ = generate_with_update_at(
+        collector, lambda: collector.receive_weights(weights, version + 1, checksum, wrong_probe)
+    )
+    assert collector.policy_version == version
+    probe_token = SWITCH_STEP  # sampled in the step that also ran the probe
+    for t in (t for t in trajectories if t.response_len > probe_token + 1):
+        assert (t.policy_version, t.last_policy_version) == (version, version)
+        old, new = sequence_logprobs(old_model, t), sequence_logprobs(new_model, t)
+        assert abs(float(t.logprobs[probe_token] - new[probe_token])) < 1e-3
+        torch.testing.assert_close(
+            t.logprobs[probe_token + 1 :], old[probe_token + 1 :], atol=1e-3, rtol=0
+        )
+
+    # The third rejection in a row ends the batch, and leaves no request in the engine.
+    offer_during_step(
+        collector, SWITCH_STEP, lambda: collector.receive_weights(weights, version + 1, "0" * 64)
+    )
+    try:
+        with pytest.raises(WeightSyncError, match="3 weight updates in a row"):
+            collector.generate_batch(2)
+    finally:
+        del collector.llm.llm_engine.step
+    assert collector.policy_version == version
+    assert not collector.llm.llm_engine.has_unfinished_requests()
+    assert collector.rollout_queue.empty()
+    # A good update ends the run of rejections; the next batch samples with it.
+    assert collector.receive_weights(weights, version + 1, checksum)
+    trajectories = generated_trajectories(collector)
+    assert {(t.policy_version, t.last_policy_version) for t in trajectories} == {
+        (version + 1, version + 1)
+    }
+    assert max_logprob_error(new_model, trajectories) < 1e-3
+
+
+def test_an_engine_that_cannot_preempt_is_refused_naming_the_option():
+    from grpo.workers.collector import check_in_flight_updates
+
+    class OldEngine:
+        def reset_prefix_cache(self) -> bool:
+            return True
+
+    with pytest.raises(ValueError, match="inference.weight_updates=between_batches"):
+        check_in_flight_updates(OldEngine())
+
+
 @pytest.mark.slow
 def test_object_store_ref_and_probe_are_checked(engines, ray_cluster):
     model_dir, collector = engines["tied"]
@@ -256,7 +429,10 @@ def test_object_store_ref_and_probe_are_checked(engines, ray_cluster):
     # A probe the engine cannot reproduce means the engine does not use the sent weights.
     wrong = {**probe, "logprobs": [x + 0.5 for x in probe["logprobs"]]}
     assert collector.receive_weights(weights, version + 1, state_dict_checksum(weights), wrong)
-    with pytest.raises(WeightSyncError, match="probe"):
+    with (
+        weight_updates(collector, "between_batches"),
+        pytest.raises(WeightSyncError, match="probe"),
+    ):
         collector.apply_pending_weights()
     assert collector.policy_version == version
 
@@ -264,6 +440,11 @@ def test_object_store_ref_and_probe_are_checked(engines, ray_cluster):
 @pytest.mark.slow
 def test_checksum_mismatch_fails_and_stale_versions_are_ignored(engines):
     model_dir, collector = engines["tied"]
+    with weight_updates(collector, "between_batches"):
+        checksum_mismatch_fails_between_batches(model_dir, collector)
+
+
+def checksum_mismatch_fails_between_batches(model_dir, collector):
     model, hf_config = trainer_side(model_dir)
     weights = hf_weights(model, hf_config)
     version = collector.policy_version

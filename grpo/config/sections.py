@@ -18,6 +18,7 @@ from grpo.choices import (
     MaskKind,
     WandbMode,
     WeightTransportKind,
+    WeightUpdateMode,
 )
 from grpo.config.schema import COMPONENT_DEFAULT, Component, ComponentArgs, Section
 
@@ -111,8 +112,12 @@ class InferenceConfig(Section):
     """Sampling temperature."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
+    weight_updates: WeightUpdateMode = "in_flight"
+    """in_flight: new weights are loaded between two decode steps of the running batch (the
+    running sequences are re-prefilled with them and go on; a trajectory records the oldest
+    and newest version of its tokens); between_batches: only before a generation batch."""
     weight_check_every_n_batches: int = Field(1, ge=1)
-    """Generation batches between checks for new weights."""
+    """Generation batches between checks for new weights (between_batches updates)."""
     queue_maxsize: int = Field(64, ge=1)
     """Capacity of the rollout queue, in groups."""
     queue_put_timeout_s: float = Field(1.0, gt=0)

@@ -266,6 +266,7 @@ def episode_groups(
     group_ids: Sequence[int],
     sequence_id: Callable[[], str],
     policy_version: int,
+    last_policy_version: int | None = None,
 ) -> list[GroupedUnscoredTrajectories]:
     """Finished episodes as trajectory groups, with their rewards and stats.
 
@@ -274,7 +275,9 @@ def episode_groups(
         rewards (Sequence[dict[str, float]]): One per episode without ``error``, in order.
         group_ids (Sequence[int]): One per prompt.
         sequence_id (Callable[[], str]): Makes the next unique sequence id.
-        policy_version (int): Version of the weights that sampled every policy token.
+        policy_version (int): Version of the weights that sampled the oldest policy token.
+        last_policy_version (int | None): Version that sampled the newest (weights loaded
+            while the episodes ran); None: ``policy_version``.
 
     Returns:
         list[GroupedUnscoredTrajectories]: One per prompt that kept at least one episode
@@ -305,6 +308,7 @@ def episode_groups(
                     answer=str(episode.example.get("answer", "")),
                     sequence_id=sequence_id(),
                     policy_version=policy_version,
+                    last_policy_version=last_policy_version,
                     group_id=group_id,
                     response_mask=torch.tensor(episode.response_mask, dtype=torch.bool),
                     env_rewards=next(scored),

@@ -128,6 +128,16 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         "inference/time_weight_update (s)",
         "inference/policy_version",
         "inference/response_length_mean",
+        # Weights loaded while the batch generated (inference.weight_updates: in_flight), the
+        # time generation paused for them, and the sampled tokens by how many versions their
+        # weights were behind the collector's at the end of the batch.
+        "inference/weight_updates_in_flight",
+        "inference/time_engine_paused (s)",
+        "inference/weight_updates_rejected",
+        "inference/trajectories_spanning_versions",
+        "inference/tokens_version_lag_0",
+        "inference/tokens_version_lag_1",
+        "inference/tokens_version_lag_2+",
         # Multi-turn environments only (`grpo.envs`): per batch of episodes.
         "inference/episode_turns_mean",
         "inference/episode_turn_length_mean",

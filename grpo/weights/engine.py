@@ -174,12 +174,17 @@ class WeightReceiver:
         with self._lock:
             return self._pending is not None
 
-    def apply_pending(self, llm: Any, verify: bool = True) -> WeightUpdate | None:
+    def apply_pending(
+        self, llm: Any, verify: bool = True, recompute_running: bool = False
+    ) -> WeightUpdate | None:
         """Load the pending update, if any, into ``llm`` and check its checksum.
 
         Args:
             llm: A ``vllm.LLM`` started with ``worker_extension_cls=WORKER_EXTENSION_CLS``.
             verify (bool): Compute the checksum on the worker and compare it with the sent one.
+            recompute_running (bool): Preempt the engine's running requests (an update in
+                flight): their KV cache was computed with the old weights, so each is prefilled
+                again, prompt and tokens so far, with the new ones before it samples on.
 
         Returns:
             WeightUpdate | None: The update now in the engine (its ``probe`` is the caller's to
@@ -200,10 +205,11 @@ class WeightReceiver:
 
             weights = ray.get(weights)
         compute = verify and update.checksum is not None
+        update.weights = weights
         checksums = llm.collective_rpc("grpo_update_weights", args=(weights, compute))
         # Cached KV blocks were computed with the old weights; a prompt sharing a prefix with
         # an earlier one would otherwise reuse them.
-        llm.reset_prefix_cache()
+        llm.reset_prefix_cache(reset_running_requests=recompute_running)
         if compute:
             for rank, checksum in enumerate(checksums):
                 if checksum != update.checksum:

@@ -20,8 +20,15 @@ Choices that other actors rely on:
   ``worker_id + num_workers * k`` for the worker's k-th prompt, so both are unique across
   workers with no coordination. Every group's request seed is derived from ``seed`` and its
   ``group_id``: a resumed stream regenerates exactly the same samples from the same weights.
-* New weights arrive through `receive_weights` at any time and are applied only between
-  generation batches; every trajectory carries the ``policy_version`` that generated it.
+* New weights arrive through `receive_weights` at any time. With ``weight_updates:
+  in_flight`` (the default) they are loaded between two steps of the engine's scheduler while
+  a batch generates: vLLM preempts the running sequences and prefills each again (prompt and
+  tokens so far) with the new weights, so every token after the switch is the new policy's,
+  and the behaviour logprobs stay those of the weights that sampled each token. A trajectory
+  carries the version of its oldest token (``policy_version``) and of its newest
+  (``last_policy_version``). An update that fails verification is rolled back (the engine
+  reloads the weights it had) and counted. With ``between_batches`` updates wait for the next
+  batch.
 * With an ``environment`` (`grpo.envs`), an episode is a conversation: the collector samples
   the policy's turns on its engine run continuously (`TurnEngine`: a turn joins the running
   batch as soon as its episode is ready), the environment answers them and scores the
@@ -39,13 +46,14 @@ declares), whose methods all share the engine, the prompt stream and the weight 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -124,7 +132,34 @@ def whole_prefills(kwargs: Mapping[str, Any], model_dir: str) -> dict[str, Any]:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
 
 
+def check_in_flight_updates(llm_engine: Any) -> None:
+    """Refuse an engine that cannot take weights while it generates.
+
+    An in-flight update preempts the running requests so that they are prefilled again with
+    the new weights (``reset_prefix_cache(reset_running_requests=True)``, vLLM >= 0.11).
+
+    Raises:
+        ValueError: Naming ``inference.weight_updates`` and the setting that works.
+    """
+    import inspect
+
+    reset = getattr(llm_engine, "reset_prefix_cache", None)
+    if reset is None or "reset_running_requests" not in inspect.signature(reset).parameters:
+        import vllm
+
+        raise ValueError(
+            f"inference.weight_updates: in_flight needs a vLLM engine that can preempt its "
+            f"running requests (LLMEngine.reset_prefix_cache(reset_running_requests=True)), "
+            f"and vLLM {vllm.__version__} cannot; set inference.weight_updates=between_batches"
+        )
+
+
+# Consecutive rejected in-flight updates after which the collector stops: weights that never
+# verify are a fault to report, not a reason to keep sampling with ever older ones.
+MAX_REJECTED_UPDATES_IN_A_ROW = 3
+
 _TURN_IDS = itertools.count()  # request ids of policy turns, unique in the process
+_REQUEST_IDS = itertools.count()  # request ids of groups and probes
 
 
 class TurnEngine:
@@ -140,35 +175,30 @@ class TurnEngine:
     def __init__(self, collector: SyncLLMCollector, greedy: bool = False) -> None:
         self.collector = collector
         self.greedy = greedy
-        self._engine = collector.llm.llm_engine
 
     def submit(self, request: Any) -> str:
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
         params = self.collector._sampling_params(
             request.seed, request.max_tokens, 1, request.stop, self.greedy
         )
-        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output, when the turn ends
-        # The outputs carry this id (vLLM adds a suffix of its own only inside the engine).
         request_id = f"turn-{next(_TURN_IDS)}"
-        prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
-        self._engine.add_request(request_id, prompt, params)
+        self.collector._add_request(request_id, request.token_ids, params)
         return request_id
 
     def step(self) -> list[tuple[str, Any]]:
         from grpo.envs import Sample
 
         finished = []
-        for output in self._engine.step():
-            if output.finished:
-                [completion] = output.outputs
-                sample = Sample(
-                    list(completion.token_ids),
-                    self.collector._sampled_logprobs(completion, "policy turn"),
-                    completion.finish_reason or "stop",
-                )
-                finished.append((output.request_id, sample))
+        # Greedy turns are evaluation: the weights stay those it started with.
+        for output, _ in self.collector._step(load_pending=not self.greedy):
+            if not output.request_id.startswith("turn-"):
+                continue
+            [completion] = output.outputs
+            sample = Sample(
+                list(completion.token_ids),
+                self.collector._sampled_logprobs(completion, "policy turn"),
+                completion.finish_reason or "stop",
+            )
+            finished.append((output.request_id, sample))
         return finished
 
 
@@ -345,7 +375,10 @@ class SyncLLMCollector:
         user_args = config.engine_args or {}
         if not torch.cuda.is_available() and "enable_chunked_prefill" not in user_args:
             kwargs.update(whole_prefills(kwargs, self.model_dir))
+        self.weight_updates = config.weight_updates
         self.llm = LLM(model=self.model_dir, **kwargs)
+        if self.weight_updates == "in_flight":
+            check_in_flight_updates(self.llm.llm_engine)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         if max_prompt_tokens is None:
             max_prompt_tokens = self.max_model_len - max_generated_tokens
@@ -371,6 +404,15 @@ class SyncLLMCollector:
         self.weights = WeightReceiver()
         self._weights_error: str | None = None  # set while the engine holds unverified weights
         self.policy_version = 0
+        # In-flight updates: the version of the weights the engine samples with right now (the
+        # new one while it is being verified), the weights to roll back to (None: the model
+        # folder's), and for each running sample the versions of its tokens so far.
+        self._sampling_version = 0
+        self._loaded_weights: Mapping[str, torch.Tensor] | None = None
+        self._token_versions: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        self._held_outputs: list[tuple[Any, list[list[tuple[int, int]]]]] = []
+        self._rejected_in_a_row = 0
+        self._batch_switches = {"updates": 0.0, "pause_s": 0.0}
         self.sequence_counter = 0
         self.group_counter = 0
         self.batch_counter = 0
@@ -379,6 +421,8 @@ class SyncLLMCollector:
             "queue_put_waits": 0.0,
             "skipped_long_prompts": 0.0,
             "episodes_dropped": 0.0,
+            "weight_updates_in_flight": 0.0,
+            "weight_updates_rejected": 0.0,
         }
         # vLLM's engine is not thread-safe; a threaded actor serialises calls on it here.
         self._engine_lock = threading.RLock()
@@ -486,6 +530,8 @@ class SyncLLMCollector:
                 samples with a wrong ``policy_version``) until a verified update is applied.
         """
         with self._engine_lock:
+            if self.weight_updates == "in_flight":
+                return self._switch_weights()
             start = time.perf_counter()
             try:
                 applied = self.weights.apply_pending(self.llm, verify=self.verify_weights)
@@ -503,8 +549,91 @@ class SyncLLMCollector:
                     )
                 return 0.0
             self._weights_error = None
-            self.policy_version = applied.version
+            self.policy_version = self._sampling_version = applied.version
             return time.perf_counter() - start
+
+    def _switch_weights(self) -> float:
+        """Load pending weights now, between two steps of the engine (hold the engine lock).
+
+        The engine's running requests are preempted and prefilled again with the new weights,
+        so each samples on as the new policy; the versions of the tokens each has so far are
+        recorded first. An update whose checksum or probe fails is rolled back: the engine
+        reloads the weights it had, keeps its version and samples on; the tokens sampled while
+        the probe ran carry the rejected version.
+
+        Returns:
+            float: Seconds generation was paused (0.0 if nothing was pending).
+
+        Raises:
+            WeightSyncError: After `MAX_REJECTED_UPDATES_IN_A_ROW` rejected updates in a row.
+        """
+        if not self.weights.has_pending:
+            return 0.0
+        start = time.perf_counter()
+        running = self.llm.llm_engine.has_unfinished_requests()
+        self._mark_token_versions()
+        try:
+            applied = self.weights.apply_pending(
+                self.llm, verify=self.verify_weights, recompute_running=True
+            )
+            if applied is None:  # taken by another thread in between
+                return 0.0
+            self._sampling_version = applied.version
+            if applied.probe is not None:
+                self._check_probe(applied.probe, applied.version)
+        except WeightSyncError as error:
+            self._mark_token_versions()
+            self._restore_weights()
+            self.totals["weight_updates_rejected"] += 1
+            self._rejected_in_a_row += 1
+            log.warning(
+                "collector %d rejected new weights and keeps version %d: %s",
+                self.worker_id,
+                self.policy_version,
+                error,
+            )
+            if self._rejected_in_a_row >= MAX_REJECTED_UPDATES_IN_A_ROW:
+                raise WeightSyncError(
+                    f"collector {self.worker_id}: {self._rejected_in_a_row} weight updates in a "
+                    f"row failed verification; the last: {error}"
+                ) from error
+            return time.perf_counter() - start
+        self._loaded_weights = applied.weights
+        self.policy_version = applied.version
+        self._weights_error = None
+        self._rejected_in_a_row = 0
+        seconds = time.perf_counter() - start
+        if running:
+            self.totals["weight_updates_in_flight"] += 1
+            self._batch_switches["updates"] += 1
+            self._batch_switches["pause_s"] += seconds
+        return seconds
+
+    def _restore_weights(self) -> None:
+        """Reload the weights of ``policy_version`` (after a rejected in-flight update)."""
+        weights = self._loaded_weights
+        if weights is None:  # the engine still ran the model folder's weights
+            from grpo.models import load_hf_state_dict
+
+            weights = load_hf_state_dict(self.model_dir)
+        self.llm.collective_rpc("grpo_update_weights", args=(weights, True))
+        self.llm.reset_prefix_cache(reset_running_requests=True)
+        self._sampling_version = self.policy_version
+
+    def _mark_token_versions(self) -> None:
+        """Record that every running sample's tokens so far came from ``_sampling_version``.
+
+        Reads vLLM's output processor, which holds the sampled logprobs of each running sample
+        (child ``request_index`` of the request ``external_req_id``) until it finishes.
+        """
+        label = self._sampling_version
+        for state in self.llm.llm_engine.output_processor.request_states.values():
+            count = len(state.logprobs_processor.logprobs or ())
+            marks = self._token_versions.setdefault(
+                (state.external_req_id, state.request_index), []
+            )
+            if count > (marks[-1][1] if marks else 0):
+                marks.append((label, count))
 
     def _check_probe(self, probe: dict[str, Any], version: int) -> None:
         got = torch.tensor(self.probe_logprobs(probe["token_ids"]))
@@ -539,22 +668,98 @@ class SyncLLMCollector:
             list[float]: ``len(token_ids) - 1`` logprobs, from unscaled logits.
         """
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         token_ids = [int(t) for t in token_ids]
         if len(token_ids) < 2:
             raise ValueError(f"probe_logprobs needs at least 2 token ids, got {len(token_ids)}")
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        request_id = f"probe-{next(_REQUEST_IDS)}"
+        output = None
         with self._engine_lock:
-            [output] = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False
-            )
+            # Stepped like any request: during an in-flight update the running samples go on
+            # beside it, and what finishes meanwhile is handed to the next `_step`.
+            self._add_request(request_id, token_ids, params)
+            while output is None:
+                for finished, versions in self._engine_step():
+                    if finished.request_id == request_id:
+                        output = finished
+                    else:
+                        self._held_outputs.append((finished, versions))
         # prompt_logprobs[0] is None (nothing precedes the first token); entry i maps the
         # actual token i (and possibly the top candidates) to its logprob.
         return [
             float(entry[token].logprob)
             for token, entry in zip(token_ids[1:], output.prompt_logprobs[1:])
         ]
+
+    # ------------------------------------------------------------------ the engine loop
+
+    def _add_request(self, request_id: str, token_ids: Sequence[int], params: Any) -> None:
+        """Add a request to the engine; its one output comes when it finishes (hold the lock)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        # The outputs carry this id (vLLM adds a suffix of its own only inside the engine).
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        self.llm.llm_engine.add_request(request_id, prompt, params)
+
+    def _step(self, load_pending: bool = True) -> list[tuple[Any, list[list[tuple[int, int]]]]]:
+        """Pending weights in (updates in flight), then one step of the engine's scheduler.
+
+        Args:
+            load_pending (bool): Load pending weights first if updates are in flight.
+
+        Returns:
+            list: The requests that finished, each with the ``(version, tokens)`` runs of its
+            samples' tokens (`_engine_step`), including any that finished while a probe ran.
+        """
+        if load_pending and self.weight_updates == "in_flight":
+            self._switch_weights()
+        finished, self._held_outputs = self._held_outputs, []
+        return finished + self._engine_step()
+
+    def _engine_step(self) -> list[tuple[Any, list[list[tuple[int, int]]]]]:
+        """One scheduler step; each finished request with its samples' version runs."""
+        finished = []
+        for output in self.llm.llm_engine.step():
+            if output.finished:
+                runs = [
+                    self._version_runs(output.request_id, c.index, len(c.token_ids))
+                    for c in output.outputs
+                ]
+                finished.append((output, runs))
+        return finished
+
+    def _version_runs(self, request_id: str, index: int, num_tokens: int) -> list[tuple[int, int]]:
+        """``[(version, number of tokens), ...]`` of a finished sample, oldest first."""
+        runs, start = [], 0
+        for version, count in self._token_versions.pop((request_id, index), []):
+            runs.append((version, count - start))
+            start = count
+        if num_tokens > start or not runs:
+            runs.append((self._sampling_version, num_tokens - start))
+        return runs
+
+    @contextlib.contextmanager
+    def _batch_in_engine(self) -> Iterator[None]:
+        """Hold the engine for a batch; a batch that fails leaves no request behind (a later
+        ``generate`` would otherwise run them as its own)."""
+        with self._engine_lock:
+            try:
+                yield
+            except BaseException:
+                self._abort_unfinished()
+                raise
+
+    def _abort_unfinished(self) -> None:
+        """Drop every request still in the engine (a batch that failed half-way)."""
+        engine = self.llm.llm_engine
+        request_ids = {s.external_req_id for s in engine.output_processor.request_states.values()}
+        if request_ids:
+            engine.abort_request(sorted(request_ids))
+        self._token_versions.clear()
+        self._held_outputs.clear()
 
     # ------------------------------------------------------------------ generation
 
@@ -640,12 +845,69 @@ class SyncLLMCollector:
         self.sequence_counter += 1
         return sequence_id
 
+    def _generate_groups(
+        self, prompts: list[tuple[dict[str, Any], list[int]]], group_ids: list[int]
+    ) -> tuple[list[GroupedUnscoredTrajectories], int, list[list[tuple[int, int]]]]:
+        """One request of ``group_size`` samples per prompt, stepped until all finish.
+
+        Returns:
+            tuple: The groups, in prompt order; how many samples hit the token limit; the
+            ``(version, tokens)`` runs of every sample.
+        """
+        request_ids = [f"group-{group_id}-{next(_REQUEST_IDS)}" for group_id in group_ids]
+        finished: dict[str, tuple[Any, list[list[tuple[int, int]]]]] = {}
+        with self._batch_in_engine():
+            for request_id, (_, ids), group_id in zip(request_ids, prompts, group_ids):
+                seed = self._request_seed(group_id)
+                params = self._sampling_params(seed, self.max_generated_tokens)
+                self._add_request(request_id, ids, params)
+            while len(finished) < len(request_ids):
+                finished.update((o.request_id, (o, runs)) for o, runs in self._step())
+        groups, truncated, all_runs = [], 0, []
+        for request_id, (item, ids), group_id in zip(request_ids, prompts, group_ids):
+            output, runs = finished[request_id]
+            groups.append(self._build_group(item, ids, group_id, output.outputs, runs))
+            truncated += sum(c.finish_reason == "length" for c in output.outputs)
+            all_runs += runs
+        return groups, truncated, all_runs
+
+    def _version_metrics(self, runs: list[list[tuple[int, int]]]) -> dict[str, float]:
+        """Weight updates during the batch and how old the policy of its tokens is.
+
+        Args:
+            runs (list): The ``(version, tokens)`` runs of each sample of the batch.
+
+        ``tokens_version_lag_K`` counts the sampled tokens whose weights were K versions (2:
+        two or more) older than the collector's at the end of the batch.
+        """
+        lags = [0.0, 0.0, 0.0]
+        for sample_runs in runs:
+            for version, count in sample_runs:
+                lags[min(max(self.policy_version - version, 0), 2)] += count
+        return {
+            "inference/weight_updates_in_flight": self._batch_switches["updates"],
+            "inference/weight_updates_in_flight_total": self.totals["weight_updates_in_flight"],
+            "inference/weight_updates_rejected": self.totals["weight_updates_rejected"],
+            "inference/time_engine_paused (s)": self._batch_switches["pause_s"],
+            "inference/trajectories_spanning_versions": float(
+                sum(len({version for version, _ in sample_runs}) > 1 for sample_runs in runs)
+            ),
+            "inference/tokens_version_lag_0": lags[0],
+            "inference/tokens_version_lag_1": lags[1],
+            "inference/tokens_version_lag_2+": lags[2],
+        }
+
     def _build_group(
-        self, item: Mapping[str, Any], prompt_ids: list[int], group_id: int, completions: Any
+        self,
+        item: Mapping[str, Any],
+        prompt_ids: list[int],
+        group_id: int,
+        completions: Any,
+        version_runs: list[list[tuple[int, int]]],
     ) -> GroupedUnscoredTrajectories:
         prompt_tokens = torch.tensor(prompt_ids, dtype=torch.long)
         trajectories = []
-        for completion in completions:
+        for completion, runs in zip(completions, version_runs, strict=True):
             token_ids = list(completion.token_ids)
             logprobs = torch.tensor(
                 self._sampled_logprobs(completion, f"group {group_id}"), dtype=torch.float32
@@ -659,8 +921,9 @@ class SyncLLMCollector:
                     logprobs=logprobs,
                     answer=item["answer"],
                     sequence_id=self._next_sequence_id(),
-                    policy_version=self.policy_version,
+                    policy_version=min(version for version, _ in runs),
                     group_id=group_id,
+                    last_policy_version=runs[-1][0],
                 )
             )
         return GroupedUnscoredTrajectories.from_trajectories(trajectories)
@@ -675,6 +938,7 @@ class SyncLLMCollector:
         """Multi-turn episodes of the environment for ``prompts``, scored, as groups."""
         from grpo.envs import episode_groups, run_episodes
 
+        first_version = self.policy_version  # weights may change while the episodes run
         if self._plays_own_episodes:
             self.environment.start(
                 self.model_dir,
@@ -683,7 +947,7 @@ class SyncLLMCollector:
                 temperature=self.temperature,
                 top_p=self.top_p,
             )
-            with self._engine_lock:  # its turns are in the engine until the batch ends
+            with self._batch_in_engine():  # its turns are in the engine until the batch ends
                 episodes = self.environment.run_groups(
                     [item for item, _ in prompts],
                     self._turn_engine(),
@@ -692,7 +956,7 @@ class SyncLLMCollector:
                     seed=self._request_seed(group_ids[0]),
                 )
         else:
-            with self._engine_lock:
+            with self._batch_in_engine():
                 episodes = run_episodes(
                     self.environment,
                     self._turn_engine(),
@@ -714,7 +978,8 @@ class SyncLLMCollector:
             rewards,
             group_ids=group_ids,
             sequence_id=self._next_sequence_id,
-            policy_version=self.policy_version,
+            policy_version=first_version,
+            last_policy_version=self.policy_version,
         )
         metrics = episode_metrics(kept, dropped, self.totals["episodes_dropped"])
         if self._plays_own_episodes:
@@ -770,13 +1035,13 @@ class SyncLLMCollector:
         """
         if num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-        from vllm.inputs import TokensPrompt
-
         weight_update_s = (
             self.apply_pending_weights()
-            if self.batch_counter % self.weight_check_every_n_batches == 0
+            if self.weight_updates == "in_flight"
+            or self.batch_counter % self.weight_check_every_n_batches == 0
             else 0.0
         )
+        self._batch_switches = {"updates": 0.0, "pause_s": 0.0}
         prompts = self._next_prompts(num_prompts)
         group_ids = [
             self.worker_id + self.num_workers * (self.group_counter + i) for i in range(num_prompts)
@@ -784,27 +1049,23 @@ class SyncLLMCollector:
         self.group_counter += num_prompts
         start = time.perf_counter()
         if self.environment is None:
-            params = [
-                self._sampling_params(self._request_seed(group_id), self.max_generated_tokens)
-                for group_id in group_ids
-            ]
-            with self._engine_lock:
-                outputs = self.llm.generate(
-                    [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts],
-                    params,
-                    use_tqdm=False,
-                )
-            groups = [
-                self._build_group(item, ids, group_id, output.outputs)
-                for (item, ids), group_id, output in zip(prompts, group_ids, outputs)
-            ]
-            truncated = sum(
-                c.finish_reason == "length" for output in outputs for c in output.outputs
-            )
+            groups, truncated, runs = self._generate_groups(prompts, group_ids)
             episode_metrics: dict[str, float] = {}
         else:
             groups, episode_metrics = self._run_episodes(prompts, group_ids)
             truncated = episode_metrics["inference/episode_truncated"]
+            # An episode's turns are not tracked one by one: its tokens count at its oldest
+            # version, and it spans versions when the weights changed while it ran.
+            runs = [
+                [(t.policy_version, t.policy_len)]
+                + (
+                    [(t.last_policy_version, 0)]
+                    if t.last_policy_version != t.policy_version
+                    else []
+                )
+                for g in groups
+                for t in g.trajectories
+            ]
         generation_s = time.perf_counter() - start
         response_lens = [t.response_len for g in groups for t in g.trajectories] or [0]
         # Tokens the policy sampled (environment turns of multi-turn episodes are not).
@@ -831,6 +1092,7 @@ class SyncLLMCollector:
                 "inference/response_length_max": float(max(response_lens)),
                 "inference/truncated_fraction": truncated / len(response_lens),
                 "inference/skipped_long_prompts": self.totals["skipped_long_prompts"],
+                **self._version_metrics(runs),
                 "queues/rollout_queue_put_wait_s": put["wait_s"],
                 "queues/rollout_queue_put_waits": put["waits"],
                 **episode_metrics,

@@ -219,6 +219,7 @@ class RefActor:
                         policy_version=traj.policy_version,
                         response_mask=traj.response_mask,
                         episode_stats=traj.episode_stats,
+                        last_policy_version=traj.last_policy_version,
                     )
                 )
             scored_groups.append(scored)
