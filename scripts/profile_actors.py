@@ -1,0 +1,169 @@
+"""Where each actor of a run spends its time: py-spy samples every Ray actor of a live run.
+
+Starts ``grpo run async_grpo --config CONFIG`` (default: the benchmark's demo workload,
+`bench_vs_trl.DEMO_OVERRIDES`, no evaluation) in a child process, waits until its actors
+have started and the run has trained a few steps, then records each actor process (collector,
+reference actor, trainer, replay buffer) and the driver with ``py-spy record`` for the same
+window, stops the run, and prints per process:
+
+* the frames most often on top of the stack (self time: where the CPU actually is), and
+* the functions of this package most often anywhere on the stack (inclusive time).
+
+Percentages are of that process's samples; a process that waits (on a queue, a lock, Ray)
+shows its waiting frame. ``--idle`` keeps idle frames (``epoll_wait``, ``sleep``, ...) in.
+
+py-spy is installed with Ray. Usage:
+    python scripts/profile_actors.py                       # 40 s window after 60 s
+    python scripts/profile_actors.py --seconds 60 -- inference.max_generated_tokens=64
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_vs_trl import CONFIG, DEMO_OVERRIDES
+
+# Ray names an actor's process after its class; the driver runs the recipe.
+ROLES = {
+    "collector": "ray::SyncLLMCollector",
+    "reference": "ray::RefActor",
+    "trainer": "ray::PyTorchActorModel",
+    "replay buffer": "ray::ReplayBuffer",
+}
+# Frames where a thread only waits: left out of the self-time table unless --idle.
+IDLE_FRAMES = ("epoll_wait", "select", "poll", "sleep", "wait", "_wait_for_tstate_lock", "get")
+
+
+def actor_pids() -> dict[str, list[int]]:
+    """Process ids of the run's actors by role, from their process titles."""
+    listing = subprocess.run(
+        ["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True
+    ).stdout
+    found: dict[str, list[int]] = collections.defaultdict(list)
+    for line in listing.splitlines():
+        pid, _, command = line.strip().partition(" ")
+        for role, title in ROLES.items():
+            if command.startswith(title):
+                found[role].append(int(pid))
+    return found
+
+
+def record(pid: int, seconds: float, out: Path, py_spy: str) -> subprocess.Popen:
+    """Start ``py-spy record`` of ``pid`` (all threads, native frames off) in raw format."""
+    command = [py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds))]
+    command += ["--rate", "50", "--format", "raw", "--output", str(out), "--nonblocking"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def summarize(raw: Path, top: int, keep_idle: bool) -> tuple[int, list, list]:
+    """Self-time and in-package inclusive-time tables of one raw py-spy profile.
+
+    Returns:
+        tuple: Total samples, ``[(share, frame)]`` by self time, ``[(share, frame)]`` of
+        ``grpo/`` functions by inclusive time.
+    """
+    leaf: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        total += count
+        name = frames[-1]
+        if keep_idle or not name.split(" ")[0].endswith(IDLE_FRAMES):
+            leaf[name] += count
+        for frame in set(frames):
+            if "grpo/" in frame or "recipes/" in frame:
+                inclusive[frame] += count
+
+    def shares(counter):
+        return [(count / max(total, 1), frame) for frame, count in counter.most_common(top)]
+
+    return total, shares(leaf), shares(inclusive)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=40.0, help="recording window")
+    parser.add_argument("--delay", type=float, default=60.0, help="seconds before recording")
+    parser.add_argument("--top", type=int, default=12, help="rows per table")
+    parser.add_argument("--idle", action="store_true", help="keep waiting frames")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the raw profiles here")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides of the run")
+    args = parser.parse_args()
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    work = Path(args.keep or tempfile.mkdtemp(prefix="profile_actors_")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    overrides = [
+        *DEMO_OVERRIDES,
+        f"output_dir={work / 'run'}",
+        "orchestration.num_steps=100000",
+        "eval_every_n_steps=null",
+        *args.overrides,
+    ]
+    command = [sys.executable, "-m", "grpo.cli", "run", "async_grpo", "--config", CONFIG]
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    with open(work / "run.log", "w") as log:
+        run = subprocess.Popen(
+            [*command, *overrides],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        time.sleep(args.delay)
+        pids = actor_pids()
+        if run.poll() is not None or not pids:
+            sys.exit(f"the run is not running (exit {run.poll()}); see {work / 'run.log'}")
+        targets = {"driver": [run.pid], **pids}
+        print(
+            f"recording {args.seconds:.0f} s of: "
+            + ", ".join(f"{role} {pid}" for role, ids in targets.items() for pid in ids),
+            flush=True,
+        )
+        recorders = {
+            (role, pid): record(pid, args.seconds, work / f"{role}-{pid}.txt", py_spy)
+            for role, ids in targets.items()
+            for pid in ids
+        }
+        for (role, pid), recorder in recorders.items():
+            _, stderr = recorder.communicate(timeout=args.seconds + 60)
+            if recorder.returncode != 0:
+                print(f"py-spy failed on {role} {pid}: {stderr.decode().strip()[-300:]}")
+    finally:
+        os.killpg(run.pid, signal.SIGINT)
+        try:
+            run.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+    for role, pid in recorders:
+        raw = work / f"{role}-{pid}.txt"
+        if not raw.exists():
+            continue
+        total, self_time, inclusive = summarize(raw, args.top, args.idle)
+        print(f"\n== {role} (pid {pid}): {total} samples at 50 Hz, all threads")
+        print("  self time (top of stack):")
+        for share, frame in self_time:
+            print(f"    {100 * share:5.1f}%  {frame[:150]}")
+        print("  in this package, inclusive:")
+        for share, frame in inclusive:
+            print(f"    {100 * share:5.1f}%  {frame[:150]}")
+    if args.keep is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
