@@ -29,8 +29,9 @@ Level = Literal["token", "sequence"]
 WeightTransportKind = Literal["collective", "object_store"]
 """How new weights travel from the trainer to the collectors."""
 
-WeightUpdateMode = Literal["in_flight", "between_batches"]
-"""When a collector loads new weights: between two decode steps of a running batch, or only
+WeightUpdateMode = Literal["in_flight", "in_flight_keep_kv", "between_batches"]
+"""When a collector loads new weights: between two decode steps of a running batch (its running
+sequences prefilled again with them, or keeping the KV cache the old weights computed), or only
 between generation batches."""
 
 LogLevel = Literal["info", "debug"]

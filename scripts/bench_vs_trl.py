@@ -388,12 +388,18 @@ def _repo_root() -> Path:
 
 
 def run_ours(
-    kind: str, out_dir: Path, workload: Workload, repeat: int, timeout_s: float
+    kind: str,
+    out_dir: Path,
+    workload: Workload,
+    repeat: int,
+    timeout_s: float,
+    extra_overrides: list[str] = (),
 ) -> RunResult:
-    """``grpo run async_grpo --config tiny_arithmetic_cpu`` with the workload's overrides, in a
-    child process; ``kind`` is ``"async"`` or ``"sync"``."""
+    """``grpo run async_grpo --config tiny_arithmetic_cpu`` with the workload's overrides (and
+    ``extra_overrides``: ``--ours``), in a child process; ``kind`` is ``"async"`` or ``"sync"``."""
     overrides = [
         *workload.overrides,
+        *extra_overrides,
         f"output_dir={out_dir}",
         f"orchestration.num_steps={workload.steps}",
         "eval_every_n_steps=null",  # accuracy is measured afterwards, by one evaluator for all
@@ -532,7 +538,7 @@ def run_workload(
             if kind == "trl":
                 result = run_trl(out_dir, workload, repeat, args.trl_threads, args.timeout)
             else:
-                result = run_ours(kind, out_dir, workload, repeat, args.timeout)
+                result = run_ours(kind, out_dir, workload, repeat, args.timeout, args.ours)
             print(
                 f"  done in {result.wall_s:.0f} s: {result.state.seconds_per_step:.3f} s/step, "
                 f"{result.state.tokens_per_s:,.0f} completion tokens/s, "
@@ -879,6 +885,14 @@ def parse_args() -> argparse.Namespace:
         help="torch threads of the TRL process; default: torch's own default, as TRL's users "
         "run it (each of our Ray actors gets 1)",
     )
+    parser.add_argument(
+        "--ours",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra override of our runs only (repeatable), e.g. "
+        "inference.weight_updates=in_flight_keep_kv",
+    )
     parser.add_argument("--trl-child", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -932,6 +946,7 @@ def main() -> None:
             if args.trl_threads is not None
             else f"torch's default threads ({os.cpu_count()} cores)"
         )
+        + (f"; our runs also with {' '.join(args.ours)}" if args.ours else "")
     )
     work_dir = Path(args.keep or tempfile.mkdtemp(prefix="bench_vs_trl_")).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)

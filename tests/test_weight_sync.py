@@ -333,6 +333,39 @@ def test_in_flight_update_switches_the_running_samples(engines):
 
 
 @pytest.mark.slow
+def test_in_flight_update_keeping_the_kv_cache(engines):
+    """in_flight_keep_kv: the running samples go on with the new weights over the old
+    weights' keys and values; once the batch is over no prompt reuses those cached blocks."""
+    model_dir, collector = engines["tied"]
+    old_model, hf_config = trainer_side(model_dir)
+    base = hf_weights(old_model, hf_config)
+    assert collector.receive_weights(base, collector.policy_version + 1, state_dict_checksum(base))
+    collector.apply_pending_weights()
+    version = collector.policy_version
+    new_model, _ = trainer_side(model_dir)
+    perturb(new_model, seed=13)
+    weights = hf_weights(new_model, hf_config)
+    checksum = state_dict_checksum(weights)
+    with weight_updates(collector, "in_flight_keep_kv"):
+        trajectories, metrics = generate_with_update_at(
+            collector, lambda: collector.receive_weights(weights, version + 1, checksum)
+        )
+        spanning = [t for t in trajectories if t.response_len > SWITCH_STEP]
+        assert spanning and metrics["inference/weight_updates_in_flight"] == 1
+        for t in spanning:
+            assert (t.policy_version, t.last_policy_version) == (version, version + 1)
+            old = sequence_logprobs(old_model, t)
+            torch.testing.assert_close(
+                t.logprobs[:SWITCH_STEP], old[:SWITCH_STEP], atol=1e-3, rtol=0
+            )
+            assert float((t.logprobs[SWITCH_STEP:] - old[SWITCH_STEP:]).abs().max()) > 0.05
+        # The same prompts again (their blocks were cached by the old weights): exact.
+        after = generated_trajectories(collector)
+    assert {t.policy_version for t in after} == {version + 1}
+    assert max_logprob_error(new_model, after) < 1e-3
+
+
+@pytest.mark.slow
 def test_in_flight_update_that_fails_verification_is_rolled_back(engines):
     """A checksum that does not match: the engine reloads its weights before sampling on. A
     probe that does not match: the tokens sampled while it ran carry the rejected version,

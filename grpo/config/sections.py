@@ -113,9 +113,12 @@ class InferenceConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
     weight_updates: WeightUpdateMode = "in_flight"
-    """in_flight: new weights are loaded between two decode steps of the running batch (the
-    running sequences are re-prefilled with them and go on; a trajectory records the oldest
-    and newest version of its tokens); between_batches: only before a generation batch."""
+    """in_flight: new weights are loaded between two decode steps of the running batch, whose
+    sequences are prefilled again with them and go on, every later token the new policy's (a
+    trajectory records the oldest and newest version of its tokens); in_flight_keep_kv: the
+    same without the second prefill, the running sequences attend to keys and values the old
+    weights computed (cheaper where prefill is slow, as on CPU; the behaviour logprobs are
+    still the sampled ones); between_batches: only before a generation batch."""
     weight_check_every_n_batches: int = Field(1, ge=1)
     """Generation batches between checks for new weights (between_batches updates)."""
     queue_maxsize: int = Field(64, ge=1)

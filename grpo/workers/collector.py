@@ -377,8 +377,11 @@ class SyncLLMCollector:
             kwargs.update(whole_prefills(kwargs, self.model_dir))
         self.weight_updates = config.weight_updates
         self.llm = LLM(model=self.model_dir, **kwargs)
-        if self.weight_updates == "in_flight":
+        if self._updates_in_flight:
             check_in_flight_updates(self.llm.llm_engine)
+        # Prefix-cache blocks the old weights computed, still held by running sequences when
+        # new weights came (in_flight_keep_kv): dropped as soon as the engine is idle.
+        self._stale_prefix_cache = False
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         if max_prompt_tokens is None:
             max_prompt_tokens = self.max_model_len - max_generated_tokens
@@ -428,6 +431,11 @@ class SyncLLMCollector:
         self._engine_lock = threading.RLock()
         # The weight channel to trainer rank 0 (collective transport), one transfer at a time.
         self.weight_channel = ChannelReceiver(f"collector[{worker_id}]")
+
+    @property
+    def _updates_in_flight(self) -> bool:
+        """Weights are loaded between engine steps, not only between batches."""
+        return self.weight_updates != "between_batches"
 
     @property
     def _plays_own_episodes(self) -> bool:
@@ -530,7 +538,7 @@ class SyncLLMCollector:
                 samples with a wrong ``policy_version``) until a verified update is applied.
         """
         with self._engine_lock:
-            if self.weight_updates == "in_flight":
+            if self._updates_in_flight:
                 return self._switch_weights()
             start = time.perf_counter()
             try:
@@ -561,21 +569,28 @@ class SyncLLMCollector:
         reloads the weights it had, keeps its version and samples on; the tokens sampled while
         the probe ran carry the rejected version.
 
+        With ``in_flight_keep_kv`` the running requests keep their KV cache instead; its
+        blocks are then dropped from the prefix cache once the engine is idle (`_step`), so no
+        later prompt reuses keys and values of the old weights.
+
         Returns:
             float: Seconds generation was paused (0.0 if nothing was pending).
 
         Raises:
             WeightSyncError: After `MAX_REJECTED_UPDATES_IN_A_ROW` rejected updates in a row.
         """
+        self._drop_stale_prefix_cache()
         if not self.weights.has_pending:
             return 0.0
         start = time.perf_counter()
         running = self.llm.llm_engine.has_unfinished_requests()
+        recompute = self.weight_updates != "in_flight_keep_kv"
         self._mark_token_versions()
         try:
             applied = self.weights.apply_pending(
-                self.llm, verify=self.verify_weights, recompute_running=True
+                self.llm, verify=self.verify_weights, recompute_running=recompute
             )
+            self._stale_prefix_cache = running and not recompute
             if applied is None:  # taken by another thread in between
                 return 0.0
             self._sampling_version = applied.version
@@ -609,6 +624,11 @@ class SyncLLMCollector:
             self._batch_switches["pause_s"] += seconds
         return seconds
 
+    def _drop_stale_prefix_cache(self) -> None:
+        """Reset the prefix cache if old weights' blocks are in it and the engine is idle."""
+        if self._stale_prefix_cache and not self.llm.llm_engine.has_unfinished_requests():
+            self._stale_prefix_cache = not self.llm.reset_prefix_cache()
+
     def _restore_weights(self) -> None:
         """Reload the weights of ``policy_version`` (after a rejected in-flight update)."""
         weights = self._loaded_weights
@@ -619,6 +639,7 @@ class SyncLLMCollector:
         self.llm.collective_rpc("grpo_update_weights", args=(weights, True))
         self.llm.reset_prefix_cache(reset_running_requests=True)
         self._sampling_version = self.policy_version
+        self._stale_prefix_cache = False
 
     def _mark_token_versions(self) -> None:
         """Record that every running sample's tokens so far came from ``_sampling_version``.
@@ -714,7 +735,7 @@ class SyncLLMCollector:
             list: The requests that finished, each with the ``(version, tokens)`` runs of its
             samples' tokens (`_engine_step`), including any that finished while a probe ran.
         """
-        if load_pending and self.weight_updates == "in_flight":
+        if load_pending and self._updates_in_flight:
             self._switch_weights()
         finished, self._held_outputs = self._held_outputs, []
         return finished + self._engine_step()
@@ -1037,7 +1058,7 @@ class SyncLLMCollector:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
         weight_update_s = (
             self.apply_pending_weights()
-            if self.weight_updates == "in_flight"
+            if self._updates_in_flight
             or self.batch_counter % self.weight_check_every_n_batches == 0
             else 0.0
         )
