@@ -8,7 +8,7 @@ One package, one module per part:
 * `collective`: a two-rank process group per collector (`channel`: gloo on CPU, NCCL on GPU);
   its trainer side (`ChannelSender`) and collector side (`ChannelReceiver`).
 * `engine`: the collector's vLLM side: the worker extension that reloads weights in place,
-  and `WeightReceiver`, which applies the newest update between generation batches.
+  and `WeightReceiver`, which applies the newest update between two engine steps or batches.
 * `checksum`: one definition of "these weights" for both ends.
 * `sync`: `WeightSync`, the driver: gather, send, catch up a replaced collector, verify.
 

@@ -55,7 +55,8 @@ class WeightSync:
 
         Args:
             trainers (list): Trainer actors (every rank takes part in the gather).
-            collectors (list): Collector actors; each applies the weights between batches.
+            collectors (list): Collector actors; each loads the weights between two engine
+                steps (in flight) or before its next batch.
 
         Returns:
             tuple[int, dict[str, float]]: The new policy version, and timings: the gather,

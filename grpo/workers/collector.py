@@ -409,9 +409,11 @@ class SyncLLMCollector:
         self.policy_version = 0
         # In-flight updates: the version of the weights the engine samples with right now (the
         # new one while it is being verified), the weights to roll back to (None: the model
-        # folder's), and for each running sample the versions of its tokens so far.
+        # folder's, while `_can_roll_back`), and for each running sample the versions of its
+        # tokens so far.
         self._sampling_version = 0
         self._loaded_weights: Mapping[str, torch.Tensor] | None = None
+        self._can_roll_back = True
         self._token_versions: dict[tuple[str, int], list[tuple[int, int]]] = {}
         self._held_outputs: list[tuple[Any, list[list[tuple[int, int]]]]] = []
         self._rejected_in_a_row = 0
@@ -598,6 +600,12 @@ class SyncLLMCollector:
                 self._check_probe(applied.probe, applied.version)
         except WeightSyncError as error:
             self._mark_token_versions()
+            if not self._can_roll_back:
+                self._weights_error = str(error)
+                raise WeightSyncError(
+                    f"collector {self.worker_id}: {error}; the weights it had were on the GPU "
+                    "and not kept, so it cannot roll back"
+                ) from error
             self._restore_weights()
             self.totals["weight_updates_rejected"] += 1
             self._rejected_in_a_row += 1
@@ -613,7 +621,11 @@ class SyncLLMCollector:
                     f"row failed verification; the last: {error}"
                 ) from error
             return time.perf_counter() - start
-        self._loaded_weights = applied.weights
+        # Kept for a rollback where that costs no accelerator memory (on CPU a reload copies
+        # them into vLLM's own packed weights anyway); a GPU copy would double the weights.
+        on_cpu = all(t.device.type == "cpu" for t in applied.weights.values())
+        self._loaded_weights = applied.weights if on_cpu else None
+        self._can_roll_back = on_cpu
         self.policy_version = applied.version
         self._weights_error = None
         self._rejected_in_a_row = 0
