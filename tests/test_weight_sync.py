@@ -278,6 +278,18 @@ def probe_of(model, seed: int = 0) -> dict:
 SWITCH_STEP = 3  # the in-flight tests load new weights after this many tokens of each sample
 
 
+def base_and_new_weights(collector, model_dir, seed: int):
+    """Put the checkpoint's weights in the engine (as a new version); return the torchtune
+    model of those, a perturbed one, and the perturbed one's HF weights."""
+    old_model, hf_config = trainer_side(model_dir)
+    base = hf_weights(old_model, hf_config)
+    assert collector.receive_weights(base, collector.policy_version + 1, state_dict_checksum(base))
+    collector.apply_pending_weights()
+    new_model, _ = trainer_side(model_dir)
+    perturb(new_model, seed=seed)
+    return old_model, new_model, hf_weights(new_model, hf_config)
+
+
 def generate_with_update_at(collector, offer) -> tuple[list, dict]:
     """One 2-prompt batch with ``offer()`` called during its `SWITCH_STEP`-th step."""
     calls = offer_during_step(collector, SWITCH_STEP, offer)
@@ -299,15 +311,8 @@ def test_in_flight_update_switches_the_running_samples(engines):
     old policy's, the ones after it the new policy's (its KV prefilled again), and the
     trajectory carries both versions."""
     model_dir, collector = engines["tied"]
-    old_model, hf_config = trainer_side(model_dir)
-    base = hf_weights(old_model, hf_config)
-    assert collector.receive_weights(base, collector.policy_version + 1, state_dict_checksum(base))
-    collector.apply_pending_weights()
-    version = collector.policy_version
-    new_model, _ = trainer_side(model_dir)
-    perturb(new_model, seed=11)
-    weights = hf_weights(new_model, hf_config)
-    checksum = state_dict_checksum(weights)
+    old_model, new_model, weights = base_and_new_weights(collector, model_dir, seed=11)
+    version, checksum = collector.policy_version, state_dict_checksum(weights)
     trajectories, metrics = generate_with_update_at(
         collector,
         lambda: collector.receive_weights(weights, version + 1, checksum, probe_of(new_model)),
@@ -337,15 +342,8 @@ def test_in_flight_update_keeping_the_kv_cache(engines):
     """in_flight_keep_kv: the running samples go on with the new weights over the old
     weights' keys and values; once the batch is over no prompt reuses those cached blocks."""
     model_dir, collector = engines["tied"]
-    old_model, hf_config = trainer_side(model_dir)
-    base = hf_weights(old_model, hf_config)
-    assert collector.receive_weights(base, collector.policy_version + 1, state_dict_checksum(base))
-    collector.apply_pending_weights()
-    version = collector.policy_version
-    new_model, _ = trainer_side(model_dir)
-    perturb(new_model, seed=13)
-    weights = hf_weights(new_model, hf_config)
-    checksum = state_dict_checksum(weights)
+    old_model, new_model, weights = base_and_new_weights(collector, model_dir, seed=13)
+    version, checksum = collector.policy_version, state_dict_checksum(weights)
     with weight_updates(collector, "in_flight_keep_kv"):
         trajectories, metrics = generate_with_update_at(
             collector, lambda: collector.receive_weights(weights, version + 1, checksum)
@@ -371,22 +369,16 @@ def test_in_flight_update_that_fails_verification_is_rolled_back(engines):
     probe that does not match: the tokens sampled while it ran carry the rejected version,
     the rest the kept one. Three rejections in a row stop the collector."""
     model_dir, collector = engines["tied"]
-    old_model, hf_config = trainer_side(model_dir)
-    base = hf_weights(old_model, hf_config)
-    assert collector.receive_weights(base, collector.policy_version + 1, state_dict_checksum(base))
-    collector.apply_pending_weights()
-    version = collector.policy_version
+    old_model, new_model, weights = base_and_new_weights(collector, model_dir, seed=12)
+    version, checksum = collector.policy_version, state_dict_checksum(weights)
+    base_checksum = collector.get_weights_checksum()
     rejected_before = collector.totals["weight_updates_rejected"]
-    new_model, _ = trainer_side(model_dir)
-    perturb(new_model, seed=12)
-    weights = hf_weights(new_model, hf_config)
-    checksum = state_dict_checksum(weights)
 
     trajectories, metrics = generate_with_update_at(
         collector, lambda: collector.receive_weights(weights, version + 1, "0" * 64)
     )
     assert collector.policy_version == version
-    assert collector.get_weights_checksum() == state_dict_checksum(base)
+    assert collector.get_weights_checksum() == base_checksum
     for t in trajectories:
         assert (t.policy_version, t.last_policy_version) == (version, version)
         torch.testing.assert_close(t.logprobs, sequence_logprobs(old_model, t), atol=1e-3, rtol=0)
