@@ -27,8 +27,9 @@ Choices that other actors rely on:
   and the behaviour logprobs stay those of the weights that sampled each token. A trajectory
   carries the version of its oldest token (``policy_version``) and of its newest
   (``last_policy_version``). An update that fails verification is rolled back (the engine
-  reloads the weights it had) and counted. With ``between_batches`` updates wait for the next
-  batch.
+  reloads the weights it had) and counted. With ``in_flight_keep_kv`` the running sequences
+  keep the KV cache the old weights computed (no second prefill); with ``between_batches``
+  updates wait for the next batch.
 * With an ``environment`` (`grpo.envs`), an episode is a conversation: the collector samples
   the policy's turns on its engine run continuously (`TurnEngine`: a turn joins the running
   batch as soon as its episode is ready), the environment answers them and scores the
