@@ -6,8 +6,8 @@ Two pieces:
   ``worker_extension_cls``) and called through ``LLM.collective_rpc``; they reload weights in
   place and report the checksum.
 * `WeightReceiver` (collector side): keeps the newest update pending and applies it between
-  two engine steps or generation batches, whichever transport brought it (`grpo.weights.collective`,
-  `grpo.weights.object_store`).
+  two engine steps or generation batches, whichever transport brought it
+  (`grpo.weights.collective`, `grpo.weights.object_store`).
 
 Why the checksum is over the sent HF state dict and not over vLLM's parameters: vLLM fuses
 ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``, pads the vocabulary,
@@ -134,10 +134,10 @@ class WeightReceiver:
 
     `offer` may be called from any thread (a Ray actor with ``max_concurrency > 1`` receives
     weights while it generates); `apply_pending` runs on the thread that owns the engine,
-    between two of its steps or between generation batches. An offered version not newer than both the engine's and the
-    pending one is ignored (a late, older update), and a pending update replaced by a newer
-    one before it was applied is counted in ``num_superseded`` (the newer weights are
-    complete, so nothing is lost).
+    between two of its steps or between generation batches. An offered version not newer
+    than both the engine's and the pending one is ignored (a late, older update), and a
+    pending update replaced by a newer one before it was applied is counted in
+    ``num_superseded`` (the newer weights are complete, so nothing is lost).
 
     Every transport offers its updates here the same way.
     """

@@ -1091,12 +1091,7 @@ class SyncLLMCollector:
             # An episode's turns are not tracked one by one: its tokens count at its oldest
             # version, and it spans versions when the weights changed while it ran.
             runs = [
-                [(t.policy_version, t.policy_len)]
-                + (
-                    [(t.last_policy_version, 0)]
-                    if t.last_policy_version != t.policy_version
-                    else []
-                )
+                [(t.policy_version, t.policy_len), (t.last_policy_version, 0)]
                 for g in groups
                 for t in g.trajectories
             ]
