@@ -6,8 +6,9 @@ own sequence only. `grpo.packing.pack_sequences` describes that mask in one of t
 - ``"dense"``: a bool ``[L, L]`` tensor (True = may attend). Works with stock torchtune on any
   device, but costs O(L^2) memory and SDPA computes every masked-out block anyway.
 - ``"flex"``: a FlexAttention ``BlockMask``, O(L) memory, and fully masked blocks are skipped.
-- ``"varlen"``: a `VarlenMask` holding the block lengths; attention runs once per sequence with
-  ``is_causal=True`` SDPA, so compute is ``sum(len_i^2)`` instead of ``L^2``.
+- ``"varlen"``: a `VarlenMask` holding the block lengths; attention runs on each block alone,
+  blocks of similar length batched into one SDPA call, so compute is about ``sum(len_i^2)``
+  instead of ``L^2``.
 
 Shared-prompt packs (``[P R1 R2 ... RG]``, see `grpo.packing`) add one rule to the block-causal
 one: a response block also sees every token of its prompt block. All three forms express it:
@@ -35,6 +36,7 @@ two block-sparse forms with a backward); ``"dense"`` anywhere as the simple refe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -117,6 +119,21 @@ class VarlenMask:
         """Total length of the packed row."""
         return sum(self.block_lens)
 
+    def sdpa_plan(self, device: torch.device) -> tuple[list[_VarlenBucket], torch.Tensor]:
+        """The gather indices and masks `packed_attention` runs this mask with, on ``device``.
+
+        Built on first use and kept: every layer, forward and backward, uses the same plan.
+        """
+        plans = self.__dict__.setdefault("_sdpa_plans", {})  # not a field: eq and hash ignore it
+        if device not in plans:
+            buckets, inverse = _varlen_buckets(self)
+            fields = [f.name for f in dataclasses.fields(_VarlenBucket)]
+            plans[device] = (
+                [_VarlenBucket(*(getattr(b, f).to(device) for f in fields)) for b in buckets],
+                inverse.to(device),
+            )
+        return plans[device]
+
 
 # What a config may ask for: a concrete form, or "auto" for the fastest one on the device.
 
@@ -125,9 +142,9 @@ def resolve_mask_kind(mask_kind: str, device: torch.device | str) -> str:
     """The mask form to pack with: ``"auto"`` becomes the fastest form on ``device``.
 
     ``"auto"`` is ``"flex"`` on CUDA (block-sparse kernel, O(L) memory) and ``"varlen"``
-    elsewhere: on CPU a dense ``[L, L]`` mask makes SDPA compute every cross-sequence block,
-    about twice the step time of varlen for a pack of 64 short sequences, and FlexAttention has
-    no backward there.
+    elsewhere: on CPU a dense ``[L, L]`` mask makes SDPA compute every cross-sequence block
+    (work and memory grow with the square of the pack), and FlexAttention has no backward
+    there.
 
     Args:
         mask_kind (str): One of `MASK_KIND_CHOICES`.
@@ -183,58 +200,112 @@ def _flex_attention(
     return _get_compiled_flex_attention(q.device.type)(q, k, v, block_mask=block_mask)
 
 
+@dataclass(frozen=True)
+class _VarlenBucket:
+    """Blocks of similar length, run as one batched SDPA call.
+
+    ``query_index`` ``[n, q]`` and ``key_index`` ``[n, p + q]`` pick each block's query rows
+    and its keys (prefix rows, then its own rows) out of the packed row; padding slots point
+    at row ``seq_len``, an extra zero row. ``attn_mask`` ``[n, 1, q, p + q]`` lets query ``i``
+    see its prefix and its own keys ``0..i``; a padding query (``i`` past the block's end)
+    sees all of the block's keys, so no row is fully masked (its softmax would be NaN, and
+    so would the backward). ``token_rows`` are the flat positions in ``query_index`` of the
+    real tokens, in the order `VarlenMask.sdpa_plan`'s inverse permutation expects.
+    """
+
+    query_index: torch.Tensor
+    key_index: torch.Tensor
+    attn_mask: torch.Tensor
+    token_rows: torch.Tensor
+
+
+def _bucket_of(length: int) -> int:
+    """Blocks whose lengths round up to the same power of two (at least 16) share a call."""
+    return max(16, 1 << (length - 1).bit_length())
+
+
+def _varlen_buckets(mask: VarlenMask) -> tuple[list[_VarlenBucket], torch.Tensor]:
+    """The batched-SDPA plan of ``mask``, and the permutation that puts the buckets' output
+    rows (bucket by bucket, block by block) back in packed order."""
+    lens = torch.tensor(mask.block_lens)
+    starts = lens.cumsum(0) - lens
+    prefixes = torch.tensor(mask.prefix_blocks or (-1,) * len(mask.block_lens))
+    has_prefix = prefixes >= 0
+    prefix_lens = torch.where(has_prefix, lens[prefixes.clamp(min=0)], 0)
+    prefix_starts = starts[prefixes.clamp(min=0)]
+    pad_row = mask.seq_len
+    by_bucket: dict[int, list[int]] = {}
+    for block, length in enumerate(mask.block_lens):
+        by_bucket.setdefault(_bucket_of(length), []).append(block)
+    buckets, order = [], []
+    for blocks in by_bucket.values():
+        index = torch.tensor(blocks)
+        own_lens, own_starts = lens[index, None], starts[index, None]
+        pre_lens, pre_starts = prefix_lens[index, None], prefix_starts[index, None]
+        q_len, p_len = int(own_lens.max()), int(pre_lens.max())
+        slots = torch.arange(q_len)
+        real = slots < own_lens  # [n, q]
+        query_index = torch.where(real, own_starts + slots, pad_row)
+        prefix_slots = torch.arange(p_len)
+        prefix_index = torch.where(prefix_slots < pre_lens, pre_starts + prefix_slots, pad_row)
+        key_index = torch.cat([prefix_index, query_index], dim=1)
+        sees_prefix = (prefix_slots < pre_lens)[:, None, :].expand(-1, q_len, -1)
+        sees_own = (slots[None, None, :] <= slots[None, :, None]) & real[:, None, :]
+        attn_mask = torch.cat([sees_prefix, sees_own], dim=2)[:, None]
+        token_rows = real.flatten().nonzero().squeeze(1)
+        buckets.append(_VarlenBucket(query_index, key_index, attn_mask, token_rows))
+        order.append(query_index[real])
+    inverse = torch.empty(mask.seq_len, dtype=torch.long)
+    inverse[torch.cat(order)] = torch.arange(mask.seq_len)
+    return buckets, inverse
+
+
 # The block lengths differ in every pack: traced by dynamo they would be baked into the graph
 # and recompile it for each pack. A compiled layer (training.compile) breaks its graph here.
 @torch.compiler.disable(recursive=False)
 def _varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, dropout_p: float
 ) -> torch.Tensor:
-    """Causal SDPA on each block separately; a Python loop over blocks, not tokens.
+    """Block-causal attention with one batched SDPA call per bucket of similar-length blocks.
 
-    A block with a prefix block (a response after its shared prompt) runs SDPA with its own
-    rows as queries and the prefix's rows then its own as keys, under a bottom-right-aligned
-    causal mask: query ``i`` sees the whole prefix and its own keys ``0..i``, exactly the keys
+    A pack of 64 short sequences has 64 blocks or more; an SDPA call per block (and its
+    backward) costs more in per-call overhead than in arithmetic. Blocks whose lengths round up
+    to the same power of two are padded to the longest of them and run together, so a layer
+    makes a handful of calls, and padding at most doubles the ``sum(len_i^2)`` work. A block
+    with a prefix block (a response after its shared prompt) has the prefix's rows then its
+    own as keys: query ``i`` sees the whole prefix and its own keys ``0..i``, exactly the keys
     it has when the prompt and the response run alone as one sequence.
     """
-    seq_len = q.shape[2]
+    batch, heads, seq_len, head_dim = q.shape
     if seq_len != mask.seq_len or k.shape[2] != mask.seq_len:
         raise ValueError(
             f"VarlenMask covers {mask.seq_len} tokens but queries have {seq_len} and keys "
             f"{k.shape[2]}; pass the mask built for this pack"
         )
-    lens = list(mask.block_lens)
-    prefixes = mask.prefix_blocks or (-1,) * len(lens)
-    q_blocks, k_blocks, v_blocks = q.split(lens, 2), k.split(lens, 2), v.split(lens, 2)
-    # One bool mask per (block, prefix) shape, shared by the blocks of that shape; built here,
-    # in each layer, because it is tiny next to the attention it masks. (SDPA's is_causal
-    # aligns the diagonal top-left when queries and keys differ in number, hence the mask.)
-    prefix_masks: dict[tuple[int, int], torch.Tensor] = {}
+    buckets, inverse = mask.sdpa_plan(q.device)
+    # Rows [s + 1, b * h, d]: one index picks a token's vectors in every head (batch and heads
+    # folded, so the [n, 1, q, k] masks broadcast over both); padding slots read the zero row.
+    q_rows, k_rows, v_rows = (_token_rows(x) for x in (q, k, v))
     outputs = []
-    for q_block, k_block, v_block, prefix in zip(q_blocks, k_blocks, v_blocks, prefixes):
-        if prefix < 0:
-            out = F.scaled_dot_product_attention(
-                q_block, k_block, v_block, dropout_p=dropout_p, is_causal=True
-            )
-        else:
-            length, prefix_len = q_block.shape[2], lens[prefix]
-            attn_mask = prefix_masks.get((length, prefix_len))
-            if attn_mask is None:
-                attn_mask = torch.ones(
-                    length, prefix_len + length, dtype=torch.bool, device=q.device
-                ).tril(prefix_len)
-                prefix_masks[length, prefix_len] = attn_mask
-            out = F.scaled_dot_product_attention(
-                q_block,
-                torch.cat([k_blocks[prefix], k_block], dim=2),
-                torch.cat([v_blocks[prefix], v_block], dim=2),
-                attn_mask=attn_mask,
-                dropout_p=dropout_p,
-            )
-        # CPU SDPA returns [b, h, s, d] views of [b, s, h, d] memory: concatenating in that
-        # layout is a contiguous copy, and torchtune's following `transpose(1, 2).contiguous()`
-        # is free.
-        outputs.append(out.transpose(1, 2))
-    return torch.cat(outputs, dim=1).transpose(1, 2)
+    for bucket in buckets:
+        out = F.scaled_dot_product_attention(
+            q_rows[bucket.query_index].transpose(1, 2),  # [n, b * h, q, d]
+            k_rows[bucket.key_index].transpose(1, 2),
+            v_rows[bucket.key_index].transpose(1, 2),
+            attn_mask=bucket.attn_mask,
+            dropout_p=dropout_p,
+        )
+        # Back to rows [n * q, b * h, d], real tokens only.
+        outputs.append(out.transpose(1, 2).flatten(0, 1)[bucket.token_rows])
+    packed = torch.cat(outputs)[inverse].unflatten(1, (batch, heads))  # [s, b, h, d]
+    return packed.permute(1, 2, 0, 3)
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[b, h, s, d]`` as rows ``[s + 1, b * h, d]``, the last row zeros."""
+    batch, heads, seq_len, head_dim = x.shape
+    rows = x.permute(2, 0, 1, 3).reshape(seq_len, batch * heads, head_dim)
+    return torch.cat([rows, rows.new_zeros(1, batch * heads, head_dim)])
 
 
 def packed_attention(

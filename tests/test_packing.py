@@ -16,7 +16,12 @@ from hypothesis import strategies as st
 from torch import nn
 from torchtune.models.qwen2 import qwen2
 
-from grpo.attention import VarlenMask, resolve_mask_kind, use_packed_attention
+from grpo.attention import (
+    VarlenMask,
+    packed_attention,
+    resolve_mask_kind,
+    use_packed_attention,
+)
 from grpo.logprobs import model_hidden_states, output_projection_weight, packed_logprobs_from_hidden
 from grpo.packing import (
     pack_sequences,
@@ -653,6 +658,27 @@ def test_shared_varlen_and_flex_masks_equal_dense():
     assert torch.equal(flex.mask_mod(0, 0, positions[:, None], positions[None, :]), dense)
     # Group 0 (4 sequences, 9-token prompt), group 1 (2, 1 token), group 3's first prompt (2, 6).
     assert varlen.shared_prompt_tokens == 3 * 9 + 1 + 6
+
+
+def test_varlen_attention_equals_dense_attention_with_gradients():
+    # Blocks in three length buckets (<= 16, 17-32, 33-64), prompts seen by several responses,
+    # a 1-token block and a tail padding block; batch 2 with 3 heads.
+    mask = VarlenMask((9, 3, 20, 1, 40, 17, 5, 6), prefix_blocks=(-1, 0, 0, -1, 3, -1, 5, -1))
+    generator = torch.Generator().manual_seed(0)
+    shape = (2, 3, mask.seq_len, 8)
+    q, k, v = (torch.randn(shape, generator=generator, requires_grad=True) for _ in range(3))
+    dense = mask_from_blocks(mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    got = packed_attention(q, k, v, mask, dropout_p=0.0, is_causal=False)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    weights = torch.randn(shape, generator=generator)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+    got_grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+    for name, g, e in zip("qkv", got_grads, expected_grads):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=f"d{name}")
+    # The plan is built once per mask and device: every layer reuses it.
+    assert mask.sdpa_plan(q.device) is mask.sdpa_plan(q.device)
+    assert len(mask.sdpa_plan(q.device)[0]) == 3
 
 
 @pytest.mark.parametrize("mask_kind", ["dense", "varlen", "flex"])
