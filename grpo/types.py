@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -48,8 +49,44 @@ def count_per_sequence(mask: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(lens).index_add_(0, index, mask.long())
 
 
+class _PicklesTensorsAsArrays:
+    """Pickles tensor attributes as numpy arrays: 6-10x faster through Ray for small tensors.
+
+    Trajectories cross Ray several times a step (collector, reference actor, replay buffer,
+    trainer), and torch pickles each tensor through its own storage protocol, about 0.3 ms
+    apiece; a batch of 64 trajectories took 30-45 ms per ``ray.put`` or ``ray.get``. A numpy
+    array pickles as its bytes. The tensors come back as tensors (copies when the array's
+    buffer is read-only, as Ray's zero-copy reads are), so nothing else changes.
+    """
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            name: _as_array(value) if isinstance(value, torch.Tensor) else value
+            for name, value in self.__dict__.items()
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(
+            {
+                name: _as_tensor(value) if isinstance(value, np.ndarray) else value
+                for name, value in state.items()
+            }
+        )
+
+
+def _as_array(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
+    # numpy has no bfloat16; such a tensor (and any not on the CPU) pickles as torch does.
+    if tensor.device.type != "cpu" or tensor.dtype == torch.bfloat16 or tensor.requires_grad:
+        return tensor
+    return tensor.numpy()
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
 @dataclass
-class UnscoredTrajectory:
+class UnscoredTrajectory(_PicklesTensorsAsArrays):
     """One generated sequence: an unpadded prompt, its response and the sampler's logprobs.
 
     Args:
@@ -161,7 +198,7 @@ class GroupedUnscoredTrajectories:
 
 
 @dataclass
-class ScoredTrajectory:
+class ScoredTrajectory(_PicklesTensorsAsArrays):
     """A trajectory with reference logprobs, rewards and its group-relative advantage.
 
     Args:
