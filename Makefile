@@ -28,12 +28,13 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests
 
+# Each demo starts fresh: an earlier one in outputs/ is moved aside (to *.old-<time>), not deleted.
 demo: setup
-	$(VENV)/bin/grpo run async_grpo --config tiny_arithmetic_cpu
+	$(VENV)/bin/grpo run async_grpo --config tiny_arithmetic_cpu overwrite_output_dir=true
 
 # The multi-turn demo: the tiny model learns when to call a calculator.
 demo-tools: setup
-	$(VENV)/bin/grpo run async_grpo --config tiny_calculator_cpu
+	$(VENV)/bin/grpo run async_grpo --config tiny_calculator_cpu overwrite_output_dir=true
 
 lint: setup
 	$(VENV)/bin/ruff check grpo tests scripts recipes

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from grpo.config import ConfigError, RunConfig, load_config
+from grpo.config.paths import move_run_aside
 from grpo.observability.logs import DriverLog
 
 Recipe = Callable[[RunConfig], Any]
@@ -26,7 +27,8 @@ def run_recipe(
     """Load and validate a config, then call ``recipe_main(cfg)``.
 
     Config problems are printed to stderr without a traceback; errors inside the recipe
-    propagate. While it runs, this process's logging goes where the config's ``log_level``
+    propagate. With ``overwrite_output_dir`` a run already in ``output_dir`` is moved aside
+    first (`grpo.config.paths.move_run_aside`). While it runs, this process's logging goes where the config's ``log_level``
     says (`grpo.observability.logs.DriverLog`): ``<output_dir>/logs/driver.log``, and the terminal for the
     ``grpo`` logger's warnings (every logger's with ``log_level: debug``).
 
@@ -39,16 +41,24 @@ def run_recipe(
             before it imports the recipe, whose imports log); None enters one here.
 
     Returns:
-        int: 0 on success (or the recipe's int return value), 2 on a config error.
+        int: 0 on success, 2 on a config error, or the recipe's own status: its int return
+        value, or the ``exit_code`` of the summary dict it returns (``128 + signal`` after
+        Ctrl-C or SIGTERM stopped the run).
     """
     with nullcontext(driver_log) if driver_log else DriverLog() as driver_log:
         try:
             cfg = load_config(config, overrides, check_components=True, import_components=True)
+            if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
+                moved = move_run_aside(Path(cfg.output_dir).expanduser().resolve())
+                if moved is not None:
+                    print(f"Moved the earlier run in {cfg.output_dir} aside to {moved}")
             driver_log.start(cfg.output_dir, cfg.log_level)
             result = recipe_main(cfg)
         except ConfigError as exc:
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
+    if isinstance(result, dict):  # a summary; a run a signal stopped says its exit code
+        return int(result.get("exit_code", 0))
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 

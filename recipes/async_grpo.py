@@ -18,8 +18,9 @@ The whole run, in order (each stage is a line of `recipe_main`):
    the new weights go to every collector. Held-out accuracy is measured before the first
    step, every ``eval_every_n_steps``, and at the end. A checkpoint every
    ``checkpoint.save_every_n_steps``, and one when a signal stops the run.
-4. Finish: verify that the collectors hold the trainer's weights, save the final policy as
-   an HF-format folder (loads in vLLM and torchtune), shut every actor down, write plots.
+4. Finish: save a checkpoint of the last step (unless the loop just did), verify that the
+   collectors hold the trainer's weights, save the final policy as an HF-format folder (loads
+   in vLLM and torchtune), shut every actor down, write plots.
 
 What the terminal shows is `grpo.observability.console`'s: a few lines at the start, one
 progress bar, the results; every process's own output goes to ``output_dir/logs/`` unless
@@ -73,7 +74,19 @@ def recipe_main(cfg: RunConfig) -> dict:
         if run.stop_requested:
             saved = run.save_checkpoint()
             print(f"Stopped at step {state.step}; resume with resume_from_checkpoint={saved}")
-            return {"steps": state.step, "stopped": True, "checkpoint": str(saved)}
+            # 128 + the signal, as a shell reports a process the signal ended: a script can
+            # tell an interrupted run (130 for Ctrl-C, 143 for SIGTERM) from a finished one.
+            exit_code = 128 + run.stop_signal if run.stop_signal else 1
+            return {
+                "steps": state.step,
+                "stopped": True,
+                "checkpoint": str(saved),
+                "exit_code": exit_code,
+            }
+        if run.checkpointed_step != state.step:
+            # The end of a run is a checkpoint too: `latest` then names the newest step, and
+            # a longer run (a larger num_steps, resume_from_checkpoint=true) goes on from it.
+            run.save_checkpoint()
         weights_in_sync = run.verify_weight_sync()  # 4. finish
         final_dir = run.save_final_checkpoint()
         seconds = time.monotonic() - started
@@ -214,9 +227,10 @@ def build_evaluator(cfg: RunConfig, eval_dataset: Any, run: Orchestrator) -> Any
 
 @contextmanager
 def stop_on_signals(run: Orchestrator):
-    """Ctrl-C / SIGTERM: finish the current step, save a checkpoint, end every actor."""
+    """Ctrl-C / SIGTERM: finish the current step, save a checkpoint, end every actor; the
+    process then exits with 130 / 143."""
     previous = {
-        sig: signal.signal(sig, lambda *_: run.request_stop())
+        sig: signal.signal(sig, lambda signum, _frame: run.request_stop(signum))
         for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:

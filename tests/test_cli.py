@@ -62,6 +62,21 @@ def small_config(model_dir: Path, output_dir: Path) -> dict:
     }
 
 
+# A recipe that leaves what a run leaves (a metrics file) and returns a summary; seed 130
+# plays a run that Ctrl-C stopped.
+LEDGER_RECIPE_SOURCE = """
+from pathlib import Path
+
+
+def recipe_main(cfg):
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"seed": %d}\\n' % cfg.seed)
+    return {"steps": 1, "exit_code": 130} if cfg.seed == 130 else {"steps": 1}
+"""
+
+
 @pytest.fixture
 def workspace(tmp_path, monkeypatch, fake_model_dir):
     """Temporary recipes and configs folders, with one recipe and two configs."""
@@ -214,6 +229,44 @@ def test_run_config_error_exits_2_without_running(workspace, capsys):
 
     assert main(["run", "record", "--config", "small", "training.batch_size=0"]) == 2
     assert "training.batch_size: must be >= 1" in capsys.readouterr().err
+
+
+def test_a_used_output_dir_is_refused_unless_resumed_or_moved_aside(workspace, capsys):
+    (workspace / "recipes" / "ledger.py").write_text(LEDGER_RECIPE_SOURCE)
+    out = workspace / "out"
+    assert main(["run", "ledger", "--config", "small", "seed=1"]) == 0
+    capsys.readouterr()
+    # A second fresh run would mix its metrics with the first one's: refused, in one line.
+    for command in (["run", "ledger", "--config", "small"], ["validate", "small"]):
+        assert main([*command, "seed=2"]) != 0
+        err = capsys.readouterr().err
+        assert f"output_dir: {out} already holds a run (metrics.jsonl)" in err, err
+        assert "resume_from_checkpoint=true" in err and "overwrite_output_dir=true" in err
+        assert "Traceback" not in err
+    assert (out / "metrics.jsonl").read_text() == '{"seed": 1}\n'
+    # Moved aside, not deleted; the new run starts in an empty folder.
+    assert main(["run", "ledger", "--config", "small", "seed=3", "overwrite_output_dir=true"]) == 0
+    assert "aside to" in capsys.readouterr().out
+    (old,) = workspace.glob("out.old-*")
+    assert (old / "metrics.jsonl").read_text() == '{"seed": 1}\n'
+    assert (out / "metrics.jsonl").read_text() == '{"seed": 3}\n'
+    # Resuming continues the run in place.
+    checkpoint = out / "checkpoints" / "step_000001"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.json").write_text("{}")
+    (out / "checkpoints" / "latest").write_text(checkpoint.name)
+    assert (
+        main(["run", "ledger", "--config", "small", "seed=4", "resume_from_checkpoint=true"]) == 0
+    )
+    assert (out / "metrics.jsonl").read_text() == '{"seed": 3}\n{"seed": 4}\n'
+    assert len(list(workspace.glob("out.old-*"))) == 1
+
+
+def test_a_run_stopped_by_a_signal_exits_with_its_status(workspace):
+    (workspace / "recipes" / "ledger.py").write_text(LEDGER_RECIPE_SOURCE)
+    # 128 + SIGINT, as a shell reports it: a script can tell it from a finished run (0).
+    assert main(["run", "ledger", "--config", "small", "seed=130"]) == 130
+    assert main(["run", "ledger", "--config", "small", "overwrite_output_dir=true"]) == 0
 
 
 def test_run_unknown_recipe_and_missing_recipe_main(workspace, tmp_path, capsys):

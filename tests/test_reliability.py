@@ -58,6 +58,9 @@ def deterministic_overrides(model_dir: Path, run_dir: Path, num_steps: int) -> l
 def test_resume_continues_exactly(num_workers, tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     """2 steps + resume + 2 steps == 4 straight steps: same losses, weights and prompts.
 
+    The 2-step run finishes with no periodic checkpoint, so extending it to 4 steps also
+    proves that the end of a run saves one and that ``latest`` names the newest.
+
     With two trainers each writes its own shards of the model and optimizer state and reads
     them back (no rank gathers the optimizer state)."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
@@ -74,11 +77,14 @@ def test_resume_continues_exactly(num_workers, tiny_model_dir, tmp_path, monkeyp
         ray.shutdown()
 
     run(straight, 4)
-    run(resumed, 2)
+    # A finished 2-step run with no periodic checkpoint: the end of the run saves one.
+    run(resumed, 2, "checkpoint.save_every_n_steps=null")
     assert (resumed / "checkpoints" / "latest").read_text() == "step_000002"
     shards = sorted(p.name for p in (resumed / "checkpoints" / "step_000002" / "trainer").iterdir())
     assert shards == [".metadata", *(f"__{r}_0.distcp" for r in range(num_workers)), "extra.pt"]
+    # Extending the finished run continues from its last step.
     run(resumed, 4, "resume_from_checkpoint=true")
+    assert (resumed / "checkpoints" / "latest").read_text() == "step_000004"
 
     # The same prompts and samples, in the same order: nothing trained twice or skipped.
     assert trained_ids(resumed) == trained_ids(straight)
@@ -315,7 +321,8 @@ def test_signal_stops_gracefully(stop_signal, tiny_model_dir, tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 0, output[-3000:]
+    # 130 for Ctrl-C, 143 for SIGTERM: a script can tell an interrupted run from a finished one.
+    assert process.returncode == 128 + stop_signal, output[-3000:]
     assert stop_seconds < 120
     latest = run_dir / "checkpoints" / "latest"
     assert latest.is_file(), output[-3000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import time
 from pathlib import Path
 
 import grpo
@@ -104,6 +105,33 @@ def find_checkpoint(run_dir: Path, resume: bool | str) -> Path | None:
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"resume_from_checkpoint: {path} is not a checkpoint folder")
     return path
+
+
+# What a run leaves in its folder; a folder holding any of them holds a run.
+RUN_RECORDS = ("metrics.jsonl", "trained.jsonl", "scored.jsonl", CHECKPOINTS_DIR, "final")
+
+
+def run_records(run_dir: Path) -> list[str]:
+    """The records of an earlier run in ``run_dir`` (`RUN_RECORDS` present), in that order."""
+    return [name for name in RUN_RECORDS if (run_dir / name).exists()]
+
+
+def move_run_aside(run_dir: Path) -> Path | None:
+    """Rename a folder that holds a run to ``<run_dir>.old-<time>``; nothing is deleted.
+
+    Returns:
+        Path | None: Where the old run went; None if ``run_dir`` held no run.
+    """
+    if not run_records(run_dir):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{suffix}")
+    run_dir.rename(target)
+    return target
 
 
 def latest_checkpoint_text(run_dir: Path) -> str:

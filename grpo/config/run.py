@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import Field
 
 from grpo.choices import MODEL_TYPES, LogLevel
-from grpo.config.paths import STATE_FILE, find_checkpoint, resolve_path
+from grpo.config.paths import STATE_FILE, find_checkpoint, resolve_path, run_records
 from grpo.config.schema import Component, ComponentList, Section
 from grpo.config.sections import (
     CheckpointConfig,
@@ -81,6 +81,10 @@ class RunConfig(Section):
     resume_from_checkpoint: bool | str = False
     """false: start fresh; true: resume from the latest checkpoint in output_dir; a path:
     resume from that checkpoint."""
+    overwrite_output_dir: bool = False
+    """A fresh run (resume_from_checkpoint false) into an output_dir that holds a run is
+    refused, so that two runs never share one metrics file, ledger or W&B history. true: move
+    that run aside to <output_dir>.old-<time> (nothing is deleted) and start there."""
     debug_logging_enabled: bool = False
     """Log decoded sample prompts/responses every step."""
     debug_num_samples_per_step: int = Field(1, ge=0)
@@ -361,6 +365,14 @@ def _check_files(values: dict, problems: list[str]) -> None:
         if problem:
             problems.append(f"output_dir: {problem}")
     resume = values.get("resume_from_checkpoint")
+    if not resume and not values.get("overwrite_output_dir") and output_dir:
+        records = run_records(resolve_path(output_dir)) if isinstance(output_dir, str) else []
+        if records:
+            problems.append(
+                f"output_dir: {resolve_path(output_dir)} already holds a run "
+                f"({', '.join(records)}); continue it with resume_from_checkpoint=true, move it "
+                "aside with overwrite_output_dir=true, or choose another output_dir"
+            )
     if resume is True and isinstance(output_dir, str) and output_dir:
         try:
             find_checkpoint(resolve_path(output_dir), True)

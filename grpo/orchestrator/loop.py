@@ -90,6 +90,8 @@ class Orchestrator:
         )
         self.synchronous = cfg.orchestration.synchronous
         self.stop_requested = False
+        self.stop_signal: int | None = None
+        self.checkpointed_step: int | None = None  # the step of the newest checkpoint
         self._calls: dict[Any, Call] = {}
         self._handlers = {
             CallKind.GENERATE: self._on_generated,
@@ -150,11 +152,18 @@ class Orchestrator:
     def restore(self, checkpoint_dir: Path) -> None:
         """Load a checkpoint's run and pipeline state into freshly started actors."""
         self.checkpointer.load(checkpoint_dir)
+        self.checkpointed_step = self.state.step
         self.weights.start_version = self.state.policy_version  # the weights they loaded
 
-    def request_stop(self) -> None:
-        """Ask the loop to stop at the next step boundary (signal handlers call this)."""
+    def request_stop(self, signum: int | None = None) -> None:
+        """Ask the loop to stop at the next step boundary (signal handlers call this).
+
+        Args:
+            signum (int | None): The signal that asked, kept in ``stop_signal`` so that the
+                process can exit with ``128 + signum`` as shells expect (130 for Ctrl-C).
+        """
         self.stop_requested = True
+        self.stop_signal = signum
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
         if self.actors.metric_logger is not None and metrics:
@@ -588,6 +597,7 @@ class Orchestrator:
         if held:
             self.inflight.unscored.append(ray.put(held))
         final = self.checkpointer.save(self.state.step)
+        self.checkpointed_step = self.state.step
         self._log({"checkpoint/time (s)": time.perf_counter() - start}, self.state.step)
         log.info("saved checkpoint %s", final)
         return final
