@@ -9,10 +9,11 @@ The whole run, in order (each stage is a line of `recipe_main`):
 1. Build: the config arrives checked (``grpo run`` and ``python recipes/...`` check it before
    calling `recipe_main`); the datasets are built once, here, and the training set is shared
    by every collector; the run folder gets the resolved config.
-2. Set up: start the actors (metric logger, rollout queue, replay buffer, trainers (FSDP2
-   when there are several), reference actors, vLLM collectors), from a checkpoint's weights
-   if one is resumed, then restore the rest of it (step, policy version, held and buffered
-   groups).
+2. Set up: start Ray or join the cluster (``ray.address``), check that each role's actors fit
+   on its nodes, start the actors (metric logger, rollout queue, replay buffer, trainers
+   (FSDP2 when there are several), reference actors, vLLM collectors), from a checkpoint's
+   weights if one is resumed, then restore the rest of it (step, policy version, held and
+   buffered groups).
 3. Train: collectors generate groups onto the queue; reference actors score them into the
    buffer; trainers sample batches, pack and step; every ``weight_sync.every_n_steps`` steps
    the new weights go to every collector. Held-out accuracy is measured before the first
@@ -44,7 +45,7 @@ from grpo.evaluation import HeldOutEvaluator
 from grpo.models import load_tokenizer
 from grpo.observability.console import print_end, print_start, progress_bar, write_plots
 from grpo.observability.logs import is_verbose, logs_dir
-from grpo.orchestrator import Orchestrator, find_checkpoint, init_ray
+from grpo.orchestrator import Orchestrator, check_placement, find_checkpoint, init_ray
 from grpo.recipe import run_recipe_cli
 from grpo.workers.collector import build_environment
 
@@ -63,6 +64,7 @@ def recipe_main(cfg: RunConfig) -> dict:
     run_dir = prepare_run_dir(cfg)
     print_start(cfg, run_dir, datasets)
     init_ray(cfg)
+    check_placement(cfg)  # a role no node can host is refused here, not left waiting
     run = Orchestrator(
         cfg, run_dir, load_tokenizer(cfg.base_model_path), dataset=datasets["dataset"]
     )

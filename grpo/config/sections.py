@@ -6,9 +6,9 @@ An option lives in the section of the component that reads it. Imports: pydantic
 """
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from grpo.choices import (
     Aggregation,
@@ -21,6 +21,19 @@ from grpo.choices import (
     WeightUpdateMode,
 )
 from grpo.config.schema import COMPONENT_DEFAULT, Component, ComponentArgs, Section
+
+
+def _custom_resource_names(resources: dict[str, float]) -> dict[str, float]:
+    for name in resources:
+        if name in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise ValueError(f"{name!r} is set by num_cpus / num_gpus, not as a custom resource")
+    return resources
+
+
+ActorResources = Annotated[
+    dict[str, Annotated[float, Field(ge=0)]], AfterValidator(_custom_resource_names)
+]
+"""Ray custom resources of one actor: it starts only on a node that has them."""
 
 # --------------------------------------------------------------------------------------------
 # ray: and orchestration: (the driver)
@@ -132,6 +145,10 @@ class InferenceConfig(Section):
     """GPUs per collector actor."""
     num_cpus: float = Field(1, ge=0)
     """CPUs per collector actor."""
+    resources: ActorResources = Field(default_factory=dict)
+    """Ray custom resources per collector actor, e.g. {rollout_node: 1}: they start only on
+    nodes that have them (``ray start --resources='{"rollout_node": 4}'``), which places the
+    role on chosen nodes of a cluster. A resource no node has is refused at start."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,6 +175,10 @@ class RefConfig(Section):
     """GPUs per reference actor."""
     num_cpus: float = Field(1, ge=0)
     """CPUs per reference actor."""
+    resources: ActorResources = Field(default_factory=dict)
+    """Ray custom resources per reference actor, e.g. {trainer_node: 1}: they start only on
+    nodes that have them (``ray start --resources='{"trainer_node": 4}'``), which places the
+    role on chosen nodes of a cluster. A resource no node has is refused at start."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,6 +259,10 @@ class TrainingConfig(Section):
     """GPUs per training actor."""
     num_cpus: float = Field(1, ge=0)
     """CPUs per training actor."""
+    resources: ActorResources = Field(default_factory=dict)
+    """Ray custom resources per training actor, e.g. {trainer_node: 1}: they start only on
+    nodes that have them (``ray start --resources='{"trainer_node": 4}'``), which places the
+    role on chosen nodes of a cluster. A resource no node has is refused at start."""
 
 
 # --------------------------------------------------------------------------------------------

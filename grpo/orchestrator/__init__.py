@@ -33,7 +33,13 @@ from grpo.orchestrator.checkpointer import Checkpointer, find_checkpoint
 from grpo.orchestrator.ledger import InFlightLedger, ScoredBatch
 from grpo.orchestrator.loop import Orchestrator
 from grpo.orchestrator.state import RunState
-from grpo.orchestrator.supervisor import ActorSupervisor, Recovery, Role, init_ray
+from grpo.orchestrator.supervisor import (
+    ActorSupervisor,
+    Recovery,
+    Role,
+    check_placement,
+    init_ray,
+)
 from grpo.weights.sync import WeightSync
 
 __all__ = [
@@ -49,6 +55,7 @@ __all__ = [
     "ScoredBatch",
     "TrainingDivergedError",
     "WeightSync",
+    "check_placement",
     "find_checkpoint",
     "init_ray",
 ]

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from grpo.config import InstantiationError, RunConfig, locate
+from grpo.config import ConfigError, InstantiationError, RunConfig, locate
 from grpo.config.instantiate import keyword_names
 from grpo.errors import ActorFailedError
 from grpo.observability.logs import actor_log_path, is_verbose, logs_dir, with_output_to
@@ -63,9 +63,113 @@ def init_ray(cfg: RunConfig) -> None:
     ray.init(**kwargs)
 
 
-def _resources(section: Any) -> dict[str, float]:
-    """The Ray resources of an actor from its config section (``num_cpus``, ``num_gpus``)."""
-    return {"num_cpus": section.num_cpus, "num_gpus": section.num_gpus}
+def _resources(section: Any) -> dict[str, Any]:
+    """The Ray resources of an actor from its config section: ``num_cpus``, ``num_gpus`` and
+    its custom ``resources`` (which place it on the nodes that have them)."""
+    resources: dict[str, Any] = {"num_cpus": section.num_cpus, "num_gpus": section.num_gpus}
+    if section.resources:
+        resources["resources"] = dict(section.resources)
+    return resources
+
+
+# The roles whose actors the config places, with the key of their count.
+PLACED_ROLES = (
+    ("inference", "num_inference_workers"),
+    ("ref", "num_ref_workers"),
+    ("training", "num_training_workers"),
+)
+
+
+def actor_demand(section: Any) -> dict[str, float]:
+    """One actor's resources in Ray's node-resource names (``CPU``, ``GPU``, custom ones)."""
+    demand = {"CPU": float(section.num_cpus), "GPU": float(section.num_gpus)}
+    demand.update({name: float(amount) for name, amount in section.resources.items()})
+    return {name: amount for name, amount in demand.items() if amount > 0}
+
+
+def placement_problems(
+    nodes: list[dict[str, float]], demands: list[tuple[str, str, int, dict[str, float]]]
+) -> list[str]:
+    """What stops each role's actors from fitting on the cluster's nodes.
+
+    Ray waits forever for a node that can host an actor; a config that asks for a resource no
+    node has (a custom resource, a GPU on a CPU cluster) would hang there instead of failing.
+    Each role is checked alone: its actors must fit on the nodes' total resources.
+
+    Args:
+        nodes (list[dict[str, float]]): Total resources of each alive node (``ray.nodes()``).
+        demands (list[tuple[str, str, int, dict[str, float]]]): Per role: its config
+            section, the ``orchestration`` key of its count, the count, and `actor_demand`.
+
+    Returns:
+        list[str]: One ``key: what is wrong`` line per role that does not fit.
+
+    Example:
+        >>> placement_problems([{"CPU": 4}], [("training", "num_training_workers", 1,
+        ...     {"CPU": 1, "trainer_node": 1})])[0].split(":")[0]
+        'training.resources'
+    """
+    described = "; ".join(
+        "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(node.items()) if _shown(k)) + "}"
+        for node in nodes
+    )
+    problems = []
+    for section, count_key, count, demand in demands:
+        if count == 0 or not demand:
+            continue
+        missing = [name for name in demand if not any(node.get(name, 0) > 0 for node in nodes)]
+        if missing:
+            fields = {"CPU": "num_cpus", "GPU": "num_gpus"}
+            field_name = fields.get(missing[0], "resources") if len(missing) == 1 else "resources"
+            problems.append(
+                f"{section}.{field_name}: each {section} actor needs {_format(demand)}, but no "
+                f"node of the Ray cluster has {', '.join(missing)} (nodes: {described})"
+            )
+            continue
+        fits = sum(
+            int(min(node.get(name, 0) / amount + 1e-9 for name, amount in demand.items()))
+            for node in nodes
+        )
+        if fits < count:
+            problems.append(
+                f"orchestration.{count_key}: {count} {section} actors need {_format(demand)} "
+                f"each, but the Ray cluster's nodes fit {fits} (nodes: {described})"
+            )
+    return problems
+
+
+def _shown(resource: str) -> bool:
+    # Ray adds node:<ip> and memory entries to every node; they say nothing about placement.
+    return not resource.startswith("node:") and resource not in (
+        "memory",
+        "object_store_memory",
+    )
+
+
+def _format(demand: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in demand.items()) + "}"
+
+
+def check_placement(cfg: RunConfig) -> None:
+    """Refuse, before any actor starts, a config whose actors no node of the cluster can host.
+
+    Raises:
+        ConfigError: Naming each role that does not fit, what one actor needs and what the
+            nodes have.
+    """
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    demands = [
+        (
+            section,
+            count_key,
+            getattr(cfg.orchestration, count_key),
+            actor_demand(getattr(cfg, section)),
+        )
+        for section, count_key in PLACED_ROLES
+    ]
+    problems = placement_problems(nodes, demands)
+    if problems:
+        raise ConfigError(problems)
 
 
 class Role(enum.Enum):

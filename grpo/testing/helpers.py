@@ -82,7 +82,8 @@ def start_tiny_run(
     """Start every actor of a ``tiny_arithmetic_cpu`` run, without evaluation.
 
     For fault tests and drills that drive `Orchestrator.run` themselves and kill actors
-    meanwhile (see `kill_at_steps`). Starts a local Ray cluster if none is running.
+    meanwhile (see `kill_at_steps`). Starts a local Ray cluster if none is running (or joins
+    ``ray.address``), and checks the placement as ``grpo run`` does.
 
     Args:
         model_dir: HF folder of the model (e.g. `build_tiny_qwen2`'s).
@@ -95,7 +96,7 @@ def start_tiny_run(
     """
     from grpo.config import load_config
     from grpo.models import load_tokenizer
-    from grpo.orchestrator import Orchestrator, init_ray
+    from grpo.orchestrator import Orchestrator, check_placement, init_ray
 
     cfg = load_config(
         "tiny_arithmetic_cpu",
@@ -110,6 +111,7 @@ def start_tiny_run(
     )
     Path(run_dir).mkdir(parents=True)
     init_ray(cfg)
+    check_placement(cfg)
     tokenizer = load_tokenizer(model_dir)
     run = Orchestrator(cfg, Path(run_dir), tokenizer)
     run.start_actors(pad_token_id=tokenizer.pad_id)

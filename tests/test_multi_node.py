@@ -1,0 +1,134 @@
+"""Several Ray nodes on one machine (`ray.cluster_utils.Cluster`): roles placed on their nodes
+by custom resources, a run that joins the cluster through ``ray.address``, and placements no
+node can host refused before any actor starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+
+from grpo.cli import main as grpo_main
+from grpo.orchestrator import Role
+from grpo.orchestrator.supervisor import placement_problems
+from grpo.testing import RANDOM_MODEL_OVERRIDES, read_jsonl, start_tiny_run
+
+# ------------------------------------------------------------------------ the check, alone
+
+TRAINER = ("training", "num_training_workers")
+
+
+def test_a_resource_no_node_has_is_named_with_the_nodes():
+    nodes = [{"CPU": 2.0, "rollout_node": 1.0, "node:10.0.0.1": 1.0}, {"CPU": 4.0}]
+    (problem,) = placement_problems(nodes, [(*TRAINER, 1, {"CPU": 1.0, "learner": 1.0})])
+    assert problem.startswith("training.resources: each training actor needs {CPU: 1, learner: 1}")
+    assert "no node of the Ray cluster has learner" in problem
+    assert "(nodes: {CPU: 2, rollout_node: 1}; {CPU: 4})" in problem  # node:<ip> left out
+    (gpu,) = placement_problems(nodes, [(*TRAINER, 1, {"CPU": 1.0, "GPU": 1.0})])
+    assert gpu.startswith("training.num_gpus: ") and "has GPU" in gpu
+
+
+def test_actors_that_fit_only_on_too_few_nodes_are_counted():
+    nodes = [{"CPU": 2.0, "learner": 1.0}, {"CPU": 2.0, "learner": 1.0}, {"CPU": 8.0}]
+    demand = {"CPU": 1.0, "learner": 1.0}
+    assert placement_problems(nodes, [(*TRAINER, 2, demand)]) == []
+    (problem,) = placement_problems(nodes, [(*TRAINER, 3, demand)])
+    assert problem.startswith("orchestration.num_training_workers: 3 training actors need")
+    assert "the Ray cluster's nodes fit 2" in problem
+    # 0.5 CPU each: four fit on a 2-CPU node.
+    assert placement_problems([{"CPU": 2.0}], [(*TRAINER, 4, {"CPU": 0.5})]) == []
+    assert placement_problems([{"CPU": 2.0}], [(*TRAINER, 0, {"CPU": 9.0})]) == []
+
+
+# ------------------------------------------------------------------- a cluster of 2 nodes
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node for the collectors and a second node for the reference actor and trainer."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"rollout_node": 1}},
+    )
+    learner = cluster.add_node(num_cpus=3, resources={"learner_node": 2})
+    cluster.wait_for_nodes()
+    yield cluster, cluster.head_node.node_id, learner.node_id
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster.shutdown()
+
+
+PLACED = (
+    "inference.resources={rollout_node: 1}",
+    "ref.resources={learner_node: 1}",
+    "training.resources={learner_node: 1}",
+)
+
+
+def node_of(actor) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id()))
+
+
+@pytest.mark.slow
+def test_roles_run_on_their_nodes_and_checkpoint_into_the_run_folder(
+    cluster, tiny_model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    cluster, head, learner = cluster
+    run_dir = tmp_path / "run"
+    run = start_tiny_run(
+        tiny_model_dir,
+        run_dir,
+        2,
+        f"ray.address={cluster.address}",
+        "inference.max_generated_tokens=8",
+        "inference.batch_size=4",
+        "training.batch_size=32",
+        *PLACED,
+    )
+    try:
+        assert node_of(run.actors.actor(Role.COLLECTOR)) == head
+        assert node_of(run.actors.actor(Role.REF)) == learner
+        assert node_of(run.actors.actor(Role.TRAINER)) == learner
+        run.run()
+        saved = run.save_checkpoint()
+    finally:
+        run.shutdown()
+        ray.shutdown()
+    assert [r["step"] for r in read_jsonl(run_dir / "trained.jsonl")] == [1, 2]
+    assert saved == run_dir / "checkpoints" / "step_000002"
+    assert json.loads((saved / "state.json").read_text())["step"] == 2
+    assert (saved / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_placement_no_node_can_host_is_refused_before_actors_start(
+    cluster, tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    cluster, _, _ = cluster
+    run_dir = tmp_path / "run"
+    status = grpo_main(
+        [
+            *("run", "async_grpo", "--config", "tiny_arithmetic_cpu"),
+            f"base_model_path={tiny_model_dir}",
+            *RANDOM_MODEL_OVERRIDES,
+            f"output_dir={run_dir}",
+            f"ray.address={cluster.address}",
+            *PLACED[:2],
+            "training.resources={gpu_node: 1}",
+        ]
+    )
+    ray.shutdown()
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "training.resources: each training actor needs {CPU: 1, gpu_node: 1}" in err
+    assert "no node of the Ray cluster has gpu_node" in err and "Traceback" not in err
+    # No actor started: each writes its own log file in logs/ as it starts.
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["driver.log"]
+    assert not (run_dir / "metrics.jsonl").exists()
