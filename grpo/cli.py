@@ -35,6 +35,7 @@ from grpo.config import (
     list_configs,
     load_config,
     repo_root,
+    used_output_dir_problem,
 )
 from grpo.observability.logs import DriverLog
 from grpo.recipe import add_verbose_flag, run_recipe, split_overrides
@@ -143,7 +144,9 @@ def _run_cmd(args: argparse.Namespace) -> int:
 
 
 def _validate_cmd(args: argparse.Namespace) -> int:
-    load_config(args.config, args.overrides, check_components=True)
+    cfg = load_config(args.config, args.overrides, check_components=True)
+    if problem := used_output_dir_problem(cfg):  # what `grpo run` would refuse at start
+        raise ConfigError(problem)
     print("Config is well-formed!")
     return 0
 

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NoReturn
 
-from grpo.config import ConfigError, RunConfig, load_config
+from grpo.config import ConfigError, RunConfig, load_config, used_output_dir_problem
 from grpo.config.paths import move_run_aside
 from grpo.observability.logs import DriverLog
 
@@ -48,6 +48,8 @@ def run_recipe(
     with nullcontext(driver_log) if driver_log else DriverLog() as driver_log:
         try:
             cfg = load_config(config, overrides, check_components=True, import_components=True)
+            if problem := used_output_dir_problem(cfg):
+                raise ConfigError(problem)
             if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
                 moved = move_run_aside(Path(cfg.output_dir).expanduser().resolve())
                 if moved is not None:

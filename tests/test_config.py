@@ -548,9 +548,8 @@ def test_shipped_configs_validate_against_the_real_components(name, tmp_path):
     # ones, which this machine does not have.
     model_dir = make_fake_model_dir(tmp_path / "model", max_position_embeddings=32768)
     (model_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
-    cfg = compose_config(
-        name, [f"base_model_path={model_dir}", "ray.num_cpus=64", "ray.num_gpus=8"]
-    )
+    overrides = [f"base_model_path={model_dir}", f"output_dir={tmp_path / 'run'}"]
+    cfg = compose_config(name, [*overrides, "ray.num_cpus=64", "ray.num_gpus=8"])
     validate_config(cfg)
     # grpo validate reads the same components from their source, importing none of them.
     validate_config(cfg, import_components=False)

@@ -25,7 +25,7 @@ from grpo.config.instantiate import instantiate, locate
 from grpo.config.loading import compose_config, load_config
 from grpo.config.paths import configs_dir, find_config, list_configs, repo_root, resolve_path
 from grpo.config.reference import config_reference_markdown
-from grpo.config.run import RunConfig
+from grpo.config.run import RunConfig, used_output_dir_problem
 from grpo.config.schema import (
     COMPONENT_DEFAULT,
     REQUIRED,
@@ -59,6 +59,7 @@ __all__ = [
     "RayConfig",
     "RefConfig",
     "RunConfig",
+    "used_output_dir_problem",
     "Section",
     "TrainingConfig",
     "WeightSyncConfig",

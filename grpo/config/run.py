@@ -365,14 +365,6 @@ def _check_files(values: dict, problems: list[str]) -> None:
         if problem:
             problems.append(f"output_dir: {problem}")
     resume = values.get("resume_from_checkpoint")
-    if not resume and not values.get("overwrite_output_dir") and output_dir:
-        records = run_records(resolve_path(output_dir)) if isinstance(output_dir, str) else []
-        if records:
-            problems.append(
-                f"output_dir: {resolve_path(output_dir)} already holds a run "
-                f"({', '.join(records)}); continue it with resume_from_checkpoint=true, move it "
-                "aside with overwrite_output_dir=true, or choose another output_dir"
-            )
     if resume is True and isinstance(output_dir, str) and output_dir:
         try:
             find_checkpoint(resolve_path(output_dir), True)
@@ -451,3 +443,24 @@ def _check_model_config(folder: Path, values: dict, problems: list[str]) -> None
             f"{key}: {from_config[1]} exceeds the model's max_position_embeddings "
             f"({max_positions}) in {config_path}"
         )
+
+
+def used_output_dir_problem(cfg: RunConfig) -> str | None:
+    """Why a run of ``cfg`` may not start in its ``output_dir``, or None if it may.
+
+    A fresh run into a folder that holds a run (`grpo.config.paths.RUN_RECORDS`) would append
+    to its metrics, ledger and W&B history; it must resume that run or move it aside
+    (``overwrite_output_dir``). Checked when a run starts and by ``grpo validate``, not when a
+    config is only read.
+    """
+    if cfg.resume_from_checkpoint or cfg.overwrite_output_dir:
+        return None
+    folder = resolve_path(cfg.output_dir)
+    records = run_records(folder)
+    if not records:
+        return None
+    return (
+        f"output_dir: {folder} already holds a run ({', '.join(records)}); continue it with "
+        "resume_from_checkpoint=true, move it aside with overwrite_output_dir=true, or choose "
+        "another output_dir"
+    )
