@@ -5,6 +5,8 @@ node can host refused before any actor starts."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import ray
@@ -46,18 +48,17 @@ def test_actors_that_fit_only_on_too_few_nodes_are_counted():
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head node for the collectors and a second node for the reference actor and trainer."""
+    """A head node (the driver, the queue, buffer and metric logger), two generation nodes and
+    a node for the reference actor and trainer."""
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "resources": {"rollout_node": 1}},
-    )
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    rollout_nodes = [cluster.add_node(num_cpus=1, resources={"rollout_node": 1}) for _ in "ab"]
     learner = cluster.add_node(num_cpus=3, resources={"learner_node": 2})
     cluster.wait_for_nodes()
-    yield cluster, cluster.head_node.node_id, learner.node_id
+    yield cluster, rollout_nodes, learner
     if ray.is_initialized():
         ray.shutdown()
     cluster.shutdown()
@@ -71,39 +72,8 @@ PLACED = (
 
 
 def node_of(actor) -> str:
+    actor = getattr(actor, "actor", actor)  # the rollout queue's own actor
     return ray.get(actor.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id()))
-
-
-@pytest.mark.slow
-def test_roles_run_on_their_nodes_and_checkpoint_into_the_run_folder(
-    cluster, tiny_model_dir, tmp_path, monkeypatch
-):
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    cluster, head, learner = cluster
-    run_dir = tmp_path / "run"
-    run = start_tiny_run(
-        tiny_model_dir,
-        run_dir,
-        2,
-        f"ray.address={cluster.address}",
-        "inference.max_generated_tokens=8",
-        "inference.batch_size=4",
-        "training.batch_size=32",
-        *PLACED,
-    )
-    try:
-        assert node_of(run.actors.actor(Role.COLLECTOR)) == head
-        assert node_of(run.actors.actor(Role.REF)) == learner
-        assert node_of(run.actors.actor(Role.TRAINER)) == learner
-        run.run()
-        saved = run.save_checkpoint()
-    finally:
-        run.shutdown()
-        ray.shutdown()
-    assert [r["step"] for r in read_jsonl(run_dir / "trained.jsonl")] == [1, 2]
-    assert saved == run_dir / "checkpoints" / "step_000002"
-    assert json.loads((saved / "state.json").read_text())["step"] == 2
-    assert (saved / "model" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -132,3 +102,67 @@ def test_a_placement_no_node_can_host_is_refused_before_actors_start(
     # No actor started: each writes its own log file in logs/ as it starts.
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["driver.log"]
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_roles_run_on_their_nodes_and_a_lost_node_loses_nothing(
+    cluster, tiny_model_dir, tmp_path, monkeypatch
+):
+    """A run joins the cluster through ``ray.address``; each role starts on the nodes with its
+    resource. Then the generation node dies mid-run (its raylet and every process on it, the
+    collector's vLLM engine included): the collector is replaced on the other generation node,
+    the run finishes, no generated group is lost, none is trained twice, and the checkpoint
+    the trainer (on another node) writes lands in the run folder."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    cluster, rollout_nodes, learner = cluster
+    run_dir = tmp_path / "run"
+    num_steps = 8
+    run = start_tiny_run(
+        tiny_model_dir,
+        run_dir,
+        num_steps,
+        f"ray.address={cluster.address}",
+        "orchestration.stall_timeout_s=120",
+        "inference.max_generated_tokens=8",
+        "inference.batch_size=4",
+        "training.batch_size=32",
+        *PLACED,
+    )
+    removed = []
+    try:
+        first = node_of(run.actors.actor(Role.COLLECTOR))
+        (doomed,) = [node for node in rollout_nodes if node.node_id == first]
+        survivor = next(node.node_id for node in rollout_nodes if node is not doomed)
+        assert node_of(run.actors.actor(Role.REF)) == learner.node_id
+        assert node_of(run.actors.actor(Role.TRAINER)) == learner.node_id
+        # The coordination actors stay on the driver's node, so no other node takes them along.
+        driver_node = ray.get_runtime_context().get_node_id()
+        for role in (Role.ROLLOUT_QUEUE, Role.REPLAY_BUFFER):
+            assert node_of(run.actors.actor(role)) == driver_node, role
+
+        def remove_at_step_3() -> None:
+            deadline = time.monotonic() + 300
+            while run.state.step < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            cluster.remove_node(doomed, allow_graceful=False)
+            removed.append(doomed)
+
+        threading.Thread(target=remove_at_step_3, daemon=True).start()
+        state = run.run()
+        replacement = node_of(run.actors.actor(Role.COLLECTOR))
+        saved = run.save_checkpoint()
+    finally:
+        run.shutdown()
+        ray.shutdown()
+    assert removed and state.step == num_steps
+    assert [r.actor for r in run.recoveries] == ["collector[0]"]
+    assert replacement == survivor
+    scored = [sid for r in read_jsonl(run_dir / "scored.jsonl") for sid in r["sequence_ids"]]
+    trained = [sid for r in read_jsonl(run_dir / "trained.jsonl") for sid in r["sequence_ids"]]
+    numbers = sorted({int(sid.split("-")[1]) for sid in scored})
+    assert numbers == list(range(numbers[-1] + 1)), "a generated group was lost"
+    assert len(trained) == len(set(trained)) == num_steps * 32
+    assert set(trained) <= set(scored)
+    assert saved == run_dir / "checkpoints" / f"step_{num_steps:06d}"
+    assert json.loads((saved / "state.json").read_text())["step"] == num_steps
+    assert (saved / "model" / "model.safetensors").is_file()

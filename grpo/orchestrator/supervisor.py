@@ -72,6 +72,22 @@ def _resources(section: Any) -> dict[str, Any]:
     return resources
 
 
+def _on_driver_node() -> dict[str, Any]:
+    """Ray options that keep a coordination actor (rollout queue, replay buffer, metric logger)
+    on the driver's node.
+
+    They need no CPU of their own, so Ray would put them on any node, and a lost generation
+    node would take the queue with it. The run cannot outlive the driver's node anyway.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    driver_node = ray.get_runtime_context().get_node_id()
+    return {
+        "num_cpus": 0,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(driver_node, soft=False),
+    }
+
+
 # The roles whose actors the config places, with the key of their count.
 PLACED_ROLES = (
     ("inference", "num_inference_workers"),
@@ -317,11 +333,13 @@ class ActorSupervisor:
             if accepted is None or name in accepted:
                 node.setdefault(name, value)
         logger_cls = self._actor_class(logger_cls, "metric_logger")
-        self.metric_logger = ray.remote(num_cpus=0)(logger_cls).remote(**node)
+        self.metric_logger = ray.remote(**_on_driver_node())(logger_cls).remote(**node)
         return self.metric_logger
 
     def start_rollout_queue(self) -> RolloutQueue:
-        self.rollout_queue = RolloutQueue(maxsize=self.cfg.inference.queue_maxsize)
+        self.rollout_queue = RolloutQueue(
+            maxsize=self.cfg.inference.queue_maxsize, actor_options=_on_driver_node()
+        )
         return self.rollout_queue
 
     def start_replay_buffer(self) -> Any:
@@ -329,7 +347,7 @@ class ActorSupervisor:
 
         orchestration = self.cfg.orchestration
         actor_cls = self._actor_class(ReplayBufferActor, actor_name(Role.REPLAY_BUFFER))
-        self.replay_buffer = ray.remote(num_cpus=0)(actor_cls).remote(
+        self.replay_buffer = ray.remote(**_on_driver_node())(actor_cls).remote(
             capacity=orchestration.replay_buffer_size,
             max_policy_lag=orchestration.max_policy_lag,
             seed=self.cfg.seed,
