@@ -36,7 +36,6 @@ two block-sparse forms with a backward); ``"dense"`` anywhere as the simple refe
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -126,12 +125,7 @@ class VarlenMask:
         """
         plans = self.__dict__.setdefault("_sdpa_plans", {})  # not a field: eq and hash ignore it
         if device not in plans:
-            buckets, inverse = _varlen_buckets(self)
-            fields = [f.name for f in dataclasses.fields(_VarlenBucket)]
-            plans[device] = (
-                [_VarlenBucket(*(getattr(b, f).to(device) for f in fields)) for b in buckets],
-                inverse.to(device),
-            )
+            plans[device] = _varlen_buckets(self, device)
         return plans[device]
 
 
@@ -224,9 +218,12 @@ def _bucket_of(length: int) -> int:
     return max(16, 1 << (length - 1).bit_length())
 
 
-def _varlen_buckets(mask: VarlenMask) -> tuple[list[_VarlenBucket], torch.Tensor]:
-    """The batched-SDPA plan of ``mask``, and the permutation that puts the buckets' output
-    rows (bucket by bucket, block by block) back in packed order."""
+def _varlen_buckets(
+    mask: VarlenMask, device: torch.device
+) -> tuple[list[_VarlenBucket], torch.Tensor]:
+    """The batched-SDPA plan of ``mask`` on ``device`` (built on CPU, then moved), and the
+    permutation that puts the buckets' output rows (bucket by bucket, block by block) back in
+    packed order."""
     lens = torch.tensor(mask.block_lens)
     starts = lens.cumsum(0) - lens
     prefixes = torch.tensor(mask.prefix_blocks or (-1,) * len(mask.block_lens))
@@ -253,11 +250,12 @@ def _varlen_buckets(mask: VarlenMask) -> tuple[list[_VarlenBucket], torch.Tensor
         sees_own = (slots[None, None, :] <= slots[None, :, None]) & real[:, None, :]
         attn_mask = torch.cat([sees_prefix, sees_own], dim=2)[:, None]
         token_rows = real.flatten().nonzero().squeeze(1)
-        buckets.append(_VarlenBucket(query_index, key_index, attn_mask, token_rows))
+        parts = (query_index, key_index, attn_mask, token_rows)
+        buckets.append(_VarlenBucket(*(part.to(device) for part in parts)))
         order.append(query_index[real])
     inverse = torch.empty(mask.seq_len, dtype=torch.long)
     inverse[torch.cat(order)] = torch.arange(mask.seq_len)
-    return buckets, inverse
+    return buckets, inverse.to(device)
 
 
 # The block lengths differ in every pack: traced by dynamo they would be baked into the graph

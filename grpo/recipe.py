@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from grpo.config import ConfigError, RunConfig, load_config, used_output_dir_problem
-from grpo.config.paths import move_run_aside
+from grpo.config.paths import move_run_aside, resolve_path
 from grpo.observability.logs import DriverLog
 
 Recipe = Callable[[RunConfig], Any]
@@ -28,8 +28,8 @@ def run_recipe(
 
     Config problems are printed to stderr without a traceback; errors inside the recipe
     propagate. With ``overwrite_output_dir`` a run already in ``output_dir`` is moved aside
-    first (`grpo.config.paths.move_run_aside`). While it runs, this process's logging goes where the config's ``log_level``
-    says (`grpo.observability.logs.DriverLog`): ``<output_dir>/logs/driver.log``, and the terminal for the
+    first (`grpo.config.paths.move_run_aside`). While it runs, this process's logging goes
+    where the config's ``log_level`` says (`grpo.observability.logs.DriverLog`): ``<output_dir>/logs/driver.log``, and the terminal for the
     ``grpo`` logger's warnings (every logger's with ``log_level: debug``).
 
     Args:
@@ -51,7 +51,7 @@ def run_recipe(
             if problem := used_output_dir_problem(cfg):
                 raise ConfigError(problem)
             if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
-                moved = move_run_aside(Path(cfg.output_dir).expanduser().resolve())
+                moved = move_run_aside(resolve_path(cfg.output_dir))
                 if moved is not None:
                     print(f"Moved the earlier run in {cfg.output_dir} aside to {moved}")
             driver_log.start(cfg.output_dir, cfg.log_level)

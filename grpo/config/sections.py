@@ -250,8 +250,8 @@ class TrainingConfig(Section):
     """Parameter dtype."""
     mask_kind: MaskKind = "auto"
     """Attention of packed micro-batches: auto (flex on CUDA, varlen elsewhere), dense (an
-    [L, L] bool mask), varlen (each sequence attends alone, similar lengths batched; fastest on CPU) or flex
-    (FlexAttention BlockMask, O(L) memory; CUDA only for training)."""
+    [L, L] bool mask), varlen (each sequence attends alone, similar lengths batched; fastest
+    on CPU) or flex (FlexAttention BlockMask, O(L) memory; CUDA only for training)."""
     compile: bool = False
     """torch.compile each decoder layer (inductor); the first step pays the compile time.
     Varlen and flex attention run outside the compiled graphs."""
