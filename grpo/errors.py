@@ -13,3 +13,9 @@ class TrainingDivergedError(RuntimeError):
 class NoInformativeGroupsError(RuntimeError):
     """With ``ref.filter_zero_variance_groups``, every group for too long had equal
     rewards, so no training batch could be filled."""
+
+
+class TrainerDiedError(ActorFailedError):
+    """A trainer died: the driver restarts the trainers, and every actor that depends on their
+    state, from the latest checkpoint (`grpo.orchestrator.Orchestrator`) while its restart
+    budget lasts; past it, the run stops with this error."""

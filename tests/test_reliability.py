@@ -15,8 +15,16 @@ import torch
 from safetensors.torch import load_file
 
 from grpo.cli import main as grpo_main
+from grpo.observability.metrics import records_after_rewinds
 from grpo.orchestrator import ActorFailedError, Orchestrator, TrainingDivergedError
-from grpo.testing import RANDOM_MODEL_OVERRIDES, kill_at_steps, read_jsonl, start_tiny_run
+from grpo.testing import (
+    RANDOM_MODEL_OVERRIDES,
+    assert_same_training_state,
+    gathered_training_state,
+    kill_at_steps,
+    read_jsonl,
+    start_tiny_run,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -189,9 +197,90 @@ def test_checkpoint_replaces_actors_that_died_between_calls(
     assert not set(unscored) & scored
 
 
-def test_dead_trainer_stops_the_run_naming_it(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
+def training_state(run: Orchestrator) -> dict:
+    """Trainer rank 0's whole model and optimizer state, gathered in its process."""
+    return ray.get(run.trainers[0].__ray_call__.remote(gathered_training_state))
+
+
+def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
+    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+):
+    """A trainer killed after step 3 (checkpoints every 2 steps): the run restarts from step
+    2's checkpoint by itself, the restored weights and AdamW state are the checkpoint's, and
+    the run it finishes is the one it would have been undisturbed (synchronous, so exactly):
+    the same trajectories trained at the same steps, losses and final weights."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    run = start_run(tiny_model_dir, tmp_path / "run", 200)
+    straight_dir, restarted_dir = tmp_path / "straight", tmp_path / "restarted"
+    overrides = [
+        o
+        for o in deterministic_overrides(tiny_model_dir, straight_dir, 5)
+        if not o.startswith(("base_model_path=", "output_dir=", "orchestration.num_steps="))
+    ]
+
+    straight = start_tiny_run(tiny_model_dir, straight_dir, 5, *overrides)
+    states_at: dict[int, dict] = {}
+    try:
+        straight.run(
+            on_step=lambda state: states_at.setdefault(state.step, training_state(straight))
+        )
+        straight.save_final_checkpoint()
+    finally:
+        straight.shutdown()
+        ray.shutdown()
+
+    run = start_tiny_run(tiny_model_dir, restarted_dir, 5, *overrides)
+    restored: list[dict] = []
+    restart = run._restart_from_checkpoint
+
+    def restart_and_look(error):
+        restart(error)
+        restored.append({"step": run.state.step, **training_state(run)})
+
+    run._restart_from_checkpoint = restart_and_look
+    kill_at_steps(run, [(3, "trainer[0]")])
+    try:
+        state = run.run()
+        run.save_final_checkpoint()
+    finally:
+        run.shutdown()
+
+    assert state.step == 5
+    assert [r.actor for r in run.recoveries] == ["trainer[0]"]
+    assert run.recoveries[0].seconds_to_work is not None
+    # Back at step 2 with exactly the checkpoint's weights, AdamW moments and step counts.
+    assert [r["step"] for r in restored] == [2]
+    assert_same_training_state(restored[0], states_at[2])
+    assert run.steps_redone >= 1
+    # The ledger marks the rewind; what stands is the undisturbed run's ledger.
+    records = read_jsonl(restarted_dir / "trained.jsonl")
+    assert [r["rewound_to"] for r in records if "rewound_to" in r] == [2]
+    standing = records_after_rewinds(records)
+    assert [r["step"] for r in standing] == [1, 2, 3, 4, 5]
+    assert [r["sequence_ids"] for r in standing] == [
+        r["sequence_ids"] for r in read_jsonl(straight_dir / "trained.jsonl")
+    ]
+    # The redone steps' losses (the last logged for each step) and the final weights match.
+    straight_losses, restarted_losses = losses(straight_dir), losses(restarted_dir)
+    assert sorted(restarted_losses) == [1, 2, 3, 4, 5]
+    for step, value in straight_losses.items():
+        assert restarted_losses[step] == pytest.approx(value, rel=1e-6, abs=1e-9)
+    final_straight = load_file(straight_dir / "final" / "model.safetensors")
+    final_restarted = load_file(restarted_dir / "final" / "model.safetensors")
+    for name, tensor in final_straight.items():
+        torch.testing.assert_close(final_restarted[name], tensor, rtol=1e-6, atol=1e-7)
+    restarts = [
+        r["faults/steps_redone"]
+        for r in read_jsonl(restarted_dir / "metrics.jsonl")
+        if "faults/steps_redone" in r
+    ]
+    assert restarts == [float(run.steps_redone)]
+
+
+def test_dead_trainer_past_the_restart_budget_stops_the_run_naming_it(
+    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run = start_run(tiny_model_dir, tmp_path / "run", 200, "orchestration.max_actor_restarts=0")
     killed = kill_at_steps(run, [(1, "trainer[0]")])
     try:
         with pytest.raises(ActorFailedError) as error:
@@ -200,8 +289,9 @@ def test_dead_trainer_stops_the_run_naming_it(tiny_model_dir, tmp_path, monkeypa
     finally:
         run.shutdown()
     # Noticed in a training step ("trainer[0] died") or in the weight gather after one
-    # ("trainer[0] weight gather failed, an actor died").
-    assert "trainer[0]" in str(error.value) and "died" in str(error.value)
+    # ("trainer[0] died during trainer weight gather").
+    assert "trainer[0] died" in str(error.value)
+    assert "max_actor_restarts=0" in str(error.value)
     assert "resume from the start (no checkpoint saved yet)" in str(error.value)
     # It names where the actors' own output is (their files in the run's logs folder).
     assert str(tmp_path / "run" / "logs") in str(error.value)

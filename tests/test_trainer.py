@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo.loss import GRPOWithChunkedOutputLoss
-from grpo.testing import gathered_training_state
+from grpo.testing import assert_same_training_state, gathered_training_state
 from grpo.types import ScoredTrajectory
 from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
 
@@ -215,15 +215,6 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(tiny_model_dir, mask_
         eager["train_actor_training/grad_norm"], rel=1e-5
     )
     assert_same_update(before, weights_eager, weights_compiled, rtol=1e-5)
-
-
-def assert_same_training_state(actual: dict, expected: dict) -> None:
-    assert actual["steps_run"] == expected["steps_run"]
-    torch.testing.assert_close(actual["model"], expected["model"], rtol=0, atol=0)
-    torch.testing.assert_close(
-        actual["optimizer"]["state"], expected["optimizer"]["state"], rtol=0, atol=0
-    )
-    assert actual["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
 
 
 @pytest.mark.slow

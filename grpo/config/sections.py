@@ -91,7 +91,8 @@ class OrchestrationConfig(Section):
     max_actor_restarts: int = Field(3, ge=0)
     """Times each collector, reference actor and the replay buffer may be restarted after dying
     (their work is rebuilt, nothing is lost); one more death stops the run with a checkpoint.
-    Trainers are never restarted."""
+    The trainers, together, may die this many times too: each time the run restarts from its
+    latest checkpoint and redoes the steps after it."""
     max_nonfinite_steps_in_a_row: int = Field(3, ge=1)
     """A step whose loss or gradient norm is not finite is skipped (weights and optimizer
     untouched) and counted; this many in a row stop the run with a checkpoint."""
@@ -101,7 +102,11 @@ class CheckpointConfig(Section):
     """Checkpoints."""
 
     save_every_n_steps: int | None = Field(None, ge=1)
-    """Checkpoint every N steps; null: only at the end."""
+    """Checkpoint every N steps; null: by time only (save_every_n_minutes). A run always saves
+    one at its end."""
+    save_every_n_minutes: float | None = Field(30.0, gt=0)
+    """Checkpoint at the first step boundary after this many minutes since the last one (or
+    the start); null: by steps only. A dead trainer costs the steps since the last one."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -186,9 +186,43 @@ class RunLedger:
             },
         )
 
+    def rewound(self, step: int, from_step: int) -> None:
+        """Record that the run went back to the checkpoint of ``step`` (a trainer died at
+        ``from_step``): the steps after it are redone, and their earlier records no longer
+        describe the weights that go on (`records_after_rewinds` leaves them out)."""
+        record = {"rewound_to": step, "from_step": from_step}
+        self._write(self.scored_file, record)
+        self._write(self.trained_file, record)
+
     def close(self) -> None:
         self.scored_file.close()
         self.trained_file.close()
+
+
+def records_after_rewinds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of ``trained.jsonl`` that the final weights stand on.
+
+    A rewind marker (`RunLedger.rewound`) drops the records of every step after the one it
+    went back to that came before it: those steps were redone. What remains names each
+    trained trajectory once in a run that went well.
+
+    Args:
+        records (list[dict]): The file's records in order (`grpo.testing.read_jsonl`).
+
+    Returns:
+        list[dict]: The step records that stand, in order, markers left out.
+
+    Example:
+        >>> records_after_rewinds([{"step": 1}, {"step": 2}, {"rewound_to": 1}, {"step": 2}])
+        [{'step': 1}, {'step': 2}]
+    """
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        if "rewound_to" in record:
+            kept = [r for r in kept if r["step"] <= record["rewound_to"]]
+        else:
+            kept.append(record)
+    return kept
 
 
 def debug_tables(

@@ -3,7 +3,9 @@
 Generation, reference scoring and training overlap, and a dead actor surfaces at once
 (`ray.wait`) instead of as a hang. Each kind of call has one handler (`CallKind` -> bound
 method in `Orchestrator._handlers`), and one way to be redone after its actor was replaced
-(`Orchestrator._redo`). The policy version is tracked in one place, `RunState.policy_version`,
+(`Orchestrator._redo`). A dead trainer takes the policy and optimizer state with it; the loop
+then restarts the pipeline from the latest checkpoint and redoes the steps after it
+(`Orchestrator._restart_from_checkpoint`). The policy version is tracked in one place, `RunState.policy_version`,
 set only from the trainer's weight payload (`Orchestrator._sync_weights`); stale data is
 dropped in one place, the replay buffer (see `grpo.orchestrator.ledger`).
 
@@ -24,7 +26,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from grpo.config import RunConfig
-from grpo.errors import ActorFailedError, TrainingDivergedError
+from grpo.config.paths import CHECKPOINTS_DIR, LATEST_FILE
+from grpo.errors import ActorFailedError, TrainerDiedError, TrainingDivergedError
 from grpo.observability.metric_names import ratio_metrics
 from grpo.observability.metrics import (
     RunLedger,
@@ -32,7 +35,7 @@ from grpo.observability.metrics import (
     step_metrics,
     step_time_breakdown,
 )
-from grpo.orchestrator.checkpointer import Checkpointer
+from grpo.orchestrator.checkpointer import Checkpointer, find_checkpoint
 from grpo.orchestrator.group_counts import GroupCounts
 from grpo.orchestrator.ledger import InFlightLedger
 from grpo.orchestrator.state import Call, CallKind, RunState
@@ -80,14 +83,16 @@ class Orchestrator:
             Role.REPLAY_BUFFER: self._refill_replay_buffer,
         }
         self.inflight = InFlightLedger()
-        self.weights = WeightSync(
-            self.actors.get_all,
-            wait_for_receipt=cfg.orchestration.synchronous,
-            config=cfg.weight_sync,
-        )
+        self.weights = self._new_weight_sync()
         self.checkpointer = Checkpointer(
             self.run_dir, self.state, [self.actors, self.inflight], self._save_trainers
         )
+        # Where the actors started from (a resumed checkpoint, or None: the base model), their
+        # pad id, and the steps redone after trainer restarts (see _restart_from_checkpoint).
+        self.start_checkpoint: Path | None = None
+        self._pad_token_id = 0
+        self.steps_redone = 0
+        self._saved_at = time.monotonic()  # of the last checkpoint, or the start
         self.synchronous = cfg.orchestration.synchronous
         self.stop_requested = False
         self.stop_signal: int | None = None
@@ -124,6 +129,13 @@ class Orchestrator:
             cfg.orchestration.stall_timeout_s,
         )
 
+    def _new_weight_sync(self) -> WeightSync:
+        return WeightSync(
+            self.actors.get_all,
+            wait_for_receipt=self.cfg.orchestration.synchronous,
+            config=self.cfg.weight_sync,
+        )
+
     # The current actors (replacements included), for the recipe, evaluation and tests.
     collectors = property(lambda self: self.actors.collectors)
     ref_actors = property(lambda self: self.actors.ref_actors)
@@ -147,6 +159,7 @@ class Orchestrator:
             checkpoint_dir (Path | None): A checkpoint to resume from (`find_checkpoint`):
                 trainers and collectors start from its weights; `restore` loads the rest.
         """
+        self.start_checkpoint, self._pad_token_id = checkpoint_dir, pad_token_id
         self.actors.start_all(pad_token_id, checkpoint_dir)
 
     def restore(self, checkpoint_dir: Path) -> None:
@@ -381,27 +394,15 @@ class Orchestrator:
         eval_every = cfg.eval_every_n_steps or 0
         if evaluate is not None and self.state.step == 0:
             self.state.eval_history.append((0, evaluate(0)))
+        self._saved_at = time.monotonic()
 
         while self.state.step < num_steps and not self.stop_requested:
-            step_start = time.perf_counter()
-            self._busy = dict.fromkeys(self._busy, 0.0)
-            if self.synchronous:
-                batch_ref, summary, waited = self._next_batch_synchronously()
-            else:
-                batch_ref, summary, waited = self._next_batch_asynchronously()
-            if summary is None:
-                break  # stop requested while waiting
-            metrics = self._train(batch_ref, summary, waited)
-            self._after_train_step(
-                metrics, batch_ref, summary, cfg.weight_sync.every_n_steps, step_start
-            )
-            step = self.state.step
-            if evaluate is not None and eval_every and step % eval_every == 0:
-                self.state.eval_history.append((step, evaluate(step)))
-            self._stop_if_failing(metrics)
-            save_every = cfg.checkpoint.save_every_n_steps
-            if save_every and step % save_every == 0:
-                self.save_checkpoint()
+            try:
+                if not self._step(evaluate, eval_every):
+                    break  # stop requested while waiting
+            except TrainerDiedError as error:
+                self._restart_from_checkpoint(error)
+                continue
             if on_step is not None:
                 on_step(self.state)
 
@@ -409,6 +410,86 @@ class Orchestrator:
         if evaluate is not None and done and (not eval_every or num_steps % eval_every):
             self.state.eval_history.append((num_steps, evaluate(num_steps)))
         return self.state
+
+    def _step(self, evaluate: Any, eval_every: int) -> bool:
+        """One training step, its weight sync, evaluation and checkpoint.
+
+        Returns:
+            bool: False if a stop was requested before a batch was there.
+        """
+        cfg = self.cfg
+        step_start = time.perf_counter()
+        self._busy = dict.fromkeys(self._busy, 0.0)
+        if self.synchronous:
+            batch_ref, summary, waited = self._next_batch_synchronously()
+        else:
+            batch_ref, summary, waited = self._next_batch_asynchronously()
+        if summary is None:
+            return False
+        metrics = self._train(batch_ref, summary, waited)
+        self._after_train_step(
+            metrics, batch_ref, summary, cfg.weight_sync.every_n_steps, step_start
+        )
+        step = self.state.step
+        if evaluate is not None and eval_every and step % eval_every == 0:
+            self.state.eval_history.append((step, evaluate(step)))
+        self._stop_if_failing(metrics)
+        if self._checkpoint_due(step):
+            self.save_checkpoint()
+        return True
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """Every ``checkpoint.save_every_n_steps`` steps, or ``save_every_n_minutes`` after
+        the last checkpoint (or the start of the loop)."""
+        every_steps = self.cfg.checkpoint.save_every_n_steps
+        every_minutes = self.cfg.checkpoint.save_every_n_minutes
+        if every_steps and step % every_steps == 0:
+            return True
+        return bool(every_minutes) and time.monotonic() - self._saved_at >= 60 * every_minutes
+
+    def _restart_from_checkpoint(self, error: TrainerDiedError) -> None:
+        """After a trainer died: start every actor but the metric logger again from the
+        latest checkpoint (or from where the run started) and go on from its step.
+
+        The run then is the run that would have continued from that checkpoint: the same
+        stream positions, buffered and held groups, policy version and weights. Steps after it
+        are redone with newly generated trajectories; what the lost steps trained on is
+        discarded with the weights that learned from it, and the run ledger marks the rewind
+        (`RunLedger.rewound`), so each trajectory counts once in the weights that go on.
+
+        Raises:
+            ActorFailedError: The trainers died more than ``max_actor_restarts`` times.
+        """
+        recovery = self.actors.trainer_died(error)
+        died_at = self.state.step
+        saved_one = (self.run_dir / CHECKPOINTS_DIR / LATEST_FILE).is_file()
+        checkpoint = find_checkpoint(self.run_dir, True) if saved_one else self.start_checkpoint
+        self._calls.clear()
+        self._idle_ref_slots.clear()
+        self._waiting_since.clear()
+        self._waited.clear()
+        self._sampled, self._train_results = None, {}
+        self.inflight = InFlightLedger()
+        self.checkpointer.pipeline = [self.actors, self.inflight]
+        self.weights = self._new_weight_sync()
+        self.actors.restart_pipeline(self._pad_token_id, checkpoint)
+        if checkpoint is not None:
+            self.restore(checkpoint)
+        else:
+            self.state.step = self.state.policy_version = 0
+            self.state.eval_history = [e for e in self.state.eval_history if e[0] == 0]
+            self.checkpointed_step = None
+        self.steps_redone += died_at - self.state.step
+        self.run_ledger.rewound(self.state.step, died_at)
+        recovery.seconds = time.perf_counter() - recovery.started
+        self.actors.record_recovery(recovery)
+        self._log({"faults/steps_redone": float(self.steps_redone)}, self.state.step)
+        log.warning(
+            "restarted from %s at step %d (%d steps to redo)",
+            checkpoint or "the start",
+            self.state.step,
+            died_at - self.state.step,
+        )
 
     def _stop_if_failing(self, metrics: dict[str, Any]) -> None:
         """Checkpoint and raise after an actor used up its restarts, or the loss diverged."""
@@ -598,6 +679,7 @@ class Orchestrator:
             self.inflight.unscored.append(ray.put(held))
         final = self.checkpointer.save(self.state.step)
         self.checkpointed_step = self.state.step
+        self._saved_at = time.monotonic()
         self._log({"checkpoint/time (s)": time.perf_counter() - start}, self.state.step)
         log.info("saved checkpoint %s", final)
         return final

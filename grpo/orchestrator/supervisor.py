@@ -6,7 +6,9 @@ each collector reached after its last finished batch, and the names that errors 
 (``collector[0]``, ``ref_actor[1]``, ``replay_buffer``, ``trainer[0]``). A collector,
 reference actor or replay buffer that dies is replaced; what the new one needs to catch up
 is done by the hook given for its role (`on_replaced`). A trainer holds the policy and
-optimizer state and the rollout queue holds groups, so their death stops the run.
+optimizer state, so its death raises `TrainerDiedError`, which the loop answers by restarting
+the pipeline from the latest checkpoint (`restart_pipeline`); the rollout queue holds groups,
+so its death stops the run.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from grpo.config import ConfigError, InstantiationError, RunConfig, locate
 from grpo.config.instantiate import keyword_names
-from grpo.errors import ActorFailedError
+from grpo.errors import ActorFailedError, TrainerDiedError
 from grpo.observability.logs import actor_log_path, is_verbose, logs_dir, with_output_to
 from grpo.observability.metric_logger import DEFAULT_METRIC_LOGGER
 from grpo.orchestrator.checkpointer import latest_checkpoint_text
@@ -299,6 +301,10 @@ class ActorSupervisor:
     def start_all(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> None:
         """Start every actor, in order; trainers and collectors from ``checkpoint_dir``."""
         self.start_metric_logger()
+        self.start_pipeline(pad_token_id, checkpoint_dir)
+
+    def start_pipeline(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> None:
+        """Start every actor but the metric logger, in order (see `start_all`)."""
         self.start_rollout_queue()
         self.start_replay_buffer()
         self.start_trainers(pad_token_id=pad_token_id, checkpoint_dir=checkpoint_dir)
@@ -462,6 +468,9 @@ class ActorSupervisor:
         try:
             return ray.get(refs)
         except RayActorError as error:
+            dead_trainer = self.dead_trainer()
+            if dead_trainer is not None:
+                raise TrainerDiedError(f"{dead_trainer} died during {what}: {error}") from error
             raise ActorFailedError(
                 f"{what or 'an actor'} failed, an actor died ({error}){self.output_hint()}: "
                 "resume from "
@@ -510,11 +519,8 @@ class ActorSupervisor:
         """
         name = actor_name(role, index)
         if role is Role.TRAINER:
-            raise ActorFailedError(
-                f"{name} died ({error}){self.output_hint(name)}; trainers hold the policy and "
-                "optimizer state and are not restarted: resume from "
-                f"{latest_checkpoint_text(self.run_dir)}"
-            )
+            # The policy and optimizer state died with it: the loop rewinds to a checkpoint.
+            raise TrainerDiedError(f"{name} died ({error}){self.output_hint(name)}")
         if role is Role.ROLLOUT_QUEUE:
             raise ActorFailedError(
                 f"rollout_queue died ({error}); the groups in it are lost: resume from "
@@ -547,15 +553,74 @@ class ActorSupervisor:
         if hook is not None:
             hook(index, new)
         recovery.seconds = time.perf_counter() - recovery.started
+        self.record_recovery(recovery)
+
+    def record_recovery(self, recovery: Recovery) -> None:
+        """Keep and log a finished replacement; its first result back ends it (`returned`)."""
         self.recoveries.append(recovery)
-        self.recovering[name] = recovery
+        self.recovering[recovery.actor] = recovery
         self.log_metrics(
             {
                 "faults/actor_restarts": float(len(self.recoveries)),
                 "faults/time_recovering (s)": recovery.seconds,
             },
-            step,
+            recovery.step,
         )
+
+    def dead_trainer(self) -> str | None:
+        """The name of a trainer that is dead, or None if every trainer answers.
+
+        A failed ``ray.get`` over many actors' calls does not say whose actor died; the
+        trainers are asked directly (a dead actor's call fails at once).
+        """
+        for rank, trainer in enumerate(self.trainers):
+            try:
+                ray.get(trainer.__ray_ready__.remote(), timeout=30)
+            except (RayActorError, ray.exceptions.GetTimeoutError):
+                return actor_name(Role.TRAINER, rank)
+        return None
+
+    def trainer_died(self, error: TrainerDiedError) -> Recovery:
+        """Count a trainer's death against the restart budget of the trainer group.
+
+        Returns:
+            Recovery: The record of this restart (the caller times it).
+
+        Raises:
+            ActorFailedError: The trainers died more than ``max_actor_restarts`` times; the
+                message names the checkpoint to resume from.
+        """
+        restarts = self.restarts.get("trainers", 0) + 1
+        if restarts > self.max_actor_restarts:
+            raise ActorFailedError(
+                f"{error}; the trainers died {restarts} times (orchestration.max_actor_restarts="
+                f"{self.max_actor_restarts}): resume from {latest_checkpoint_text(self.run_dir)}"
+            ) from error
+        self.restarts["trainers"] = restarts
+        log.warning("%s; restarting the run from its latest checkpoint", error)
+        # Named after rank 0, whose first finished step ends the recovery (`returned`).
+        return Recovery(actor_name(Role.TRAINER, 0), self.current_step(), 0.0, str(error))
+
+    def restart_pipeline(self, pad_token_id: int, checkpoint_dir: Path | None) -> None:
+        """End every actor but the metric logger and start them again from ``checkpoint_dir``.
+
+        What a dead trainer held (policy, optimizer state) is gone, so everything that moved
+        on from the checkpoint with it goes too: collectors (their weights and stream
+        positions), reference actors, the buffer and the queue (groups of the lost steps).
+        The metric logger lives on, so the run keeps one log and one W&B run.
+
+        Args:
+            pad_token_id (int): The tokenizer's pad id (for the trainers' packing).
+            checkpoint_dir (Path | None): Where to start from; None: the base model.
+        """
+        for actor in [*self.collectors, *self.ref_actors, *self.trainers, self.replay_buffer]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        if self.rollout_queue is not None:
+            self.rollout_queue.shutdown(force=True)
+        self.recovering.clear()
+        self.collector_model_dir = str(self.cfg.base_model_path)
+        self.start_pipeline(pad_token_id, checkpoint_dir)
 
     # ------------------------------------------------------------------ Stateful
 

@@ -17,6 +17,7 @@ Example:
 from grpo.testing.helpers import (
     RANDOM_MODEL_OVERRIDES,
     NonFiniteLoss,
+    assert_same_training_state,
     gathered_training_state,
     kill_at_steps,
     read_jsonl,
@@ -68,6 +69,7 @@ __all__ = [
     "TINY_LLAMA_ROPE_SCALING",
     "TOKENIZER_FILES",
     "NonFiniteLoss",
+    "assert_same_training_state",
     "build_tiny_llama",
     "build_tiny_qwen2",
     "build_tiny_qwen3",

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from grpo.errors import ActorFailedError
+from grpo.errors import ActorFailedError, TrainerDiedError
 from grpo.weights.base import WeightTransport
 from grpo.weights.channel import (
     RECEIVER_RANK,
@@ -237,7 +237,10 @@ class CollectiveTransport(WeightTransport):
             raise ActorFailedError(f"{name} failed to receive weights: {error}") from error
         try:
             ray.get(sent)
-        except (RayActorError, RayTaskError) as error:
+        except RayActorError as error:
+            self._channels.pop(key, None)
+            raise TrainerDiedError(f"trainer[0] died sending weights to {name}: {error}") from error
+        except RayTaskError as error:
             self._channels.pop(key, None)
             raise ActorFailedError(
                 f"trainer[0] failed to send weights to {name}: {error}"
