@@ -54,6 +54,8 @@ _GROUPS_PER_REF_CALL = 4
 # Most seconds one sample call waits inside the buffer for a batch before it returns empty and
 # is asked again. Short enough that a buffer that died or a stop is noticed soon.
 _SAMPLE_WAIT_S = 5.0
+# Tries at starting the actors again after a trainer died (see _restart_from_checkpoint).
+_RESTART_ATTEMPTS = 3
 
 
 class Orchestrator:
@@ -438,6 +440,20 @@ class Orchestrator:
             self.save_checkpoint()
         return True
 
+    def _start_from(self, checkpoint: Path | None) -> None:
+        """Start every actor but the metric logger from ``checkpoint`` (None: the run's start)
+        and load its state; the driver's in-flight state starts empty."""
+        self.inflight = InFlightLedger()
+        self.checkpointer.pipeline = [self.actors, self.inflight]
+        self.weights = self._new_weight_sync()
+        self.actors.restart_pipeline(self._pad_token_id, checkpoint)
+        if checkpoint is not None:
+            self.restore(checkpoint)
+        else:
+            self.state.step = self.state.policy_version = 0
+            self.state.eval_history = [e for e in self.state.eval_history if e[0] == 0]
+            self.checkpointed_step = None
+
     def _checkpoint_due(self, step: int) -> bool:
         """Every ``checkpoint.save_every_n_steps`` steps, or ``save_every_n_minutes`` after
         the last checkpoint (or the start of the loop)."""
@@ -469,16 +485,17 @@ class Orchestrator:
         self._waiting_since.clear()
         self._waited.clear()
         self._sampled, self._train_results = None, {}
-        self.inflight = InFlightLedger()
-        self.checkpointer.pipeline = [self.actors, self.inflight]
-        self.weights = self._new_weight_sync()
-        self.actors.restart_pipeline(self._pad_token_id, checkpoint)
-        if checkpoint is not None:
-            self.restore(checkpoint)
-        else:
-            self.state.step = self.state.policy_version = 0
-            self.state.eval_history = [e for e in self.state.eval_history if e[0] == 0]
-            self.checkpointed_step = None
+        for attempt in range(1, _RESTART_ATTEMPTS + 1):
+            try:
+                self._start_from(checkpoint)
+                break
+            except ActorFailedError as failure:
+                # A new actor placed on a node that was dying (Ray marks a lost node dead
+                # some seconds after its processes die) dies too: start them all again.
+                if attempt == _RESTART_ATTEMPTS:
+                    raise
+                log.warning("restart attempt %d failed (%s); trying again", attempt, failure)
+                time.sleep(2.0 * attempt)
         self.steps_redone += died_at - self.state.step
         self.run_ledger.rewound(self.state.step, died_at)
         recovery.seconds = time.perf_counter() - recovery.started

@@ -612,10 +612,17 @@ class ActorSupervisor:
         Args:
             pad_token_id (int): The tokenizer's pad id (for the trainers' packing).
             checkpoint_dir (Path | None): Where to start from; None: the base model.
+
+        Raises:
+            ActorFailedError: The nodes left cannot host a role's actors.
         """
         for actor in [*self.collectors, *self.ref_actors, *self.trainers, self.replay_buffer]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
+        try:
+            check_placement(self.cfg)  # a lost node may have been the last that fit a role
+        except ConfigError as error:
+            raise ActorFailedError(f"cannot restart the run's actors: {error}") from error
         if self.rollout_queue is not None:
             self.rollout_queue.shutdown(force=True)
         self.recovering.clear()
