@@ -4,7 +4,9 @@ Data between actors moves as ObjectRefs the driver owns and never fetches: group
 the rollout queue go to a reference actor, its scored groups to the replay buffer, the
 buffer's sample to every trainer (each takes its share). Holding those references is what
 lets the driver replace a dead collector, reference actor or buffer and redo its work with
-nothing lost. The parts, none of which knows the orchestrator:
+nothing lost. A dead trainer takes the policy with it: the loop restarts every actor from the
+latest checkpoint and redoes the steps after it. The parts, none of which knows the
+orchestrator:
 
 - `supervisor`: `ActorSupervisor` starts every actor, names it, replaces a dead one within
   the restart budget (``orchestration.max_actor_restarts``), and asks idle actors for state.
