@@ -177,6 +177,21 @@ def test_sampling_is_seeded_and_resumes_exactly(collector):
         collector.load_state_dict({**state, "worker_id": 1})
 
 
+def test_a_restored_collector_labels_its_samples_with_the_restored_version(collector):
+    """A resumed run, or one restarted from a checkpoint after a trainer died, starts its
+    collectors from the checkpoint's weights and version: their samples must carry that
+    version, or the buffer drops them all as stale and no batch ever fills."""
+    state = collector.state_dict()
+    try:
+        collector.load_state_dict({**state, "policy_version": 7})
+        collector.generate_batch(1)
+        (group,) = drain(collector.rollout_queue, 1)
+        versions = {(t.policy_version, t.last_policy_version) for t in group.trajectories}
+        assert versions == {(7, 7)}
+    finally:
+        collector.load_state_dict(state)
+
+
 def test_two_workers_read_disjoint_shards(collectors, dataset):
     prompts_by_worker, group_ids_by_worker = [], []
     for worker in collectors:

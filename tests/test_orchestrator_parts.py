@@ -153,3 +153,54 @@ def test_step_time_breakdown_uses_what_the_weight_sync_reports():
     parts = step_time_breakdown(1.0, 0.3, 0.5, {}, 0.0, 0.0, 0.0)
     assert parts[WEIGHT_GATHER] == parts[WEIGHT_TRANSFER] == parts[ENGINE_RELOAD] == 0.0
     assert parts[DRIVER_OVERHEAD] == pytest.approx(0.2)
+
+
+def test_the_ledger_read_without_rewound_steps_names_each_trajectory_once(tmp_path):
+    """A trainer died in step 3 and the run went back to step 1's checkpoint: the first
+    records of steps 2 and 3 no longer stand; a second rewind (to the start) drops all."""
+    from grpo.observability.metrics import RunLedger, records_after_rewinds
+    from grpo.testing import read_jsonl
+
+    ledger = RunLedger(tmp_path)
+    summary = {"group_ids": [0], "policy_versions": [0]}
+    for step, ids in ((1, ["a"]), (2, ["b"]), (3, ["c"])):
+        ledger.trained(step, {**summary, "sequence_ids": ids})
+    ledger.rewound(1, from_step=3)
+    for step, ids in ((2, ["b2"]), (3, ["c2"]), (4, ["d"])):
+        ledger.trained(step, {**summary, "sequence_ids": ids})
+    ledger.close()
+    records = read_jsonl(tmp_path / "trained.jsonl")
+    assert {"rewound_to": 1, "from_step": 3} in records
+    standing = records_after_rewinds(records)
+    assert [(r["step"], r["sequence_ids"]) for r in standing] == [
+        (1, ["a"]),
+        (2, ["b2"]),
+        (3, ["c2"]),
+        (4, ["d"]),
+    ]
+    assert records_after_rewinds([*records, {"rewound_to": 0, "from_step": 4}]) == []
+
+
+def test_checkpoints_are_due_by_steps_and_by_minutes(tmp_path):
+    import time
+
+    from grpo.config import load_config
+    from grpo.orchestrator import Orchestrator
+
+    def orchestrator(*overrides: str) -> Orchestrator:
+        cfg = load_config("tiny_arithmetic_cpu", [f"output_dir={tmp_path}", *overrides])
+        return Orchestrator(cfg, tmp_path)
+
+    by_steps = orchestrator(
+        "checkpoint.save_every_n_steps=5", "checkpoint.save_every_n_minutes=null"
+    )
+    assert [s for s in range(1, 16) if by_steps._checkpoint_due(s)] == [5, 10, 15]
+    by_minutes = orchestrator("checkpoint.save_every_n_minutes=1")
+    assert not by_minutes._checkpoint_due(7)
+    by_minutes._saved_at = time.monotonic() - 61
+    assert by_minutes._checkpoint_due(7)
+    # The demo's interval, and the default for any config that sets none.
+    assert by_minutes.cfg.checkpoint.save_every_n_steps is None
+    from grpo.config.sections import CheckpointConfig
+
+    assert CheckpointConfig().save_every_n_minutes == 30

@@ -1293,4 +1293,6 @@ class SyncLLMCollector:
         self.sequence_counter = int(state["sequence_counter"])
         self.group_counter = int(state["group_counter"])
         self.batch_counter = int(state.get("batch_counter", 0))
-        self.policy_version = int(state["policy_version"])
+        # The engine holds that version's weights, so the tokens it samples now are labelled
+        # with it; left at the constructor's 0, a resumed run's samples would all look stale.
+        self.policy_version = self._sampling_version = int(state["policy_version"])
