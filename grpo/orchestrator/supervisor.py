@@ -304,12 +304,16 @@ class ActorSupervisor:
         self.start_pipeline(pad_token_id, checkpoint_dir)
 
     def start_pipeline(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> None:
-        """Start every actor but the metric logger, in order (see `start_all`)."""
+        """Start every actor but the metric logger (see `start_all`).
+
+        Collectors and reference actors are created first: their start-up (a vLLM engine)
+        then runs while the trainers set up, which is the one start that is waited for.
+        """
         self.start_rollout_queue()
         self.start_replay_buffer()
-        self.start_trainers(pad_token_id=pad_token_id, checkpoint_dir=checkpoint_dir)
         self.start_ref_actors()
         self.start_collectors(weights_dir=checkpoint_dir / "model" if checkpoint_dir else None)
+        self.start_trainers(pad_token_id=pad_token_id, checkpoint_dir=checkpoint_dir)
 
     def start_metric_logger(self) -> Any:
         """Start the logger actor: the class the ``metric_logger`` node's ``_component_`` names.
