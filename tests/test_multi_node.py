@@ -139,19 +139,22 @@ def test_roles_run_on_their_nodes_and_lost_nodes_lose_nothing(
         survivor = next(node.node_id for node in rollout_nodes if node is not doomed)
         learner_ids = {node.node_id for node in learners}
         assert node_of(run.actors.actor(Role.REF)) in learner_ids
-        trainer_node = node_of(run.actors.actor(Role.TRAINER))
-        assert trainer_node in learner_ids
-        (doomed_learner,) = [node for node in learners if node.node_id == trainer_node]
+        assert node_of(run.actors.actor(Role.TRAINER)) in learner_ids
         # The coordination actors stay on the driver's node, so no other node takes them along.
         driver_node = ray.get_runtime_context().get_node_id()
         for role in (Role.ROLLOUT_QUEUE, Role.REPLAY_BUFFER):
             assert node_of(run.actors.actor(role)) == driver_node, role
 
         def remove_nodes() -> None:
-            for step, node in ((3, doomed), (6, doomed_learner)):
+            for step in (3, 6):
                 deadline = time.monotonic() + 300
                 while run.state.step < step and time.monotonic() < deadline:
                     time.sleep(0.05)
+                if step == 3:
+                    node = doomed
+                else:  # the trainer's node now (a restart may have moved it)
+                    trainer_node = node_of(run.actors.actor(Role.TRAINER))
+                    (node,) = [n for n in learners if n.node_id == trainer_node]
                 cluster.remove_node(node, allow_graceful=False)
                 removed.append(node)
 
@@ -169,7 +172,7 @@ def test_roles_run_on_their_nodes_and_lost_nodes_lose_nothing(
     assert recovered[0] == "collector[0]" and recovered[-1] == "trainer[0]", recovered
     assert set(recovered) <= {"collector[0]", "ref_actor[0]", "trainer[0]"}
     assert replacement == survivor
-    assert new_trainer_node == next(n.node_id for n in learners if n is not doomed_learner)
+    assert new_trainer_node != removed[1].node_id and new_trainer_node in learner_ids
     scored = [
         sid
         for r in read_jsonl(run_dir / "scored.jsonl")
@@ -177,7 +180,10 @@ def test_roles_run_on_their_nodes_and_lost_nodes_lose_nothing(
         for sid in r["sequence_ids"]
     ]
     records = read_jsonl(run_dir / "trained.jsonl")
-    assert [r["rewound_to"] for r in records if "rewound_to" in r] in ([4], [6])
+    # Rewound at least once, to a checkpoint (every 2 steps); the collector's catch-up after
+    # the first node loss may also find the trainer dead (its gloo peer vanished mid-send).
+    rewinds = [r["rewound_to"] for r in records if "rewound_to" in r]
+    assert rewinds and all(step % 2 == 0 for step in rewinds), rewinds
     trained = [sid for r in records_after_rewinds(records) for sid in r["sequence_ids"]]
     numbers = sorted({int(sid.split("-")[1]) for sid in scored})
     assert numbers == list(range(numbers[-1] + 1)), "a generated group was lost"

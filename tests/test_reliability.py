@@ -205,7 +205,7 @@ def training_state(run: Orchestrator) -> dict:
 def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
     tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
 ):
-    """A trainer killed after step 3 (checkpoints every 2 steps): the run restarts from step
+    """A trainer killed after step 3 of 4 (checkpoints every 2 steps): the run restarts from step
     2's checkpoint by itself, the restored weights and AdamW state are the checkpoint's, and
     the run it finishes is the one it would have been undisturbed (synchronous, so exactly):
     the same trajectories trained at the same steps, losses and final weights."""
@@ -213,11 +213,11 @@ def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
     straight_dir, restarted_dir = tmp_path / "straight", tmp_path / "restarted"
     overrides = [
         o
-        for o in deterministic_overrides(tiny_model_dir, straight_dir, 5)
+        for o in deterministic_overrides(tiny_model_dir, straight_dir, 4)
         if not o.startswith(("base_model_path=", "output_dir=", "orchestration.num_steps="))
     ]
 
-    straight = start_tiny_run(tiny_model_dir, straight_dir, 5, *overrides)
+    straight = start_tiny_run(tiny_model_dir, straight_dir, 4, *overrides)
     states_at: dict[int, dict] = {}
     try:
         straight.run(
@@ -228,7 +228,7 @@ def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
         straight.shutdown()
         ray.shutdown()
 
-    run = start_tiny_run(tiny_model_dir, restarted_dir, 5, *overrides)
+    run = start_tiny_run(tiny_model_dir, restarted_dir, 4, *overrides)
     restored: list[dict] = []
     restart = run._restart_from_checkpoint
 
@@ -244,7 +244,7 @@ def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
     finally:
         run.shutdown()
 
-    assert state.step == 5
+    assert state.step == 4
     assert [r.actor for r in run.recoveries] == ["trainer[0]"]
     assert run.recoveries[0].seconds_to_work is not None
     # Back at step 2 with exactly the checkpoint's weights, AdamW moments and step counts.
@@ -255,13 +255,13 @@ def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
     records = read_jsonl(restarted_dir / "trained.jsonl")
     assert [r["rewound_to"] for r in records if "rewound_to" in r] == [2]
     standing = records_after_rewinds(records)
-    assert [r["step"] for r in standing] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in standing] == [1, 2, 3, 4]
     assert [r["sequence_ids"] for r in standing] == [
         r["sequence_ids"] for r in read_jsonl(straight_dir / "trained.jsonl")
     ]
     # The redone steps' losses (the last logged for each step) and the final weights match.
     straight_losses, restarted_losses = losses(straight_dir), losses(restarted_dir)
-    assert sorted(restarted_losses) == [1, 2, 3, 4, 5]
+    assert sorted(restarted_losses) == [1, 2, 3, 4]
     for step, value in straight_losses.items():
         assert restarted_losses[step] == pytest.approx(value, rel=1e-6, abs=1e-9)
     final_straight = load_file(straight_dir / "final" / "model.safetensors")

@@ -474,7 +474,9 @@ class ActorSupervisor:
         except RayActorError as error:
             dead_trainer = self.dead_trainer()
             if dead_trainer is not None:
-                raise TrainerDiedError(f"{dead_trainer} died during {what}: {error}") from error
+                raise TrainerDiedError(
+                    f"{dead_trainer} died during {what}{self.output_hint(dead_trainer)}: {error}"
+                ) from error
             raise ActorFailedError(
                 f"{what or 'an actor'} failed, an actor died ({error}){self.output_hint()}: "
                 "resume from "
@@ -554,10 +556,12 @@ class ActorSupervisor:
         else:
             new = self.start_replay_buffer()
         hook = self.on_replaced.get(role)
-        if hook is not None:
-            hook(index, new)
-        recovery.seconds = time.perf_counter() - recovery.started
-        self.record_recovery(recovery)
+        try:
+            if hook is not None:
+                hook(index, new)  # may find a dead trainer (catching up a collector's weights)
+        finally:
+            recovery.seconds = time.perf_counter() - recovery.started
+            self.record_recovery(recovery)
 
     def record_recovery(self, recovery: Recovery) -> None:
         """Keep and log a finished replacement; its first result back ends it (`returned`)."""
