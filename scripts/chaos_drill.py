@@ -132,7 +132,7 @@ class SimulatedCluster:
 
 
 def run_demo(run_dir: Path, args: argparse.Namespace, cluster: SimulatedCluster | None) -> dict:
-    """Start the demo run in a subprocess; returns the process and what it needs."""
+    """Start the demo run in a subprocess; returns it and the time it started."""
     command = [
         *(sys.executable, "-m", "grpo", "run", "async_grpo", "--config", "tiny_arithmetic_cpu"),
         f"output_dir={run_dir}",
@@ -277,11 +277,10 @@ def main() -> None:
     print(f"actor restarts: {chaos_run['restarts']}; steps redone: {chaos_run['steps_redone']}")
     print(f"groups lost: {chaos_run['sequences_lost']} sequences")
     print(f"trajectories trained twice outside the redo: {chaos_run['trained_twice']}")
-    rows = [(name, r) for name, r in results.items()]
     print()
     print("| run | steps | final held-out accuracy | wall |")
     print("|---|---|---|---|")
-    for name, r in rows:
+    for name, r in results.items():
         print(
             f"| {name} | {r['steps']} | {100 * r['accuracy']:.1f}% | {r['seconds'] / 60:.1f} min |"
         )

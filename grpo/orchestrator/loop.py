@@ -5,9 +5,10 @@ Generation, reference scoring and training overlap, and a dead actor surfaces at
 method in `Orchestrator._handlers`), and one way to be redone after its actor was replaced
 (`Orchestrator._redo`). A dead trainer takes the policy and optimizer state with it; the loop
 then restarts the pipeline from the latest checkpoint and redoes the steps after it
-(`Orchestrator._restart_from_checkpoint`). The policy version is tracked in one place, `RunState.policy_version`,
-set only from the trainer's weight payload (`Orchestrator._sync_weights`); stale data is
-dropped in one place, the replay buffer (see `grpo.orchestrator.ledger`).
+(`Orchestrator._restart_from_checkpoint`). The policy version is tracked in one place,
+`RunState.policy_version`, set only from the trainer's weight payload
+(`Orchestrator._sync_weights`); stale data is dropped in one place, the replay buffer (see
+`grpo.orchestrator.ledger`).
 
 The driver never fetches trajectories: the buffer's `sample_batch` waits inside the buffer
 until a batch is there and returns it as its own object, which goes to the trainers as a
