@@ -38,7 +38,7 @@ from grpo.config import (
     used_output_dir_problem,
 )
 from grpo.observability.logs import DriverLog
-from grpo.recipe import add_verbose_flag, run_recipe, split_overrides
+from grpo.recipe import add_verbose_flag, import_from_launch_folder, run_recipe, split_overrides
 
 # A config names its recipe in its launch comment: "#   grpo run async_grpo --config ...".
 _LAUNCH_LINE = re.compile(r"^#.*\bgrpo run\s+(\S+)\s+--config\b", re.MULTILINE)
@@ -305,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    import_from_launch_folder()  # configs may name ./my_tools.py as my_tools
     try:
         return args.func(args)
     except ConfigError as exc:

@@ -8,7 +8,9 @@ whatever the number of response tokens. The reference actor scores with it
 (`model_response_logprobs`), the trainer and `grpo.loss` differentiate through it. Which hidden row predicts which
 token is the pack's ``logit_positions`` (`grpo.types.PackedTrajectory`): the previous token of
 the same sequence, and for the first token of each response that shares a prompt, the prompt's
-last token (one row predicting several targets; its gradients add up in backward). Pure torch.
+last token (one row predicting several targets; its gradients add up in backward). The logits
+are divided by the sampling temperature before the log-softmax, as the engine's sampler divides
+them, so the logprobs are those of the distribution that sampled the tokens. Pure torch.
 
 Example:
     >>> hidden = model_hidden_states(model, packed)
@@ -18,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -30,24 +33,25 @@ DEFAULT_CHUNK_SIZE = 512
 
 
 class _ChunkedLinearLogprobs(torch.autograd.Function):
-    """``log_softmax(hidden @ weight.T)[t, targets[t]]``, a chunk of rows at a time.
+    """``log_softmax(hidden @ weight.T / temperature)[t, targets[t]]``, a chunk of rows at once.
 
     Forward keeps no logits; backward recomputes each chunk's logits and uses
-    ``d logprob / d logits = onehot(target) - softmax(logits)``.
+    ``d logprob / d logits = (onehot(target) - softmax(logits / temperature)) / temperature``.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size):
+    def forward(ctx, hidden, weight, targets, chunk_size, temperature):
         # At least fp32 (bf16 logits are upcast); float64 inputs stay float64.
         compute_dtype = torch.promote_types(hidden.dtype, torch.float32)
         logprobs = torch.empty(hidden.shape[0], dtype=compute_dtype, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
-            logits = (hidden[start:end] @ weight.t()).to(compute_dtype)
+            logits = _scaled_logits(hidden[start:end], weight, compute_dtype, temperature)
             target_logits = logits.gather(1, targets[start:end, None]).squeeze(1)
             logprobs[start:end] = target_logits - torch.logsumexp(logits, dim=-1)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.chunk_size = chunk_size
+        ctx.temperature = temperature
         return logprobs
 
     @staticmethod
@@ -62,15 +66,45 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             end = start + ctx.chunk_size
             hidden_chunk = hidden[start:end]
             grad_chunk = grad_logprobs[start:end, None]
-            logits = (hidden_chunk @ weight.t()).to(compute_dtype)
+            logits = _scaled_logits(hidden_chunk, weight, compute_dtype, ctx.temperature)
             grad_logits = logits.softmax(dim=-1).mul_(-grad_chunk)
             grad_logits.scatter_add_(1, targets[start:end, None], grad_chunk)
+            if ctx.temperature != 1.0:  # the chain rule through logits / temperature
+                grad_logits.div_(ctx.temperature)
             grad_logits = grad_logits.to(hidden.dtype)
             if needs_hidden_grad:
                 grad_hidden[start:end] = grad_logits @ weight
             if needs_weight_grad:
                 grad_weight.addmm_(grad_logits.t(), hidden_chunk)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _scaled_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, temperature: float
+) -> torch.Tensor:
+    """``hidden @ weight.T`` in ``dtype``, divided by the sampling temperature.
+
+    Divided in fp32 after the projection, as vLLM's sampler divides its logits, so that the
+    logprobs are those of the distribution the engine sampled from.
+    """
+    logits = (hidden @ weight.t()).to(dtype)
+    return logits if temperature == 1.0 else logits.div_(temperature)
+
+
+def check_temperature(temperature: float) -> float:
+    """``temperature`` as a float, checked to be a finite number > 0.
+
+    Raises:
+        ValueError: Otherwise.
+    """
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature <= 0
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return float(temperature)
 
 
 def check_chunk_size(chunk_size: int) -> None:
@@ -123,6 +157,7 @@ def target_logprobs_from_hidden(
     logit_positions: torch.Tensor,
     targets: torch.Tensor,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Logprob of each target under the hidden row that predicts it, projecting in chunks.
 
@@ -139,13 +174,15 @@ def target_logprobs_from_hidden(
         logit_positions (torch.Tensor): Row index of each target, ``[T]``, values in ``[0, L)``.
         targets (torch.Tensor): Token ids, ``[T]``.
         chunk_size (int): Targets projected at once.
+        temperature (float): The logits are divided by it before the log-softmax: the
+            logprobs are those of the distribution that samples at this temperature.
 
     Returns:
         torch.Tensor: Logprobs ``[T]`` in fp32 (float64 for float64 inputs), differentiable
         w.r.t. ``hidden_states`` and ``output_weight``.
 
     Raises:
-        ValueError: On mismatched shapes.
+        ValueError: On mismatched shapes, or a temperature that is not a number > 0.
 
     Example:
         >>> hidden, weight = torch.randn(6, 16), torch.randn(32, 16)
@@ -154,6 +191,7 @@ def target_logprobs_from_hidden(
         torch.Size([4])
     """
     check_chunk_size(chunk_size)
+    temperature = check_temperature(temperature)
     hidden_states = _as_packed_row(hidden_states, output_weight)
     if logit_positions.dim() != 1 or targets.dim() != 1:
         raise ValueError(
@@ -165,7 +203,7 @@ def target_logprobs_from_hidden(
     positions = logit_positions.to(hidden_states.device).long()
     selected = hidden_states.index_select(0, positions).to(output_weight.dtype)
     return _ChunkedLinearLogprobs.apply(
-        selected, output_weight, targets.to(selected.device).long(), chunk_size
+        selected, output_weight, targets.to(selected.device).long(), chunk_size, temperature
     )
 
 
@@ -217,6 +255,7 @@ def packed_logprobs_from_hidden(
     output_weight: torch.Tensor,
     packed: PackedTrajectory,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Logprobs of a pack's ``targets``, read at its ``logit_positions`` (any layout).
 
@@ -226,6 +265,7 @@ def packed_logprobs_from_hidden(
         output_weight (torch.Tensor): Output projection weight ``[V, D]`` (no bias).
         packed (PackedTrajectory): The pack.
         chunk_size (int): Response tokens projected at once.
+        temperature (float): Sampling temperature the logits are divided by.
 
     Returns:
         torch.Tensor: fp32 logprobs ``[packed.num_response_tokens]`` aligned with
@@ -240,7 +280,12 @@ def packed_logprobs_from_hidden(
             f"hidden_states has {rows} rows but the pack has {packed.packed_seq_len} tokens"
         )
     return target_logprobs_from_hidden(
-        hidden_states, output_weight, packed.logit_positions, packed.targets, chunk_size
+        hidden_states,
+        output_weight,
+        packed.logit_positions,
+        packed.targets,
+        chunk_size,
+        temperature,
     )
 
 
@@ -318,7 +363,10 @@ def model_hidden_states(model: nn.Module, packed: PackedTrajectory) -> torch.Ten
 
 
 def model_response_logprobs(
-    model: nn.Module, packed: PackedTrajectory, chunk_size: int = DEFAULT_CHUNK_SIZE
+    model: nn.Module,
+    packed: PackedTrajectory,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Response logprobs of a pack under a torchtune model, through the chunked projection.
 
@@ -326,10 +374,15 @@ def model_response_logprobs(
         model (nn.Module): A torchtune ``TransformerDecoder``.
         packed (PackedTrajectory): The pack.
         chunk_size (int): Response tokens projected at once.
+        temperature (float): Sampling temperature the logits are divided by: the logprobs of
+            the policy as the engine samples it (``inference.temperature``), which the loss
+            compares with the engine's (processed) behaviour logprobs.
 
     Returns:
         torch.Tensor: fp32 logprobs ``[packed.num_response_tokens]`` aligned with
         ``packed.targets``; differentiable unless called under ``torch.no_grad()``.
     """
     hidden = model_hidden_states(model, packed)
-    return packed_logprobs_from_hidden(hidden, output_projection_weight(model), packed, chunk_size)
+    return packed_logprobs_from_hidden(
+        hidden, output_projection_weight(model), packed, chunk_size, temperature
+    )

@@ -22,6 +22,17 @@ by the detached, capped correction of the mismatch:
     w_i       = min(exp(sum_{t in i} (pi_old_t - mu_t)), tis_cap)   tis_level: sequence
     policy_t  = -w * min(ratio_t * A_t, clamp(ratio_t, ...) * A_t)
 
+pi_old is the proximal policy of decoupled PPO: with several epochs the clip bounds how far
+each epoch moves from it. With one epoch (``ppo_epochs: 1``) pi_old is the current policy, the
+ratio is exactly 1 and nothing is clipped: the loss is the TIS-weighted policy gradient
+``-w_t * A_t * pi_t``, and the clip settings do nothing (``grpo validate`` refuses them
+beside ``tis_cap`` then). Without ``tis_cap`` the behaviour policy is the proximal one, so the
+clip bounds the update and the mismatch together.
+
+Every logprob here is one of the distribution that sampled the tokens: the collectors return
+vLLM's logprobs after temperature, and the trainer and reference divide their logits by the
+same temperature (`grpo.logprobs`).
+
 ``ratio_level: sequence`` (GSPO) replaces the token ratio by the sequence ratio
 ``s_i = exp(mean_{t in i}(pi_t - old_t))``, clipped per sequence, in the GSPO-token form
 ``sg(s_i) * exp(pi_t - sg(pi_t))``: its value is ``s_i`` on every token of sequence ``i`` and
@@ -128,7 +139,8 @@ class GRPOWithChunkedOutputLoss:
             the PPO ratio is taken against the trainer's pre-update logprobs ``pi_old``, and
             each token's policy term is weighted by ``min(exp(pi_old - behaviour), tis_cap)``
             (detached). ``> 0``; a cap of about 2 is common. None (default): no correction,
-            ratio against the behaviour logprobs.
+            ratio against the behaviour logprobs. On the first pass over a batch
+            (``old_logprobs`` None) the ratio is 1 and the clip does nothing.
         tis_level (str): ``"token"`` (a weight per token) or ``"sequence"`` (one weight per
             sequence, from the summed log-ratio of its tokens; needs ``response_lens``).
         ratio_level (str): ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO: the length-normalised

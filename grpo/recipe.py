@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -15,6 +16,21 @@ from grpo.config.paths import move_run_aside, resolve_path
 from grpo.observability.logs import DriverLog
 
 Recipe = Callable[[RunConfig], Any]
+
+
+def import_from_launch_folder() -> None:
+    """Make the modules of the folder the run is launched from importable, as ``python -m``
+    does.
+
+    A config names the user's own tools, environments and reward functions by dotted path
+    (``my_tools.convert`` for ``./my_tools.py``), but a console script's ``sys.path`` starts at
+    the script's folder, not the working folder. Ray puts the driver's working folder on every
+    actor's ``sys.path`` (on each node, at the same path), so the collectors and their tool
+    workers import the same module. Appended: a local file never shadows an installed package.
+    """
+    folder = os.getcwd()
+    if "" not in sys.path and folder not in sys.path:
+        sys.path.append(folder)
 
 
 def run_recipe(
@@ -88,6 +104,7 @@ def run_recipe_cli(recipe_main: Recipe, argv: Sequence[str] | None = None) -> No
     parser.add_argument("overrides", nargs="*", help="key=value or ~key overrides")
     args, extra = parser.parse_known_args(argv)
     overrides = split_overrides(parser, args.overrides, extra, verbose=args.verbose)
+    import_from_launch_folder()
     sys.exit(run_recipe(recipe_main, args.config, overrides, prog=parser.prog))
 
 

@@ -39,7 +39,8 @@ from typing import Any
 
 import yaml
 
-from grpo.config import RunConfig, instantiate
+from grpo.config import ConfigError, RunConfig, instantiate
+from grpo.config.run import reward_weights_problem
 from grpo.errors import ActorFailedError, NoInformativeGroupsError, TrainingDivergedError
 from grpo.evaluation import HeldOutEvaluator
 from grpo.models import load_tokenizer
@@ -47,6 +48,7 @@ from grpo.observability.console import print_end, print_start, progress_bar, wri
 from grpo.observability.logs import is_verbose, logs_dir
 from grpo.orchestrator import Orchestrator, check_placement, find_checkpoint, init_ray
 from grpo.recipe import run_recipe_cli
+from grpo.rewards import reward_name
 from grpo.workers.collector import build_environment
 
 
@@ -60,6 +62,7 @@ def recipe_main(cfg: RunConfig) -> dict:
         dict: Final step, policy version, held-out accuracy history and output paths.
     """
     environment = check_environment(cfg)  # 1. build
+    check_reward_weights(cfg, environment)
     datasets = build_datasets(cfg, environment)
     run_dir = prepare_run_dir(cfg)
     print_start(cfg, run_dir, datasets)
@@ -205,6 +208,33 @@ def check_environment(cfg: RunConfig) -> Any:
     if cfg.environment is None:
         return None
     return build_environment(cfg.environment, cfg.reward_functions, cfg.reward_timeout_s)
+
+
+def check_reward_weights(cfg: RunConfig, environment: Any) -> None:
+    """Refuse a ``ref.reward_weights`` name that no reward has, before Ray starts.
+
+    The names are the reward functions' (built here), or those the environment scores under
+    (`grpo.envs.MultiTurnEnv.reward_names`); an environment that knows its names only once it
+    scores (a verifiers taskset) has them checked by the reference actor then.
+
+    Raises:
+        ConfigError: Naming the unknown names and the rewards there are.
+    """
+    weights = cfg.ref.reward_weights
+    if not weights:
+        return
+    if environment is None:
+        functions = [
+            instantiate(node, _key_=f"reward_functions[{index}]")
+            for index, node in enumerate(cfg.reward_functions)
+        ]
+        names = [reward_name(fn) for fn in functions]
+    else:
+        # Not every environment is a MultiTurnEnv (a verifiers one plays its own episodes).
+        names_of = getattr(environment, "reward_names", None)
+        names = names_of() if names_of is not None else None
+    if names is not None and (problem := reward_weights_problem(weights, names)):
+        raise ConfigError(problem)
 
 
 def build_evaluator(cfg: RunConfig, eval_dataset: Any, run: Orchestrator) -> Any:

@@ -609,7 +609,8 @@ def trl_child(out_dir: Path, steps: int, overrides: list[str], threads: int | No
         epsilon_high=float(loss["epsilon_high"]),
         loss_type="dapo",
         scale_rewards="group",
-        reward_weights=list(weights) if weights is not None else None,
+        # TRL weighs by position: ours by name, a reward not named weighs 1.
+        reward_weights=[weights.get(fn.name, 1.0) for fn in reward_fns] if weights else None,
         seed=int(cfg.seed),
         use_cpu=True,
         bf16=False,

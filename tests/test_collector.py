@@ -308,3 +308,136 @@ def test_continuous_turns_sample_what_a_batch_samples(collector, dataset):
             collector._sampled_logprobs(batched, "batch"), abs=1e-4
         )
         assert sample.finish_reason == batched.finish_reason
+
+
+def test_consecutive_batches_sample_with_distinct_seeds_derived_from_the_run_seed(collector):
+    """Every sample of two consecutive batches has its own seed: ``sample_seed`` of its
+    group's hashed seed, the same for the same run seed and group."""
+    from grpo.seeds import group_seed, sample_seed
+
+    requests = []
+    add_request = collector._add_request
+
+    def recording(request_id, token_ids, params):
+        requests.append((request_id, params.seed, params.n))
+        return add_request(request_id, token_ids, params)
+
+    collector._add_request = recording
+    try:
+        for _ in range(2):
+            collector.generate_batch(3)
+            groups = drain(collector.rollout_queue, 3)
+    finally:
+        del collector._add_request
+    seeds = [seed + member for _, seed, n in requests for member in range(n)]
+    assert len(requests) == 6 and len(seeds) == 6 * GROUP_SIZE
+    assert len(set(seeds)) == len(seeds)
+    group_ids = [int(request_id.split("-")[1]) for request_id, _, _ in requests]
+    assert group_ids[-3:] == [g.group_id for g in groups]
+    assert seeds == [
+        sample_seed(group_seed(collector.seed, group_id), member, 0)
+        for group_id in group_ids
+        for member in range(GROUP_SIZE)
+    ]
+
+
+def test_behaviour_and_trainer_logprobs_are_those_of_the_sampling_temperature(
+    collector, tiny_model_dir
+):
+    """At temperature 0.7 the engine samples from softmax(logits / 0.7): its behaviour
+    logprobs and the trainer's (logits divided by the temperature) are that distribution's,
+    so the trainer's mismatch KL is as small as at temperature 1. The trainer's logprobs of
+    the raw logits are far from them."""
+    from grpo.types import ScoredTrajectory
+    from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
+
+    loss = {"_component_": "grpo.loss.GRPOWithChunkedOutputLoss", "kl_coeff": 0.0}
+    config = TrainingConfig(optimizer={"_component_": "torch.optim.SGD", "lr": 1e-9}, loss=loss)
+    trainer = PyTorchActorModel(
+        rank=0,
+        world_size=1,
+        model_dir=str(tiny_model_dir),
+        num_steps=4,
+        target_tokens_per_batch=1024,
+        pad_token_id=collector.tokenizer.pad_id,
+        config=config,
+    )
+    trainer.setup()
+
+    def mismatch_kl(trainer_temperature, trajectories):
+        trainer.temperature = trainer_temperature
+        batch = [
+            ScoredTrajectory(
+                prompt_tokens=t.prompt_tokens,
+                response_tokens=t.response_tokens,
+                prompt_len=t.prompt_len,
+                response_len=t.response_len,
+                logprobs=t.logprobs,
+                ref_logprobs=None,
+                rewards=torch.zeros(1),
+                advantages=torch.zeros(()),
+                successes=torch.zeros(1),
+                answer=t.answer,
+                sequence_id=t.sequence_id,
+                group_id=t.group_id,
+                reward_metadata={"func_names": ["none"]},
+                policy_version=0,
+            )
+            for t in trajectories
+        ]
+        return trainer.train_step(batch)["train_actor_training/mismatch_kl"]
+
+    kl = {}
+    try:
+        for temperature in (0.7, 1.0):
+            collector.temperature = temperature
+            collector.generate_batch(3)
+            trajectories = [t for g in drain(collector.rollout_queue, 3) for t in g.trajectories]
+            kl[temperature] = mismatch_kl(temperature, trajectories)
+            if temperature != 1.0:
+                kl["raw logits at 0.7"] = mismatch_kl(1.0, trajectories)
+    finally:
+        # No trainer.shutdown(): world_size 1 joined no process group, and the default one
+        # in this process is the engine's.
+        collector.temperature = 1.0
+    assert kl[0.7] < 1e-6 and kl[1.0] < 1e-6, kl
+    assert kl[0.7] < 10 * kl[1.0] + 1e-8, kl
+    assert kl["raw logits at 0.7"] > 1e-2, kl
+
+
+def test_an_episode_is_not_cut_to_one_turn_when_max_model_len_is_unset(tiny_model_dir):
+    """Without ``max_model_len`` a collector sizes the engine's context for a whole episode
+    (``max_prompt_tokens + max_episode_tokens``), not for one turn: the episode runs several
+    turns and ends at its own bound."""
+    from grpo.envs import PlainTurnRenderer, Sample, run_episodes
+    from grpo.models import load_tokenizer
+    from grpo.testing.tools import EchoUserEnv
+    from grpo.workers.collector import response_budget
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    [token] = tokenizer.encode("a", add_bos=False, add_eos=False)
+    env = EchoUserEnv(max_turns=20, max_episode_tokens=48, reward_functions=[])
+    assert response_budget(8, env) == 48
+    assert response_budget(8, EchoUserEnv(reward_functions=[])) is None  # the model's context
+    assert response_budget(8) == 8
+
+    def sample(requests):
+        return [
+            Sample([token] * min(6, r.max_tokens), [-1.0] * min(6, r.max_tokens), "stop")
+            for r in requests
+        ]
+
+    prompt = [1, 2, 3]
+    [[episode]] = run_episodes(
+        env,
+        sample,
+        tokenizer,
+        PlainTurnRenderer(tokenizer),
+        [({"question": "q", "answer": "1", "index": 0}, prompt)],
+        group_size=1,
+        max_tokens_per_turn=8,
+        max_model_len=len(prompt) + response_budget(8, env),
+        seeds=[0],
+    )
+    assert episode.num_turns > 2 and episode.truncated
+    assert 8 < len(episode.response_ids) <= 48

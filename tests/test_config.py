@@ -514,7 +514,7 @@ def test_ray_address_and_reward_weights(config_path):
     cfg = compose_config(config_path, ["ray.address=localhost", "ref.reward_weights=[1.0]"])
     text = "\n".join(problems_of(cfg))
     assert "ray.address: must be null" in text
-    assert "ref.reward_weights: 1 weights for 2 reward_functions" in text
+    assert "ref.reward_weights: give the weights by reward name" in text
     for address in ("auto", "ray://head:10001", "10.0.0.1:6379"):
         validate_config(compose_config(config_path, [f"ray.address={address}"]))
 
@@ -879,3 +879,120 @@ def test_validate_reads_component_signatures_without_importing(config_path):
         f"training.loss.epsilon_lo: {COMPONENTS}.Loss takes no argument 'epsilon_lo'; did you "
         "mean epsilon_low?",
     ]
+
+
+REWARDS = (
+    "reward_functions=[{_component_: grpo.rewards.MathCorrectnessReward}, "
+    "{_component_: grpo.rewards.FormatReward, think_required: false}]"
+)
+
+
+def test_reward_weights_are_by_name_and_unknown_names_are_refused(config_path):
+    def problems(*overrides):
+        cfg = compose_config(config_path, [REWARDS, *overrides])
+        try:
+            validate_config(cfg, check_components=False)
+        except ConfigError as error:
+            return error.problems
+        return []
+
+    # The names are read from the source (no import): the classes' own `name`.
+    assert problems("ref.reward_weights={math_correctness: 1.0, format: 0.2}") == []
+    assert problems("ref.reward_weights={correctness: 1.0, format: 0.2}") == [
+        "ref.reward_weights: no reward named 'correctness'; the rewards are math_correctness, "
+        "format"
+    ]
+    # A node's own name wins; an environment scoring with its reward functions uses theirs.
+    renamed = "reward_functions=[{_component_: grpo.rewards.MathCorrectnessReward, name: exact}]"
+    assert problems(renamed, "ref.reward_weights={exact: 2.0}") == []
+    environment = (
+        "environment={_component_: grpo.testing.tools.EchoUserEnv, reward_functions: "
+        "[{_component_: grpo.rewards.TokenPresenceReward, token: '7'}]}"
+    )
+    [problem] = problems(environment, "ref.reward_weights={format: 1.0}")
+    assert problem.endswith("no reward named 'format'; the rewards are token_presence")
+
+
+def test_top_p_below_one_and_raw_behaviour_logprobs_are_refused(config_path):
+    cfg = compose_config(
+        config_path, ["inference.top_p=0.9", "inference.engine_args.logprobs_mode=raw_logprobs"]
+    )
+    problems = problems_of(cfg, check_components=False)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("inference.top_p: 0.9 is refused, only 1.0 trains")
+    assert problems[1].startswith("inference.engine_args.logprobs_mode: 'raw_logprobs'")
+
+
+def test_clip_settings_that_tis_with_one_epoch_ignores_are_named(config_path):
+    loss = "training.loss={_component_: grpo.loss.GRPOWithChunkedOutputLoss, tis_cap: 2.0"
+    [problem] = problems_of(
+        compose_config(config_path, [f"{loss}, epsilon_high: 0.28, ratio_level: sequence}}"]),
+        check_components=False,
+    )
+    assert problem.startswith(
+        "training.loss.tis_cap: with training.ppo_epochs 1 the clipped ratio is taken against "
+        "the current policy and is always 1, so epsilon_high, ratio_level: sequence have no "
+        "effect"
+    )
+    # Meaningful: TIS alone with one epoch, or the clip with several epochs (decoupled PPO).
+    validate_config(compose_config(config_path, [f"{loss}}}"]), check_components=False)
+    validate_config(
+        compose_config(config_path, [f"{loss}, epsilon_high: 0.28}}", "training.ppo_epochs=2"]),
+        check_components=False,
+    )
+
+
+ENVIRONMENT = "environment={_component_: grpo.testing.tools.EchoUserEnv, max_turns: 8"
+
+
+def test_an_episode_must_fit_the_token_budget_and_its_bound_the_context(config_path, tmp_path):
+    def problems(*overrides):
+        try:
+            validate_config(compose_config(config_path, overrides), check_files=False)
+        except ConfigError as error:
+            return error.problems
+        return []
+
+    # An episode fills the engine's context (128) when nothing else bounds it, however short
+    # one turn (32 + 16) is.
+    [problem] = problems(f"{ENVIRONMENT}}}", "target_tokens_per_batch=100")
+    assert problem == (
+        "target_tokens_per_batch: 100 cannot hold the longest sequence, the longest episode, "
+        "which fills inference.engine_args.max_model_len (128) (environment.max_episode_tokens "
+        "is null)"
+    )
+    # max_episode_tokens bounds it: 32 + 64 = 96 fits.
+    assert problems(f"{ENVIRONMENT}, max_episode_tokens: 64}}", "target_tokens_per_batch=100") == []
+    # A bound the context cuts first is refused.
+    [problem] = problems(f"{ENVIRONMENT}, max_episode_tokens: 200}}")
+    assert problem.startswith(
+        "environment.max_episode_tokens: inference.max_prompt_tokens (32) + 200 exceeds "
+        "inference.engine_args.max_model_len (128)"
+    )
+    # Without max_model_len the collector sizes the context for the episode, not for one turn.
+    [problem] = problems(
+        f"{ENVIRONMENT}, max_episode_tokens: 200}}",
+        "~inference.engine_args.max_model_len",
+        "target_tokens_per_batch=200",
+    )
+    assert problem == (
+        "target_tokens_per_batch: 200 cannot hold the longest sequence, the longest episode, "
+        "inference.max_prompt_tokens (32) + environment.max_episode_tokens (200) = 232"
+    )
+    # Neither bound set: the episode may fill the model's context.
+    model_dir = make_fake_model_dir(tmp_path / "long", max_position_embeddings=4096)
+    cfg = compose_config(
+        config_path,
+        [
+            f"{ENVIRONMENT}}}",
+            f"base_model_path={model_dir}",
+            "~inference.engine_args.max_model_len",
+        ],
+    )
+    [problem] = problems_of(cfg, check_components=False)
+    assert problem.startswith("target_tokens_per_batch: 256 cannot hold the longest sequence")
+    assert "max_position_embeddings (4096)" in problem
+    assert problem.endswith(
+        "set environment.max_episode_tokens and inference.max_prompt_tokens, or "
+        "inference.engine_args.max_model_len"
+    )

@@ -6,11 +6,16 @@ Tools run for real in worker processes; the tokenizer and chat template are the 
 (ChatML). The real engine runs the same path in tests/test_collector.py.
 """
 
+import json
 import time
+from typing import Annotated
 
 import pytest
 import torch
+from pydantic import Field
 
+from grpo.data import prompt_dataset
+from grpo.data.stream import PromptStream
 from grpo.envs import (
     ChatTurnRenderer,
     MultiTurnEnv,
@@ -24,9 +29,13 @@ from grpo.envs import (
     run_episodes,
 )
 from grpo.envs.builtin_tools import calculator, python
+from grpo.envs.options import checked_options, option_problems
+from grpo.envs.tools import CALL_FORMATS
 from grpo.models import load_tokenizer
 from grpo.rewards import MathCorrectnessReward
 from grpo.testing.tools import EchoUserEnv
+
+FORMATS = ", ".join(CALL_FORMATS)
 
 
 def _call(expression: str) -> str:
@@ -432,7 +441,7 @@ def test_base_environment_needs_env_response():
     env = MultiTurnEnv(reward_functions=[MathCorrectnessReward()])
     with pytest.raises(NotImplementedError):
         env.env_response([], {}, None)
-    with pytest.raises(ValueError, match="max_turns must be an int >= 1"):
+    with pytest.raises(ValueError, match="MultiTurnEnv: max_turns: expected an int >= 1, got 0"):
         MultiTurnEnv(max_turns=0)
 
 
@@ -447,13 +456,14 @@ def test_validate_names_each_environment_mistake(tmp_path, capsys):
         assert status == 2 and "Traceback" not in err
         return err
 
-    assert "environment.tools[0]: cannot import tool 'grpo.envs.calculatorr'" in problems(
-        "environment={_component_: grpo.envs.ToolEnv, tools: [grpo.envs.calculatorr]}"
-    )
+    assert (
+        "environment.tools[0]: cannot import 'grpo.envs.calculatorr': module grpo.envs has no "
+        "'calculatorr'; did you mean 'calculator'?"
+    ) in problems("environment={_component_: grpo.envs.ToolEnv, tools: [grpo.envs.calculatorr]}")
     assert "environment.tools[0]: tool getcwd takes no parameter" in problems(
         "environment={_component_: grpo.envs.ToolEnv, tools: [os.getcwd]}"
     )
-    assert "environment.call_format: 'xml' is not one of json, tag" in problems(
+    assert f"environment.call_format: expected one of {FORMATS}, got 'xml'" in problems(
         "environment={_component_: grpo.envs.ToolEnv, tools: [grpo.envs.calculator], "
         "call_format: xml}"
     )
@@ -475,7 +485,8 @@ def test_validate_names_each_environment_mistake(tmp_path, capsys):
 
 
 def test_run_refuses_an_environment_that_cannot_be_built(tmp_path, capsys, monkeypatch):
-    """A value only the environment can judge is one line from ``grpo run``, before Ray."""
+    """An option out of bounds is the line ``grpo validate`` gives, from ``grpo run`` before
+    Ray."""
     from grpo.cli import main
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
@@ -491,5 +502,127 @@ def test_run_refuses_an_environment_that_cannot_be_built(tmp_path, capsys, monke
     )
     err = capsys.readouterr().err
     assert status == 2
-    assert "environment: ToolEnv: max_turns must be an int >= 1, got 0" in err
+    assert "environment.max_turns: expected an int >= 1, got 0" in err
     assert "Traceback" not in err
+
+
+class HintEnv(MultiTurnEnv):
+    """Answers the first wrong turn with the example's ``hint`` column, up to ``max_hints``."""
+
+    @checked_options
+    def __init__(self, max_hints: Annotated[int, Field(ge=0)] = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.max_hints = max_hints
+
+    def reset(self, example):
+        return {"answer": example["answer"], "hint": example["hint"]}
+
+    def env_response(self, messages, state, episode):
+        if episode.num_turns > self.max_hints or state["answer"] in messages[-1]["content"]:
+            return None
+        return [{"role": "user", "content": f"Hint: {state['hint']}"}]
+
+
+# (key, override, value, what is wrong): every option of ToolEnv, a bad value each.
+BAD_TOOL_ENV_OPTIONS = [
+    ("max_turns", "0", 0, "expected an int >= 1, got 0"),
+    ("max_episode_tokens", "0", 0, "expected an int >= 1 or null, got 0"),
+    ("max_tokens_per_turn", "true", True, "expected an int >= 1 or null, got True"),
+    ("reward_timeout_s", "-1.0", -1.0, "expected a number > 0, got -1.0"),
+    ("tool_timeout_s", "0", 0, "expected a number > 0, got 0"),
+    ("max_tool_calls_per_turn", "0", 0, "expected an int >= 1, got 0"),
+    ("tool_memory_mb", "10", 10, "expected an int >= 64 or null, got 10"),
+    ("tool_workers", "0", 0, "expected an int >= 1, got 0"),
+    ("call_format", "xml", "xml", f"expected one of {FORMATS}, got 'xml'"),
+    ("stop", "</answer>", "</answer>", "expected a list of strings or null, got '</answer>'"),
+]
+
+
+def test_validate_refuses_the_environment_options_the_environment_refuses(tmp_path, capsys):
+    """One source: the constructor's declarations; one line per option, from both."""
+    from grpo.cli import main
+
+    def validate(*overrides: str) -> str:
+        status = main(["validate", "tiny_calculator_cpu", f"output_dir={tmp_path}/run", *overrides])
+        err = capsys.readouterr().err
+        assert status == 2 and "Traceback" not in err
+        return err
+
+    err = validate(*(f"environment.{key}={text}" for key, text, _, _ in BAD_TOOL_ENV_OPTIONS))
+    assert f"config has {len(BAD_TOOL_ENV_OPTIONS)} problems" in err
+    for key, _, value, what in BAD_TOOL_ENV_OPTIONS:
+        assert f"  - environment.{key}: {what}\n" in err
+        with pytest.raises(ValueError) as refused:
+            ToolEnv(tools=[calculator], **{key: value})
+        assert str(refused.value) == f"ToolEnv: {key}: {what}"
+    for turns in ("-1", "2.5"):
+        assert f"environment.max_turns: expected an int >= 1, got {turns}" in validate(
+            f"environment.max_turns={turns}"
+        )
+    # A subclass's options: its bases' (passed on through **kwargs) and its own.
+    assert "environment.max_turns: expected an int >= 1, got 0" in validate(
+        "environment={_component_: grpo.testing.tools.EchoUserEnv, max_turns: 0}"
+    )
+    assert option_problems(HintEnv, {"max_hints": -1, "stop": ["x"], "max_turns": 2.5}) == [
+        "max_hints: expected an int >= 0, got -1",
+        "max_turns: expected an int >= 1, got 2.5",
+    ]
+    with pytest.raises(ValueError, match="HintEnv: max_hints: expected an int >= 0, got -1"):
+        HintEnv(max_hints=-1)
+
+
+def test_an_environment_reads_the_other_columns_of_a_prompt_dataset(tmp_path, tokenizer):
+    rows = [
+        # "messages" and "index" are the example's own keys: such columns do not ride along.
+        {"q": "What is 2+5?", "answer": 7, "hint": "add 2 and 5", "messages": "x", "index": 9},
+    ]
+    path = tmp_path / "hints.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    dataset = prompt_dataset(path, prompt_key="q", template="answer_only")
+    [example] = PromptStream(dataset, 0, 1, seed=0).next_batch(1)  # as a collector takes it
+    assert example["hint"] == "add 2 and 5" and example["index"] == 0
+    assert "messages" not in example
+
+    env = HintEnv(max_turns=3, reward_functions=[MathCorrectnessReward()])
+    engine = ScriptedEngine(tokenizer, ["<answer>10</answer>", "<answer>7</answer>"])
+    prompt_ids = tokenizer.encode(example["prompt"], add_bos=False, add_eos=False)
+    [[episode]] = _run(env, engine, tokenizer, [(example, prompt_ids)])
+    assert episode.error is None and episode.num_turns == 2
+    assert {"role": "user", "content": "Hint: add 2 and 5"} in episode.messages
+
+
+def test_a_group_whose_episodes_start_differently_keeps_each_prompt():
+    """A failed first episode (no prompt) and episodes whose prompts differ in length or only in
+    content: each trajectory carries its own prompt, equal prompts share one tensor."""
+    from grpo.envs import Episode
+
+    def episode(prompt_ids, error=None):
+        result = Episode(example={"answer": "7"}, prompt_ids=list(prompt_ids), messages=[])
+        result.error = error
+        if error is None:
+            result.add_policy_turn([9, 9], [-0.5, -0.5])
+        return result
+
+    group = [
+        episode([], error="the episode failed"),
+        episode([1, 2, 3, 4, 5]),
+        episode([1, 2, 3]),
+        episode([1, 2, 7]),
+        episode([1, 2, 3]),
+    ]
+    [trajectories] = episode_groups(
+        [group],
+        [{"reward": 1.0}] * 4,
+        group_ids=[5],
+        sequence_id=iter(f"s{n}" for n in range(4)).__next__,
+        policy_version=0,
+    )
+    kept = trajectories.trajectories
+    assert [t.prompt_tokens.tolist() for t in kept] == [
+        [1, 2, 3, 4, 5],
+        [1, 2, 3],
+        [1, 2, 7],
+        [1, 2, 3],
+    ]
+    assert [t.prompt_len for t in kept] == [5, 3, 3, 3]
+    assert kept[1].prompt_tokens is kept[3].prompt_tokens

@@ -11,6 +11,7 @@ from grpo.logprobs import (
     model_response_logprobs,
     output_projection_weight,
     response_logprobs_from_hidden,
+    target_logprobs_from_hidden,
 )
 from grpo.loss import AGGREGATIONS, GRPOWithChunkedOutputLoss, combine_stats
 from grpo.testing import response_logprobs_from_logits
@@ -245,6 +246,33 @@ def test_chunked_logprobs_pass_gradcheck():
         lambda h, w: response_logprobs_from_hidden(h, w, response_mask, targets, chunk_size=2),
         (hidden, weight),
     )
+
+
+def test_tempered_chunked_logprobs_and_gradients_are_those_of_the_divided_logits():
+    """The trainer scores the distribution vLLM samples at temperature T: log_softmax of the
+    logits divided by T, with its gradient."""
+    hidden, weight, response_mask, targets = _random_row(dtype=torch.float64)
+    positions = response_mask[1:].nonzero().squeeze(-1)
+    upstream = torch.randn(targets.numel(), dtype=torch.float64)
+    hidden_ref = hidden.clone().requires_grad_()
+    weight_ref = weight.clone().requires_grad_()
+    logits = (hidden_ref @ weight_ref.t())[positions] / 0.7
+    expected = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+    (expected * upstream).sum().backward()
+
+    hidden_test = hidden.clone().requires_grad_()
+    weight_test = weight.clone().requires_grad_()
+    logprobs = target_logprobs_from_hidden(
+        hidden_test, weight_test, positions, targets, chunk_size=4, temperature=0.7
+    )
+    torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-12)
+    (logprobs * upstream).sum().backward()
+    torch.testing.assert_close(hidden_test.grad, hidden_ref.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weight_test.grad, weight_ref.grad, rtol=0, atol=1e-12)
+    untempered = target_logprobs_from_hidden(hidden, weight, positions, targets)
+    assert float((untempered - logprobs.detach()).abs().max()) > 0.1
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        target_logprobs_from_hidden(hidden, weight, positions, targets, temperature=0.0)
 
 
 def test_chunked_logprobs_frozen_weight_and_empty_response():

@@ -216,7 +216,9 @@ def test_prompt_dataset_from_jsonl_json_and_parquet_with_custom_columns(tmp_path
     assert from_jsonl.skipped.count == 4
     assert from_jsonl.skipped.examples[3][0] == 6
     assert from_jsonl.skipped.examples[3][1].startswith("not valid JSON")
+    # The row's other columns ride along, for environments.
     assert from_jsonl[0] == {
+        "id": 1,
         "question": CUSTOM_ROWS[0]["problem"],
         "answer": "7",
         "prompt": CUSTOM_ROWS[0]["problem"] + "\n",
@@ -236,6 +238,7 @@ def test_prompt_dataset_from_jsonl_json_and_parquet_with_custom_columns(tmp_path
     assert from_parquet.skipped.summary().startswith(
         f"skipped 3 rows of {parquet_path}: row 2: empty problem; row 4: "
     )
+    assert from_parquet[0] == from_json[0] == from_jsonl[0]
 
 
 def test_prompt_dataset_answers_without_extractor_and_num_examples(tmp_path):

@@ -44,3 +44,30 @@ def test_a_dataset_with_no_usable_row_fails_before_the_run(tmp_path):
     path.write_text(json.dumps({"question": "", "answer": ""}) + "\n")
     with pytest.raises(ValueError, match="train.jsonl"):
         load_recipe().build_datasets(gsm8k_config(path))
+
+
+def test_a_reward_weight_no_reward_has_is_refused_before_the_run():
+    """Names the config cannot tell (a reward class that inherits its name, an environment's
+    scores) are checked once the rewards and the environment are built, before Ray starts."""
+    from grpo.config import ConfigError
+    from grpo.rewards import TokenPresenceReward
+    from grpo.testing.tools import EchoUserEnv
+
+    check = load_recipe().check_reward_weights
+    rewards = [
+        {"_component_": "grpo.rewards.MathCorrectnessReward"},
+        {"_component_": "grpo.rewards.TokenPresenceReward", "token": "7", "name": "seven"},
+    ]
+
+    def config(weights):
+        return SimpleNamespace(
+            ref=SimpleNamespace(reward_weights=weights), reward_functions=rewards
+        )
+
+    check(config({"math_correctness": 1.0, "seven": 0.5}), None)
+    with pytest.raises(ConfigError, match="no reward named 'format'; the rewards are math_corr"):
+        check(config({"format": 1.0}), None)
+    environment = EchoUserEnv(reward_functions=[TokenPresenceReward(token="7")])
+    check(config({"token_presence": 2.0}), environment)
+    with pytest.raises(ConfigError, match="the rewards are token_presence"):
+        check(config({"seven": 2.0}), environment)

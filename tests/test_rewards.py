@@ -15,6 +15,7 @@ from grpo.advantages import group_advantages
 from grpo.rewards import (
     FormatReward,
     MathCorrectnessReward,
+    RewardBatch,
     RewardFunction,
     RewardPool,
     RewardResult,
@@ -442,3 +443,16 @@ def test_total_reward_weights():
     torch.testing.assert_close(total_reward(rewards, [1.0, 2.0]), torch.tensor([2.0, 2.0]))
     with pytest.raises(ValueError, match="3 reward_weights for 2"):
         total_reward(rewards, [1.0, 2.0, 3.0])
+
+
+def test_reward_weights_apply_by_name_whatever_the_column_order():
+    # An environment's scores come in its own order: the weight follows the name.
+    rewards = torch.tensor([[1.0, 0.5], [0.0, 1.0]])
+    batch = RewardBatch(rewards, rewards > 0, ["format", "correct"], {}, {})
+    torch.testing.assert_close(batch.total({"correct": 2.0}), torch.tensor([2.0, 2.0]))
+    torch.testing.assert_close(batch.total({"format": 0.0, "correct": 1.0}), rewards[:, 1])
+    torch.testing.assert_close(batch.total(None), torch.tensor([1.5, 1.0]))
+    with pytest.raises(
+        ValueError, match="no reward named 'exact'; the rewards are format, correct"
+    ):
+        batch.total({"exact": 1.0})

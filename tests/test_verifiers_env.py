@@ -54,6 +54,7 @@ class ScriptedEngine:
         self.compact_calls = compact_calls
         self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.samples: list[list[int]] = []
+        self.prompts: list[list[int]] = []
 
     def reply(self, text: str) -> str:
         a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", text)[-1])
@@ -70,6 +71,7 @@ class ScriptedEngine:
     def __call__(self, requests):
         samples = []
         for request in requests:
+            self.prompts.append(list(request.token_ids))
             ids = self.tokenizer.encode(self.reply(self.tokenizer.decode(request.token_ids)))
             ids = [*ids, self.end][: request.max_tokens]
             self.samples.append(ids)
@@ -190,11 +192,13 @@ def test_single_turn_episodes_are_the_sampled_tokens_after_the_rendered_prompt(
             assert episode.logprobs == pytest.approx(
                 [-0.25 - 0.01 * i for i in range(len(episode.response_ids))]
             )
-    assert env.score([e for g in groups for e in g]) == [{"reward": 1.0}] * 4
+    # Each reward by name, weighted as the taskset weights it; the metric apart.
+    assert env.score([e for g in groups for e in g]) == [{"brief": 0.5, "correct": 1.0}] * 4
+    assert [e.state["metrics"] for g in groups for e in g] == [{"reply_chars": 1.0}] * 4
 
     wrong = ScriptedEngine(tokenizer, wrong=True)
     env, _, groups = run_groups(tool_model_dir, ARITHMETIC, wrong, rows=1, group_size=1)
-    assert env.score(groups[0]) == [{"reward": 0.0}]
+    assert env.score(groups[0]) == [{"brief": 0.5, "correct": 0.0}]
 
 
 def test_tool_episode_trains_the_calls_and_masks_the_tool_results(tool_model_dir, tokenizer):
@@ -223,24 +227,67 @@ def test_tool_episode_trains_the_calls_and_masks_the_tool_results(tool_model_dir
         assert prompt.endswith(
             "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
         )
-    assert env.score(groups[0]) == [{"reward": 1.0}] * 2
+    assert env.score(groups[0]) == [{"brief": 0.0, "correct": 1.0}] * 2
     assert env.split_traces == 0
 
 
-def test_a_turn_the_template_rewrites_trains_the_final_branch_only(tool_model_dir, tokenizer):
-    """The model's compact JSON is written back with spaces: verifiers splits the trace, and
-    the last branch (the earlier call as masked context, the final answer trained) is kept."""
+def test_a_call_the_template_would_rewrite_is_trained_as_sampled(tool_model_dir, tokenizer):
+    """The model's compact JSON call, which the template writes with spaces: the next prompt
+    extends the sampled tokens (no re-render), so the trace does not split and the call is
+    trained as sampled, the tool result masked, the answer trained."""
     engine = ScriptedEngine(tokenizer, compact_calls=True)
     env, _, groups = run_groups(tool_model_dir, ADD_TOOL, engine, rows=1, group_size=1)
     [episode] = groups[0]
     assert episode.error is None, episode.error
-    assert env.split_traces == 1
-    answer = tokenizer.encode("The answer is 5.") + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    trained = [t for t, m in zip(episode.response_ids, episode.response_mask) if m]
-    assert trained == answer and episode.num_turns == 1
-    context = tokenizer.decode(episode.prompt_ids + episode.response_ids)
-    assert '{"name": "add", "arguments": {"a": 2, "b": 3}}' in context  # re-rendered, masked
-    assert env.score(groups[0]) == [{"reward": 1.0}]
+    assert env.split_traces == 0
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    call = tokenizer.encode('<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>')
+    answer = tokenizer.encode("The answer is 5.") + [im_end]
+    tool_turn = tokenizer.encode(
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert episode.response_ids == [*call, im_end, *tool_turn, *answer]
+    assert episode.response_mask == [True] * (len(call) + 1) + [False] * len(tool_turn) + [
+        True
+    ] * len(answer)
+    assert (episode.num_turns, episode.tool_calls) == (2, 1)
+    # The second request's prompt is the first's, the sampled call and the tool turn.
+    assert engine.prompts[0] == episode.prompt_ids
+    assert engine.prompts[1] == [*episode.prompt_ids, *call, im_end, *tool_turn]
+    assert env.score(groups[0]) == [{"brief": 0.0, "correct": 1.0}]
+
+
+def test_the_client_renderer_extends_the_sampled_tokens(tool_model_dir, tokenizer):
+    """The renderer verifiers' client is given: the next prompt is the previous prompt and
+    sampled ids, then the template's tool turn; never a re-tokenised assistant turn."""
+    from renderers import create_renderer
+    from renderers.base import load_tokenizer
+
+    from grpo.envs.verifiers_renderer import bridge_renderer_config
+
+    renderer = create_renderer(load_tokenizer(str(tool_model_dir)), bridge_renderer_config("qwen3"))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt = renderer.render_ids([{"role": "user", "content": "What is 2 + 3?"}])
+    call = tokenizer.encode('<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>')
+    tool = [{"role": "tool", "tool_call_id": "call_0", "content": "5"}]
+    tool_turn = "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+
+    bridged = renderer.bridge_to_next_turn(prompt, [*call, im_end], tool)
+    assert bridged.token_ids[: len(prompt) + len(call) + 1] == [*prompt, *call, im_end]
+    assert tokenizer.decode(bridged.token_ids[len(prompt) + len(call) + 1 :]) == (
+        f"\n{tool_turn}<|im_start|>assistant\n"
+    )
+    assert len(bridged.message_indices) == len(bridged.token_ids)
+    # A turn cut before its stop token gets the template's close of the turn first.
+    cut = renderer.bridge_to_next_turn(prompt, call, tool)
+    assert tokenizer.decode(cut.token_ids[len(prompt) + len(call) :]) == (
+        f"<|im_end|>\n{tool_turn}<|im_start|>assistant\n"
+    )
+    # An assistant turn among the new messages would be re-tokenised: no bridge.
+    assistant = {"role": "assistant", "content": "The answer is 5."}
+    assert renderer.bridge_to_next_turn(prompt, [*call, im_end], [*tool, assistant]) is None
+    assert renderer.bridge_to_next_turn(prompt, [*call, im_end], []) is None
 
 
 def test_tokens_the_engine_did_not_sample_are_never_trained():
@@ -325,3 +372,221 @@ def test_grpo_validate_names_the_verifiers_mistakes(tiny_model_dir, tmp_path, ca
         "dataset: required key is missing (only an environment with its own tasks"
         in capsys.readouterr().err
     )
+
+
+COMPACTING_HARNESS = """
+import verifiers.v1 as vf
+from contextlib import AsyncExitStack
+from openai import AsyncOpenAI
+from verifiers.v1.harnesses.utils.mcp import connect_mcp
+
+from grpo.envs.verifiers_harness import ChatHarness, _call_tool
+
+__all__ = ["CompactingHarness"]
+
+
+class CompactingHarness(ChatHarness):
+    # An agent that compacts its context: a tool call and its results are folded into one
+    # user turn, so the next prompt no longer holds the model's own turn.
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kwargs):
+        system, prompt = self.resolve_prompt(data)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
+        spec = {"mcpServers": {name: {"url": url} for name, url in mcp_urls.items()}}
+        async with AsyncExitStack() as stack:
+            tools, dispatch, servers = await connect_mcp(spec, stack)
+            for _ in range(self.config.max_turns):
+                completion = await client.chat.completions.create(
+                    model=ctx.model, messages=messages, tools=tools
+                )
+                reply = completion.choices[0].message
+                if not reply.tool_calls:
+                    break
+                results = [await _call_tool(c, dispatch, servers) for c in reply.tool_calls]
+                folded = "".join(f"<tool_response>\\n{r}\\n</tool_response>" for r in results)
+                messages.append({"role": "user", "content": f"Tool results:\\n{folded}"})
+        await client.close()
+        return vf.ProgramResult(exit_code=0, stdout="", stderr="")
+"""
+
+
+@pytest.fixture
+def compacting_harness(tmp_path, monkeypatch):
+    """A harness module whose agent folds each tool call and its results into a user turn."""
+    (tmp_path / "grpo_check_compacting_harness.py").write_text(COMPACTING_HARNESS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "grpo_check_compacting_harness"
+
+
+def test_an_agent_that_compacts_its_history_trains_the_final_branch_only(
+    tool_model_dir, tokenizer, compacting_harness
+):
+    """The agent's next prompt drops the model's call: it does not extend the sampled tokens,
+    so verifiers renders it again and splits the trace; the last branch (the folded result
+    as context, the final answer trained) is kept and the split is counted."""
+    engine = ScriptedEngine(tokenizer)
+    env, _, groups = run_groups(
+        tool_model_dir, ADD_TOOL, engine, rows=1, group_size=1, harness=compacting_harness
+    )
+    [episode] = groups[0]
+    assert episode.error is None, episode.error
+    assert env.split_traces == 1
+    answer = tokenizer.encode("The answer is 5.") + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert episode.response_ids == answer and all(episode.response_mask)
+    assert episode.num_turns == 1
+    prompt = tokenizer.decode(episode.prompt_ids)
+    # The question, then the folded result: the model's call is no longer in the conversation.
+    assert prompt.endswith(
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>user\nTool results:\n"
+        "<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert env.score(groups[0]) == [{"brief": 0.0, "correct": 1.0}]
+
+
+class HalfToolEngine(ScriptedEngine):
+    """Answers every other episode at once, without the tool, so a compacting agent splits
+    the episodes that called it and not the others."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.episodes = 0
+
+    def reply(self, text: str) -> str:
+        if "<tool_response>" not in text:  # an episode's first turn
+            self.episodes += 1
+            if self.episodes % 2 == 0:
+                return super().reply(text.replace("<tools>", ""))
+        return super().reply(text)
+
+
+def test_each_episode_of_a_group_keeps_its_own_prompt(
+    tool_model_dir, tokenizer, compacting_harness
+):
+    """group_size 4, two split traces beside two whole ones: a split episode's prompt holds its
+    re-rendered history, the others' the task's prompt; each trajectory carries its own."""
+    from grpo.envs import episode_groups
+
+    engine = HalfToolEngine(tokenizer)
+    env, _, groups = run_groups(
+        tool_model_dir, ADD_TOOL, engine, rows=1, group_size=4, harness=compacting_harness
+    )
+    [group] = groups
+    assert all(episode.error is None for episode in group), [e.error for e in group]
+    assert env.split_traces == 2  # this call's splits, not a running total
+    prompts = sorted({tuple(episode.prompt_ids) for episode in group}, key=len)
+    assert len(prompts) == 2 and len(prompts[0]) < len(prompts[1])
+    [trajectories] = episode_groups(
+        groups,
+        env.score(group),
+        group_ids=[0],
+        sequence_id=iter(f"s{n}" for n in range(4)).__next__,
+        policy_version=0,
+    )
+    for episode, trajectory in zip(group, trajectories.trajectories):
+        assert trajectory.prompt_tokens.tolist() == episode.prompt_ids
+        assert trajectory.prompt_len == len(episode.prompt_ids)
+        assert trajectory.response_tokens.tolist() == episode.response_ids
+    # A second call counts its own splits; the default harness extends every turn.
+    env, _, groups = run_groups(
+        tool_model_dir,
+        ADD_TOOL,
+        ScriptedEngine(tokenizer, compact_calls=True),
+        rows=1,
+        group_size=4,
+    )
+    assert env.split_traces == 0
+
+
+# ---------------------------------------------------------------------------- what a taskset brings
+
+OWN_ENV_TASKS = """
+import verifiers.v1 as vf
+from grpo.testing.verifiers_arithmetic import SumTaskset
+
+__all__ = ["SumTaskset", "SoloEnv"]
+
+
+class SoloConfig(vf.SingleAgentEnvConfig):
+    note: str = "its own"
+
+
+class SoloEnv(vf.Env[SoloConfig]):
+    async def run(self, task, agents):
+        await agents.agent.run(task)
+"""
+
+TWO_SEAT_TASKS = """
+import verifiers.v1 as vf
+from grpo.testing.verifiers_arithmetic import SumTaskset
+
+__all__ = ["SumTaskset", "DuoEnv"]
+
+
+class DuoConfig(vf.EnvConfig):
+    solver: vf.AgentConfig = vf.AgentConfig()
+    checker: vf.AgentConfig = vf.AgentConfig()
+
+
+class DuoEnv(vf.Env[DuoConfig]):
+    async def run(self, task, agents):
+        await agents.solver.run(task)
+"""
+
+BARE_HARNESS = """
+import verifiers.v1 as vf
+
+__all__ = ["BareHarness"]
+
+
+class BareHarness(vf.Harness[vf.HarnessConfig]):  # its config has no max_turns
+    async def launch(self, *args, **kwargs):
+        return None
+"""
+
+
+def test_a_taskset_with_its_own_env_and_a_harness_without_max_turns(tmp_path, monkeypatch):
+    for name, source in (
+        ("grpo_check_solo_tasks", OWN_ENV_TASKS),
+        ("grpo_check_duo_tasks", TWO_SEAT_TASKS),
+        ("grpo_check_bare_harness", BARE_HARNESS),
+    ):
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    # The taskset's own single-seat Env plays it, with its own config.
+    env = verifiers_env("grpo_check_solo_tasks", max_turns=3)
+    assert type(env.env).__name__ == "SoloEnv" and env.env.config.note == "its own"
+    assert env.env.config.agent.max_turns == 3 and len(env.examples()) == 4
+    # verifiers caps the turns of a harness whose config does not count them.
+    env = verifiers_env(ARITHMETIC, harness="grpo_check_bare_harness", max_turns=3)
+    assert env.env.config.agent.max_turns == 3
+    assert "max_turns" not in type(env.env.config.agent.harness).model_fields
+    # An Env of several seats: which one would the policy play? Refused in one line.
+    assert verifiers_problems("environment", {"taskset": "grpo_check_duo_tasks"}) == [
+        "environment.taskset: grpo_check_duo_tasks exports its own verifiers Env, DuoEnv, "
+        "with 2 seats (solver, checker); grpo.envs.verifiers_env trains the one seat of a "
+        "single-agent environment: export a Taskset alone, or an Env with one AgentConfig seat"
+    ]
+
+
+def test_grpo_validate_refuses_a_dataset_beside_a_verifiers_environment(
+    tiny_model_dir, tmp_path, capsys
+):
+    from grpo.cli import main as grpo_main
+
+    status = grpo_main(
+        [
+            "validate",
+            "tiny_arithmetic_cpu",
+            f"base_model_path={tiny_model_dir}",
+            f"output_dir={tmp_path / 'run'}",
+            "eval_every_n_steps=null",
+            f"environment={{_component_: grpo.envs.verifiers_env, taskset: {ARITHMETIC}}}",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert status == 2 and "config has" not in err  # the one problem
+    assert (
+        "dataset: environment._component_ grpo.envs.verifiers_env plays its taskset's own "
+        "tasks, which are the data; set dataset: null (or dataset=null on the command line)"
+    ) in err

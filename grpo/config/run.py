@@ -110,8 +110,8 @@ class RunConfig(Section):
     reward_functions: ComponentList
     """Reward functions; each scores every response, the rewards are summed."""
     dataset: Component() | None = None
-    """Training prompts and answers; null only with an environment that brings its own tasks
-    (grpo.envs.verifiers_env: the taskset's rows)."""
+    """Training prompts and answers; null with an environment that brings its own tasks
+    (grpo.envs.verifiers_env: the taskset's rows are the data), and only then."""
     eval_dataset: Component() | None = None
     """Evaluation prompts; null: no evaluation."""
     environment: Component() | None = None
@@ -188,10 +188,13 @@ def _get(values: dict, path: str, types: tuple[type, ...] = NUMBER) -> Any:
 def _longest_sequence(values: dict, max_positions: int | None = None) -> tuple[int, str] | None:
     """Longest prompt + response a run can produce, and why; None if nothing bounds it here.
 
-    As the collectors decide it: ``inference.max_prompt_tokens + inference.max_generated_tokens``
-    when the prompt bound is set; otherwise vLLM's ``max_model_len`` (the collectors then skip
-    prompts longer than ``max_model_len - max_generated_tokens``), which defaults to the model's
-    ``max_position_embeddings``.
+    As the collectors decide it. Single-turn: ``inference.max_prompt_tokens +
+    inference.max_generated_tokens`` when the prompt bound is set; otherwise vLLM's
+    ``max_model_len`` (the collectors then skip prompts longer than ``max_model_len -
+    max_generated_tokens``), which defaults to the model's ``max_position_embeddings``. With an
+    environment an episode grows turn by turn until the engine's context or
+    ``environment.max_episode_tokens`` stops it (`grpo.envs.rollout`), whichever comes first
+    (`_environment_sequence`).
 
     Args:
         values (dict): The config as plain values.
@@ -200,6 +203,8 @@ def _longest_sequence(values: dict, max_positions: int | None = None) -> tuple[i
     Returns:
         tuple[int, str] | None: The length and a description naming the keys it comes from.
     """
+    if isinstance(values.get("environment"), dict):
+        return _environment_sequence(values, max_positions)
     max_prompt = _get(values, "inference.max_prompt_tokens", (int,))
     max_generated = _get(values, "inference.max_generated_tokens", (int,))
     if max_prompt is not None:
@@ -224,6 +229,67 @@ def _longest_sequence(values: dict, max_positions: int | None = None) -> tuple[i
     return None
 
 
+def _environment_context(values: dict) -> tuple[int, str, str] | None:
+    """The engine's context of a run with an environment, as far as the config sets it.
+
+    ``inference.engine_args.max_model_len``, or when that is null what the collector sets
+    (`grpo.workers.collector.response_budget`): ``max_prompt_tokens +
+    max(max_generated_tokens, environment.max_episode_tokens)``. None when the config sets
+    neither (the engine's context is then the model's ``max_position_embeddings``).
+
+    Returns:
+        tuple[int, str, str] | None: The length, a description, and the key to change.
+    """
+    context = _get(values, "inference.engine_args.max_model_len", (int,))
+    if context is not None:
+        key = "inference.engine_args.max_model_len"
+        return context, f"{key} ({context})", key
+    max_prompt = _get(values, "inference.max_prompt_tokens", (int,))
+    max_generated = _get(values, "inference.max_generated_tokens", (int,))
+    episode = _get(values, "environment.max_episode_tokens", (int,))
+    if max_prompt is None or max_generated is None or episode is None:
+        return None
+    context = max_prompt + max(max_generated, episode)
+    about = (
+        f"inference.max_prompt_tokens ({max_prompt}) + max(inference.max_generated_tokens "
+        f"({max_generated}), environment.max_episode_tokens ({episode})) = {context}, the "
+        "engine's context while inference.engine_args.max_model_len is null"
+    )
+    if episode >= max_generated:
+        return context, about, "environment.max_episode_tokens"
+    return context, about, "inference.max_generated_tokens"
+
+
+def _environment_sequence(values: dict, max_positions: int | None) -> tuple[int, str] | None:
+    """`_longest_sequence` of a run with an environment: its longest episode.
+
+    An episode of a prompt of at most ``max_prompt_tokens`` ends at ``max_prompt_tokens +
+    environment.max_episode_tokens`` or at the engine's context (`_environment_context`; the
+    model's ``max_position_embeddings`` when the config sets none), whichever comes first.
+    """
+    max_prompt = _get(values, "inference.max_prompt_tokens", (int,))
+    episode = _get(values, "environment.max_episode_tokens", (int,))
+    context = _environment_context(values)
+    if context is not None:
+        length, about = context[0], context[1]
+    elif max_positions is not None:
+        length = max_positions
+        about = (
+            f"the model's max_position_embeddings ({max_positions}), the engine's context "
+            "while inference.engine_args.max_model_len is null"
+        )
+    else:
+        return None
+    if episode is not None and max_prompt is not None and max_prompt + episode <= length:
+        longest = max_prompt + episode
+        return longest, (
+            f"the longest episode, inference.max_prompt_tokens ({max_prompt}) + "
+            f"environment.max_episode_tokens ({episode}) = {longest}"
+        )
+    unbounded = " (environment.max_episode_tokens is null)" if episode is None else ""
+    return length, f"the longest episode, which fills {about}{unbounded}"
+
+
 def _check_relations(values: dict, problems: list[str]) -> None:
     """Checks that involve more than one key; each skips when a key it needs is invalid."""
     longest = _longest_sequence(values)
@@ -235,10 +301,13 @@ def _check_relations(values: dict, problems: list[str]) -> None:
     max_model_len = _get(values, "inference.engine_args.max_model_len", (int,))
     max_prompt = _get(values, "inference.max_prompt_tokens", (int,))
     max_generated = _get(values, "inference.max_generated_tokens", (int,))
+    _check_episode_room(values, problems)
     if max_model_len is not None and max_generated is not None:
-        if max_prompt is not None and longest is not None and max_model_len < longest[0]:
+        if max_prompt is not None and max_model_len < max_prompt + max_generated:
             problems.append(
-                f"inference.engine_args.max_model_len: {max_model_len} is shorter than {longest[1]}"
+                f"inference.engine_args.max_model_len: {max_model_len} is shorter than "
+                f"inference.max_prompt_tokens ({max_prompt}) + inference.max_generated_tokens "
+                f"({max_generated}) = {max_prompt + max_generated}"
             )
         elif max_prompt is None and max_model_len <= max_generated:
             problems.append(
@@ -279,6 +348,13 @@ def _check_relations(values: dict, problems: list[str]) -> None:
             "dataset: required key is missing (only an environment with its own tasks, "
             "grpo.envs.verifiers_env, runs without one)"
         )
+    if plays_verifiers and values.get("dataset") is not None:
+        # The episodes are the taskset's: a dataset's rows would be played as the tasks at
+        # their indices, with the wrong prompts and answers.
+        problems.append(
+            "dataset: environment._component_ grpo.envs.verifiers_env plays its taskset's own "
+            "tasks, which are the data; set dataset: null (or dataset=null on the command line)"
+        )
     if plays_verifiers and _get(values, "eval_every_n_steps", (int,)) is not None:
         problems.append(
             "eval_every_n_steps: held-out evaluation scores eval_dataset with reward_functions, "
@@ -286,22 +362,142 @@ def _check_relations(values: dict, problems: list[str]) -> None:
             "eval_every_n_steps: null (the taskset's reward is in the training metrics)"
         )
 
-    weights = _get(values, "ref.reward_weights", (list,))
-    functions = values.get("reward_functions")
-    if weights is not None:
-        if not all(type_ok(weight, NUMBER) for weight in weights):
-            problems.append(f"ref.reward_weights: expected a list of numbers, got {weights!r}")
-        elif isinstance(functions, list) and len(weights) != len(functions):
-            problems.append(
-                f"ref.reward_weights: {len(weights)} weights for {len(functions)} "
-                "reward_functions; give one weight per function"
-            )
+    weights = _get(values, "ref.reward_weights", (dict,))
+    names = reward_names(values)
+    if weights and names is not None and (problem := reward_weights_problem(weights, names)):
+        problems.append(problem)
 
     engine_args = _get(values, "inference.engine_args", (dict,))
     if engine_args and "model" in engine_args:
         problems.append("inference.engine_args.model: the model comes from base_model_path")
+    _check_sampled_distribution(values, problems)
+    _check_idle_clip(values, problems)
 
     _check_ray_resources(values, problems)
+
+
+def _check_episode_room(values: dict, problems: list[str]) -> None:
+    """An episode of the longest prompt must reach ``max_episode_tokens`` within the engine's
+    context, or its bound is the context, silently."""
+    episode = _get(values, "environment.max_episode_tokens", (int,))
+    context = _get(values, "inference.engine_args.max_model_len", (int,))
+    if episode is None or context is None or not isinstance(values.get("environment"), dict):
+        return
+    max_prompt = _get(values, "inference.max_prompt_tokens", (int,))
+    if max_prompt is not None and max_prompt + episode > context:
+        problems.append(
+            f"environment.max_episode_tokens: inference.max_prompt_tokens ({max_prompt}) + "
+            f"{episode} exceeds inference.engine_args.max_model_len ({context}): episodes would "
+            "end at the engine's context first; raise max_model_len or lower one of them"
+        )
+    elif max_prompt is None and episode >= context:
+        problems.append(
+            f"environment.max_episode_tokens: {episode} leaves no room for a prompt in "
+            f"inference.engine_args.max_model_len ({context})"
+        )
+
+
+def _check_sampled_distribution(values: dict, problems: list[str]) -> None:
+    """The loss compares the trainer's logprobs with the engine's of the tokens it sampled:
+    both must be those of the distribution that sampled them."""
+    top_p = _get(values, "inference.top_p")
+    if top_p is not None and 0 < top_p < 1:
+        problems.append(
+            f"inference.top_p: {top_p} is refused, only 1.0 trains: the trainer's logprobs are "
+            "those of the whole tempered distribution, not of the nucleus the engine samples "
+            "from, so the importance ratio would compare against a distribution that did not "
+            "sample the tokens; lower inference.temperature to sample more sharply"
+        )
+    mode = _get(values, "inference.engine_args.logprobs_mode", (str,))
+    if mode is not None and mode != "processed_logprobs":
+        problems.append(
+            f"inference.engine_args.logprobs_mode: {mode!r} is refused; the behaviour logprobs "
+            "must be processed_logprobs (the default), those of the tempered distribution that "
+            "sampled the tokens, which the trainer's are compared with"
+        )
+
+
+def _check_idle_clip(values: dict, problems: list[str]) -> None:
+    """With ``tis_cap`` and one epoch the clip has nothing to clip: say which keys do nothing."""
+    loss = _get(values, "training.loss", (dict,))
+    if not loss or loss.get("tis_cap") in (None, UNRESOLVED):
+        return
+    if _get(values, "training.ppo_epochs", (int,)) != 1:
+        return
+    idle = [key for key in ("epsilon_low", "epsilon_high") if key in loss]
+    if loss.get("ratio_level") == "sequence":
+        idle.append("ratio_level: sequence")
+    if idle:
+        problems.append(
+            f"training.loss.tis_cap: with training.ppo_epochs 1 the clipped ratio is taken "
+            f"against the current policy and is always 1, so {', '.join(idle)} "
+            f"{'has' if len(idle) == 1 else 'have'} no effect (the loss is the TIS-weighted "
+            "policy gradient); remove them, set ppo_epochs >= 2 (decoupled PPO) or tis_cap: "
+            "null (the ratio to the behaviour policy is clipped)"
+        )
+
+
+def reward_names(values: dict) -> list[str] | None:
+    """The names of the rewards a run's episodes are scored under, read from the config.
+
+    Without an environment, or with one that scores with its reward functions (a
+    `grpo.envs.MultiTurnEnv` subclass that keeps its ``score``), the reward functions' names:
+    a node's ``name``, else the class's own ``name`` or a ``reward_function``'s, read from
+    source. Other environments name their rewards as they score (a verifiers taskset's):
+    their names are checked once the environment is built
+    (`grpo.envs.MultiTurnEnv.reward_names`), or at the latest when it first scores.
+
+    Args:
+        values (dict): The config as plain values.
+
+    Returns:
+        list[str] | None: The names; None when the config does not tell (checked at start).
+    """
+    from grpo.config.signatures import static_overrides, static_reward_name
+
+    functions = values.get("reward_functions")
+    environment = values.get("environment")
+    if isinstance(environment, dict):
+        target = environment.get("_component_")
+        # Only an environment that keeps MultiTurnEnv's `score` scores with reward functions.
+        if (
+            not isinstance(target, str)
+            or static_overrides(target, "score", "MultiTurnEnv") is not False
+        ):
+            return None
+        functions = environment.get("reward_functions", functions)
+    if not isinstance(functions, list):
+        return None
+    names = []
+    for node in functions:
+        if not isinstance(node, dict):
+            return None
+        name = node.get("name")
+        if name is None and isinstance(node.get("_component_"), str):
+            name = static_reward_name(node["_component_"])
+        if not isinstance(name, str):
+            return None
+        names.append(name)
+    return names
+
+
+def reward_weights_problem(weights: Any, names: list[str]) -> str | None:
+    """Why ``ref.reward_weights`` does not fit rewards named ``names``, or None if it does.
+
+    Args:
+        weights: The ``ref.reward_weights`` mapping.
+        names (list[str]): The names of the rewards the episodes are scored under.
+
+    Returns:
+        str | None: One line naming the unknown names and the known ones.
+    """
+    unknown = [name for name in weights if name not in names]
+    if not unknown:
+        return None
+    return (
+        f"ref.reward_weights: no reward named {', '.join(map(repr, unknown))}; the rewards are "
+        f"{', '.join(names)}"
+    )
 
 
 def _check_ray_resources(values: dict, problems: list[str]) -> None:
@@ -431,7 +627,20 @@ def _check_model_config(folder: Path, values: dict, problems: list[str]) -> None
         if longest is not None and budget is not None and budget < longest[0]:
             problems.append(
                 f"target_tokens_per_batch: {budget} cannot hold the longest sequence, "
-                f"{longest[1]} in {config_path}; set inference.max_prompt_tokens"
+                f"{longest[1]} in {config_path}; set "
+                + (
+                    "environment.max_episode_tokens and inference.max_prompt_tokens, or "
+                    "inference.engine_args.max_model_len"
+                    if isinstance(values.get("environment"), dict)
+                    else "inference.max_prompt_tokens"
+                )
+            )
+    elif isinstance(values.get("environment"), dict):
+        context = _environment_context(values)
+        if context is not None and context[0] > max_positions:
+            problems.append(
+                f"{context[2]}: {context[1]} exceeds the model's max_position_embeddings "
+                f"({max_positions}) in {config_path}"
             )
     elif from_config[0] > max_positions:
         key = (

@@ -127,9 +127,12 @@ class InferenceConfig(Section):
     max_generated_tokens: int = Field(256, ge=1)
     """Most tokens generated per response."""
     temperature: float = Field(1.0, gt=0)
-    """Sampling temperature."""
+    """Sampling temperature. The behaviour logprobs are those of the tempered distribution
+    (vLLM's processed_logprobs), and the trainer and reference divide their logits by it too."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass; only 1.0 trains (grpo validate refuses less): the trainer's
+    logprobs cannot reproduce the nucleus, so the importance ratio would compare against a
+    distribution that did not sample the tokens. Lower temperature to sample more sharply."""
     weight_updates: WeightUpdateMode = "in_flight"
     """in_flight: new weights are loaded between two decode steps of the running batch, whose
     sequences are prefilled again with them and go on, every later token the new policy's (a
@@ -168,9 +171,10 @@ class RefConfig(Section):
     """Dynamic sampling: drop groups whose rewards are all equal (zero advantages) before the
     replay buffer, and generate more until a batch of training.batch_size informative
     trajectories is there (the extra generation shows in ref_actor_rewards/groups_scored)."""
-    reward_weights: list[float] | None = None
-    """Weight of each reward function in the total reward, in the order of reward_functions;
-    null: all 1."""
+    reward_weights: dict[str, float] | None = None
+    """Weight of each reward in the total reward, by reward name (a reward function's name, or
+    a name in an environment's scores), e.g. {math_correctness: 1.0, format: 0.2}; a reward
+    not named weighs 1. null: all 1."""
     dtype: DType = "fp32"
     """Reference model dtype."""
     mask_kind: MaskKind = "auto"
@@ -184,6 +188,18 @@ class RefConfig(Section):
     """Ray custom resources per reference actor, e.g. {trainer_node: 1}: they start only on
     nodes that have them (``ray start --resources='{"trainer_node": 4}'``), which places the
     role on chosen nodes of a cluster. A resource no node has is refused at start."""
+
+    @field_validator("reward_weights", mode="before")
+    @classmethod
+    def _weights_by_name(cls, value: Any) -> Any:
+        # A list would weigh by position, and the order of an environment's scores is not
+        # the order of reward_functions: weights are given by name only.
+        if isinstance(value, (list, tuple)):
+            raise ValueError(
+                f"give the weights by reward name, e.g. {{math_correctness: 1.0, format: 0.2}}, "
+                f"not as a list ({list(value)!r})"
+            )
+        return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,7 +239,8 @@ class LossArgs(ComponentArgs):
     tis_cap: float | None = Field(COMPONENT_DEFAULT, gt=0)
     """Truncated importance sampling of the vLLM/trainer mismatch: ratio against the trainer's
     pre-update logprobs, each token's loss weighted by min(exp(pi_old - behaviour), tis_cap).
-    null: off."""
+    With ppo_epochs 1 that ratio is always 1 and nothing is clipped (grpo validate refuses
+    epsilon_low, epsilon_high or ratio_level: sequence beside it). null: off."""
     tis_level: Level = COMPONENT_DEFAULT  # type: ignore[assignment]
     """TIS weight per token, or per sequence (from its summed log-ratio)."""
     ratio_level: Level = COMPONENT_DEFAULT  # type: ignore[assignment]

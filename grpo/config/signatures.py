@@ -41,6 +41,97 @@ def static_keyword_names(path: str) -> set[str] | None:
     Raises:
         InstantiationError: If the module or the attribute certainly does not exist.
     """
+    try:
+        node = _definition(path)
+        return None if node is None else _parameters(node)
+    except _Unknown:
+        return None
+
+
+def static_reward_name(path: str) -> str | None:
+    """The reward name of the reward function at a dotted path, read from source.
+
+    A `grpo.rewards.RewardFunction` subclass's own ``name = "..."``, or the name of a function
+    decorated with ``reward_function`` (its ``name=`` argument, else the function's name).
+
+    Args:
+        path (str): ``module.attribute`` path, e.g. ``grpo.rewards.FormatReward``.
+
+    Returns:
+        str | None: The name; None when the source does not tell (inherited, computed) or the
+        path does not exist.
+    """
+    try:
+        node = _definition(path)
+    except (_Unknown, InstantiationError):
+        return None
+    if isinstance(node, ast.ClassDef):
+        for statement in node.body:
+            targets = (
+                statement.targets
+                if isinstance(statement, ast.Assign)
+                else [statement.target]
+                if isinstance(statement, ast.AnnAssign)
+                else []
+            )
+            if any(isinstance(t, ast.Name) and t.id == "name" for t in targets):
+                value = statement.value
+                if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    return value.value
+                return None
+        return None
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        for decorator in node.decorator_list:
+            call = decorator if isinstance(decorator, ast.Call) else None
+            function = call.func if call is not None else decorator
+            if ast.unparse(function).rsplit(".", 1)[-1] != "reward_function":
+                continue
+            for keyword in call.keywords if call is not None else ():
+                if keyword.arg == "name":
+                    value = keyword.value
+                    is_text = isinstance(value, ast.Constant) and isinstance(value.value, str)
+                    return value.value if is_text else None
+            return node.name
+    return None
+
+
+def static_overrides(path: str, method: str, base: str) -> bool | None:
+    """Whether the class at a dotted path defines ``method`` itself rather than inheriting it
+    from ``base``, read from source.
+
+    Args:
+        path (str): ``module.attribute`` path of a class.
+        method (str): The method's name.
+        base (str): The name of the base class that defines the default.
+
+    Returns:
+        bool | None: True if the class defines it; False if it does not and derives from
+        ``base`` directly; None when the source does not tell (a deeper hierarchy, not a
+        class).
+    """
+    try:
+        node = _definition(path)
+    except (_Unknown, InstantiationError):
+        return None
+    if not isinstance(node, ast.ClassDef):
+        return None
+    if any(
+        isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) and statement.name == method
+        for statement in node.body
+    ):
+        return True
+    if any(ast.unparse(parent).rsplit(".", 1)[-1] == base for parent in node.bases):
+        return False
+    return None
+
+
+def _definition(path: str) -> ast.AST | None:
+    """The class or function definition at a dotted path; None for a compiled module.
+
+    Raises:
+        InstantiationError: If the module or the attribute certainly does not exist.
+        _Unknown: If the source does not tell (an attribute of a class, a dynamic module).
+    """
     parts = path.split(".")
     if not all(parts):
         raise InstantiationError(f"{path!r} is not a dotted import path")
@@ -62,13 +153,10 @@ def static_keyword_names(path: str) -> set[str] | None:
     module_file = location / "__init__.py" if location.is_dir() else location
     if depth == len(parts):
         raise InstantiationError(f"cannot import {path!r}: {path} is a module, not a callable")
-    try:
-        node = _resolve(module_file, parts[depth], ".".join(parts[:depth]), _MAX_HOPS)
-        if depth + 1 < len(parts):
-            return None  # an attribute of a class or object: not followed
-        return _parameters(node)
-    except _Unknown:
-        return None
+    node = _resolve(module_file, parts[depth], ".".join(parts[:depth]), _MAX_HOPS)
+    if depth + 1 < len(parts):
+        raise _Unknown  # an attribute of a class or object: not followed
+    return node
 
 
 def _spec_location(spec) -> Path | None:

@@ -226,9 +226,15 @@ def _environment_problems(values: dict) -> list[str]:
     node = values.get("environment")
     if not isinstance(node, dict) or any(value is UNRESOLVED for value in node.values()):
         return []
-    from grpo.envs.preflight import environment_problems
+    from grpo.envs.preflight import chat_template_problems, environment_problems
 
-    return environment_problems("environment", node)
+    # `locate` names the close match of a mistyped tool path, as for every other dotted path.
+    problems = environment_problems("environment", node, locate)
+    dataset = values.get("dataset")
+    template = dataset.get("template") if isinstance(dataset, dict) else None
+    if not problems and isinstance(template, dict):
+        problems += chat_template_problems("dataset.template", template)
+    return problems
 
 
 # --------------------------------------------------------------------------------------------

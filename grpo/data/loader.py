@@ -39,6 +39,11 @@ from grpo.data.templates import (
 
 AnswerExtractor = Callable[[str], str | None]
 
+# Keys an example has for what they mean here (`grpo.data.dataset`, `grpo.data.stream`): a
+# column of one of these names is not passed through, so it cannot change what they mean
+# (a "messages" column beside a question would otherwise be rendered instead of it).
+EXAMPLE_KEYS = frozenset({"question", "answer", "messages", "prompt", "index"})
+
 
 class RegexAnswerExtractor:
     """The last match of a regular expression in a solution: its first group if it has groups.
@@ -168,7 +173,14 @@ def _row_example(
                 f"{answer!r}; expected a string or None"
             )
         answer = extracted
-    example: dict[str, Any] = {"question": question, "answer": answer}
+    # The row's other columns ride along under their own names, for an environment that
+    # reads them (example["hint"]); the example's own keys keep their meaning.
+    example: dict[str, Any] = {
+        column: value
+        for column, value in row.items()
+        if column not in EXAMPLE_KEYS and column not in (prompt_key, answer_key)
+    }
+    example.update(question=question, answer=answer)
     if messages is not None:
         example["messages"] = messages
     return example, ""
@@ -284,7 +296,11 @@ def prompt_dataset(
 
     Returns:
         PromptDataset: Examples ``{"question", "answer"}``, plus ``"messages"`` for chat turns
-        (``"question"`` is then the last user turn, for logs). Its ``skipped`` report counts
+        (``"question"`` is then the last user turn, for logs), plus the row's other columns
+        (all but ``prompt_key`` and ``answer_key``) under their own names, for environments
+        that read them (``example["hint"]``; a column named ``question``, ``answer``,
+        ``messages``, ``prompt`` or ``index`` is not passed through: those keys are the
+        example's own). Its ``skipped`` report counts
         the rows that were missing a field, empty, malformed, had no answer for the extractor
         or failed to render; rows are numbered from 1 (the line number for ``.jsonl``).
 

@@ -108,8 +108,8 @@ def _read_parquet(path: Path, columns: Sequence[str]) -> list[tuple[int, Any]]:
     missing = [column for column in columns if column not in table.column_names]
     if missing:
         raise _missing_columns_error(str(path), missing, table.column_names)
-    # Only the named columns: other columns may hold types that are slow or large to convert.
-    return list(enumerate(table.select(list(columns)).to_pylist(), start=1))
+    # Every column: the ones not named ride along in the examples, for environments.
+    return list(enumerate(table.to_pylist(), start=1))
 
 
 def _read_hub(
@@ -134,7 +134,7 @@ def _read_hub(
     missing = [column for column in columns if column not in rows.column_names]
     if missing:
         raise _missing_columns_error(f"{name}[{split}]", missing, rows.column_names)
-    return list(enumerate(rows.select_columns(list(columns)), start=1))
+    return list(enumerate(rows, start=1))
 
 
 def open_source(
@@ -152,6 +152,7 @@ def open_source(
             with ``/``, ``./``, ``../`` or ``~``, or names an existing file.
         columns (Sequence[str]): Columns the caller needs. A parquet file or hub dataset must
             have them all; in JSON, where every row has its own keys, at least one row must.
+            The rows hold every column, these and the others.
         split (str): Hub split; ignored for a local file (the file is the split).
         subset (str | None): Hub configuration name (``"main"``); ignored for a local file.
         what (str): What is being loaded, for messages (``"GSM8K"``).

@@ -170,6 +170,12 @@ class ChatTemplate:
         stop (Sequence[str]): Stop strings for the sampler; by default the end of the answer
             tag, which the R1 instruction asks for. ``[]`` stops at the model's end-of-turn
             token only.
+        chat_template_kwargs (Mapping[str, Any] | None): Extra variables of the chat template,
+            e.g. ``{"enable_thinking": false}`` for Qwen3 (the prompt then ends with an empty
+            thinking block). Environment turns are rendered with the same ones.
+        tools (Sequence | None): Tools to describe in the prompt, in the model family's own
+            format (the template's ``tools``): functions with type hints or their dotted
+            paths, as a tool environment takes them.
 
     Raises:
         FileNotFoundError: If ``model_dir`` is not a folder.
@@ -194,7 +200,14 @@ class ChatTemplate:
         model_dir: str | os.PathLike,
         system_prompt: str | None = None,
         stop: Sequence[str] = ("</answer>",),
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Any] | None = None,
     ) -> None:
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise ValueError(
+                "ChatTemplate: chat_template_kwargs must be a mapping of template variables, "
+                f"got {chat_template_kwargs!r}"
+            )
         if system_prompt is not None and (
             not isinstance(system_prompt, str) or not system_prompt.strip()
         ):
@@ -216,6 +229,12 @@ class ChatTemplate:
             )
         self.system_prompt = system_prompt
         self.stop: tuple[str, ...] = tuple(stop or ())
+        self.chat_template_kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
+        self.tool_schemas: list[dict[str, Any]] | None = None
+        if tools:
+            from grpo.envs.tools import resolve_tools
+
+            self.tool_schemas = [tool.schema() for tool in resolve_tools(list(tools)).values()]
 
     def messages(self, prompt: PromptInput) -> list[dict[str, str]]:
         """The chat turns rendered for ``prompt``: the system prompt (if any) and the turns.
@@ -235,7 +254,9 @@ class ChatTemplate:
         return turns
 
     def __call__(self, prompt: PromptInput) -> str:
-        return self.tokenizer.apply_chat_template(self.messages(prompt))
+        return self.tokenizer.apply_chat_template(
+            self.messages(prompt), tools=self.tool_schemas, **self.chat_template_kwargs
+        )
 
     def __repr__(self) -> str:
         system = self.system_prompt

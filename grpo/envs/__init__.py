@@ -1,6 +1,8 @@
 """Environments: multi-turn and tool-using episodes, token-exact.
 
 * `MultiTurnEnv` (`base`): the environment answers each policy turn, ends the episode, scores it.
+  Its options (``max_turns``, ...) are typed and bounded in its constructor's signature
+  (`options`), which the constructor and ``grpo validate`` both check values against.
 * `ToolEnv` (`tool_env`): the answers are results of tools, plain Python functions with type
   hints (`tools`), run in worker processes with a timeout (`runner`); `builtin_tools` has a
   calculator and a Python interpreter.
@@ -16,7 +18,7 @@ package loads no torch (``grpo validate`` reads tools and environments).
 
 from grpo.envs.base import Episode, MultiTurnEnv
 from grpo.envs.builtin_tools import calculator, python
-from grpo.envs.render import ChatTurnRenderer, PlainTurnRenderer
+from grpo.envs.render import ChatTurnRenderer, PlainTurnRenderer, chat_template_problem
 from grpo.envs.rollout import Sample, SampleRequest, episode_groups, run_episodes
 from grpo.envs.runner import ToolOutcome, ToolRunner
 from grpo.envs.tool_env import ToolEnv
@@ -37,6 +39,7 @@ __all__ = [
     "ToolRunner",
     "VerifiersEnv",
     "calculator",
+    "chat_template_problem",
     "episode_groups",
     "parse_tool_calls",
     "python",

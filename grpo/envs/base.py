@@ -18,6 +18,11 @@ Write your own environment by subclassing `MultiTurnEnv`:
                 return None  # solved: the episode ends
             return [{"role": "user", "content": "higher" if guess < state["answer"] else "lower"}]
 
+Options of its own are keyword arguments of its ``__init__`` typed ``Annotated[int,
+Field(ge=1)]`` and the like (`grpo.envs.options`): ``grpo validate`` checks them as it checks
+``max_turns``. The example's other keys are the dataset row's other columns
+(``example["hint"]``; `grpo.data.prompt_dataset`).
+
 Pure Python apart from the reward scoring (``grpo.rewards``); no Ray, no vLLM.
 """
 
@@ -26,11 +31,18 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from grpo.envs.options import checked_options
 
 log = logging.getLogger(__name__)
+
+# How often a wait on jobs re-reads a deadline that moves.
+_DEADLINE_POLL_S = 0.1
 
 Message = dict[str, str]
 
@@ -40,13 +52,14 @@ class Episode:
     """One conversation in progress, token-exact.
 
     Args:
-        example (dict): The dataset example (``question``, ``answer``, ``prompt``, ``index``).
+        example (dict): The dataset example (``question``, ``answer``, ``prompt``, ``index``,
+            and the row's other columns).
         prompt_ids (list[int]): Token ids of the rendered prompt.
         messages (list[Message]): The conversation as chat turns: the question, then each
             assistant turn (decoded, for the environment to read) and environment turn.
         state (dict): The environment's own per-episode state (`MultiTurnEnv.reset`).
         seed (int): Sampling seed of the first policy turn; turn ``t`` samples with
-            ``seed + t * group_size`` (`grpo.envs.rollout.run_episodes`).
+            ``grpo.seeds.turn_seed(seed, t)`` (`grpo.envs.rollout.run_episodes`).
     """
 
     example: dict[str, Any]
@@ -60,6 +73,8 @@ class Episode:
     turn_lengths: list[int] = field(default_factory=list)  # policy tokens of each turn
     tool_calls: int = 0
     tool_errors: dict[str, int] = field(default_factory=dict)
+    # Seconds each tool call waited for a free worker before it ran (not part of its timeout).
+    tool_queue_waits: list[float] = field(default_factory=list)
     truncated: bool = False  # ended by the token budget or a turn cut at max tokens
     hit_max_turns: bool = False
     error: str | None = None  # the environment raised: the episode is dropped
@@ -103,6 +118,8 @@ class Episode:
             "tool_calls": float(self.tool_calls),
             "tool_errors": float(sum(self.tool_errors.values())),
             **{f"tool_errors_{kind}": float(n) for kind, n in self.tool_errors.items()},
+            "tool_queue_wait_s": float(sum(self.tool_queue_waits)),
+            "tool_queue_wait_max_s": float(max(self.tool_queue_waits, default=0.0)),
             "env_tokens": float(self.env_tokens),
             "policy_tokens": float(sum(self.turn_lengths)),
             "truncated": float(self.truncated),
@@ -122,7 +139,9 @@ class PendingResponse:
         futures (Sequence): Futures of the jobs the answer waits on.
         finish (Callable | None): Called once all futures are done, or at ``deadline``, to fill
             ``answer`` from them (it sees unfinished futures too, and must treat them as lost).
-        deadline (float | None): ``time.monotonic()`` after which the jobs count as lost.
+        deadline (float | Callable[[], float] | None): ``time.monotonic()`` after which the
+            jobs count as lost, or a function that says it when asked (a deadline that moves:
+            a tool call's clock starts when a worker takes it, not when it was queued).
     """
 
     def __init__(
@@ -130,7 +149,7 @@ class PendingResponse:
         answer: list[Message] | None,
         futures: Sequence[Any] = (),
         finish: Any = None,
-        deadline: float | None = None,
+        deadline: float | Callable[[], float] | None = None,
     ) -> None:
         self._answer = answer
         self.futures = list(futures)
@@ -142,17 +161,23 @@ class PendingResponse:
         """Whether `result` can be taken without waiting."""
         if self._finished:
             return True
-        return all(f.done() for f in self.futures) or (
-            self._deadline is not None and time.monotonic() >= self._deadline
-        )
+        if all(f.done() for f in self.futures):
+            return True
+        deadline = self._current_deadline()
+        return deadline is not None and time.monotonic() >= deadline
+
+    def _current_deadline(self) -> float | None:
+        return self._deadline() if callable(self._deadline) else self._deadline
 
     def result(self) -> list[Message] | None:
         """The answer; waits for the jobs (until the deadline) if they are still running."""
         if not self._finished:
-            timeout = None
-            if self._deadline is not None:
-                timeout = max(self._deadline - time.monotonic(), 0.0)
-            concurrent.futures.wait(self.futures, timeout=timeout)
+            while not self.done():
+                deadline = self._current_deadline()
+                timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                if callable(self._deadline) and (timeout is None or timeout > _DEADLINE_POLL_S):
+                    timeout = _DEADLINE_POLL_S  # it may move: read it again now and then
+                concurrent.futures.wait(self.futures, timeout=timeout)
             if self._finish is not None:
                 self._finish()
             self._finished = True
@@ -176,26 +201,25 @@ class MultiTurnEnv:
         stop (Sequence[str]): Extra stop strings that end a policy turn (kept in the turn).
         reward_timeout_s (float): Seconds one reward call may take before it scores 0.
 
+    The options' types and bounds are declared in the signature (`grpo.envs.options`): the
+    constructor checks them, and ``grpo validate`` checks an ``environment:`` node against
+    them, for subclasses too.
+
     Raises:
-        ValueError: A limit below 1.
+        ValueError: An option of the wrong type or out of bounds (a limit below 1), or a
+            reward function that is not callable.
     """
 
+    @checked_options
     def __init__(
         self,
         reward_functions: Sequence[Any] = (),
-        max_turns: int = 4,
-        max_episode_tokens: int | None = None,
-        max_tokens_per_turn: int | None = None,
-        stop: Sequence[str] = (),
-        reward_timeout_s: float = 10.0,
+        max_turns: Annotated[int, Field(ge=1)] = 4,
+        max_episode_tokens: Annotated[int, Field(ge=1)] | None = None,
+        max_tokens_per_turn: Annotated[int, Field(ge=1)] | None = None,
+        stop: Annotated[Sequence[str], Field()] = (),
+        reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0,
     ) -> None:
-        for key, value in (
-            ("max_turns", max_turns),
-            ("max_episode_tokens", max_episode_tokens),
-            ("max_tokens_per_turn", max_tokens_per_turn),
-        ):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{type(self).__name__}: {key} must be an int >= 1, got {value!r}")
         for index, fn in enumerate(reward_functions):
             if not callable(fn):
                 raise ValueError(
@@ -245,6 +269,19 @@ class MultiTurnEnv:
         except Exception as error:  # the run goes on; the episode is dropped and named
             episode.error = f"{type(error).__name__}: {error}"
             return PendingResponse(None)
+
+    def reward_names(self) -> list[str] | None:
+        """The names `score` gives its rewards, known before any episode runs, or None.
+
+        ``ref.reward_weights`` is checked against them before the actors start. By default
+        the reward functions' names; None for a subclass with its own `score` (override this
+        too to have its names checked early; otherwise they are checked when it scores).
+        """
+        if type(self).score is not MultiTurnEnv.score:
+            return None
+        from grpo.rewards import reward_name
+
+        return [reward_name(fn) for fn in self.reward_functions]
 
     def score(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
         """Rewards of finished episodes, by reward name.

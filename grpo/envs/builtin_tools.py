@@ -3,14 +3,20 @@
 Both run inside `grpo.envs.runner.ToolRunner` workers (a timeout per call). The Python tool
 starts a fresh interpreter per call in a new temporary folder, with resource limits and an
 audit hook that refuses network access, new processes and writes outside that folder; its
-standard output is the answer.
+standard output is the answer. The interpreter dies with the worker that started it (on Linux),
+so a call stopped at its timeout leaves nothing running, and the next call removes the folders
+such calls left behind.
 """
 
 from __future__ import annotations
 
 import ast
+import ctypes
 import operator
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -100,9 +106,61 @@ def _limit_resources(memory_mb: int, cpu_s: int) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 2**20, 16 * 2**20))
 
 
+# prctl(2) option: the signal a process receives when the thread that forked it exits.
+_PR_SET_PDEATHSIG = 1
+# A call's folder names the worker that made it: a folder of a worker that is gone was left by
+# a call stopped at its timeout (its cleanup never ran).
+_FOLDER_PREFIX = "grpo-python-tool-"
+_FOLDER = re.compile(rf"{_FOLDER_PREFIX}(\d+)-[A-Za-z0-9_]+")
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _start_child(libc: ctypes.CDLL | None, worker: int) -> None:
+    """In the child, before it runs the interpreter: die with the worker, and limit resources.
+
+    A call past its timeout has its worker stopped (`grpo.envs.runner`); without this the
+    interpreter would live on, orphaned, until its own limits end it (a ``sleep`` never does).
+    """
+    if libc is not None and hasattr(libc, "prctl"):
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != worker:  # the worker died before the line above
+            os._exit(1)
+    _limit_resources(memory_mb=512, cpu_s=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_stale_folders() -> None:
+    """Remove the folders of calls whose worker was stopped mid-call."""
+    try:
+        entries = list(os.scandir(tempfile.gettempdir()))
+    except OSError:
+        return
+    for entry in entries:
+        match = _FOLDER.fullmatch(entry.name)
+        if match and not _alive(int(match[1])):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def python(code: str) -> str:
     """Run Python code and return what it prints (no network; files only in a temporary folder)."""
-    with tempfile.TemporaryDirectory(prefix="grpo-python-tool-") as folder:
+    _remove_stale_folders()
+    worker, libc = os.getpid(), _libc()
+    with tempfile.TemporaryDirectory(prefix=f"{_FOLDER_PREFIX}{worker}-") as folder:
         try:
             completed = subprocess.run(
                 [sys.executable, "-I", "-c", _PRELUDE],
@@ -112,7 +170,7 @@ def python(code: str) -> str:
                 cwd=folder,
                 timeout=10,
                 env={"PATH": os.environ.get("PATH", ""), "HOME": folder, "TMPDIR": folder},
-                preexec_fn=lambda: _limit_resources(memory_mb=512, cpu_s=10),
+                preexec_fn=lambda: _start_child(libc, worker),
             )
         except subprocess.TimeoutExpired as error:
             raise TimeoutError("the code ran for more than 10 s") from error

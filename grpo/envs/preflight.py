@@ -1,35 +1,46 @@
 """Checks of an ``environment:`` config node that `grpo validate` runs before any actor starts.
 
-Tools named by dotted path are imported and checked against their type hints here, so a typo
-or an untyped parameter is one line at validation, not an error in a collector. No torch.
+The environment's options are checked against the declarations its constructor checks them
+against (`grpo.envs.options`), and tools named by dotted path are imported and checked against
+their type hints, so a bad value, a typo or an untyped parameter is one line at validation, not
+an error in a collector. No torch.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any
 
-from grpo.envs.tools import call_format_problem, check_tools
+from grpo.envs.options import option_problems
+from grpo.envs.tools import check_tools
 
 
-def environment_problems(key: str, node: dict[str, Any]) -> list[str]:
+def environment_problems(
+    key: str, node: dict[str, Any], locate: Callable[[str], Any] | None = None
+) -> list[str]:
     """Problems of an environment node, each as ``key: what is wrong``.
 
     Args:
         key (str): The node's config key (``environment``).
         node (dict): The node, interpolations resolved.
+        locate (Callable[[str], Any] | None): Imports a tool's dotted path (`check_tools`);
+            `grpo validate` passes `grpo.config.locate`, whose errors name a close match.
 
     Returns:
-        list[str]: Empty when the tools import and take typed arguments (for a verifiers
-        environment: when the extra is installed and its modules import).
+        list[str]: Empty when the options fit the environment's declarations and the tools
+        import and take typed arguments (for a verifiers environment: when the extra is
+        installed and its modules import).
     """
     if node.get("_component_") == "grpo.envs.verifiers_env":
         from grpo.envs.verifiers_adapter import verifiers_problems
 
         return verifiers_problems(key, node)
     problems = []
-    call_format = node.get("call_format")
-    if call_format is not None and (problem := call_format_problem(call_format)):
-        problems.append(f"{key}.call_format: {problem}")
+    component = _component(node.get("_component_"), locate)
+    if component is not None:
+        arguments = {name: value for name, value in node.items() if name != "_component_"}
+        problems += [f"{key}.{problem}" for problem in option_problems(component, arguments)]
     tools = node.get("tools")
     if tools is None:
         return problems
@@ -38,5 +49,56 @@ def environment_problems(key: str, node: dict[str, Any]) -> list[str]:
             *problems,
             f"{key}.tools: expected a list of dotted paths of functions, got {tools!r}",
         ]
-    _, tool_problems = check_tools(tools)
+    _, tool_problems = check_tools(tools, locate)
     return problems + [f"{key}.{problem}" for problem in tool_problems]
+
+
+def _component(path: Any, locate: Callable[[str], Any] | None) -> Any:
+    """The environment class (or factory) a node names, or None if it does not import.
+
+    Whether it imports is the component check's to report (`grpo.config.validation`); this
+    only reads the options of what does.
+    """
+    if not isinstance(path, str) or "." not in path:
+        return None
+    try:
+        if locate is not None:
+            return locate(path)
+        module, _, attribute = path.rpartition(".")
+        return getattr(importlib.import_module(module), attribute)
+    except Exception:  # a missing or broken module: reported by the component check
+        return None
+
+
+def chat_template_problems(key: str, template: dict[str, Any]) -> list[str]:
+    """Whether environment turns can extend the sampled tokens with a chat prompt template.
+
+    Renders the model folder's chat template the way the collector will
+    (`grpo.envs.render.chat_template_problem`); loads its tokenizer (transformers, no torch
+    model). Other templates (plain text) need no check.
+
+    Args:
+        key (str): The template node's config key (``dataset.template``).
+        template (dict): The node; checked when it is a ``grpo.data.ChatTemplate``.
+
+    Returns:
+        list[str]: One line naming the model folder and what to do, or nothing.
+    """
+    if template.get("_component_") not in (
+        "grpo.data.ChatTemplate",
+        "grpo.data.templates.ChatTemplate",
+    ):
+        return []
+    model_dir = template.get("model_dir")
+    kwargs = template.get("chat_template_kwargs") or {}
+    if not isinstance(model_dir, str) or not isinstance(kwargs, dict):
+        return []  # reported by the template's own checks
+    from grpo.envs.render import chat_template_problem
+    from grpo.models.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except (OSError, ValueError):
+        return []  # a missing or broken folder is the model check's to report
+    problem = chat_template_problem(tokenizer, kwargs)
+    return [] if problem is None else [f"{key}: {problem}"]

@@ -5,14 +5,22 @@ environment's turn as the model's chat template renders it, then the policy's ne
 tokens, and so on. Text the model wrote is never decoded and encoded again, so the trained
 tokens are exactly the sampled ones, and each turn extends the tokens before it.
 
-The environment's tokens are rendered the same way whatever came before: as the chat template
-renders those messages right after an assistant turn (`ChatTurnRenderer`). The history is never
-re-rendered. For a template that renders every turn the same wherever it sits (ChatML, Qwen2.5,
-Llama 3), the whole sequence equals ``apply_chat_template`` of the whole conversation. For a
-template that rewrites earlier turns (Qwen3 and R1 templates drop ``<think>`` from past assistant
-turns), the sequence keeps what the model really saw while it sampled, earlier thinking
-included. The sampler and the trainer then see the same tokens, which is what makes the
-logprobs match. The rendering the template would give at inference is not what is trained.
+`ChatTurnRenderer` takes the environment's tokens from the model's own chat template: it
+renders the conversation so far with the policy's last turn replaced by a marker, followed by
+the environment's messages and the opening of the next assistant turn, and keeps the text
+after the marker (the close of the assistant turn, the environment's turns in the family's own
+format, the next turn's opening). Only that suffix is used, never the template's rendering of
+the history, so templates that rewrite earlier turns work as well as those that do not:
+Qwen3's (an empty ``<think></think>`` block on the last assistant turn only,
+``<tool_response>`` inside a user turn), DeepSeek-R1's (earlier thinking dropped, tool outputs
+in its own markers), Llama 3's (today's date in the system header, which moves at midnight).
+The sequence keeps what the model really saw while it sampled, earlier thinking included: the
+sampler and the trainer see the same tokens, which is what makes the logprobs match. What the
+template would render at inference for the whole conversation is not what is trained.
+
+A template that cannot render environment turns after an assistant turn, or that rewrites the
+text of the assistant turn they follow, is refused when the renderer is built, naming the
+model folder (`chat_template_problem`, which ``grpo validate`` runs too).
 
 Runs whose prompts are plain text (no chat template) use `PlainTurnRenderer`: each
 environment message is a text format filled with its content. The collector picks the one that
@@ -24,8 +32,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-_SENTINEL = "\x00grpo-assistant-turn\x00"
-_ANCHOR = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
+_MARKER = "\x00grpo-assistant-turn\x00"
+# Conversations the template is checked on before a run: environment turns must render after
+# an assistant turn that follows each of them.
+_HISTORIES: tuple[tuple[dict[str, str], ...], ...] = (
+    ({"role": "user", "content": "?"},),
+    (
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "And 2 * 3?"},
+    ),
+)
+# Environment turns the check renders: a tool result, two tool results, a user reply.
+_PROBES: tuple[tuple[dict[str, str], ...], ...] = (
+    ({"role": "tool", "content": "42"},),
+    ({"role": "tool", "content": "6"}, {"role": "tool", "content": "7"}),
+    ({"role": "user", "content": "Try again."},),
+)
 
 
 class ChatTurnRenderer:
@@ -33,54 +57,136 @@ class ChatTurnRenderer:
 
     Args:
         tokenizer: `grpo.models.Tokenizer` with a chat template (``apply_chat_template``,
-            ``encode``, ``decode``, ``stop_tokens``).
+            ``encode``, ``decode``, ``stop_tokens``, ``model_dir``).
+        chat_template_kwargs (Mapping[str, Any] | None): Extra variables of the template, the
+            same the prompts are rendered with (e.g. ``{"enable_thinking": False}`` for Qwen3:
+            the next turn's opening then holds the empty thinking block).
 
     Raises:
-        ValueError: If the tokenizer has no chat template, or the template does not render an
-            assistant turn followed by more turns as a continuation of that turn.
+        ValueError: If the tokenizer has no chat template, or the template renders what
+            follows an assistant turn differently depending on the turns before it
+            (`chat_template_problem`).
+
+    Example:
+        >>> renderer = ChatTurnRenderer(load_tokenizer("/models/Qwen3-0.6B"))
+        >>> tokenizer.decode(renderer.env_tokens([{"role": "tool", "content": "42"}], True))
+        '\\n<|im_start|>user\\n<tool_response>\\n42\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n'
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(
+        self, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
-        anchored = tokenizer.apply_chat_template(_ANCHOR, add_generation_prompt=False)
-        # What the template writes after an assistant message's text: usually its end-of-turn
-        # token and a newline. The policy samples the end-of-turn token itself (a stop token),
-        # so only the rest comes from the environment.
-        self._anchored = anchored
-        self._after_assistant = anchored[anchored.index(_SENTINEL) + len(_SENTINEL) :]
-        self._after_stop_token = self._after_assistant
-        for token_id in tokenizer.stop_tokens:
-            stop_text = tokenizer.decode([token_id], skip_special_tokens=False)
-            if stop_text and self._after_assistant.startswith(stop_text):
-                self._after_stop_token = self._after_assistant[len(stop_text) :]
-                break
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        problem = chat_template_problem(tokenizer, self.chat_template_kwargs)
+        if problem is not None:
+            raise ValueError(problem)
+        # The texts of the stop tokens: the template closes an assistant turn with one of them
+        # (<|im_end|>, <|eot_id|>, <｜end▁of▁sentence｜>), which a turn that ended on a stop token
+        # already holds (it may be another one: Llama's <|eom_id|> after a tool call).
+        self._stop_texts = sorted(
+            {
+                tokenizer.decode([token_id], skip_special_tokens=False)
+                for token_id in tokenizer.stop_tokens
+            }
+            - {""},
+            key=len,
+            reverse=True,
+        )
 
-    def env_tokens(self, messages: Sequence[Mapping[str, str]], closed: bool) -> list[int]:
+    def env_tokens(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        closed: bool,
+        history: Sequence[Mapping[str, str]] = _HISTORIES[0],
+    ) -> list[int]:
         """Token ids of ``messages`` (environment turns) following an assistant turn.
 
         Args:
             messages (Sequence[Mapping[str, str]]): ``{"role", "content"}`` turns, e.g. tool
                 results; the rendering ends with the opening of the next assistant turn.
-            closed (bool): Whether the assistant turn ended with its stop token (``<|im_end|>``):
+            closed (bool): Whether the assistant turn ended with a stop token (``<|im_end|>``):
                 the template's closing of the turn is then already in the sequence. False when
                 it stopped on a stop string: the closing comes from the environment.
+            history (Sequence[Mapping[str, str]]): The conversation before the assistant turn
+                (the episode's messages up to it); templates that number or group turns
+                (DeepSeek-R1's tool outputs) render the environment's turns in its light.
 
         Returns:
             list[int]: The tokens to append (never trained).
 
         Raises:
-            ValueError: If the template's rendering does not extend the assistant turn.
+            ValueError: If the template fails to render the messages.
         """
-        conversation = [*_ANCHOR, *({"role": m["role"], "content": m["content"]} for m in messages)]
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-        if not text.startswith(self._anchored):
-            raise ValueError(
-                "the chat template renders an assistant turn differently once more turns follow "
-                "it; environment turns cannot extend the sampled tokens"
-            )
-        suffix = text[len(self._anchored) :]
-        bridge = self._after_stop_token if closed else self._after_assistant
-        return self.tokenizer.encode(bridge + suffix, add_bos=False, add_eos=False)
+        suffix = _suffix_after_assistant(
+            self.tokenizer, history, messages, self.chat_template_kwargs
+        )
+        if closed:
+            for stop_text in self._stop_texts:
+                if suffix.startswith(stop_text):
+                    suffix = suffix[len(stop_text) :]
+                    break
+        return self.tokenizer.encode(suffix, add_bos=False, add_eos=False)
+
+
+def _suffix_after_assistant(
+    tokenizer: Any,
+    history: Sequence[Mapping[str, str]],
+    messages: Sequence[Mapping[str, str]],
+    chat_template_kwargs: Mapping[str, Any],
+) -> str:
+    """What the template writes after an assistant turn's text, ``messages`` included."""
+    conversation = [
+        *({"role": m["role"], "content": m["content"]} for m in history),
+        {"role": "assistant", "content": _MARKER},
+        *({"role": m["role"], "content": m["content"]} for m in messages),
+    ]
+    text = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, **chat_template_kwargs
+    )
+    if text.count(_MARKER) != 1:
+        roles = "/".join(m["role"] for m in messages)
+        raise ValueError(
+            f"the chat template of {str(tokenizer.model_dir)!r} does not keep an assistant "
+            f"turn's text as it is when {roles} turns follow it"
+        )
+    return text[text.index(_MARKER) + len(_MARKER) :]
+
+
+def chat_template_problem(
+    tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None
+) -> str | None:
+    """Why environment turns cannot extend the sampled tokens with this template, or None.
+
+    The template must render a tool result, two tool results and a user reply after an
+    assistant turn, after a short and a longer conversation, with the assistant turn's text as
+    it is.
+
+    Args:
+        tokenizer: `grpo.models.Tokenizer`.
+        chat_template_kwargs (Mapping[str, Any] | None): The template's extra variables.
+
+    Returns:
+        str | None: One line naming the model folder and what to do, or None if it works.
+    """
+    folder = str(getattr(tokenizer, "model_dir", "?"))
+    if not tokenizer.chat_template:
+        return (
+            f"model folder {folder!r} has no chat template; environment turns after a chat "
+            "prompt need one (or use a plain prompt template such as think_answer)"
+        )
+    kwargs = dict(chat_template_kwargs or {})
+    for messages in _PROBES:
+        for history in _HISTORIES:
+            try:
+                _suffix_after_assistant(tokenizer, history, messages, kwargs)
+            except ValueError as err:
+                return (
+                    f"{err}; environment turns cannot extend the sampled tokens with it: use "
+                    "the family's published template (Qwen2.5, Qwen3, Llama 3.x and "
+                    "DeepSeek-R1 templates work) or a plain prompt template"
+                )
+    return None
 
 
 class PlainTurnRenderer:
@@ -102,9 +208,14 @@ class PlainTurnRenderer:
         self.tokenizer = tokenizer
         self.formats = dict(formats or self.DEFAULT_FORMATS)
 
-    def env_tokens(self, messages: Sequence[Mapping[str, str]], closed: bool) -> list[int]:
-        """Token ids of ``messages``; ``closed`` does not matter for plain text."""
-        del closed
+    def env_tokens(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        closed: bool,
+        history: Sequence[Mapping[str, str]] = (),
+    ) -> list[int]:
+        """Token ids of ``messages``; ``closed`` and ``history`` do not matter for plain text."""
+        del closed, history
         parts = []
         for message in messages:
             role = message["role"]

@@ -26,6 +26,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from grpo.envs.base import Episode, MultiTurnEnv, PendingResponse
+from grpo.seeds import sample_seed, turn_seed
 
 if TYPE_CHECKING:
     from grpo.types import GroupedUnscoredTrajectories
@@ -124,9 +125,9 @@ def run_episodes(
         max_tokens_per_turn (int): Tokens the policy may sample in one turn (the environment's
             ``max_tokens_per_turn`` wins when set).
         max_model_len (int): The engine's context: prompt plus response never exceed it.
-        seeds (Sequence[int]): One seed per prompt; episode ``j`` of it, turn ``t`` samples
-            with ``seed + j + group_size * t`` (`Episode.seed`) so a resumed stream samples the
-            same.
+        seeds (Sequence[int]): One seed per prompt (`grpo.seeds.group_seed`); turn ``t`` of
+            its episode ``j`` samples with ``grpo.seeds.sample_seed(seed, j, t)``, a seed no
+            other turn of the run shares, and a resumed stream samples the same.
         gather_s (float): When the engine is idle and one episode's answer is in, how long to
             wait for others' (a bigger batch) before sampling its next turn.
 
@@ -150,7 +151,7 @@ def run_episodes(
                     prompt_ids=list(prompt_ids),
                     messages=[dict(m) for m in messages],
                     state=env.reset(example),
-                    seed=seed + member,
+                    seed=sample_seed(seed, member, 0),
                 )
                 for member in range(group_size)
             ]
@@ -167,7 +168,7 @@ def run_episodes(
             request = SampleRequest(
                 token_ids=episode.prompt_ids + episode.response_ids,
                 max_tokens=min(per_turn, _room(env, episode, max_model_len)),
-                seed=(episode.seed + group_size * episode.num_turns) % 2**62,
+                seed=turn_seed(episode.seed, episode.num_turns),
                 stop=env.stop,
             )
             sampling[engine.submit(request)] = episode
@@ -242,7 +243,9 @@ def _apply_answer(
     """Append the environment's answer to the episode; whether it goes on to a policy turn."""
     if episode.error is not None or answer is None:
         return False
-    env_ids = renderer.env_tokens(answer, closed=closed)
+    # The conversation before the policy's last turn: the template renders the answer in its
+    # light (`grpo.envs.render.ChatTurnRenderer`).
+    env_ids = renderer.env_tokens(answer, closed=closed, history=episode.messages[:-1])
     if len(env_ids) >= _room(env, episode, max_model_len):
         episode.truncated = True  # no room for the answer and a policy token after it
         return False
@@ -292,15 +295,20 @@ def episode_groups(
     result = []
     for group, group_id in zip(groups, group_ids):
         trajectories = []
-        # One tensor for the prompt every episode of the group starts from.
-        prompt_tokens = torch.tensor(group[0].prompt_ids, dtype=torch.long)
+        # Each episode keeps its own prompt: a verifiers episode's is its own (a split trace's
+        # holds its re-rendered history). Episodes of one group that start from the same
+        # tokens share one tensor, and packing lays such a prompt out once.
+        prompt_tensors: dict[tuple[int, ...], torch.Tensor] = {}
         for episode in group:
             if episode.error is not None:
                 continue
+            prompt_key = tuple(episode.prompt_ids)
+            if prompt_key not in prompt_tensors:
+                prompt_tensors[prompt_key] = torch.tensor(episode.prompt_ids, dtype=torch.long)
             response = torch.tensor(episode.response_ids, dtype=torch.long)
             trajectories.append(
                 UnscoredTrajectory(
-                    prompt_tokens=prompt_tokens,
+                    prompt_tokens=prompt_tensors[prompt_key],
                     response_tokens=response,
                     prompt_len=len(episode.prompt_ids),
                     response_len=response.numel(),

@@ -5,24 +5,30 @@ without one ends the episode (it is the final answer, scored by the reward funct
 call is answered with one ``tool`` turn: the tool's result, or an error the model can read (a
 call that does not parse, a tool that is not declared, arguments of the wrong type, a tool that
 raised, crashed or overran its timeout). Errors are counted by kind in the episode's stats.
-Calls run in worker processes (`ToolRunner`), concurrently across episodes; an episode waiting
-on its calls holds no other (`start_response` returns at once, `grpo.envs.rollout` goes on).
+Calls run in worker processes (`ToolRunner`, ``tool_workers`` of them), concurrently across
+episodes; an episode waiting on its calls holds no other (`start_response` returns at once,
+`grpo.envs.rollout` goes on). A call's timeout counts from when a worker takes it: a call that
+waited for a busy worker is never answered with a timeout for that; how long it waited is kept
+in the episode's stats (``tool_queue_wait_s``).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from grpo.envs.base import Episode, Message, MultiTurnEnv, PendingResponse
-from grpo.envs.runner import ToolRunner, default_tool_runner
+from grpo.envs.options import checked_options
+from grpo.envs.runner import ToolJob, ToolRunner, default_tool_runner, jobs_deadline
 from grpo.envs.tools import (
     BAD_ARGUMENTS,
+    CALL_FORMATS,
     PARSE_ERROR,
     UNKNOWN_TOOL,
     Tool,
-    call_format_problem,
+    call_stop_strings,
     parse_tool_calls,
     resolve_tools,
 )
@@ -34,16 +40,24 @@ class ToolEnv(MultiTurnEnv):
     Args:
         tools (Sequence): Functions with type hints, their dotted paths, or `Tool` objects,
             e.g. ``[grpo.envs.builtin_tools.calculator]``.
-        call_format (str): ``"json"`` (``<tool_call>{"name", "arguments"}</tool_call>``, the
-            format of Qwen chat templates) or ``"tag"`` (``<calculator>2*3</calculator>``).
-        tool_timeout_s (float): Seconds one call may take; a slower call is stopped and
-            answered with an error.
+        call_format (str): How the model writes its calls, the format its chat template
+            teaches: ``"json"`` (``<tool_call>{"name", "arguments"}</tool_call>``: Qwen2.5,
+            Qwen3), ``"llama3_json"`` (``{"name", "parameters"}``: Llama 3.x),
+            ``"deepseek"`` (DeepSeek-R1 and its distills), or ``"tag"``
+            (``<calculator>2*3</calculator>``: small models and plain prompts).
+        tool_timeout_s (float): Seconds one call may take from when a worker takes it; a
+            slower call is stopped and answered with an error (the time it waited for a
+            worker does not count).
         max_tool_calls_per_turn (int): Calls of one turn beyond this are answered with an
             error without running.
         tool_memory_mb (int | None): Data memory one call may allocate; past it the call
             fails with ``MemoryError`` (an ``exception`` error turn). None: no cap. Ignored
             with a ``runner`` of your own.
-        runner (ToolRunner | None): Worker processes for the calls; default a process-wide one.
+        tool_workers (int): Worker processes that run the calls, shared by every episode of
+            this process (the collector): at most this many calls run at a time, the others
+            wait for a worker. Ignored with a ``runner`` of your own.
+        runner (ToolRunner | None): Worker processes for the calls; default a process-wide one
+            with ``tool_workers`` workers and ``tool_memory_mb``.
         reward_functions, max_turns, max_episode_tokens, max_tokens_per_turn,
             reward_timeout_s: As `MultiTurnEnv`.
         stop (Sequence[str] | None): Stop strings of a policy turn; default the end of a call
@@ -51,46 +65,38 @@ class ToolEnv(MultiTurnEnv):
             as soon as it has made its call.
 
     Raises:
-        ValueError: An unknown ``call_format``, a tool `Tool` refuses, no tools.
+        ValueError: An option of the wrong type or out of bounds (an unknown
+            ``call_format``, ``tool_timeout_s`` not above 0; declared in the signature,
+            `grpo.envs.options`), a tool `Tool` refuses, no tools.
 
     Example:
         >>> env = ToolEnv(tools=["grpo.envs.builtin_tools.calculator"], call_format="tag",
         ...               reward_functions=[MathCorrectnessReward()], max_turns=3)
     """
 
+    @checked_options
     def __init__(
         self,
         tools: Sequence[Tool | Callable[..., Any] | str],
-        call_format: str = "json",
-        tool_timeout_s: float = 5.0,
-        max_tool_calls_per_turn: int = 4,
-        tool_memory_mb: int | None = 2048,
+        call_format: Annotated[Literal[CALL_FORMATS], Field()] = "json",
+        tool_timeout_s: Annotated[float, Field(gt=0)] = 5.0,
+        max_tool_calls_per_turn: Annotated[int, Field(ge=1)] = 4,
+        tool_memory_mb: Annotated[int, Field(ge=64)] | None = 2048,
+        tool_workers: Annotated[int, Field(ge=1)] = 2,
         runner: ToolRunner | None = None,
         reward_functions: Sequence[Any] = (),
-        max_turns: int = 4,
-        max_episode_tokens: int | None = None,
-        max_tokens_per_turn: int | None = None,
-        stop: Sequence[str] | None = None,
-        reward_timeout_s: float = 10.0,
+        max_turns: Annotated[int, Field(ge=1)] = 4,
+        max_episode_tokens: Annotated[int, Field(ge=1)] | None = None,
+        max_tokens_per_turn: Annotated[int, Field(ge=1)] | None = None,
+        stop: Annotated[Sequence[str], Field()] | None = None,
+        reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0,
     ) -> None:
-        if problem := call_format_problem(call_format):
-            raise ValueError(f"call_format: {problem}")
         if not tools:
             raise ValueError("ToolEnv needs at least one tool")
-        if not tool_timeout_s > 0:
-            raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s!r}")
-        if tool_memory_mb is not None and not (
-            isinstance(tool_memory_mb, int) and tool_memory_mb >= 64
-        ):
-            raise ValueError(f"tool_memory_mb must be an int >= 64 or null, got {tool_memory_mb!r}")
         self.tools = resolve_tools(tools)
         # A policy turn stops right after a call: the result comes before the model goes on.
         if stop is None:
-            stop = (
-                ("</tool_call>",)
-                if call_format == "json"
-                else tuple(f"</{name}>" for name in self.tools)
-            )
+            stop = call_stop_strings(call_format, list(self.tools))
         super().__init__(
             reward_functions=reward_functions,
             max_turns=max_turns,
@@ -103,6 +109,7 @@ class ToolEnv(MultiTurnEnv):
         self.tool_timeout_s = float(tool_timeout_s)
         self.max_tool_calls_per_turn = max_tool_calls_per_turn
         self.tool_memory_mb = tool_memory_mb
+        self.tool_workers = tool_workers
         self.runner = runner
 
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -127,9 +134,9 @@ class ToolEnv(MultiTurnEnv):
             return PendingResponse(None)
         if not calls:
             return PendingResponse(None)  # no call: this turn is the answer
-        runner = self.runner or default_tool_runner(self.tool_memory_mb)
+        runner = self.runner or default_tool_runner(self.tool_memory_mb, self.tool_workers)
         turns: list[Message] = []
-        jobs: list[tuple[int, Any]] = []  # (position in turns, future) of each running call
+        jobs: list[tuple[int, ToolJob]] = []  # (position in turns, job) of each running call
         for number, call in enumerate(calls):
             episode.tool_calls += 1
             problem, kind = self._refusal(call, number)
@@ -137,26 +144,28 @@ class ToolEnv(MultiTurnEnv):
                 episode.count_tool_error(kind)
                 turns.append({"role": "tool", "content": f"error: {problem}"})
                 continue
-            future = runner.submit(self.tools[call.name], call.arguments, self.tool_timeout_s)
-            jobs.append((len(turns), future))
+            job = runner.submit(self.tools[call.name], call.arguments, self.tool_timeout_s)
+            jobs.append((len(turns), job))
             turns.append({"role": "tool", "content": ""})
 
         def finish() -> None:
-            for position, future in jobs:
-                outcome = runner.outcome(future, self.tool_timeout_s)
+            for position, job in jobs:
+                outcome = job.outcome()
                 content = outcome.text
                 if outcome.error is not None:
                     episode.count_tool_error(outcome.error)
                     content = f"error: {outcome.text}"
                 turns[position]["content"] = content
-            if not all(future.done() for _, future in jobs):
-                runner.restart()  # a call pebble lost would hold a worker forever
+                if job.queue_wait_s is not None:
+                    episode.tool_queue_waits.append(job.queue_wait_s)
 
+        running = [job for _, job in jobs]
         return PendingResponse(
             turns,
-            [future for _, future in jobs],
+            [job.future for job in running],
             finish,
-            deadline=time.monotonic() + runner.deadline(len(jobs), self.tool_timeout_s),
+            # Moves as queued calls start: each call's clock starts when a worker takes it.
+            deadline=lambda: jobs_deadline(running),
         )
 
     def _refusal(self, call: Any, number: int) -> tuple[str | None, str]:

@@ -1,14 +1,20 @@
 """Tools: plain Python functions with type hints, and the parsing of the model's calls to them.
 
-A tool is any module-level function whose parameters have type hints (``int``, ``float``,
-``str``, ``bool``); its docstring's first line describes it to the model. `Tool` checks a
-call's arguments against the hints before the function runs, so a call with a missing, unknown
-or mistyped argument becomes an error turn for the model, not an exception in a worker.
+A tool is any module-level function (``def`` or ``async def``) whose parameters have type hints
+(``int``, ``float``, ``str``, ``bool``); its docstring's first line describes it to the model.
+`Tool` checks a call's arguments against the hints before the function runs, so a call with a
+missing, unknown or mistyped argument becomes an error turn for the model, not an exception in
+a worker.
 
-Two call formats (`parse_tool_calls`):
+The call formats (`parse_tool_calls`), each the one a model family's chat template teaches:
 
 * ``"json"``: ``<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>``,
-  the Hermes format that Qwen2.5 and Qwen3 chat templates use for tool calls.
+  the Hermes format of Qwen2.5 and Qwen3 templates.
+* ``"llama3_json"``: the whole turn is ``{"name": "calculator", "parameters": {...}}``, after an
+  optional ``<|python_tag|>``: the format of Llama 3.1, 3.2 and 3.3 templates.
+* ``"deepseek"``: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>calculator`` then the arguments in
+  a fenced json block and ``<｜tool▁call▁end｜>``, inside ``<｜tool▁calls▁begin｜>`` ...
+  ``<｜tool▁calls▁end｜>``: the format of DeepSeek-R1 (and its distills') templates.
 * ``"tag"``: ``<calculator>2+3</calculator>``: the tag is the tool's name and the text inside is
   its first parameter. For small models and plain (non-chat) templates.
 
@@ -26,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-CALL_FORMATS = ("json", "tag")
+CALL_FORMATS = ("json", "llama3_json", "deepseek", "tag")
 
 # Error kinds of a tool call, counted in the episode's stats and the collector's metrics.
 PARSE_ERROR = "parse_error"
@@ -38,6 +44,14 @@ EXCEPTION = "exception"
 TOOL_ERROR_KINDS = (PARSE_ERROR, UNKNOWN_TOOL, BAD_ARGUMENTS, TIMEOUT, CRASH, EXCEPTION)
 
 _JSON_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_DEEPSEEK_CALL = re.compile(
+    r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)\n```(?:json)?\n(.*?)\n```<｜tool▁call▁end｜>",
+    re.DOTALL,
+)
+_PYTHON_TAG = "<|python_tag|>"
+# Where a turn in each format has made its calls: a policy turn stops there, so the results
+# come before the model goes on (the tag format stops at each tool's closing tag).
+_CALL_ENDS = {"json": ("</tool_call>",), "llama3_json": (), "deepseek": ("<｜tool▁calls▁end｜>",)}
 _SIMPLE_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
 
 
@@ -64,7 +78,8 @@ class Tool:
     Args:
         fn (Callable | str): A module-level function (or its dotted path) whose parameters
             all have type hints among ``int``, ``float``, ``str``, ``bool``. It returns
-            something whose ``str()`` is the tool's answer.
+            something whose ``str()`` is the tool's answer; an ``async def`` function is
+            awaited in its worker (`grpo.envs.runner`).
         name (str | None): Name the model calls it by; default the function's name.
 
     Raises:
@@ -160,12 +175,19 @@ class Tool:
 
 def check_tools(
     tools: Sequence[Tool | Callable[..., Any] | str | Mapping[str, Any]],
+    locate: Callable[[str], Any] | None = None,
 ) -> tuple[dict[str, Tool], list[str]]:
     """Tools by name, and every problem of the specs that cannot be tools.
 
     Specs are functions, dotted paths or `Tool` objects; a ``_component_`` mapping (a config
     node) is skipped: it is checked when it is built. `grpo validate` reports every problem;
     `resolve_tools` raises the first.
+
+    Args:
+        tools (Sequence): The specs.
+        locate (Callable[[str], Any] | None): Imports a dotted path, raising with a message
+            that names it; `grpo validate` passes `grpo.config.locate`, which adds the close
+            name to a typo (``did you mean 'calculator'?``). None: a plain import.
 
     Returns:
         tuple: ``{name: Tool}`` of the good specs, and problems as ``tools[i]: what is wrong``
@@ -178,6 +200,8 @@ def check_tools(
         if isinstance(spec, Mapping):
             continue
         try:
+            if isinstance(spec, str) and locate is not None:
+                spec = locate(spec)
             tool = spec if isinstance(spec, Tool) else Tool(spec)
         except Exception as error:  # an import error of the user's module, an untyped tool
             problems.append(f"tools[{index}]: {error}")
@@ -204,11 +228,30 @@ def resolve_tools(tools: Sequence[Tool | Callable[..., Any] | str]) -> dict[str,
     return by_name
 
 
-def call_format_problem(call_format: Any) -> str | None:
-    """Why ``call_format`` is not a call format, or None if it is one."""
-    if call_format in CALL_FORMATS:
-        return None
-    return f"{call_format!r} is not one of {', '.join(CALL_FORMATS)}"
+def call_stop_strings(call_format: str, tool_names: Sequence[str]) -> tuple[str, ...]:
+    """Stop strings that end a policy turn once it has made its calls in ``call_format``.
+
+    Llama 3's calls need none: the model ends such a turn with ``<|eom_id|>`` or
+    ``<|eot_id|>``, stop tokens of its own.
+    """
+    if call_format == "tag":
+        return tuple(f"</{name}>" for name in tool_names)
+    return _CALL_ENDS[call_format]
+
+
+def _call_from_payload(payload: Any, arguments_key: str) -> ToolCall:
+    """A call from a decoded JSON object ``{"name", arguments_key: {...}}``."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return ToolCall(
+            None, error=f'a tool call needs {{"name": ..., "{arguments_key}": {{...}}}}'
+        )
+    arguments = payload.get(arguments_key, payload.get("arguments", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    return ToolCall(payload["name"], arguments if isinstance(arguments, dict) else {"": arguments})
 
 
 def parse_tool_calls(text: str, call_format: str, tools: Mapping[str, Tool]) -> list[ToolCall]:
@@ -216,7 +259,7 @@ def parse_tool_calls(text: str, call_format: str, tools: Mapping[str, Tool]) -> 
 
     Args:
         text (str): The assistant turn, decoded.
-        call_format (str): ``"json"`` or ``"tag"`` (see the module docstring).
+        call_format (str): One of `CALL_FORMATS` (see the module docstring).
         tools (Mapping[str, Tool]): The declared tools (the ``"tag"`` format looks for their
             names).
 
@@ -232,25 +275,32 @@ def parse_tool_calls(text: str, call_format: str, tools: Mapping[str, Tool]) -> 
         calls = []
         for body in _JSON_CALL.findall(text):
             try:
-                payload = json.loads(body)
+                calls.append(_call_from_payload(json.loads(body), "arguments"))
+            except json.JSONDecodeError as error:
+                calls.append(ToolCall(None, error=f"the tool call is not valid JSON: {error}"))
+        return calls
+    if call_format == "llama3_json":
+        # A turn that is a JSON object is a call; any other turn is the answer.
+        body = text.strip().removeprefix(_PYTHON_TAG).strip()
+        if not body.startswith("{"):
+            return []
+        try:
+            return [_call_from_payload(json.loads(body), "parameters")]
+        except json.JSONDecodeError as error:
+            return [ToolCall(None, error=f"the tool call is not valid JSON: {error}")]
+    if call_format == "deepseek":
+        calls = []
+        for kind, name, body in _DEEPSEEK_CALL.findall(text):
+            if kind.strip() != "function":
+                calls.append(ToolCall(None, error=f"unknown tool call type {kind.strip()!r}"))
+                continue
+            try:
+                arguments = json.loads(body)
             except json.JSONDecodeError as error:
                 calls.append(ToolCall(None, error=f"the tool call is not valid JSON: {error}"))
                 continue
-            if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-                calls.append(
-                    ToolCall(None, error='a tool call needs {"name": ..., "arguments": {...}}')
-                )
-                continue
-            arguments = payload.get("arguments", {})
-            if isinstance(arguments, str):  # some models write the arguments as a JSON string
-                try:
-                    arguments = json.loads(arguments)
-                except json.JSONDecodeError:
-                    pass
             calls.append(
-                ToolCall(
-                    payload["name"], arguments if isinstance(arguments, dict) else {"": arguments}
-                )
+                _call_from_payload({"name": name.strip(), "arguments": arguments}, "arguments")
             )
         return calls
     if call_format == "tag":

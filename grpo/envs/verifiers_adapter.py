@@ -15,9 +15,13 @@ scaffolding) masked. The sampled tokens are checked against what the engine retu
 episode: a trace whose tokens differ is dropped and counted, never trained. Where the chat
 template rewrites an earlier turn, verifiers splits the trace into several branches; the last
 branch (the whole final conversation, earlier turns as context) is the one trained, and the
-split is counted (``inference/episode_split_traces``).
+splits of each batch are counted (``inference/episode_split_traces``). Each trajectory
+carries its own prompt: a split trace's prompt holds its re-rendered history, so the episodes
+of one group need not share one.
 
-The reward is the trace's ``reward`` (the taskset's weighted reward functions).
+The rewards are the taskset's named reward functions, each weighted as the taskset weights it
+and logged as its own reward; their sum is the trace's ``reward``. The taskset's metrics are
+logged per batch as ``inference/env_<name>`` (never trained on).
 
 Needs the optional extra: ``pip install -e ".[verifiers]"``.
 
@@ -45,12 +49,14 @@ from typing import Any
 
 from grpo.envs.base import Episode
 from grpo.envs.rollout import Sample, Sampler, SampleRequest, TurnEngine, as_turn_engine
+from grpo.seeds import mix_seed
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = 'pip install -e ".[verifiers]"'
 DEFAULT_HARNESS = "grpo.envs.verifiers_harness"
-TOOL_PARSERS = ("qwen3", "qwen3.5", "glm", "deepseek-v3")
+# Keys of harness_args that would set how turns are sampled, which the collector owns.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "sampling")
 
 
 def verifiers_problems(key: str, node: Mapping[str, Any]) -> list[str]:
@@ -62,7 +68,9 @@ def verifiers_problems(key: str, node: Mapping[str, Any]) -> list[str]:
 
     Returns:
         list[str]: Each problem as ``key: what is wrong`` (the extra not installed, a taskset
-        or harness module that does not import, a bad ``max_turns`` or ``tool_parser``).
+        or harness module that does not import, a taskset whose own ``Env`` has several
+        seats or samples its seat its own way, sampling set in ``harness_args``, a bad
+        ``max_turns``, ``max_concurrent_episodes`` or ``tool_parser``).
     """
     if importlib.util.find_spec("verifiers") is None:
         return [f"{key}: the verifiers extra is not installed; run: {INSTALL_HINT}"]
@@ -73,15 +81,84 @@ def verifiers_problems(key: str, node: Mapping[str, Any]) -> list[str]:
             problems.append(f"{key}.{name}: expected the name of a module, got {module!r}")
         elif (problem := _module_problem(module)) is not None:
             problems.append(f"{key}.{name}: {problem}")
-    max_turns = node.get("max_turns", 8)
-    if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
-        problems.append(f"{key}.max_turns: expected an int >= 1, got {max_turns!r}")
+        elif name == "taskset" and (problem := _seat_problem(module)) is not None:
+            problems.append(f"{key}.taskset: {problem}")
+    for name, default in (("max_turns", 8), ("max_tasks", 100_000), ("max_concurrent_episodes", 1)):
+        value = node.get(name, default)
+        if value is None and name == "max_concurrent_episodes":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{key}.{name}: expected an int >= 1, got {value!r}")
+    harness_args = node.get("harness_args") or {}
+    for name in (
+        n for n in SAMPLING_KEYS if isinstance(harness_args, Mapping) and n in harness_args
+    ):
+        problems.append(
+            f"{key}.harness_args.{name}: the collector's engine samples every turn with "
+            "inference.temperature and inference.top_p (the logprobs trained against are "
+            "those); set them there"
+        )
+    # The parsers renderers has (verifiers' client parses tool calls with them).
+    from renderers.parsers import TOOL_PARSERS
+
     tool_parser = node.get("tool_parser", "qwen3")
     if tool_parser not in TOOL_PARSERS:
         problems.append(
             f"{key}.tool_parser: {tool_parser!r} is not one of {', '.join(TOOL_PARSERS)}"
         )
     return problems
+
+
+def _seat(taskset: str) -> str:
+    """The seat the policy plays in the taskset's verifiers environment.
+
+    verifiers plays a taskset with the ``Env`` class its module exports, else with its
+    ``SingleAgentEnv`` (one seat, ``agent``); the environment's config declares each seat as
+    an ``AgentConfig`` field. Imports the taskset's module.
+
+    Raises:
+        ValueError: If that environment has more than one seat (or none), or its seat
+            samples with its own temperature or top-p.
+    """
+    import verifiers.v1 as vf
+    from verifiers.v1.utils.loaders import environment_class
+
+    env_class = environment_class(_plugin_id(taskset))
+    config_type = vf.env_config_type(_plugin_id(taskset))
+    seats = [
+        name
+        for name, field in config_type.model_fields.items()
+        if isinstance(field.default, vf.AgentConfig)
+        or (isinstance(field.annotation, type) and issubclass(field.annotation, vf.AgentConfig))
+    ]
+    if len(seats) != 1:
+        raise ValueError(
+            f"{taskset} exports its own verifiers Env, {env_class.__name__}, with "
+            f"{len(seats)} seats ({', '.join(seats) or 'none'}); grpo.envs.verifiers_env "
+            "trains the one seat of a single-agent environment: export a Taskset alone, or "
+            "an Env with one AgentConfig seat"
+        )
+    sampling = getattr(config_type.model_fields[seats[0]].default, "sampling", None)
+    own = sorted({"temperature", "top_p"} & (sampling.model_fields_set if sampling else set()))
+    if own:
+        raise ValueError(
+            f"{taskset} exports its own verifiers Env, {env_class.__name__}, whose "
+            f"{seats[0]} seat samples with its own {' and '.join(own)}; the collector's "
+            "engine samples every turn with inference.temperature and inference.top_p: "
+            "set them there and leave the seat's sampling unset"
+        )
+    return seats[0]
+
+
+def _seat_problem(taskset: str) -> str | None:
+    """Why the policy cannot play the taskset's environment (`_seat`), or None."""
+    try:
+        _seat(taskset)
+    except ValueError as error:
+        return str(error)
+    except Exception as error:  # the module or its Env fails to load: say how
+        return f"cannot load {taskset!r}: {type(error).__name__}: {error}"
+    return None
 
 
 def _module_problem(module: str) -> str | None:
@@ -106,6 +183,8 @@ def verifiers_env(
     taskset_args: Mapping[str, Any] | None = None,
     harness_args: Mapping[str, Any] | None = None,
     episode_timeout_s: float = 600.0,
+    max_tasks: int = 100_000,
+    max_concurrent_episodes: int | None = None,
     reward_functions: Sequence[Any] = (),
     reward_timeout_s: float = 10.0,
 ) -> VerifiersEnv:
@@ -117,11 +196,19 @@ def verifiers_env(
         harness (str): Module of the harness; the default runs the chat and tool loop in the
             collector's process (`grpo.envs.verifiers_harness`).
         max_turns (int): Model turns per episode.
-        tool_parser (str): How the client finds tool calls in sampled tokens (verifiers'
-            renderer parsers; ``qwen3`` reads Hermes ``<tool_call>`` blocks).
+        tool_parser (str): How the client finds tool calls in sampled tokens (a parser of
+            ``renderers.parsers``; ``qwen3`` reads Hermes ``<tool_call>`` blocks, as Qwen2.5
+            and Qwen3 write them).
         taskset_args (Mapping | None): More fields of the taskset's config.
-        harness_args (Mapping | None): More fields of the harness's config.
+        harness_args (Mapping | None): More fields of the harness's config; not its
+            sampling (the collector's ``inference.temperature`` and ``top_p`` sample every
+            turn).
         episode_timeout_s (float): How long a group of episodes may take.
+        max_tasks (int): Most tasks read from the taskset. A taskset is read up to this many
+            rows, never further: a procedural taskset that never ends is bounded by it.
+        max_concurrent_episodes (int | None): Most episodes of this worker in flight at once
+            (None: every episode of a batch). Each episode of a task with tool servers of its
+            own (``Task.toolsets``) starts their processes, so this bounds how many run.
         reward_functions (Sequence): Ignored: the taskset's rewards score its episodes (the
             run's reward functions are passed to every environment node).
         reward_timeout_s (float): Ignored, likewise.
@@ -139,7 +226,10 @@ def verifiers_env(
             "taskset": taskset,
             "harness": harness,
             "max_turns": max_turns,
+            "max_tasks": max_tasks,
+            "max_concurrent_episodes": max_concurrent_episodes,
             "tool_parser": tool_parser,
+            "harness_args": harness_args,
         },
     )
     if problems:
@@ -152,6 +242,8 @@ def verifiers_env(
         taskset_args=dict(taskset_args or {}),
         harness_args=dict(harness_args or {}),
         episode_timeout_s=episode_timeout_s,
+        max_tasks=max_tasks,
+        max_concurrent_episodes=max_concurrent_episodes,
     )
 
 
@@ -175,6 +267,8 @@ class VerifiersEnv:
         taskset_args: dict[str, Any],
         harness_args: dict[str, Any],
         episode_timeout_s: float,
+        max_tasks: int = 100_000,
+        max_concurrent_episodes: int | None = None,
     ) -> None:
         import verifiers.v1 as vf
 
@@ -182,19 +276,42 @@ class VerifiersEnv:
         self.max_turns = max_turns
         self.tool_parser = tool_parser
         self.episode_timeout_s = episode_timeout_s
-        config = vf.SingleAgentEnvConfig(
-            taskset={"id": _plugin_id(taskset), **taskset_args},
-            agent={
-                "harness": {"id": _plugin_id(harness), "max_turns": max_turns, **harness_args},
-                # Local processes only: verifiers' default runtime is a remote sandbox.
-                "runtime": {"type": "subprocess"},
-                "max_turns": max_turns,
-            },
+        harness_config = {"id": _plugin_id(harness), **harness_args}
+        # verifiers caps the turns of every harness (the seat's max_turns); a harness whose
+        # own config counts turns too (grpo.envs.verifiers_harness) gets the same number.
+        if "max_turns" in vf.harness_config_type(harness_config["id"]).model_fields:
+            harness_config.setdefault("max_turns", max_turns)
+        # The config of the taskset's own Env class if it exports one (else SingleAgentEnv's).
+        config = vf.resolve_env_config(
+            {
+                "taskset": {"id": _plugin_id(taskset), **taskset_args},
+                _seat(taskset): {
+                    "harness": harness_config,
+                    # Local processes only: verifiers' default runtime is a remote sandbox.
+                    "runtime": {"type": "subprocess"},
+                    "max_turns": max_turns,
+                },
+            }
         )
         self.env = vf.load_environment(config)
-        self.tasks = list(self.env.taskset)
+        # Read lazily and at most max_tasks: a procedural taskset may never end, and reading it
+        # whole would hold the driver while its memory grows.
+        self.tasks = list(itertools.islice(iter(self.env.taskset), max_tasks))
         if not self.tasks:
             raise ValueError(f"verifiers_env: taskset {taskset!r} has no tasks")
+        if len(self.tasks) == max_tasks:
+            log.info("verifiers_env: read the first %d tasks of %r (max_tasks)", max_tasks, taskset)
+        # Task-scoped tool servers (Task.toolsets) are started anew for every episode, by
+        # verifiers' design (each gets its task); say so, since it is what a batch costs.
+        own_servers = type(self.env.taskset).task_type().toolsets(self.env.taskset.config.task)
+        if own_servers:
+            log.info(
+                "verifiers_env: every episode of %r starts %d tool server(s) of its own "
+                "(Task.toolsets; Taskset.toolsets serve one per worker); max_concurrent_episodes=%s",
+                taskset,
+                len(own_servers),
+                max_concurrent_episodes,
+            )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: concurrent.futures.Future | None = None
         self._stop_serving: asyncio.Event | None = None
@@ -204,6 +321,12 @@ class VerifiersEnv:
         self._sampled: dict[str, list[Sample]] = {}
         self._seeds = itertools.count()
         self.split_traces = 0
+        self.max_concurrent_episodes = max_concurrent_episodes
+        # Held by an episode for the whole of it, its tool servers included (verifiers'
+        # run_slot); one for the worker, across groups and batches.
+        self._episode_slots = (
+            asyncio.Semaphore(max_concurrent_episodes) if max_concurrent_episodes else None
+        )
 
     # ------------------------------------------------------------------ the rows
 
@@ -239,9 +362,9 @@ class VerifiersEnv:
         if self._loop is not None:
             return
         import verifiers.v1 as vf
-        from renderers import DefaultRendererConfig
 
         from grpo.envs.generate_server import GenerateServer
+        from grpo.envs.verifiers_renderer import bridge_renderer_config
 
         # The client loads the tokenizer from the model folder; never from the hub.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -252,7 +375,9 @@ class VerifiersEnv:
                 base_url=f"{self._server.base_url}/v1",
                 # A variable of its own: the default (PRIME_API_KEY) reads a user config file.
                 api_key_var="GRPO_VERIFIERS_API_KEY",
-                renderer=DefaultRendererConfig(tool_parser=self.tool_parser),
+                # Each turn extends the tokens sampled before it (a trace splits only where
+                # the environment rewrote its conversation), not a re-render of the messages.
+                renderer=bridge_renderer_config(self.tool_parser),
                 renderer_model_name=str(model_dir),
             ),
             sampling=vf.SamplingConfig(temperature=temperature, top_p=top_p, max_tokens=max_tokens),
@@ -309,7 +434,8 @@ class VerifiersEnv:
                 both kinds).
             group_size (int): Episodes per example.
             max_tokens (int): Most tokens of one model turn.
-            seed (int): First sampling seed; each request takes the next.
+            seed (int): The batch's seed (`grpo.seeds.group_seed` of its first group);
+                request ``n`` of the batch samples with ``mix_seed(seed, n)``.
 
         Returns:
             list[list[Episode]]: Per example, its episodes; one whose trace failed or whose
@@ -318,13 +444,15 @@ class VerifiersEnv:
         if self._loop is None:
             raise RuntimeError("VerifiersEnv.start must be called before run_groups")
         engine = as_turn_engine(engine)
+        self.split_traces = 0  # traces of this call split by the template
         groups = [
             asyncio.run_coroutine_threadsafe(
                 self._play(self.tasks[int(example["index"])], group_size), self._loop
             )
             for example in examples
         ]
-        seeds = (seed + n for n in itertools.count())
+        # Hashed, not consecutive: consecutive seeds would run into the next batch's.
+        seeds = (mix_seed(seed, n) for n in itertools.count())
         sampling: dict[Hashable, Any] = {}  # engine key -> the request it answers
         try:
             while any(not group.done() for group in groups):
@@ -336,7 +464,7 @@ class VerifiersEnv:
                 for request in requests:
                     if (limit := self._turn_limit(request, max_tokens)) is not None:
                         turn = SampleRequest(
-                            list(request.token_ids), limit, next(seeds) % 2**62, request.stop
+                            list(request.token_ids), limit, next(seeds), request.stop
                         )
                         sampling[engine.submit(turn)] = request
                 if sampling:
@@ -357,7 +485,7 @@ class VerifiersEnv:
         slots = self.env.slots(task, group_size)
         return await asyncio.wait_for(
             asyncio.gather(
-                *(self.env.run_slot(slot, self._context) for slot in slots),
+                *(self.env.run_slot(slot, self._context, self._episode_slots) for slot in slots),
                 return_exceptions=True,
             ),
             timeout=self.episode_timeout_s,
@@ -414,12 +542,20 @@ class VerifiersEnv:
         episode.tool_calls = sum(1 for node in branch.nodes if node.message.role == "tool")
         episode.truncated = bool(trace.is_truncated) and trace.stop_condition != "max_turns"
         episode.hit_max_turns = trace.stop_condition == "max_turns"
-        episode.state["reward"] = float(trace.reward)
+        # Weighted, by name; a reward that did not run (None) scores 0.
+        episode.state["rewards"] = {
+            name: 0.0 if reward is None else float(reward.value)
+            for name, reward in sorted(trace.rewards.items())
+        } or {"reward": float(trace.reward)}
+        episode.state["metrics"] = {
+            name: float(value) for name, value in trace.metrics.items() if value is not None
+        }
         return episode
 
     def score(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
-        """The taskset's reward of each episode (the trace's weighted reward functions)."""
-        return [{"reward": episode.state["reward"]} for episode in episodes]
+        """The taskset's rewards of each episode, by name, weighted as the taskset weights
+        them (they add up to the trace's ``reward``)."""
+        return [dict(episode.state["rewards"]) for episode in episodes]
 
 
 def _fill_from_branch(

@@ -132,13 +132,20 @@ class Tokenizer:
         return self.hf_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **chat_template_kwargs: Any,
     ) -> str:
         """Render chat turns with the folder's chat template, as transformers does.
 
         Args:
             messages (list[dict[str, str]]): ``{"role", "content"}`` turns.
             add_generation_prompt (bool): End with the opening of the assistant's turn.
+            tools (list[dict] | None): Tool schemas (JSON schema, as `grpo.envs.Tool.schema`
+                writes them) the template lists in the family's own format.
+            **chat_template_kwargs: Extra template variables (``enable_thinking=False``).
 
         Returns:
             str: The prompt text (it may start with the bos token, as Llama 3's does).
@@ -154,7 +161,11 @@ class Tokenizer:
             )
         try:
             return self.hf_tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **chat_template_kwargs,
             )
         except Exception as err:  # jinja2 errors and the template's own raise_exception
             raise ValueError(

@@ -147,6 +147,8 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         "inference/tool_calls_per_episode",
         "inference/tool_errors",
         "inference/tool_timeouts",
+        "inference/tool_queue_wait_mean (s)",
+        "inference/tool_queue_wait_max (s)",
     ),
     # Held-out evaluation, keyed on the train step whose weights were evaluated.
     "eval": (

@@ -387,6 +387,7 @@ class ActorSupervisor:
                 pad_token_id=pad_token_id,
                 config=training,
                 seed=cfg.seed,
+                temperature=cfg.inference.temperature,
             )
             for rank in range(world_size)
         ]
@@ -413,6 +414,7 @@ class ActorSupervisor:
             config=ref_cfg,
             reward_timeout_s=cfg.reward_timeout_s,
             load_model=cfg.uses_reference_model(),
+            temperature=cfg.inference.temperature,
         )
 
     def start_ref_actors(self) -> list[Any]:

@@ -50,6 +50,7 @@ from grpo.rewards.base import (
     RewardFunction,
     RewardResult,
     reward_function,
+    reward_name,
 )
 from grpo.rewards.batch import RewardBatch, batched_rewards, total_reward
 from grpo.rewards.format import FormatReward, TokenPresenceReward
@@ -71,5 +72,6 @@ __all__ = [
     "extract_answer",
     "normalize_gold_answer",
     "reward_function",
+    "reward_name",
     "total_reward",
 ]

@@ -244,6 +244,12 @@ def reward_function(
     return wrap if fn is None else wrap(fn)
 
 
+def reward_name(fn: Any) -> str:
+    """The name a reward function scores under: its column in ``func_names`` and the metrics,
+    and its key in ``ref.reward_weights`` (a plain callable is wrapped by `reward_function`)."""
+    return (fn if isinstance(fn, RewardFunction) else reward_function(fn)).name
+
+
 def short_error(error: BaseException) -> str:
     """``"TypeName: message"`` of an exception, cut to 500 characters for logs."""
     return f"{type(error).__name__}: {error}"[:500]

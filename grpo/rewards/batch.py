@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,9 +62,30 @@ class RewardBatch:
     num_timeouts: dict[str, int]
     num_exceptions: dict[str, int]
 
-    def total(self, reward_weights: Sequence[float] | None = None) -> torch.Tensor:
-        """Total reward per completion, shape ``(N,)``; see :func:`total_reward`."""
-        return total_reward(self.rewards, reward_weights)
+    def total(self, reward_weights: Mapping[str, float] | None = None) -> torch.Tensor:
+        """Total reward per completion, shape ``(N,)``: the weighted sum of its rewards.
+
+        Args:
+            reward_weights (Mapping[str, float] | None): Weight by reward name
+                (``ref.reward_weights``); a reward it does not name weighs 1. None: all 1.
+
+        Returns:
+            torch.Tensor: Shape ``(N,)``.
+
+        Raises:
+            ValueError: A name that is none of ``func_names``, naming it and the rewards.
+        """
+        if reward_weights is None:
+            return total_reward(self.rewards)
+        unknown = [name for name in reward_weights if name not in self.func_names]
+        if unknown:
+            raise ValueError(
+                f"ref.reward_weights: no reward named {', '.join(map(repr, unknown))}; the "
+                f"rewards are {', '.join(self.func_names)}"
+            )
+        return total_reward(
+            self.rewards, [float(reward_weights.get(name, 1.0)) for name in self.func_names]
+        )
 
 
 def env_reward_batch(trajectories: Sequence[Any]) -> RewardBatch:

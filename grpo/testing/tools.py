@@ -6,6 +6,7 @@ import them by name.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -17,6 +18,12 @@ def hang(seconds: float) -> str:
     """Sleep for the given seconds (a tool that hangs)."""
     time.sleep(seconds)
     return "woke up"
+
+
+async def nap(seconds: float) -> str:
+    """Sleep for the given seconds without blocking, then say so (an async tool)."""
+    await asyncio.sleep(seconds)
+    return f"napped {seconds} s"
 
 
 def crash(code: int) -> str:

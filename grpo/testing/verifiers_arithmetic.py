@@ -1,4 +1,7 @@
-"""A single-turn verifiers taskset for tests: sums of two small numbers, one reward.
+"""A single-turn verifiers taskset for tests: sums of two small numbers.
+
+Two weighted rewards (the answer is right; the reply is brief) and a metric (its length), so
+that each reaches training and the logs under its own name.
 
 A verifiers environment module: ``__all__`` names its ``Taskset``, which verifiers' loader
 takes (``environment: {_component_: grpo.envs.verifiers_env, taskset:
@@ -24,6 +27,16 @@ class SumTask(vf.Task[SumData]):
     async def correct(self, trace: vf.Trace) -> float:
         """1 when the last reply holds the answer."""
         return 1.0 if self.data.answer in trace.last_reply else 0.0
+
+    @vf.reward(weight=0.5)
+    async def brief(self, trace: vf.Trace) -> float:
+        """1 when the last reply is at most 8 characters."""
+        return 1.0 if len(trace.last_reply) <= 8 else 0.0
+
+    @vf.metric
+    async def reply_chars(self, trace: vf.Trace) -> float:
+        """Characters of the last reply (logged, never trained on)."""
+        return float(len(trace.last_reply))
 
 
 class SumTaskset(vf.Taskset[SumTask]):

@@ -14,8 +14,11 @@ Choices that other actors rely on:
   eos token, or the token that completed a stop string such as ``</answer>``): the policy is
   trained on stopping, and the ratio of that token is part of the loss. A response cut by
   ``max_generated_tokens`` simply ends there.
-* Behaviour logprobs are vLLM's ``raw_logprobs``: log-softmax of the unscaled logits, the
-  quantity the trainer's forward computes, whatever the sampling temperature.
+* Behaviour logprobs are vLLM's ``processed_logprobs``: log-softmax of the logits divided by
+  the sampling temperature, the distribution that sampled the tokens. The trainer and the
+  reference actor divide their logits by the same ``inference.temperature``
+  (`grpo.logprobs`); ``top_p`` stays 1 (`grpo validate` refuses less: the trainer cannot
+  reproduce the nucleus).
 * ``sequence_id`` is ``f"w{worker_id}-{n}"`` and ``group_id`` is
   ``worker_id + num_workers * k`` for the worker's k-th prompt, so both are unique across
   workers with no coordination. Every group's request seed is derived from ``seed`` and its
@@ -60,6 +63,7 @@ from typing import Any
 import torch
 
 from grpo.config.sections import InferenceConfig
+from grpo.seeds import group_seed
 from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
 from grpo.weights.channel import TensorSpec
 from grpo.weights.collective import ChannelReceiver
@@ -85,7 +89,9 @@ CPU_ENGINE_DEFAULTS: dict[str, Any] = {
 }
 ENGINE_DEFAULTS: dict[str, Any] = {
     "worker_extension_cls": WORKER_EXTENSION_CLS,
-    "logprobs_mode": "raw_logprobs",
+    # The logprobs of the distribution that sampled (after temperature), not of the raw
+    # logits: the importance ratio and TIS weights compare the trainer's against them.
+    "logprobs_mode": "processed_logprobs",
 }
 
 
@@ -109,6 +115,28 @@ def engine_kwargs(
         kwargs.update(CPU_ENGINE_DEFAULTS)
     kwargs.update(dict(engine_args or {}))
     return kwargs
+
+
+def response_budget(max_generated_tokens: int, environment: Any = None) -> int | None:
+    """The most response tokens of one trajectory, which the engine's context must hold.
+
+    Single-turn: ``max_generated_tokens``. With an environment, its whole episode (every
+    policy and environment turn): ``max(max_generated_tokens, max_episode_tokens)``; an
+    environment without ``max_episode_tokens`` runs until the engine's context, so None. A
+    collector sizes ``max_model_len`` by it when the config leaves it unset: sized by one
+    turn, every episode would end where one turn's tokens do.
+
+    Args:
+        max_generated_tokens (int): ``inference.max_generated_tokens``.
+        environment: The run's environment, or None.
+
+    Returns:
+        int | None: The budget; None when only the context bounds it.
+    """
+    if environment is None:
+        return max_generated_tokens
+    episode = getattr(environment, "max_episode_tokens", None)
+    return None if episode is None else max(max_generated_tokens, int(episode))
 
 
 def whole_prefills(kwargs: Mapping[str, Any], model_dir: str) -> dict[str, Any]:
@@ -227,6 +255,7 @@ def episode_metrics(
     env_tokens = sum(e.env_tokens for e in episodes)
     policy_tokens = sum(turn_lengths)
     errors: dict[str, int] = {}
+    waits = [wait for e in episodes for wait in e.tool_queue_waits]
     for episode in episodes:
         for kind, number in episode.tool_errors.items():
             errors[kind] = errors.get(kind, 0) + number
@@ -242,9 +271,21 @@ def episode_metrics(
         "inference/tool_calls_per_episode": sum(e.tool_calls for e in episodes) / count,
         "inference/tool_errors": float(sum(errors.values())),
         "inference/tool_timeouts": float(errors.get("timeout", 0)),
+        # Time calls waited for a free tool worker (not part of their timeout): a pool too
+        # small for the load (`ToolEnv(tool_workers=...)`) shows here.
+        "inference/tool_queue_wait_mean (s)": sum(waits) / max(len(waits), 1),
+        "inference/tool_queue_wait_max (s)": max(waits, default=0.0),
     }
     for kind, number in errors.items():
         metrics[f"inference/tool_errors_{kind}"] = float(number)
+    # An environment's own metrics (a verifiers taskset's), each the mean over the episodes
+    # that report it.
+    env_metrics: dict[str, list[float]] = {}
+    for episode in episodes:
+        for name, value in episode.state.get("metrics", {}).items():
+            env_metrics.setdefault(name, []).append(float(value))
+    for name, values in env_metrics.items():
+        metrics[f"inference/env_{name}"] = sum(values) / len(values)
     return metrics
 
 
@@ -290,9 +331,10 @@ class SyncLLMCollector:
             ``max_prompt_tokens``, ``queue_put_timeout_s``, ``weight_check_every_n_batches``,
             ``engine_args``); None: their defaults. ``engine_args`` are merged over
             `CPU_ENGINE_DEFAULTS` (on CPU) and `ENGINE_DEFAULTS`; without ``max_model_len``
-            it is ``max_prompt_tokens + max_generated_tokens`` when ``max_prompt_tokens`` is
-            set, and a null ``max_prompt_tokens`` becomes ``max_model_len -
-            max_generated_tokens``. A put that times out is counted as a wait and tried again:
+            it is ``max_prompt_tokens`` + `response_budget` when both are set (the model's
+            context otherwise), and a null ``max_prompt_tokens`` becomes ``max_model_len`` minus
+            the budget (or ``max_generated_tokens``). A put that times out is counted as a wait
+            and tried again:
             groups are never dropped. Prompts longer than ``max_prompt_tokens`` are skipped
             (counted in ``inference/skipped_long_prompts``).
         seed (int): Seeds the prompt order and every request's sampler.
@@ -371,8 +413,11 @@ class SyncLLMCollector:
 
         kwargs = engine_kwargs(config.engine_args, seed)
         max_prompt_tokens = config.max_prompt_tokens
+        # The longest response: one turn, or a whole episode with an environment.
+        response_tokens = response_budget(max_generated_tokens, self.environment)
         if "max_model_len" not in kwargs and max_prompt_tokens is not None:
-            kwargs["max_model_len"] = max_prompt_tokens + max_generated_tokens
+            if response_tokens is not None:  # else: the model's context
+                kwargs["max_model_len"] = max_prompt_tokens + response_tokens
         user_args = config.engine_args or {}
         if not torch.cuda.is_available() and "enable_chunked_prefill" not in user_args:
             kwargs.update(whole_prefills(kwargs, self.model_dir))
@@ -385,7 +430,7 @@ class SyncLLMCollector:
         self._stale_prefix_cache = False
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         if max_prompt_tokens is None:
-            max_prompt_tokens = self.max_model_len - max_generated_tokens
+            max_prompt_tokens = self.max_model_len - (response_tokens or max_generated_tokens)
         if max_prompt_tokens < 1 or max_prompt_tokens + max_generated_tokens > self.max_model_len:
             raise ValueError(
                 f"max_prompt_tokens={max_prompt_tokens} + max_generated_tokens="
@@ -402,8 +447,12 @@ class SyncLLMCollector:
 
             # Environment turns are written like the prompt: as the chat template renders
             # them after a chat-template prompt, as plain text after a plain one.
-            chat = bool(getattr(prompt_template, "chat", False))
-            self.renderer = (ChatTurnRenderer if chat else PlainTurnRenderer)(self.tokenizer)
+            if getattr(prompt_template, "chat", False):
+                self.renderer = ChatTurnRenderer(
+                    self.tokenizer, getattr(prompt_template, "chat_template_kwargs", None)
+                )
+            else:
+                self.renderer = PlainTurnRenderer(self.tokenizer)
 
         self.weights = WeightReceiver()
         self._weights_error: str | None = None  # set while the engine holds unverified weights
@@ -831,9 +880,10 @@ class SyncLLMCollector:
         return prompts
 
     def _request_seed(self, group_id: int) -> int:
-        # vLLM gives the n samples of a request the seeds seed, seed+1, ..., seed+n-1, so
-        # spacing groups by group_size keeps every sample's seed distinct.
-        return (self.seed * 1_000_003 + group_id * self.group_size) % 2**62
+        # A hash of (run seed, group id): vLLM gives the n samples of a request the seeds
+        # seed, ..., seed + n - 1, and the turns of a multi-turn episode hash their own from
+        # those (`grpo.seeds`), so no two requests of the run share a seed.
+        return group_seed(self.seed, group_id)
 
     def _sampling_params(
         self,

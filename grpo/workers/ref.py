@@ -56,6 +56,9 @@ class RefActor:
         load_model (bool): Load the reference model and compute ``ref_logprobs``. False when
             the loss has no KL term (``kl_coeff`` 0): the actor then only scores rewards and
             advantages, and its trajectories carry ``ref_logprobs=None``.
+        temperature (float): The collectors' sampling temperature (``inference.temperature``):
+            reference logprobs are those of its logits divided by it, like the policy's in the
+            loss, so that the KL term compares two distributions at the same temperature.
     """
 
     def __init__(
@@ -68,8 +71,10 @@ class RefActor:
         config: RefConfig | None = None,
         reward_timeout_s: float = 10.0,
         load_model: bool = True,
+        temperature: float = 1.0,
     ) -> None:
         config = config or RefConfig()
+        self.temperature = float(temperature)
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.mask_kind = resolve_mask_kind(config.mask_kind, self.device)
         self.model = None
@@ -130,7 +135,7 @@ class RefActor:
             )
             shared_prompt_tokens += packed.shared_prompt_tokens
             computed_tokens += packed.actual_total_tokens
-            logprobs = model_response_logprobs(self.model, packed)
+            logprobs = model_response_logprobs(self.model, packed, temperature=self.temperature)
             for traj, lp in zip(members, unpack_response_logprobs(packed, logprobs)):
                 by_id[traj.sequence_id] = lp.float().cpu()
         all_tokens = computed_tokens + shared_prompt_tokens

@@ -70,8 +70,8 @@ class ResponseLogprobModel(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, packed: PackedTrajectory) -> torch.Tensor:
-        return model_response_logprobs(self.model, packed)
+    def forward(self, packed: PackedTrajectory, temperature: float = 1.0) -> torch.Tensor:
+        return model_response_logprobs(self.model, packed, temperature=temperature)
 
 
 def _select_logprobs(
@@ -135,6 +135,9 @@ class PyTorchActorModel:
             (see `grpo.attention`; flex has no backward on CPU) and ``compile`` (see
             `compile_layers`). None: their defaults.
         seed (int): Seed of model-independent randomness.
+        temperature (float): The collectors' sampling temperature (``inference.temperature``):
+            the policy's logprobs are those of its logits divided by it, the distribution the
+            engine sampled from and whose logprobs it returned as the behaviour logprobs.
     """
 
     def __init__(
@@ -149,9 +152,11 @@ class PyTorchActorModel:
         share_prompts: bool = True,
         config: TrainingConfig | None = None,
         seed: int = 0,
+        temperature: float = 1.0,
     ) -> None:
         config = config or TrainingConfig()
         self.rank = rank
+        self.temperature = float(temperature)
         self.world_size = world_size
         self.model_dir = str(model_dir)
         self.hf_config = load_hf_config(self.model_dir)
@@ -362,7 +367,7 @@ class PyTorchActorModel:
                         f"trainer[{self.rank}] got no sequences: training.batch_size must be "
                         f">= num_training_workers"
                     )
-                pi_logprobs = self.policy(packed)
+                pi_logprobs = self.policy(packed, self.temperature)
                 if wanted and _epoch == 0 and not is_filler:
                     debug_pi_logprobs.update(_select_logprobs(packed, pi_logprobs, wanted))
                 stats = self.loss_fn.compute_loss_from_logprobs(
@@ -471,7 +476,7 @@ class PyTorchActorModel:
         old_logprobs: list[torch.Tensor | None] = []
         with torch.no_grad():
             for index in range(num_micro_batches):
-                logprobs = self.policy(packs[index % len(packs)])
+                logprobs = self.policy(packs[index % len(packs)], self.temperature)
                 if index < len(packs):
                     old_logprobs.append(logprobs.detach().float())
         return old_logprobs
@@ -567,6 +572,8 @@ class PyTorchActorModel:
             group_id=-1,
         )
         packed = pack_sequences([probe], self.device, self.pad_token_id)
+        # Temperature 1: the engine scores the probe with prompt logprobs, which are always
+        # those of the unscaled logits.
         logprobs = self.policy(packed).float().cpu().tolist()
         # fp32 on both sides agrees to ~1e-5; bf16 rounding differs between kernels.
         atol = 1e-3 if self.dtype == torch.float32 else 0.1

@@ -1,0 +1,186 @@
+"""An environment's options: declared once, on its constructor, and checked from there.
+
+An option is a keyword argument of an environment's constructor whose type hint is
+``Annotated[type, Field(...)]`` (pydantic's `Field`, carrying the bounds), alone or
+``| None``:
+
+    class HintEnv(MultiTurnEnv):
+        @checked_options
+        def __init__(self, max_hints: Annotated[int, Field(ge=0)] = 1, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+
+`option_problems` checks values against these declarations, strictly like every config
+section (``2.5`` is no int, ``true`` no number, ``"3"`` no int). The constructor runs it
+(`checked_options`) and so does ``grpo validate`` on the ``environment:`` node
+(`grpo.envs.preflight`), so both refuse the same values with the same words. A subclass
+inherits its bases' options (a keyword it passes on through ``**kwargs``), and its own
+declaration of a name wins.
+
+Imports: pydantic, typing and inspect; no torch.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import functools
+import inspect
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+
+Init = TypeVar("Init", bound=Callable[..., None])
+
+_STRICT = ConfigDict(strict=True, arbitrary_types_allowed=True)
+_BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+_NAMES = {int: "an int", float: "a number", str: "a string", bool: "true or false"}
+_PLURALS = {int: "ints", float: "numbers", str: "strings", bool: "booleans"}
+
+
+def option_declarations(component: Any) -> dict[str, Any]:
+    """The options of a class (its ``__init__`` and its bases') or of a function, by name.
+
+    Args:
+        component: An environment class, or a function that builds one.
+
+    Returns:
+        dict[str, Any]: Each option's type hint (``Annotated[...]`` or ``Annotated[...] |
+        None``); the first class in the method resolution order that declares a name wins.
+    """
+    if inspect.isclass(component):
+        functions = [
+            klass.__dict__["__init__"]
+            for klass in component.__mro__
+            if klass is not object and "__init__" in klass.__dict__
+        ]
+    elif callable(component):
+        functions = [component]
+    else:
+        return {}
+    declared: dict[str, Any] = {}
+    for function in functions:
+        for name, hint in _hints(function).items():
+            if name not in declared and _is_option(hint):
+                declared[name] = hint
+    return declared
+
+
+def option_problems(component: Any, values: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the values of a component's options, one line per option.
+
+    Args:
+        component: An environment class, or a function that builds one.
+        values (Mapping[str, Any]): Keyword arguments; those that are no option are ignored
+            (the signature check names unknown keywords).
+
+    Returns:
+        list[str]: ``name: expected <type and bounds>, got <value>``, in the order of
+        ``values``; empty when every option's value fits its declaration.
+    """
+    declared = option_declarations(component)
+    problems = []
+    for name, value in values.items():
+        hint = declared.get(name)
+        if hint is None:
+            continue
+        try:
+            TypeAdapter(hint, config=_STRICT).validate_python(value)
+        except ValidationError:
+            problems.append(f"{name}: expected {describe(hint)}, got {value!r}")
+    return problems
+
+
+def checked_options(init: Init) -> Init:
+    """Decorate an ``__init__`` to check its options' values before it runs.
+
+    Raises:
+        ValueError: From the decorated ``__init__``, naming the class and each bad option.
+    """
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        # Only what the caller gave: the declared defaults are the author's.
+        given = {name: value for name, value in bound.arguments.items() if name != "self"}
+        problems = option_problems(init, given)
+        if problems:
+            raise ValueError(f"{type(self).__name__}: {'; '.join(problems)}")
+        init(self, *args, **kwargs)
+
+    return checked  # type: ignore[return-value]
+
+
+def describe(hint: Any) -> str:
+    """An option's type and bounds in words: ``an int >= 1 or null``, ``one of json, tag``.
+
+    Example:
+        >>> describe(Annotated[float, Field(gt=0)])
+        'a number > 0'
+    """
+    parts = _union_parts(hint)
+    words = [_describe_one(part) for part in parts if part is not type(None)]
+    if type(None) in parts:
+        words.append("null")
+    return " or ".join(words)
+
+
+def _describe_one(hint: Any) -> str:
+    bounds = []
+    if typing.get_origin(hint) is Annotated:
+        hint, *metadata = typing.get_args(hint)
+        for item in metadata:
+            for constraint in item.metadata if isinstance(item, FieldInfo) else [item]:
+                bounds += [
+                    f"{sign} {getattr(constraint, attr)}"
+                    for attr, sign in _BOUNDS
+                    if getattr(constraint, attr, None) is not None
+                ]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            return describe(hint)
+    origin = typing.get_origin(hint) or hint
+    if origin is Literal:
+        return "one of " + ", ".join(str(choice) for choice in typing.get_args(hint))
+    if origin in (list, tuple, collections.abc.Sequence):
+        element = (typing.get_args(hint) or (Any,))[0]
+        name = "a list of " + _PLURALS.get(element, "values")
+    elif origin in (dict, collections.abc.Mapping):
+        name = "a mapping"
+    else:
+        name = _NAMES.get(origin, getattr(origin, "__name__", str(origin)))
+    return " ".join([name, ", ".join(bounds)]) if bounds else name
+
+
+def _union_parts(hint: Any) -> tuple[Any, ...]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _is_option(hint: Any) -> bool:
+    """Whether a hint declares an option: ``Annotated[T, Field(...)]``, alone or ``| None``."""
+    return any(
+        typing.get_origin(part) is Annotated
+        and any(isinstance(item, FieldInfo) for item in typing.get_args(part)[1:])
+        for part in _union_parts(hint)
+    )
+
+
+def _hints(function: Any) -> dict[str, Any]:
+    """A function's parameter hints, evaluated; one that does not evaluate is left out."""
+    function = inspect.unwrap(function)
+    try:
+        hints = typing.get_type_hints(function, include_extras=True)
+    except Exception:  # one hint names what its module imports only for type checkers
+        hints = {}
+        namespace = getattr(function, "__globals__", {})
+        for name, raw in getattr(function, "__annotations__", {}).items():
+            try:
+                hints[name] = eval(raw, namespace) if isinstance(raw, str) else raw
+            except Exception:  # not an option this module can read: left unchecked
+                continue
+    hints.pop("return", None)
+    return hints

@@ -1,0 +1,145 @@
+"""The renderer a verifiers client uses here: each turn extends the tokens sampled before it.
+
+verifiers' train client renders an episode's first prompt with a ``renderers`` renderer, and
+for every later turn asks the renderer to *bridge*: given the previous turn's prompt and
+sampled ids and the environment's new messages (tool results, a user reply), return the next
+prompt as those ids plus the new turns' tokens. When the renderer cannot (``renderers``'
+``DefaultRenderer``, which wraps an opaque chat template, never can), the client renders the
+whole conversation again from its messages; wherever that re-tokenisation differs from what
+was sampled (a compact JSON tool call written back with spaces, an earlier thinking block
+dropped), verifiers splits the trace and the turns before the split are not trained.
+
+`TemplateBridgeRenderer` is ``DefaultRenderer`` (the model's own chat template for the first
+prompt, the configured tool parser for sampled turns) whose bridge appends the environment's
+turns as the template writes them after an assistant turn (`grpo.envs.render.ChatTurnRenderer`,
+the same tokens the collector's own multi-turn episodes append). A trace then splits only
+where verifiers must re-render: an environment whose next prompt is not the previous one plus
+new tool or user turns (it rewrote or dropped earlier messages).
+
+Selected through ``renderers``' custom-renderer config (`bridge_renderer_config`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from renderers import CustomRendererConfig, DefaultRenderer, DefaultRendererConfig, RenderedTokens
+from renderers.base import extract_message_tool_names, reject_assistant_in_extension
+
+from grpo.envs.render import ChatTurnRenderer
+
+log = logging.getLogger(__name__)
+
+
+def bridge_renderer_config(tool_parser: str, **chat_template_kwargs: Any) -> CustomRendererConfig:
+    """The ``renderers`` config that selects `TemplateBridgeRenderer` for a verifiers client.
+
+    Args:
+        tool_parser (str): The ``renderers.parsers`` tool parser for sampled turns.
+        **chat_template_kwargs: Extra variables of the chat template.
+
+    Returns:
+        CustomRendererConfig: For ``vf.TrainClientConfig(renderer=...)``.
+    """
+    return CustomRendererConfig(
+        import_path=f"{__name__}.{TemplateBridgeRenderer.__name__}",
+        tool_parser=tool_parser,
+        **chat_template_kwargs,
+    )
+
+
+class TemplateBridgeRenderer(DefaultRenderer):
+    """``DefaultRenderer`` whose bridge extends the sampled ids with the environment's turns.
+
+    Args:
+        tokenizer: The Hugging Face tokenizer ``renderers`` loaded from the model folder.
+        config (DefaultRendererConfig | None): Tool and reasoning parsers, and the chat
+            template's extra variables (its ``model_extra``).
+
+    A chat template that cannot render environment turns after an assistant turn
+    (`grpo.envs.render.chat_template_problem`) gets no bridge: it is logged once, and the
+    client re-renders every turn as ``DefaultRenderer`` does.
+    """
+
+    config_class = DefaultRendererConfig
+
+    def __init__(self, tokenizer: Any, config: DefaultRendererConfig | None = None) -> None:
+        super().__init__(tokenizer, config)
+        from grpo.models.tokenizer import Tokenizer
+
+        self._turns: ChatTurnRenderer | None = None
+        try:
+            # grpo's tokenizer of the same folder: its stop ids are the ones the engine stops
+            # on (generation_config.json), which decide whether a turn is already closed.
+            self._turns = ChatTurnRenderer(
+                Tokenizer(tokenizer.name_or_path), dict(self.config.model_extra or {})
+            )
+        except (OSError, ValueError) as error:
+            log.warning(
+                "verifiers: every turn is rendered again from its messages (a trace splits "
+                "where that differs from the sampled tokens): %s",
+                error,
+            )
+
+    def bridge_to_next_turn(
+        self,
+        previous_prompt_ids: list[int],
+        previous_completion_ids: list[int],
+        new_messages: list[Any],
+        *,
+        tools: list[Any] | None = None,
+    ) -> RenderedTokens | None:
+        """The next prompt: the previous prompt and sampled ids, then ``new_messages``' tokens.
+
+        Args:
+            previous_prompt_ids (list[int]): The previous turn's prompt.
+            previous_completion_ids (list[int]): The ids the previous turn sampled.
+            new_messages (list): The environment's turns since then (tool results, a user
+                reply), as chat messages.
+            tools (list | None): The tools offered (the template's rendering of environment
+                turns does not depend on them).
+
+        Returns:
+            RenderedTokens | None: ``token_ids`` starting with ``previous_prompt_ids +
+            previous_completion_ids``, or None (the client then renders the conversation
+            again) when there is nothing to extend, ``new_messages`` holds an assistant turn
+            (sampled tokens are never re-tokenised), a message's content is not text, or the
+            template gave no bridge.
+        """
+        del tools
+        if (
+            self._turns is None
+            or not previous_prompt_ids
+            or not previous_completion_ids
+            or not new_messages
+            or reject_assistant_in_extension(new_messages)
+        ):
+            return None
+        turns = []
+        for message in new_messages:
+            content = message.get("content")
+            if content is None:
+                content = ""
+            if not isinstance(content, str):  # content parts (images): the template's own path
+                return None
+            turns.append({"role": str(message.get("role")), "content": content})
+        # Closed: the sampled turn ended on a stop token, which is the template's own close
+        # of an assistant turn; otherwise (a stop string, a length cut) the close is added.
+        closed = previous_completion_ids[-1] in self._turns.tokenizer.stop_tokens
+        try:
+            env_ids = self._turns.env_tokens(turns, closed)
+        except ValueError as error:
+            log.warning("verifiers: no bridge for %s turns: %s", [t["role"] for t in turns], error)
+            return None
+        previous = [*previous_prompt_ids, *previous_completion_ids]
+        # The environment's tokens are one block of the template's text (the close of the
+        # assistant turn, the new turns, the next turn's opening), attributed to no single
+        # message: verifiers keeps them, masked, with the next sampled turn.
+        return RenderedTokens(
+            token_ids=[*previous, *env_ids],
+            message_indices=[-1] * (len(previous) + len(env_ids)),
+            sampled_mask=[False] * (len(previous) + len(env_ids)),
+            message_roles=[turn["role"] for turn in turns],
+            message_tool_names=extract_message_tool_names(new_messages),
+        )
