@@ -64,13 +64,13 @@ def recipe_main(cfg: RunConfig) -> dict:
     environment = check_environment(cfg)  # 1. build
     check_reward_weights(cfg, environment)
     datasets = build_datasets(cfg, environment)
+    tokenizer = load_tokenizer(cfg.base_model_path)
+    check_prompt_lengths(cfg, datasets.get("dataset"), tokenizer)
     run_dir = prepare_run_dir(cfg)
     print_start(cfg, run_dir, datasets)
     init_ray(cfg)
     check_placement(cfg)  # a role no node can host is refused here, not left waiting
-    run = Orchestrator(
-        cfg, run_dir, load_tokenizer(cfg.base_model_path), dataset=datasets["dataset"]
-    )
+    run = Orchestrator(cfg, run_dir, tokenizer, dataset=datasets["dataset"])
     with stop_on_signals(run), shutdown_on_exit(run, cfg, run_dir):
         checkpoint = set_up(run, cfg, run_dir)  # 2. set up
         evaluate = build_evaluator(cfg, datasets.get("eval_dataset"), run)
@@ -184,7 +184,10 @@ def build_datasets(cfg: RunConfig, environment: Any = None) -> dict[str, Any]:
             if key == "dataset" and getattr(environment, "supplies_tasks", False):
                 datasets[key] = environment.examples()
             continue
-        dataset = datasets[key] = instantiate(node, _key_=key)
+        try:
+            dataset = datasets[key] = instantiate(node, _key_=key)
+        except (ValueError, TypeError) as err:  # a bad value the constructor caught: one line
+            raise ConfigError(f"{key}: {str(err).splitlines()[0]}") from err
         if len(dataset) == 0:
             raise ValueError(f"{key}: no usable examples")
         skipped = getattr(dataset, "skipped", None)
@@ -208,6 +211,35 @@ def check_environment(cfg: RunConfig) -> Any:
     if cfg.environment is None:
         return None
     return build_environment(cfg.environment, cfg.reward_functions, cfg.reward_timeout_s)
+
+
+def check_prompt_lengths(cfg: RunConfig, dataset: Any, tokenizer: Any, sample: int = 64) -> None:
+    """Refuse a ``max_prompt_tokens`` no prompt fits, before Ray starts.
+
+    The collectors skip prompts longer than ``inference.max_prompt_tokens`` (and count them);
+    a limit that the first ``sample`` prompts all exceed (a chat template's system header is
+    longer than the limit, say) would only stop a collector once its actors run.
+
+    Raises:
+        ConfigError: Naming the limit, the shortest prompt seen and the template.
+    """
+    limit = cfg.inference.max_prompt_tokens
+    if limit is None or dataset is None or len(dataset) == 0:
+        return
+    template = getattr(dataset, "template", None)
+    add_bos = bool(getattr(template, "add_bos", True))
+    lengths = []
+    for index in range(min(sample, len(dataset))):
+        text = dataset[index].get("prompt")
+        if text is None:  # a dataset whose prompts the environment renders
+            return
+        lengths.append(len(tokenizer.encode(text, add_bos=add_bos, add_eos=False)))
+    if min(lengths) > limit:
+        raise ConfigError(
+            f"inference.max_prompt_tokens: {limit} is shorter than every prompt of the first "
+            f"{len(lengths)} of dataset (the shortest is {min(lengths)} tokens with its template "
+            f"{template!r}); raise it to at least {max(lengths)} (and max_model_len with it)"
+        )
 
 
 def check_reward_weights(cfg: RunConfig, environment: Any) -> None:

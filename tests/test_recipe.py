@@ -71,3 +71,23 @@ def test_a_reward_weight_no_reward_has_is_refused_before_the_run():
     check(config({"token_presence": 2.0}), environment)
     with pytest.raises(ConfigError, match="the rewards are token_presence"):
         check(config({"seven": 2.0}), environment)
+
+
+def test_a_prompt_limit_no_prompt_fits_is_refused_before_the_run(tiny_model_dir):
+    """Llama 3's template writes a system header of about 25 tokens: a limit below every prompt
+    is one line at start, not a collector that stops once the actors run."""
+    from grpo.config import ConfigError
+    from grpo.data import arithmetic_dataset
+    from grpo.models import load_tokenizer
+
+    check = load_recipe().check_prompt_lengths
+    dataset = arithmetic_dataset(num_examples=16, seed=0)
+    tokenizer = load_tokenizer(tiny_model_dir)
+
+    def config(limit):
+        return SimpleNamespace(inference=SimpleNamespace(max_prompt_tokens=limit))
+
+    check(config(64), dataset, tokenizer)
+    check(config(None), dataset, tokenizer)
+    with pytest.raises(ConfigError, match=r"inference.max_prompt_tokens: 3 is shorter than every"):
+        check(config(3), dataset, tokenizer)

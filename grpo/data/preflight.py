@@ -186,10 +186,20 @@ def _peek(path: Path, suffix: str, prompt_key: str) -> tuple[list[str], list[dic
 def _chat_template_problems(
     key: str, template: Mapping[str, Any], base_model_path: str | None
 ) -> list[str]:
-    """A ChatTemplate node whose model folder is missing or has no chat template."""
+    """A ChatTemplate node whose model folder is missing or has no chat template, or whose
+    template variables or tools are not what it takes."""
     component = template.get("_component_")
     if not isinstance(component, str) or component.rpartition(".")[2] != "ChatTemplate":
         return []
+    kwargs = template.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        return [
+            f"{key}.chat_template_kwargs: expected a mapping of template variables (e.g. "
+            f"{{enable_thinking: false}}), got {kwargs!r}"
+        ]
+    tools = template.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        return [f"{key}.tools: expected a list of dotted paths of functions, got {tools!r}"]
     model_dir = template.get("model_dir", base_model_path)
     if not isinstance(model_dir, str) or not model_dir:
         return []
