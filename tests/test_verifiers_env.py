@@ -590,3 +590,70 @@ def test_grpo_validate_refuses_a_dataset_beside_a_verifiers_environment(
         "dataset: environment._component_ grpo.envs.verifiers_env plays its taskset's own "
         "tasks, which are the data; set dataset: null (or dataset=null on the command line)"
     ) in err
+
+
+# ---------------------------------------------------------------------------- sampling, concurrency
+
+HOT_SEAT_TASKS = """
+import verifiers.v1 as vf
+from grpo.testing.verifiers_arithmetic import SumTaskset
+
+__all__ = ["SumTaskset", "HotEnv"]
+
+
+class HotConfig(vf.SingleAgentEnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig(sampling=vf.SamplingConfig(temperature=0.7))
+
+
+class HotEnv(vf.Env[HotConfig]):
+    async def run(self, task, agents):
+        await agents.agent.run(task)
+"""
+
+
+def test_a_harness_or_seat_that_sets_its_own_sampling_is_refused(tmp_path, monkeypatch):
+    """The engine samples every turn with inference.temperature (the logprobs are those): a
+    temperature of the harness or of the taskset's seat would be ignored, so it is refused."""
+    (tmp_path / "grpo_check_hot_tasks.py").write_text(HOT_SEAT_TASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    node = {
+        "taskset": ARITHMETIC,
+        "harness_args": {"temperature": 0.2, "tool_timeout": 5.0},
+        "max_concurrent_episodes": 0,
+    }
+    assert verifiers_problems("environment", node) == [
+        "environment.max_concurrent_episodes: expected an int >= 1, got 0",
+        "environment.harness_args.temperature: the collector's engine samples every turn "
+        "with inference.temperature and inference.top_p (the logprobs trained against are "
+        "those); set them there",
+    ]
+    assert verifiers_problems("environment", {"taskset": "grpo_check_hot_tasks"}) == [
+        "environment.taskset: grpo_check_hot_tasks exports its own verifiers Env, HotEnv, "
+        "whose agent seat samples with its own temperature; the collector's engine samples "
+        "every turn with inference.temperature and inference.top_p: set them there and leave "
+        "the seat's sampling unset"
+    ]
+    with pytest.raises(ValueError, match="harness_args.temperature"):
+        verifiers_env(ARITHMETIC, harness_args={"temperature": 0.2})
+
+
+def test_max_concurrent_episodes_bounds_the_episodes_in_flight(tool_model_dir, tokenizer):
+    """At most that many episodes (their tool servers included) run at once: with one, the
+    engine is never asked for two turns together, and every episode still finishes."""
+    batches = []
+
+    class CountingEngine(ScriptedEngine):
+        def __call__(self, requests):
+            batches.append(len(requests))
+            return super().__call__(requests)
+
+    env, _, groups = run_groups(
+        tool_model_dir,
+        ADD_TOOL,
+        CountingEngine(tokenizer),
+        rows=2,
+        group_size=2,
+        max_concurrent_episodes=1,
+    )
+    assert [e.error for g in groups for e in g] == [None] * 4
+    assert batches == [1] * 8  # 4 episodes of 2 turns, one turn at a time

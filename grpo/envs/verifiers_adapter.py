@@ -12,12 +12,15 @@ A finished episode becomes one trajectory: the trace's branch (its root-to-leaf 
 sequence) up to the first sampled token is the prompt, the rest the response, with the
 sampled tokens trained (``response_mask`` 1) and everything else (tool results, template
 scaffolding) masked. The sampled tokens are checked against what the engine returned for that
-episode: a trace whose tokens differ is dropped and counted, never trained. Where the chat
-template rewrites an earlier turn, verifiers splits the trace into several branches; the last
-branch (the whole final conversation, earlier turns as context) is the one trained, and the
-splits of each batch are counted (``inference/episode_split_traces``). Each trajectory
-carries its own prompt: a split trace's prompt holds its re-rendered history, so the episodes
-of one group need not share one.
+episode: a trace whose tokens differ is dropped and counted, never trained. Each turn's
+prompt extends the tokens sampled before it (the client's renderer,
+`grpo.envs.verifiers_renderer`, appends the environment's turns as the chat template writes
+them). Where the harness's next prompt is not the conversation so far plus new tool or user
+turns (it compacted or rewrote its history), verifiers renders it again and splits the trace
+into several branches; the last branch (the whole final conversation as context) is the one
+trained, and the splits of each batch are counted (``inference/episode_split_traces``). Each
+trajectory carries its own prompt: a split trace's prompt holds its re-rendered history, so
+the episodes of one group need not share one.
 
 The rewards are the taskset's named reward functions, each weighted as the taskset weights it
 and logged as its own reward; their sum is the trace's ``reward``. The taskset's metrics are
