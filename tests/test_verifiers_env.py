@@ -657,3 +657,12 @@ def test_max_concurrent_episodes_bounds_the_episodes_in_flight(tool_model_dir, t
     )
     assert [e.error for g in groups for e in g] == [None] * 4
     assert batches == [1] * 8  # 4 episodes of 2 turns, one turn at a time
+
+
+def test_an_endless_taskset_is_read_up_to_max_tasks():
+    env = verifiers_env("grpo.testing.verifiers_endless", max_tasks=5)
+    assert [row["index"] for row in env.examples()] == [0, 1, 2, 3, 4]
+    assert env.examples()[4]["question"] == "What is 4 + 4?"
+    assert verifiers_problems("environment", {"taskset": ARITHMETIC, "max_tasks": 0}) == [
+        "environment.max_tasks: expected an int >= 1, got 0"
+    ]

@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = 'pip install -e ".[verifiers]"'
 DEFAULT_HARNESS = "grpo.envs.verifiers_harness"
+# Tasks read from a taskset at most: a procedural one may never end, and the driver and every
+# collector read it when they build the environment.
+DEFAULT_MAX_TASKS = 10_000
 # Keys of harness_args that would set how turns are sampled, which the collector owns.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "sampling")
 
@@ -86,7 +89,11 @@ def verifiers_problems(key: str, node: Mapping[str, Any]) -> list[str]:
             problems.append(f"{key}.{name}: {problem}")
         elif name == "taskset" and (problem := _seat_problem(module)) is not None:
             problems.append(f"{key}.taskset: {problem}")
-    for name, default in (("max_turns", 8), ("max_tasks", 100_000), ("max_concurrent_episodes", 1)):
+    for name, default in (
+        ("max_turns", 8),
+        ("max_tasks", DEFAULT_MAX_TASKS),
+        ("max_concurrent_episodes", 1),
+    ):
         value = node.get(name, default)
         if value is None and name == "max_concurrent_episodes":
             continue
@@ -186,7 +193,7 @@ def verifiers_env(
     taskset_args: Mapping[str, Any] | None = None,
     harness_args: Mapping[str, Any] | None = None,
     episode_timeout_s: float = 600.0,
-    max_tasks: int = 100_000,
+    max_tasks: int = DEFAULT_MAX_TASKS,
     max_concurrent_episodes: int | None = None,
     reward_functions: Sequence[Any] = (),
     reward_timeout_s: float = 10.0,
@@ -270,7 +277,7 @@ class VerifiersEnv:
         taskset_args: dict[str, Any],
         harness_args: dict[str, Any],
         episode_timeout_s: float,
-        max_tasks: int = 100_000,
+        max_tasks: int = DEFAULT_MAX_TASKS,
         max_concurrent_episodes: int | None = None,
     ) -> None:
         import verifiers.v1 as vf
