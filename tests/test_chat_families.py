@@ -258,10 +258,19 @@ def test_a_template_that_rewrites_the_assistant_turn_is_refused_in_one_line(tmp_
     with pytest.raises(ValueError, match="does not keep"):
         ChatTurnRenderer(load_tokenizer(folder))
     # grpo validate runs the same check on a chat prompt template beside an environment.
+    env = {"_component_": "grpo.envs.ToolEnv", "tools": ["grpo.envs.calculator"]}
     node = {"_component_": "grpo.data.ChatTemplate", "model_dir": str(folder)}
-    assert chat_template_problems("dataset.template", node) == [f"dataset.template: {problem}"]
+    tool_problem = chat_template_problem(load_tokenizer(folder), roles=("tool",))
+    assert chat_template_problems("dataset.template", node, env) == [
+        f"dataset.template: {tool_problem}"
+    ]
+    # The template's folder is the run's model when the node names none.
+    unnamed = {"_component_": "grpo.data.ChatTemplate"}
+    assert chat_template_problems("dataset.template", unnamed, env, str(folder)) == [
+        f"dataset.template: {tool_problem}"
+    ]
     good = {**node, "model_dir": str(build_tiny_chat_family(tmp_path / "q3", "qwen3", QWEN3))}
-    assert chat_template_problems("dataset.template", good) == []
+    assert chat_template_problems("dataset.template", good, env) == []
 
 
 @pytest.mark.slow
@@ -312,3 +321,30 @@ def test_collector_plays_user_reply_episodes_on_the_family_model(family_dirs, te
                     [{"role": "user", "content": "again"}], closed
                 )
     assert two_turn > 0
+
+
+def test_which_templates_write_environment_turns_after_the_history_their_own_way(family_dirs):
+    """DeepSeek-R1's template opens its tool outputs once per conversation: its environment
+    tokens depend on the turns before them (the rollout passes the episode's own, the verifiers
+    bridge declines); the others' do not. A user-reply environment is checked on user turns
+    only."""
+    dependent = {
+        template: ChatTurnRenderer(load_tokenizer(folder)).history_dependent
+        for template, folder in family_dirs.items()
+    }
+    assert dependent == {template: template.startswith("deepseek") for template in family_dirs}
+    r1 = ChatTurnRenderer(load_tokenizer(family_dirs["deepseek_r1_distill_qwen"]), roles=("user",))
+    assert not r1.history_dependent
+
+
+def test_a_template_without_a_tool_role_serves_a_user_reply_environment(tmp_path):
+    template = (
+        "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+        "{{ raise_exception('only user and assistant roles') }}{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tokenizer = load_tokenizer(build_tiny_chat_family(tmp_path / "strict", "qwen2_5", template))
+    assert chat_template_problem(tokenizer, roles=("user",)) is None
+    problem = chat_template_problem(tokenizer, roles=("tool",))
+    assert problem is not None and "only user and assistant roles" in problem

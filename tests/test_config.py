@@ -936,6 +936,16 @@ def test_clip_settings_that_tis_with_one_epoch_ignores_are_named(config_path):
     )
     # Meaningful: TIS alone with one epoch, or the clip with several epochs (decoupled PPO).
     validate_config(compose_config(config_path, [f"{loss}}}"]), check_components=False)
+    # A clip range written at the loss's own default is no choice (the shipped configs list
+    # theirs), and ppo_epochs left unset is 1.
+    validate_config(
+        compose_config(config_path, [f"{loss}, epsilon_low: 0.2}}"]), check_components=False
+    )
+    with pytest.raises(ConfigError, match="so epsilon_high has no effect"):
+        validate_config(
+            compose_config(config_path, [f"{loss}, epsilon_high: 0.3}}", "~training.ppo_epochs"]),
+            check_components=False,
+        )
     validate_config(
         compose_config(config_path, [f"{loss}, epsilon_high: 0.28}}", "training.ppo_epochs=2"]),
         check_components=False,

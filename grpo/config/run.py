@@ -422,9 +422,16 @@ def _check_idle_clip(values: dict, problems: list[str]) -> None:
     loss = _get(values, "training.loss", (dict,))
     if not loss or loss.get("tis_cap") in (None, UNRESOLVED):
         return
-    if _get(values, "training.ppo_epochs", (int,)) != 1:
+    if (_get(values, "training.ppo_epochs", (int,)) or 1) != 1:  # unset: the default, 1
         return
-    idle = [key for key in ("epsilon_low", "epsilon_high") if key in loss]
+    # A clip range left at the loss's own default is no choice of the user's (the shipped
+    # configs list theirs): only one set to something else is said to do nothing.
+    defaults = _keyword_defaults(loss.get("_component_"))
+    idle = [
+        key
+        for key in ("epsilon_low", "epsilon_high")
+        if key in loss and (key not in defaults or loss[key] != defaults[key])
+    ]
     if loss.get("ratio_level") == "sequence":
         idle.append("ratio_level: sequence")
     if idle:
@@ -435,6 +442,35 @@ def _check_idle_clip(values: dict, problems: list[str]) -> None:
             "policy gradient); remove them, set ppo_epochs >= 2 (decoupled PPO) or tis_cap: "
             "null (the ratio to the behaviour policy is clipped)"
         )
+
+
+def _bound_advice(environment: Any) -> str:
+    """The keys that bound a sequence's length, for a run with ``environment`` (or None)."""
+    if not isinstance(environment, dict):
+        return "inference.max_prompt_tokens"
+    if environment.get("_component_") == "grpo.envs.verifiers_env":  # no episode budget
+        return "inference.engine_args.max_model_len"
+    return (
+        "environment.max_episode_tokens and inference.max_prompt_tokens, or "
+        "inference.engine_args.max_model_len"
+    )
+
+
+def _keyword_defaults(component: Any) -> dict[str, Any]:
+    """The keyword defaults of a ``_component_`` path's signature ({} if it does not import)."""
+    import inspect
+
+    from grpo.config.instantiate import locate
+
+    try:
+        parameters = inspect.signature(locate(component)).parameters
+    except Exception:  # a missing component is the component check's to report
+        return {}
+    return {
+        name: parameter.default
+        for name, parameter in parameters.items()
+        if parameter.default is not inspect.Parameter.empty
+    }
 
 
 def reward_names(values: dict) -> list[str] | None:
@@ -627,13 +663,7 @@ def _check_model_config(folder: Path, values: dict, problems: list[str]) -> None
         if longest is not None and budget is not None and budget < longest[0]:
             problems.append(
                 f"target_tokens_per_batch: {budget} cannot hold the longest sequence, "
-                f"{longest[1]} in {config_path}; set "
-                + (
-                    "environment.max_episode_tokens and inference.max_prompt_tokens, or "
-                    "inference.engine_args.max_model_len"
-                    if isinstance(values.get("environment"), dict)
-                    else "inference.max_prompt_tokens"
-                )
+                f"{longest[1]} in {config_path}; set " + _bound_advice(values.get("environment"))
             )
     elif isinstance(values.get("environment"), dict):
         context = _environment_context(values)

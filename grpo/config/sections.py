@@ -123,7 +123,8 @@ class InferenceConfig(Section):
     """Responses per prompt; advantages are normalised within a group, so at least 2."""
     max_prompt_tokens: int | None = Field(None, ge=1)
     """Longest prompt in tokens (longer ones are skipped); null: engine_args.max_model_len
-    (default: the model's max_position_embeddings) minus max_generated_tokens."""
+    (default: the model's max_position_embeddings) minus the longest response
+    (max_generated_tokens, or an environment's max_episode_tokens when larger)."""
     max_generated_tokens: int = Field(256, ge=1)
     """Most tokens generated per response."""
     temperature: float = Field(1.0, gt=0)

@@ -233,7 +233,13 @@ def _environment_problems(values: dict) -> list[str]:
     dataset = values.get("dataset")
     template = dataset.get("template") if isinstance(dataset, dict) else None
     if not problems and isinstance(template, dict):
-        problems += chat_template_problems("dataset.template", template)
+        base_model_path = values.get("base_model_path")
+        problems += chat_template_problems(
+            "dataset.template",
+            template,
+            node,
+            base_model_path if isinstance(base_model_path, str) else None,
+        )
     return problems
 
 

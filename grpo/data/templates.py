@@ -231,6 +231,10 @@ class ChatTemplate:
         self.stop: tuple[str, ...] = tuple(stop or ())
         self.chat_template_kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
         self.tool_schemas: list[dict[str, Any]] | None = None
+        if tools is not None and not isinstance(tools, (list, tuple)):
+            raise ValueError(
+                f"ChatTemplate: tools must be a list of functions or dotted paths, got {tools!r}"
+            )
         if tools:
             from grpo.envs.tools import resolve_tools
 

@@ -210,6 +210,11 @@ class MultiTurnEnv:
             reward function that is not callable.
     """
 
+    # Roles of the turns `env_response` answers with: the chat template is checked, before
+    # the run, on rendering turns of these roles after an assistant turn. A subclass that
+    # answers with tool turns says so (``("user", "tool")``).
+    env_roles: tuple[str, ...] = ("user",)
+
     @checked_options
     def __init__(
         self,

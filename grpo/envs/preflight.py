@@ -70,35 +70,42 @@ def _component(path: Any, locate: Callable[[str], Any] | None) -> Any:
         return None
 
 
-def chat_template_problems(key: str, template: dict[str, Any]) -> list[str]:
+def chat_template_problems(
+    key: str,
+    template: dict[str, Any],
+    environment: dict[str, Any],
+    base_model_path: str | None = None,
+) -> list[str]:
     """Whether environment turns can extend the sampled tokens with a chat prompt template.
 
-    Renders the model folder's chat template the way the collector will
-    (`grpo.envs.render.chat_template_problem`); loads its tokenizer (transformers, no torch
-    model). Other templates (plain text) need no check.
+    Renders the model folder's chat template the way the collector will, for the roles the
+    environment answers with (`grpo.envs.render.chat_template_problem`); loads its tokenizer
+    (transformers, no torch model). Other templates (plain text) need no check.
 
     Args:
         key (str): The template node's config key (``dataset.template``).
         template (dict): The node; checked when it is a ``grpo.data.ChatTemplate``.
+        environment (dict): The ``environment:`` node (its class says its turns' roles).
+        base_model_path (str | None): The model folder when the template names none.
 
     Returns:
         list[str]: One line naming the model folder and what to do, or nothing.
     """
-    if template.get("_component_") not in (
-        "grpo.data.ChatTemplate",
-        "grpo.data.templates.ChatTemplate",
-    ):
+    component = template.get("_component_")
+    if not isinstance(component, str) or component.rpartition(".")[2] != "ChatTemplate":
         return []
-    model_dir = template.get("model_dir")
+    model_dir = template.get("model_dir", base_model_path)
     kwargs = template.get("chat_template_kwargs") or {}
     if not isinstance(model_dir, str) or not isinstance(kwargs, dict):
         return []  # reported by the template's own checks
-    from grpo.envs.render import chat_template_problem
+    from grpo.envs.render import ENV_ROLES, chat_template_problem
     from grpo.models.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(model_dir)
     except (OSError, ValueError):
         return []  # a missing or broken folder is the model check's to report
-    problem = chat_template_problem(tokenizer, kwargs)
+    environment_class = _component(environment.get("_component_"), None)
+    roles = getattr(environment_class, "env_roles", ENV_ROLES)
+    problem = chat_template_problem(tokenizer, kwargs, roles)
     return [] if problem is None else [f"{key}: {problem}"]

@@ -33,15 +33,25 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _MARKER = "\x00grpo-assistant-turn\x00"
+# The shortest conversation an assistant turn follows: what `ChatTurnRenderer.env_tokens`
+# renders after when it is given no history.
+_FIRST_TURN: tuple[dict[str, str], ...] = ({"role": "user", "content": "?"},)
 # Conversations the template is checked on before a run: environment turns must render after
-# an assistant turn that follows each of them.
+# an assistant turn that follows each of them (a history the template itself refuses, say a
+# system turn, is skipped). The last has an earlier tool exchange, after which some templates
+# write a later tool result otherwise (DeepSeek-R1's opens its tool outputs only once).
 _HISTORIES: tuple[tuple[dict[str, str], ...], ...] = (
-    ({"role": "user", "content": "?"},),
+    _FIRST_TURN,
     (
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2 + 3?"},
         {"role": "assistant", "content": "5"},
         {"role": "user", "content": "And 2 * 3?"},
+    ),
+    (
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "calculator(2 + 3)"},
+        {"role": "tool", "content": "5"},
     ),
 )
 # Environment turns the check renders: a tool result, two tool results, a user reply.
@@ -50,6 +60,8 @@ _PROBES: tuple[tuple[dict[str, str], ...], ...] = (
     ({"role": "tool", "content": "6"}, {"role": "tool", "content": "7"}),
     ({"role": "user", "content": "Try again."},),
 )
+# Roles of environment turns: a tool result, a user reply.
+ENV_ROLES = ("user", "tool")
 
 
 class ChatTurnRenderer:
@@ -61,6 +73,13 @@ class ChatTurnRenderer:
         chat_template_kwargs (Mapping[str, Any] | None): Extra variables of the template, the
             same the prompts are rendered with (e.g. ``{"enable_thinking": False}`` for Qwen3:
             the next turn's opening then holds the empty thinking block).
+        roles (Sequence[str]): Roles of the environment's turns (`MultiTurnEnv.env_roles`):
+            the template is checked on those only.
+
+    Attributes:
+        history_dependent (bool): Whether the template writes an environment turn otherwise
+            after another history (DeepSeek-R1's tool outputs): `env_tokens` must then be
+            given the episode's own.
 
     Raises:
         ValueError: If the tokenizer has no chat template, or the template renders what
@@ -68,17 +87,23 @@ class ChatTurnRenderer:
             (`chat_template_problem`).
 
     Example:
-        >>> renderer = ChatTurnRenderer(load_tokenizer("/models/Qwen3-0.6B"))
+        >>> tokenizer = load_tokenizer("/models/Qwen3-0.6B")
+        >>> renderer = ChatTurnRenderer(tokenizer)
         >>> tokenizer.decode(renderer.env_tokens([{"role": "tool", "content": "42"}], True))
         '\\n<|im_start|>user\\n<tool_response>\\n42\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n'
     """
 
     def __init__(
-        self, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None
+        self,
+        tokenizer: Any,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        roles: Sequence[str] = ENV_ROLES,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        problem = chat_template_problem(tokenizer, self.chat_template_kwargs)
+        problem, self.history_dependent = _check_template(
+            tokenizer, self.chat_template_kwargs, roles
+        )
         if problem is not None:
             raise ValueError(problem)
         # The texts of the stop tokens: the template closes an assistant turn with one of them
@@ -98,7 +123,7 @@ class ChatTurnRenderer:
         self,
         messages: Sequence[Mapping[str, str]],
         closed: bool,
-        history: Sequence[Mapping[str, str]] = _HISTORIES[0],
+        history: Sequence[Mapping[str, str]] = _FIRST_TURN,
     ) -> list[int]:
         """Token ids of ``messages`` (environment turns) following an assistant turn.
 
@@ -154,39 +179,80 @@ def _suffix_after_assistant(
 
 
 def chat_template_problem(
-    tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None
+    tokenizer: Any,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    roles: Sequence[str] = ENV_ROLES,
 ) -> str | None:
     """Why environment turns cannot extend the sampled tokens with this template, or None.
 
-    The template must render a tool result, two tool results and a user reply after an
-    assistant turn, after a short and a longer conversation, with the assistant turn's text as
-    it is.
+    The template must render the environment's turns of the given roles (a tool result, two
+    tool results, a user reply) after an assistant turn, after a short and a longer
+    conversation, with the assistant turn's text as it is.
 
     Args:
         tokenizer: `grpo.models.Tokenizer`.
         chat_template_kwargs (Mapping[str, Any] | None): The template's extra variables.
+        roles (Sequence[str]): Roles of the environment's turns (`MultiTurnEnv.env_roles`).
 
     Returns:
         str | None: One line naming the model folder and what to do, or None if it works.
     """
+    return _check_template(tokenizer, dict(chat_template_kwargs or {}), roles)[0]
+
+
+def _check_template(
+    tokenizer: Any, kwargs: Mapping[str, Any], roles: Sequence[str]
+) -> tuple[str | None, bool]:
+    """`chat_template_problem`, and whether the environment's tokens depend on the history."""
     folder = str(getattr(tokenizer, "model_dir", "?"))
     if not tokenizer.chat_template:
-        return (
+        problem = (
             f"model folder {folder!r} has no chat template; environment turns after a chat "
             "prompt need one (or use a plain prompt template such as think_answer)"
         )
-    kwargs = dict(chat_template_kwargs or {})
-    for messages in _PROBES:
-        for history in _HISTORIES:
+        return problem, False
+    histories = [
+        history
+        for history in _HISTORIES
+        if _of_roles(history, roles) and _renders(tokenizer, history, kwargs)
+    ]
+    dependent = False
+    for messages in (p for p in _PROBES if all(m["role"] in roles for m in p)):
+        suffixes = set()
+        for history in histories or [_FIRST_TURN]:
             try:
-                _suffix_after_assistant(tokenizer, history, messages, kwargs)
+                suffixes.add(_suffix_after_assistant(tokenizer, history, messages, kwargs))
             except ValueError as err:
-                return (
+                problem = (
                     f"{err}; environment turns cannot extend the sampled tokens with it: use "
                     "the family's published template (Qwen2.5, Qwen3, Llama 3.x and "
                     "DeepSeek-R1 templates work) or a plain prompt template"
                 )
-    return None
+                return problem, False
+        dependent = dependent or len(suffixes) > 1
+    return None, dependent
+
+
+def _of_roles(messages: Sequence[Mapping[str, str]], roles: Sequence[str]) -> bool:
+    """Whether the tool results among ``messages`` are of ``roles`` (a history with a tool
+    turn is no case to check an environment that never answers with one on)."""
+    return all(m["role"] in roles for m in messages if m["role"] == "tool")
+
+
+def _renders(
+    tokenizer: Any, history: Sequence[Mapping[str, str]], kwargs: Mapping[str, Any]
+) -> bool:
+    """Whether the template renders ``history`` and an assistant turn at all (some refuse a
+    system turn): a history it refuses is no case to check it on."""
+    try:
+        tokenizer.apply_chat_template(
+            [*history, {"role": "assistant", "content": _MARKER}],
+            add_generation_prompt=False,
+            **kwargs,
+        )
+    except ValueError:
+        return False
+    return True
 
 
 class PlainTurnRenderer:

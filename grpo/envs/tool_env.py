@@ -74,6 +74,8 @@ class ToolEnv(MultiTurnEnv):
         ...               reward_functions=[MathCorrectnessReward()], max_turns=3)
     """
 
+    env_roles = ("tool",)  # every answer is one tool turn per call
+
     @checked_options
     def __init__(
         self,

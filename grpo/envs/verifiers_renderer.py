@@ -66,14 +66,14 @@ class TemplateBridgeRenderer(DefaultRenderer):
 
     def __init__(self, tokenizer: Any, config: DefaultRendererConfig | None = None) -> None:
         super().__init__(tokenizer, config)
-        from grpo.models.tokenizer import Tokenizer
+        from grpo.models.tokenizer import load_tokenizer
 
         self._turns: ChatTurnRenderer | None = None
         try:
             # grpo's tokenizer of the same folder: its stop ids are the ones the engine stops
             # on (generation_config.json), which decide whether a turn is already closed.
             self._turns = ChatTurnRenderer(
-                Tokenizer(tokenizer.name_or_path), dict(self.config.model_extra or {})
+                load_tokenizer(tokenizer.name_or_path), dict(self.config.model_extra or {})
             )
         except (OSError, ValueError) as error:
             log.warning(
@@ -105,11 +105,15 @@ class TemplateBridgeRenderer(DefaultRenderer):
             previous_completion_ids``, or None (the client then renders the conversation
             again) when there is nothing to extend, ``new_messages`` holds an assistant turn
             (sampled tokens are never re-tokenised), a message's content is not text, or the
-            template gave no bridge.
+            template gave no bridge or writes environment turns after the history its own way.
         """
         del tools
+        # A template whose environment turns depend on the conversation before them
+        # (DeepSeek-R1's tool outputs) cannot be bridged from ids alone: the bridge is given
+        # no messages of the history.
         if (
             self._turns is None
+            or self._turns.history_dependent
             or not previous_prompt_ids
             or not previous_completion_ids
             or not new_messages

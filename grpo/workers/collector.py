@@ -449,7 +449,9 @@ class SyncLLMCollector:
             # them after a chat-template prompt, as plain text after a plain one.
             if getattr(prompt_template, "chat", False):
                 self.renderer = ChatTurnRenderer(
-                    self.tokenizer, getattr(prompt_template, "chat_template_kwargs", None)
+                    self.tokenizer,
+                    getattr(prompt_template, "chat_template_kwargs", None),
+                    roles=self.environment.env_roles,
                 )
             else:
                 self.renderer = PlainTurnRenderer(self.tokenizer)
