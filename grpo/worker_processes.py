@@ -13,6 +13,41 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+# What this process's one forkserver imports before it forks any worker. The server is shared
+# by every pool of the process (reward workers, tool workers) and only the first pool to start
+# it decides what it preloads, so every pool asks for the same list: the reward package (torch,
+# math-verify), which a reward worker would otherwise import anew after each restart.
+FORKSERVER_PRELOAD = ["grpo.rewards"]
+
+
+def worker_context(start_method: str | None, owner: str) -> multiprocessing.context.BaseContext:
+    """The multiprocessing context of a worker pool: ``forkserver`` where available, else
+    ``spawn``; never ``fork`` (forking a process that runs Ray or torch threads is unsafe).
+
+    Args:
+        start_method (str | None): ``"forkserver"``, ``"spawn"``, or None for the default.
+        owner (str): The pool's name, for the error.
+
+    Returns:
+        multiprocessing.context.BaseContext: The context; a forkserver one preloads
+        `FORKSERVER_PRELOAD` if this process has not started its server yet.
+
+    Raises:
+        ValueError: Another or an unavailable start method.
+    """
+    methods = multiprocessing.get_all_start_methods()
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in methods else "spawn"
+    if start_method not in ("forkserver", "spawn") or start_method not in methods:
+        raise ValueError(
+            f"{owner}: start_method must be 'forkserver' or 'spawn' (available: {methods}), "
+            f"got {start_method!r}"
+        )
+    context = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return context
+
 
 def _exit_when_parent_dies(parent: Any) -> None:
     parent.join()

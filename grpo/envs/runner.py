@@ -23,7 +23,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import inspect
-import multiprocessing
 import os
 import threading
 import time
@@ -33,7 +32,7 @@ from typing import Any, NamedTuple
 import pebble
 
 from grpo.envs.tools import CRASH, EXCEPTION, TIMEOUT, Tool
-from grpo.worker_processes import exit_with_parent, memory_cap
+from grpo.worker_processes import exit_with_parent, memory_cap, worker_context
 
 # Beyond a call's timeout, for pebble to notice the overrun and stop the worker (it sends
 # SIGTERM and waits up to 3 s before SIGKILL).
@@ -188,10 +187,7 @@ class ToolRunner:
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-        methods = multiprocessing.get_all_start_methods()
-        if start_method is None:
-            start_method = "forkserver" if "forkserver" in methods else "spawn"
-        self._context = multiprocessing.get_context(start_method)
+        self._context = worker_context(start_method, "ToolRunner")
         self.num_workers = num_workers
         self.memory_mb = memory_mb
         self._workers: pebble.ProcessPool | None = None

@@ -31,7 +31,6 @@ import functools
 import importlib
 import logging
 import math
-import multiprocessing
 import os
 import pickle
 import threading
@@ -41,7 +40,7 @@ from typing import Any
 import pebble
 
 from grpo.rewards.base import FunctionReward, RewardFunction, call_reward, short_error
-from grpo.worker_processes import exit_with_parent
+from grpo.worker_processes import exit_with_parent, worker_context
 
 logger = logging.getLogger(__name__)
 
@@ -145,19 +144,9 @@ class RewardPool:
             raise ValueError(
                 f"RewardPool: max_calls_per_task must be >= 1, got {max_calls_per_task}"
             )
-        methods = multiprocessing.get_all_start_methods()
-        if start_method is None:
-            start_method = "forkserver" if "forkserver" in methods else "spawn"
-        if start_method not in ("forkserver", "spawn") or start_method not in methods:
-            raise ValueError(
-                f"RewardPool: start_method must be 'forkserver' or 'spawn' (available: "
-                f"{methods}), got {start_method!r}"
-            )
-        self._context = multiprocessing.get_context(start_method)
-        if start_method == "forkserver":
-            # Import the reward package (torch, math-verify) once in the server rather than in
-            # every worker. Only takes effect if this process has not started its server yet.
-            self._context.set_forkserver_preload(["grpo.rewards"])
+        # The reward package (torch, math-verify) is imported once in the forkserver rather
+        # than in every worker.
+        self._context = worker_context(start_method, "RewardPool")
         self.num_workers = num_workers
         self.startup_timeout_s = startup_timeout_s
         self.max_calls_per_task = max_calls_per_task
