@@ -7,19 +7,22 @@
     grpo validate NAME [k=v ...]                check a config without running anything
     grpo cp NAME DEST [--force]                 copy a config or recipe to edit it
     grpo plot RUN_DIR                           write the standard plots of a run
+    grpo --version                              the installed package's version
 
 A recipe is a Python file with a ``recipe_main(cfg)`` function: a name (``async_grpo``) means
 ``recipes/async_grpo.py`` in the repo (or ``$GRPO_RECIPES_DIR``), anything ending in ``.py`` is
 a path. A config is a name (``configs/NAME.yaml``) or a path to a YAML file.
 
 Exit status: 0 on success, 1 when a command could not do its job (a file would be
-overwritten, plotting failed), 2 for bad usage or any config problem.
+overwritten, a folder holds no metrics to plot, a run stopped on an error), 2 for bad usage or
+any config problem, 130 after Ctrl-C (``128 + signal`` for a run a signal stopped).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -215,10 +218,23 @@ def _plot_cmd(args: argparse.Namespace) -> int:
         from grpo.observability.plotting import plot_run
     except ImportError as exc:
         raise CommandError(f"plotting is unavailable: {exc}") from None
-    written = plot_run(run_dir)
-    for path in written or []:
+    try:
+        written = plot_run(run_dir)
+    except FileNotFoundError as exc:  # no metrics.jsonl: not a run folder, or a run not started
+        raise CommandError(str(exc)) from None
+    if not written:
+        raise CommandError(f"no metrics to plot in {run_dir / 'metrics.jsonl'}")
+    for path in written:
         print(path)
     return 0
+
+
+def package_version() -> str:
+    """The installed ``grpo`` package's version ("unknown" when run from an uninstalled tree)."""
+    try:
+        return importlib.metadata.version("grpo")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous GRPO training: run recipes, manage and check configs.",
         epilog="Example: grpo run async_grpo --config tiny_arithmetic_cpu orchestration.num_steps=5",
     )
+    parser.add_argument("--version", action="version", version=f"grpo {package_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = commands.add_parser(
@@ -314,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"grpo {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C while a recipe imports, say: no traceback
+        print(f"grpo {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

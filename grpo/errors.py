@@ -1,5 +1,6 @@
-"""The ways a run stops on its own: an actor that cannot go on, a diverged loss, and no data
-left to learn from. Shared by the driver and the weight transports, so it imports nothing."""
+"""The ways a run stops on its own: an actor that cannot go on, a diverged loss, an
+environment that fails its episodes, and no data left to learn from. Shared by the driver and
+the weight transports, so it imports nothing."""
 
 
 class ActorFailedError(RuntimeError):
@@ -15,7 +16,25 @@ class NoInformativeGroupsError(RuntimeError):
     rewards, so no training batch could be filled."""
 
 
+class EnvironmentFailingError(RuntimeError):
+    """Nearly every episode of several generation batches in a row was dropped because the
+    environment raised (a typo in its code, a tool server that is down): the message names
+    the most common exception, where it raised, and the log that counts every reason."""
+
+
 class TrainerDiedError(ActorFailedError):
     """A trainer died: the driver restarts the trainers, and every actor that depends on their
     state, from the latest checkpoint (`grpo.orchestrator.Orchestrator`) while its restart
     budget lasts; past it, the run stops with this error."""
+
+
+class RunStalledError(ActorFailedError):
+    """No step was trained for ``orchestration.stall_timeout_s`` and replacing an actor cannot
+    help (every sample dropped as stale, or the actor that holds the run up used up its
+    restarts); the message names the actor and what it was stuck in."""
+
+
+class WeightTransferError(RuntimeError):
+    """A weight transfer to a collector failed or timed out (the collector did not receive, or
+    trainer rank 0 could not send). The driver retries it once on a fresh channel, then
+    replaces the collector; it never stops the run by itself."""

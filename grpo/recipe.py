@@ -42,11 +42,15 @@ def run_recipe(
 ) -> int:
     """Load and validate a config, then call ``recipe_main(cfg)``.
 
-    Config problems are printed to stderr without a traceback; errors inside the recipe
-    propagate. With ``overwrite_output_dir`` a run already in ``output_dir`` is moved aside
-    first (`grpo.config.paths.move_run_aside`). While it runs, this process's logging goes
-    where the config's ``log_level`` says (`grpo.observability.logs.DriverLog`): ``<output_dir>/logs/driver.log``, and the terminal for the
-    ``grpo`` logger's warnings (every logger's with ``log_level: debug``).
+    Config problems are printed to stderr without a traceback. An error inside the recipe
+    stops the run with three lines on stderr (what stopped it, the log file that holds the
+    traceback, the checkpoint to resume from: `grpo.observability.console.print_stopped`) and
+    status 1; Ctrl-C before the recipe handles signals itself (while Ray starts) ends it with
+    status 130 and no traceback. With ``overwrite_output_dir`` a run already in ``output_dir``
+    is moved aside first (`grpo.config.paths.move_run_aside`). While it runs, this process's
+    logging goes where the config's ``log_level`` says (`grpo.observability.logs.DriverLog`):
+    ``<output_dir>/logs/driver.log``, and the terminal for the ``grpo`` logger's warnings
+    (every logger's with ``log_level: debug``).
 
     Args:
         recipe_main (Recipe): The recipe's entry point.
@@ -57,11 +61,13 @@ def run_recipe(
             before it imports the recipe, whose imports log); None enters one here.
 
     Returns:
-        int: 0 on success, 2 on a config error, or the recipe's own status: its int return
-        value, or the ``exit_code`` of the summary dict it returns (``128 + signal`` after
-        Ctrl-C or SIGTERM stopped the run).
+        int: 0 on success, 2 on a config error, 1 when the recipe raised, 130 after Ctrl-C
+        before the recipe handled signals, or the recipe's own status: its int return value,
+        or the ``exit_code`` of the summary dict it returns (``128 + signal`` after Ctrl-C or
+        SIGTERM stopped the run, 1 after it stopped on an error).
     """
     with nullcontext(driver_log) if driver_log else DriverLog() as driver_log:
+        cfg = None
         try:
             cfg = load_config(config, overrides, check_components=True, import_components=True)
             if problem := used_output_dir_problem(cfg):
@@ -75,6 +81,18 @@ def run_recipe(
         except ConfigError as exc:
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            # Ctrl-C before the recipe set its own handlers (while Ray starts, say): nothing
+            # to save yet, and a traceback through Ray's start-up would explain nothing.
+            print(f"{prog}: interrupted", file=sys.stderr)
+            return 130
+        except Exception as error:
+            if cfg is None or driver_log.path is None:
+                raise  # before the run folder exists: nowhere else to put the traceback
+            from grpo.observability.console import print_stopped  # tqdm: only when needed
+
+            print_stopped(error, cfg.output_dir, cfg.log_level)
+            return 1
     if isinstance(result, dict):  # a summary; a run a signal stopped says its exit code
         return int(result.get("exit_code", 0))
     return result if isinstance(result, int) and not isinstance(result, bool) else 0

@@ -25,7 +25,9 @@ The whole run, in order (each stage is a line of `recipe_main`):
 
 What the terminal shows is `grpo.observability.console`'s: a few lines at the start, one
 progress bar, the results; every process's own output goes to ``output_dir/logs/`` unless
-``log_level`` is debug (`grpo.observability.logs`).
+``log_level`` is debug (`grpo.observability.logs`). A run that stops on an error says what
+stopped it in one line, where its traceback is (``output_dir/logs/driver.log``) and the
+checkpoint to resume from, and exits with 1.
 """
 
 from __future__ import annotations
@@ -41,11 +43,21 @@ import yaml
 
 from grpo.config import ConfigError, RunConfig, instantiate
 from grpo.config.run import reward_weights_problem
-from grpo.errors import ActorFailedError, NoInformativeGroupsError, TrainingDivergedError
+from grpo.errors import (
+    ActorFailedError,
+    EnvironmentFailingError,
+    NoInformativeGroupsError,
+    TrainingDivergedError,
+)
 from grpo.evaluation import HeldOutEvaluator
 from grpo.models import load_tokenizer
-from grpo.observability.console import print_end, print_start, progress_bar, write_plots
-from grpo.observability.logs import is_verbose, logs_dir
+from grpo.observability.console import (
+    print_end,
+    print_start,
+    print_stopped,
+    progress_bar,
+    write_plots,
+)
 from grpo.orchestrator import Orchestrator, check_placement, find_checkpoint, init_ray
 from grpo.recipe import run_recipe_cli
 from grpo.rewards import reward_name
@@ -71,11 +83,15 @@ def recipe_main(cfg: RunConfig) -> dict:
     init_ray(cfg)
     check_placement(cfg)  # a role no node can host is refused here, not left waiting
     run = Orchestrator(cfg, run_dir, tokenizer, dataset=datasets["dataset"])
-    with stop_on_signals(run), shutdown_on_exit(run, cfg, run_dir):
+    with stop_on_signals(run), shutdown_on_exit(run):
         checkpoint = set_up(run, cfg, run_dir)  # 2. set up
         evaluate = build_evaluator(cfg, datasets.get("eval_dataset"), run)
         started = time.monotonic()
-        state = train(run, cfg, evaluate)  # 3. train
+        state, stopped_by = train(run, cfg, evaluate)  # 3. train
+        if stopped_by is not None:
+            # The run stopped on its own: one line why, the traceback in driver.log.
+            reason = print_stopped(stopped_by, run_dir, cfg.log_level)
+            return {"steps": state.step, "stopped": True, "error": reason, "exit_code": 1}
         if run.stop_requested:
             saved = run.save_checkpoint()
             print(f"Stopped at step {state.step}; resume with resume_from_checkpoint={saved}")
@@ -127,30 +143,32 @@ def set_up(run: Orchestrator, cfg: RunConfig, run_dir: Path) -> Path | None:
     return checkpoint
 
 
-def train(run: Orchestrator, cfg: RunConfig, evaluate: Any) -> Any:
-    """The loop, under the progress bar; a run that stops on its own says why.
+def train(run: Orchestrator, cfg: RunConfig, evaluate: Any) -> tuple[Any, Exception | None]:
+    """The loop, under the progress bar; a run that stops on its own returns why.
 
     Returns:
-        RunState: The final step, policy version and metrics.
+        tuple[RunState, Exception | None]: The final step, policy version and metrics, and the
+        error the run stopped on by its own decision (an actor that failed, a diverged loss,
+        an environment failing its episodes, no informative group), or None. Any other error
+        propagates (`grpo.recipe.run_recipe` reports it the same way).
     """
     try:
         with progress_bar(cfg.orchestration.num_steps, run.state) as on_step:
-            return run.run(evaluate=evaluate, on_step=on_step)
-    except (ActorFailedError, TrainingDivergedError, NoInformativeGroupsError) as error:
-        print(f"Run stopped: {error}", file=sys.stderr)
-        raise
+            return run.run(evaluate=evaluate, on_step=on_step), None
+    except (
+        ActorFailedError,
+        TrainingDivergedError,
+        NoInformativeGroupsError,
+        EnvironmentFailingError,
+    ) as error:
+        return run.state, error
 
 
 @contextmanager
-def shutdown_on_exit(run: Orchestrator, cfg: RunConfig, run_dir: Path):
-    """End every actor however the run ends; on a failure, say where each process's output is."""
+def shutdown_on_exit(run: Orchestrator):
+    """End every actor however the run ends."""
     try:
         yield
-    except Exception:
-        if not is_verbose(cfg.log_level):
-            # The actors' own messages (a crash, an out-of-memory kill) are in their files.
-            print(f"Each process's output: {logs_dir(run_dir)}/", file=sys.stderr)
-        raise
     finally:
         run.shutdown()
 

@@ -1,9 +1,9 @@
 """Kill each kind of actor in the middle of a real tiny run and report what happened.
 
-For every victim (a collector, the reference actor, the replay buffer, a trainer) the script
-starts the tiny async pipeline (Ray, vLLM CPU, torchtune, math-verify; checkpoints every 2
-steps), lets it train ``--kill-at`` steps, ``ray.kill``s the victim, and lets the run go on
-to ``--steps``. It prints one row per fault:
+For every victim (a collector, the reference actor, the replay buffer, the rollout queue, a
+trainer) the script starts the tiny async pipeline (Ray, vLLM CPU, torchtune, math-verify;
+checkpoints every 2 steps), lets it train ``--kill-at`` steps, ``ray.kill``s the victim, and
+lets the run go on to ``--steps``. It prints one row per fault:
 
 - outcome: ``replaced`` (the run finished every step) or ``stopped: <error>``;
 - seconds: for a replacement, from the moment the driver noticed the death to the first call
@@ -36,7 +36,7 @@ from grpo.config import repo_root
 from grpo.orchestrator import ActorFailedError
 from grpo.testing import kill_at_steps, start_tiny_run
 
-VICTIMS = ["collector[0]", "ref_actor[0]", "replay_buffer", "trainer[0]"]
+VICTIMS = ["collector[0]", "ref_actor[0]", "replay_buffer", "rollout_queue", "trainer[0]"]
 
 
 def read_jsonl(path: Path) -> list[dict]:

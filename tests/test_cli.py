@@ -77,6 +77,29 @@ def recipe_main(cfg):
 """
 
 
+# A recipe that stops on an error the way an actor's does (a remote traceback, coloured, in
+# the message), after saving a checkpoint when the seed says so; seed 130 plays Ctrl-C.
+FAILING_RECIPE_SOURCE = """
+from pathlib import Path
+
+from grpo.errors import ActorFailedError
+
+
+def recipe_main(cfg):
+    if cfg.seed == 130:
+        raise KeyboardInterrupt
+    out = Path(cfg.output_dir)
+    if cfg.seed == 2:
+        (out / "checkpoints" / "step_000002").mkdir(parents=True)
+        (out / "checkpoints" / "latest").write_text("step_000002")
+    raise ActorFailedError(
+        "collector[0] failed: \\x1b[36mray::SyncLLMCollector.generate_batch_with_state()"
+        "\\x1b[39m (pid=12)\\n  File \\"/x/env.py\\", line 3, in env_response\\n"
+        "KeyError: 'anwser'"
+    )
+"""
+
+
 @pytest.fixture
 def workspace(tmp_path, monkeypatch, fake_model_dir):
     """Temporary recipes and configs folders, with one recipe and two configs."""
@@ -269,6 +292,33 @@ def test_a_run_stopped_by_a_signal_exits_with_its_status(workspace):
     assert main(["run", "ledger", "--config", "small", "overwrite_output_dir=true"]) == 0
 
 
+def test_a_run_stopped_by_an_error_says_why_in_a_line_and_keeps_the_traceback(workspace, capsys):
+    (workspace / "recipes" / "failing.py").write_text(FAILING_RECIPE_SOURCE)
+    out = workspace / "out"
+    assert main(["run", "failing", "--config", "small", "seed=1"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "Run stopped: collector[0] failed: ray::SyncLLMCollector.generate_batch_with_state() "
+        "(pid=12) ... KeyError: 'anwser'",
+        f"Traceback: {out / 'logs' / 'driver.log'} (each process's output: {out / 'logs'}/)",
+        "Resume from: the start (no checkpoint saved yet)",
+    ]
+    driver_log = (out / "logs" / "driver.log").read_text()
+    assert "run stopped: collector[0] failed" in driver_log
+    assert "Traceback (most recent call last)" in driver_log and "ActorFailedError" in driver_log
+
+    # With a checkpoint saved, the last line names it.
+    assert main(["run", "failing", "--config", "small", "seed=2", "overwrite_output_dir=true"]) == 1
+    checkpoint = out / "checkpoints" / "step_000002"
+    assert f"Resume from: {checkpoint} (resume_from_checkpoint=true)" in capsys.readouterr().err
+
+
+def test_ctrl_c_before_the_run_handles_signals_exits_130_without_a_traceback(workspace, capsys):
+    (workspace / "recipes" / "failing.py").write_text(FAILING_RECIPE_SOURCE)
+    assert main(["run", "failing", "--config", "small", "seed=130"]) == 130
+    assert capsys.readouterr().err == "grpo run: interrupted\n"
+
+
 def test_run_unknown_recipe_and_missing_recipe_main(workspace, tmp_path, capsys):
     assert main(["run", "recrod", "--config", "small"]) == 2
     assert "did you mean 'record'" in capsys.readouterr().err.lower()
@@ -313,6 +363,29 @@ def test_plot_errors(workspace, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "grpo.observability.plotting", None)  # import fails
     assert main(["plot", str(tmp_path)]) == 1
     assert "plotting is unavailable" in capsys.readouterr().err
+
+
+def test_plot_a_folder_without_metrics_says_so_in_a_line(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"grpo plot: error: no metrics file at {tmp_path / 'metrics.jsonl'}: expected the "
+        "metrics.jsonl that MetricLogger writes in the run folder\n"
+    )
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert main(["plot", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == (
+        f"grpo plot: error: no metrics to plot in {tmp_path / 'metrics.jsonl'}\n"
+    )
+
+
+def test_version_prints_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"grpo {version('grpo')}\n"
 
 
 def test_no_command_prints_help(capsys):

@@ -177,17 +177,21 @@ def test_sampling_is_seeded_and_resumes_exactly(collector):
         collector.load_state_dict({**state, "worker_id": 1})
 
 
-def test_a_restored_collector_labels_its_samples_with_the_restored_version(collector):
+def test_a_restored_collector_labels_its_samples_with_the_weights_it_holds(collector):
     """A resumed run, or one restarted from a checkpoint after a trainer died, starts its
-    collectors from the checkpoint's weights and version: their samples must carry that
-    version, or the buffer drops them all as stale and no batch ever fills."""
+    collectors from the checkpoint's weights (the constructor's ``policy_version``) and
+    loads each one's state after its last batch, whose version may be older: the samples
+    must carry the version of the weights the engine holds, or the buffer drops fresh
+    samples as stale (with ``max_policy_lag: 0``, every one, for ever)."""
     state = collector.state_dict()
+    held = collector.policy_version
     try:
-        collector.load_state_dict({**state, "policy_version": 7})
+        collector.load_state_dict({**state, "policy_version": held + 7})
         collector.generate_batch(1)
         (group,) = drain(collector.rollout_queue, 1)
         versions = {(t.policy_version, t.last_policy_version) for t in group.trajectories}
-        assert versions == {(7, 7)}
+        assert versions == {(held, held)}
+        assert collector.state_dict()["policy_version"] == held
     finally:
         collector.load_state_dict(state)
 

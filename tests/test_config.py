@@ -541,6 +541,44 @@ def test_resume_path_must_exist(config_path, tmp_path):
     validate_config(compose_config(config_path, ["resume_from_checkpoint=true"]))
 
 
+def test_a_resume_may_not_change_what_its_checkpoint_was_made_for(config_path, tmp_path):
+    """A checkpoint records the config it ran with: a resume that would train nothing, or that
+    changes a setting the checkpoint's state was made for, is refused naming the key; other
+    settings (the optimizer's lr, a longer run) may change."""
+    checkpoint = tmp_path / "out" / "checkpoints" / "step_000003"
+    checkpoint.mkdir(parents=True)
+    state = {"step": 3, "policy_version": 3, "eval_history": []}
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    ran = validate_config(compose_config(config_path))
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(ran.model_dump(), sort_keys=False))
+    (checkpoint.parent / "latest").write_text(checkpoint.name)
+    resume = ["resume_from_checkpoint=true"]
+
+    [problem] = problems_of(compose_config(config_path, resume))
+    assert problem == (
+        f"orchestration.num_steps: 3 does not go beyond step 3 of the checkpoint {checkpoint}, "
+        "so the resume would train nothing; give a larger num_steps to extend the run"
+    )
+    changed = [
+        "orchestration.num_steps=5",
+        "orchestration.num_inference_workers=2",
+        "training.optimizer._component_=torch.optim.SGD",
+    ]
+    problems = problems_of(compose_config(config_path, [*resume, *changed]))
+    assert [p.split(":")[0] for p in problems] == [
+        "orchestration.num_inference_workers",
+        "training.optimizer._component_",
+    ]
+    assert problems[0].startswith(
+        f"orchestration.num_inference_workers: the checkpoint {checkpoint} ran with 1, this "
+        "config has 2; it cannot change on resume"
+    )
+    longer = ["orchestration.num_steps=5", "training.optimizer.lr=1e-5", "inference.group_size=8"]
+    assert validate_config(compose_config(config_path, [*resume, *longer])).training.optimizer[
+        "lr"
+    ] == pytest.approx(1e-5)
+
+
 @pytest.mark.parametrize("name", list_configs())
 def test_shipped_configs_validate_against_the_real_components(name, tmp_path):
     # The real components (grpo.loss, grpo.models, ...) are imported: this catches a config

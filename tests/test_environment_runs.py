@@ -1,10 +1,13 @@
-"""Whole runs with a multi-turn environment: exact resume, and a replaced collector.
+"""Whole runs with a multi-turn environment: exact resume, a replaced collector, and an
+environment that fails every episode.
 
 The environment is `grpo.testing.tools.EchoUserEnv` (a user who answers every turn), with
 stop strings the random tiny model writes often, so every step trains on real multi-turn
 episodes whose environment tokens are masked from the loss.
 """
 
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -101,3 +104,70 @@ def test_replaced_collector_loses_no_episode(tiny_model_dir, tmp_path, monkeypat
     trained = trained_ids(run_dir)
     assert len(trained) == len(set(trained)) == 6 * 32
     assert set(trained) <= set(scored)
+
+
+# Reads state["anwser"] when it answers: every episode whose first turn ends on a stop string
+# (nearly all: the random model writes these often) raises KeyError.
+TYPO_ENVIRONMENT = (
+    "environment={_component_: grpo.testing.tools.MisspeltStateEnv, max_turns: 3, "
+    "stop: [' ', 'e', 'a', 'o', 't', '1', '2', '<']}"
+)
+
+
+@pytest.mark.parametrize("filtering", [False, True], ids=["no_filter", "dynamic_sampling"])
+def test_an_environment_that_fails_every_episode_stops_the_run_naming_its_error(
+    filtering, tiny_model_dir, tmp_path, monkeypatch, capsys, ray_cleanup
+):
+    """A typo in env_response: the run stops soon after its first batch, naming the KeyError
+    and the line that raised it, with or without dynamic sampling (whose own guard would
+    blame equal rewards); the collector's log names the reason once, with a count."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run_dir = tmp_path / "run"
+    status = grpo_main(
+        [
+            *("run", "async_grpo", "--config", "tiny_arithmetic_cpu"),
+            f"base_model_path={tiny_model_dir}",
+            *RANDOM_MODEL_OVERRIDES,
+            f"output_dir={run_dir}",
+            "orchestration.num_steps=20",
+            "eval_every_n_steps=null",
+            f"ref.filter_zero_variance_groups={str(filtering).lower()}",
+            "orchestration.stall_timeout_s=60",
+            TYPO_ENVIRONMENT,
+            "inference.engine_args.max_model_len=256",
+            "inference.max_generated_tokens=24",
+            "inference.batch_size=2",
+            "inference.group_size=4",
+            "training.batch_size=16",
+        ]
+    )
+    stopped_at = time.time()
+    err = capsys.readouterr().err
+    assert status == 1, err
+    first_batch = min(r["time"] for r in read_jsonl(run_dir / "metrics.jsonl") if "inference/episodes_dropped" in r)  # fmt: skip
+    # Stopped within seconds of the first batch (shutting the actors down included).
+    assert stopped_at - first_batch < 60
+
+    # One line says what stopped it: the exception, its message and where the environment
+    # raised it; the traceback is in driver.log, not on the terminal.
+    stopped = next(line for line in err.splitlines() if line.startswith("Run stopped: "))
+    assert "the environment failed nearly every episode" in stopped
+    assert "KeyError: 'anwser' (at " in stopped and 'state["anwser"]' in stopped
+    assert "grpo/testing/tools.py:" in stopped and "in env_response" in stopped
+    assert "equal rewards" not in err and "temperature" not in err
+    assert "Traceback (most recent call last)" not in err
+    assert f"Traceback: {run_dir / 'logs' / 'driver.log'}" in err
+    assert "EnvironmentFailingError" in (run_dir / "logs" / "driver.log").read_text()
+
+    # The collector's log names the reason once, with a count, however many episodes it
+    # dropped for it.
+    dropped = max(metric(run_dir, "inference/episodes_dropped_total"))
+    lines = [
+        line
+        for line in (run_dir / "logs" / "collector_0.log").read_text().splitlines()
+        if "'anwser'" in line
+    ]
+    assert dropped >= 16 and len(lines) <= 2, lines
+    first = re.search(r"(\d+) of the 8 episodes of a batch were dropped because MisspeltStateEnv failed \(.*\): KeyError: 'anwser' \(at .*tools\.py", lines[0])  # fmt: skip
+    assert first and int(first[1]) >= 1, lines[0]
+    assert all("more episodes dropped for the same reason" in line for line in lines[1:])

@@ -372,15 +372,16 @@ def test_max_turns_and_token_budget_end_episodes(tokenizer):
     assert 1 < episode.num_turns < 10
 
 
-def test_an_environment_that_raises_drops_only_its_episode(tokenizer, caplog):
+def test_an_environment_that_raises_drops_only_its_episode(tokenizer):
     env = EchoUserEnv(max_turns=3, raise_on_turn=2, reward_functions=[MathCorrectnessReward()])
     engine = ScriptedEngine(tokenizer, ["<answer>7</answer>"] * 3)
     prompts = [_prompt(tokenizer, "Hi", index=0), _prompt(tokenizer, "Hi", index=1)]
     groups = _run(env, engine, tokenizer, prompts, group_size=2)
     failed = [e for group in groups for e in group if e.error is not None]
     assert len(failed) == 2 and all(e.example["index"] == 0 for e in failed)
-    assert "scripted failure at turn 2" in failed[0].error
-    assert "scripted failure" in caplog.text
+    # The reason names the exception and the line of the environment's code that raised it.
+    assert failed[0].error.startswith("RuntimeError: scripted failure at turn 2 (at ")
+    assert "grpo/testing/tools.py:" in failed[0].error and "in env_response" in failed[0].error
     kept = [e for group in groups for e in group if e.error is None]
     trajectories = episode_groups(
         groups,

@@ -28,6 +28,7 @@ from grpo.observability.metric_names import (
     reward_metric_names,
     step_metric_for,
 )
+from grpo.observability.metrics import records_after_rewinds
 
 
 def _strict_json_lines(path: Path) -> list[dict]:
@@ -496,7 +497,105 @@ def test_wandb_log_failure_turns_wandb_off_once(tmp_path, fake_wandb, caplog):
     assert len(_strict_json_lines(logger.get_log_path())) == 3
 
 
+def _log_three_steps_then_rewind(logger: MetricLogger) -> None:
+    """Steps 1-3 logged (train and ref), then a trainer restart goes back to step 1."""
+    for step in (1, 2, 3):
+        logger.log_dict({"train_actor_training/loss": float(step)}, step=step, actor="train")
+        logger.log_dict({"ref_actor_rewards/rewards_mean": step / 10}, step=step - 1, actor="ref")
+    logger.rewound(1, from_step=3)
+
+
+def test_a_rewind_is_marked_and_forks_the_wandb_run_with_the_standing_values(tmp_path, fake_wandb):
+    """The superseded values stay in metrics.jsonl (marked) and in the first W&B run; the
+    W&B run that goes on holds each step's standing value once, its steps only increasing."""
+    logger = _logger(tmp_path, use_wandb=True, mode="offline", run_name="r")
+    logger.log_summary({"final/accuracy": 0.5})
+    _log_three_steps_then_rewind(logger)
+    logger.log_dict({"train_actor_training/loss": 20.0}, step=2, actor="train")
+    logger.close()
+
+    records = _strict_json_lines(logger.get_log_path())
+    assert {"step": 1, "rewound_to": 1, "from_step": 3}.items() <= records[6].items()
+    standing = records_after_rewinds(records)
+    assert [(r["step"], r.get("train_actor_training/loss")) for r in standing] == [
+        (1, 1.0),
+        (0, None),
+        (1, None),
+        (2, 20.0),
+    ]
+
+    first, second = fake_wandb.runs
+    assert first.finished == 1 and len(first.logged) == 6
+    assert first.summary["rewound_to_step"] == 1 and first.summary["from_step"] == 3
+    assert second.init_kwargs["name"] == "fake-run (from step 1)"
+    assert second.defined[TRAIN_STEP] is None  # the step metrics are declared again
+    train = [
+        (c[TRAIN_STEP], c["train_actor_training/loss"]) for c in second.logged if TRAIN_STEP in c
+    ]
+    ref = [
+        (c[REF_STEP], c["ref_actor_rewards/rewards_mean"]) for c in second.logged if REF_STEP in c
+    ]
+    assert train == [(1, 1.0), (2, 20.0)]
+    assert ref == [(0, 0.1), (1, 0.2)]
+    assert second.summary == {"final/accuracy": 0.5}
+    assert second.finished == 1
+
+
 # ---------------------------------------------------------------- W&B (real, offline)
+
+
+def _wandb_history(run_dir: Path) -> list[dict]:
+    """The history rows of an offline W&B run file (``run-*.wandb``: a LevelDB-style log of
+    protobuf records, read here without W&B's server)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = run_dir.glob("run-*.wandb")
+    data, rows, chunks = path.read_bytes(), [], []
+    index = 7  # the file header: ":W&B", magic, version
+    while index + 7 <= len(data):
+        if (left := 32768 - index % 32768) < 7:  # a block's tail too short for a header
+            index += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[index : index + 7])
+        chunks.append(data[index + 7 : index + 7 + length])
+        index += 7 + length
+        if kind in (1, 4):  # a whole record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(chunks))
+            chunks = []
+            if record.WhichOneof("record_type") == "history":
+                items = record.history.item
+                rows.append(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+                )
+        elif kind == 0:
+            break
+    return rows
+
+
+def test_a_rewind_forks_the_offline_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb_home"))
+    logger = MetricLogger(
+        tmp_path / "run", project="grpo-test", run_name="rewound", stdout_every_n=0
+    )
+    _log_three_steps_then_rewind(logger)
+    logger.log_dict({"train_actor_training/loss": 20.0}, step=2, actor="train")
+    logger.close()
+
+    wandb_dir = tmp_path / "run" / "wandb"
+    second = (wandb_dir / "latest-run").resolve()  # folder names may share their second
+    [first] = [run for run in wandb_dir.glob("offline-run-*") if run.resolve() != second]
+    rows = _wandb_history(second)
+    assert [r["_step"] for r in rows] == list(range(len(rows)))
+    train = [(r[TRAIN_STEP], r["train_actor_training/loss"]) for r in rows if TRAIN_STEP in r]
+    assert train == [(1, 1.0), (2, 20.0)]
+    superseded = [r["train_actor_training/loss"] for r in _wandb_history(first) if TRAIN_STEP in r]
+    assert superseded == [1.0, 2.0, 3.0]
 
 
 def test_wandb_offline_run_lands_in_the_log_dir(tmp_path, monkeypatch):

@@ -67,6 +67,29 @@ def test_ledger_marks_regenerated_groups_and_holds_batches_until_sampled():
     assert contents["ref-b"] == {"b1-0", "b1-1"}
 
 
+def test_ledger_holds_generated_batches_until_scored_and_rescues_them():
+    """The driver's copies of generation batches put onto the queue: held until every group
+    is scored (or dropped), and scored from there when the queue dies; the copy of a group
+    that a reference actor had taken already is skipped the second time."""
+    ledger = InFlightLedger()
+    ledger.generated("batch-a", [0, 1])
+    ledger.generated("batch-b", [2, 3])
+    ledger.scored("ref-1", scored_result("a", [0], dropped=[1]))
+    assert ledger.queued == [("batch-b", {2, 3})]  # batch-a's groups all came through
+    ledger.scored("ref-2", scored_result("b", [2]))
+
+    # The queue dies holding group 3 (group 2 came through already).
+    assert ledger.rescue_queued() == 1
+    assert list(ledger.unscored) == ["batch-b"] and not ledger.queued
+    rescued = ledger.scored("rescued", scored_result("b", [2, 3]))
+    assert rescued.skip == {"b2-0", "b2-1"}  # group 2 once, group 3 now
+    # A batch that put onto the dead queue and came back after it was replaced is scored
+    # from the driver's copy at once; a batch whose groups were all seen is not held.
+    ledger.generated("batch-c", [4], lost=True)
+    ledger.generated("batch-d", [3])
+    assert list(ledger.unscored) == ["batch-b", "batch-c"] and not ledger.queued
+
+
 def test_ledger_lets_go_of_stale_batches_only():
     ledger = InFlightLedger()
     old = ledger.scored("old", scored_result("o", [0], policy_version=0))
@@ -113,9 +136,9 @@ def test_every_kind_of_call_has_a_handler(tmp_path):
     cfg = load_config("tiny_arithmetic_cpu", [f"output_dir={tmp_path}"])
     run = Orchestrator(cfg, tmp_path)
     assert set(run._handlers) == set(CallKind)
-    # A replaced collector, reference actor or buffer redoes its call; a dead trainer or
-    # rollout queue stops the run, so their calls are never redone.
-    assert set(run._redo) == set(CallKind) - {CallKind.TAKE, CallKind.TRAIN}
+    # A replaced collector, reference actor, buffer or rollout queue redoes its call; a dead
+    # trainer restarts the run from a checkpoint, so its calls are never redone.
+    assert set(run._redo) == set(CallKind) - {CallKind.TRAIN}
 
 
 def test_step_time_breakdown_adds_up_to_the_wall_time():
@@ -204,3 +227,96 @@ def test_checkpoints_are_due_by_steps_and_by_minutes(tmp_path):
     from grpo.config.sections import CheckpointConfig
 
     assert CheckpointConfig().save_every_n_minutes == 30
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_stall_watch_counts_only_trained_steps_as_progress():
+    from grpo.orchestrator.stall import StallWatch
+
+    clock = FakeClock()
+    watch = StallWatch(60.0, clock=clock)
+    clock.now += 59
+    assert not watch.overdue()
+    clock.now += 2
+    assert watch.overdue() and watch.idle_s() == pytest.approx(61)
+    watch.progressed()
+    assert not watch.overdue()
+
+
+def test_stall_watch_names_who_holds_the_run_up():
+    from grpo.orchestrator.stall import ENGINE_STEP_STUCK_S, CallInFlight, StallWatch
+
+    clock = FakeClock()
+    watch = StallWatch(60.0, clock=clock)
+    watch.progressed(dropped_stale=10)
+    clock.now += 61
+    now = clock.now
+    generating = CallInFlight("GENERATE", "collector[0]", now - 61)
+    take = CallInFlight("TAKE", "rollout_queue", now - 0.2)
+    sample = CallInFlight("SAMPLE", "replay_buffer", now - 3)
+    moving = {"in_engine_step_s": 0.01, "queue_wait_s": 0.0}
+
+    # A collector that does not answer its heartbeat is frozen: replace it.
+    stall = watch.diagnose([generating, take, sample], {"collector[0]": None})
+    assert (stall.actor, stall.replaceable) == ("collector[0]", True)
+    assert "does not answer" in stall.reason
+    # One stuck inside an engine step.
+    stuck = {"in_engine_step_s": ENGINE_STEP_STUCK_S + 1, "queue_wait_s": 0.0}
+    stall = watch.diagnose([generating], {"collector[0]": stuck})
+    assert stall.actor == "collector[0]" and "engine step" in stall.reason
+    # A trainer in one step for most of the timeout, while the collector waits on a full
+    # queue behind it: the trainer.
+    training = CallInFlight("TRAIN", "trainer[0]", now - 60)
+    waiting = {"in_engine_step_s": 0.0, "queue_wait_s": 55.0}
+    stall = watch.diagnose([generating, training, take], {"collector[0]": waiting})
+    assert (stall.actor, stall.replaceable) == ("trainer[0]", True)
+    assert "one training step for 60 s" in stall.reason
+    # The oldest of several stuck calls; calls that come back on their own are not stuck.
+    scoring = CallInFlight("SCORE", "ref_actor[1]", now - 61)
+    stall = watch.diagnose([training, scoring, take, sample], {})
+    assert stall.actor == "ref_actor[1]"
+    # Nothing stuck, but samples dropped as stale since the last step: the buffer, for good.
+    stall = watch.diagnose(
+        [generating, take, sample], {"collector[0]": moving}, {"dropped_stale": 42}, 0
+    )
+    assert (stall.actor, stall.replaceable) == ("replay_buffer", False)
+    assert "dropped 32 trajectories as stale" in stall.reason
+    assert "orchestration.max_policy_lag=0" in stall.reason
+    # Everyone working, nothing dropped: a slow run, not a stalled one.
+    assert (
+        watch.diagnose([generating, take, sample], {"collector[0]": moving}, {"dropped_stale": 10})
+        is None
+    )
+
+
+def test_an_actor_whose_constructor_raised_stops_the_run_instead_of_being_replaced(
+    tmp_path, monkeypatch
+):
+    """Each replacement would raise the same way and add the same traceback to its log."""
+    from ray.exceptions import RayActorError
+
+    from grpo.config import load_config
+    from grpo.errors import ActorFailedError
+    from grpo.orchestrator import Orchestrator
+    from grpo.orchestrator.state import Call
+
+    cfg = load_config("tiny_arithmetic_cpu", [f"output_dir={tmp_path}"])
+    run = Orchestrator(cfg, tmp_path)
+    replaced = []
+    monkeypatch.setattr(run.actors, "replace", lambda *args: replaced.append(args))
+
+    def failed_start(ref):
+        raise RayActorError(error_msg="ConfigError: environment: bad", actor_init_failed=True)
+
+    monkeypatch.setattr("grpo.orchestrator.loop.ray.get", failed_start)
+    run._calls["ref"] = Call(CallKind.GENERATE, 0, object())
+    with pytest.raises(ActorFailedError, match=r"collector\[0\] failed to start.*: ConfigError"):
+        run._process(["ref"], relaunch=True)
+    assert not replaced

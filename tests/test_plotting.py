@@ -137,6 +137,28 @@ def test_read_metrics_keeps_numbers_in_file_order(tmp_path):
     assert read_metrics(tmp_path / "metrics.jsonl") == series
 
 
+def test_read_metrics_reads_only_the_standing_values_after_a_rewind(tmp_path):
+    """A trainer died in step 3 and the run went back to step 1's checkpoint: steps 2 and 3
+    were logged twice; the plots read the redone values, once per step."""
+    logger = MetricLogger(tmp_path, use_wandb=False, stdout_every_n=0)
+    for step in (1, 2, 3):
+        logger.log_dict({"train_actor_training/loss": float(step)}, step=step, actor="train")
+    logger.log_dict({"ref_actor_rewards/rewards_mean": 0.5}, step=2, actor="ref")
+    logger.rewound(1, from_step=3)
+    logger.log_dict({"faults/steps_redone": 2.0}, step=1)
+    for step in (2, 3, 4):
+        logger.log_dict({"train_actor_training/loss": 10.0 * step}, step=step, actor="train")
+    logger.close()
+    series = read_metrics(tmp_path)
+    assert series == {
+        "train_actor_training/loss": [(1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)],
+        "faults/steps_redone": [(1, 2.0)],
+    }
+    # The file keeps the superseded values, then the rewind line.
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert text.count('"train_actor_training/loss"') == 6 and '"rewound_to": 1' in text
+
+
 def test_read_metrics_tolerates_only_a_truncated_last_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "time": 1.0, "a": 1.0}\n{"step": 1, "time": 2.0, "a": 2.\n')

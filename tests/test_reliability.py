@@ -12,11 +12,14 @@ import psutil
 import pytest
 import ray
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from grpo.cli import main as grpo_main
 from grpo.observability.metrics import records_after_rewinds
+from grpo.observability.plotting import read_metrics
 from grpo.orchestrator import ActorFailedError, Orchestrator, TrainingDivergedError
+from grpo.orchestrator.state import CallKind
 from grpo.testing import (
     RANDOM_MODEL_OVERRIDES,
     assert_same_training_state,
@@ -43,6 +46,13 @@ def trained_ids(run_dir: Path) -> list[str]:
     return [sid for r in read_jsonl(run_dir / "trained.jsonl") for sid in r["sequence_ids"]]
 
 
+def trained_versions(run_dir: Path) -> list[list[int]]:
+    """The policy versions of each standing step's trajectories."""
+    return [
+        r["policy_versions"] for r in records_after_rewinds(read_jsonl(run_dir / "trained.jsonl"))
+    ]
+
+
 def deterministic_overrides(model_dir: Path, run_dir: Path, num_steps: int) -> list[str]:
     return [
         f"base_model_path={model_dir}",
@@ -50,6 +60,10 @@ def deterministic_overrides(model_dir: Path, run_dir: Path, num_steps: int) -> l
         f"output_dir={run_dir}",
         f"orchestration.num_steps={num_steps}",
         "orchestration.synchronous=true",
+        # Nothing older than the current weights is trained: a resumed or restarted run whose
+        # collectors labelled their samples with an older version than their weights would
+        # drop every sample and never fill a batch.
+        "orchestration.max_policy_lag=0",
         "training.lr_scheduler=null",
         "checkpoint.save_every_n_steps=2",
         "eval_every_n_steps=null",
@@ -63,14 +77,20 @@ def deterministic_overrides(model_dir: Path, run_dir: Path, num_steps: int) -> l
 
 
 @pytest.mark.parametrize("num_workers", [1, 2], ids=["1_trainer", "2_fsdp_trainers"])
-def test_resume_continues_exactly(num_workers, tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
+def test_resume_continues_exactly(
+    num_workers, tiny_model_dir, tmp_path, monkeypatch, capsys, ray_cleanup
+):
     """2 steps + resume + 2 steps == 4 straight steps: same losses, weights and prompts.
 
     The 2-step run finishes with no periodic checkpoint, so extending it to 4 steps also
     proves that the end of a run saves one and that ``latest`` names the newest.
 
     With two trainers each writes its own shards of the model and optimizer state and reads
-    them back (no rank gathers the optimizer state)."""
+    them back (no rank gathers the optimizer state).
+
+    Then a resume that would train nothing, or that changes the seed, is refused before Ray
+    starts; and (one trainer) a resume with another lr runs that lr, the one its config.yaml
+    records."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     args = ["run", "async_grpo", "--config", "tiny_arithmetic_cpu"]
@@ -94,8 +114,11 @@ def test_resume_continues_exactly(num_workers, tiny_model_dir, tmp_path, monkeyp
     run(resumed, 4, "resume_from_checkpoint=true")
     assert (resumed / "checkpoints" / "latest").read_text() == "step_000004"
 
-    # The same prompts and samples, in the same order: nothing trained twice or skipped.
+    # The same prompts and samples, in the same order: nothing trained twice or skipped;
+    # and the same policy versions (the resumed collectors label what they sample with the
+    # checkpoint's version, the version of the weights they start from).
     assert trained_ids(resumed) == trained_ids(straight)
+    assert trained_versions(resumed) == trained_versions(straight)
     assert len(set(trained_ids(straight))) == len(trained_ids(straight))
     # Same per-step losses. Both runs execute the same fp32 CPU kernels on the same data in
     # the same order, so they agree to rounding; 1e-6 relative leaves room for nothing else.
@@ -112,6 +135,31 @@ def test_resume_continues_exactly(num_workers, tiny_model_dir, tmp_path, monkeyp
     for name, tensor in final_straight.items():
         torch.testing.assert_close(final_resumed[name], tensor, rtol=1e-6, atol=1e-7)
 
+    # Each checkpoint records the config it ran with; a resume is checked against it.
+    saved = yaml.safe_load((resumed / "checkpoints" / "step_000004" / "config.yaml").read_text())
+    assert saved["orchestration"]["num_steps"] == 4
+    capsys.readouterr()
+    for more, key in (
+        ([], "orchestration.num_steps"),
+        (["orchestration.num_steps=5", "seed=3"], "seed"),
+    ):
+        overrides = deterministic_overrides(tiny_model_dir, resumed, 4)
+        assert grpo_main([*args, *overrides, *workers, "resume_from_checkpoint=true", *more]) == 2
+        err = capsys.readouterr().err
+        assert f"{key}: " in err and "Traceback" not in err, err
+        assert not ray.is_initialized()
+    if num_workers > 1:
+        return  # each rank applies the same settings: one trainer shows it
+    run(resumed, 5, "resume_from_checkpoint=true", "training.optimizer.lr=1e-4")
+    recorded = yaml.safe_load((resumed / "config.yaml").read_text())
+    assert recorded["training"]["optimizer"]["lr"] == 1e-4
+    lrs = {
+        r["step"]: r["train_actor_training/lr"]
+        for r in read_jsonl(resumed / "metrics.jsonl")
+        if "train_actor_training/lr" in r
+    }
+    assert lrs == {1: 3e-4, 2: 3e-4, 3: 3e-4, 4: 3e-4, 5: 1e-4}
+
 
 def start_run(model_dir: Path, run_dir: Path, num_steps: int, *overrides: str) -> Orchestrator:
     return start_tiny_run(
@@ -126,22 +174,49 @@ def start_run(model_dir: Path, run_dir: Path, num_steps: int, *overrides: str) -
     )
 
 
-def test_dead_collector_ref_actor_and_buffer_are_replaced_losing_nothing(
+def kill_queue_holding_groups(run: Orchestrator, from_step: int) -> list[int]:
+    """``ray.kill`` the rollout queue from the loop, right after it handled a generation batch
+    at ``from_step`` or later while the queue held groups; returns ``[its size then]``."""
+    held: list[int] = []
+    on_generated = run._handlers[CallKind.GENERATE]
+
+    def kill_once_it_holds_groups(call, result, relaunch):
+        on_generated(call, result, relaunch)
+        if not held and run.state.step >= from_step and (size := run.rollout_queue.qsize()):
+            held.append(size)
+            ray.kill(run.rollout_queue.actor, no_restart=True)
+
+    run._handlers[CallKind.GENERATE] = kill_once_it_holds_groups
+    return held
+
+
+def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
     tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
 ):
-    """Each restartable actor is killed once mid-run; the run finishes every step, no
-    generated group is lost, none is trained twice, and the replacements compute."""
+    """Each restartable actor is killed once mid-run (the rollout queue while it holds
+    groups); the run finishes every step, no generated group is lost, none is trained twice,
+    and the replacements compute."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "run"
     victims = [(2, "collector[0]"), (5, "ref_actor[0]"), (8, "replay_buffer")]
-    run = start_run(tiny_model_dir, run_dir, 14)
+    # Generation batches of 8 groups, of which a reference call takes 4: the other 4 wait in
+    # the queue while the first are scored, so the queue holds groups when it is killed.
+    run = start_run(tiny_model_dir, run_dir, 14, "inference.batch_size=8")
     killed = kill_at_steps(run, victims)
+    queue_held = kill_queue_holding_groups(run, from_step=10)
     try:
         state = run.run()
     finally:
         run.shutdown()
     assert state.step == 14
-    assert [r.actor for r in run.recoveries] == [name for _, name in victims]
+    assert len(queue_held) == 1 and queue_held[0] > 0
+    names = [name for _, name in victims] + ["rollout_queue"]
+    assert [r.actor for r in run.recoveries] == names
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert max(r["faults/actor_restarts"] for r in metrics if "faults/actor_restarts" in r) == 4
+    # The dead queue's groups were scored from the driver's copies of their generation
+    # batches (the ledger checks below find none of them lost).
+    assert len([r for r in metrics if "faults/groups_rescued" in r]) == 1
     for recovery in run.recoveries:
         # Noticed at the next call to the actor, and the replacement (a new vLLM engine on
         # CPU for the collector) did its first piece of work within a minute.
@@ -155,7 +230,8 @@ def test_dead_collector_ref_actor_and_buffer_are_replaced_losing_nothing(
     numbers = sorted({int(sid.split("-")[1]) for sid in scored})
     assert numbers == list(range(numbers[-1] + 1))
     # Nothing trained twice, though the replaced collector regenerated groups that had
-    # already reached the queue, and the rebuilt buffer was refilled from the driver.
+    # already reached the queue, the rebuilt buffer was refilled from the driver, and the
+    # groups of the dead queue were scored from the driver's copies.
     assert len(trained) == len(set(trained)) == 14 * 32
     assert set(trained) <= set(scored)
     # What the rebuilt buffer was given back was trained on after the kill, not dropped.
@@ -259,11 +335,20 @@ def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
     assert [r["sequence_ids"] for r in standing] == [
         r["sequence_ids"] for r in read_jsonl(straight_dir / "trained.jsonl")
     ]
+    assert trained_versions(restarted_dir) == trained_versions(straight_dir)
     # The redone steps' losses (the last logged for each step) and the final weights match.
     straight_losses, restarted_losses = losses(straight_dir), losses(restarted_dir)
     assert sorted(restarted_losses) == [1, 2, 3, 4]
     for step, value in straight_losses.items():
         assert restarted_losses[step] == pytest.approx(value, rel=1e-6, abs=1e-9)
+    # metrics.jsonl marks the rewind too; what its readers (the plots) see is one standing
+    # value per step: the undisturbed run's.
+    metrics = read_jsonl(restarted_dir / "metrics.jsonl")
+    assert [r["rewound_to"] for r in metrics if "rewound_to" in r] == [2]
+    plotted = read_metrics(restarted_dir)["train_actor_training/loss"]
+    assert [step for step, _ in plotted] == [1, 2, 3, 4]
+    for step, value in plotted:
+        assert value == pytest.approx(straight_losses[step], rel=1e-6, abs=1e-9)
     final_straight = load_file(straight_dir / "final" / "model.safetensors")
     final_restarted = load_file(restarted_dir / "final" / "model.safetensors")
     for name, tensor in final_straight.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -57,6 +58,30 @@ def test_with_output_to_sends_the_process_output_to_the_file(tmp_path):
     assert "python hello" in text and "logged hello" in text and "child hello" in text
 
 
+@pytest.mark.slow
+def test_an_actor_that_fails_to_start_leaves_its_error_once_without_colour_codes(
+    ray_cluster, tmp_path
+):
+    class FailsToStart:  # local: Ray's workers get it by value, not by importing this file
+        """Raises in its constructor, as a collector does when its engine cannot start."""
+
+        def __init__(self) -> None:
+            print("starting")
+            raise KeyError("anwser")
+
+    log_file = tmp_path / "logs" / "fails_to_start.log"
+    # Threaded, like the collector (Ray handles a threaded actor's failed start differently).
+    actor_class = ray_cluster.remote(max_concurrency=2)(with_output_to(FailsToStart, log_file))
+    actor = actor_class.remote()
+    with pytest.raises(ray_cluster.exceptions.RayActorError) as error:
+        ray_cluster.get(actor.__ray_ready__.remote(), timeout=120)
+    assert error.value.actor_init_failed  # the loop stops the run on it: no replacement
+    text = log_file.read_text()
+    assert text.startswith("starting\n")
+    assert text.count("KeyError: 'anwser'") == 1, text
+    assert "\x1b[" not in text, text
+
+
 def test_with_output_to_keeps_the_class_usable():
     cls = with_output_to(Talker, os.devnull)
     assert cls.__qualname__ == Talker.__qualname__ and cls.__doc__ == Talker.__doc__
@@ -92,6 +117,42 @@ def test_driver_log_in_debug_mode_shows_everything(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "early library warning" in err and "grpo debug" in err
     assert logging.getLogger("grpo").level == logging.NOTSET  # restored
+
+
+def test_ctrl_c_while_ray_starts_exits_130_without_a_traceback(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C before the run's own signal handlers exist (during ``ray.init``): no traceback
+    through Ray's start-up, the status a shell gives an interrupted process."""
+    import ray
+
+    from grpo.cli import main
+    from grpo.testing import RANDOM_MODEL_OVERRIDES
+
+    if ray.is_initialized():
+        ray.shutdown()  # else the recipe would join it instead of starting one
+
+    def interrupted_start(**kwargs):
+        signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, while Ray starts
+
+    monkeypatch.setattr(ray, "init", interrupted_start)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        status = main(
+            [
+                *("run", "async_grpo", "--config", "tiny_arithmetic_cpu"),
+                f"base_model_path={tiny_model_dir}",
+                *RANDOM_MODEL_OVERRIDES,
+                f"output_dir={tmp_path / 'run'}",
+            ]
+        )
+    except KeyboardInterrupt:  # escaping, it would end the whole test session
+        pytest.fail("Ctrl-C while Ray started escaped grpo run as a traceback")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = capsys.readouterr().err
+    assert status == 130
+    assert err.endswith("grpo run: interrupted\n") and "Traceback" not in err, err
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
 """The trainer's update does not depend on how many workers share the batch."""
 
+import math
+
 import pytest
 import torch
 
@@ -320,6 +322,63 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_resumable(tiny_model_di
     assert_same_training_state(gathered_training_state(resumed), expected)
     with pytest.raises(FileNotFoundError, match="missing .metadata, extra.pt"):
         load_training_state(resumed.policy, resumed.optimizer, tmp_path / "nothing_here")
+
+
+def test_a_resumed_trainer_runs_the_configured_lr_and_its_schedule_goes_on(
+    tiny_model_dir, tmp_path
+):
+    """A checkpoint of step 2 of a 3-step cosine schedule, resumed (1) for a 6-step run: the
+    lr goes on decaying from where it was instead of jumping up to the longer schedule's;
+    (2) with another lr and weight decay: both run, the schedule scaled by the new lr;
+    (3) unchanged: the schedule is exactly as saved."""
+    schedule = {
+        "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+        "num_warmup_steps": 1,
+        "num_cycles": 0.25,
+    }
+
+    def trainer(num_steps: int, lr: float, weight_decay: float = 0.0) -> PyTorchActorModel:
+        optimizer = {"_component_": "torch.optim.AdamW", "lr": lr, "weight_decay": weight_decay}
+        config = TrainingConfig(optimizer=optimizer, lr_scheduler=schedule, loss=LOSS)
+        kwargs = trainer_kwargs(tiny_model_dir, 0, 1, 256)
+        return PyTorchActorModel(**{**kwargs, "num_steps": num_steps, "config": config})
+
+    def factor(step: int, num_steps: int) -> float:  # the schedule: 1 warm-up step, cosine
+        if step < 1:
+            return float(step)
+        return 0.5 * (1 + math.cos(math.pi * 0.5 * (step - 1) / (num_steps - 1)))
+
+    def logged_lrs(model: PyTorchActorModel, steps: int) -> list[float]:
+        # The lr metric is read after the schedule's step: the lr of the next update.
+        batch = make_batch(6, vocab_size=300)
+        return [model.train_step(batch)["train_actor_training/lr"] for _ in range(steps)]
+
+    checkpoint = tmp_path / "step_2"
+    first = trainer(num_steps=3, lr=3e-4)
+    first.setup()
+    lrs = logged_lrs(first, 2)
+    first.save_checkpoint(str(checkpoint))
+    assert lrs == pytest.approx([3e-4 * factor(1, 3), 3e-4 * factor(2, 3)], rel=1e-12)
+
+    longer = trainer(num_steps=6, lr=3e-4)
+    longer.setup(checkpoint_dir=str(checkpoint))
+    assert longer.optimizer.param_groups[0]["lr"] == lrs[-1]
+    after = logged_lrs(longer, 2)
+    base = lrs[-1] / factor(2, 6)
+    assert after == pytest.approx([base * factor(3, 6), base * factor(4, 6)], rel=1e-12)
+    assert lrs[-1] > after[0] > after[1]
+    assert 3e-4 * factor(3, 6) > lrs[-1]  # where the rebuilt schedule alone would have jumped
+
+    changed = trainer(num_steps=3, lr=1e-4, weight_decay=0.1)
+    changed.setup(checkpoint_dir=str(checkpoint))
+    assert changed.optimizer.param_groups[0]["weight_decay"] == 0.1
+    assert logged_lrs(changed, 1) == pytest.approx([1e-4 * factor(3, 3)], rel=1e-12)
+
+    same = trainer(num_steps=3, lr=3e-4)
+    same.setup(checkpoint_dir=str(checkpoint))
+    saved = first.lr_scheduler.state_dict()
+    restored = same.lr_scheduler.state_dict()
+    assert (restored["base_lrs"], restored["_last_lr"]) == (saved["base_lrs"], saved["_last_lr"])
 
 
 class RecordingLoss(GRPOWithChunkedOutputLoss):

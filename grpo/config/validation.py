@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from grpo.config.errors import ConfigError, InstantiationError
 from grpo.config.instantiate import keyword_names, locate
 from grpo.config.keys import fill_defaults, siblings_at, suggest
+from grpo.config.resume import resume_problems
 from grpo.config.run import MOVED_KEYS, REMOVED_KEYS, UNRESOLVED, RunConfig
 from grpo.config.schema import ComponentSpec, Section, component_spec, section_type
 from grpo.config.signatures import static_keyword_names
@@ -50,7 +51,8 @@ def validate_config(
 
     Args:
         cfg (DictConfig | Mapping[str, Any]): The config, e.g. from `compose_config`.
-        check_files (bool): Check the model folder and the resume checkpoint.
+        check_files (bool): Check the model folder and the resume checkpoint (a resume may
+            not change what its checkpoint's state depends on: `grpo.config.resume`).
         check_components (bool): Check that every ``_component_`` exists and takes the keyword
             arguments its node gives.
         import_components (bool): Check by importing the components (exact; loads torch and
@@ -94,6 +96,8 @@ def validate_config(
     if check_files:
         problems.extend(_dataset_problems(values))
         problems.extend(_environment_problems(values))
+        if run is not None:  # a resume may not change what its checkpoint's state was made for
+            problems.extend(resume_problems(run.model_dump()))
     if problems:
         raise ConfigError(problems)
     assert run is not None

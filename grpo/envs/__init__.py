@@ -11,6 +11,8 @@
   (`generate_server`), with the harness of `verifiers_harness` by default.
 * `run_episodes` (`rollout`): drives episodes on an inference engine, batched across episodes;
   `render` turns the environment's messages into tokens the way the chat template does.
+* `dropped`: why an episode the environment failed was dropped (the exception and the lines of
+  the environment that raised it), and the collector's log that names each reason once.
 
 A dataset with reward functions and no environment is the single-turn case. Importing this
 package loads no torch (``grpo validate`` reads tools and environments).

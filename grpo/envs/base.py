@@ -37,6 +37,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from grpo.envs.dropped import failure_reason
 from grpo.envs.options import checked_options
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ class Episode:
     tool_queue_waits: list[float] = field(default_factory=list)
     truncated: bool = False  # ended by the token budget or a turn cut at max tokens
     hit_max_turns: bool = False
-    error: str | None = None  # the environment raised: the episode is dropped
+    # The environment raised: the episode is dropped, and this says why (`failure_reason`).
+    error: str | None = None
 
     def add_policy_turn(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
         self.response_ids.extend(int(t) for t in token_ids)
@@ -272,7 +274,7 @@ class MultiTurnEnv:
         try:
             return PendingResponse(self.env_response(episode.messages, episode.state, episode))
         except Exception as error:  # the run goes on; the episode is dropped and named
-            episode.error = f"{type(error).__name__}: {error}"
+            episode.error = failure_reason(error)
             return PendingResponse(None)
 
     def reward_names(self) -> list[str] | None:

@@ -13,15 +13,15 @@ to tokens (`grpo.envs.render`) and appended, masked from the loss.
 An episode ends when the environment says so, at ``max_turns`` policy turns (``hit_max_turns``),
 when a policy turn is cut by its token limit, or when the next environment turn would not leave
 room for a policy token within ``max_episode_tokens`` or the engine's context (both
-``truncated``). An environment that raises drops that episode only (``error``), and the run goes
-on.
+``truncated``). An environment that raises drops that episode only (``error`` says why:
+`grpo.envs.dropped.failure_reason`), and the run goes on; the caller reports the drops (the
+collector logs each reason once, with a count: `grpo.envs.dropped.DroppedEpisodeLog`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -30,8 +30,6 @@ from grpo.seeds import sample_seed, turn_seed
 
 if TYPE_CHECKING:
     from grpo.types import GroupedUnscoredTrajectories
-
-log = logging.getLogger(__name__)
 
 
 class SampleRequest(NamedTuple):
@@ -133,7 +131,7 @@ def run_episodes(
 
     Returns:
         list[list[Episode]]: Per prompt, its episodes (finished; those whose environment
-        raised have ``error`` set).
+        raised have ``error`` set, and are not logged here).
     """
     per_turn = env.max_tokens_per_turn or max_tokens_per_turn
     groups: list[list[Episode]] = []
@@ -188,14 +186,6 @@ def run_episodes(
             elif _apply_answer(env, renderer, episode, pending.result(), closed, max_model_len):
                 ready.append(episode)
         waiting = still_waiting
-    for episode in (e for group in groups for e in group):
-        if episode.error is not None:
-            log.warning(
-                "environment %s raised on example %s; the episode is dropped: %s",
-                type(env).__name__,
-                episode.example.get("index"),
-                episode.error,
-            )
     return groups
 
 

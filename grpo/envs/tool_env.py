@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from grpo.envs.base import Episode, Message, MultiTurnEnv, PendingResponse
+from grpo.envs.dropped import failure_reason
 from grpo.envs.options import checked_options
 from grpo.envs.runner import ToolJob, ToolRunner, default_tool_runner, jobs_deadline
 from grpo.envs.tools import (
@@ -132,7 +133,7 @@ class ToolEnv(MultiTurnEnv):
         try:
             calls = parse_tool_calls(episode.last_assistant_text(), self.call_format, self.tools)
         except Exception as error:  # the run goes on; the episode is dropped and named
-            episode.error = f"{type(error).__name__}: {error}"
+            episode.error = failure_reason(error)
             return PendingResponse(None)
         if not calls:
             return PendingResponse(None)  # no call: this turn is the answer

@@ -51,6 +51,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from grpo.envs.base import Episode
+from grpo.envs.dropped import cause_first, failure_reason, last_frame
 from grpo.envs.rollout import Sample, Sampler, SampleRequest, TurnEngine, as_turn_engine
 from grpo.seeds import mix_seed
 
@@ -527,13 +528,22 @@ class VerifiersEnv:
         """A finished verifiers episode as an `Episode` (token-exact), or one with ``error``."""
         episode = Episode(example=dict(example), prompt_ids=[], messages=[])
         if isinstance(outcome, BaseException):
-            episode.error = f"{type(outcome).__name__}: {outcome}"
+            episode.error = failure_reason(outcome)
             return episode
         trace = outcome.traces[-1] if outcome.traces else None
         sampled = self._sampled.pop(trace.id, []) if trace is not None else []
         if trace is None or not trace.ok:
             errors = [*(trace.errors if trace else ()), *outcome.errors]
-            detail = "; ".join(f"{e.type}: {e.message}"[:300] for e in errors)
+            # Kept whole: a tool server's message ends with the traceback that names the cause,
+            # so each error leads with its last line and the frame it raised in.
+            detail = "; ".join(
+                cause_first(
+                    f"{e.type}: {e.message}",
+                    name=e.type,
+                    where=last_frame(e.traceback) if e.traceback else None,
+                )
+                for e in errors
+            )
             stop = trace.stop_condition if trace else None
             episode.error = f"the episode failed ({stop}): {detail or 'no detail'}"
             return episode

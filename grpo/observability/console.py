@@ -17,7 +17,14 @@ from typing import Any
 from tqdm import tqdm
 
 from grpo.config import RunConfig
-from grpo.observability.logs import is_verbose, logs_dir
+from grpo.config.paths import CHECKPOINTS_DIR, LATEST_FILE, latest_checkpoint_text
+from grpo.observability.logs import (
+    ANSI_CODE,
+    DRIVER_LOG,
+    is_verbose,
+    log_traceback,
+    logs_dir,
+)
 from grpo.observability.metric_logger import DEFAULT_METRIC_LOGGER, resolve_wandb_mode
 from grpo.observability.metric_names import GROUPS_KEPT, GROUPS_SCORED
 
@@ -175,3 +182,58 @@ def print_end(summary: dict) -> None:
     plots = summary["plots"]
     where_plots = f"; plots: {Path(plots[0]).parent}/ ({len(plots)} PNG)" if plots else ""
     print(f"Metrics: {run_dir / 'metrics.jsonl'}{where_plots}")
+
+
+def stop_reason(error: BaseException) -> str:
+    """What stopped a run, in one line.
+
+    A stop the run decided on (`grpo.errors`: an actor that failed, a diverged loss, an
+    environment failing its episodes) is its message; any other error is named by its type.
+    A message of several lines (an actor's remote traceback) gives its first line and, where
+    the first does not already hold it, its last: a traceback states its cause last.
+
+    Args:
+        error (BaseException): The error that stopped the run.
+
+    Returns:
+        str: The line, without colour codes.
+    """
+    lines = [line.strip() for line in ANSI_CODE.sub("", str(error)).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1 and lines[-1] not in text:
+        text = f"{text} ... {lines[-1]}"
+    if type(error).__module__ != "grpo.errors":
+        name = type(error).__qualname__
+        if type(error).__module__ != "builtins":
+            name = f"{type(error).__module__}.{name}"
+        text = f"{name}: {text}" if text else name
+    return text
+
+
+def print_stopped(error: BaseException, run_dir: str | Path, log_level: str = "info") -> str:
+    """Say on the terminal that a run stopped on an error; keep its traceback in driver.log.
+
+    Three lines on stderr: what stopped it (`stop_reason`), the log file that holds the
+    traceback (and the folder of each process's output), and the checkpoint to resume from.
+
+    Args:
+        error (BaseException): The error that stopped the run.
+        run_dir (str | Path): The run folder (``output_dir``).
+        log_level (str): The run's ``log_level`` (with debug, the processes' output is on the
+            terminal, not in files).
+
+    Returns:
+        str: The first line's reason.
+    """
+    run_dir = Path(run_dir).expanduser().resolve()
+    reason = stop_reason(error)
+    log_traceback(error, f"run stopped: {reason}")
+    where = logs_dir(run_dir)
+    outputs = "" if is_verbose(log_level) else f" (each process's output: {where}/)"
+    resume = latest_checkpoint_text(run_dir)
+    if (run_dir / CHECKPOINTS_DIR / LATEST_FILE).is_file():
+        resume = f"{resume} (resume_from_checkpoint=true)"
+    print(f"Run stopped: {reason}", file=sys.stderr)
+    print(f"Traceback: {where / DRIVER_LOG}{outputs}", file=sys.stderr)
+    print(f"Resume from: {resume}", file=sys.stderr, flush=True)
+    return reason

@@ -11,7 +11,8 @@ else; the rest goes to ``<output_dir>/logs/``:
 - ``<actor>.log`` (``collector_0.log``, ``ref_actor_0.log``, ``trainer_0.log``,
   ``replay_buffer.log``, ``metric_logger.log``): everything the actor's process writes to its
   stdout and stderr from its constructor on: Python logging, vLLM, W&B, C++ warnings. A
-  replaced actor appends to the file of the one it replaces.
+  replaced actor appends to the file of the one it replaces; one whose constructor raised is
+  not replaced (the run stops), so its file holds that traceback once.
 
 ``log_level: debug`` (``grpo run --verbose``) leaves every process's output on the terminal, as
 Ray forwards it, and shows the ``grpo`` logger's debug messages as well.
@@ -30,6 +31,10 @@ from typing import Any
 
 # The driver's log file, in `logs_dir`.
 DRIVER_LOG = "driver.log"
+# A record with this attribute true goes to the log file only, never to the terminal.
+FILE_ONLY = "file_only"
+# Terminal colour codes: Ray colours the header of the remote tracebacks its errors carry.
+ANSI_CODE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -68,7 +73,8 @@ def redirect_output(path: str | os.PathLike) -> None:
 
     The file descriptors themselves are redirected, so output from C++ (torch, gloo), from
     child processes, and from loggers that hold on to ``sys.stdout`` (vLLM's handler does) lands
-    there too. The root logger gets a handler at INFO if it has none.
+    there too. The root logger gets a handler at INFO if it has none. Logged messages lose
+    their terminal colour codes (Ray's error headers have them), here and in Ray's own handler.
 
     Args:
         path (str | os.PathLike): The log file; its folder is created if missing.
@@ -92,8 +98,23 @@ def redirect_output(path: str | os.PathLike) -> None:
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(_FORMAT))
+        handler.addFilter(_PlainText())
         root.addHandler(handler)
     root.setLevel(logging.INFO)
+    # Ray logs through its own handler (its logger does not propagate), e.g. a constructor's
+    # error with its traceback, whose header it colours for a terminal.
+    for handler in logging.getLogger("ray").handlers:
+        handler.addFilter(_PlainText())
+
+
+class _PlainText(logging.Filter):
+    """Drops terminal colour codes from a record's message: a log file is read as text."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "\x1b[" in message:
+            record.msg, record.args = ANSI_CODE.sub("", message), None
+        return True
 
 
 def with_output_to(cls: type, path: str | os.PathLike) -> type:
@@ -123,6 +144,23 @@ def with_output_to(cls: type, path: str | os.PathLike) -> type:
         "__doc__": cls.__doc__,
     }
     return type(cls.__name__, (cls,), namespace)
+
+
+def log_traceback(error: BaseException, message: str) -> None:
+    """Log ``message`` and ``error``'s traceback to the driver's log file, not the terminal.
+
+    For a run that stopped on an error: the terminal says what stopped it in a line, the
+    file keeps the whole traceback (`grpo.observability.console.print_stopped`).
+
+    Args:
+        error (BaseException): The error that stopped the run.
+        message (str): The line the traceback follows.
+    """
+    logging.getLogger("grpo").error(message, exc_info=error, extra={FILE_ONLY: True})
+
+
+def _for_terminal(record: logging.LogRecord) -> bool:
+    return not getattr(record, FILE_ONLY, False)
 
 
 class _Buffer(logging.Handler):
@@ -163,6 +201,8 @@ class DriverLog:
       warnings and errors to the terminal as well.
     - debug: the same file; on the terminal, warnings and errors of every logger plus every
       record of the ``grpo`` logger, debug included.
+
+    In both, a record logged with `FILE_ONLY` (`log_traceback`) goes to the file alone.
 
     Python warnings go through logging (`logging.captureWarnings`) while it is active.
 
@@ -215,6 +255,7 @@ class DriverLog:
         else:
             terminal.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
             terminal.addFilter(lambda r: r.levelno >= logging.WARNING and _is_grpo(r))
+        terminal.addFilter(_for_terminal)
         root = logging.getLogger()
         root.removeHandler(self._buffer)
         self._handlers = [to_file, terminal]

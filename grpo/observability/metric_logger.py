@@ -15,6 +15,13 @@ instead (``train_actor_*`` and ``eval/*`` on ``train_step``, ``ref_actor_*`` on 
 value with every ``log`` call. W&B's own ``_step`` then just counts calls (always increasing),
 and each chart uses its namespace's step as x axis, so an actor running behind loses nothing.
 
+Rewinds. A trainer that dies sends the run back to its latest checkpoint, and the steps after
+it are redone (`rewound`). What was logged for those steps is superseded: ``metrics.jsonl``
+keeps it, followed by a rewind line, and its readers show the standing values only
+(`grpo.observability.metrics.records_after_rewinds`). A W&B run's history can only grow, so
+the logger forks it instead: it finishes the W&B run that holds the superseded values and
+starts a new one that gets the standing history again, then the redone steps.
+
 Example:
     >>> logger = MetricLogger(log_dir="runs/demo", project="grpo", use_wandb=False)
     >>> logger.log_dict({"train_actor_training/loss": 0.25}, step=1, actor="train")
@@ -46,6 +53,7 @@ from grpo.observability.metric_names import (
     rule_for,
     step_metric_for,
 )
+from grpo.observability.metrics import records_after_rewinds
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +112,8 @@ class MetricLogger:
     Files in `log_dir`:
         ``metrics.jsonl``: one ``{"step", "time", "actor"?, **metrics}`` object per call,
         appended (a resumed run continues its file). Non-finite values are written as ``null``
-        (JSON has no NaN) and counted (`get_nonfinite_counts`).
+        (JSON has no NaN) and counted (`get_nonfinite_counts`). A rewind adds a line with
+        ``rewound_to`` (`rewound`).
         ``tables/{table_name}.jsonl``: one ``{"step", "time", "columns", "rows"}`` per call.
         ``summary.json``: what `log_summary` received, merged.
         ``config.yaml`` / ``config.json``: the run config.
@@ -153,10 +162,14 @@ class MetricLogger:
         self.stdout_every_n = stdout_every_n
         self.stdout_keys = tuple(DEFAULT_STDOUT_KEYS if stdout_keys is None else stdout_keys)
         self.mode = resolve_wandb_mode(mode) if use_wandb else "disabled"
+        self._project = project
 
         self._log_path = self.log_dir / "metrics.jsonl"
         # Line-buffered append; `_write_line` flushes explicitly as well.
         self._file = open(self._log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        # Where this logger's records begin in the file (a resumed run appends to it): what a
+        # W&B run forked at a rewind gets again (`_fork_wandb_run`).
+        self._first_record_offset = self._log_path.stat().st_size
         self._table_files: dict[str, Any] = {}
         # A resumed run keeps the summary it had.
         summary_path = self.log_dir / "summary.json"
@@ -292,6 +305,30 @@ class MetricLogger:
             except Exception as error:  # noqa: BLE001
                 self._wandb_failed("updating the summary", error)
 
+    def rewound(self, step: int, from_step: int) -> None:
+        """Mark that the run went back to its checkpoint of ``step``; steps after it are redone.
+
+        A trainer died in step ``from_step``. Everything logged so far for the steps after
+        ``step`` is superseded by what the redone steps log. ``metrics.jsonl`` keeps it and
+        gets the line ``{"step": step, "time": ..., "rewound_to": step, "from_step":
+        from_step}``; `grpo.observability.metrics.records_after_rewinds` (which the plots
+        use) reads the file without the superseded records. On W&B, whose history only grows
+        and whose step only increases, the run is forked (`_fork_wandb_run`).
+
+        Args:
+            step (int): The step of the checkpoint the run went back to (0: the start).
+            from_step (int): The step the trainer died in.
+
+        Raises:
+            RuntimeError: If the logger is closed.
+        """
+        self._check_open()
+        step = _check_step(step)
+        record = {"step": step, "time": time.time(), "rewound_to": step, "from_step": from_step}
+        self._write_line(self._file, record)
+        if self._wandb_run is not None:
+            self._fork_wandb_run(step, from_step)
+
     def get_log_path(self) -> Path:
         """The ``metrics.jsonl`` this logger writes."""
         return self._log_path
@@ -393,7 +430,7 @@ class MetricLogger:
 
     # ---------------------------------------------------------------- W&B
 
-    def _init_wandb(self, project: str, run_name: str | None) -> None:
+    def _init_wandb(self, project: str, run_name: str | None, notes: str | None = None) -> None:
         try:
             import wandb
         except ImportError as error:
@@ -403,6 +440,7 @@ class MetricLogger:
             run = wandb.init(
                 project=project,
                 name=run_name,
+                notes=notes,
                 config=self.config,
                 mode=self.mode,
                 dir=str(self.log_dir),
@@ -435,6 +473,55 @@ class MetricLogger:
             self._wandb_run.log(payload)
         except Exception as error:  # noqa: BLE001
             self._wandb_failed(f"logging step {step}", error)
+
+    def _fork_wandb_run(self, step: int, from_step: int) -> None:
+        """Go on in a new W&B run that holds only the standing values (see `rewound`).
+
+        W&B's own rewind (``wandb.init(resume_from="<id>?_step=N")``) needs its server and
+        does not take the per-namespace step metrics this logger plots against, so the fork
+        is made here: the W&B run that holds the superseded values is finished (its summary
+        says ``rewound_to_step`` and which run goes on), and a new one, named after it with
+        ``(from step N)``, is given this logger's standing records of ``metrics.jsonl`` again,
+        in order, then everything logged from now on. Its ``_step`` and every step metric only
+        increase. Tables logged before the rewind stay in the first run (and under
+        ``tables/``).
+        """
+        old = self._wandb_run
+        old_id = getattr(old, "id", None)
+        try:
+            old.summary.update({"rewound_to_step": step, "from_step": from_step})
+            old.finish()
+        except Exception as error:  # noqa: BLE001 - W&B must never stop training
+            self._wandb_failed("finishing the run that a rewind supersedes", error)
+            return
+        self._wandb_run = None
+        self._wandb_defined = set()
+        self._init_wandb(
+            self._project,
+            f"{old.name} (from step {step})",
+            notes=f"Continues W&B run {old_id} after a trainer restart went back to step "
+            f"{step}; that run also holds the first, superseded values of steps "
+            f"{step + 1} to {from_step}.",
+        )
+        if self._wandb_run is None:
+            return
+        with open(self._log_path, encoding="utf-8") as file:
+            file.seek(self._first_record_offset)
+            records = [json.loads(line) for line in file if line.strip()]
+        for record in records_after_rewinds(records):
+            metrics = {
+                key: value
+                for key, value in record.items()
+                # A null was a non-finite value or a None: W&B gets nothing for it.
+                if key not in RESERVED_KEYS and value is not None
+            }
+            if metrics:
+                self._wandb_log(metrics, record["step"], record.get("actor"))
+        if self._summary and self._wandb_run is not None:
+            try:
+                self._wandb_run.summary.update(self._summary)
+            except Exception as error:  # noqa: BLE001
+                self._wandb_failed("updating the summary", error)
 
     def _wandb_failed(self, what: str, error: BaseException) -> None:
         """Report a W&B failure once and turn W&B off; JSONL and stdout carry on."""

@@ -200,11 +200,13 @@ class RunLedger:
 
 
 def records_after_rewinds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records of ``trained.jsonl`` that the final weights stand on.
+    """The records of ``trained.jsonl`` (or ``metrics.jsonl``) that the final weights stand on.
 
-    A rewind marker (`RunLedger.rewound`) drops the records of every step after the one it
-    went back to that came before it: those steps were redone. What remains names each
-    trained trajectory once in a run that went well.
+    A rewind marker (`RunLedger.rewound`, `MetricLogger.rewound`: a record with
+    ``rewound_to``) drops the records of every step after the one it went back to that came
+    before it: those steps were redone. What remains of ``trained.jsonl`` names each trained
+    trajectory once in a run that went well; what remains of ``metrics.jsonl`` is the standing
+    value of each metric, the superseded ones left out.
 
     Args:
         records (list[dict]): The file's records in order (`grpo.testing.read_jsonl`).

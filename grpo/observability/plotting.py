@@ -6,7 +6,9 @@
 episodes, policy age) into
 ``RUN_DIR/plots/*.png``. Each series is drawn raw (faint) with a light moving average on top.
 The x axis of each series is its actor's own step (``train_step``, ``ref_step``,
-``inference_step``): the actors count steps independently.
+``inference_step``): the actors count steps independently. Only standing values are drawn:
+after a trainer restart redid some steps, their first values are left out
+(`grpo.observability.metrics.records_after_rewinds`).
 
 Rendering uses matplotlib's Agg canvas through `matplotlib.figure.Figure`, without pyplot, so it
 needs no display and leaves the process's matplotlib backend alone.
@@ -28,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from grpo.observability.metric_names import RESERVED_KEYS, step_metric_for
+from grpo.observability.metrics import records_after_rewinds
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +120,9 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
 
     Null values (non-finite when logged), strings and booleans are left out: only numbers are
     plottable. Points keep the order of the file (actors' steps interleave; sort to plot).
-    A truncated last line, as a killed run can leave, is skipped with a warning.
+    A truncated last line, as a killed run can leave, is skipped with a warning. Values a
+    rewind superseded (a trainer restart redid their steps) are left out, and so are the
+    rewind lines themselves: each series holds the standing values.
 
     Args:
         run_dir (str | Path): The run folder, or the ``metrics.jsonl`` path itself.
@@ -143,7 +148,7 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
             "in the run folder"
         )
     lines = path.read_text(encoding="utf-8").splitlines()
-    series: dict[str, list[tuple[int, float]]] = {}
+    records = []
     for line_number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -151,17 +156,19 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
             record = json.loads(line)
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ValueError("not a JSON object with an int 'step'")
-            step = record["step"]
         except ValueError as error:  # JSONDecodeError is a ValueError
             if line_number == len(lines):
                 log.warning("%s:%d: skipping a truncated last line (%s)", path, line_number, error)
                 continue
             raise ValueError(f"{path}:{line_number}: bad metrics record: {error}") from error
+        records.append(record)
+    series: dict[str, list[tuple[int, float]]] = {}
+    for record in records_after_rewinds(records):
         for key, value in record.items():
             if key in RESERVED_KEYS or isinstance(value, bool):
                 continue
             if isinstance(value, (int, float)) and math.isfinite(value):
-                series.setdefault(key, []).append((step, float(value)))
+                series.setdefault(key, []).append((record["step"], float(value)))
     return series
 
 

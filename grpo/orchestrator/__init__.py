@@ -2,16 +2,17 @@
 
 Data between actors moves as ObjectRefs the driver owns and never fetches: groups taken from
 the rollout queue go to a reference actor, its scored groups to the replay buffer, the
-buffer's sample to every trainer (each takes its share). Holding those references is what
-lets the driver replace a dead collector, reference actor or buffer and redo its work with
-nothing lost. A dead trainer takes the policy with it: the loop restarts every actor from the
+buffer's sample to every trainer (each takes its share), and each generation batch's groups
+(the collector returns them beside putting them on the queue) until they are scored. Holding
+those references is what lets the driver replace a dead collector, reference actor, buffer or
+rollout queue and redo its work with nothing lost. A dead trainer takes the policy with it: the loop restarts every actor from the
 latest checkpoint and redoes the steps after it. The parts, none of which knows the
 orchestrator:
 
 - `supervisor`: `ActorSupervisor` starts every actor, names it, replaces a dead one within
   the restart budget (``orchestration.max_actor_restarts``), and asks idle actors for state.
-- `ledger`: `InFlightLedger`, what the driver holds (taken groups, scored batches, seen group
-  ids, what the buffer holds until sampled), with its own ``state_dict()``.
+- `ledger`: `InFlightLedger`, what the driver holds (queued and taken groups, scored
+  batches, seen group ids, what the buffer holds until sampled), with its own ``state_dict()``.
 - `checkpointer`: `Checkpointer` composes the parts' ``state_dict()``s into one atomic
   checkpoint and restores them; `find_checkpoint`.
 - `state`: `RunState` (step, policy version: tracked only there) and the kinds of call.
@@ -19,15 +20,19 @@ orchestrator:
   one handler per kind of call.
 - `group_counts`: `GroupCounts` (groups scored and dropped per step, and the
   no-informative-group guard of dynamic sampling).
+- `episode_drops`: `EpisodeDrops` (the guard that stops a run whose environment fails nearly
+  every episode).
 
 Beside them, from other packages: `grpo.weights.sync.WeightSync` (gather, send, verify the
 weights), `grpo.observability` (step metrics, the run ledger, debug tables) and `grpo.errors`
-(`ActorFailedError`, `TrainingDivergedError`, `NoInformativeGroupsError`). The driver reads the typed `grpo.config.RunConfig`; its own sections are ``ray:``,
+(`ActorFailedError`, `TrainingDivergedError`, `NoInformativeGroupsError`,
+`EnvironmentFailingError`). The driver reads the typed `grpo.config.RunConfig`; its own sections are ``ray:``,
 ``orchestration:``, ``checkpoint:`` and ``weight_sync:`` (`grpo.config.sections`).
 """
 
 from grpo.errors import (
     ActorFailedError,
+    EnvironmentFailingError,
     NoInformativeGroupsError,
     TrainingDivergedError,
 )
@@ -48,6 +53,7 @@ __all__ = [
     "ActorFailedError",
     "ActorSupervisor",
     "Checkpointer",
+    "EnvironmentFailingError",
     "InFlightLedger",
     "NoInformativeGroupsError",
     "Orchestrator",

@@ -8,6 +8,8 @@ A checkpoint folder ``run_dir/checkpoints/step_NNNNNN`` holds
   shards with ``torch.distributed.checkpoint``, plus LR schedule, counters and RNG
   (`grpo.workers.training_checkpoint`); it loads into any number of trainers;
 - ``state.json``: the run state (step, policy version, evaluation history);
+- ``config.yaml``: the config the run ran with (a resume compares its own with it:
+  `grpo.config.resume`);
 - ``pipeline.pt``: every other part's state, one flat dict (actor states from the supervisor,
   held groups from the in-flight ledger).
 
@@ -30,8 +32,25 @@ from typing import Any, Protocol
 # Where checkpoints live in a run folder is the config's to say (`grpo validate` checks a resume
 # target before anything starts); the checkpointer writes them there.
 from grpo.config.paths import CHECKPOINTS_DIR, LATEST_FILE, find_checkpoint, latest_checkpoint_text
+from grpo.config.resume import CONFIG_FILE
 
-__all__ = ["Checkpointer", "Stateful", "find_checkpoint", "latest_checkpoint_text"]
+__all__ = [
+    "Checkpointer",
+    "Stateful",
+    "checkpoint_policy_version",
+    "find_checkpoint",
+    "latest_checkpoint_text",
+]
+
+
+def checkpoint_policy_version(checkpoint_dir: Path) -> int:
+    """The policy version of the weights in a checkpoint's ``model/`` folder.
+
+    A checkpoint is always taken at a weight sync (`Orchestrator.save_checkpoint` publishes
+    the trainer's weights first when steps were trained since the last one), so its weights
+    are exactly the version its run state records.
+    """
+    return int(json.loads((Path(checkpoint_dir) / "state.json").read_text())["policy_version"])
 
 
 class Stateful(Protocol):
@@ -59,6 +78,8 @@ class Checkpointer:
         pipeline (list[Stateful]): Saved together as ``pipeline.pt``; their keys must differ.
         save_model (Callable[[Path], None]): Has the trainers write ``model/`` and
             ``trainer/`` into a folder (the temporary one), returning once all are done.
+        config (dict[str, Any] | None): The run's config (``RunConfig.model_dump()``),
+            saved as ``config.yaml``; None saves none.
     """
 
     def __init__(
@@ -67,11 +88,13 @@ class Checkpointer:
         run_state: Stateful,
         pipeline: list[Stateful],
         save_model: Callable[[Path], None],
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.folder = Path(run_dir) / CHECKPOINTS_DIR
         self.run_state = run_state
         self.pipeline = pipeline
         self.save_model = save_model
+        self.config = config
 
     def save(self, step: int) -> Path:
         """Write checkpoint ``step_NNNNNN`` and point ``latest`` at it.
@@ -95,6 +118,10 @@ class Checkpointer:
             pipeline.update(state)
         torch.save(pipeline, tmp / "pipeline.pt")
         (tmp / "state.json").write_text(json.dumps(self.run_state.state_dict()))
+        if self.config is not None:
+            import yaml
+
+            (tmp / CONFIG_FILE).write_text(yaml.safe_dump(self.config, sort_keys=False))
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from grpo.errors import NoInformativeGroupsError
 from grpo.observability.metric_names import GROUPS_KEPT, GROUPS_SCORED, ZERO_VARIANCE_GROUPS
@@ -26,14 +27,21 @@ class GroupCounts:
     batches' worth of dropped groups are normal once the policy is good at most prompts (each
     dropped group just costs a generation), so the warning is about time, not a count.
 
+    Groups of episodes that mostly failed have equal rewards too (the few episodes left score
+    alike): when ``episode_drops`` says many episodes were dropped, the warning and the error
+    name that instead of the rewards.
+
     Args:
         filtering (bool): ``ref.filter_zero_variance_groups``.
         timeout_s (float): ``orchestration.stall_timeout_s``.
+        episode_drops: The driver's `grpo.orchestrator.episode_drops.EpisodeDrops` (its
+            ``note()``), or None.
     """
 
-    def __init__(self, filtering: bool, timeout_s: float) -> None:
+    def __init__(self, filtering: bool, timeout_s: float, episode_drops: Any = None) -> None:
         self.filtering = filtering
         self.timeout_s = timeout_s
+        self.episode_drops = episode_drops
         self.scored_groups = 0
         self.kept_groups = 0
         self.zero_variance = 0
@@ -77,15 +85,27 @@ class GroupCounts:
         if self._streak_since is None:
             return
         waited = time.monotonic() - max(self._streak_since, waiting_since)
+        dropped = self.episode_drops.note() if self.episode_drops is not None else None
         if not self._warned and waited > self.timeout_s / 4:
             self._warned = True
-            log.warning(
-                "no group with differing rewards for %.0f s of waiting: the last %d groups all "
-                "had equal rewards and were dropped (ref.filter_zero_variance_groups=true); "
-                "generating more. The run stops after orchestration.stall_timeout_s (%g s).",
-                waited,
-                self.dropped_in_a_row,
-                self.timeout_s,
+            if dropped is not None:
+                log.warning("no group with differing rewards for %.0f s: %s", waited, dropped)
+            else:
+                log.warning(
+                    "no group with differing rewards for %.0f s of waiting: the last %d groups "
+                    "all had equal rewards and were dropped (ref.filter_zero_variance_groups="
+                    "true); generating more. The run stops after "
+                    "orchestration.stall_timeout_s (%g s).",
+                    waited,
+                    self.dropped_in_a_row,
+                    self.timeout_s,
+                )
+        if waited > self.timeout_s and dropped is not None:
+            raise NoInformativeGroupsError(
+                f"no training batch for {waited:.0f} s: every group had equal rewards "
+                f"({self.dropped_in_a_row} groups in a row) and {dropped}. Fix the environment; "
+                f"ref.filter_zero_variance_groups=true drops such groups "
+                f"(orchestration.stall_timeout_s={self.timeout_s:g})."
             )
         if waited > self.timeout_s:
             raise NoInformativeGroupsError(

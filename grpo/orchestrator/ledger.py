@@ -8,6 +8,12 @@ it is sampled. With them a dead reference actor's or buffer's work is redone and
 lost. It also remembers every group id it has seen, so the groups a replaced collector
 generates again are skipped, not trained twice.
 
+Groups reach the rollout queue from the collectors, not through the driver, so the ledger
+also holds each generation batch's groups, as the collector returned them, until every group
+of the batch has been scored (`generated`). When the queue dies, whatever of them is
+not scored yet is scored from these copies (`rescue_queued`); a group that was in fact taken
+before the queue died is then scored twice and skipped the second time, like a regenerated one.
+
 Groups a reference actor dropped for equal rewards (``ref.filter_zero_variance_groups``)
 never come back from it: the ledger only remembers their ids as seen, so nothing waits for
 them and a checkpoint holds none of them.
@@ -65,10 +71,13 @@ class InFlightLedger:
         seen_group_ids (set[int]): Every group id scored so far.
         buffer_full (bool): The last add found the buffer full; retried after a sample.
         num_duplicate_groups (int): Groups skipped because their id was seen before.
+        queued (list[tuple[Any, set[int]]]): Per generation batch put onto the rollout queue,
+            the ObjectRef of its groups and the ids of those not scored yet.
     """
 
     def __init__(self) -> None:
         self.unscored: deque[Any] = deque()
+        self.queued: list[tuple[Any, set[int]]] = []
         self.to_buffer: deque[ScoredBatch] = deque()
         self.in_buffer: dict[str, ScoredBatch] = {}
         self.seen_group_ids: set[int] = set()
@@ -95,10 +104,38 @@ class InFlightLedger:
             self.seen_group_ids.add(group_id)
         # Seen too: a replaced collector's copy of a dropped group must not be trained on.
         self.seen_group_ids.update(result["dropped_group_ids"])
+        for _, waiting in self.queued:
+            waiting.difference_update(result["group_ids"], result["dropped_group_ids"])
+        self.queued = [(ref, waiting) for ref, waiting in self.queued if waiting]
         if not batch.num_groups:
             return None
         self.to_buffer.append(batch)
         return batch
+
+    def generated(self, groups_ref: Any, group_ids: list[int], lost: bool = False) -> None:
+        """A collector put a batch of groups onto the rollout queue; hold them until scored.
+
+        Args:
+            groups_ref: The ObjectRef of the batch's groups (the collector's second return).
+            group_ids (list[int]): Their ids.
+            lost (bool): The queue they went to has died since: score them from here now.
+        """
+        if lost:
+            self.unscored.append(groups_ref)
+        elif waiting := set(group_ids) - self.seen_group_ids:
+            self.queued.append((groups_ref, waiting))
+
+    def rescue_queued(self) -> int:
+        """The rollout queue died: its groups wait to be scored from the batches held here.
+
+        Returns:
+            int: How many groups were not scored yet (the dead queue held them, or a
+            reference actor had taken them already).
+        """
+        rescued = sum(len(waiting) for _, waiting in self.queued)
+        self.unscored.extend(ref for ref, _ in self.queued)
+        self.queued = []
+        return rescued
 
     def next_to_add(self) -> ScoredBatch | None:
         """The batch to offer the buffer now, or None (nothing waits, or the buffer is full)."""

@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from grpo.config import RunConfig
 from grpo.config.paths import CHECKPOINTS_DIR, LATEST_FILE
-from grpo.errors import ActorFailedError, TrainerDiedError, TrainingDivergedError
+from grpo.errors import ActorFailedError, RunStalledError, TrainerDiedError, TrainingDivergedError
 from grpo.observability.metric_names import ratio_metrics
 from grpo.observability.metrics import (
     RunLedger,
@@ -37,15 +37,19 @@ from grpo.observability.metrics import (
     step_time_breakdown,
 )
 from grpo.orchestrator.checkpointer import Checkpointer, find_checkpoint
+from grpo.orchestrator.episode_drops import EpisodeDrops
 from grpo.orchestrator.group_counts import GroupCounts
 from grpo.orchestrator.ledger import InFlightLedger
+from grpo.orchestrator.stall import CallInFlight, StallWatch
 from grpo.orchestrator.state import Call, CallKind, RunState
 from grpo.orchestrator.supervisor import (
     ActorSupervisor,
     Recovery,
     Role,
     actor_name,
+    actor_started,
 )
+from grpo.weights.base import COLLECTOR_HEALTH_GROUP
 from grpo.weights.sync import WeightSync
 
 log = logging.getLogger("grpo")
@@ -57,6 +61,13 @@ _GROUPS_PER_REF_CALL = 4
 _SAMPLE_WAIT_S = 5.0
 # Tries at starting the actors again after a trainer died (see _restart_from_checkpoint).
 _RESTART_ATTEMPTS = 3
+# Once no step was trained for stall_timeout_s: seconds between two looks at who holds the
+# run up, and how long a collector has to answer its heartbeat.
+_STALL_CHECK_EVERY_S = 10.0
+_HEARTBEAT_TIMEOUT_S = 10.0
+# A collector that has not answered once yet is starting up (a vLLM engine loading a large
+# model takes minutes): silence is not frozen until it has taken this long.
+_START_UP_LIMIT_S = 600.0
 
 
 class Orchestrator:
@@ -84,11 +95,16 @@ class Orchestrator:
         self.actors.on_replaced = {
             Role.COLLECTOR: self._catch_up_collector,
             Role.REPLAY_BUFFER: self._refill_replay_buffer,
+            Role.ROLLOUT_QUEUE: self._rescue_queued_groups,
         }
         self.inflight = InFlightLedger()
         self.weights = self._new_weight_sync()
         self.checkpointer = Checkpointer(
-            self.run_dir, self.state, [self.actors, self.inflight], self._save_trainers
+            self.run_dir,
+            self.state,
+            [self.actors, self.inflight],
+            self._save_trainers,
+            config=cfg.model_dump(),
         )
         # Where the actors started from (a resumed checkpoint, or None: the base model), their
         # pad id, and the steps redone after trainer restarts (see _restart_from_checkpoint).
@@ -100,6 +116,7 @@ class Orchestrator:
         self.stop_requested = False
         self.stop_signal: int | None = None
         self.checkpointed_step: int | None = None  # the step of the newest checkpoint
+        self.synced_step = 0  # the step whose weights the collectors were sent last
         self._calls: dict[Any, Call] = {}
         self._handlers = {
             CallKind.GENERATE: self._on_generated,
@@ -111,6 +128,7 @@ class Orchestrator:
         }
         self._redo = {
             CallKind.GENERATE: lambda call: self._launch_collector(call.index),
+            CallKind.TAKE: lambda call: self._feed_ref_slot(call.index),
             CallKind.SCORE: lambda call: self._launch_score(call.index, call.payload[0]),
             CallKind.ADD: lambda call: self._pump_buffer_adds(),
             CallKind.SAMPLE: lambda call: self._launch_sample(),
@@ -125,19 +143,38 @@ class Orchestrator:
         # Seconds collectors generated and reference actors scored in calls that finished
         # during the current step (they run beside training, so they overlap its wall time).
         self._busy = {"generation": 0.0, "scoring": 0.0}
+        # Episodes the environment failed per generation batch, and the guard that stops a run
+        # whose environment fails nearly every episode (checked first: see _check_data_guards).
+        self.episode_drops = EpisodeDrops(
+            lambda index: self.actors.output_hint(actor_name(Role.COLLECTOR, index))
+        )
         # Groups scored and dropped for equal rewards per step, and the guard that stops a
         # run whose groups all have equal rewards (ref.filter_zero_variance_groups).
         self.group_counts = GroupCounts(
             cfg.ref.filter_zero_variance_groups,
             cfg.orchestration.stall_timeout_s,
+            self.episode_drops,
         )
+        # Progress is a trained step; without one for stall_timeout_s, who holds the run up
+        # is named and replaced, or the run stops naming it (`_wait`, `_on_stall`).
+        self.stall_watch = StallWatch(cfg.orchestration.stall_timeout_s)
+        self._next_stall_check = 0.0
+        self.stalls = 0  # actors killed because they held the run up
+        self._answered: set[str] = set()  # ids of actors that answered a call: started up
+        self._buffer_stats: dict[str, float] = {}
 
     def _new_weight_sync(self) -> WeightSync:
         return WeightSync(
             self.actors.get_all,
             wait_for_receipt=self.cfg.orchestration.synchronous,
             config=self.cfg.weight_sync,
+            replace_collector=self._replace_collector,
         )
+
+    def _replace_collector(self, index: int, collector: Any, error: Exception) -> None:
+        """A collector that cannot receive weights: killed, replaced and caught up."""
+        self.actors.kill(actor_name(Role.COLLECTOR, index), str(error))
+        self.actors.replace(Role.COLLECTOR, index, collector, error)
 
     # The current actors (replacements included), for the recipe, evaluation and tests.
     collectors = property(lambda self: self.actors.collectors)
@@ -168,8 +205,7 @@ class Orchestrator:
     def restore(self, checkpoint_dir: Path) -> None:
         """Load a checkpoint's run and pipeline state into freshly started actors."""
         self.checkpointer.load(checkpoint_dir)
-        self.checkpointed_step = self.state.step
-        self.weights.start_version = self.state.policy_version  # the weights they loaded
+        self.checkpointed_step = self.synced_step = self.state.step
 
     def request_stop(self, signum: int | None = None) -> None:
         """Ask the loop to stop at the next step boundary (signal handlers call this).
@@ -192,8 +228,12 @@ class Orchestrator:
 
     def _launch_collector(self, index: int) -> None:
         actor = self.collectors[index]
-        ref = actor.generate_batch_with_state.remote(self.cfg.inference.batch_size)
-        self._launch(ref, CallKind.GENERATE, index, actor)
+        # The second return, the batch's groups, is held (never fetched) until they are
+        # scored: what a dead rollout queue held is scored from there (`_rescue_queued_groups`).
+        info_ref, groups_ref = actor.generate_batch_with_state.options(num_returns=2).remote(
+            self.cfg.inference.batch_size
+        )
+        self._launch(info_ref, CallKind.GENERATE, index, actor, (groups_ref, self.rollout_queue))
 
     def _launch_score(self, index: int, groups_ref: Any) -> None:
         now = time.perf_counter()
@@ -232,6 +272,91 @@ class Orchestrator:
         # The driver reads only the summary; the trainers read the batch.
         self._launch(summary_ref, CallKind.SAMPLE, 0, actor, payload=batch_ref)
 
+    def _wait(self, timeout_s: float) -> list[Any]:
+        """The calls that finished within ``timeout_s`` (at most one); the one place the loop
+        waits for its actors, so the stall watch looks after every wait.
+
+        Raises:
+            RunStalledError: No step was trained for ``stall_timeout_s`` and replacing the
+                actor that holds the run up cannot help.
+        """
+        ready, _ = ray.wait(list(self._calls), num_returns=1, timeout=timeout_s)
+        now = time.monotonic()
+        if self.stall_watch.overdue() and now >= self._next_stall_check:
+            self._next_stall_check = now + _STALL_CHECK_EVERY_S
+            self._on_stall()
+        return ready
+
+    def _on_stall(self) -> None:
+        """No step trained for ``stall_timeout_s``: name who holds the run up, and replace it
+        (kill it: its call in flight then fails and the supervisor replaces it like an actor
+        that died) or stop the run.
+
+        Raises:
+            RunStalledError: When replacing cannot help; the message names the actor.
+        """
+        timeout_s = self.stall_watch.timeout_s
+        now = time.monotonic()
+
+        # An actor that has not answered once yet is starting up (a vLLM engine loading a
+        # large model takes minutes): its silence is not a stall until it took too long.
+        def started_up(call: Call) -> bool:
+            if call.actor_id in self._answered or now - call.started > _START_UP_LIMIT_S:
+                return True
+            if actor_started(call.actor):
+                self._answered.add(call.actor_id)
+                return True
+            return False
+
+        generating = {
+            actor_name(Role.COLLECTOR, c.index): c
+            for c in self._calls.values()
+            if c.kind is CallKind.GENERATE
+        }
+        beats = {
+            name: call.actor.heartbeat.options(concurrency_group=COLLECTOR_HEALTH_GROUP).remote()
+            for name, call in generating.items()
+        }
+        ray.wait(list(beats.values()), num_returns=len(beats), timeout=_HEARTBEAT_TIMEOUT_S)
+        heartbeats: dict[str, dict[str, Any] | None] = {}
+        for name, ref in beats.items():
+            try:
+                heartbeats[name] = ray.get(ref, timeout=0)
+                self._answered.add(generating[name].actor_id)
+            except (ray.exceptions.GetTimeoutError, RayActorError):
+                if started_up(generating[name]):
+                    heartbeats[name] = None  # frozen, or dead (replaced when its call fails)
+        calls = [
+            CallInFlight(c.kind.name, actor_name(c.kind.role, c.index), c.started)
+            for c in self._calls.values()
+            if c.kind is not CallKind.GENERATE and started_up(c)
+        ]
+        stall = self.stall_watch.diagnose(
+            calls, heartbeats, self._buffer_stats, self.cfg.orchestration.max_policy_lag
+        )
+        idle = self.stall_watch.idle_s()
+        if stall is None:
+            log.warning(
+                "no step trained for %.0f s (orchestration.stall_timeout_s=%g), but every actor "
+                "is working (calls in flight: %s); waiting",
+                idle,
+                timeout_s,
+                sorted({call.actor for call in calls} | set(generating)),
+            )
+            return
+        message = (
+            f"no step trained for {idle:.0f} s (orchestration.stall_timeout_s={timeout_s:g}): "
+            f"{stall.actor} {stall.reason}"
+        )
+        if not stall.replaceable:
+            raise RunStalledError(message)
+        log.warning("%s; replacing it", message)
+        self.stalls += 1
+        self._log({"faults/stalls": float(self.stalls)}, self.state.step)
+        self.actors.kill(stall.actor, message)
+        # Its replacement starts up before it works again: that is not a stall.
+        self.stall_watch.progressed(self._buffer_stats.get("dropped_stale"))
+
     def _in_flight(self, kind: CallKind) -> bool:
         return any(call.kind is kind for call in self._calls.values())
 
@@ -255,8 +380,8 @@ class Orchestrator:
         """Hand each finished call to its handler; ``relaunch`` keeps the pipeline busy.
 
         Raises:
-            ActorFailedError: An actor raised, or died and cannot be replaced; the message
-                names it.
+            ActorFailedError: An actor raised, failed to start, or died and cannot be
+                replaced; the message names it.
         """
         for ref in ready:
             call = self._calls.pop(ref)
@@ -264,6 +389,13 @@ class Orchestrator:
             try:
                 result = ray.get(ref)
             except RayActorError as error:
+                if error.actor_init_failed:
+                    # Its constructor raised: each replacement would raise the same way (and
+                    # add the same traceback to the actor's log file), so the run stops here.
+                    name = actor_name(role, call.index)
+                    raise ActorFailedError(
+                        f"{name} failed to start{self.actors.output_hint(name)}: {error}"
+                    ) from error
                 # Replace the dead actor (unless already replaced) and redo the call.
                 self.actors.replace(role, call.index, call.actor, error)
                 self._redo[call.kind](call)
@@ -272,12 +404,23 @@ class Orchestrator:
                 name = actor_name(role, call.index)
                 raise ActorFailedError(f"{name} failed: {error}") from error
             self.actors.returned(role, call.index, call.actor)
+            self._answered.add(call.actor_id)
             self._handlers[call.kind](call, result, relaunch)
 
     def _on_generated(self, call: Call, result: Any, relaunch: bool) -> None:
         self._log(result["metrics"], self.state.step)
+        self.episode_drops.batch(call.index, result.get("dropped_episodes"))
         self._busy["generation"] += result["metrics"].get("inference/time_generation (s)", 0.0)
         self.actors.collector_states[call.index] = result["state"]
+        groups_ref, queue = call.payload
+        if result["metrics"].get("inference/groups_not_queued") and queue is self.rollout_queue:
+            # The collector found the queue dead before the loop did.
+            name = actor_name(Role.COLLECTOR, call.index)
+            self.actors.replace(
+                Role.ROLLOUT_QUEUE, 0, queue, RuntimeError(f"{name} could not put groups on it")
+            )
+        # A batch that began before the queue was replaced may have lost groups with it.
+        self.inflight.generated(groups_ref, result["group_ids"], queue is not self.rollout_queue)
         if relaunch:
             self._launch_collector(call.index)
 
@@ -322,6 +465,7 @@ class Orchestrator:
             self._wake_idle_ref_slots()
 
     def _on_sampled(self, call: Call, summary: dict[str, Any], relaunch: bool) -> None:
+        self._buffer_stats = summary["stats"]
         if summary["sequence_ids"] is None:
             stats = summary["stats"]
             if self.inflight.buffer_full and stats["size"] < stats["capacity"]:
@@ -348,19 +492,52 @@ class Orchestrator:
         finish its batch.
         """
         while self._calls:
-            if held is not None and self.rollout_queue.qsize():
-                held.extend(self.rollout_queue.get_nowait_batch(self.rollout_queue.qsize()))
-            ready, _ = ray.wait(list(self._calls), num_returns=1, timeout=0.2)
-            self._process(ready, relaunch=False)
-        if held is not None and self.rollout_queue.qsize():
-            held.extend(self.rollout_queue.get_nowait_batch(self.rollout_queue.qsize()))
+            if held is not None:
+                self._empty_queue_into(held)
+            self._process(self._wait(0.2), relaunch=False)
+        if held is not None:
+            self._empty_queue_into(held)
+
+    def _empty_queue_into(self, held: list[Any]) -> None:
+        """Move what the rollout queue holds into ``held`` (a dead queue is replaced)."""
+        queue = self.rollout_queue
+        try:
+            if count := queue.qsize():
+                held.extend(queue.get_nowait_batch(count))
+        except RayActorError as error:
+            self.actors.replace(Role.ROLLOUT_QUEUE, 0, queue, error)
+
+    def _queue_size(self) -> int:
+        """Groups in the rollout queue; a dead queue is replaced (the new one holds none)."""
+        queue = self.rollout_queue
+        try:
+            return queue.qsize()
+        except RayActorError as error:
+            self.actors.replace(Role.ROLLOUT_QUEUE, 0, queue, error)
+            return 0
 
     # ------------------------------------------------------------------ replacements
 
     def _catch_up_collector(self, index: int, collector: Any) -> None:
         """A new collector at the state of the old one's last finished batch, current weights."""
         state = self.actors.collector_states[index]
-        self.weights.catch_up(collector, state, actor_name(Role.COLLECTOR, index))
+        self.weights.catch_up(collector, state, actor_name(Role.COLLECTOR, index), index)
+
+    def _rescue_queued_groups(self, index: int, queue: Any) -> None:
+        """A new, empty rollout queue: the collectors put onto it from now on, and the groups
+        the dead one may have held are scored from the driver's copies.
+
+        The driver holds every generation batch's groups (`_launch_collector`) until each of
+        them has been scored; those not scored yet go to the reference actors as if taken from
+        the queue. Some of them were taken before the queue died and are being scored already:
+        the copy scored second is recognised by its ``group_id`` and skipped
+        (`InFlightLedger.scored`), so each group is trained on once. Logs
+        ``faults/groups_rescued``: the groups not scored yet when the queue died.
+        """
+        for collector in range(len(self.collectors)):
+            self.actors.ask(Role.COLLECTOR, collector, "set_rollout_queue", queue)
+        rescued = self.inflight.rescue_queued()
+        self._log({"faults/groups_rescued": float(rescued)}, self.state.step)
 
     def _refill_replay_buffer(self, index: int, buffer: Any) -> None:
         """A new buffer holding what the old one held: scored groups not yet sampled."""
@@ -391,6 +568,8 @@ class Orchestrator:
                 were skipped for a non-finite loss (after saving a checkpoint).
             NoInformativeGroupsError: With ``ref.filter_zero_variance_groups``, every
                 group had equal rewards for ``orchestration.stall_timeout_s`` of waiting.
+            EnvironmentFailingError: Nearly every episode of the last generation batches was
+                dropped because the environment raised (`EpisodeDrops`).
         """
         cfg = self.cfg
         num_steps = cfg.orchestration.num_steps
@@ -398,6 +577,7 @@ class Orchestrator:
         if evaluate is not None and self.state.step == 0:
             self.state.eval_history.append((0, evaluate(0)))
         self._saved_at = time.monotonic()
+        self.stall_watch.progressed()
 
         while self.state.step < num_steps and not self.stop_requested:
             try:
@@ -405,6 +585,7 @@ class Orchestrator:
                     break  # stop requested while waiting
             except TrainerDiedError as error:
                 self._restart_from_checkpoint(error)
+                self.stall_watch.progressed()
                 continue
             if on_step is not None:
                 on_step(self.state)
@@ -439,6 +620,8 @@ class Orchestrator:
         self._stop_if_failing(metrics)
         if self._checkpoint_due(step):
             self.save_checkpoint()
+        # Evaluation and checkpoints take their time between steps; that is not a stall.
+        self.stall_watch.progressed(self._buffer_stats.get("dropped_stale"))
         return True
 
     def _start_from(self, checkpoint: Path | None) -> None:
@@ -446,12 +629,13 @@ class Orchestrator:
         and load its state; the driver's in-flight state starts empty."""
         self.inflight = InFlightLedger()
         self.checkpointer.pipeline = [self.actors, self.inflight]
-        self.weights = self._new_weight_sync()
+        retries, self.weights = self.weights.retries, self._new_weight_sync()
+        self.weights.retries = retries  # the run's count goes on
         self.actors.restart_pipeline(self._pad_token_id, checkpoint)
         if checkpoint is not None:
             self.restore(checkpoint)
         else:
-            self.state.step = self.state.policy_version = 0
+            self.state.step = self.state.policy_version = self.synced_step = 0
             self.state.eval_history = [e for e in self.state.eval_history if e[0] == 0]
             self.checkpointed_step = None
 
@@ -472,7 +656,9 @@ class Orchestrator:
         stream positions, buffered and held groups, policy version and weights. Steps after it
         are redone with newly generated trajectories; what the lost steps trained on is
         discarded with the weights that learned from it, and the run ledger marks the rewind
-        (`RunLedger.rewound`), so each trajectory counts once in the weights that go on.
+        (`RunLedger.rewound`), so each trajectory counts once in the weights that go on. The
+        metric logger marks it too (`MetricLogger.rewound`): the lost steps' metrics are
+        superseded by the redone steps' in the curves and plots.
 
         Raises:
             ActorFailedError: The trainers died more than ``max_actor_restarts`` times.
@@ -499,6 +685,11 @@ class Orchestrator:
                 time.sleep(2.0 * attempt)
         self.steps_redone += died_at - self.state.step
         self.run_ledger.rewound(self.state.step, died_at)
+        logger = self.actors.metric_logger
+        if logger is not None and hasattr(logger, "rewound"):  # a custom logger may lack it
+            # After every record of the lost steps, before any of the redone ones: what they
+            # logged first is superseded (`MetricLogger.rewound`).
+            logger.rewound.remote(self.state.step, died_at)
         recovery.seconds = time.perf_counter() - recovery.started
         self.actors.record_recovery(recovery)
         self._log({"faults/steps_redone": float(self.steps_redone)}, self.state.step)
@@ -532,27 +723,15 @@ class Orchestrator:
                 self._launch_collector(index)
             for index in range(len(self.ref_actors)):
                 self._feed_ref_slot(index)
-        stall_timeout_s = self.cfg.orchestration.stall_timeout_s
         wait_start = time.perf_counter()
-        last_progress = waiting_since = time.monotonic()
+        waiting_since = time.monotonic()
         self._sampled = None
         self._launch_sample()
         while not self.stop_requested:
-            # Calls keep coming back while every group is dropped for equal rewards, so the
-            # stall check below never fires then: this one names that cause.
-            self.group_counts.check(waiting_since)
-            ready, _ = ray.wait(list(self._calls), num_returns=1, timeout=1.0)
-            if not ready:
-                if time.monotonic() - last_progress > stall_timeout_s:
-                    busy = sorted({actor_name(c.kind.role, c.index) for c in self._calls.values()})
-                    raise ActorFailedError(
-                        f"no actor made progress for {stall_timeout_s:.0f} s (busy: {busy})"
-                    )
-                continue
-            # Any call coming back counts, an empty sample too (as a poll did before): the
-            # buffer is alive, and a replacement actor starting up slowly is not a stall.
-            last_progress = time.monotonic()
-            self._process(ready, relaunch=True)
+            # Every episode dropped, or every group dropped for equal rewards: this names that
+            # cause, before the stall watch would look for a stuck actor.
+            self._check_data_guards(waiting_since)
+            self._process(self._wait(1.0), relaunch=True)
             if self._sampled is not None:
                 batch_ref, summary = self._sampled
                 return batch_ref, summary, time.perf_counter() - wait_start
@@ -584,8 +763,15 @@ class Orchestrator:
                 self._launch_collector(index)
             self._drain()
             self._score_everything_queued()
-            self.group_counts.check(waiting_since)
+            self._check_data_guards(waiting_since)
         return None, None, 0.0
+
+    def _check_data_guards(self, waiting_since: float) -> None:
+        """Stop a run that generates but cannot fill a batch: the environment failing nearly
+        every episode first (the few episodes left have equal rewards too, and the rewards
+        are not the cause), then every group having equal rewards."""
+        self.episode_drops.check()
+        self.group_counts.check(waiting_since)
 
     def _score_everything_queued(self) -> None:
         """Score until the queue and the waiting groups are empty."""
@@ -593,7 +779,7 @@ class Orchestrator:
             for index in range(len(self.ref_actors)):
                 self._feed_ref_slot(index)
             self._drain()
-            if not self.inflight.unscored and self.rollout_queue.qsize() == 0:
+            if not self.inflight.unscored and self._queue_size() == 0:
                 return
 
     def _train(self, batch_ref: Any, summary: dict[str, Any], waited: float) -> dict[str, Any]:
@@ -612,8 +798,7 @@ class Orchestrator:
             self._launch(ref, CallKind.TRAIN, rank, trainer)
         # Collectors and reference actors keep working while the trainers step.
         while len(self._train_results) < len(self.trainers):
-            ready, _ = ray.wait(list(self._calls), num_returns=1, timeout=1.0)
-            self._process(ready, relaunch=not self.synchronous)
+            self._process(self._wait(1.0), relaunch=not self.synchronous)
         self.run_ledger.trained(self.state.step + 1, summary)
         return self._train_results[0]
 
@@ -627,6 +812,7 @@ class Orchestrator:
     ) -> None:
         self.state.step += 1
         step = self.state.step
+        self.stall_watch.progressed(summary["stats"].get("dropped_stale"))
         metrics = dict(metrics)
         pi_logprobs = metrics.pop("debug_pi_logprobs", None)
         if pi_logprobs and self.metric_logger is not None:
@@ -638,7 +824,7 @@ class Orchestrator:
                 self.metric_logger.log_table.remote(rows, columns, name, step=step)
         # Read before the sync: the version these steps trained with.
         queues = {
-            "queues/rollout_queue_size": float(self.rollout_queue.qsize()),
+            "queues/rollout_queue_size": float(self._queue_size()),
             "queues/replay_buffer_batches_waiting": float(len(self.inflight.to_buffer)),
             "queues/replay_buffer_duplicate_groups": float(self.inflight.num_duplicate_groups),
             "train_actor_training/policy_version": float(self.state.policy_version),
@@ -666,7 +852,13 @@ class Orchestrator:
 
     def _sync_weights(self) -> dict[str, float]:
         """Send the trainers' weights to every collector; the one place the version moves."""
+        retries = self.weights.retries
         self.state.policy_version, timings = self.weights.sync(self.trainers, self.collectors)
+        self.synced_step = self.state.step
+        if self.weights.retries != retries:
+            self._log(
+                {"faults/weight_transfer_retries": float(self.weights.retries)}, self.state.step
+            )
         self.inflight.release_stale(
             self.state.policy_version - self.cfg.orchestration.max_policy_lag
         )
@@ -682,7 +874,8 @@ class Orchestrator:
     def save_checkpoint(self) -> Path:
         """Save everything a run needs to continue exactly, atomically.
 
-        The pipeline is quiesced first: collectors finish their batch (the queue is emptied
+        Steps trained since the last weight sync are published first, so the checkpoint's
+        weights are the policy version it records. The pipeline is quiesced: collectors finish their batch (the queue is emptied
         meanwhile so none stays blocked) and reference actors finish scoring. Groups taken
         from the queue and scored groups still waiting for room in the buffer go into the
         checkpoint, and stay with the driver to be scored and added as before.
@@ -691,6 +884,10 @@ class Orchestrator:
             Path: The checkpoint folder ``run_dir/checkpoints/step_NNNNNN``.
         """
         start = time.perf_counter()
+        if self.synced_step != self.state.step:
+            # A checkpoint is a weight sync: its weights then are a version the collectors
+            # received, and a run resumed from it labels what it samples with that version.
+            self._sync_weights()
         held: list[Any] = []
         self._drain(held=held)
         if held:

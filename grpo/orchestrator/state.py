@@ -8,6 +8,7 @@ in flight and the role of the actor that runs it.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,4 +64,14 @@ class Call:
     kind: CallKind
     index: int
     actor: Any
-    payload: Any = None  # TAKE: groups ref; SCORE: (groups ref, scored ref); ADD: ScoredBatch
+    # GENERATE: (groups ref, the queue the batch puts onto); TAKE: groups ref; SCORE: (groups
+    # ref, scored ref); ADD: ScoredBatch; SAMPLE: batch ref.
+    payload: Any = None
+    started: float = field(default_factory=time.monotonic)  # for the stall watch
+
+    @property
+    def actor_id(self) -> str:
+        """The Ray id of the actor (the rollout queue's actor inside its wrapper)."""
+        handle = getattr(self.actor, "actor", self.actor)
+        actor_id = getattr(handle, "_actor_id", None)
+        return actor_id.hex() if actor_id is not None else str(id(handle))

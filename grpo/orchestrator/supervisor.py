@@ -4,11 +4,11 @@ It owns the actor handles (always the current ones, replacements included), the 
 budget (``orchestration.max_actor_restarts`` per actor), the record of recoveries, the state
 each collector reached after its last finished batch, and the names that errors use
 (``collector[0]``, ``ref_actor[1]``, ``replay_buffer``, ``trainer[0]``). A collector,
-reference actor or replay buffer that dies is replaced; what the new one needs to catch up
-is done by the hook given for its role (`on_replaced`). A trainer holds the policy and
-optimizer state, so its death raises `TrainerDiedError`, which the loop answers by restarting
-the pipeline from the latest checkpoint (`restart_pipeline`); the rollout queue holds groups,
-so its death stops the run.
+reference actor, replay buffer or rollout queue that dies is replaced; what the new one needs
+to catch up is done by the hook given for its role (`on_replaced`: the driver holds copies of
+what the buffer and the queue held). A trainer holds the policy and optimizer state, so its
+death raises `TrainerDiedError`, which the loop answers by restarting the pipeline from the
+latest checkpoint (`restart_pipeline`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from grpo.config.instantiate import keyword_names
 from grpo.errors import ActorFailedError, TrainerDiedError
 from grpo.observability.logs import actor_log_path, is_verbose, logs_dir, with_output_to
 from grpo.observability.metric_logger import DEFAULT_METRIC_LOGGER
-from grpo.orchestrator.checkpointer import latest_checkpoint_text
+from grpo.orchestrator.checkpointer import checkpoint_policy_version, latest_checkpoint_text
 from grpo.weights.collective import TRAINER_CONCURRENCY_GROUPS
 from grpo.workers.rollout_queue import RolloutQueue
 
@@ -208,6 +208,42 @@ def actor_name(role: Role, index: int = 0) -> str:
     return f"{role.value}[{index}]" if role in _INDEXED else role.value
 
 
+def role_and_index(name: str) -> tuple[Role, int]:
+    """The inverse of `actor_name`: ``"collector[1]"`` -> ``(Role.COLLECTOR, 1)``."""
+    role, _, index = name.partition("[")
+    return Role(role), int(index.rstrip("]") or 0)
+
+
+def actor_started(actor: Any) -> bool:
+    """Whether Ray reports ``actor``'s constructor done (its state ALIVE); False if unknown.
+
+    A frozen actor cannot say so itself; the cluster's actor table can.
+    """
+    handle = getattr(actor, "actor", actor)  # the rollout queue's handle is inside it
+    try:
+        return ray._private.state.actors(handle._actor_id.hex())["State"] == "ALIVE"
+    except Exception:  # noqa: BLE001 - a private API: if it moved, rely on answers alone
+        return False
+
+
+def _kill_frozen_process(actor: Any) -> None:
+    """SIGKILL an actor's process if it runs on this node (best effort).
+
+    `ray.kill` marks the actor dead at once, but a process that is frozen (SIGSTOP, a
+    debugger, stuck in the kernel) never handles Ray's request to exit and keeps its memory,
+    and on a GPU its device memory. On another node only Ray can end it.
+    """
+    import os
+    import signal
+
+    try:
+        info = ray._private.state.actors(actor._actor_id.hex())
+        if info["Address"]["NodeID"] == ray.get_runtime_context().get_node_id() and info["Pid"]:
+            os.kill(int(info["Pid"]), signal.SIGKILL)
+    except Exception as error:  # noqa: BLE001 - the process may be gone, or the API changed
+        log.debug("could not SIGKILL the process of %s: %s", actor, error)
+
+
 @dataclass
 class Recovery:
     """One dead actor that was replaced.
@@ -267,7 +303,10 @@ class ActorSupervisor:
         self.metric_logger: Any = None
         # Per collector, its state after its last finished batch: where a replacement starts.
         self.collector_states: list[dict[str, Any] | None] = []
+        # The weights new collectors load, and their policy version: the base model's 0, or a
+        # checkpoint's (a replacement starts there too, then catches up to the latest).
         self.collector_model_dir = str(cfg.base_model_path)
+        self.collector_weights_version = 0
         self.recoveries: list[Recovery] = []
         self.recovering: dict[str, Recovery] = {}  # replaced, first call not back yet
         self.restarts: dict[str, int] = {}
@@ -312,7 +351,12 @@ class ActorSupervisor:
         self.start_rollout_queue()
         self.start_replay_buffer()
         self.start_ref_actors()
-        self.start_collectors(weights_dir=checkpoint_dir / "model" if checkpoint_dir else None)
+        if checkpoint_dir is not None:
+            self.start_collectors(
+                checkpoint_dir / "model", checkpoint_policy_version(checkpoint_dir)
+            )
+        else:
+            self.start_collectors()
         self.start_trainers(pad_token_id=pad_token_id, checkpoint_dir=checkpoint_dir)
 
     def start_metric_logger(self) -> Any:
@@ -439,15 +483,21 @@ class ActorSupervisor:
             rollout_queue=self.rollout_queue,
             config=inference,
             seed=cfg.seed,
+            policy_version=self.collector_weights_version,
             environment=cfg.environment,
             reward_functions=cfg.reward_functions,
             reward_timeout_s=cfg.reward_timeout_s,
         )
 
-    def start_collectors(self, weights_dir: Path | None = None) -> list[Any]:
-        """Start the vLLM collectors from ``weights_dir`` (a checkpoint) or the base model."""
+    def start_collectors(
+        self, weights_dir: Path | None = None, weights_version: int = 0
+    ) -> list[Any]:
+        """Start the vLLM collectors from ``weights_dir`` (a checkpoint's weights, of policy
+        version ``weights_version``) or the base model; they label what they sample with the
+        version of the weights their engine holds."""
         if weights_dir is not None:
             self.collector_model_dir = str(weights_dir)
+            self.collector_weights_version = weights_version
         num_workers = self.cfg.orchestration.num_inference_workers
         self.collectors = [self._new_collector(worker_id) for worker_id in range(num_workers)]
         self.collector_states = [None] * num_workers
@@ -522,18 +572,13 @@ class ActorSupervisor:
         """Replace the ``dead`` actor, unless an earlier failed call already did.
 
         Raises:
-            ActorFailedError: For a trainer or the rollout queue, or an actor that has used up
+            ActorFailedError: For a trainer, or an actor that has used up
                 ``max_actor_restarts`` and died again while the run was stopping.
         """
         name = actor_name(role, index)
         if role is Role.TRAINER:
             # The policy and optimizer state died with it: the loop rewinds to a checkpoint.
             raise TrainerDiedError(f"{name} died ({error}){self.output_hint(name)}")
-        if role is Role.ROLLOUT_QUEUE:
-            raise ActorFailedError(
-                f"rollout_queue died ({error}); the groups in it are lost: resume from "
-                f"{latest_checkpoint_text(self.run_dir)}"
-            )
         if dead is not self.actor(role, index):
             return  # replaced already
         step = self.current_step()
@@ -555,6 +600,8 @@ class ActorSupervisor:
             new = self.collectors[index] = self._new_collector(index)
         elif role is Role.REF:
             new = self.ref_actors[index] = self._new_ref_actor(index)
+        elif role is Role.ROLLOUT_QUEUE:
+            new = self.start_rollout_queue()
         else:
             new = self.start_replay_buffer()
         hook = self.on_replaced.get(role)
@@ -564,6 +611,21 @@ class ActorSupervisor:
         finally:
             recovery.seconds = time.perf_counter() - recovery.started
             self.record_recovery(recovery)
+
+    def kill(self, name: str, reason: str) -> None:
+        """Kill the actor ``name`` because it holds the run up (stuck, frozen, or unable to
+        receive weights); its call in flight then fails and it is replaced like one that died.
+
+        Args:
+            name (str): The actor's name (`actor_name`).
+            reason (str): Why, for the log.
+        """
+        role, index = role_and_index(name)
+        actor = self.actor(role, index)
+        actor = getattr(actor, "actor", actor)  # the rollout queue's handle is inside it
+        log.warning("killing %s: %s", name, reason)
+        _kill_frozen_process(actor)
+        ray.kill(actor, no_restart=True)
 
     def record_recovery(self, recovery: Recovery) -> None:
         """Keep and log a finished replacement; its first result back ends it (`returned`)."""
@@ -637,6 +699,7 @@ class ActorSupervisor:
             self.rollout_queue.shutdown(force=True)
         self.recovering.clear()
         self.collector_model_dir = str(self.cfg.base_model_path)
+        self.collector_weights_version = 0
         self.start_pipeline(pad_token_id, checkpoint_dir)
 
     # ------------------------------------------------------------------ Stateful

@@ -124,7 +124,8 @@ def kill_at_steps(run: Any, victims: list[tuple[int, str]]) -> dict[str, float]:
     Args:
         run (Orchestrator): A started run.
         victims (list[tuple[int, str]]): ``(step, name)`` in order; names are
-            ``collector[i]``, ``ref_actor[i]``, ``replay_buffer`` and ``trainer[i]``.
+            ``collector[i]``, ``ref_actor[i]``, ``replay_buffer``, ``rollout_queue`` and
+            ``trainer[i]``.
 
     Returns:
         dict[str, float]: Filled with ``{name: time.monotonic() of the kill}`` as it goes.
@@ -138,7 +139,9 @@ def kill_at_steps(run: Any, victims: list[tuple[int, str]]) -> dict[str, float]:
 
     def actor(name: str) -> Any:  # the inverse of grpo.orchestrator.supervisor.actor_name
         role, _, index = name.rstrip("]").partition("[")
-        return run.actors.actor(Role(role), int(index or 0))
+        handle = run.actors.actor(Role(role), int(index or 0))
+        # The rollout queue is a `RolloutQueue` object around its actor.
+        return handle.actor if Role(role) is Role.ROLLOUT_QUEUE else handle
 
     killed_at: dict[str, float] = {}
 

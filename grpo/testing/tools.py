@@ -1,4 +1,4 @@
-"""Tools that misbehave on purpose, and a scripted multi-turn environment, for tests and drills.
+"""Tools that misbehave on purpose, and scripted multi-turn environments, for tests and drills.
 
 They live in the package (not in a test file) because tools run in worker processes, which
 import them by name.
@@ -60,3 +60,19 @@ class EchoUserEnv(MultiTurnEnv):
         if episode.num_turns == self.raise_on_turn and episode.example.get("index", 1) % 2 == 0:
             raise RuntimeError(f"scripted failure at turn {episode.num_turns}")
         return [{"role": "user", "content": "again"}]
+
+
+class MisspeltStateEnv(MultiTurnEnv):
+    """A user who checks each answer against ``state["anwser"]``, a key `reset` never sets.
+
+    Every episode that reaches the environment raises ``KeyError: 'anwser'``; only those whose
+    first turn ends before an answer (cut at its token limit) get through: an environment with
+    a typo, as a run meets it.
+    """
+
+    def env_response(
+        self, messages: list[Message], state: dict[str, Any], episode: Episode
+    ) -> list[Message] | None:
+        if messages[-1]["content"].strip() == state["anwser"]:
+            return None
+        return [{"role": "user", "content": "try again"}]

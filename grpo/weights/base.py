@@ -13,9 +13,17 @@ from collections.abc import Callable
 from typing import Any
 
 from grpo.config.sections import WeightSyncConfig
+from grpo.errors import WeightTransferError
 
 # `ray.get` that names a failed actor (`ActorSupervisor.get_all`).
 GetAll = Callable[[list[Any], str], list[Any]]
+
+# The collector actor's concurrency groups beside its default one (generation, evaluation):
+# weights arrive on a thread of their own and the driver's heartbeat is answered on another,
+# so neither ever waits for a free thread behind generation or behind a slow transfer.
+COLLECTOR_WEIGHTS_GROUP = "weights"
+COLLECTOR_HEALTH_GROUP = "health"
+COLLECTOR_CONCURRENCY_GROUPS = {COLLECTOR_WEIGHTS_GROUP: 1, COLLECTOR_HEALTH_GROUP: 1}
 
 
 class WeightTransport(ABC):
@@ -45,14 +53,44 @@ class WeightTransport(ABC):
 
     @abstractmethod
     def finish(self, collector: Any) -> None:
-        """Wait until the send in flight to ``collector`` (if any) is done.
+        """Wait until the send in flight to ``collector`` (if any) is done, at most
+        `wait_limit_s`.
 
         A collector that died meanwhile is left to be replaced (its generation call finds it
-        dead); a live actor's failure stops the run.
+        dead).
 
         Raises:
-            ActorFailedError: A live collector or the trainer failed; names which.
+            WeightTransferError: The transfer failed or did not finish in time (`WeightSync`
+                retries it on a fresh channel, then replaces the collector).
+            TrainerDiedError: Trainer rank 0 died sending.
         """
+
+    def wait_limit_s(self) -> float:
+        """How long `finish` waits: the transfer's own timeout, and time to report it."""
+        return 1.5 * self.config.timeout_s + 10.0
+
+    def wait(self, name: str, refs: list[Any]) -> None:
+        """Wait for a transfer's calls; a failure or a timeout is a `WeightTransferError`.
+
+        Raises:
+            WeightTransferError: Naming the collector and the cause.
+        """
+        import ray
+
+        ray.wait(refs, num_returns=len(refs), timeout=self.wait_limit_s())
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError as error:
+                raise WeightTransferError(
+                    f"weight transfer to {name} did not finish within {self.wait_limit_s():.0f} s "
+                    f"(weight_sync.timeout_s={self.config.timeout_s:g})"
+                ) from error
+            except ray.exceptions.RayTaskError as error:
+                cause = str(error.cause if error.cause is not None else error).splitlines()
+                raise WeightTransferError(
+                    f"weight transfer to {name} failed: {cause[-1] if cause else error}"
+                ) from error
 
     @abstractmethod
     def forget(self, name: str) -> None:

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from grpo.errors import ActorFailedError, TrainerDiedError
-from grpo.weights.base import WeightTransport
+from grpo.errors import TrainerDiedError
+from grpo.weights.base import COLLECTOR_WEIGHTS_GROUP, WeightTransport
 from grpo.weights.channel import (
     RECEIVER_RANK,
     SENDER_RANK,
@@ -184,8 +184,10 @@ class CollectiveTransport(WeightTransport):
         return [trainer.gather_hf_weights_for_channels.remote() for trainer in trainers]
 
     def send(self, sender: Any, name: str, collector: Any, payload: dict[str, Any]) -> None:
+        """Start a transfer; the previous one to ``collector`` must be finished (`finish`)."""
         config, key = self.config, collector._actor_id.hex()
-        self.finish(collector)  # the channel carries one transfer at a time
+        if key in self._transfers:
+            raise RuntimeError(f"{name}: finish the weight transfer in flight before the next")
         join = None
         if key not in self._channels:
             opening = sender.open_weight_channel.options(concurrency_group=CHANNEL_GROUP).remote(
@@ -198,7 +200,10 @@ class CollectiveTransport(WeightTransport):
         sent = sender.send_weights.options(concurrency_group=CHANNEL_GROUP).remote(
             name, version, config.bucket_bytes
         )
-        received = collector.receive_weights_over_channel.remote(
+        receive = collector.receive_weights_over_channel.options(
+            concurrency_group=COLLECTOR_WEIGHTS_GROUP
+        )
+        received = receive.remote(
             version,
             payload["specs"],
             config.bucket_bytes,
@@ -213,13 +218,15 @@ class CollectiveTransport(WeightTransport):
 
         A dead collector is left to its generation call, which finds it and has it replaced
         (the replacement catches up over a new channel; the trainer's send times out and
-        closes the old one).
+        closes the old one). Any other failure closes the channel: the next send opens a
+        new one.
 
         Raises:
-            ActorFailedError: A live collector failed to receive, or trainer[0] to send.
+            WeightTransferError: The collector did not receive, or trainer[0] did not send,
+                within the wait limit.
+            TrainerDiedError: Trainer rank 0 died sending.
         """
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import RayActorError
 
         key = collector._actor_id.hex()
         transfer = self._transfers.pop(key, None)
@@ -227,24 +234,30 @@ class CollectiveTransport(WeightTransport):
             return
         name, sent, received = transfer
         try:
-            ray.get(received)
-        except RayActorError:
-            self._channels.pop(key, None)
-            log.warning("%s died during a weight transfer; it will be replaced", name)
-            return
-        except RayTaskError as error:
-            self._channels.pop(key, None)
-            raise ActorFailedError(f"{name} failed to receive weights: {error}") from error
-        try:
-            ray.get(sent)
+            self.wait(name, [received, sent])
         except RayActorError as error:
             self._channels.pop(key, None)
+            if self._died(received):
+                log.warning("%s died during a weight transfer; it will be replaced", name)
+                return
             raise TrainerDiedError(f"trainer[0] died sending weights to {name}: {error}") from error
-        except RayTaskError as error:
+        except Exception:
             self._channels.pop(key, None)
-            raise ActorFailedError(
-                f"trainer[0] failed to send weights to {name}: {error}"
-            ) from error
+            raise
+
+    @staticmethod
+    def _died(ref: Any) -> bool:
+        """Whether the call behind ``ref`` failed because its actor died."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            ray.get(ref, timeout=0)
+        except RayActorError:
+            return True
+        except Exception:  # noqa: BLE001 - failed otherwise, or still running
+            return False
+        return False
 
     def forget(self, name: str) -> None:
         # The trainer closes its end of the old channel when the replacement's opens.

@@ -6,11 +6,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 
-from grpo.errors import ActorFailedError
-from grpo.weights.base import WeightTransport
+from grpo.weights.base import COLLECTOR_WEIGHTS_GROUP, WeightTransport
 
 log = logging.getLogger("grpo")
 
@@ -27,7 +25,8 @@ class ObjectStoreTransport(WeightTransport):
         return [trainer.gather_hf_weights.remote() for trainer in trainers]
 
     def send(self, sender: Any, name: str, collector: Any, payload: dict[str, Any]) -> None:
-        receipt = collector.receive_weights.remote(
+        receive = collector.receive_weights.options(concurrency_group=COLLECTOR_WEIGHTS_GROUP)
+        receipt = receive.remote(
             payload["weights"], payload["version"], payload["checksum"], payload["probe"]
         )
         self._receipts[collector._actor_id.hex()] = (name, receipt)
@@ -37,12 +36,10 @@ class ObjectStoreTransport(WeightTransport):
         if receipt is None:
             return
         try:
-            ray.get(receipt)
+            self.wait(name, [receipt])
         except RayActorError:
             # Dead: its generation call finds it and has it replaced (the replacement catches up).
             log.warning("%s died while receiving weights; it will be replaced", name)
-        except RayTaskError as error:
-            raise ActorFailedError(f"{name} failed to receive weights: {error}") from error
 
     def forget(self, name: str) -> None:
         for key in [key for key, (owner, _) in self._receipts.items() if owner == name]:

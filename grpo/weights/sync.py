@@ -1,23 +1,40 @@
 """Weight sync, driver side: gather from the trainers, send to the collectors, verify.
 
 This part owns the last gathered payload (its metadata, and with the object store a reference
-to the weights), which is what a replacement collector needs to catch up, and the version of
-the weights collectors are started from (the base model's 0, or a checkpoint's). How the
+to the weights), which is what a replacement collector needs to catch up. How the
 weights travel is the transport's business (`grpo.weights.base.WeightTransport`, chosen once
 by `grpo.weights.transports.make_transport`).
+
+A transfer that fails or times out never stops the run: it is sent again once, on a fresh
+channel; a collector that fails that one too, or does not answer at all, is replaced (the
+``replace_collector`` hook: the supervisor kills it, starts a new one and catches it up).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from grpo.config.sections import WeightSyncConfig
-from grpo.weights.base import GetAll
+from grpo.errors import WeightTransferError
+from grpo.weights.base import COLLECTOR_HEALTH_GROUP, GetAll
 from grpo.weights.transports import make_transport
 
 log = logging.getLogger("grpo")
+
+# How long a collector has to answer a heartbeat before a failed transfer is retried: one that
+# does not answer is frozen, and is replaced instead.
+_HEARTBEAT_TIMEOUT_S = 10.0
+
+# ``replace_collector(index, collector, error)``: kill a collector that cannot receive, start a
+# new one at its index and catch it up (which sends it the latest weights).
+ReplaceCollector = Callable[[int, Any, Exception], None]
+
+
+def _no_replacement(index: int, collector: Any, error: Exception) -> None:
+    raise error
 
 
 class WeightSync:
@@ -34,6 +51,8 @@ class WeightSync:
             still finishes a collector's previous transfer before its next one, which keeps
             versions in order.)
         config (WeightSyncConfig | None): The ``weight_sync:`` options; None: the defaults.
+        replace_collector (ReplaceCollector | None): Replaces a collector that cannot receive;
+            None: its `WeightTransferError` is raised.
     """
 
     def __init__(
@@ -41,12 +60,14 @@ class WeightSync:
         get_all: GetAll,
         wait_for_receipt: bool = False,
         config: WeightSyncConfig | None = None,
+        replace_collector: ReplaceCollector | None = None,
     ) -> None:
         self._get_all = get_all
         self.wait_for_receipt = wait_for_receipt
         self.config = config or WeightSyncConfig()
+        self.replace_collector = replace_collector or _no_replacement
+        self.retries = 0  # transfers sent again on a fresh channel
         self.transport = make_transport(self.config, get_all)
-        self.start_version = 0  # of the weights new collectors load from disk
         self.last_payload: dict[str, Any] | None = None
         self._sender: Any = None  # trainer rank 0, which holds the gathered weights
 
@@ -70,7 +91,7 @@ class WeightSync:
         gather_time = time.perf_counter() - start
         self._sender = trainers[0]
         self.last_payload = payload
-        self._send([(f"collector[{i}]", c) for i, c in enumerate(collectors)], payload)
+        self._send(list(enumerate(collectors)), payload)
         end = time.perf_counter()
         return payload["version"], {
             "train_actor_performance/time_weight_gather (s)": gather_time,
@@ -78,28 +99,76 @@ class WeightSync:
             "train_actor_performance/time_weight_sync (s)": end - start,
         }
 
-    def catch_up(self, collector: Any, state: dict[str, Any] | None, name: str) -> None:
+    def catch_up(
+        self, collector: Any, state: dict[str, Any] | None, name: str, index: int = 0
+    ) -> None:
         """Bring a replacement collector to a finished batch's ``state`` and the latest weights.
 
         Args:
-            collector: The new collector, started from the weights of ``start_version``.
+            collector: The new collector, started from the weights new collectors load (the
+                base model's or the resumed checkpoint's, labelled with their version).
             state (dict | None): The old collector's state after its last finished batch.
             name (str): The collector's name, for errors.
+            index (int): Its index among the collectors.
         """
         if state is not None:
-            # The replacement holds the weights it was started from; the latest ones follow.
-            state = {**state, "policy_version": self.start_version}
+            # The stream position only: the replacement labels its samples with the version of
+            # the weights it was started from until the latest ones, sent next, arrive.
             self._get_all([collector.load_state_dict.remote(state)], f"{name} restart")
         self.transport.forget(name)
         if self.last_payload is not None:
-            self._send([(name, collector)], self.last_payload)
+            self._send([(index, collector)], self.last_payload)
 
-    def _send(self, named_collectors: list[tuple[str, Any]], payload: dict[str, Any]) -> None:
-        for name, collector in named_collectors:
-            self.transport.send(self._sender, name, collector, payload)
+    def _send(self, collectors: list[tuple[int, Any]], payload: dict[str, Any]) -> None:
+        """Send ``payload`` to each ``(index, collector)``, once its previous transfer is done."""
+        for index, collector in collectors:
+            if not self._settle(index, collector):
+                self.transport.send(self._sender, f"collector[{index}]", collector, payload)
         if self.wait_for_receipt:
-            for _, collector in named_collectors:
+            for index, collector in collectors:
+                self._settle(index, collector)
+
+    def _settle(self, index: int, collector: Any) -> bool:
+        """Wait for the transfer in flight to ``collector``; a failed one is sent again once on
+        a fresh channel, and a collector that fails that too, or does not answer, is replaced.
+
+        Returns:
+            bool: True when the latest payload was sent meanwhile (the retry, or the
+            replacement's catch-up), False when nothing was (the transfer had succeeded, or
+            there was none).
+        """
+        name = f"collector[{index}]"
+        try:
+            self.transport.finish(collector)
+            return False
+        except WeightTransferError as error:
+            failure: Exception = error
+        if self._answers(collector):
+            self.retries += 1
+            log.warning("%s; sending the weights again on a fresh channel", failure)
+            self.transport.forget(name)  # the next send opens a new channel
+            self.transport.send(self._sender, name, collector, self.last_payload)
+            try:
                 self.transport.finish(collector)
+                return True
+            except WeightTransferError as error:
+                failure = error
+        log.warning("%s; replacing %s", failure, name)
+        self.transport.forget(name)
+        self.replace_collector(index, collector, failure)
+        return True
+
+    @staticmethod
+    def _answers(collector: Any) -> bool:
+        """Whether ``collector`` answers a heartbeat (a frozen one never does)."""
+        import ray
+
+        ref = collector.heartbeat.options(concurrency_group=COLLECTOR_HEALTH_GROUP).remote()
+        try:
+            ray.get(ref, timeout=_HEARTBEAT_TIMEOUT_S)
+            return True
+        except Exception:  # noqa: BLE001 - no answer in time, or dead: either way, replace it
+            return False
 
     def verify(self, trainers: list[Any], collectors: list[Any]) -> bool:
         """Check that every collector computes with exactly the trainers' current weights.
@@ -113,8 +182,8 @@ class WeightSync:
             [t.weights_checksum.remote() for t in trainers], "trainer checksum"
         )
         expected = trainer_sums[0]
-        for collector in collectors:
-            self.transport.finish(collector)
+        for index, collector in enumerate(list(collectors)):
+            self._settle(index, collector)
         self._get_all(
             [c.apply_pending_weights.remote() for c in collectors], "collector weight update"
         )

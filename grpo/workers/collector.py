@@ -63,8 +63,10 @@ from typing import Any
 import torch
 
 from grpo.config.sections import InferenceConfig
+from grpo.envs.dropped import BatchDrops, DroppedEpisodeLog
 from grpo.seeds import group_seed
 from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
+from grpo.weights.base import COLLECTOR_CONCURRENCY_GROUPS
 from grpo.weights.channel import TensorSpec
 from grpo.weights.collective import ChannelReceiver
 from grpo.weights.engine import (
@@ -186,6 +188,10 @@ def check_in_flight_updates(llm_engine: Any) -> None:
 # Consecutive rejected in-flight updates after which the collector stops: weights that never
 # verify are a fault to report, not a reason to keep sampling with ever older ones.
 MAX_REJECTED_UPDATES_IN_A_ROW = 3
+# The label of tokens sampled with weights that then failed verification (the running samples
+# go on while the probe runs). A sample holding any is sampled again from its start, never
+# trained on.
+UNVERIFIED_VERSION = -1
 
 _TURN_IDS = itertools.count()  # request ids of policy turns, unique in the process
 _REQUEST_IDS = itertools.count()  # request ids of groups and probes
@@ -204,13 +210,17 @@ class TurnEngine:
     def __init__(self, collector: SyncLLMCollector, greedy: bool = False) -> None:
         self.collector = collector
         self.greedy = greedy
+        # vLLM request id -> (the key `submit` returned, the request): a turn sampled partly
+        # with weights that failed verification is sampled again under a new id.
+        self._running: dict[str, tuple[str, Any]] = {}
 
-    def submit(self, request: Any) -> str:
+    def submit(self, request: Any, key: str | None = None) -> str:
         params = self.collector._sampling_params(
             request.seed, request.max_tokens, 1, request.stop, self.greedy
         )
         request_id = f"turn-{next(_TURN_IDS)}"
         self.collector._add_request(request_id, request.token_ids, params)
+        self._running[request_id] = (key or request_id, request)
         return request_id
 
     def step(self) -> list[tuple[str, Any]]:
@@ -218,8 +228,12 @@ class TurnEngine:
 
         finished = []
         # Greedy turns are evaluation: the weights stay those it started with.
-        for output, _ in self.collector._step(load_pending=not self.greedy):
-            if not output.request_id.startswith("turn-"):
+        for output, runs in self.collector._step(load_pending=not self.greedy):
+            if output.request_id not in self._running:
+                continue
+            key, request = self._running.pop(output.request_id)
+            if any(v == UNVERIFIED_VERSION for sample in runs for v, _ in sample):
+                self.submit(request, key)
                 continue
             [completion] = output.outputs
             sample = Sample(
@@ -227,8 +241,15 @@ class TurnEngine:
                 self.collector._sampled_logprobs(completion, "policy turn"),
                 completion.finish_reason or "stop",
             )
-            finished.append((output.request_id, sample))
+            finished.append((key, sample))
         return finished
+
+
+def _is_dead_actor(error: BaseException) -> bool:
+    """``error`` says that the Ray actor called (the rollout queue) is dead."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(error, RayActorError)
 
 
 def _resolve_dataset(dataset: Any) -> Sequence[dict[str, Any]]:
@@ -338,6 +359,9 @@ class SyncLLMCollector:
             groups are never dropped. Prompts longer than ``max_prompt_tokens`` are skipped
             (counted in ``inference/skipped_long_prompts``).
         seed (int): Seeds the prompt order and every request's sampler.
+        policy_version (int): The policy version of the weights in ``model_dir`` (0: the base
+            model; a checkpoint's version when a run resumes or restarts from it). What the
+            engine samples is labelled with it until new weights are applied.
         verify_weights (bool): Check the checksum of every received update.
         environment: A multi-turn environment (`grpo.envs.MultiTurnEnv`) or its
             ``_component_`` node; None: single-turn (one sampled response per episode, scored
@@ -367,6 +391,7 @@ class SyncLLMCollector:
         config: InferenceConfig | None = None,
         *,
         seed: int = 0,
+        policy_version: int = 0,
         verify_weights: bool = True,
         environment: Any = None,
         reward_functions: Sequence[Any] = (),
@@ -458,12 +483,12 @@ class SyncLLMCollector:
 
         self.weights = WeightReceiver()
         self._weights_error: str | None = None  # set while the engine holds unverified weights
-        self.policy_version = 0
+        self.policy_version = int(policy_version)
         # In-flight updates: the version of the weights the engine samples with right now (the
         # new one while it is being verified), the weights to roll back to (None: the model
         # folder's, while `_can_roll_back`), and for each running sample the versions of its
         # tokens so far.
-        self._sampling_version = 0
+        self._sampling_version = self.policy_version
         self._loaded_weights: Mapping[str, torch.Tensor] | None = None
         self._can_roll_back = True
         self._token_versions: dict[tuple[str, int], list[tuple[int, int]]] = {}
@@ -481,8 +506,19 @@ class SyncLLMCollector:
             "weight_updates_in_flight": 0.0,
             "weight_updates_rejected": 0.0,
         }
+        # Episodes the environment failed: each reason logged once with a count, and the last
+        # batch's counts, for the driver (`generate_batch_with_state`).
+        self.dropped_episodes = DroppedEpisodeLog(f"collector {worker_id}")
+        self._batch_drops: BatchDrops | None = None
+        # The last batch's groups, for `generate_batch_with_state` to return.
+        self._batch_groups: list[GroupedUnscoredTrajectories] = []
         # vLLM's engine is not thread-safe; a threaded actor serialises calls on it here.
         self._engine_lock = threading.RLock()
+        # For `heartbeat`: when the engine step now running began (None: none is), how many
+        # steps ran, and since when a batch waits for room on the rollout queue.
+        self._step_started: float | None = None
+        self._engine_steps = 0
+        self._put_waiting_since: float | None = None
         # The weight channel to trainer rank 0 (collective transport), one transfer at a time.
         self.weight_channel = ChannelReceiver(f"collector[{worker_id}]")
 
@@ -500,19 +536,43 @@ class SyncLLMCollector:
     def as_remote(cls, **options: Any) -> Any:
         """This class as a threaded Ray actor class.
 
-        Threads let `receive_weights` and `evaluate` through while a generation batch waits on
-        a full rollout queue.
+        Threads let `evaluate` through while a generation batch waits on a full rollout
+        queue. Weight transfers run in the ``weights`` concurrency group and `heartbeat` in
+        ``health`` (`grpo.weights.base.COLLECTOR_CONCURRENCY_GROUPS`; callers pick them with ``.options(concurrency_group=...)``), each
+        on a thread of its own.
 
         Args:
             **options: ``ray.remote`` options (``num_cpus``, ``num_gpus``, ...);
-                ``max_concurrency`` defaults to 4.
+                ``max_concurrency`` (of the default group) defaults to 4.
 
         Returns:
             The Ray actor class; call ``.remote(...)`` with the constructor's arguments.
         """
         import ray
 
-        return ray.remote(**{"max_concurrency": 4, **options})(cls)
+        defaults = {"max_concurrency": 4, "concurrency_groups": COLLECTOR_CONCURRENCY_GROUPS}
+        return ray.remote(**{**defaults, **options})(cls)
+
+    def heartbeat(self) -> dict[str, float]:
+        """What this collector is doing now, for the driver's stall watch.
+
+        Takes no lock: it answers while a batch holds the engine (call it in the ``health``
+        concurrency group).
+        A frozen process does not answer at all, which the driver reads as an answer too.
+
+        Returns:
+            dict[str, float]: ``in_engine_step_s`` (how long the engine step now running has
+            run; 0.0 between steps), ``engine_steps`` (steps so far), and
+            ``queue_wait_s`` (how long the batch has waited for room on the rollout queue;
+            0.0 when it does not wait).
+        """
+        now = time.monotonic()
+        started, waiting = self._step_started, self._put_waiting_since
+        return {
+            "in_engine_step_s": now - started if started is not None else 0.0,
+            "engine_steps": float(self._engine_steps),
+            "queue_wait_s": now - waiting if waiting is not None else 0.0,
+        }
 
     # ------------------------------------------------------------------ weights
 
@@ -621,7 +681,8 @@ class SyncLLMCollector:
         so each samples on as the new policy; the versions of the tokens each has so far are
         recorded first. An update whose checksum or probe fails is rolled back: the engine
         reloads the weights it had, keeps its version and samples on; the tokens sampled while
-        the probe ran carry the rejected version.
+        the probe ran are labelled `UNVERIFIED_VERSION`, and the samples holding them are
+        sampled again (`_generate_groups`, `TurnEngine`).
 
         With ``in_flight_keep_kv`` the running requests keep their KV cache instead; its
         blocks are then dropped from the prefix cache once the engine is idle (`_step`), so no
@@ -639,7 +700,7 @@ class SyncLLMCollector:
         start = time.perf_counter()
         running = self.llm.llm_engine.has_unfinished_requests()
         recompute = self.weight_updates != "in_flight_keep_kv"
-        self._mark_token_versions()
+        self._mark_token_versions()  # the tokens so far: the weights being replaced
         try:
             applied = self.weights.apply_pending(
                 self.llm, verify=self.verify_weights, recompute_running=recompute
@@ -651,6 +712,7 @@ class SyncLLMCollector:
             if applied.probe is not None:
                 self._check_probe(applied.probe, applied.version)
         except WeightSyncError as error:
+            self._sampling_version = UNVERIFIED_VERSION
             self._mark_token_versions()
             if not self._can_roll_back:
                 self._weights_error = str(error)
@@ -807,7 +869,13 @@ class SyncLLMCollector:
     def _engine_step(self) -> list[tuple[Any, list[list[tuple[int, int]]]]]:
         """One scheduler step; each finished request with its samples' version runs."""
         finished = []
-        for output in self.llm.llm_engine.step():
+        self._step_started = time.monotonic()
+        try:
+            outputs = self.llm.llm_engine.step()
+        finally:
+            self._step_started = None
+            self._engine_steps += 1
+        for output in outputs:
             if output.finished:
                 runs = [
                     self._version_runs(output.request_id, c.index, len(c.token_ids))
@@ -940,18 +1008,30 @@ class SyncLLMCollector:
             tuple: The groups, in prompt order; how many samples hit the token limit; the
             ``(version, tokens)`` runs of every sample.
         """
-        request_ids = [f"group-{group_id}-{next(_REQUEST_IDS)}" for group_id in group_ids]
-        finished: dict[str, tuple[Any, list[list[tuple[int, int]]]]] = {}
+        # vLLM request id -> the prompt's index; a request sampled again gets a new id.
+        pending: dict[str, int] = {}
+        finished: dict[int, tuple[Any, list[list[tuple[int, int]]]]] = {}
+
+        def submit(index: int) -> None:
+            request_id = f"group-{group_ids[index]}-{next(_REQUEST_IDS)}"
+            seed = self._request_seed(group_ids[index])
+            params = self._sampling_params(seed, self.max_generated_tokens)
+            self._add_request(request_id, prompts[index][1], params)
+            pending[request_id] = index
+
         with self._batch_in_engine():
-            for request_id, (_, ids), group_id in zip(request_ids, prompts, group_ids):
-                seed = self._request_seed(group_id)
-                params = self._sampling_params(seed, self.max_generated_tokens)
-                self._add_request(request_id, ids, params)
-            while len(finished) < len(request_ids):
-                finished.update((o.request_id, (o, runs)) for o, runs in self._step())
+            for index in range(len(prompts)):
+                submit(index)
+            while pending:
+                for output, runs in self._step():
+                    index = pending.pop(output.request_id)
+                    if any(v == UNVERIFIED_VERSION for sample in runs for v, _ in sample):
+                        submit(index)  # part of it came from weights that failed verification
+                    else:
+                        finished[index] = (output, runs)
         groups, truncated, all_runs = [], 0, []
-        for request_id, (item, ids), group_id in zip(request_ids, prompts, group_ids):
-            output, runs = finished[request_id]
+        for index, ((item, ids), group_id) in enumerate(zip(prompts, group_ids)):
+            output, runs = finished[index]
             groups.append(self._build_group(item, ids, group_id, output.outputs, runs))
             truncated += sum(c.finish_reason == "length" for c in output.outputs)
             all_runs += runs
@@ -1055,7 +1135,10 @@ class SyncLLMCollector:
                     seeds=[self._request_seed(group_id) for group_id in group_ids],
                 )
         kept = [e for group in episodes for e in group if e.error is None]
-        dropped = sum(e.error is not None for group in episodes for e in group)
+        self._batch_drops = self.dropped_episodes.record(
+            [e for group in episodes for e in group], type(self.environment).__name__
+        )
+        dropped = self._batch_drops.dropped
         self.totals["episodes_dropped"] += dropped
         rewards = self.environment.score(kept) if kept else []
 
@@ -1084,6 +1167,7 @@ class SyncLLMCollector:
             raise RuntimeError(f"collector {self.worker_id} has no rollout_queue to put groups on")
         put_all = getattr(self.rollout_queue, "put_all", self._put_one_by_one)
         start = time.perf_counter()
+        self._put_waiting_since = time.monotonic()
         try:
             while (queued := int(put["queued"])) < len(groups):
                 put["queued"] += put_all(groups[queued:], self.queue_put_timeout_s)
@@ -1091,6 +1175,7 @@ class SyncLLMCollector:
                     put["waits"] += 1
                     self.totals["queue_put_waits"] += 1
         finally:
+            self._put_waiting_since = None
             put["wait_s"] += time.perf_counter() - start
 
     def _put_one_by_one(self, groups: list[GroupedUnscoredTrajectories], timeout_s: float) -> int:
@@ -1102,14 +1187,19 @@ class SyncLLMCollector:
                 return count
         return len(groups)
 
-    def generate_batch(self, num_prompts: int) -> dict[str, float]:
+    def generate_batch(
+        self, num_prompts: int, *, caller_holds_groups: bool = False
+    ) -> dict[str, float]:
         """Apply pending weights, sample ``group_size`` responses for the next prompts, queue them.
 
         A put that fails (e.g. the queue actor died) ends the batch with its error; the batch's
         metrics, with the groups not queued in ``inference/groups_not_queued``, are logged first.
+        With ``caller_holds_groups`` a dead queue ends the batch without an error: the caller
+        gets the batch's groups (`generate_batch_with_state`) and rescues those it lost.
 
         Args:
             num_prompts (int): Prompts to take from the shard (one group each).
+            caller_holds_groups (bool): The caller keeps this batch's groups (see above).
 
         Returns:
             dict[str, float]: This batch's metrics (also sent to the metric logger):
@@ -1153,9 +1243,13 @@ class SyncLLMCollector:
         generated = sum(t.policy_len for g in groups for t in g.trajectories)
         self.batch_counter += 1
 
+        self._batch_groups = groups
         put = {"waits": 0.0, "wait_s": 0.0, "queued": 0.0}
         try:
             self._put_groups(groups, put)
+        except Exception as error:
+            if not (caller_holds_groups and _is_dead_actor(error)):
+                raise
         finally:
             queued = int(put["queued"])
             metrics = {
@@ -1186,22 +1280,43 @@ class SyncLLMCollector:
                 )
         return metrics
 
-    def generate_batch_with_state(self, num_prompts: int) -> dict[str, Any]:
+    def generate_batch_with_state(
+        self, num_prompts: int
+    ) -> tuple[dict[str, Any], list[GroupedUnscoredTrajectories]]:
         """`generate_batch`, then `state_dict` as it stands right after that batch.
 
         The orchestrator keeps the state of every collector's last finished batch: a
         replacement for a collector that died mid-batch loads it and generates that batch
         again (groups of it that had reached the queue are recognised by their ``group_id``
-        and scored once).
+        and scored once). It calls this with ``num_returns=2`` and holds the second return,
+        the batch's groups, without fetching it, until every group has been scored: a rollout
+        queue that dies with groups in it is replaced and those groups are scored from there.
+        A dead queue is therefore no error here (``inference/groups_not_queued`` counts the
+        groups it did not take).
 
         Returns:
-            dict: ``{"metrics": generate_batch's metrics, "state": state_dict()}``.
+            tuple: ``{"metrics": generate_batch's metrics, "state": state_dict(),
+            "group_ids": the batch's group ids, "dropped_episodes": the batch's episodes and
+            those the environment failed (`grpo.envs.dropped.BatchDrops.as_dict`; None
+            without an environment)}``, and the batch's groups.
         """
         # No lock: only generation batches move the stream, and the orchestrator runs one at
         # a time. (Holding the engine lock here would block `evaluate` for as long as the
         # batch waits on a full queue.)
-        metrics = self.generate_batch(num_prompts)
-        return {"metrics": metrics, "state": self.state_dict()}
+        self._batch_drops = None
+        metrics = self.generate_batch(num_prompts, caller_holds_groups=True)
+        drops, groups = self._batch_drops, self._batch_groups
+        info = {
+            "metrics": metrics,
+            "state": self.state_dict(),
+            "group_ids": [group.group_id for group in groups],
+            "dropped_episodes": drops.as_dict() if drops is not None else None,
+        }
+        return info, groups
+
+    def set_rollout_queue(self, rollout_queue: Any) -> None:
+        """Put the next groups onto ``rollout_queue`` (the replacement of a queue that died)."""
+        self.rollout_queue = rollout_queue
 
     def shutdown(self) -> None:
         """Shut the vLLM engine down now (idempotent).
@@ -1308,6 +1423,7 @@ class SyncLLMCollector:
                 max_model_len=self.max_model_len,
                 seeds=[0] * len(fits),
             )
+        self.dropped_episodes.record((e for [e] in episodes), type(self.environment).__name__)
         for i, [episode] in zip(fits, episodes):
             completions[i] = episode.last_assistant_text() if episode.error is None else ""
         return completions
@@ -1327,10 +1443,13 @@ class SyncLLMCollector:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` (from `state_dict`).
+        """Continue from ``state`` (from `state_dict`): stream position and id counters.
 
-        ``policy_version`` is restored as saved: the engine must then hold that version's
-        weights (``model_dir`` is the checkpoint saved with it, or the trainer re-sends them).
+        ``policy_version`` is not restored: it belongs to the weights, not to the stream. The
+        engine holds the weights this collector was started from (``policy_version`` of the
+        constructor) until new ones are applied, and that is the version its samples carry.
+        (A collector's last batch may be older than the checkpoint's weights: labelled with
+        the batch's version, every new sample would look stale.)
 
         Raises:
             ValueError: If the state belongs to another worker layout.
@@ -1345,6 +1464,3 @@ class SyncLLMCollector:
         self.sequence_counter = int(state["sequence_counter"])
         self.group_counter = int(state["group_counter"])
         self.batch_counter = int(state.get("batch_counter", 0))
-        # The engine holds that version's weights, so the tokens it samples now are labelled
-        # with it; left at the constructor's 0, a resumed run's samples would all look stale.
-        self.policy_version = self._sampling_version = int(state["policy_version"])

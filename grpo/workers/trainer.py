@@ -50,6 +50,7 @@ from grpo.weights.checksum import state_dict_checksum
 from grpo.weights.collective import ChannelSender
 from grpo.workers.training_checkpoint import (
     TRAINER_SUBDIR,
+    carry_over_hyperparameters,
     load_training_state,
     save_training_state,
 )
@@ -193,7 +194,9 @@ class PyTorchActorModel:
                 ``world_size > 1``.
             checkpoint_dir (str | None): Resume from this checkpoint: weights from its
                 ``model/`` folder, then the sharded model and optimizer state, LR schedule,
-                counters and RNG from ``trainer/`` (saved by any number of workers).
+                counters and RNG from ``trainer/`` (saved by any number of workers). The
+                config's optimizer settings and ``num_steps`` apply from there
+                (`carry_over_hyperparameters`).
         """
         world_size, rank = self.world_size, self.rank
         if world_size > 1:
@@ -263,6 +266,8 @@ class PyTorchActorModel:
         del tune_state
         extra = {
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+            # The configured lr: a resume with another one scales the schedule by the ratio.
+            "optimizer_lr": float(self.optimizer.defaults["lr"]),
             "steps_run": self.steps_run,
             "policy_version": self.policy_version,
             "num_nonfinite_skipped": self.num_nonfinite_skipped,
@@ -278,6 +283,8 @@ class PyTorchActorModel:
         state = load_training_state(self.policy, self.optimizer, folder)
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        # The config's optimizer settings run (a resume may change them, or num_steps).
+        carry_over_hyperparameters(self.optimizer, self.lr_scheduler, state.get("optimizer_lr"))
         self.steps_run = state["steps_run"]
         self.policy_version = state["policy_version"]
         self.num_nonfinite_skipped = state["num_nonfinite_skipped"]

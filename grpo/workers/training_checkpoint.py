@@ -17,10 +17,15 @@ be on a filesystem they all share (NFS, Lustre, ...), like the rest of the check
 
 Single worker: there is no process group; DCP then runs in one process (``no_dist``), and
 the state dict helpers work on the plain module and optimizer, so the same files result.
+
+A resume may change the optimizer's settings and the run's length: `carry_over_hyperparameters`
+makes the restored optimizer and LR schedule run the config's values, with no jump in the lr.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+
+log = logging.getLogger("grpo")
 
 TRAINER_SUBDIR = "trainer"
 """The folder of a checkpoint that holds the trainers' sharded state."""
@@ -128,3 +135,77 @@ def load_training_state(
         options=_SHARDED,
     )
     return torch.load(folder / EXTRA_STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def carry_over_hyperparameters(
+    optimizer: torch.optim.Optimizer, lr_scheduler: Any, saved_lr: float | None
+) -> None:
+    """Make a restored optimizer run the config's settings, its LR schedule going on smoothly.
+
+    Loading a checkpoint puts back the param groups' hyperparameters and the schedule's base
+    lrs as they were saved, so a resume with another ``training.optimizer.lr`` (or betas,
+    weight decay, ...) would keep the old values, and a schedule rebuilt for a longer
+    ``orchestration.num_steps`` would make the lr jump. Here, after loading:
+
+    - every hyperparameter the optimizer was built with (``optimizer.defaults``, from the
+      config) is set in each param group, the lr aside;
+    - without a schedule the lr is the config's;
+    - with one, the lr at the checkpoint's step is the one the run had there, times
+      (configured lr / ``saved_lr``), and it goes on from there along the schedule built for
+      this run (its ``num_training_steps`` and the config's scheduler settings): the
+      schedule's base lrs are scaled so that it passes through that value at that step. A
+      longer run thus continues the decay from where it was, stretched over the new length
+      (it ends lower than the configured end fraction of the peak when the old schedule had
+      already decayed further than the new one at that step). A schedule that is not a
+      ``LambdaLR`` (whose lr is not base lr times a function of the step) starts from that
+      value with its base lrs scaled by the lr ratio.
+
+    A resume that changes nothing leaves every value as loaded, bit for bit.
+
+    Args:
+        optimizer (torch.optim.Optimizer): Built from the config, its state loaded.
+        lr_scheduler: Its schedule, built for this run and its state loaded; None if none.
+        saved_lr (float | None): The configured lr of the run that saved the checkpoint (its
+            ``extra`` state's ``optimizer_lr``); None for a checkpoint that did not record it,
+            whose lr and schedule are then left as loaded.
+    """
+    for group in optimizer.param_groups:
+        for key, value in optimizer.defaults.items():
+            if key != "lr" and key in group:
+                group[key] = value
+    if saved_lr is None:
+        return
+    ratio = float(optimizer.defaults["lr"]) / saved_lr
+    if lr_scheduler is None:
+        for group in optimizer.param_groups:
+            group["lr"] = float(optimizer.defaults["lr"])
+        return
+    step = lr_scheduler.last_epoch
+    targets = [lr * ratio for lr in lr_scheduler.get_last_lr()]
+    # The new schedule's factor at this step (None: not a LambdaLR, no factor to read).
+    factors: list[float | None] = (
+        [float(fn(step)) for fn in lr_scheduler.lr_lambdas]
+        if isinstance(lr_scheduler, torch.optim.lr_scheduler.LambdaLR)
+        else [None] * len(targets)
+    )
+    bases = []
+    for target, factor, old_base in zip(targets, factors, lr_scheduler.base_lrs):
+        if factor is not None and factor > 0:
+            base = target / factor
+        else:
+            base = old_base * ratio
+            if factor is not None and target > 0:
+                log.warning(
+                    "the rebuilt LR schedule is 0 at step %d, where the resumed run's lr was "
+                    "%g: it cannot go on from that value and follows its own from there",
+                    step,
+                    target,
+                )
+        # Unchanged settings give back exactly the saved base (no rounding drift).
+        bases.append(old_base if math.isclose(base, old_base, rel_tol=1e-12) else base)
+    lr_scheduler.base_lrs = bases
+    for group, base, target in zip(optimizer.param_groups, bases, targets):
+        group["lr"] = target
+        if "initial_lr" in group:
+            group["initial_lr"] = base
+    lr_scheduler._last_lr = targets

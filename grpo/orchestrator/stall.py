@@ -1,0 +1,169 @@
+"""The stall watch: a run with no trained step for ``orchestration.stall_timeout_s`` names the
+actor that holds it up.
+
+Progress is a trained step, nothing else: calls that come back empty (a queue take that found
+nothing, a sample that found no batch) say that an actor is alive, not that the run moves.
+Once no step was trained for the timeout, `StallWatch.diagnose` looks at the calls in flight
+and what the collectors report about themselves (`SyncLLMCollector.heartbeat`) and returns a
+`Stall`: the actor, what it is stuck in, and whether replacing it can help. The loop acts on
+it (`Orchestrator._on_stall`): it kills the actor, which the supervisor then replaces like
+one that died, or it stops the run with the stall's message.
+
+Pure Python: the loop gathers the observations, this module only decides.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# A collector whose current engine step has run this long (a decode step takes milliseconds
+# to seconds) is stuck inside vLLM.
+ENGINE_STEP_STUCK_S = 60.0
+# Seconds a call may take at most when nothing is wrong, by kind: a queue take waits 0.5 s and
+# a buffer sample 5 s before they come back empty; the others have no bound of their own.
+_BOUNDED_CALL_S = {"TAKE": 0.5, "SAMPLE": 5.0}
+
+
+@dataclass(frozen=True)
+class CallInFlight:
+    """One call the loop waits for: its kind (``CallKind`` name), actor name and start time."""
+
+    kind: str
+    actor: str
+    started: float
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Who holds the run up.
+
+    Args:
+        actor (str): Its name (``collector[0]``, ``trainer[0]``, ``replay_buffer``, ...).
+        reason (str): What it is stuck in, for the log and the error.
+        replaceable (bool): Whether replacing the actor can help (a frozen or hung actor), or
+            the run must stop (every sample dropped as stale, nothing stuck).
+    """
+
+    actor: str
+    reason: str
+    replaceable: bool
+
+
+class StallWatch:
+    """Measures the time since the last trained step and names what holds the run up.
+
+    Args:
+        timeout_s (float): ``orchestration.stall_timeout_s``.
+        clock (Callable[[], float]): Monotonic seconds (tests pass a fake).
+
+    Example:
+        >>> watch = StallWatch(60.0, clock=lambda: 100.0)
+        >>> watch.overdue()
+        False
+    """
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout_s = float(timeout_s)
+        self.clock = clock
+        self.last_progress = clock()
+        self._dropped_stale_at_progress: float | None = None
+
+    def progressed(self, dropped_stale: float | None = None) -> None:
+        """A step was trained (or the run (re)started): the clock starts again.
+
+        Args:
+            dropped_stale (float | None): The buffer's count of trajectories dropped as stale
+                so far, if known; `diagnose` compares it with the count at a stall.
+        """
+        self.last_progress = self.clock()
+        self._dropped_stale_at_progress = dropped_stale
+
+    def idle_s(self) -> float:
+        """Seconds since the last trained step."""
+        return self.clock() - self.last_progress
+
+    def overdue(self) -> bool:
+        """Whether no step was trained for ``timeout_s``."""
+        return self.idle_s() > self.timeout_s
+
+    def diagnose(
+        self,
+        calls: Sequence[CallInFlight],
+        heartbeats: Mapping[str, dict[str, Any] | None],
+        buffer_stats: Mapping[str, float] | None = None,
+        max_policy_lag: int | None = None,
+    ) -> Stall | None:
+        """Name the actor that holds the run up, or None if every actor is working.
+
+        In order:
+
+        1. a collector that does not answer (``heartbeats[name]`` is None: frozen, or stuck
+           outside Python), or whose current engine step has run for `ENGINE_STEP_STUCK_S`
+           (or the timeout, if that is shorter);
+        2. any other call in flight for the whole timeout or more, the oldest first (a
+           trainer in one step, a reference actor in one scoring call, the buffer or the
+           queue: a queue take comes back after 0.5 s and a sample after 5 s when nothing
+           is wrong);
+        3. the buffer, when it dropped trajectories as stale since the last step and nothing
+           is stuck: the collectors' samples are older than ``max_policy_lag`` allows by the
+           time they reach it, and replacing an actor does not change that.
+
+        A collector that waits on a full rollout queue is never the culprit: it waits for the
+        actors downstream.
+
+        Args:
+            calls (Sequence[CallInFlight]): The loop's calls in flight.
+            heartbeats (Mapping[str, dict | None]): Per collector with a generation call in
+                flight, its `SyncLLMCollector.heartbeat` (None: no answer in time).
+            buffer_stats (Mapping[str, float] | None): The buffer's last stats
+                (``dropped_stale``).
+            max_policy_lag (int | None): ``orchestration.max_policy_lag``, for the message.
+
+        Returns:
+            Stall | None: The culprit; None when every actor is alive and moving (a slow
+            run, not a stalled one).
+        """
+        now = self.clock()
+        for name, beat in sorted(heartbeats.items()):
+            if beat is None:
+                return Stall(name, "does not answer (frozen, or stuck outside Python)", True)
+            in_step = float(beat.get("in_engine_step_s") or 0.0)
+            if in_step >= min(ENGINE_STEP_STUCK_S, self.timeout_s):
+                return Stall(name, f"has been in one vLLM engine step for {in_step:.0f} s", True)
+        stuck = [
+            call
+            for call in calls
+            if call.kind != "GENERATE"
+            and now - call.started >= max(self.timeout_s, 2 * _BOUNDED_CALL_S.get(call.kind, 0))
+        ]
+        if stuck:
+            call = min(stuck, key=lambda c: c.started)
+            doing = {
+                "TRAIN": "one training step",
+                "SCORE": "one scoring call",
+                "ADD": "adding one scored batch",
+                "SAMPLE": "one sample call",
+                "TAKE": "one take from the queue",
+            }.get(call.kind, call.kind.lower())
+            return Stall(call.actor, f"has been in {doing} for {now - call.started:.0f} s", True)
+        dropped = (buffer_stats or {}).get("dropped_stale")
+        before = self._dropped_stale_at_progress
+        if dropped is not None and before is not None and dropped > before:
+            lag = (
+                f"orchestration.max_policy_lag={max_policy_lag}"
+                if max_policy_lag is not None
+                else "max_policy_lag"
+            )
+            return Stall(
+                "replay_buffer",
+                f"dropped {dropped - before:.0f} trajectories as stale since the last trained "
+                f"step ({lag}) and never held a batch: samples are older than the lag allows "
+                "by the time they arrive. Raise orchestration.max_policy_lag, sync weights "
+                "less often (weight_sync.every_n_steps), or generate smaller batches "
+                "(inference.batch_size)",
+                False,
+            )
+        return None

@@ -1,0 +1,90 @@
+"""Faults a run must survive, injected into live actors for tests and drills.
+
+Each ``hang_*`` / ``fail_*`` function runs inside an actor through ``actor.__ray_call__`` (it
+receives the actor's instance), so it lives in an importable module rather than in a test
+file. `faults_at_steps` injects a list of them as a run reaches given steps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+
+def fail_next_weight_receive(collector: Any) -> None:
+    """The collector's next weight transfer fails before it joins its channel (once): the
+    trainer's side then times out, as with a collector that never joined."""
+    from grpo.weights.channel import WeightChannelError
+
+    receiver = collector.weight_channel
+    original = receiver.receive
+
+    def receive(*args: Any, **kwargs: Any) -> Any:
+        receiver.receive = original
+        raise WeightChannelError(f"weight channel to {receiver.owner}: did not join (injected)")
+
+    receiver.receive = receive
+
+
+def hang_engine_step(collector: Any) -> None:
+    """The collector's vLLM engine step never returns (as a wedged kernel or driver would)."""
+    collector.llm.llm_engine.step = lambda: time.sleep(10**6)
+
+
+def hang_training_step(trainer: Any) -> None:
+    """The trainer's next training step never returns."""
+    trainer._plan_micro_batches = lambda batch: time.sleep(10**6)
+
+
+def freeze(actor: Any) -> None:
+    """SIGSTOP the actor's process (on this machine), never continued."""
+    import ray
+
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+
+
+def faults_at_steps(run: Any, faults: list[tuple[int, str, Any]]) -> list[str]:
+    """In a background thread, inject each ``(step, actor name, fault)`` once the run reached
+    that step and every earlier fault was handled (a replacement, or a transfer retried).
+
+    Args:
+        run (Orchestrator): A started run.
+        faults (list): ``(step, name, fault)``: ``fault`` is `freeze` or a function run in
+            the actor (`fail_next_weight_receive`, `hang_engine_step`, `hang_training_step`);
+            the actor is the one of that name then (a replacement after an earlier fault).
+
+    Returns:
+        list[str]: Filled with ``"fault@step"`` as each is injected (or why it failed).
+    """
+    import ray
+
+    from grpo.orchestrator.supervisor import role_and_index
+
+    done: list[str] = []
+
+    def handled() -> int:
+        return len(run.recoveries) + run.weights.retries
+
+    def inject() -> None:
+        for step, name, fault in faults:
+            deadline = time.monotonic() + 300
+            while run.state.step < step or handled() < len(done):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            actor = run.actors.actor(*role_and_index(name))
+            try:
+                if fault is freeze:
+                    freeze(actor)
+                else:
+                    ray.get(actor.__ray_call__.remote(fault))
+                done.append(f"{fault.__name__}@{run.state.step}")
+            except Exception as error:  # noqa: BLE001 - the caller's assertion reports it
+                done.append(f"{fault.__name__}@{step} failed: {error!r}")
+
+    threading.Thread(target=inject, daemon=True).start()
+    return done
