@@ -10,6 +10,8 @@ restarted from its latest checkpoint).
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ def test_hangs_and_failed_transfers_are_named_and_handled(
         num_steps,
         f"orchestration.stall_timeout_s={STALL_TIMEOUT_S}",
         "orchestration.max_actor_restarts=4",
-        "checkpoint.save_every_n_steps=2",
+        "checkpoint.save_every_n_steps=3",
         "weight_sync.timeout_s=5",
         "inference.max_generated_tokens=8",
         "inference.batch_size=4",
@@ -55,7 +57,7 @@ def test_hangs_and_failed_transfers_are_named_and_handled(
             (2, "collector[0]", fail_next_weight_receive),
             (4, "collector[0]", hang_engine_step),
             (6, "collector[0]", freeze),
-            (9, "trainer[0]", hang_training_step),
+            (7, "trainer[0]", hang_training_step),
         ],
     )
     started = time.monotonic()
@@ -72,9 +74,14 @@ def test_hangs_and_failed_transfers_are_named_and_handled(
     # The hung and the frozen collector and the hung trainer were each named and replaced.
     assert [r.actor for r in run.recoveries] == ["collector[0]", "collector[0]", "trainer[0]"]
     assert run.stalls >= 2
-    assert run.steps_redone >= 1  # the trainer hung at step 9 went back to step 8
-    # Nothing lost, nothing trained twice: the scored sequence ids of each collector have no
-    # gap, and the standing trained records name each trajectory once.
+    # Nothing lost, nothing trained twice: the scored sequence ids (``w0-0, w0-1, ...`` in
+    # generation order) have no gap, and the standing trained records name each trajectory once.
+    scored = {
+        int(sid.split("-")[1])
+        for record in read_jsonl(run_dir / "scored.jsonl")
+        for sid in record.get("sequence_ids", [])
+    }
+    assert scored == set(range(max(scored) + 1))
     trained = records_after_rewinds(read_jsonl(run_dir / "trained.jsonl"))
     assert [r["step"] for r in trained] == list(range(1, num_steps + 1))
     trained_ids = [sid for r in trained for sid in r["sequence_ids"]]
@@ -82,3 +89,40 @@ def test_hangs_and_failed_transfers_are_named_and_handled(
     # Each stall is handled within the stall timeout plus one look (heartbeat, kill) and the
     # replacement's start; the whole run stays far below what waiting them out would take.
     assert seconds < 600
+
+
+def _busy_loop() -> None:
+    os.nice(15 - os.nice(0))  # Ray's actors run at nice 15: compete with them on equal terms
+    while True:
+        pass
+
+
+def test_the_demo_finishes_beside_cpu_bound_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_cleanup: Any
+) -> None:
+    """The demo, with fewer steps, while busy processes keep the load at 3x the cores
+    (`scripts/load_test.py` runs the whole demo so, back to back): every step is trained."""
+    from grpo.cli import main as grpo_main
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    hogs = [
+        multiprocessing.get_context("fork").Process(target=_busy_loop, daemon=True)
+        for _ in range(3 * (os.cpu_count() or 1))
+    ]
+    for hog in hogs:
+        hog.start()
+    try:
+        code = grpo_main(
+            [
+                *("run", "async_grpo", "--config", "tiny_arithmetic_cpu"),
+                f"output_dir={tmp_path / 'demo'}",
+                "orchestration.num_steps=12",
+                "eval_every_n_steps=null",
+            ]
+        )
+    finally:
+        for hog in hogs:
+            hog.kill()
+    assert code == 0
+    trained = records_after_rewinds(read_jsonl(tmp_path / "demo" / "trained.jsonl"))
+    assert [r["step"] for r in trained] == list(range(1, 13))

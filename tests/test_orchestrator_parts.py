@@ -282,13 +282,21 @@ def test_stall_watch_names_who_holds_the_run_up():
     scoring = CallInFlight("SCORE", "ref_actor[1]", now - 61)
     stall = watch.diagnose([training, scoring, take, sample], {})
     assert stall.actor == "ref_actor[1]"
-    # Nothing stuck, but samples dropped as stale since the last step: the buffer, for good.
+    # Nothing stuck, but samples dropped as stale since the last step, and again since the
+    # previous look: the buffer, for good.
+    assert watch.diagnose([take], {"collector[0]": moving}, {"dropped_stale": 30}, 0) is None
     stall = watch.diagnose(
         [generating, take, sample], {"collector[0]": moving}, {"dropped_stale": 42}, 0
     )
     assert (stall.actor, stall.replaceable) == ("replay_buffer", False)
     assert "dropped 32 trajectories as stale" in stall.reason
     assert "orchestration.max_policy_lag=0" in stall.reason
+    # While a replacement catches up, its first samples are stale: that waits.
+    stale = {"dropped_stale": 42}
+    assert watch.diagnose([take], {"collector[0]": moving}, stale, 0, recovering=True) is None
+    # A replaced buffer counts its drops from 0.
+    stall = watch.diagnose([take], {"collector[0]": moving}, {"dropped_stale": 5}, 0)
+    assert stall.actor == "replay_buffer" and "dropped 5 trajectories" in stall.reason
     # Everyone working, nothing dropped: a slow run, not a stalled one.
     assert (
         watch.diagnose([generating, take, sample], {"collector[0]": moving}, {"dropped_stale": 10})

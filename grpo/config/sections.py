@@ -85,8 +85,10 @@ class OrchestrationConfig(Section):
     """Drop trajectories generated more than this many weight versions ago (0: strictly
     on-policy)."""
     stall_timeout_s: float = Field(600.0, gt=0)
-    """Abort the run when no actor finishes any work for this many seconds, or when every group
-    scored while waiting this long for a batch had equal rewards
+    """With no training step for this many seconds, replace the actor that holds the run up (a
+    frozen or hung collector, a trainer stuck in a step, an actor stuck in one call), or stop
+    naming it when replacing cannot help (every sample dropped as stale); also stop when every
+    group scored while waiting this long for a batch had equal rewards
     (ref.filter_zero_variance_groups)."""
     max_actor_restarts: int = Field(3, ge=0)
     """Times each collector, reference actor and the replay buffer may be restarted after dying

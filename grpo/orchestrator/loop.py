@@ -50,7 +50,7 @@ from grpo.orchestrator.supervisor import (
     actor_started,
 )
 from grpo.weights.base import COLLECTOR_HEALTH_GROUP
-from grpo.weights.sync import WeightSync
+from grpo.weights.sync import START_UP_LIMIT_S, WeightSync
 
 log = logging.getLogger("grpo")
 
@@ -65,9 +65,6 @@ _RESTART_ATTEMPTS = 3
 # run up, and how long a collector has to answer its heartbeat.
 _STALL_CHECK_EVERY_S = 10.0
 _HEARTBEAT_TIMEOUT_S = 10.0
-# A collector that has not answered once yet is starting up (a vLLM engine loading a large
-# model takes minutes): silence is not frozen until it has taken this long.
-_START_UP_LIMIT_S = 600.0
 
 
 class Orchestrator:
@@ -296,22 +293,23 @@ class Orchestrator:
             RunStalledError: When replacing cannot help; the message names the actor.
         """
         timeout_s = self.stall_watch.timeout_s
+        # Calls that finished but were not handed to their handler yet are not stuck.
+        finished = set(ray.wait(list(self._calls), num_returns=len(self._calls), timeout=0)[0])
         now = time.monotonic()
 
         # An actor that has not answered once yet is starting up (a vLLM engine loading a
         # large model takes minutes): its silence is not a stall until it took too long.
         def started_up(call: Call) -> bool:
-            if call.actor_id in self._answered or now - call.started > _START_UP_LIMIT_S:
+            if call.actor_id in self._answered or now - call.started > START_UP_LIMIT_S:
                 return True
             if actor_started(call.actor):
                 self._answered.add(call.actor_id)
                 return True
             return False
 
+        pending = [call for ref, call in self._calls.items() if ref not in finished]
         generating = {
-            actor_name(Role.COLLECTOR, c.index): c
-            for c in self._calls.values()
-            if c.kind is CallKind.GENERATE
+            actor_name(Role.COLLECTOR, c.index): c for c in pending if c.kind is CallKind.GENERATE
         }
         beats = {
             name: call.actor.heartbeat.options(concurrency_group=COLLECTOR_HEALTH_GROUP).remote()
@@ -328,11 +326,17 @@ class Orchestrator:
                     heartbeats[name] = None  # frozen, or dead (replaced when its call fails)
         calls = [
             CallInFlight(c.kind.name, actor_name(c.kind.role, c.index), c.started)
-            for c in self._calls.values()
+            for c in pending
             if c.kind is not CallKind.GENERATE and started_up(c)
         ]
         stall = self.stall_watch.diagnose(
-            calls, heartbeats, self._buffer_stats, self.cfg.orchestration.max_policy_lag
+            calls,
+            heartbeats,
+            self._buffer_stats,
+            self.cfg.orchestration.max_policy_lag,
+            # A replacement's first samples carry the weights it started from until it caught
+            # up: drops as stale then say nothing about the lag.
+            recovering=bool(self.actors.recovering),
         )
         idle = self.stall_watch.idle_s()
         if stall is None:
@@ -617,6 +621,7 @@ class Orchestrator:
         step = self.state.step
         if evaluate is not None and eval_every and step % eval_every == 0:
             self.state.eval_history.append((step, evaluate(step)))
+            self.stall_watch.progressed(self._buffer_stats.get("dropped_stale"))
         self._stop_if_failing(metrics)
         if self._checkpoint_due(step):
             self.save_checkpoint()
@@ -631,6 +636,7 @@ class Orchestrator:
         self.checkpointer.pipeline = [self.actors, self.inflight]
         retries, self.weights = self.weights.retries, self._new_weight_sync()
         self.weights.retries = retries  # the run's count goes on
+        self._buffer_stats, self._answered = {}, set()
         self.actors.restart_pipeline(self._pad_token_id, checkpoint)
         if checkpoint is not None:
             self.restore(checkpoint)
@@ -849,6 +855,8 @@ class Orchestrator:
         )
         self.state.last_metrics = step_metrics(metrics, summary["stats"], queues)
         self._log(self.state.last_metrics, step)
+        # The sync (which may have replaced a collector) is the driver's time, not a stall.
+        self.stall_watch.progressed(summary["stats"].get("dropped_stale"))
 
     def _sync_weights(self) -> dict[str, float]:
         """Send the trainers' weights to every collector; the one place the version moves."""

@@ -70,6 +70,7 @@ class StallWatch:
         self.clock = clock
         self.last_progress = clock()
         self._dropped_stale_at_progress: float | None = None
+        self._dropped_stale_at_last_look: float | None = None
 
     def progressed(self, dropped_stale: float | None = None) -> None:
         """A step was trained (or the run (re)started): the clock starts again.
@@ -80,6 +81,7 @@ class StallWatch:
         """
         self.last_progress = self.clock()
         self._dropped_stale_at_progress = dropped_stale
+        self._dropped_stale_at_last_look: float | None = None
 
     def idle_s(self) -> float:
         """Seconds since the last trained step."""
@@ -95,6 +97,7 @@ class StallWatch:
         heartbeats: Mapping[str, dict[str, Any] | None],
         buffer_stats: Mapping[str, float] | None = None,
         max_policy_lag: int | None = None,
+        recovering: bool = False,
     ) -> Stall | None:
         """Name the actor that holds the run up, or None if every actor is working.
 
@@ -107,9 +110,11 @@ class StallWatch:
            trainer in one step, a reference actor in one scoring call, the buffer or the
            queue: a queue take comes back after 0.5 s and a sample after 5 s when nothing
            is wrong);
-        3. the buffer, when it dropped trajectories as stale since the last step and nothing
-           is stuck: the collectors' samples are older than ``max_policy_lag`` allows by the
-           time they reach it, and replacing an actor does not change that.
+        3. the buffer, when it dropped trajectories as stale since the last step, and again
+           since the previous look, and nothing is stuck: the collectors' samples are older
+           than ``max_policy_lag`` allows by the time they reach it, and replacing an actor
+           does not change that. (Old samples dropped once after a disruption, while fresh
+           ones fill the buffer, are not that: they stop being dropped.)
 
         A collector that waits on a full rollout queue is never the culprit: it waits for the
         actors downstream.
@@ -121,6 +126,8 @@ class StallWatch:
             buffer_stats (Mapping[str, float] | None): The buffer's last stats
                 (``dropped_stale``).
             max_policy_lag (int | None): ``orchestration.max_policy_lag``, for the message.
+            recovering (bool): A replaced actor has not worked yet: stale drops then come
+                from a replacement that has not caught up, and rule 3 waits.
 
         Returns:
             Stall | None: The culprit; None when every actor is alive and moving (a slow
@@ -151,7 +158,13 @@ class StallWatch:
             return Stall(call.actor, f"has been in {doing} for {now - call.started:.0f} s", True)
         dropped = (buffer_stats or {}).get("dropped_stale")
         before = self._dropped_stale_at_progress
-        if dropped is not None and before is not None and dropped > before:
+        last_look, self._dropped_stale_at_last_look = self._dropped_stale_at_last_look, dropped
+        if dropped is not None and before is not None and dropped < before:
+            before = 0.0  # a replaced buffer counts from 0
+        if dropped is not None and last_look is not None and dropped < last_look:
+            last_look = 0.0
+        still_dropping = dropped is not None and last_look is not None and dropped > last_look
+        if not recovering and still_dropping and before is not None and dropped > before:
             lag = (
                 f"orchestration.max_policy_lag={max_policy_lag}"
                 if max_policy_lag is not None

@@ -70,15 +70,21 @@ class WeightTransport(ABC):
         return 1.5 * self.config.timeout_s + 10.0
 
     def wait(self, name: str, refs: list[Any]) -> None:
-        """Wait for a transfer's calls; a failure or a timeout is a `WeightTransferError`.
+        """Wait for a transfer's calls in order, within `wait_limit_s` in all; a failure or a
+        timeout is a `WeightTransferError` (the first call's failure is seen before the next
+        is waited for: a collector that died does not wait out the trainer's timeout).
 
         Raises:
             WeightTransferError: Naming the collector and the cause.
+            RayActorError: The actor of a call died.
         """
+        import time
+
         import ray
 
-        ray.wait(refs, num_returns=len(refs), timeout=self.wait_limit_s())
+        deadline = time.monotonic() + self.wait_limit_s()
         for ref in refs:
+            ray.wait([ref], timeout=max(deadline - time.monotonic(), 0.0))
             try:
                 ray.get(ref, timeout=0)
             except ray.exceptions.GetTimeoutError as error:
@@ -86,10 +92,13 @@ class WeightTransport(ABC):
                     f"weight transfer to {name} did not finish within {self.wait_limit_s():.0f} s "
                     f"(weight_sync.timeout_s={self.config.timeout_s:g})"
                 ) from error
-            except ray.exceptions.RayTaskError as error:
-                cause = str(error.cause if error.cause is not None else error).splitlines()
+            except ray.exceptions.RayActorError:
+                raise
+            except ray.exceptions.RayError as error:  # the call raised, or its result was lost
+                cause = getattr(error, "cause", None)
+                lines = str(cause if cause is not None else error).splitlines()
                 raise WeightTransferError(
-                    f"weight transfer to {name} failed: {cause[-1] if cause else error}"
+                    f"weight transfer to {name} failed: {lines[-1] if lines else error}"
                 ) from error
 
     @abstractmethod

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpo.config.sections import WeightSyncConfig
-from grpo.errors import WeightTransferError
+from grpo.errors import ActorFailedError, TrainerDiedError, WeightTransferError
 from grpo.weights.base import COLLECTOR_HEALTH_GROUP, GetAll
 from grpo.weights.transports import make_transport
 
@@ -27,6 +27,9 @@ log = logging.getLogger("grpo")
 # How long a collector has to answer a heartbeat before a failed transfer is retried: one that
 # does not answer is frozen, and is replaced instead.
 _HEARTBEAT_TIMEOUT_S = 10.0
+# How long a collector may take to start (its constructor: a vLLM engine loading a model)
+# before a transfer to it counts as failed.
+START_UP_LIMIT_S = 600.0
 
 # ``replace_collector(index, collector, error)``: kill a collector that cannot receive, start a
 # new one at its index and catch it up (which sends it the latest weights).
@@ -112,12 +115,15 @@ class WeightSync:
             index (int): Its index among the collectors.
         """
         if state is not None:
-            # The stream position only: the replacement labels its samples with the version of
-            # the weights it was started from until the latest ones, sent next, arrive.
+            # The stream position only: the version is that of the weights it holds.
             self._get_all([collector.load_state_dict.remote(state)], f"{name} restart")
         self.transport.forget(name)
         if self.last_payload is not None:
             self._send([(index, collector)], self.last_payload)
+            if not self.wait_for_receipt:
+                # Received before its first batch: a batch sampled with the weights it started
+                # from would be stale on arrival and dropped.
+                self._settle(index, collector)
 
     def _send(self, collectors: list[tuple[int, Any]], payload: dict[str, Any]) -> None:
         """Send ``payload`` to each ``(index, collector)``, once its previous transfer is done."""
@@ -138,6 +144,9 @@ class WeightSync:
             there was none).
         """
         name = f"collector[{index}]"
+        # A collector still starting up (a vLLM engine loading) cannot receive yet: its
+        # transfer waits for it rather than failing (the old way, with no limit of its own).
+        self._wait_started(collector)
         try:
             self.transport.finish(collector)
             return False
@@ -147,16 +156,30 @@ class WeightSync:
             self.retries += 1
             log.warning("%s; sending the weights again on a fresh channel", failure)
             self.transport.forget(name)  # the next send opens a new channel
-            self.transport.send(self._sender, name, collector, self.last_payload)
             try:
+                self.transport.send(self._sender, name, collector, self.last_payload)
                 self.transport.finish(collector)
                 return True
-            except WeightTransferError as error:
+            except TrainerDiedError:
+                raise
+            except (WeightTransferError, ActorFailedError) as error:
                 failure = error
         log.warning("%s; replacing %s", failure, name)
         self.transport.forget(name)
         self.replace_collector(index, collector, failure)
         return True
+
+    @staticmethod
+    def _wait_started(collector: Any) -> None:
+        """Wait (at most `START_UP_LIMIT_S`) for a collector whose constructor still runs."""
+        import ray
+
+        try:
+            if ray._private.state.actors(collector._actor_id.hex()).get("State") == "ALIVE":
+                return
+        except Exception:  # noqa: BLE001 - a private API: if it moved, do not wait
+            return
+        ray.wait([collector.__ray_ready__.remote()], timeout=START_UP_LIMIT_S)
 
     @staticmethod
     def _answers(collector: Any) -> bool:
@@ -183,7 +206,9 @@ class WeightSync:
         )
         expected = trainer_sums[0]
         for index, collector in enumerate(list(collectors)):
-            self._settle(index, collector)
+            if self._settle(index, collector):
+                # Sent again, or replaced and caught up: wait for that transfer too.
+                self._settle(index, collectors[index])
         self._get_all(
             [c.apply_pending_weights.remote() for c in collectors], "collector weight update"
         )

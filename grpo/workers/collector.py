@@ -712,8 +712,23 @@ class SyncLLMCollector:
             if applied.probe is not None:
                 self._check_probe(applied.probe, applied.version)
         except WeightSyncError as error:
+            # The tokens sampled while the probe ran, by samples still running and by those
+            # that finished meanwhile (held for the next `_step`), came from the rejected
+            # weights.
+            rejected = self._sampling_version
             self._sampling_version = UNVERIFIED_VERSION
             self._mark_token_versions()
+            if rejected != self.policy_version:
+                self._held_outputs = [
+                    (
+                        output,
+                        [
+                            [(UNVERIFIED_VERSION if v == rejected else v, n) for v, n in sample]
+                            for sample in runs
+                        ],
+                    )
+                    for output, runs in self._held_outputs
+                ]
             if not self._can_roll_back:
                 self._weights_error = str(error)
                 raise WeightSyncError(
