@@ -584,6 +584,7 @@ def test_collective_sync_from_a_trainer_actor_and_a_replacement_joins_a_new_pair
     from ray.util.queue import Queue
 
     from grpo.config import WeightSyncConfig
+    from grpo.testing.faults import delay_next_weight_send
     from grpo.weights.collective import TRAINER_CONCURRENCY_GROUPS
     from grpo.weights.sync import WeightSync
     from grpo.workers.collector import InferenceConfig, SyncLLMCollector
@@ -597,7 +598,7 @@ def test_collective_sync_from_a_trainer_actor_and_a_replacement_joins_a_new_pair
         rank=0,
         world_size=1,
         model_dir=str(model_dir),
-        num_steps=4,
+        num_steps=8,
         target_tokens_per_batch=256,
         pad_token_id=0,
         config=TrainingConfig(optimizer={"_component_": "torch.optim.SGD", "lr": 1.0}),
@@ -644,17 +645,30 @@ def test_collective_sync_from_a_trainer_actor_and_a_replacement_joins_a_new_pair
         assert sync.verify([trainer], [collector])
         assert ray.get(collector.get_policy_version.remote()) == 3
 
+        # A send whose thread starts late (a busy machine) is finished before the next gather
+        # replaces the version the trainer holds: no transfer fails, none is sent again.
+        ray.get(trainer.__ray_call__.remote(delay_next_weight_send))
+        ray.get(trainer.train_step.remote(batch))
+        sync.sync([trainer], [collector])
+        ray.get(trainer.train_step.remote(batch))
+        sync.sync([trainer], [collector])
+        ray.get(trainer.train_step.remote(batch))
+        assert sync.sync([trainer], [collector])[0] == 6
+        assert sync.verify([trainer], [collector])
+        assert ray.get(collector.get_policy_version.remote()) == 6
+        assert sync.retries == 0
+
         # A dead collector's replacement joins a new pair, catches up, then takes the next sync.
         ray.kill(collector, no_restart=True)
         collector = new_collector()
         sync.catch_up(collector, None, "collector[0]")
         assert sync.verify([trainer], [collector])
-        assert ray.get(collector.get_policy_version.remote()) == 3
+        assert ray.get(collector.get_policy_version.remote()) == 6
         ray.get(trainer.train_step.remote(batch))
         sync.wait_for_receipt = True
-        assert sync.sync([trainer], [collector])[0] == 4
+        assert sync.sync([trainer], [collector])[0] == 7
         assert sync.verify([trainer], [collector])
-        assert ray.get(collector.get_policy_version.remote()) == 4
+        assert ray.get(collector.get_policy_version.remote()) == 7
     finally:
         ray.kill(collector)
         ray.kill(trainer)

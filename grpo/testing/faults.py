@@ -29,6 +29,20 @@ def fail_next_weight_receive(collector: Any) -> None:
     receiver.receive = receive
 
 
+def delay_next_weight_send(trainer: Any, seconds: float = 3.0) -> None:
+    """Trainer rank 0's next weight send starts ``seconds`` late (once), as its thread can on a
+    busy machine while the next training step runs."""
+    sender = trainer.weight_channels
+    original = sender.send
+
+    def send(*args: Any, **kwargs: Any) -> float:
+        sender.send = original
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    sender.send = send
+
+
 def hang_engine_step(collector: Any) -> None:
     """The collector's vLLM engine step never returns (as a wedged kernel or driver would)."""
     collector.llm.llm_engine.step = lambda: time.sleep(10**6)

@@ -88,6 +88,9 @@ class ChannelSender:
             raise WeightChannelError(f"{self.owner} has no weight channel to {collector}")
         held_version, hf_state = self._outgoing or (None, None)
         if held_version != version:
+            # Closed, so that the collector waiting on the other end fails now rather than at
+            # its timeout; the next send opens a new channel.
+            self.close(collector)
             raise ValueError(
                 f"send to {collector}: asked for version {version}, {self.owner} holds "
                 f"version {held_version} (gather the weights for the collective transport first)"

@@ -88,10 +88,18 @@ class WeightSync:
             and the total.
         """
         start = time.perf_counter()
+        # The previous version's transfers finish before the next gather. Trainer rank 0
+        # holds one version, the last gathered: a send of the previous one that had not
+        # started yet (on a busy machine its thread can lag a whole training step behind)
+        # would find it replaced, and its collector would wait for a broadcast that never
+        # comes.
+        for index, collector in enumerate(list(collectors)):
+            self._settle(index, collector)
+        gather_start = time.perf_counter()
         gathered = self.transport.gather(trainers)
         self._get_all(gathered[1:], "trainer weight gather")
         payload = self._get_all([gathered[0]], "trainer[0] weight gather")[0]
-        gather_time = time.perf_counter() - start
+        gather_time = time.perf_counter() - gather_start
         self._sender = trainers[0]
         self.last_payload = payload
         self._send(list(enumerate(collectors)), payload)
