@@ -119,7 +119,9 @@ def test_roles_run_on_their_nodes_and_lost_nodes_lose_nothing(
     monkeypatch.setenv("WANDB_MODE", "disabled")
     cluster, rollout_nodes, learners = cluster
     run_dir = tmp_path / "run"
-    num_steps = 10
+    # Room after the second node loss (step 6): removing a node takes seconds, and a run that
+    # had finished meanwhile would never see its trainer die.
+    num_steps = 14
     run = start_tiny_run(
         tiny_model_dir,
         run_dir,
