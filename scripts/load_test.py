@@ -20,7 +20,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import subprocess
@@ -34,6 +33,7 @@ from bench_common import load_average, print_table
 
 from grpo.config import repo_root
 from grpo.observability.metrics import records_after_rewinds
+from grpo.testing import read_jsonl
 
 
 def busy_loop(nice: int) -> None:
@@ -54,10 +54,9 @@ def start_load(processes: int, nice: int) -> list[multiprocessing.Process]:
     return hogs
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def records(path: Path) -> list[dict[str, Any]]:
+    """A run's JSON-lines file; none when the run stopped before writing it."""
+    return read_jsonl(path) if path.is_file() else []
 
 
 def one_run(run_dir: Path, steps: int, seed: int, timeout_s: float) -> dict[str, Any]:
@@ -84,8 +83,8 @@ def one_run(run_dir: Path, steps: int, seed: int, timeout_s: float) -> dict[str,
         exit_code = "timeout"
         output = (timeout.stdout or b"").decode() + (timeout.stderr or b"").decode()
     seconds = time.monotonic() - started
-    trained = records_after_rewinds(read_jsonl(run_dir / "trained.jsonl"))
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    trained = records_after_rewinds(records(run_dir / "trained.jsonl"))
+    metrics = records(run_dir / "metrics.jsonl")
 
     def last(key: str) -> float:
         values = [m[key] for m in metrics if key in m]

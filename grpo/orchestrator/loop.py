@@ -50,7 +50,7 @@ from grpo.orchestrator.supervisor import (
     actor_started,
 )
 from grpo.weights.base import COLLECTOR_HEALTH_GROUP
-from grpo.weights.sync import START_UP_LIMIT_S, WeightSync
+from grpo.weights.sync import HEARTBEAT_TIMEOUT_S, START_UP_LIMIT_S, WeightSync
 
 log = logging.getLogger("grpo")
 
@@ -62,9 +62,8 @@ _SAMPLE_WAIT_S = 5.0
 # Tries at starting the actors again after a trainer died (see _restart_from_checkpoint).
 _RESTART_ATTEMPTS = 3
 # Once no step was trained for stall_timeout_s: seconds between two looks at who holds the
-# run up, and how long a collector has to answer its heartbeat.
+# run up.
 _STALL_CHECK_EVERY_S = 10.0
-_HEARTBEAT_TIMEOUT_S = 10.0
 
 
 class Orchestrator:
@@ -315,7 +314,7 @@ class Orchestrator:
             name: call.actor.heartbeat.options(concurrency_group=COLLECTOR_HEALTH_GROUP).remote()
             for name, call in generating.items()
         }
-        ray.wait(list(beats.values()), num_returns=len(beats), timeout=_HEARTBEAT_TIMEOUT_S)
+        ray.wait(list(beats.values()), num_returns=len(beats), timeout=HEARTBEAT_TIMEOUT_S)
         heartbeats: dict[str, dict[str, Any] | None] = {}
         for name, ref in beats.items():
             try:

@@ -24,9 +24,9 @@ from grpo.weights.transports import make_transport
 
 log = logging.getLogger("grpo")
 
-# How long a collector has to answer a heartbeat before a failed transfer is retried: one that
-# does not answer is frozen, and is replaced instead.
-_HEARTBEAT_TIMEOUT_S = 10.0
+# How long a collector has to answer a heartbeat (before a failed transfer is retried, and
+# when the stall watch looks): one that does not answer is frozen, and is replaced.
+HEARTBEAT_TIMEOUT_S = 10.0
 # How long a collector may take to start (its constructor: a vLLM engine loading a model)
 # before a transfer to it counts as failed.
 START_UP_LIMIT_S = 600.0
@@ -196,7 +196,7 @@ class WeightSync:
 
         ref = collector.heartbeat.options(concurrency_group=COLLECTOR_HEALTH_GROUP).remote()
         try:
-            ray.get(ref, timeout=_HEARTBEAT_TIMEOUT_S)
+            ray.get(ref, timeout=HEARTBEAT_TIMEOUT_S)
             return True
         except Exception:  # noqa: BLE001 - no answer in time, or dead: either way, replace it
             return False
