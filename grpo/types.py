@@ -290,7 +290,7 @@ class PackedTrajectory:
     to earlier tokens of its own sequence) and ``position_ids`` that restart at 0 per sequence.
     Padding, if any, is one extra block at the tail with ``sequence_mask == -1``.
 
-    With shared prompts (`grpo.packing.pack_sequences` with ``share_prompts``), sequences of
+    With shared prompts (`grpo.packing.packs.pack_sequences` with ``share_prompts``), sequences of
     one group with the same prompt are laid out as ``[P R1 R2 ... RG]``: the prompt once, each
     response after it with position ids continuing from ``prompt_len`` and attending to the
     whole prompt and to its own earlier tokens only.
@@ -304,7 +304,7 @@ class PackedTrajectory:
     Args:
         tokens (torch.Tensor): Shape ``(packed_seq_len,)``.
         attention_mask (torch.Tensor | BlockMask | VarlenMask): Dense bool ``(L, L)`` (True =
-            may attend), a FlexAttention ``BlockMask`` or a `grpo.attention.VarlenMask`.
+            may attend), a FlexAttention ``BlockMask`` or a `grpo.packing.attention.VarlenMask`.
         position_ids (torch.Tensor): Shape ``(packed_seq_len,)``, restarting at 0 per sequence.
         response_mask (torch.Tensor): Bool, True on response tokens, shape ``(packed_seq_len,)``.
         sequence_mask (torch.Tensor): Index of the sequence each token belongs to (a shared
@@ -422,7 +422,7 @@ class GRPOStats:
         policy_loss (torch.Tensor): Clipped surrogate part.
         kl_loss (torch.Tensor): ``kl_coeff`` times the KL estimate.
         ratios (torch.Tensor): Mean over response tokens of the clipped objective's ratio:
-            ``exp(pi - behaviour)`` by default (see `grpo.loss.GRPOWithChunkedOutputLoss` for
+            ``exp(pi - behaviour)`` by default (see `grpo.objective.loss.GRPOLoss` for
             the TIS and sequence-level variants).
         clipfrac (torch.Tensor): Fraction of response tokens whose ratio was clipped.
         approx_policy_kls (torch.Tensor): Mean of ``0.5 * (pi - behaviour)^2``.

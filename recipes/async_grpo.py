@@ -49,7 +49,6 @@ from grpo.errors import (
     NoInformativeGroupsError,
     TrainingDivergedError,
 )
-from grpo.evaluation import HeldOutEvaluator
 from grpo.models import load_tokenizer
 from grpo.observability.console import (
     print_end,
@@ -59,6 +58,7 @@ from grpo.observability.console import (
     write_plots,
 )
 from grpo.orchestrator import Orchestrator, check_placement, find_checkpoint, init_ray
+from grpo.orchestrator.evaluation import HeldOutEvaluator
 from grpo.recipe import run_recipe_cli
 from grpo.rewards import reward_name
 from grpo.workers.collector import build_environment

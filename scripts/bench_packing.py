@@ -24,7 +24,7 @@ one run:
   peak counter, and tracemalloc does not see torch's allocations.
 
 FlexAttention has no CPU backward in torch 2.13, so on CPU the flex mask is measured forward
-only; ``varlen`` (per-sequence causal SDPA, `grpo.attention.VarlenMask`) is the CPU training
+only; ``varlen`` (per-sequence causal SDPA, `grpo.packing.attention.VarlenMask`) is the CPU training
 path, and dense is shown for reference.
 
 Usage:
@@ -51,8 +51,8 @@ import torch
 from torch import nn
 from torchtune.models.qwen2 import qwen2
 
-from grpo.attention import packed_attention, use_packed_attention
-from grpo.packing import FLEX_BUCKET, packed_forward_inputs
+from grpo.packing.attention import packed_attention, use_packed_attention
+from grpo.packing.packs import FLEX_BUCKET, packed_forward_inputs
 from grpo.testing.packing import logprobs_from_logits, pack_by_budget, padding_fraction
 from grpo.types import PackedTrajectory, ScoredTrajectory
 

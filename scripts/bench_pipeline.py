@@ -71,7 +71,6 @@ import torch  # noqa: E402
 from bench_common import load_average, print_table
 
 from grpo.config import repo_root  # noqa: E402
-from grpo.logprobs import model_response_logprobs  # noqa: E402
 from grpo.models import build_model, load_hf_config, tune_to_hf_state_dict  # noqa: E402
 from grpo.observability.metrics import (  # noqa: E402
     GENERATION_BUSY,
@@ -79,7 +78,8 @@ from grpo.observability.metrics import (  # noqa: E402
     STEP_WALL,
     WALL_PARTS,
 )
-from grpo.packing import (  # noqa: E402
+from grpo.packing.logprobs import model_response_logprobs  # noqa: E402
+from grpo.packing.packs import (  # noqa: E402
     pack_sequences,
     plan_sequence_packs,
     unpack_response_logprobs,
@@ -647,7 +647,7 @@ def bench_ref_logprobs(
     Raises:
         AssertionError: If packed and one-at-a-time logprobs differ by more than 1e-4.
     """
-    from grpo.attention import use_packed_attention
+    from grpo.packing.attention import use_packed_attention
 
     # Dense masks take torchtune's unchanged SDPA path; varlen needs the patched attention.
     model = use_packed_attention(build_model(model_dir).eval())
@@ -752,7 +752,7 @@ def bench_train_step(
     Raises:
         AssertionError: If the two give gradients that differ by more than 1e-4 of their scale.
     """
-    from grpo.attention import use_packed_attention
+    from grpo.packing.attention import use_packed_attention
 
     model = use_packed_attention(build_model(model_dir).train())
     grads = []

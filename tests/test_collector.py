@@ -355,7 +355,7 @@ def test_behaviour_and_trainer_logprobs_are_those_of_the_sampling_temperature(
     from grpo.types import ScoredTrajectory
     from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
 
-    loss = {"_component_": "grpo.loss.GRPOWithChunkedOutputLoss", "kl_coeff": 0.0}
+    loss = {"_component_": "grpo.objective.loss.GRPOLoss", "kl_coeff": 0.0}
     config = TrainingConfig(optimizer={"_component_": "torch.optim.SGD", "lr": 1e-9}, loss=loss)
     trainer = PyTorchActorModel(
         rank=0,

@@ -581,7 +581,7 @@ def test_a_resume_may_not_change_what_its_checkpoint_was_made_for(config_path, t
 
 @pytest.mark.parametrize("name", list_configs())
 def test_shipped_configs_validate_against_the_real_components(name, tmp_path):
-    # The real components (grpo.loss, grpo.models, ...) are imported: this catches a config
+    # The real components (grpo.objective.loss, grpo.models, ...) are imported: this catches a config
     # keyword the code does not take. The model folder and cluster size stand in for the real
     # ones, which this machine does not have.
     model_dir = make_fake_model_dir(tmp_path / "model", max_position_embeddings=32768)
@@ -962,7 +962,7 @@ def test_top_p_below_one_and_raw_behaviour_logprobs_are_refused(config_path):
 
 
 def test_clip_settings_that_tis_with_one_epoch_ignores_are_named(config_path):
-    loss = "training.loss={_component_: grpo.loss.GRPOWithChunkedOutputLoss, tis_cap: 2.0"
+    loss = "training.loss={_component_: grpo.objective.loss.GRPOLoss, tis_cap: 2.0"
     [problem] = problems_of(
         compose_config(config_path, [f"{loss}, epsilon_high: 0.28, ratio_level: sequence}}"]),
         check_components=False,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.advantages import group_advantages, zero_variance_groups
+from grpo.objective.advantages import group_advantages, zero_variance_groups
 from grpo.observability.metric_names import GROUPS_KEPT, GROUPS_SCORED, ZERO_VARIANCE_GROUPS
 from grpo.orchestrator import InFlightLedger, NoInformativeGroupsError
 from grpo.orchestrator.group_counts import GroupCounts
@@ -128,8 +128,8 @@ def test_without_a_kl_term_the_ref_actor_loads_no_model_and_scores_the_same(tiny
     """kl_coeff 0: no reference model, the same rewards and advantages, and trajectories
     without ref_logprobs that pack and train (the loss needs none)."""
     from grpo.config import RefConfig, load_config
-    from grpo.loss import GRPOWithChunkedOutputLoss
-    from grpo.packing import pack_sequences
+    from grpo.objective.loss import GRPOLoss
+    from grpo.packing.packs import pack_sequences
     from grpo.workers.ref import RefActor
 
     assert not load_config("tiny_arithmetic_cpu").uses_reference_model()
@@ -156,7 +156,7 @@ def test_without_a_kl_term_the_ref_actor_loads_no_model_and_scores_the_same(tiny
     assert packed.ref_logprobs is None
     num_tokens = packed.targets.numel()
     pi = torch.full((num_tokens,), -1.0, requires_grad=True)
-    loss = GRPOWithChunkedOutputLoss(kl_coeff=0.0).compute_loss_from_logprobs(
+    loss = GRPOLoss(kl_coeff=0.0).compute_loss_from_logprobs(
         pi, packed.ref_logprobs, packed.advantages, packed.behavior_logprobs
     )
     loss.loss.backward()

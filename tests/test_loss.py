@@ -6,14 +6,14 @@ import pytest
 import torch
 from torchtune.models.qwen2 import qwen2
 
-from grpo.logprobs import (
+from grpo.objective.loss import AGGREGATIONS, GRPOLoss, combine_stats
+from grpo.packing.logprobs import (
     model_hidden_states,
     model_response_logprobs,
     output_projection_weight,
     response_logprobs_from_hidden,
     target_logprobs_from_hidden,
 )
-from grpo.loss import AGGREGATIONS, GRPOWithChunkedOutputLoss, combine_stats
 from grpo.testing import response_logprobs_from_logits
 from grpo.types import PackedTrajectory
 
@@ -65,7 +65,7 @@ def _hand_aggregate(values, aggregation):
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_loss_matches_hand_computation(estimator, aggregation):
     kl_coeff = 0.1
-    loss_fn = GRPOWithChunkedOutputLoss(
+    loss_fn = GRPOLoss(
         kl_coeff=kl_coeff,
         kl_estimator=estimator,
         aggregation=aggregation,
@@ -91,19 +91,17 @@ def test_loss_matches_hand_computation(estimator, aggregation):
 
 
 def test_default_kl_coeff_is_zero_and_ref_is_optional():
-    loss_fn = GRPOWithChunkedOutputLoss()
+    loss_fn = GRPOLoss()
     pi, _, advantages, behaviour = _hand_case()
     stats = loss_fn.compute_loss_from_logprobs(pi, None, advantages, behaviour)
     assert stats.kl_loss.item() == 0.0
     assert stats.loss.item() == pytest.approx(sum(EXPECTED_POLICY) / 7, abs=1e-6)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        GRPOWithChunkedOutputLoss(kl_coeff=0.1).compute_loss_from_logprobs(
-            pi, None, advantages, behaviour
-        )
+        GRPOLoss(kl_coeff=0.1).compute_loss_from_logprobs(pi, None, advantages, behaviour)
 
 
 def test_clipfrac_counts_exactly_the_clipped_tokens():
-    loss_fn = GRPOWithChunkedOutputLoss(epsilon_low=0.2, epsilon_high=0.28)
+    loss_fn = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28)
     cases = [  # (ratio, advantage, clipped?)
         (1.35, 1.0, True),  # above 1 + eps_high, A > 0
         (1.25, 1.0, False),  # above 1 + eps_low but inside the clip-higher band
@@ -128,7 +126,7 @@ def test_clipfrac_counts_exactly_the_clipped_tokens():
 
 
 def test_no_gradient_reaches_ref_behaviour_or_advantages():
-    loss_fn = GRPOWithChunkedOutputLoss(kl_coeff=0.5, kl_estimator="k3")
+    loss_fn = GRPOLoss(kl_coeff=0.5, kl_estimator="k3")
     pi, ref, advantages, behaviour = _hand_case()
     pi.requires_grad_()
     ref.requires_grad_()
@@ -149,7 +147,7 @@ def test_gradient_wrt_pi():
     behaviour = torch.tensor([-1.0, -2.0, -0.5, -1.5])
     pi = (behaviour + torch.tensor(ratios).log()).requires_grad_()
     ref = pi.detach() + torch.tensor(ref_minus_pi)
-    loss_fn = GRPOWithChunkedOutputLoss(kl_coeff=kl_coeff, kl_estimator="k3")
+    loss_fn = GRPOLoss(kl_coeff=kl_coeff, kl_estimator="k3")
     loss_fn.compute_loss_from_logprobs(pi, ref, torch.tensor(advantages), behaviour).loss.backward()
     expected = [
         (-a * r + kl_coeff * (1 - math.exp(d))) / 4
@@ -161,7 +159,7 @@ def test_gradient_wrt_pi():
 def test_on_policy_ratio_is_one_with_gradient_of_pi():
     pi = torch.tensor([-1.0, -2.0, -0.3]).requires_grad_()
     advantages = torch.tensor([1.0, -1.0, 2.0])
-    stats = GRPOWithChunkedOutputLoss().compute_loss_from_logprobs(pi, None, advantages)
+    stats = GRPOLoss().compute_loss_from_logprobs(pi, None, advantages)
     assert stats.ratios.item() == 1.0 and stats.clipfrac.item() == 0.0
     assert stats.approx_policy_kls.item() == 0.0
     stats.loss.backward()
@@ -172,7 +170,7 @@ def test_extreme_log_ratio_gives_finite_loss_and_gradient():
     behaviour = torch.tensor([-100.0, -0.1, -0.1])
     pi = torch.tensor([-0.1, -100.0, -0.1]).requires_grad_()
     ref = torch.tensor([-0.1, -0.1, -100.0])
-    loss_fn = GRPOWithChunkedOutputLoss(kl_coeff=0.1, kl_estimator="k3")
+    loss_fn = GRPOLoss(kl_coeff=0.1, kl_estimator="k3")
     stats = loss_fn.compute_loss_from_logprobs(pi, ref, torch.tensor([1.0, -1.0, 1.0]), behaviour)
     stats.loss.backward()
     assert torch.isfinite(stats.loss) and torch.all(torch.isfinite(pi.grad))
@@ -181,16 +179,14 @@ def test_extreme_log_ratio_gives_finite_loss_and_gradient():
 def test_return_pi_logprobs_is_detached():
     pi, ref, advantages, behaviour = _hand_case()
     pi.requires_grad_()
-    stats = GRPOWithChunkedOutputLoss().compute_loss_from_logprobs(
+    stats = GRPOLoss().compute_loss_from_logprobs(
         pi, ref, advantages, behaviour, return_pi_logprobs=True
     )
     assert not stats.metadata["pi_logprobs"].requires_grad
     torch.testing.assert_close(stats.metadata["pi_logprobs"], pi.detach())
     assert (
         "pi_logprobs"
-        not in GRPOWithChunkedOutputLoss()
-        .compute_loss_from_logprobs(pi, ref, advantages, behaviour)
-        .metadata
+        not in GRPOLoss().compute_loss_from_logprobs(pi, ref, advantages, behaviour).metadata
     )
 
 
@@ -337,7 +333,7 @@ def test_loss_normalizer_makes_micro_batches_sum_to_the_batch(aggregation):
     advantages = torch.randn(response_lens.numel(), generator=generator).repeat_interleave(
         response_lens
     )
-    loss_fn = GRPOWithChunkedOutputLoss(
+    loss_fn = GRPOLoss(
         kl_coeff=0.05, aggregation=aggregation, max_response_len=6, epsilon_high=0.28
     )
 
@@ -396,11 +392,11 @@ def test_loss_normalizer_makes_micro_batches_sum_to_the_batch(aggregation):
 )
 def test_bad_config_values_raise_naming_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
-        GRPOWithChunkedOutputLoss(**kwargs)
+        GRPOLoss(**kwargs)
 
 
 def test_bad_inputs_raise():
-    loss_fn = GRPOWithChunkedOutputLoss(aggregation="seq_mean_token_mean")
+    loss_fn = GRPOLoss(aggregation="seq_mean_token_mean")
     pi, ref, advantages, behaviour = _hand_case()
     with pytest.raises(ValueError, match="response_lens"):
         loss_fn.compute_loss_from_logprobs(pi, ref, advantages, behaviour)

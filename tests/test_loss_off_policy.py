@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from grpo.loss import GRPOWithChunkedOutputLoss, combine_stats
+from grpo.objective.loss import GRPOLoss, combine_stats
 
 # Four tokens in two sequences of two, eps_low = eps_high = 0.2, tis_cap = 2.
 BEHAVIOUR = [-1.0, -2.0, -0.5, -1.5]  # mu
@@ -51,7 +51,7 @@ def _tis_case():
 )
 def test_tis_weights_the_ppo_term_against_pi_old(tis_level, weights):
     pi, old, behaviour, advantages = _tis_case()
-    loss_fn = GRPOWithChunkedOutputLoss(tis_cap=TIS_CAP, tis_level=tis_level)
+    loss_fn = GRPOLoss(tis_cap=TIS_CAP, tis_level=tis_level)
     stats = loss_fn.compute_loss_from_logprobs(
         pi,
         None,
@@ -80,7 +80,7 @@ def test_tis_on_the_first_pass_is_a_weighted_policy_gradient():
     # w = min(exp(pi - mu), 2) and gradient -w * A / T.
     pi, _, behaviour, advantages = _tis_case()
     pi_old = pi.detach()
-    loss_fn = GRPOWithChunkedOutputLoss(tis_cap=TIS_CAP)
+    loss_fn = GRPOLoss(tis_cap=TIS_CAP)
     stats = loss_fn.compute_loss_from_logprobs(pi, None, advantages, behaviour)
     # exp(pi - mu) = 3*1.1, 0.5*1.5, 2*0.9, 1.5*1.0 = 3.3, 0.75, 1.8, 1.5 -> capped 2, 0.75, 1.8, 1.5
     weights = [2.0, 0.75, 1.8, 1.5]
@@ -99,7 +99,7 @@ def test_tis_on_the_first_pass_is_a_weighted_policy_gradient():
 
 def test_without_tis_the_ratio_stays_against_behaviour_and_old_logprobs_change_nothing():
     pi, old, behaviour, advantages = _tis_case()
-    loss_fn = GRPOWithChunkedOutputLoss()
+    loss_fn = GRPOLoss()
     with_old = loss_fn.compute_loss_from_logprobs(pi, None, advantages, behaviour, old_logprobs=old)
     with_old.loss.backward()
     grad_with_old, pi.grad = pi.grad.clone(), None
@@ -118,11 +118,11 @@ def test_without_tis_the_ratio_stays_against_behaviour_and_old_logprobs_change_n
 
 def test_mismatch_is_zero_on_policy_and_combines_with_max():
     pi, old, behaviour, advantages = _tis_case()
-    on_policy = GRPOWithChunkedOutputLoss().compute_loss_from_logprobs(pi, None, advantages)
+    on_policy = GRPOLoss().compute_loss_from_logprobs(pi, None, advantages)
     assert on_policy.metadata["mismatch_kl"].item() == 0.0
     assert on_policy.metadata["mismatch_max_abs"].item() == 0.0
 
-    loss_fn = GRPOWithChunkedOutputLoss(tis_cap=TIS_CAP)
+    loss_fn = GRPOLoss(tis_cap=TIS_CAP)
     parts = [
         loss_fn.compute_loss_from_logprobs(
             pi[part], None, advantages[part], behaviour[part], old_logprobs=old[part]
@@ -156,7 +156,7 @@ def _gspo_case():
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 def test_gspo_sequence_ratio_value_clip_and_gradient(aggregation):
     pi, behaviour, advantages = _gspo_case()
-    loss_fn = GRPOWithChunkedOutputLoss(ratio_level="sequence", aggregation=aggregation)
+    loss_fn = GRPOLoss(ratio_level="sequence", aggregation=aggregation)
     stats = loss_fn.compute_loss_from_logprobs(
         pi, None, advantages, behaviour, response_lens=torch.tensor(GSPO_LENS)
     )
@@ -186,9 +186,7 @@ def test_gspo_token_gradient_is_the_gspo_sequence_gradient():
     pi = (behaviour + 0.3 * torch.randn(10, generator=generator)).requires_grad_()
     sequence_advantages = torch.tensor([1.0, -0.7, 0.4, -1.5])
     advantages = sequence_advantages.repeat_interleave(lens)
-    loss_fn = GRPOWithChunkedOutputLoss(
-        ratio_level="sequence", aggregation="seq_mean_token_mean", epsilon_low=0.1
-    )
+    loss_fn = GRPOLoss(ratio_level="sequence", aggregation="seq_mean_token_mean", epsilon_low=0.1)
     loss_fn.compute_loss_from_logprobs(
         pi, None, advantages, behaviour, response_lens=lens
     ).loss.backward()
@@ -206,7 +204,7 @@ def test_gspo_token_gradient_is_the_gspo_sequence_gradient():
 
 def test_gspo_with_tis_takes_the_sequence_ratio_against_pi_old():
     pi, old, behaviour, advantages = _tis_case()
-    loss_fn = GRPOWithChunkedOutputLoss(ratio_level="sequence", tis_cap=TIS_CAP)
+    loss_fn = GRPOLoss(ratio_level="sequence", tis_cap=TIS_CAP)
     stats = loss_fn.compute_loss_from_logprobs(
         pi,
         None,
@@ -242,7 +240,7 @@ def test_gspo_with_tis_takes_the_sequence_ratio_against_pi_old():
 )
 def test_bad_off_policy_values_raise_naming_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key) as error:
-        GRPOWithChunkedOutputLoss(**kwargs)
+        GRPOLoss(**kwargs)
     if key != "tis_cap":
         assert "'token', 'sequence'" in str(error.value)
 
@@ -256,7 +254,7 @@ def test_bad_off_policy_values_raise_naming_the_key(kwargs, key):
 )
 def test_sequence_levels_need_response_lens(kwargs, needed_by):
     pi, old, behaviour, advantages = _tis_case()
-    loss_fn = GRPOWithChunkedOutputLoss(**kwargs)
+    loss_fn = GRPOLoss(**kwargs)
     with pytest.raises(ValueError, match=f"response_lens is required when {needed_by}"):
         loss_fn.compute_loss_from_logprobs(pi, None, advantages, behaviour, old_logprobs=old)
     with pytest.raises(ValueError, match="response_lens must be 1-D and sum"):

@@ -24,8 +24,8 @@ from torch import nn
 from torchtune.modules import MultiHeadAttention
 
 from grpo import models
-from grpo.attention import use_packed_attention
-from grpo.packing import (
+from grpo.packing.attention import use_packed_attention
+from grpo.packing.packs import (
     pack_sequences,
     packed_forward_inputs,
     unpack_response_logprobs,

@@ -1,4 +1,4 @@
-"""Tests of grpo.packing and grpo.attention on CPU in fp32.
+"""Tests of grpo.packing.packs and grpo.packing.attention on CPU in fp32.
 
 The central invariant: a sequence's response logprobs are the same whether it is run alone or
 packed with others (any mask kind, with tail padding, with or without shared prompts), and so
@@ -16,14 +16,18 @@ from hypothesis import strategies as st
 from torch import nn
 from torchtune.models.qwen2 import qwen2
 
-from grpo.attention import (
+from grpo.packing.attention import (
     VarlenMask,
     packed_attention,
     resolve_mask_kind,
     use_packed_attention,
 )
-from grpo.logprobs import model_hidden_states, output_projection_weight, packed_logprobs_from_hidden
-from grpo.packing import (
+from grpo.packing.logprobs import (
+    model_hidden_states,
+    output_projection_weight,
+    packed_logprobs_from_hidden,
+)
+from grpo.packing.packs import (
     pack_sequences,
     packed_forward_inputs,
     plan_packs,

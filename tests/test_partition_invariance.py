@@ -15,10 +15,10 @@ import pytest
 import torch
 from torchtune.models.qwen2 import qwen2
 
-from grpo.attention import use_packed_attention
-from grpo.logprobs import model_response_logprobs
-from grpo.loss import AGGREGATIONS, GRPOWithChunkedOutputLoss, combine_stats
-from grpo.packing import (
+from grpo.objective.loss import AGGREGATIONS, GRPOLoss, combine_stats
+from grpo.packing.attention import use_packed_attention
+from grpo.packing.logprobs import model_response_logprobs
+from grpo.packing.packs import (
     pack_sequences,
     plan_packs,
     plan_sequence_packs,
@@ -158,7 +158,7 @@ def _loss_and_gradients(model, loss_fn, packs, loss_normalizer):
 def test_loss_and_gradients_do_not_depend_on_the_split(model_and_batch, aggregation, mask_kind):
     model, batch = model_and_batch
     model = copy.deepcopy(model)
-    loss_fn = GRPOWithChunkedOutputLoss(
+    loss_fn = GRPOLoss(
         epsilon_low=0.2,
         epsilon_high=0.28,
         kl_coeff=0.1,
@@ -214,7 +214,7 @@ def test_local_normalisation_depends_on_the_split(model_and_batch):
     """Without the whole-batch normaliser, micro-batch losses do NOT add up to the batch's."""
     model, batch = model_and_batch
     model = copy.deepcopy(model)
-    loss_fn = GRPOWithChunkedOutputLoss(epsilon_high=0.28)
+    loss_fn = GRPOLoss(epsilon_high=0.28)
     whole_loss, _, _ = _loss_and_gradients(
         model, loss_fn, [pack_sequences(batch, "cpu", PAD_TOKEN_ID)], None
     )
@@ -232,7 +232,7 @@ def test_shared_prompts_over_two_ranks_give_the_unshared_whole_batch(mask_kind, 
     tokens masked out of the loss, too)."""
     model = _tiny_model()
     batch = _scored_batch(model, shared_prompts=True, masked=masked)
-    loss_fn = GRPOWithChunkedOutputLoss(epsilon_high=0.28, kl_coeff=0.1, kl_estimator="k3")
+    loss_fn = GRPOLoss(epsilon_high=0.28, kl_coeff=0.1, kl_estimator="k3")
     normalizer = loss_fn.batch_loss_normalizer([seq.policy_len for seq in batch])
     whole_pack = pack_sequences(batch, "cpu", PAD_TOKEN_ID, mask_kind=mask_kind)
     whole_loss, _, whole_gradients = _loss_and_gradients(model, loss_fn, [whole_pack], normalizer)

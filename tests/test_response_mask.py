@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
-from grpo.loss import GRPOWithChunkedOutputLoss
-from grpo.packing import pack_sequences
+from grpo.objective.loss import GRPOLoss
+from grpo.packing.packs import pack_sequences
 from grpo.types import ScoredTrajectory, UnscoredTrajectory
 
 
 def test_hand_computed_loss_skips_environment_tokens():
     """3 tokens, the middle one the environment's: token_mean over tokens 1 and 3 only."""
-    loss_fn = GRPOWithChunkedOutputLoss(epsilon_low=0.2, epsilon_high=0.2)
+    loss_fn = GRPOLoss(epsilon_low=0.2, epsilon_high=0.2)
     pi = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
     behaviour = torch.tensor([-1.0, -5.0, -0.7])
     advantages = torch.ones(3)
@@ -64,7 +64,7 @@ def test_masked_loss_equals_the_loss_of_the_policy_tokens_alone(options):
     old = pi + 0.1 * torch.randn(num_tokens, generator=generator)
     ref = pi + 0.2 * torch.randn(num_tokens, generator=generator)
     advantages = torch.tensor([1.0, -0.5, 0.7]).repeat_interleave(response_lens)
-    loss_fn = GRPOWithChunkedOutputLoss(**options)
+    loss_fn = GRPOLoss(**options)
 
     masked_pi = pi.clone().requires_grad_(True)
     masked = loss_fn.compute_loss_from_logprobs(

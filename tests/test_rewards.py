@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from grpo.advantages import group_advantages
+from grpo.objective.advantages import group_advantages
 from grpo.rewards import (
     FormatReward,
     MathCorrectnessReward,

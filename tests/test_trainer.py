@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from grpo.loss import GRPOWithChunkedOutputLoss
+from grpo.objective.loss import GRPOLoss
 from grpo.testing import assert_same_training_state, gathered_training_state
 from grpo.types import ScoredTrajectory
 from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
 
 LOSS = {
-    "_component_": "grpo.loss.GRPOWithChunkedOutputLoss",
+    "_component_": "grpo.objective.loss.GRPOLoss",
     "epsilon_low": 0.2,
     "epsilon_high": 0.2,
     "kl_coeff": 0.05,
@@ -160,9 +160,7 @@ def test_non_finite_steps_are_skipped_counted_and_leave_the_weights(tiny_model_d
         assert torch.equal(tensor, before[name]), f"{name} changed in a skipped step"
 
     # A finite step ends the streak and updates the weights; the skip count stays.
-    trainer.loss_fn = GRPOWithChunkedOutputLoss(
-        **{k: v for k, v in LOSS.items() if k != "_component_"}
-    )
+    trainer.loss_fn = GRPOLoss(**{k: v for k, v in LOSS.items() if k != "_component_"})
     metrics = trainer.train_step(batch)
     assert metrics["train_actor_training/nonfinite_steps_in_a_row"] == 0
     assert metrics["train_actor_training/nonfinite_steps_skipped"] == 2
@@ -172,7 +170,7 @@ def test_non_finite_steps_are_skipped_counted_and_leave_the_weights(tiny_model_d
 
 @pytest.mark.slow
 def test_two_fsdp_workers_match_one_worker(tiny_model_dir, ray_cluster):
-    # Shared prompts: each worker trains on whole prompt groups (`grpo.packing.shard_batch`).
+    # Shared prompts: each worker trains on whole prompt groups (`grpo.packing.packs.shard_batch`).
     batch = make_batch(12, vocab_size=300, seed=1, shared_prompts=True)
     single = PyTorchActorModel(**trainer_kwargs(tiny_model_dir, 0, 1, 256))
     single.setup()
@@ -381,7 +379,7 @@ def test_a_resumed_trainer_runs_the_configured_lr_and_its_schedule_goes_on(
     assert (restored["base_lrs"], restored["_last_lr"]) == (saved["base_lrs"], saved["_last_lr"])
 
 
-class RecordingLoss(GRPOWithChunkedOutputLoss):
+class RecordingLoss(GRPOLoss):
     """The loss, keeping what each call received: pi, pi_old and the behaviour logprobs."""
 
     def __init__(self, **kwargs) -> None:

@@ -227,7 +227,7 @@ class LRSchedulerArgs(ComponentArgs):
 
 
 class LossArgs(ComponentArgs):
-    """Documented keywords of ``training.loss`` (`grpo.loss.GRPOWithChunkedOutputLoss`)."""
+    """Documented keywords of ``training.loss`` (`grpo.objective.loss.GRPOLoss`)."""
 
     epsilon_low: float = Field(COMPONENT_DEFAULT, ge=0)
     """Lower clip: ratio >= 1 - epsilon_low."""
@@ -266,7 +266,7 @@ class TrainingConfig(Section):
     """Learning-rate schedule; the trainer passes the optimizer and num_training_steps
     (num_steps x ppo_epochs). null: constant."""
     loss: Component(LossArgs) = Field(
-        default_factory=lambda: {"_component_": "grpo.loss.GRPOWithChunkedOutputLoss"}
+        default_factory=lambda: {"_component_": "grpo.objective.loss.GRPOLoss"}
     )
     """GRPO loss on packed batches."""
     clip_grad_norm: float | None = Field(1.0, gt=0)

@@ -20,7 +20,7 @@ its ``config.json``. The parts:
   transformers, as vLLM loads it) and its chat template, for every family.
 * `save`: `save_hf_checkpoint`, a torchtune state dict written as a folder, atomically.
 
-Hidden states and the output projection for the chunked loss live in `grpo.logprobs`
+Hidden states and the output projection for the loss live in `grpo.packing.logprobs`
 (`model_hidden_states`, `output_projection_weight`).
 """
 

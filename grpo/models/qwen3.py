@@ -9,7 +9,7 @@ The one subtle point is where the q/k norms sit. HF Qwen3 normalises each head *
 torchtune 0.6.1's ``MultiHeadAttention`` applies ``q_norm``/``k_norm`` *after* RoPE (after the
 head transpose). The two differ, because the norm's per-channel scale does not commute with
 the RoPE rotation. `Qwen3Attention` is therefore ``MultiHeadAttention`` with the norms moved
-before RoPE; everything else (GQA, KV cache, the attention call that `grpo.attention`
+before RoPE; everything else (GQA, KV cache, the attention call that `grpo.packing.attention`
 replaces for packed batches) is torchtune's.
 
 RoPE is torchtune's Qwen2 rotate-half RoPE, the HF layout, so no q/k permutation is needed and
@@ -68,7 +68,7 @@ class Qwen3Attention(MultiHeadAttention):
             x (torch.Tensor): Queries' input ``[b, s_x, embed_dim]``.
             y (torch.Tensor | None): Keys' and values' input ``[b, s_y, embed_dim]``.
             mask: As in torchtune (a bool tensor, a ``BlockMask``, or a
-                `grpo.attention.VarlenMask` once `grpo.attention.use_packed_attention` ran).
+                `grpo.packing.attention.VarlenMask` once `grpo.packing.attention.use_packed_attention` ran).
             input_pos (torch.Tensor | None): Position ids ``[b, s_x]``.
 
         Returns:

@@ -41,7 +41,7 @@ its worker is counted; either gets the function's ``failure_reward``.
 Modules: ``base`` (the contract), ``math`` (answer extraction, :class:`MathCorrectnessReward`),
 ``format`` (:class:`FormatReward`, :class:`TokenPresenceReward`), ``pool`` (the worker
 processes), ``batch`` (:func:`batched_rewards`, :class:`RewardBatch`, :func:`total_reward`).
-Group advantages live in `grpo.advantages`, beside the loss.
+Group advantages live in `grpo.objective.advantages`, beside the loss.
 """
 
 from grpo.rewards.base import (

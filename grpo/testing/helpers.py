@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from grpo.loss import GRPOWithChunkedOutputLoss
+from grpo.objective.loss import GRPOLoss
 from grpo.types import GRPOStats
 
 
-class NonFiniteLoss(GRPOWithChunkedOutputLoss):
-    """`GRPOWithChunkedOutputLoss` whose loss is NaN: injects a diverged training step.
+class NonFiniteLoss(GRPOLoss):
+    """`GRPOLoss` whose loss is NaN: injects a diverged training step.
 
     For tests of the non-finite guard (``training.loss._component_=grpo.testing.NonFiniteLoss``):
     the trainer must skip such steps, leave the weights alone and count them, and the run must
@@ -50,7 +50,7 @@ def response_logprobs_from_logits(
 ) -> torch.Tensor:
     """Logprobs of the response tokens from full logits: the plain reference computation.
 
-    The chunked path of `grpo.logprobs` never materialises ``[L, V]`` logits; tests check it
+    The chunked path of `grpo.packing.logprobs` never materialises ``[L, V]`` logits; tests check it
     against this direct log-softmax of the whole row.
 
     Args:

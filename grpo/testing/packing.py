@@ -1,4 +1,4 @@
-"""Reference and benchmark helpers around `grpo.packing`: logprobs from full logits (the plain
+"""Reference and benchmark helpers around `grpo.packing.packs`: logprobs from full logits (the plain
 computation the chunked path is checked against), and packing a whole batch by token budget
 with its padding share (what ``scripts/bench_packing.py`` compares)."""
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from grpo.packing import pack_sequences, plan_sequence_packs
+from grpo.packing.packs import pack_sequences, plan_sequence_packs
 from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
 
 

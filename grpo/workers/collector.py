@@ -17,7 +17,7 @@ Choices that other actors rely on:
 * Behaviour logprobs are vLLM's ``processed_logprobs``: log-softmax of the logits divided by
   the sampling temperature, the distribution that sampled the tokens. The trainer and the
   reference actor divide their logits by the same ``inference.temperature``
-  (`grpo.logprobs`); ``top_p`` stays 1 (`grpo validate` refuses less: the trainer cannot
+  (`grpo.packing.logprobs`); ``top_p`` stays 1 (`grpo validate` refuses less: the trainer cannot
   reproduce the nucleus).
 * ``sequence_id`` is ``f"w{worker_id}-{n}"`` and ``group_id`` is
   ``worker_id + num_workers * k`` for the worker's k-th prompt, so both are unique across

@@ -1,7 +1,7 @@
 """The reference actor: reference logprobs, rewards and group advantages.
 
 `score` gets whole groups (a group is never split across advantage computations) that the
-driver took from the rollout queue, packs them with `grpo.packing`, runs the frozen reference
+driver took from the rollout queue, packs them with `grpo.packing.packs`, runs the frozen reference
 model once per pack, scores every sample with every reward function, and returns the
 `ScoredTrajectory`s grouped as they came. The driver owns both the groups it passes in and the
 scored groups that come back (it hands them on to the replay buffer), so the actor holds no
@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from grpo.advantages import group_advantages, zero_variance_groups
-from grpo.attention import resolve_mask_kind, use_packed_attention
 from grpo.config import instantiate
 from grpo.config.sections import RefConfig
-from grpo.logprobs import model_response_logprobs
 from grpo.models import build_model, load_tokenizer, torch_dtype
-from grpo.packing import (
+from grpo.objective.advantages import group_advantages, zero_variance_groups
+from grpo.packing.attention import resolve_mask_kind, use_packed_attention
+from grpo.packing.logprobs import model_response_logprobs
+from grpo.packing.packs import (
     FLEX_BUCKET,
     pack_sequences,
     plan_sequence_packs,
@@ -47,7 +47,7 @@ class RefActor:
         reward_functions (list): Reward functions, or ``_component_`` nodes of them.
         target_tokens_per_batch (int): Token budget of one reference forward.
         share_prompts (bool): Pack the responses of a prompt after one copy of it
-            (`grpo.packing.pack_sequences`).
+            (`grpo.packing.packs.pack_sequences`).
         config (RefConfig | None): The ``ref:`` options (dynamic sampling, reward weights,
             dtype, attention kind); None: their defaults. With
             ``filter_zero_variance_groups``, groups whose rewards are all equal are left out

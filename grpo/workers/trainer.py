@@ -6,7 +6,7 @@ tokens, and accumulates gradients normalised by the whole batch's count (tokens 
 sequences), so the update does not depend on how the batch was split into packs or across
 workers. With several workers the model is sharded with FSDP2 (gloo on CPU, NCCL on GPU).
 
-Packing, logprobs and the loss come from `grpo.packing`, `grpo.logprobs` and `grpo.loss`;
+Packing, logprobs and the loss come from `grpo.packing.packs`, `grpo.packing.logprobs` and `grpo.objective.loss`;
 nothing here re-implements them. The module is over 500 lines on purpose: it is one actor (and
 the ``training:`` options it declares), whose methods all share the model, optimizer and
 process group.
@@ -25,11 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from grpo.attention import resolve_mask_kind, use_packed_attention
 from grpo.config import instantiate
 from grpo.config.sections import TrainingConfig
-from grpo.logprobs import model_response_logprobs
-from grpo.loss import combine_stats
 from grpo.models import (
     build_model,
     load_hf_config,
@@ -37,7 +34,10 @@ from grpo.models import (
     torch_dtype,
     tune_to_hf_state_dict,
 )
-from grpo.packing import (
+from grpo.objective.loss import combine_stats
+from grpo.packing.attention import resolve_mask_kind, use_packed_attention
+from grpo.packing.logprobs import model_response_logprobs
+from grpo.packing.packs import (
     FLEX_BUCKET,
     pack_sequences,
     plan_sequence_packs,
@@ -92,13 +92,13 @@ def compile_layers(decoder: nn.Module) -> nn.Module:
 
     Per layer rather than the whole model: every layer has the same code, so dynamo traces it
     once and reuses the graph for all of them, and the chunked output projection
-    (`grpo.logprobs`), a custom autograd function, stays out of the graph. ``Module.compile``
+    (`grpo.packing.logprobs`), a custom autograd function, stays out of the graph. ``Module.compile``
     keeps the parameter names, so checkpoints and weight sync see the same state dict.
     Pack lengths vary: the second length recompiles once with dynamic shapes, and later
     lengths reuse that graph.
 
     The attention of varlen and flex packs runs outside the compiled graphs
-    (`grpo.attention`): varlen splits on Python ints that differ in every pack, which would
+    (`grpo.packing.attention`): varlen splits on Python ints that differ in every pack, which would
     recompile each time, and FlexAttention is compiled on its own.
 
     Args:
@@ -128,12 +128,12 @@ class PyTorchActorModel:
         target_tokens_per_batch (int): Token budget of one packed micro-batch.
         pad_token_id (int): Padding token id.
         share_prompts (bool): Pack the responses of a prompt after one copy of it, and shard
-            the batch over workers by whole prompts (`grpo.packing.shard_batch`).
+            the batch over workers by whole prompts (`grpo.packing.packs.shard_batch`).
         config (TrainingConfig | None): The ``training:`` options this actor uses: the
             ``optimizer`` node (the parameters are passed in), the ``lr_scheduler`` node (it
             receives ``optimizer`` and ``num_training_steps``), the ``loss`` node,
             ``ppo_epochs``, ``clip_grad_norm`` (null: no clipping), ``dtype``, ``mask_kind``
-            (see `grpo.attention`; flex has no backward on CPU) and ``compile`` (see
+            (see `grpo.packing.attention`; flex has no backward on CPU) and ``compile`` (see
             `compile_layers`). None: their defaults.
         seed (int): Seed of model-independent randomness.
         temperature (float): The collectors' sampling temperature (``inference.temperature``):
@@ -301,7 +301,7 @@ class PyTorchActorModel:
 
         Each rank plans every rank's share (they all see the whole batch), so they agree on
         the number of forward/backward passes without communicating. With shared prompts the
-        shares are whole prompt groups, balanced by tokens (`grpo.packing.shard_batch`).
+        shares are whole prompt groups, balanced by tokens (`grpo.packing.packs.shard_batch`).
         """
         budget, share = self.target_tokens_per_batch, self.share_prompts
         shards = [

@@ -5,7 +5,7 @@ response positions only, a chunk of tokens at a time: the full ``[L, V]`` logits
 never built. The projection and log-softmax of a chunk are recomputed in the backward pass
 instead of being kept, so the memory of the vocabulary projection is ``O(chunk_size * V)``
 whatever the number of response tokens. The reference actor scores with it
-(`model_response_logprobs`), the trainer and `grpo.loss` differentiate through it. Which hidden row predicts which
+(`model_response_logprobs`), the trainer and `grpo.objective.loss` differentiate through it. Which hidden row predicts which
 token is the pack's ``logit_positions`` (`grpo.types.PackedTrajectory`): the previous token of
 the same sequence, and for the first token of each response that shares a prompt, the prompt's
 last token (one row predicting several targets; its gradients add up in backward). The logits
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from grpo.packing import packed_forward_inputs
+from grpo.packing.packs import packed_forward_inputs
 from grpo.types import PackedTrajectory
 
 DEFAULT_CHUNK_SIZE = 512
@@ -349,7 +349,7 @@ def model_hidden_states(model: nn.Module, packed: PackedTrajectory) -> torch.Ten
 
     Args:
         model (nn.Module): A torchtune ``TransformerDecoder``.
-        packed (PackedTrajectory): The pack; `grpo.packing.packed_forward_inputs` turns its
+        packed (PackedTrajectory): The pack; `grpo.packing.packs.packed_forward_inputs` turns its
             block-causal mask and restarting position ids into ``mask`` and ``input_pos``.
 
     Returns:

@@ -18,7 +18,7 @@ not fit the budget is split into sub-groups, each with its own copy of the promp
 
 The logprob of a response token is read from the hidden row at the pack's ``logit_positions``
 (the previous token of its sequence); ``targets`` are the response tokens in sequence order,
-so ``hidden[logit_positions]`` lines up with them. `grpo.logprobs` does the gather.
+so ``hidden[logit_positions]`` lines up with them. `grpo.packing.logprobs` does the gather.
 
 Every per-token tensor is built with vectorised ops (``repeat_interleave``, ``cumsum``,
 comparisons of block ids); Python loops run over sequences, never over tokens.
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from grpo.attention import VarlenMask
+from grpo.packing.attention import VarlenMask
 from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
 
 __all__ = [
@@ -55,7 +55,7 @@ MASK_KINDS = ("dense", "flex", "varlen")
 
 # What the actors pad flex packs to a multiple of (``pad_to_multiple_of``). FlexAttention is
 # compiled once per pack length (on CPU a static compile each, and after 8 lengths dynamo falls
-# back to the slow uncompiled path; see `grpo.attention`), so flex packs must take few distinct
+# back to the slow uncompiled path; see `grpo.packing.attention`), so flex packs must take few distinct
 # lengths. 128 is FlexAttention's block size: the padding never adds a mask block.
 FLEX_BUCKET = 128
 
@@ -264,8 +264,8 @@ def pack_sequences(
             hold response tokens only, so no position is filled with it.
         target_tokens_per_batch (int | None): Token budget of the pack; see above.
         mask_kind (str): ``"dense"`` (bool ``[L, L]``, True = may attend), ``"flex"``
-            (FlexAttention ``BlockMask``) or ``"varlen"`` (`grpo.attention.VarlenMask`).
-            ``"flex"`` and ``"varlen"`` need `grpo.attention.use_packed_attention` on the model
+            (FlexAttention ``BlockMask``) or ``"varlen"`` (`grpo.packing.attention.VarlenMask`).
+            ``"flex"`` and ``"varlen"`` need `grpo.packing.attention.use_packed_attention` on the model
             on CPU (``"varlen"`` on every device). On CPU FlexAttention has no backward and
             compiles once per pack length: give flex packs a ``pad_to_multiple_of``.
         pad_to_multiple_of (int | None): Bucket size for tail padding; see above.
@@ -479,7 +479,7 @@ def unpack_response_logprobs(
     Args:
         packed (PackedTrajectory): The pack the values were computed on.
         packed_logprobs (torch.Tensor): Shape ``(packed.num_response_tokens,)``, aligned with
-            ``packed.targets`` (e.g. from `grpo.logprobs.model_response_logprobs`).
+            ``packed.targets`` (e.g. from `grpo.packing.logprobs.model_response_logprobs`).
 
     Returns:
         list[torch.Tensor]: ``packed.num_sequences`` views; entry i has ``response_lens[i]``

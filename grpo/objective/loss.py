@@ -1,8 +1,8 @@
 """The GRPO loss on packed batches.
 
-`GRPOWithChunkedOutputLoss.compute_loss_from_logprobs` works on the flat per-token response
+`GRPOLoss.compute_loss_from_logprobs` works on the flat per-token response
 logprobs of a pack, aligned with ``PackedTrajectory.targets``. They come from
-`grpo.logprobs.model_response_logprobs`, which projects the response positions' hidden states
+`grpo.packing.logprobs.model_response_logprobs`, which projects the response positions' hidden states
 to the vocabulary in chunks (the ``[L, V]`` logits are never built); the trainer runs it inside
 its FSDP root module's forward, so the output projection is unsharded there:
 
@@ -31,7 +31,7 @@ clip bounds the update and the mismatch together.
 
 Every logprob here is one of the distribution that sampled the tokens: the collectors return
 vLLM's logprobs after temperature, and the trainer and reference divide their logits by the
-same temperature (`grpo.logprobs`).
+same temperature (`grpo.packing.logprobs`).
 
 ``ratio_level: sequence`` (GSPO) replaces the token ratio by the sequence ratio
 ``s_i = exp(mean_{t in i}(pi_t - old_t))``, clipped per sequence, in the GSPO-token form
@@ -42,10 +42,10 @@ its gradient is ``s_i * grad pi_t``. Every call also measures the mismatch of ``
 Every aggregation is a weighted token sum divided by a normaliser, which is what makes
 gradient accumulation exact: pass the whole batch's normaliser (`batch_loss_normalizer`) to
 every micro-batch and the micro-batch losses add up to the whole-batch loss. Group advantages
-are computed before the buffer, in `grpo.advantages`.
+are computed before the buffer, in `grpo.objective.advantages`.
 
 Example:
-    >>> loss_fn = GRPOWithChunkedOutputLoss(epsilon_high=0.28)
+    >>> loss_fn = GRPOLoss(epsilon_high=0.28)
     >>> normalizer = loss_fn.batch_loss_normalizer(torch.cat([p.response_lens for p in packs]))
     >>> for packed in packs:
     ...     stats = loss_fn.compute_loss_from_logprobs(
@@ -116,7 +116,7 @@ def _per_sequence_sum(values: torch.Tensor, response_lens: torch.Tensor) -> torc
 # --------------------------------------------------------------------------------------------
 
 
-class GRPOWithChunkedOutputLoss:
+class GRPOLoss:
     """GRPO / PPO clipped surrogate with a KL penalty to a reference, on packed batches.
 
     Args:
@@ -512,7 +512,7 @@ def combine_stats(stats: Sequence[GRPOStats]) -> GRPOStats:
     and the exact batch mean when each call normalised by its own count.
 
     Args:
-        stats (Sequence[GRPOStats]): Stats returned by `GRPOWithChunkedOutputLoss`.
+        stats (Sequence[GRPOStats]): Stats returned by `GRPOLoss`.
 
     Returns:
         GRPOStats: Combined stats; ``metadata`` holds the summed counts.

@@ -1,7 +1,7 @@
 """Attention for packed sequences in torchtune models, on CPU and GPU.
 
 A pack ``[P1 R1 P2 R2 ... PAD]`` needs block-causal attention: a token sees earlier tokens of its
-own sequence only. `grpo.packing.pack_sequences` describes that mask in one of three forms:
+own sequence only. `grpo.packing.packs.pack_sequences` describes that mask in one of three forms:
 
 - ``"dense"``: a bool ``[L, L]`` tensor (True = may attend). Works with stock torchtune on any
   device, but costs O(L^2) memory and SDPA computes every masked-out block anyway.
@@ -10,7 +10,7 @@ own sequence only. `grpo.packing.pack_sequences` describes that mask in one of t
   blocks of similar length batched into one SDPA call, so compute is about ``sum(len_i^2)``
   instead of ``L^2``.
 
-Shared-prompt packs (``[P R1 R2 ... RG]``, see `grpo.packing`) add one rule to the block-causal
+Shared-prompt packs (``[P R1 R2 ... RG]``, see `grpo.packing.packs`) add one rule to the block-causal
 one: a response block also sees every token of its prompt block. All three forms express it:
 the dense mask and the flex ``mask_mod`` from per-token block ids, and `VarlenMask` through
 ``prefix_blocks``.
