@@ -32,15 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-from grpo.config import (
-    ConfigError,
-    configs_dir,
-    list_configs,
-    load_config,
-    repo_root,
-    used_output_dir_problem,
-)
+from grpo.config import ConfigError, configs_dir, list_configs, repo_root
 from grpo.observability.logs import DriverLog
+from grpo.preflight import load_run_config, used_output_dir_problem
 from grpo.recipe import add_verbose_flag, import_from_launch_folder, run_recipe, split_overrides
 
 # A config names its recipe in its launch comment: "#   grpo run async_grpo --config ...".
@@ -147,7 +141,7 @@ def _run_cmd(args: argparse.Namespace) -> int:
 
 
 def _validate_cmd(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides, check_components=True)
+    cfg = load_run_config(args.config, args.overrides, check_components=True)
     if problem := used_output_dir_problem(cfg):  # what `grpo run` would refuse at start
         raise ConfigError(problem)
     print("Config is well-formed!")

@@ -11,9 +11,10 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NoReturn
 
-from grpo.config import ConfigError, RunConfig, load_config, used_output_dir_problem
-from grpo.config.paths import move_run_aside, resolve_path
+from grpo.config import ConfigError, RunConfig, resolve_path
 from grpo.observability.logs import DriverLog
+from grpo.preflight import load_run_config, used_output_dir_problem
+from grpo.run_folder import move_run_aside
 
 Recipe = Callable[[RunConfig], Any]
 
@@ -47,7 +48,7 @@ def run_recipe(
     traceback, the checkpoint to resume from: `grpo.observability.console.print_stopped`) and
     status 1; Ctrl-C before the recipe handles signals itself (while Ray starts) ends it with
     status 130 and no traceback. With ``overwrite_output_dir`` a run already in ``output_dir``
-    is moved aside first (`grpo.config.paths.move_run_aside`). While it runs, this process's
+    is moved aside first (`grpo.run_folder.move_run_aside`). While it runs, this process's
     logging goes where the config's ``log_level`` says (`grpo.observability.logs.DriverLog`):
     ``<output_dir>/logs/driver.log``, and the terminal for the ``grpo`` logger's warnings
     (every logger's with ``log_level: debug``).
@@ -69,7 +70,7 @@ def run_recipe(
     with nullcontext(driver_log) if driver_log else DriverLog() as driver_log:
         cfg = None
         try:
-            cfg = load_config(config, overrides, check_components=True, import_components=True)
+            cfg = load_run_config(config, overrides, check_components=True, import_components=True)
             if problem := used_output_dir_problem(cfg):
                 raise ConfigError(problem)
             if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:

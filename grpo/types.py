@@ -106,7 +106,10 @@ class UnscoredTrajectory(_PicklesTensorsAsArrays):
             episode (tool results, user replies: in the sequence, never trained; their
             ``logprobs`` entries are 0). None: every response token is the policy's.
         env_rewards (dict[str, float] | None): Rewards the environment gave the episode, by
-            name; None: the reference actor scores the response with its reward functions.
+            name (`grpo.envs.protocol.Environment.score`); the reference actor turns them
+            into advantages.
+        env_successes (dict[str, float] | None): The reward functions' success flags, by
+            name; None: a reward above 0 counts as a success.
         episode_stats (dict[str, float] | None): Counts of a multi-turn episode (turns, tool
             calls, tool errors, environment tokens, truncation), for metrics.
         last_policy_version (int | None): Version of the weights that generated its newest
@@ -130,6 +133,7 @@ class UnscoredTrajectory(_PicklesTensorsAsArrays):
     env_rewards: dict[str, float] | None = None
     episode_stats: dict[str, float] | None = None
     last_policy_version: int | None = None
+    env_successes: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         owner = f"{type(self).__name__}(sequence_id={self.sequence_id!r})"

@@ -43,6 +43,7 @@ import yaml
 
 from grpo.config import ConfigError, RunConfig, instantiate
 from grpo.config.run import reward_weights_problem
+from grpo.envs import Environment, build_environment
 from grpo.errors import (
     ActorFailedError,
     EnvironmentFailingError,
@@ -57,11 +58,10 @@ from grpo.observability.console import (
     progress_bar,
     write_plots,
 )
+from grpo.observability.metric_names import EVAL_ACCURACY
 from grpo.orchestrator import Orchestrator, check_placement, find_checkpoint, init_ray
 from grpo.orchestrator.evaluation import HeldOutEvaluator
 from grpo.recipe import run_recipe_cli
-from grpo.rewards import reward_name
-from grpo.workers.collector import build_environment
 
 
 def recipe_main(cfg: RunConfig) -> dict:
@@ -114,7 +114,7 @@ def recipe_main(cfg: RunConfig) -> dict:
     summary = {
         "steps": state.step,
         "policy_version": state.policy_version,
-        "eval": [(step, m.get("eval/accuracy")) for step, m in state.eval_history],
+        "eval": [(step, m.get(EVAL_ACCURACY)) for step, m in state.eval_history],
         "weights_in_sync": weights_in_sync,
         "final_checkpoint": str(final_dir),
         "run_dir": str(run_dir),
@@ -184,7 +184,7 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
-def build_datasets(cfg: RunConfig, environment: Any = None) -> dict[str, Any]:
+def build_datasets(cfg: RunConfig, environment: Environment) -> dict[str, Any]:
     """Build ``dataset`` and ``eval_dataset`` once: report skipped rows, fail on an empty set.
 
     Without a ``dataset``, the environment's own tasks are the dataset (a verifiers taskset).
@@ -199,8 +199,8 @@ def build_datasets(cfg: RunConfig, environment: Any = None) -> dict[str, Any]:
     for key in ("dataset", "eval_dataset"):
         node = getattr(cfg, key)
         if node is None:
-            if key == "dataset" and getattr(environment, "supplies_tasks", False):
-                datasets[key] = environment.examples()
+            if key == "dataset" and (examples := environment.examples()) is not None:
+                datasets[key] = examples
             continue
         try:
             dataset = datasets[key] = instantiate(node, _key_=key)
@@ -214,20 +214,19 @@ def build_datasets(cfg: RunConfig, environment: Any = None) -> dict[str, Any]:
     return datasets
 
 
-def check_environment(cfg: RunConfig) -> Any:
+def check_environment(cfg: RunConfig) -> Environment:
     """Build the environment once here, so that a bad value is one line before Ray starts.
 
     The collectors build their own from the same node.
 
     Returns:
-        The environment (None without one); a verifiers environment's tasks are the dataset
-        of a run that names none.
+        Environment: The ``environment:`` node's, or the single-turn environment of the
+        reward functions; a verifiers environment's tasks are the dataset of a run that
+        names none.
 
     Raises:
         ConfigError: If it cannot be built (e.g. ``max_turns: 0``).
     """
-    if cfg.environment is None:
-        return None
     return build_environment(cfg.environment, cfg.reward_functions, cfg.reward_timeout_s)
 
 
@@ -260,12 +259,12 @@ def check_prompt_lengths(cfg: RunConfig, dataset: Any, tokenizer: Any, sample: i
         )
 
 
-def check_reward_weights(cfg: RunConfig, environment: Any) -> None:
+def check_reward_weights(cfg: RunConfig, environment: Environment) -> None:
     """Refuse a ``ref.reward_weights`` name that no reward has, before Ray starts.
 
-    The names are the reward functions' (built here), or those the environment scores under
-    (`grpo.envs.MultiTurnEnv.reward_names`); an environment that knows its names only once it
-    scores (a verifiers taskset) has them checked by the reference actor then.
+    The names are those the environment scores under (`grpo.envs.Environment.reward_names`:
+    its reward functions'); an environment that knows its names only once it scores (a
+    verifiers taskset) has them checked by the reference actor then.
 
     Raises:
         ConfigError: Naming the unknown names and the rewards there are.
@@ -273,16 +272,7 @@ def check_reward_weights(cfg: RunConfig, environment: Any) -> None:
     weights = cfg.ref.reward_weights
     if not weights:
         return
-    if environment is None:
-        functions = [
-            instantiate(node, _key_=f"reward_functions[{index}]")
-            for index, node in enumerate(cfg.reward_functions)
-        ]
-        names = [reward_name(fn) for fn in functions]
-    else:
-        # Not every environment is a MultiTurnEnv (a verifiers one plays its own episodes).
-        names_of = getattr(environment, "reward_names", None)
-        names = names_of() if names_of is not None else None
+    names = environment.reward_names()
     if names is not None and (problem := reward_weights_problem(weights, names)):
         raise ConfigError(problem)
 

@@ -55,6 +55,11 @@ import psutil
 from bench_common import load_average, print_table
 
 from grpo.config import repo_root
+from grpo.observability.metric_names import (
+    ROLLOUT_QUEUE_SIZE,
+    TRAIN_PERF_TOTAL_STEP_TIME,
+    TRAIN_REPLAY_BUFFER_SIZE,
+)
 
 CONFIG = "tiny_arithmetic_cpu"
 # Shape of the shipped demo model (scripts/build_tiny_arithmetic_model.py defaults).
@@ -68,9 +73,6 @@ TINY_MODEL_SHAPE = {
 # Verdict rule: flat if the fitted growth per 100 steps is below either bound.
 FLAT_FRACTION = 0.02
 FLAT_MB = 20.0
-TRAIN_KEY = "train_actor_performance/total_step_time (s)"
-BUFFER_KEY = "queues/train_replay_buffer_size"
-QUEUE_KEY = "queues/rollout_queue_size"
 MB = 2**20
 # A Ray worker process before it retitles itself ray::IDLE / ray::Class.
 RAY_WORKER_SCRIPT = "ray/_private/workers/default_worker.py"
@@ -230,7 +232,9 @@ class MetricsTail:
                 self.rows.append(json.loads(line))
 
     def train_rows(self) -> list[dict[str, Any]]:
-        return sorted((r for r in self.rows if TRAIN_KEY in r), key=lambda r: r["step"])
+        return sorted(
+            (r for r in self.rows if TRAIN_PERF_TOTAL_STEP_TIME in r), key=lambda r: r["step"]
+        )
 
 
 def stop_process_tree(driver: psutil.Process, grace_s: float = 60.0) -> None:
@@ -479,11 +483,11 @@ def report_queues(train_rows: list[dict[str, Any]], run_dir: Path, warmup_steps:
 
         cfg = OmegaConf.load(config_path)
         capacities = {
-            BUFFER_KEY: cfg.orchestration.replay_buffer_size,
-            QUEUE_KEY: cfg.inference.queue_maxsize,
+            TRAIN_REPLAY_BUFFER_SIZE: cfg.orchestration.replay_buffer_size,
+            ROLLOUT_QUEUE_SIZE: cfg.inference.queue_maxsize,
         }
     rows = []
-    for key in (BUFFER_KEY, QUEUE_KEY):
+    for key in (TRAIN_REPLAY_BUFFER_SIZE, ROLLOUT_QUEUE_SIZE):
         values = [(r["step"], r[key]) for r in train_rows if r.get(key) is not None]
         if not values:
             rows.append([key, "-", "-", "-", "-", "-", capacities.get(key, "?")])

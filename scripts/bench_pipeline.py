@@ -72,12 +72,21 @@ from bench_common import load_average, print_table
 
 from grpo.config import repo_root  # noqa: E402
 from grpo.models import build_model, load_hf_config, tune_to_hf_state_dict  # noqa: E402
-from grpo.observability.metrics import (  # noqa: E402
-    GENERATION_BUSY,
-    SCORING_BUSY,
-    STEP_WALL,
-    WALL_PARTS,
+from grpo.observability.metric_names import (  # noqa: E402
+    INFERENCE_GENERATED_TOKENS,
+    INFERENCE_TIME_GENERATION,
+    INFERENCE_TIME_WEIGHT_UPDATE,
+    TRAIN_PERF_STEP_WALL_TIME,
+    TRAIN_PERF_TIME_GENERATION_BUSY,
+    TRAIN_PERF_TIME_GRPO_STEPS,
+    TRAIN_PERF_TIME_SCORING_BUSY,
+    TRAIN_PERF_TIME_WAITING_BUFFER,
+    TRAIN_PERF_TIME_WEIGHT_GATHER,
+    TRAIN_PERF_TIME_WEIGHT_SYNC,
+    TRAIN_PERF_TOKENS_PER_SECOND,
+    TRAIN_PERF_TOTAL_STEP_TIME,
 )
+from grpo.observability.metrics import WALL_PARTS  # noqa: E402
 from grpo.packing.logprobs import model_response_logprobs  # noqa: E402
 from grpo.packing.packs import (  # noqa: E402
     pack_sequences,
@@ -266,12 +275,11 @@ def summarize_pipeline(
     Raises:
         ValueError: If the log has no training step after the warm-up.
     """
-    perf = "train_actor_performance/"
     train_rows = sorted(
-        (r for r in rows if f"{perf}total_step_time (s)" in r), key=lambda r: r["step"]
+        (r for r in rows if TRAIN_PERF_TOTAL_STEP_TIME in r), key=lambda r: r["step"]
     )
     inference_rows = sorted(
-        (r for r in rows if "inference/generated_tokens" in r), key=lambda r: r["time"]
+        (r for r in rows if INFERENCE_GENERATED_TOKENS in r), key=lambda r: r["time"]
     )
     measured = [r for r in train_rows if r["step"] > warmup_steps]
     before = [r for r in train_rows if r["step"] <= warmup_steps]
@@ -289,38 +297,41 @@ def summarize_pipeline(
         return float(sum(r.get(key, 0.0) for r in selected))
 
     # The trainer reports response tokens * epochs / time_grpo_steps; multiply back.
-    trained = [r[f"{perf}tokens_per_second"] * r[f"{perf}time_grpo_steps (s)"] for r in measured]
+    trained = [r[TRAIN_PERF_TOKENS_PER_SECOND] * r[TRAIN_PERF_TIME_GRPO_STEPS] for r in measured]
     return PipelineResult(
         steps=steps,
         warmup_steps=warmup_steps,
         measured_steps=len(measured),
         run_seconds=run_seconds,
-        first_step_wait_s=float(train_rows[0][f"{perf}time_waiting_buffer (s)"]),
+        first_step_wait_s=float(train_rows[0][TRAIN_PERF_TIME_WAITING_BUFFER]),
         window_s=window_end - window_start,
-        generated_tokens=total(late_inference, "inference/generated_tokens"),
-        generation_s=total(late_inference, "inference/time_generation (s)"),
-        window_generated_tokens=total(in_window, "inference/generated_tokens"),
+        generated_tokens=total(late_inference, INFERENCE_GENERATED_TOKENS),
+        generation_s=total(late_inference, INFERENCE_TIME_GENERATION),
+        window_generated_tokens=total(in_window, INFERENCE_GENERATED_TOKENS),
         trained_tokens=float(sum(trained)),
-        grpo_s=total(measured, f"{perf}time_grpo_steps (s)"),
-        mean_step_tokens_per_s=statistics.mean(r[f"{perf}tokens_per_second"] for r in measured),
-        waiting_s=total(measured, f"{perf}time_waiting_buffer (s)"),
-        step_s=total(measured, f"{perf}total_step_time (s)"),
+        grpo_s=total(measured, TRAIN_PERF_TIME_GRPO_STEPS),
+        mean_step_tokens_per_s=statistics.mean(r[TRAIN_PERF_TOKENS_PER_SECOND] for r in measured),
+        waiting_s=total(measured, TRAIN_PERF_TIME_WAITING_BUFFER),
+        step_s=total(measured, TRAIN_PERF_TOTAL_STEP_TIME),
         weight_sync_s=[
-            r[f"{perf}time_weight_sync (s)"] for r in measured if f"{perf}time_weight_sync (s)" in r
+            r[TRAIN_PERF_TIME_WEIGHT_SYNC] for r in measured if TRAIN_PERF_TIME_WEIGHT_SYNC in r
         ],
         weight_gather_s=[
-            r[f"{perf}time_weight_gather (s)"]
-            for r in measured
-            if f"{perf}time_weight_gather (s)" in r
+            r[TRAIN_PERF_TIME_WEIGHT_GATHER] for r in measured if TRAIN_PERF_TIME_WEIGHT_GATHER in r
         ],
         collector_update_s=[
-            r["inference/time_weight_update (s)"]
+            r[INFERENCE_TIME_WEIGHT_UPDATE]
             for r in late_inference
-            if r.get("inference/time_weight_update (s)", 0.0) > 0
+            if r.get(INFERENCE_TIME_WEIGHT_UPDATE, 0.0) > 0
         ],
         breakdown={
             key: statistics.mean(r[key] for r in measured)
-            for key in (STEP_WALL, *WALL_PARTS, GENERATION_BUSY, SCORING_BUSY)
+            for key in (
+                TRAIN_PERF_STEP_WALL_TIME,
+                *WALL_PARTS,
+                TRAIN_PERF_TIME_GENERATION_BUSY,
+                TRAIN_PERF_TIME_SCORING_BUSY,
+            )
             if all(key in r for r in measured)
         },
     )
@@ -380,20 +391,20 @@ def print_pipeline(result: PipelineResult) -> None:
 def print_breakdown(result: PipelineResult) -> None:
     """The mean step's wall time and its parts; busy times that overlap them apart."""
     b = result.breakdown
-    if STEP_WALL not in b:
+    if TRAIN_PERF_STEP_WALL_TIME not in b:
         return
-    wall = b[STEP_WALL]
+    wall = b[TRAIN_PERF_STEP_WALL_TIME]
 
     def short(key: str) -> str:
         return key.split("/", 1)[1]
 
     rows = [[short(key), f"{b[key]:.3f}", f"{b[key] / wall:.1%}"] for key in WALL_PARTS if key in b]
     rows.append(["sum of the parts", f"{sum(b[k] for k in WALL_PARTS if k in b):.3f}", ""])
-    rows.append([short(STEP_WALL), f"{wall:.3f}", "100.0%"])
+    rows.append([short(TRAIN_PERF_STEP_WALL_TIME), f"{wall:.3f}", "100.0%"])
     rows.append(
         ["s/step over the window (log times)", f"{result.seconds_per_step:.3f}", "(incl. logging)"]
     )
-    for key in (GENERATION_BUSY, SCORING_BUSY):
+    for key in (TRAIN_PERF_TIME_GENERATION_BUSY, TRAIN_PERF_TIME_SCORING_BUSY):
         if key in b:
             rows.append([f"{short(key)} (overlaps, not in the sum)", f"{b[key]:.3f}", ""])
     print_table(
@@ -454,7 +465,7 @@ def bench_weight_sync(
             buffers[name].copy_(tensor)
 
     def trainer_gather() -> None:
-        # What PyTorchActorModel.gather_hf_weights does besides its probe forward.
+        # What PyTorchActorModel.publish_weights does besides its probe forward.
         copied = {name: t.detach().to("cpu", copy=True) for name, t in tune_state.items()}
         state_dict_checksum(tune_to_hf_state_dict(copied, hf_config))
 

@@ -397,6 +397,8 @@ def run_ours(
 ) -> RunResult:
     """``grpo run async_grpo --config tiny_arithmetic_cpu`` with the workload's overrides (and
     ``extra_overrides``: ``--ours``), in a child process; ``kind`` is ``"async"`` or ``"sync"``."""
+    from grpo.observability import metric_names as names
+
     overrides = [
         *workload.overrides,
         *extra_overrides,
@@ -430,13 +432,14 @@ def run_ours(
         for line in (out_dir / "metrics.jsonl").read_text().splitlines()
         if line.strip()
     ]
-    perf = "train_actor_performance/total_step_time (s)"
-    train_rows = sorted((r for r in rows if perf in r), key=lambda r: r["step"])
+    train_rows = sorted(
+        (r for r in rows if names.TRAIN_PERF_TOTAL_STEP_TIME in r), key=lambda r: r["step"]
+    )
     batch = load_workload_config(workload.overrides).training.batch_size
-    reward_key = "ref_actor_rewards/rewards_mean"  # one row per scored batch
+    reward_key = names.REWARDS_MEAN  # one row per scored batch
     reward_rows = sorted((r for r in rows if reward_key in r), key=lambda r: r["time"])
     ends = [r["time"] for r in train_rows]
-    tokens = [r["train_actor_training/response_lengths"] * batch for r in train_rows]
+    tokens = [r[names.TRAIN_RESPONSE_LENGTHS] * batch for r in train_rows]
     return RunResult(
         kind=kind,
         repeat=repeat,
@@ -454,25 +457,25 @@ def run_ours(
 
 def breakdown_keys() -> list[tuple[str, str]]:
     """(label, ``metrics.jsonl`` key) of the timings that show where our time goes."""
-    from grpo.observability import metrics as m
+    from grpo.observability import metric_names as names
 
     return [
-        ("trainer: step wall time (s), the sum of:", m.STEP_WALL),
-        ("  waiting for the batch (s)", m.BUFFER_WAIT),
-        ("  train compute (s)", m.TRAIN_COMPUTE),
-        ("  weight gather (s)", m.WEIGHT_GATHER),
-        ("  weight transfer (s)", m.WEIGHT_TRANSFER),
-        ("  engine reload (s)", m.ENGINE_RELOAD),
-        ("  driver overhead (s)", m.DRIVER_OVERHEAD),
-        ("trainer: generation busy in the step (s)", m.GENERATION_BUSY),
-        ("trainer: scoring busy in the step (s)", m.SCORING_BUSY),
-        ("collector: generation per batch (s)", "inference/time_generation (s)"),
-        ("collector: weight update per batch (s)", "inference/time_weight_update (s)"),
-        ("collector: tokens generated per batch", "inference/generated_tokens"),
-        ("collector: tokens/s while generating", "inference/tokens_per_second"),
-        ("collector: wait on a full rollout queue (s)", "queues/rollout_queue_put_wait_s"),
-        ("reference: model running per batch (s)", "ref_actor_performance/time_model_running (s)"),
-        ("reference: waiting for rollouts (s)", "ref_actor_performance/time_waiting_buffer (s)"),
+        ("trainer: step wall time (s), the sum of:", names.TRAIN_PERF_STEP_WALL_TIME),
+        ("  waiting for the batch (s)", names.TRAIN_PERF_TIME_WAITING_BUFFER),
+        ("  train compute (s)", names.TRAIN_PERF_TIME_TRAIN_COMPUTE),
+        ("  weight gather (s)", names.TRAIN_PERF_TIME_WEIGHT_GATHER),
+        ("  weight transfer (s)", names.TRAIN_PERF_TIME_WEIGHT_TRANSFER),
+        ("  engine reload (s)", names.TRAIN_PERF_TIME_ENGINE_RELOAD),
+        ("  driver overhead (s)", names.TRAIN_PERF_TIME_DRIVER_OVERHEAD),
+        ("trainer: generation busy in the step (s)", names.TRAIN_PERF_TIME_GENERATION_BUSY),
+        ("trainer: scoring busy in the step (s)", names.TRAIN_PERF_TIME_SCORING_BUSY),
+        ("collector: generation per batch (s)", names.INFERENCE_TIME_GENERATION),
+        ("collector: weight update per batch (s)", names.INFERENCE_TIME_WEIGHT_UPDATE),
+        ("collector: tokens generated per batch", names.INFERENCE_GENERATED_TOKENS),
+        ("collector: tokens/s while generating", names.INFERENCE_TOKENS_PER_SECOND),
+        ("collector: wait on a full rollout queue (s)", names.ROLLOUT_QUEUE_PUT_WAIT_S),
+        ("reference: model running per batch (s)", names.REF_PERF_TIME_MODEL_RUNNING),
+        ("reference: waiting for rollouts (s)", names.REF_PERF_TIME_WAITING_BUFFER),
     ]
 
 

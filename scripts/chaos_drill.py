@@ -45,6 +45,11 @@ from typing import Any
 import psutil
 
 from grpo.config import repo_root
+from grpo.observability.metric_names import (
+    EVAL_ACCURACY,
+    FAULTS_ACTOR_RESTARTS,
+    FAULTS_STEPS_REDONE,
+)
 from grpo.observability.metrics import records_after_rewinds
 from grpo.testing import read_jsonl
 
@@ -222,11 +227,11 @@ def summarise(run_dir: Path, process: subprocess.Popen, started: float) -> dict:
         "output_tail": output[-2000:],
         "seconds": time.monotonic() - started,
         "steps": trained_steps(run_dir),
-        "restarts": int(last("faults/actor_restarts")),
-        "steps_redone": int(last("faults/steps_redone")),
+        "restarts": int(last(FAULTS_ACTOR_RESTARTS)),
+        "steps_redone": int(last(FAULTS_STEPS_REDONE)),
         "sequences_lost": lost,
         "trained_twice": len(trained) - len(set(trained)),
-        "accuracy": last("eval/accuracy", float("nan")),
+        "accuracy": last(EVAL_ACCURACY, float("nan")),
         "checkpoint_s": last("checkpoint/time (s)", float("nan")),
     }
 

@@ -32,6 +32,7 @@ from typing import Any
 from bench_common import load_average, print_table
 
 from grpo.config import repo_root
+from grpo.observability.metric_names import FAULTS_ACTOR_RESTARTS, FAULTS_STEPS_REDONE
 from grpo.observability.metrics import records_after_rewinds
 from grpo.testing import read_jsonl
 
@@ -94,8 +95,8 @@ def one_run(run_dir: Path, steps: int, seed: int, timeout_s: float) -> dict[str,
         "exit_code": exit_code,
         "steps": trained[-1]["step"] if trained else 0,
         "seconds": seconds,
-        "restarts": int(last("faults/actor_restarts")),
-        "steps_redone": int(last("faults/steps_redone")),
+        "restarts": int(last(FAULTS_ACTOR_RESTARTS)),
+        "steps_redone": int(last(FAULTS_STEPS_REDONE)),
         "load": os.getloadavg()[0],
         "output": output,
     }

@@ -67,12 +67,32 @@ def test_the_parts_of_grpo_import_each_other_without_a_cycle():
     assert not cycles, cycles
 
 
+def _imported_by_name(path: Path) -> list[str]:
+    """Module names a file imports by string: ``importlib.import_module("...")``,
+    ``__import__("...")``."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        first = node.args[0]
+        if name in ("import_module", "__import__") and isinstance(first, ast.Constant):
+            if isinstance(first.value, str):
+                names.append(first.value)
+    return names
+
+
 def test_config_imports_no_component():
-    # The choices are plain Literals; the dataset file checks live beside the loaders and the
-    # environment's tool checks beside the tools; they import neither torch nor the hub.
-    allowed = {"choices", "data", "envs"}
+    # A config is a schema: the components import it, and what it names on disk is checked
+    # above it (grpo.preflight). The choices are plain Literals that both sides share.
+    allowed = {"choices"}
     imported = set(part_graph().get("config", {}))
     assert imported <= allowed, {part: part_graph()["config"][part] for part in imported - allowed}
+    for path in sorted((GRPO / "config").rglob("*.py")):
+        for module in _imports(path) + _imported_by_name(path):
+            own = module == "grpo" or module.startswith("grpo.")
+            assert not own or _part(module) in allowed | {"config"}, (str(path), module)
 
 
 def test_compute_modules_import_no_ray_or_vllm():
@@ -82,3 +102,48 @@ def test_compute_modules_import_no_ray_or_vllm():
         for path in paths:
             roots = {module.split(".")[0] for module in _imports(path)}
             assert not roots & {"ray", "vllm"}, path
+
+
+# The collector is a table of contents: engine, weights and environments live in their homes.
+COLLECTOR_MAX_LINES = 500
+
+
+def test_the_collector_is_a_table_of_contents():
+    lines = len((GRPO / "workers" / "collector.py").read_text().splitlines())
+    assert lines <= COLLECTOR_MAX_LINES, lines
+
+
+def _names_used(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names |= {alias.name for alias in node.names}
+    return names
+
+
+def _environment_classes() -> set[str]:
+    """Every class of grpo/envs that is an environment (subclasses of the protocol's base)."""
+    import grpo.envs as envs
+    from grpo.envs.protocol import Environment
+
+    return {
+        name
+        for name in dir(envs)
+        if isinstance(getattr(envs, name), type)
+        and issubclass(getattr(envs, name), Environment)
+        and getattr(envs, name) is not Environment
+    }
+
+
+def test_one_environment_protocol_and_the_collector_names_no_environment_kind():
+    kinds = _environment_classes()
+    assert {"SingleTurnEnv", "MultiTurnEnv", "ToolEnv", "VerifiersEnv"} <= kinds
+    for path in (GRPO / "workers" / "collector.py", GRPO.parent / "recipes" / "async_grpo.py"):
+        used = _names_used(path)
+        assert not used & kinds, (path.name, used & kinds)
+        # Asked of the protocol, never probed: no environment attribute read by getattr.
+        source = path.read_text()
+        assert "supplies_tasks" not in source and "_plays_own_episodes" not in source
+        assert "getattr(self.environment" not in source and "getattr(environment" not in source

@@ -20,6 +20,7 @@ from grpo.envs.builtin_tools import calculator
 from grpo.envs.preflight import chat_template_problems
 from grpo.envs.rollout import Sample
 from grpo.models import load_tokenizer
+from grpo.observability.metric_names import INFERENCE_EPISODES_DROPPED
 from grpo.rewards import MathCorrectnessReward
 from grpo.testing.chat_families import build_tiny_chat_family
 from grpo.testing.tools import EchoUserEnv
@@ -298,7 +299,7 @@ def test_collector_plays_user_reply_episodes_on_the_family_model(family_dirs, te
         groups = [collector.rollout_queue.get(timeout=5) for _ in range(2)]
     finally:
         collector.shutdown()
-    assert metrics["inference/episodes_dropped"] == 0
+    assert metrics[INFERENCE_EPISODES_DROPPED] == 0
     tokenizer = collector.tokenizer
     renderer = ChatTurnRenderer(tokenizer)
     two_turn = 0

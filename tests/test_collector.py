@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from grpo.data import PromptStream, arithmetic_dataset
+from grpo.rewards import MathCorrectnessReward
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +46,7 @@ def make_collector(model_dir, dataset, worker_id, num_workers):
         queue.Queue(),
         config,
         seed=0,
+        reward_functions=[MathCorrectnessReward()],
     )
 
 
@@ -119,7 +121,9 @@ def test_groups_have_the_expected_structure(collector):
             assert not stop_tokens & set(response[:-1])
             if trajectory.response_len < MAX_GENERATED_TOKENS:
                 text = collector.tokenizer.decode(response)
-                assert response[-1] in stop_tokens or any(s in text for s in collector.stop_strings)
+                assert response[-1] in stop_tokens or any(
+                    s in text for s in collector.sampling.stop
+                )
             assert trajectory.sequence_id.startswith("w0-")
             sequence_ids.add(trajectory.sequence_id)
         assert group.total_tokens == sum(t.prompt_len + t.response_len for t in group.trajectories)
@@ -275,7 +279,7 @@ def test_evaluate_is_greedy_decoding(collector, tune_model, dataset):
                 next_token = int(tune_model(torch.tensor([tokens + generated]))[0, -1].argmax())
                 generated.append(next_token)
                 text = collector.tokenizer.decode(generated)
-                if next_token in stop_tokens or any(s in text for s in collector.stop_strings):
+                if next_token in stop_tokens or any(s in text for s in collector.sampling.stop):
                     break
         assert completion == collector.tokenizer.decode(generated, skip_special_tokens=True)
 
@@ -286,12 +290,14 @@ def test_continuous_turns_sample_what_a_batch_samples(collector, dataset):
     from vllm.inputs import TokensPrompt
 
     from grpo.envs import SampleRequest
+    from grpo.workers.vllm_engine import sampled_logprobs
 
     requests = [
-        SampleRequest(collector._prompt_token_ids(dataset[i]), 10, 1000 + i, ()) for i in range(4)
+        SampleRequest(collector.environment.prompt_ids(dataset[i]), 10, 1000 + i, ())
+        for i in range(4)
     ]
-    with collector._engine_lock:
-        engine = collector._turn_engine()
+    with collector.engine.lock:
+        engine = collector.engine.turn_engine()
         keys = [engine.submit(request) for request in requests[:3]]
         finished = dict(engine.step())  # prefill and the first token of the three
         keys.append(engine.submit(requests[3]))  # joins the running batch
@@ -301,16 +307,14 @@ def test_continuous_turns_sample_what_a_batch_samples(collector, dataset):
             steps += 1
         outputs = collector.llm.generate(
             [TokensPrompt(prompt_token_ids=r.token_ids) for r in requests],
-            [collector._sampling_params(r.seed, r.max_tokens, 1, r.stop) for r in requests],
+            [collector.sampling.params(r.seed, r.max_tokens, r.stop) for r in requests],
             use_tqdm=False,
         )
     assert steps <= 10 + 2  # the fourth turn ran beside the others, not after them
     for key, output in zip(keys, outputs):
         sample, [batched] = finished[key], output.outputs
         assert sample.token_ids == list(batched.token_ids)
-        assert sample.logprobs == pytest.approx(
-            collector._sampled_logprobs(batched, "batch"), abs=1e-4
-        )
+        assert sample.logprobs == pytest.approx(sampled_logprobs(batched, "batch"), abs=1e-4)
         assert sample.finish_reason == batched.finish_reason
 
 
@@ -320,29 +324,29 @@ def test_consecutive_batches_sample_with_distinct_seeds_derived_from_the_run_see
     from grpo.seeds import group_seed, sample_seed
 
     requests = []
-    add_request = collector._add_request
+    add_request = collector.engine.add_request
 
     def recording(request_id, token_ids, params):
-        requests.append((request_id, params.seed, params.n))
+        requests.append((params.seed, params.n))
         return add_request(request_id, token_ids, params)
 
-    collector._add_request = recording
+    collector.engine.add_request = recording
+    group_ids = []
     try:
         for _ in range(2):
             collector.generate_batch(3)
-            groups = drain(collector.rollout_queue, 3)
+            group_ids += [g.group_id for g in drain(collector.rollout_queue, 3)]
     finally:
-        del collector._add_request
-    seeds = [seed + member for _, seed, n in requests for member in range(n)]
-    assert len(requests) == 6 and len(seeds) == 6 * GROUP_SIZE
+        del collector.engine.add_request
+    # One request per sample (a policy turn), each with a seed of its own.
+    assert len(requests) == 6 * GROUP_SIZE and all(n == 1 for _, n in requests)
+    seeds = [seed for seed, _ in requests]
     assert len(set(seeds)) == len(seeds)
-    group_ids = [int(request_id.split("-")[1]) for request_id, _, _ in requests]
-    assert group_ids[-3:] == [g.group_id for g in groups]
-    assert seeds == [
+    assert sorted(seeds) == sorted(
         sample_seed(group_seed(collector.seed, group_id), member, 0)
         for group_id in group_ids
         for member in range(GROUP_SIZE)
-    ]
+    )
 
 
 def test_behaviour_and_trainer_logprobs_are_those_of_the_sampling_temperature(
@@ -392,9 +396,10 @@ def test_behaviour_and_trainer_logprobs_are_those_of_the_sampling_temperature(
         return trainer.train_step(batch)["train_actor_training/mismatch_kl"]
 
     kl = {}
+    sampling = collector.engine.sampling
     try:
         for temperature in (0.7, 1.0):
-            collector.temperature = temperature
+            collector.engine.sampling = sampling._replace(temperature=temperature)
             collector.generate_batch(3)
             trajectories = [t for g in drain(collector.rollout_queue, 3) for t in g.trajectories]
             kl[temperature] = mismatch_kl(temperature, trajectories)
@@ -403,7 +408,7 @@ def test_behaviour_and_trainer_logprobs_are_those_of_the_sampling_temperature(
     finally:
         # No trainer.shutdown(): world_size 1 joined no process group, and the default one
         # in this process is the engine's.
-        collector.temperature = 1.0
+        collector.engine.sampling = sampling
     assert kl[0.7] < 1e-6 and kl[1.0] < 1e-6, kl
     assert kl[0.7] < 10 * kl[1.0] + 1e-8, kl
     assert kl["raw logits at 0.7"] > 1e-2, kl
@@ -413,17 +418,16 @@ def test_an_episode_is_not_cut_to_one_turn_when_max_model_len_is_unset(tiny_mode
     """Without ``max_model_len`` a collector sizes the engine's context for a whole episode
     (``max_prompt_tokens + max_episode_tokens``), not for one turn: the episode runs several
     turns and ends at its own bound."""
-    from grpo.envs import PlainTurnRenderer, Sample, run_episodes
+    from grpo.envs import PlainTurnRenderer, Sample, SingleTurnEnv, run_episodes
     from grpo.models import load_tokenizer
     from grpo.testing.tools import EchoUserEnv
-    from grpo.workers.collector import response_budget
 
     tokenizer = load_tokenizer(tiny_model_dir)
     [token] = tokenizer.encode("a", add_bos=False, add_eos=False)
     env = EchoUserEnv(max_turns=20, max_episode_tokens=48, reward_functions=[])
-    assert response_budget(8, env) == 48
-    assert response_budget(8, EchoUserEnv(reward_functions=[])) is None  # the model's context
-    assert response_budget(8) == 8
+    assert env.response_budget(8) == 48
+    assert EchoUserEnv(reward_functions=[]).response_budget(8) is None  # the model's context
+    assert SingleTurnEnv([MathCorrectnessReward()]).response_budget(8) == 8
 
     def sample(requests):
         return [
@@ -440,7 +444,7 @@ def test_an_episode_is_not_cut_to_one_turn_when_max_model_len_is_unset(tiny_mode
         [({"question": "q", "answer": "1", "index": 0}, prompt)],
         group_size=1,
         max_tokens_per_turn=8,
-        max_model_len=len(prompt) + response_budget(8, env),
+        max_model_len=len(prompt) + env.response_budget(8),
         seeds=[0],
     )
     assert episode.num_turns > 2 and episode.truncated

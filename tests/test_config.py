@@ -1,4 +1,9 @@
-"""Config loading, overrides, validation, instantiation and the schema reference."""
+"""Config loading, overrides, validation, instantiation and the schema reference.
+
+`grpo.config.validate_config` checks a config alone; what users see from ``grpo validate`` and
+at a run's start is `grpo.preflight.validate_run_config`, which also checks what the config
+names (model folder, datasets, run folder, resume target): most tests here check through it.
+"""
 
 from __future__ import annotations
 
@@ -24,10 +29,13 @@ from grpo.config import (
     instantiate,
     list_configs,
     load_config,
+    locate,
     repo_root,
     validate_config,
 )
 from grpo.config.schema import component_spec, default_of, section_type
+from grpo.config.sections import DEFAULT_LOSS
+from grpo.preflight import validate_run_config
 from grpo.recipe import parse, run_recipe_cli
 from grpo.testing import make_fake_model_dir
 
@@ -121,7 +129,7 @@ def config_path(tmp_path, fake_model_dir) -> Path:
 
 def problems_of(cfg, **kwargs) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        validate_config(cfg, **kwargs)
+        validate_run_config(cfg, **kwargs)
     return info.value.problems
 
 
@@ -298,7 +306,7 @@ def test_relative_model_path_resolves_against_cwd_then_repo(tmp_path, config_pat
 
 
 def test_valid_config_passes(config_path):
-    validate_config(compose_config(config_path))
+    validate_run_config(compose_config(config_path))
 
 
 def test_every_problem_is_reported_at_once(config_path, tmp_path):
@@ -362,7 +370,7 @@ def test_relations_between_keys(config_path):
 
 def test_training_batch_need_not_be_a_multiple_of_group_size(config_path):
     # Advantages are computed per group before the buffer, so a step may mix groups.
-    validate_config(
+    validate_run_config(
         compose_config(config_path, ["training.batch_size=6", "inference.group_size=4"])
     )
 
@@ -370,7 +378,7 @@ def test_training_batch_need_not_be_a_multiple_of_group_size(config_path):
 def test_prompt_bound_falls_back_to_max_model_len_then_the_model(config_path, tmp_path):
     # As the collectors do: a null max_prompt_tokens lets prompts fill max_model_len.
     cfg = compose_config(config_path, ["inference.max_prompt_tokens=null"])
-    validate_config(cfg)  # max_model_len (128) <= 256
+    validate_run_config(cfg)  # max_model_len (128) <= 256
     cfg = compose_config(
         config_path, ["inference.max_prompt_tokens=null", "target_tokens_per_batch=100"]
     )
@@ -394,9 +402,9 @@ def test_prompt_bound_falls_back_to_max_model_len_then_the_model(config_path, tm
     problems = problems_of(compose_config(config_path, overrides))
     assert len(problems) == 1 and problems[0].startswith("target_tokens_per_batch: 256")
     assert "max_position_embeddings (4096)" in problems[0]
-    validate_config(compose_config(config_path, [*overrides, "target_tokens_per_batch=4096"]))
+    validate_run_config(compose_config(config_path, [*overrides, "target_tokens_per_batch=4096"]))
     # Without the model folder nothing bounds the sequences: nothing to check.
-    validate_config(compose_config(config_path, overrides), check_files=False)
+    validate_config(compose_config(config_path, overrides))
 
     model_dir = make_fake_model_dir(tmp_path / "short", max_position_embeddings=64)
     problems = problems_of(
@@ -444,9 +452,16 @@ def test_model_folder_files_and_positions(tmp_path, config_path):
     assert len(problems) == 1 and "max_position_embeddings (40)" in problems[0]
 
 
-def test_file_checks_can_be_skipped(config_path, tmp_path):
-    cfg = compose_config(config_path, [f"base_model_path={tmp_path / 'nowhere'}"])
-    validate_config(cfg, check_files=False)
+def test_the_config_alone_reads_no_file(config_path, tmp_path):
+    overrides = [f"base_model_path={tmp_path / 'nowhere'}", "resume_from_checkpoint=true"]
+    cfg = compose_config(config_path, overrides)
+    validate_config(cfg)
+    assert load_config(config_path, overrides).base_model_path == str(tmp_path / "nowhere")
+    # What a run needs of the disk is checked above the config.
+    assert [problem.split(":")[0] for problem in problems_of(cfg)] == [
+        "base_model_path",
+        "resume_from_checkpoint",
+    ]
 
 
 def test_component_paths_and_keywords_are_checked(config_path):
@@ -470,7 +485,7 @@ def test_component_paths_and_keywords_are_checked(config_path):
     assert "metric_logger._component_: cannot import 'no_such_package.Logger'" in text
     assert "eval_dataset._component_" in text and "NoSuchOptimizer" in text
     # Without importing, only the structure is checked.
-    validate_config(cfg, check_components=False)
+    validate_run_config(cfg, check_components=False)
 
 
 def test_nested_component_nodes_are_checked(config_path):
@@ -505,7 +520,7 @@ def test_local_ray_cluster_must_fit_the_actors(config_path):
     problems = problems_of(cfg)
     assert len(problems) == 1 and problems[0].startswith("ray.num_cpus: the actors need 4")
     # Joining an existing cluster: its size is not known here, so no check.
-    validate_config(compose_config(config_path, ["ray.num_cpus=2", "ray.address=auto"]))
+    validate_run_config(compose_config(config_path, ["ray.num_cpus=2", "ray.address=auto"]))
     cfg = compose_config(config_path, ["training.num_gpus=1", "ray.num_gpus=0.5"])
     assert problems_of(cfg)[0].startswith("ray.num_gpus: the actors need 1")
 
@@ -516,11 +531,11 @@ def test_ray_address_and_reward_weights(config_path):
     assert "ray.address: must be null" in text
     assert "ref.reward_weights: give the weights by reward name" in text
     for address in ("auto", "ray://head:10001", "10.0.0.1:6379"):
-        validate_config(compose_config(config_path, [f"ray.address={address}"]))
+        validate_run_config(compose_config(config_path, [f"ray.address={address}"]))
 
 
 def test_validate_accepts_a_plain_dict(tmp_path, fake_model_dir):
-    validate_config(valid_config(fake_model_dir, tmp_path / "out"))
+    validate_run_config(valid_config(fake_model_dir, tmp_path / "out"))
 
 
 def test_resume_path_must_exist(config_path, tmp_path):
@@ -532,13 +547,13 @@ def test_resume_path_must_exist(config_path, tmp_path):
         f"resume_from_checkpoint: {tmp_path}/ckpt is not a checkpoint folder (no state.json)"
     ]
     (tmp_path / "ckpt" / "state.json").write_text("{}")
-    validate_config(compose_config(config_path, [f"resume_from_checkpoint={tmp_path}/ckpt"]))
+    validate_run_config(compose_config(config_path, [f"resume_from_checkpoint={tmp_path}/ckpt"]))
     # true: the latest checkpoint of output_dir, which must have one.
     assert problems_of(compose_config(config_path, ["resume_from_checkpoint=true"]))
     latest = tmp_path / "out" / "checkpoints" / "latest"
     latest.parent.mkdir(parents=True)
     latest.write_text("step_000001")
-    validate_config(compose_config(config_path, ["resume_from_checkpoint=true"]))
+    validate_run_config(compose_config(config_path, ["resume_from_checkpoint=true"]))
 
 
 def test_a_resume_may_not_change_what_its_checkpoint_was_made_for(config_path, tmp_path):
@@ -549,7 +564,7 @@ def test_a_resume_may_not_change_what_its_checkpoint_was_made_for(config_path, t
     checkpoint.mkdir(parents=True)
     state = {"step": 3, "policy_version": 3, "eval_history": []}
     (checkpoint / "state.json").write_text(json.dumps(state))
-    ran = validate_config(compose_config(config_path))
+    ran = validate_run_config(compose_config(config_path))
     (checkpoint / "config.yaml").write_text(yaml.safe_dump(ran.model_dump(), sort_keys=False))
     (checkpoint.parent / "latest").write_text(checkpoint.name)
     resume = ["resume_from_checkpoint=true"]
@@ -574,7 +589,7 @@ def test_a_resume_may_not_change_what_its_checkpoint_was_made_for(config_path, t
         "config has 2; it cannot change on resume"
     )
     longer = ["orchestration.num_steps=5", "training.optimizer.lr=1e-5", "inference.group_size=8"]
-    assert validate_config(compose_config(config_path, [*resume, *longer])).training.optimizer[
+    assert validate_run_config(compose_config(config_path, [*resume, *longer])).training.optimizer[
         "lr"
     ] == pytest.approx(1e-5)
 
@@ -588,9 +603,9 @@ def test_shipped_configs_validate_against_the_real_components(name, tmp_path):
     (model_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     overrides = [f"base_model_path={model_dir}", f"output_dir={tmp_path / 'run'}"]
     cfg = compose_config(name, [*overrides, "ray.num_cpus=64", "ray.num_gpus=8"])
-    validate_config(cfg)
+    validate_run_config(cfg)
     # grpo validate reads the same components from their source, importing none of them.
-    validate_config(cfg, import_components=False)
+    validate_run_config(cfg, import_components=False)
 
 
 def test_tiny_config_points_at_the_shipped_model():
@@ -784,10 +799,36 @@ def test_loading_a_config_imports_no_torch(config_path):
     code = (
         "import sys; from grpo.config import load_config; "
         f"load_config({str(config_path)!r}); "
-        "print(sorted(m for m in ('torch', 'ray', 'vllm') if m in sys.modules))"
+        # The default loss's kl_coeff default is the config's own: the loss is not imported.
+        "assert not load_config('tiny_arithmetic_cpu', ['~training.loss.kl_coeff'])"
+        ".uses_reference_model(); "
+        "print(sorted(m for m in ('torch', 'ray', 'vllm', 'grpo.objective') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_default_loss_takes_the_defaults_the_config_declares():
+    """The config reads the default loss's defaults without importing it (`LossArgs`): they
+    must be the loss's own."""
+    import inspect
+
+    from grpo.config.sections import DEFAULT_LOSS, LossArgs
+
+    parameters = inspect.signature(locate(DEFAULT_LOSS)).parameters
+    for name, info in LossArgs.model_fields.items():
+        assert parameters[name].default == info.default, name
+
+
+def test_a_loss_of_your_own_says_whether_it_uses_the_reference_model(config_path):
+    def uses(*overrides):
+        return load_config(config_path, list(overrides)).uses_reference_model()
+
+    assert not uses()  # the stand-in Loss: kl_coeff=0.0 in its signature
+    assert uses("training.loss.kl_coeff=0.1")
+    assert uses("training.loss={_component_: builtins.dict}")  # no kl_coeff keyword at all
+    assert not uses(f"training.loss={{_component_: {DEFAULT_LOSS}}}")
+    assert uses(f"training.loss={{_component_: {DEFAULT_LOSS}, kl_coeff: 0.01}}")
 
 
 def test_moved_keys_name_their_new_place(config_path, tmp_path):
@@ -811,7 +852,7 @@ def test_flow_mapping_overrides_parse_with_interpolations(config_path):
         config_path,
         [f"dataset.template={{_component_: {COMPONENTS}.Template, chat: ${{seed}}}}"],
     )
-    run = validate_config(cfg, check_files=False)
+    run = validate_config(cfg)
     assert run.dataset["template"] == {"_component_": f"{COMPONENTS}.Template", "chat": 0}
     with pytest.raises(ConfigError) as info:
         compose_config(config_path, ["dataset.template={_component_: a, b: [1}"])
@@ -856,7 +897,7 @@ def test_validate_checks_what_the_run_will_need(config_path, tmp_path, fake_mode
         "dataset.template=answer_only",
     ]
     # A good local dataset passes.
-    validate_config(compose_config(config_path, [*dataset, "dataset.prompt_key=question"]))
+    validate_run_config(compose_config(config_path, [*dataset, "dataset.prompt_key=question"]))
 
     missing = problems_of(compose_config(config_path, [*dataset, f"dataset.source={data}.gone"]))
     assert missing == [f"dataset.source: file {data}.gone does not exist"]
@@ -929,7 +970,7 @@ def test_reward_weights_are_by_name_and_unknown_names_are_refused(config_path):
     def problems(*overrides):
         cfg = compose_config(config_path, [REWARDS, *overrides])
         try:
-            validate_config(cfg, check_components=False)
+            validate_run_config(cfg, check_components=False)
         except ConfigError as error:
             return error.problems
         return []
@@ -973,18 +1014,18 @@ def test_clip_settings_that_tis_with_one_epoch_ignores_are_named(config_path):
         "effect"
     )
     # Meaningful: TIS alone with one epoch, or the clip with several epochs (decoupled PPO).
-    validate_config(compose_config(config_path, [f"{loss}}}"]), check_components=False)
+    validate_run_config(compose_config(config_path, [f"{loss}}}"]), check_components=False)
     # A clip range written at the loss's own default is no choice (the shipped configs list
     # theirs), and ppo_epochs left unset is 1.
-    validate_config(
+    validate_run_config(
         compose_config(config_path, [f"{loss}, epsilon_low: 0.2}}"]), check_components=False
     )
     with pytest.raises(ConfigError, match="so epsilon_high has no effect"):
-        validate_config(
+        validate_run_config(
             compose_config(config_path, [f"{loss}, epsilon_high: 0.3}}", "~training.ppo_epochs"]),
             check_components=False,
         )
-    validate_config(
+    validate_run_config(
         compose_config(config_path, [f"{loss}, epsilon_high: 0.28}}", "training.ppo_epochs=2"]),
         check_components=False,
     )
@@ -996,7 +1037,7 @@ ENVIRONMENT = "environment={_component_: grpo.testing.tools.EchoUserEnv, max_tur
 def test_an_episode_must_fit_the_token_budget_and_its_bound_the_context(config_path, tmp_path):
     def problems(*overrides):
         try:
-            validate_config(compose_config(config_path, overrides), check_files=False)
+            validate_config(compose_config(config_path, overrides))
         except ConfigError as error:
             return error.problems
         return []

@@ -12,19 +12,21 @@ import pytest
 import torch
 
 from grpo.objective.advantages import group_advantages, zero_variance_groups
-from grpo.observability.metric_names import GROUPS_KEPT, GROUPS_SCORED, ZERO_VARIANCE_GROUPS
+from grpo.observability.metric_names import (
+    GROUPS_KEPT,
+    GROUPS_SCORED,
+    REF_PERF_SHARED_PROMPT_TOKENS_SAVED,
+    REWARDS_MEAN,
+    ZERO_VARIANCE_GROUPS,
+)
 from grpo.orchestrator import InFlightLedger, NoInformativeGroupsError
 from grpo.orchestrator.group_counts import GroupCounts
 from grpo.testing import read_jsonl
 from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
 
 
-def answer_as_reward(completion: str, answer: str) -> tuple[float, bool]:
-    """Reward = the gold answer read as a number: lets a test choose every sample's reward."""
-    return float(answer), answer == "1"
-
-
 def trajectory(sequence_id: str, group_id: int, answer: str) -> UnscoredTrajectory:
+    """A scored sample whose reward is its answer read as a number (the test chooses it)."""
     return UnscoredTrajectory(
         prompt_tokens=torch.tensor([5, 6, 7]),
         response_tokens=torch.tensor([8, 9]),
@@ -35,6 +37,8 @@ def trajectory(sequence_id: str, group_id: int, answer: str) -> UnscoredTrajecto
         sequence_id=sequence_id,
         policy_version=0,
         group_id=group_id,
+        env_rewards={"answer": float(answer)},
+        env_successes={"answer": float(answer == "1")},
     )
 
 
@@ -69,7 +73,6 @@ def test_ref_actor_drops_exactly_the_zero_variance_groups(filtering, tiny_model_
 
     actor = RefActor(
         model_dir=str(tiny_model_dir),
-        reward_functions=[answer_as_reward],
         target_tokens_per_batch=64,
         config=RefConfig(filter_zero_variance_groups=filtering),
     )
@@ -96,7 +99,7 @@ def test_ref_actor_drops_exactly_the_zero_variance_groups(filtering, tiny_model_
     ]
     # Kept groups keep their advantages; the reward metrics cover every group scored.
     assert [float(t.advantages) > 0 for t in scored[0]] == [True, False, True, False]
-    assert info["metrics"]["ref_actor_rewards/rewards_mean"] == pytest.approx(8 / 17)
+    assert info["metrics"][REWARDS_MEAN] == pytest.approx(8 / 17)
 
 
 def test_ref_actor_shares_prompts_of_kept_groups_only(tiny_model_dir):
@@ -108,13 +111,12 @@ def test_ref_actor_shares_prompts_of_kept_groups_only(tiny_model_dir):
     for share_prompts in (False, True):
         actor = RefActor(
             model_dir=str(tiny_model_dir),
-            reward_functions=[answer_as_reward],
             target_tokens_per_batch=64,
             config=RefConfig(filter_zero_variance_groups=True),
             share_prompts=share_prompts,
         )
         info, scored = actor.score(groups)
-        saved = info["metrics"]["ref_actor_performance/shared_prompt_tokens_saved (%)"]
+        saved = info["metrics"][REF_PERF_SHARED_PROMPT_TOKENS_SAVED]
         scored_by_sharing[share_prompts] = scored
         # Kept: groups 0 and 2, 7 sequences of 3 prompt + 2 response tokens (35 tokens).
         # Shared, each group's prompt is packed once: 2 x 3 + 7 x 2 = 20 computed, 15 saved.
@@ -139,7 +141,6 @@ def test_without_a_kl_term_the_ref_actor_loads_no_model_and_scores_the_same(tiny
     for load_model in (True, False):
         actor = RefActor(
             model_dir=str(tiny_model_dir),
-            reward_functions=[answer_as_reward],
             target_tokens_per_batch=64,
             config=RefConfig(filter_zero_variance_groups=True),
             load_model=load_model,

@@ -14,6 +14,13 @@ import pytest
 import ray
 
 from grpo.cli import main as grpo_main
+from grpo.observability.metric_names import (
+    INFERENCE_EPISODE_ENV_TOKEN_FRACTION,
+    INFERENCE_EPISODE_TURNS_MEAN,
+    INFERENCE_EPISODES_DROPPED,
+    INFERENCE_EPISODES_DROPPED_TOTAL,
+    TRAIN_LOSS,
+)
 from grpo.testing import RANDOM_MODEL_OVERRIDES, kill_at_steps, read_jsonl, start_tiny_run
 
 pytestmark = pytest.mark.slow
@@ -71,15 +78,15 @@ def test_multi_turn_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypat
 
     assert trained_ids(resumed) == trained_ids(straight)
     assert len(set(trained_ids(straight))) == len(trained_ids(straight)) == 4 * 32
-    losses = {r["step"]: r["train_actor_training/loss"] for r in read_jsonl(straight / "metrics.jsonl") if "train_actor_training/loss" in r}  # fmt: skip
-    resumed_losses = {r["step"]: r["train_actor_training/loss"] for r in read_jsonl(resumed / "metrics.jsonl") if "train_actor_training/loss" in r}  # fmt: skip
+    losses = {r["step"]: r[TRAIN_LOSS] for r in read_jsonl(straight / "metrics.jsonl") if TRAIN_LOSS in r}  # fmt: skip
+    resumed_losses = {r["step"]: r[TRAIN_LOSS] for r in read_jsonl(resumed / "metrics.jsonl") if TRAIN_LOSS in r}  # fmt: skip
     assert sorted(resumed_losses) == [1, 2, 3, 4]
     for step, value in losses.items():
         assert resumed_losses[step] == pytest.approx(value, rel=1e-6, abs=1e-9)
 
     # The episodes were multi-turn, and the environment's tokens were not trained.
-    assert max(metric(straight, "inference/episode_turns_mean")) > 1.5
-    assert max(metric(straight, "inference/episode_env_token_fraction")) > 0.05
+    assert max(metric(straight, INFERENCE_EPISODE_TURNS_MEAN)) > 1.5
+    assert max(metric(straight, INFERENCE_EPISODE_ENV_TOKEN_FRACTION)) > 0.05
     assert min(metric(straight, "train_actor_training/trained_token_fraction")) < 0.95
 
 
@@ -144,7 +151,7 @@ def test_an_environment_that_fails_every_episode_stops_the_run_naming_its_error(
     stopped_at = time.time()
     err = capsys.readouterr().err
     assert status == 1, err
-    first_batch = min(r["time"] for r in read_jsonl(run_dir / "metrics.jsonl") if "inference/episodes_dropped" in r)  # fmt: skip
+    first_batch = min(r["time"] for r in read_jsonl(run_dir / "metrics.jsonl") if INFERENCE_EPISODES_DROPPED in r)  # fmt: skip
     # Stopped within seconds of the first batch (shutting the actors down included).
     assert stopped_at - first_batch < 60
 
@@ -161,7 +168,7 @@ def test_an_environment_that_fails_every_episode_stops_the_run_naming_its_error(
 
     # The collector's log names the reason once, with a count, however many episodes it
     # dropped for it.
-    dropped = max(metric(run_dir, "inference/episodes_dropped_total"))
+    dropped = max(metric(run_dir, INFERENCE_EPISODES_DROPPED_TOTAL))
     lines = [
         line
         for line in (run_dir / "logs" / "collector_0.log").read_text().splitlines()

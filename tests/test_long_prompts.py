@@ -11,7 +11,9 @@ import queue
 
 import pytest
 
-from grpo.workers.collector import InferenceConfig, SyncLLMCollector, whole_prefills
+from grpo.rewards import MathCorrectnessReward
+from grpo.workers.collector import InferenceConfig, SyncLLMCollector
+from grpo.workers.vllm_engine import whole_prefills
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +36,18 @@ def test_a_batch_of_long_seeded_prompts_generates(tiny_model_dir):
         engine_args={"kv_cache_memory_bytes": 256 * 2**20, "max_num_seqs": 128},
     )
     rollout_queue: queue.Queue = queue.Queue()
-    collector = SyncLLMCollector(0, 1, tiny_model_dir, items, rollout_queue, config, seed=0)
+    collector = SyncLLMCollector(
+        0,
+        1,
+        tiny_model_dir,
+        items,
+        rollout_queue,
+        config,
+        seed=0,
+        reward_functions=[MathCorrectnessReward()],
+    )
     try:
-        prompt_len = len(collector._prompt_token_ids(items[0]))
+        prompt_len = len(collector.environment.prompt_ids(items[0]))
         assert prompt_len >= 80
         # 8 prompts x 16 samples: far more prompt tokens than one step's budget of 4096.
         assert 8 * 16 * prompt_len > 4096

@@ -17,11 +17,21 @@ import yaml
 
 from grpo.observability.metric_logger import MetricLogger
 from grpo.observability.metric_names import (
+    EVAL_ACCURACY,
     GLOBAL_STEP,
     INFERENCE_STEP,
+    INFERENCE_TOKENS_PER_SECOND,
     METRIC_NAMES,
+    REF_PERF_NAMESPACE,
+    REF_PERF_PCT_TIME_MODEL_RUNNING,
+    REF_PERF_TIME_WAITING_BUFFER,
     REF_STEP,
+    REWARDS_MEAN,
+    ROLLOUT_QUEUE_SIZE,
     STEP_METRIC_RULES,
+    TRAIN_LOSS,
+    TRAIN_LR,
+    TRAIN_REPLAY_BUFFER_SIZE,
     TRAIN_STEP,
     is_known_metric,
     ratio_metrics,
@@ -53,12 +63,12 @@ def test_log_dict_writes_one_record_per_call_with_steps_as_given(tmp_path):
     logger = _logger(tmp_path)
     before = time.time()
     logger.log_dict(
-        {"train_actor_training/loss": 0.25, "queues/train_replay_buffer_size": 12},
+        {TRAIN_LOSS: 0.25, TRAIN_REPLAY_BUFFER_SIZE: 12},
         step=5,
         actor="train",
     )
     # The ref actor runs behind the trainer: its lower step is kept as given.
-    logger.log_dict({"ref_actor_rewards/rewards_mean": 0.5}, step=2, actor="ref")
+    logger.log_dict({REWARDS_MEAN: 0.5}, step=2, actor="ref")
     logger.log_dict({"custom/value": 3, "custom/name": "gsm8k", "custom/flag": True}, step=7)
     after = time.time()
     logger.close()
@@ -68,9 +78,9 @@ def test_log_dict_writes_one_record_per_call_with_steps_as_given(tmp_path):
     assert [r["step"] for r in records] == [5, 2, 7]
     assert [r.get("actor") for r in records] == ["train", "ref", None]
     assert "actor" not in records[2]
-    assert records[0]["train_actor_training/loss"] == 0.25
-    assert records[0]["queues/train_replay_buffer_size"] == 12
-    assert records[1]["ref_actor_rewards/rewards_mean"] == 0.5
+    assert records[0][TRAIN_LOSS] == 0.25
+    assert records[0][TRAIN_REPLAY_BUFFER_SIZE] == 12
+    assert records[1][REWARDS_MEAN] == 0.5
     assert records[2] == {
         **records[2],
         "custom/value": 3,
@@ -86,7 +96,7 @@ def test_every_write_is_on_disk_before_close(tmp_path):
     # A killed run keeps its log: each record is flushed when written.
     logger = _logger(tmp_path)
     for step in range(3):
-        logger.log_dict({"train_actor_training/loss": float(step)}, step=step, actor="train")
+        logger.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="train")
         on_disk = _strict_json_lines(logger.get_log_path())
         assert [r["step"] for r in on_disk] == list(range(step + 1))
     logger.close()
@@ -94,13 +104,13 @@ def test_every_write_is_on_disk_before_close(tmp_path):
 
 def test_reopening_appends(tmp_path):
     first = _logger(tmp_path)
-    first.log_dict({"eval/accuracy": 0.1}, step=0, actor="eval")
+    first.log_dict({EVAL_ACCURACY: 0.1}, step=0, actor="eval")
     first.close()
     second = _logger(tmp_path)
-    second.log_dict({"eval/accuracy": 0.2}, step=10, actor="eval")
+    second.log_dict({EVAL_ACCURACY: 0.2}, step=10, actor="eval")
     second.close()
     records = _strict_json_lines(second.get_log_path())
-    assert [(r["step"], r["eval/accuracy"]) for r in records] == [(0, 0.1), (10, 0.2)]
+    assert [(r["step"], r[EVAL_ACCURACY]) for r in records] == [(0, 0.1), (10, 0.2)]
 
 
 def test_nonfinite_values_are_null_and_counted(tmp_path, caplog):
@@ -220,22 +230,20 @@ def test_stdout_prints_selected_keys_every_n_steps(tmp_path, capsys):
     logger = _logger(
         tmp_path,
         stdout_every_n=2,
-        stdout_keys=["train_actor_training/loss", "ref_actor_rewards/rewards_func_*"],
+        stdout_keys=[TRAIN_LOSS, "ref_actor_rewards/rewards_func_*"],
     )
     logger.log_dict(
-        {"train_actor_training/loss": 0.123456, "train_actor_training/lr": 1e-5},
+        {TRAIN_LOSS: 0.123456, TRAIN_LR: 1e-5},
         step=1,
         actor="train",
     )
+    logger.log_dict({TRAIN_LOSS: 0.5, TRAIN_LR: 1e-5}, step=2, actor="train")
     logger.log_dict(
-        {"train_actor_training/loss": 0.5, "train_actor_training/lr": 1e-5}, step=2, actor="train"
-    )
-    logger.log_dict(
-        {"ref_actor_rewards/rewards_func_math_mean": 0.25, "ref_actor_rewards/rewards_mean": 0.3},
+        {"ref_actor_rewards/rewards_func_math_mean": 0.25, REWARDS_MEAN: 0.3},
         step=4,
         actor="ref",
     )
-    logger.log_dict({"inference/tokens_per_second": 100.0}, step=4, actor="inference")
+    logger.log_dict({INFERENCE_TOKENS_PER_SECOND: 100.0}, step=4, actor="inference")
     logger.close()
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["[train 2] loss=0.5", "[ref 4] rewards_func_math_mean=0.25"]
@@ -264,13 +272,18 @@ def test_ratio_metrics_matches_seed_names_and_guards_zero_total():
     }
     assert all(key in METRIC_NAMES["train"] for key in metrics)
     ref = ratio_metrics("ref_actor_performance", {"time_model_running": 1.0}, total=0.0)
-    assert ref == {"ref_actor_performance/pct_time_model_running (%)": 0.0}
+    assert ref == {REF_PERF_PCT_TIME_MODEL_RUNNING: 0.0}
     assert set(ref) <= set(METRIC_NAMES["ref"])
     nan_total = ratio_metrics("p", {"time_x": 1.0}, total=float("nan"))
     assert nan_total == {"p/pct_time_x (%)": 0.0}
+    # A timing may be keyed by its full metric name: the namespace goes with the unit.
+    full = ratio_metrics(REF_PERF_NAMESPACE, {REF_PERF_TIME_WAITING_BUFFER: 1.0}, total=4.0)
+    assert full == {"ref_actor_performance/pct_time_waiting_buffer (%)": 25.0}
 
 
 def test_metric_names_hold_the_seed_contract():
+    # Spelled out rather than named by their constants: dashboards read these very strings, so
+    # this pins the values that a constant's rename must not change.
     seed_train = [
         "train_actor_training/loss",
         "train_actor_training/policy_loss",
@@ -333,15 +346,15 @@ def test_every_listed_metric_has_its_actors_step():
 
 
 def test_step_metric_for_rules_and_fallbacks():
-    assert step_metric_for("queues/rollout_queue_size") == REF_STEP
-    assert step_metric_for("queues/train_replay_buffer_size") == TRAIN_STEP
+    assert step_metric_for(ROLLOUT_QUEUE_SIZE) == REF_STEP
+    assert step_metric_for(TRAIN_REPLAY_BUFFER_SIZE) == TRAIN_STEP
     assert step_metric_for("train_actor_performance/memory/peak_alloc") == TRAIN_STEP
     assert step_metric_for("per_sample_debug_table", actor="train") == TRAIN_STEP
     assert step_metric_for("collector/restarts", actor="inference") == INFERENCE_STEP
     assert step_metric_for("collector/restarts") == GLOBAL_STEP
     assert step_metric_for("collector/restarts", actor="somebody") == GLOBAL_STEP
     # A rule beats the caller's actor: the ref actor reporting a train key keeps train_step.
-    assert step_metric_for("train_actor_training/loss", actor="ref") == TRAIN_STEP
+    assert step_metric_for(TRAIN_LOSS, actor="ref") == TRAIN_STEP
 
 
 # ---------------------------------------------------------------- W&B (fake module)
@@ -400,12 +413,12 @@ def test_wandb_gets_per_namespace_step_metrics(tmp_path, fake_wandb):
         assert run.defined[pattern] == step_metric
 
     logger.log_dict(
-        {"train_actor_training/loss": 1.0, "queues/train_replay_buffer_size": 3},
+        {TRAIN_LOSS: 1.0, TRAIN_REPLAY_BUFFER_SIZE: 3},
         step=10,
         actor="train",
     )
     logger.log_dict(
-        {"ref_actor_rewards/rewards_mean": float("nan"), "queues/rollout_queue_size": 2},
+        {REWARDS_MEAN: float("nan"), ROLLOUT_QUEUE_SIZE: 2},
         step=4,
         actor="ref",
     )
@@ -417,14 +430,14 @@ def test_wandb_gets_per_namespace_step_metrics(tmp_path, fake_wandb):
 
     train_call, ref_call, collector_call, table_call = run.logged
     assert train_call == {
-        "train_actor_training/loss": 1.0,
-        "queues/train_replay_buffer_size": 3,
+        TRAIN_LOSS: 1.0,
+        TRAIN_REPLAY_BUFFER_SIZE: 3,
         TRAIN_STEP: 10,
     }
     # An earlier step after a later one: carried by ref_step, so W&B keeps it. NaN goes to W&B
     # as NaN (W&B accepts it); only the JSONL needs null.
     assert ref_call[REF_STEP] == 4 and TRAIN_STEP not in ref_call
-    assert math.isnan(ref_call["ref_actor_rewards/rewards_mean"])
+    assert math.isnan(ref_call[REWARDS_MEAN])
     assert collector_call == {"collector/restarts": 1, INFERENCE_STEP: 3}
     assert run.defined["collector/restarts"] == INFERENCE_STEP
     assert table_call == {
@@ -465,7 +478,7 @@ def test_wandb_init_failure_is_reported_once_and_logging_continues(tmp_path, fak
     with caplog.at_level(logging.WARNING, logger="grpo.observability.metric_logger"):
         logger = _logger(tmp_path, use_wandb=True, mode="online")
         for step in range(3):
-            logger.log_dict({"train_actor_training/loss": 0.1 * step}, step=step, actor="train")
+            logger.log_dict({TRAIN_LOSS: 0.1 * step}, step=step, actor="train")
         logger.close()
     failures = [r.getMessage() for r in caplog.records if "W&B failed" in r.getMessage()]
     assert len(failures) == 1
@@ -490,7 +503,7 @@ def test_wandb_log_failure_turns_wandb_off_once(tmp_path, fake_wandb, caplog):
     run.fail_log = True
     with caplog.at_level(logging.WARNING, logger="grpo.observability.metric_logger"):
         for step in range(3):
-            logger.log_dict({"eval/accuracy": 0.5}, step=step, actor="eval")
+            logger.log_dict({EVAL_ACCURACY: 0.5}, step=step, actor="eval")
     failures = [r.getMessage() for r in caplog.records if "W&B failed" in r.getMessage()]
     assert len(failures) == 1 and "logging step 0" in failures[0]
     logger.close()
@@ -500,8 +513,8 @@ def test_wandb_log_failure_turns_wandb_off_once(tmp_path, fake_wandb, caplog):
 def _log_three_steps_then_rewind(logger: MetricLogger) -> None:
     """Steps 1-3 logged (train and ref), then a trainer restart goes back to step 1."""
     for step in (1, 2, 3):
-        logger.log_dict({"train_actor_training/loss": float(step)}, step=step, actor="train")
-        logger.log_dict({"ref_actor_rewards/rewards_mean": step / 10}, step=step - 1, actor="ref")
+        logger.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="train")
+        logger.log_dict({REWARDS_MEAN: step / 10}, step=step - 1, actor="ref")
     logger.rewound(1, from_step=3)
 
 
@@ -511,13 +524,13 @@ def test_a_rewind_is_marked_and_forks_the_wandb_run_with_the_standing_values(tmp
     logger = _logger(tmp_path, use_wandb=True, mode="offline", run_name="r")
     logger.log_summary({"final/accuracy": 0.5})
     _log_three_steps_then_rewind(logger)
-    logger.log_dict({"train_actor_training/loss": 20.0}, step=2, actor="train")
+    logger.log_dict({TRAIN_LOSS: 20.0}, step=2, actor="train")
     logger.close()
 
     records = _strict_json_lines(logger.get_log_path())
     assert {"step": 1, "rewound_to": 1, "from_step": 3}.items() <= records[6].items()
     standing = records_after_rewinds(records)
-    assert [(r["step"], r.get("train_actor_training/loss")) for r in standing] == [
+    assert [(r["step"], r.get(TRAIN_LOSS)) for r in standing] == [
         (1, 1.0),
         (0, None),
         (1, None),
@@ -529,12 +542,8 @@ def test_a_rewind_is_marked_and_forks_the_wandb_run_with_the_standing_values(tmp
     assert first.summary["rewound_to_step"] == 1 and first.summary["from_step"] == 3
     assert second.init_kwargs["name"] == "fake-run (from step 1)"
     assert second.defined[TRAIN_STEP] is None  # the step metrics are declared again
-    train = [
-        (c[TRAIN_STEP], c["train_actor_training/loss"]) for c in second.logged if TRAIN_STEP in c
-    ]
-    ref = [
-        (c[REF_STEP], c["ref_actor_rewards/rewards_mean"]) for c in second.logged if REF_STEP in c
-    ]
+    train = [(c[TRAIN_STEP], c[TRAIN_LOSS]) for c in second.logged if TRAIN_STEP in c]
+    ref = [(c[REF_STEP], c[REWARDS_MEAN]) for c in second.logged if REF_STEP in c]
     assert train == [(1, 1.0), (2, 20.0)]
     assert ref == [(0, 0.1), (1, 0.2)]
     assert second.summary == {"final/accuracy": 0.5}
@@ -584,7 +593,7 @@ def test_a_rewind_forks_the_offline_wandb_run(tmp_path, monkeypatch):
         tmp_path / "run", project="grpo-test", run_name="rewound", stdout_every_n=0
     )
     _log_three_steps_then_rewind(logger)
-    logger.log_dict({"train_actor_training/loss": 20.0}, step=2, actor="train")
+    logger.log_dict({TRAIN_LOSS: 20.0}, step=2, actor="train")
     logger.close()
 
     wandb_dir = tmp_path / "run" / "wandb"
@@ -592,9 +601,9 @@ def test_a_rewind_forks_the_offline_wandb_run(tmp_path, monkeypatch):
     [first] = [run for run in wandb_dir.glob("offline-run-*") if run.resolve() != second]
     rows = _wandb_history(second)
     assert [r["_step"] for r in rows] == list(range(len(rows)))
-    train = [(r[TRAIN_STEP], r["train_actor_training/loss"]) for r in rows if TRAIN_STEP in r]
+    train = [(r[TRAIN_STEP], r[TRAIN_LOSS]) for r in rows if TRAIN_STEP in r]
     assert train == [(1, 1.0), (2, 20.0)]
-    superseded = [r["train_actor_training/loss"] for r in _wandb_history(first) if TRAIN_STEP in r]
+    superseded = [r[TRAIN_LOSS] for r in _wandb_history(first) if TRAIN_STEP in r]
     assert superseded == [1.0, 2.0, 3.0]
 
 
@@ -614,8 +623,8 @@ def test_wandb_offline_run_lands_in_the_log_dir(tmp_path, monkeypatch):
         use_wandb=True,
     )
     assert logger.mode == "offline"
-    logger.log_dict({"train_actor_training/loss": 0.5}, step=3, actor="train")
-    logger.log_dict({"ref_actor_rewards/rewards_mean": float("nan")}, step=1, actor="ref")
+    logger.log_dict({TRAIN_LOSS: 0.5}, step=3, actor="train")
+    logger.log_dict({REWARDS_MEAN: float("nan")}, step=1, actor="ref")
     logger.log_table(
         [["s0", 1.0]],
         ["Sequence ID", "Advantages"],
@@ -646,14 +655,9 @@ def test_logger_works_as_a_ray_actor(tmp_path, ray_cluster):
     logger = RemoteLogger.remote(log_dir=str(tmp_path / "run"), use_wandb=False, stdout_every_n=0)
     # Two "actors" writing, one behind the other; fire-and-forget then a barrier.
     refs = [
-        logger.log_dict.remote({"train_actor_training/loss": 1.0 / (s + 1)}, step=s, actor="train")
-        for s in range(5)
+        logger.log_dict.remote({TRAIN_LOSS: 1.0 / (s + 1)}, step=s, actor="train") for s in range(5)
     ]
-    refs += [
-        logger.log_dict.remote(
-            {"ref_actor_rewards/rewards_mean": float("nan")}, step=0, actor="ref"
-        )
-    ]
+    refs += [logger.log_dict.remote({REWARDS_MEAN: float("nan")}, step=0, actor="ref")]
     ray.get(refs)
     path = ray.get(logger.get_log_path.remote())
     ray.get(logger.close.remote())
@@ -663,7 +667,7 @@ def test_logger_works_as_a_ray_actor(tmp_path, ray_cluster):
     assert [(r["actor"], r["step"]) for r in records] == [("train", s) for s in range(5)] + [
         ("ref", 0)
     ]
-    assert records[-1]["ref_actor_rewards/rewards_mean"] is None
+    assert records[-1][REWARDS_MEAN] is None
     with pytest.raises(ray.exceptions.RayTaskError, match="closed"):
         ray.get(logger.log_dict.remote({"x": 1.0}, step=9))
 

@@ -435,7 +435,7 @@ def engine(request, family_dirs):
     from vllm import LLM
 
     from grpo.testing import set_vllm_cpu_env
-    from grpo.workers.collector import engine_kwargs
+    from grpo.workers.vllm_engine import engine_kwargs
 
     set_vllm_cpu_env()
     model_dir = family_dirs[request.param]

@@ -8,16 +8,26 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.observability.metric_names import METRIC_NAMES
+from grpo.observability.metric_names import (
+    EVAL_ACCURACY,
+    METRIC_NAMES,
+    REPLAY_BUFFER_DROPPED_STALE,
+    ROLLOUT_QUEUE_SIZE,
+    TRAIN_PERF_STEP_WALL_TIME,
+    TRAIN_PERF_TIME_DRIVER_OVERHEAD,
+    TRAIN_PERF_TIME_ENGINE_RELOAD,
+    TRAIN_PERF_TIME_GENERATION_BUSY,
+    TRAIN_PERF_TIME_GRPO_STEPS,
+    TRAIN_PERF_TIME_SCORING_BUSY,
+    TRAIN_PERF_TIME_WAITING_BUFFER,
+    TRAIN_PERF_TIME_WEIGHT_GATHER,
+    TRAIN_PERF_TIME_WEIGHT_SYNC,
+    TRAIN_PERF_TIME_WEIGHT_TRANSFER,
+    TRAIN_PERF_TOTAL_STEP_TIME,
+    TRAIN_REPLAY_BUFFER_SIZE,
+)
 from grpo.observability.metrics import (
-    DRIVER_OVERHEAD,
-    ENGINE_RELOAD,
-    GENERATION_BUSY,
-    SCORING_BUSY,
-    STEP_WALL,
     WALL_PARTS,
-    WEIGHT_GATHER,
-    WEIGHT_TRANSFER,
     step_metrics,
     step_time_breakdown,
 )
@@ -103,17 +113,17 @@ def test_ledger_lets_go_of_stale_batches_only():
 def test_step_metrics_adds_queue_sizes_and_time_shares():
     metrics = step_metrics(
         {
-            "train_actor_performance/total_step_time (s)": 4.0,
-            "train_actor_performance/time_grpo_steps (s)": 3.0,
-            "train_actor_performance/time_waiting_buffer (s)": 0.5,
-            "train_actor_performance/time_weight_sync (s)": 0.25,
+            TRAIN_PERF_TOTAL_STEP_TIME: 4.0,
+            TRAIN_PERF_TIME_GRPO_STEPS: 3.0,
+            TRAIN_PERF_TIME_WAITING_BUFFER: 0.5,
+            TRAIN_PERF_TIME_WEIGHT_SYNC: 0.25,
         },
         {"size": 12, "dropped_stale": 2},
-        {"queues/rollout_queue_size": 3.0},
+        {ROLLOUT_QUEUE_SIZE: 3.0},
     )
-    assert metrics["queues/train_replay_buffer_size"] == 12.0
-    assert metrics["queues/replay_buffer_dropped_stale"] == 2.0
-    assert metrics["queues/rollout_queue_size"] == 3.0
+    assert metrics[TRAIN_REPLAY_BUFFER_SIZE] == 12.0
+    assert metrics[REPLAY_BUFFER_DROPPED_STALE] == 2.0
+    assert metrics[ROLLOUT_QUEUE_SIZE] == 3.0
     assert metrics["train_actor_performance/pct_time_grpo_steps (%)"] == pytest.approx(75.0)
     assert metrics["train_actor_performance/pct_time_waiting_buffer (%)"] == pytest.approx(12.5)
     assert metrics["train_actor_performance/pct_time_weight_sync (%)"] == pytest.approx(6.25)
@@ -122,11 +132,11 @@ def test_step_metrics_adds_queue_sizes_and_time_shares():
 
 
 def test_run_state_round_trips():
-    state = RunState(step=7, policy_version=5, eval_history=[(0, {"eval/accuracy": 0.5})])
+    state = RunState(step=7, policy_version=5, eval_history=[(0, {EVAL_ACCURACY: 0.5})])
     restored = RunState()
     restored.load_state_dict(state.state_dict())
     assert (restored.step, restored.policy_version) == (7, 5)
-    assert restored.eval_history == [(0, {"eval/accuracy": 0.5})]
+    assert restored.eval_history == [(0, {EVAL_ACCURACY: 0.5})]
 
 
 def test_every_kind_of_call_has_a_handler(tmp_path):
@@ -142,7 +152,7 @@ def test_every_kind_of_call_has_a_handler(tmp_path):
 
 
 def test_step_time_breakdown_adds_up_to_the_wall_time():
-    timings = {WEIGHT_GATHER: 0.05, "train_actor_performance/time_weight_sync (s)": 0.09}
+    timings = {TRAIN_PERF_TIME_WEIGHT_GATHER: 0.05, TRAIN_PERF_TIME_WEIGHT_SYNC: 0.09}
     parts = step_time_breakdown(
         wall_s=1.0,
         buffer_wait_s=0.2,
@@ -153,29 +163,44 @@ def test_step_time_breakdown_adds_up_to_the_wall_time():
         scoring_busy_s=0.3,
     )
     # No transfer time reported: the rest of the sync's wall time is the transfer.
-    assert parts[WEIGHT_TRANSFER] == pytest.approx(0.05)
-    assert parts[ENGINE_RELOAD] == 0.0
-    assert parts[DRIVER_OVERHEAD] == pytest.approx(0.2)
-    assert sum(parts[key] for key in WALL_PARTS) == pytest.approx(parts[STEP_WALL])
+    assert parts[TRAIN_PERF_TIME_WEIGHT_TRANSFER] == pytest.approx(0.05)
+    assert parts[TRAIN_PERF_TIME_ENGINE_RELOAD] == 0.0
+    assert parts[TRAIN_PERF_TIME_DRIVER_OVERHEAD] == pytest.approx(0.2)
+    assert sum(parts[key] for key in WALL_PARTS) == pytest.approx(parts[TRAIN_PERF_STEP_WALL_TIME])
     # Busy times overlap training: reported, not part of the sum.
-    assert parts[GENERATION_BUSY] == 0.7 and parts[SCORING_BUSY] == 0.3
+    assert (
+        parts[TRAIN_PERF_TIME_GENERATION_BUSY] == 0.7 and parts[TRAIN_PERF_TIME_SCORING_BUSY] == 0.3
+    )
     assert set(parts) <= set(METRIC_NAMES["train"])
 
 
 def test_step_time_breakdown_uses_what_the_weight_sync_reports():
-    timings = {WEIGHT_GATHER: 0.01, WEIGHT_TRANSFER: 0.02, ENGINE_RELOAD: 0.03}
+    timings = {
+        TRAIN_PERF_TIME_WEIGHT_GATHER: 0.01,
+        TRAIN_PERF_TIME_WEIGHT_TRANSFER: 0.02,
+        TRAIN_PERF_TIME_ENGINE_RELOAD: 0.03,
+    }
     parts = step_time_breakdown(1.0, 0.0, 0.5, timings, 0.1, 0.0, 0.0)
-    assert [parts[WEIGHT_GATHER], parts[WEIGHT_TRANSFER], parts[ENGINE_RELOAD]] == [
+    assert [
+        parts[TRAIN_PERF_TIME_WEIGHT_GATHER],
+        parts[TRAIN_PERF_TIME_WEIGHT_TRANSFER],
+        parts[TRAIN_PERF_TIME_ENGINE_RELOAD],
+    ] == [
         0.01,
         0.02,
         0.03,
     ]
     # The sync's own wall time beyond what it reported is driver overhead.
-    assert parts[DRIVER_OVERHEAD] == pytest.approx(0.44)
+    assert parts[TRAIN_PERF_TIME_DRIVER_OVERHEAD] == pytest.approx(0.44)
     # No sync on this step: its parts are 0.
     parts = step_time_breakdown(1.0, 0.3, 0.5, {}, 0.0, 0.0, 0.0)
-    assert parts[WEIGHT_GATHER] == parts[WEIGHT_TRANSFER] == parts[ENGINE_RELOAD] == 0.0
-    assert parts[DRIVER_OVERHEAD] == pytest.approx(0.2)
+    assert (
+        parts[TRAIN_PERF_TIME_WEIGHT_GATHER]
+        == parts[TRAIN_PERF_TIME_WEIGHT_TRANSFER]
+        == parts[TRAIN_PERF_TIME_ENGINE_RELOAD]
+        == 0.0
+    )
+    assert parts[TRAIN_PERF_TIME_DRIVER_OVERHEAD] == pytest.approx(0.2)
 
 
 def test_the_ledger_read_without_rewound_steps_names_each_trajectory_once(tmp_path):

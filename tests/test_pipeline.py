@@ -11,13 +11,36 @@ from omegaconf import OmegaConf
 
 from grpo.cli import main as grpo_main
 from grpo.config import compose_config
-from grpo.observability.metric_names import METRIC_NAMES
-from grpo.observability.metrics import (
-    GENERATION_BUSY,
-    SCORING_BUSY,
-    STEP_WALL,
-    WALL_PARTS,
+from grpo.observability.metric_names import (
+    EVAL_ACCURACY,
+    INFERENCE_POLICY_VERSION,
+    INFERENCE_TOKENS_PER_SECOND,
+    METRIC_NAMES,
+    REF_PERF_TIME_MODEL_RUNNING,
+    REF_PERF_TIME_WAITING_BUFFER,
+    REF_PERF_TOTAL_ROLLOUT_TIME,
+    REF_PERF_TOTAL_TOKENS_PROCESSED,
+    REWARDS_FUNC_MEAN_TEMPLATE,
+    REWARDS_MEAN,
+    ROLLOUT_QUEUE_SIZE,
+    SUCCESSES_MEAN,
+    TRAIN_APPROX_POLICY_KLS,
+    TRAIN_KL_LOSS,
+    TRAIN_LOSS,
+    TRAIN_PERF_PADDED_TOKENS_PERCENTAGE,
+    TRAIN_PERF_STEP_WALL_TIME,
+    TRAIN_PERF_TIME_GENERATION_BUSY,
+    TRAIN_PERF_TIME_GRPO_STEPS,
+    TRAIN_PERF_TIME_SCORING_BUSY,
+    TRAIN_PERF_TIME_WAITING_BUFFER,
+    TRAIN_PERF_TIME_WEIGHT_GATHER,
+    TRAIN_PERF_TIME_WEIGHT_SYNC,
+    TRAIN_PERF_TOKENS_PER_SECOND,
+    TRAIN_PERF_TOTAL_STEP_TIME,
+    TRAIN_REPLAY_BUFFER_SIZE,
+    TRAIN_RESPONSE_LENGTHS,
 )
+from grpo.observability.metrics import WALL_PARTS
 from grpo.testing import RANDOM_MODEL_OVERRIDES, read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -68,7 +91,7 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     # Policy versions advance (one weight sync per step) and collectors pick them up.
     versions = metric_series(run_dir, "train_actor_training/policy_version")
     assert [v for _, v in versions] == [float(s) for s in range(num_steps)]
-    assert max(v for _, v in metric_series(run_dir, "inference/policy_version")) >= 1
+    assert max(v for _, v in metric_series(run_dir, INFERENCE_POLICY_VERSION)) >= 1
     assert max(max(r["policy_versions"]) for r in trained) >= 1
 
     # The collector computes with exactly the trainer's weights after the last sync.
@@ -77,47 +100,50 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     # The metric log carries the trainer and reference metrics, rewards per function, evals.
     logged = set().union(*(r.keys() for r in read_jsonl(run_dir / "metrics.jsonl")))
     expected = [
-        "train_actor_training/loss",
+        TRAIN_LOSS,
         "train_actor_training/policy_loss",
-        "train_actor_training/kl_loss",
+        TRAIN_KL_LOSS,
         "train_actor_training/ratios",
         "train_actor_training/clipfrac",
-        "train_actor_training/approx_policy_kls",
-        "train_actor_training/response_lengths",
-        "train_actor_performance/total_step_time (s)",
-        "train_actor_performance/time_grpo_steps (s)",
-        "train_actor_performance/tokens_per_second",
-        "train_actor_performance/time_weight_sync (s)",
-        "train_actor_performance/padded_tokens_percentage (%)",
-        "train_actor_performance/time_waiting_buffer (s)",
+        TRAIN_APPROX_POLICY_KLS,
+        TRAIN_RESPONSE_LENGTHS,
+        TRAIN_PERF_TOTAL_STEP_TIME,
+        TRAIN_PERF_TIME_GRPO_STEPS,
+        TRAIN_PERF_TOKENS_PER_SECOND,
+        TRAIN_PERF_TIME_WEIGHT_SYNC,
+        TRAIN_PERF_PADDED_TOKENS_PERCENTAGE,
+        TRAIN_PERF_TIME_WAITING_BUFFER,
         "train_actor_performance/pct_time_waiting_buffer (%)",
-        "train_actor_performance/time_weight_gather (s)",
-        "queues/train_replay_buffer_size",
-        "queues/rollout_queue_size",
-        "ref_actor_performance/total_rollout_time (s)",
-        "ref_actor_performance/time_model_running (s)",
-        "ref_actor_performance/time_waiting_buffer (s)",
-        "ref_actor_performance/total_tokens_processed",
-        "ref_actor_rewards/rewards_mean",
-        "ref_actor_rewards/successes_mean",
-        "ref_actor_rewards/rewards_func_math_correctness_mean",
-        "ref_actor_rewards/rewards_func_format_mean",
-        "inference/tokens_per_second",
-        "eval/accuracy",
+        TRAIN_PERF_TIME_WEIGHT_GATHER,
+        TRAIN_REPLAY_BUFFER_SIZE,
+        ROLLOUT_QUEUE_SIZE,
+        REF_PERF_TOTAL_ROLLOUT_TIME,
+        REF_PERF_TIME_MODEL_RUNNING,
+        REF_PERF_TIME_WAITING_BUFFER,
+        REF_PERF_TOTAL_TOKENS_PROCESSED,
+        REWARDS_MEAN,
+        SUCCESSES_MEAN,
+        REWARDS_FUNC_MEAN_TEMPLATE.format(name="math_correctness"),
+        REWARDS_FUNC_MEAN_TEMPLATE.format(name="format"),
+        INFERENCE_TOKENS_PER_SECOND,
+        EVAL_ACCURACY,
     ]
     missing = [key for key in expected if key not in logged]
     assert not missing, f"metrics.jsonl lacks {missing}"
     assert all(key in logged for key in METRIC_NAMES["train"][:6])
 
     # Every step's wall time is split into parts that add up to it.
-    steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if STEP_WALL in r]
+    steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if TRAIN_PERF_STEP_WALL_TIME in r]
     assert [r["step"] for r in steps] == list(range(1, num_steps + 1))
     for record in steps:
         parts = [record[key] for key in WALL_PARTS]
         assert all(part >= 0.0 for part in parts), record
-        assert sum(parts) == pytest.approx(record[STEP_WALL])
-        assert record[GENERATION_BUSY] >= 0.0 and record[SCORING_BUSY] >= 0.0
-    eval_steps = [step for step, _ in metric_series(run_dir, "eval/accuracy")]
+        assert sum(parts) == pytest.approx(record[TRAIN_PERF_STEP_WALL_TIME])
+        assert (
+            record[TRAIN_PERF_TIME_GENERATION_BUSY] >= 0.0
+            and record[TRAIN_PERF_TIME_SCORING_BUSY] >= 0.0
+        )
+    eval_steps = [step for step, _ in metric_series(run_dir, EVAL_ACCURACY)]
     assert eval_steps == [0, 2, 4]
 
     # Debug tables hold the sequences that were trained, with all three kinds of logprobs.
@@ -168,7 +194,7 @@ def test_learning_signal_on_a_toy_reward(tiny_model_dir, tmp_path, monkeypatch, 
     OmegaConf.save(cfg, config_path)
     run_cli(str(config_path), [])
 
-    rewards = [v for _, v in metric_series(Path(cfg.output_dir), "ref_actor_rewards/rewards_mean")]
+    rewards = [v for _, v in metric_series(Path(cfg.output_dir), REWARDS_MEAN)]
     assert len(rewards) >= 20
     first, last = rewards[:5], rewards[-5:]
     start, end = sum(first) / len(first), sum(last) / len(last)

@@ -12,7 +12,27 @@ import numpy as np
 import pytest
 
 from grpo.observability.metric_logger import MetricLogger
-from grpo.observability.metric_names import METRIC_NAMES, is_known_metric
+from grpo.observability.metric_names import (
+    EVAL_ACCURACY,
+    EVAL_NUM_EXAMPLES,
+    FAULTS_STEPS_REDONE,
+    INFERENCE_EPISODE_ENV_TOKEN_FRACTION,
+    INFERENCE_EPISODE_TRUNCATED,
+    INFERENCE_EPISODE_TURNS_MEAN,
+    INFERENCE_TOKENS_PER_SECOND,
+    INFERENCE_TOOL_CALLS_PER_EPISODE,
+    INFERENCE_TOOL_ERRORS,
+    METRIC_NAMES,
+    REWARDS_MEAN,
+    TRAIN_APPROX_POLICY_KLS,
+    TRAIN_KL_LOSS,
+    TRAIN_LOSS,
+    TRAIN_PERF_TOKENS_PER_SECOND,
+    TRAIN_POLICY_AGE_MAX,
+    TRAIN_POLICY_AGE_MEAN,
+    TRAIN_RESPONSE_LENGTHS,
+    is_known_metric,
+)
 from grpo.observability.plotting import (
     PLOTS,
     default_smoothing_window,
@@ -33,20 +53,20 @@ def _write_synthetic_run(
     for step in range(60):
         logger.log_dict(
             {
-                "train_actor_training/loss": 1.0 / (step + 1) + rng.gauss(0, 0.05),
-                "train_actor_training/kl_loss": 1e-3 * step + rng.gauss(0, 1e-3),
-                "train_actor_training/approx_policy_kls": 2e-3 * step + rng.gauss(0, 1e-3),
-                "train_actor_training/response_lengths": 40 + step + rng.gauss(0, 5),
-                "train_actor_training/policy_age_mean": rng.uniform(0, 2),
-                "train_actor_training/policy_age_max": float(rng.randint(1, 3)),
-                "train_actor_performance/tokens_per_second": 900 + rng.gauss(0, 50),
+                TRAIN_LOSS: 1.0 / (step + 1) + rng.gauss(0, 0.05),
+                TRAIN_KL_LOSS: 1e-3 * step + rng.gauss(0, 1e-3),
+                TRAIN_APPROX_POLICY_KLS: 2e-3 * step + rng.gauss(0, 1e-3),
+                TRAIN_RESPONSE_LENGTHS: 40 + step + rng.gauss(0, 5),
+                TRAIN_POLICY_AGE_MEAN: rng.uniform(0, 2),
+                TRAIN_POLICY_AGE_MAX: float(rng.randint(1, 3)),
+                TRAIN_PERF_TOKENS_PER_SECOND: 900 + rng.gauss(0, 50),
             },
             step=step,
             actor="train",
         )
         if with_eval and step % 10 == 0:
             logger.log_dict(
-                {"eval/accuracy": step / 100, "eval/num_examples": 64}, step=step, actor="eval"
+                {EVAL_ACCURACY: step / 100, EVAL_NUM_EXAMPLES: 64}, step=step, actor="eval"
             )
         if with_rewards:
             for ref_step in (2 * step, 2 * step + 1):
@@ -66,15 +86,15 @@ def _write_synthetic_run(
                 )
         episodes = {
             # A multi-turn environment's batch metrics (grpo.envs).
-            "inference/episode_turns_mean": 1 + min(1, step / 40),
-            "inference/tool_calls_per_episode": min(1, step / 40),
-            "inference/tool_errors": float(rng.randint(0, 2)),
-            "inference/episode_env_token_fraction": 0.1 + 0.2 * min(1, step / 40),
-            "inference/episode_truncated": float(rng.randint(0, 1)),
+            INFERENCE_EPISODE_TURNS_MEAN: 1 + min(1, step / 40),
+            INFERENCE_TOOL_CALLS_PER_EPISODE: min(1, step / 40),
+            INFERENCE_TOOL_ERRORS: float(rng.randint(0, 2)),
+            INFERENCE_EPISODE_ENV_TOKEN_FRACTION: 0.1 + 0.2 * min(1, step / 40),
+            INFERENCE_EPISODE_TRUNCATED: float(rng.randint(0, 1)),
         }
         logger.log_dict(
             {
-                "inference/tokens_per_second": 2000 + rng.gauss(0, 100),
+                INFERENCE_TOKENS_PER_SECOND: 2000 + rng.gauss(0, 100),
                 **(episodes if with_episodes else {}),
             },
             step=step,
@@ -113,8 +133,8 @@ def test_plot_run_skips_absent_metrics_and_says_which(tmp_path, caplog):
     assert not (run_dir / "plots").exists()
     skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping")]
     assert len(skipped) == 4
-    assert any("eval_accuracy" in m and "eval/accuracy" in m for m in skipped)
-    assert any("episodes" in m and "inference/episode_turns_mean" in m for m in skipped)
+    assert any("eval_accuracy" in m and EVAL_ACCURACY in m for m in skipped)
+    assert any("episodes" in m and INFERENCE_EPISODE_TURNS_MEAN in m for m in skipped)
     assert any("rewards_per_function" in m for m in skipped)
     assert any("successes_per_function" in m for m in skipped)
 
@@ -142,17 +162,17 @@ def test_read_metrics_reads_only_the_standing_values_after_a_rewind(tmp_path):
     were logged twice; the plots read the redone values, once per step."""
     logger = MetricLogger(tmp_path, use_wandb=False, stdout_every_n=0)
     for step in (1, 2, 3):
-        logger.log_dict({"train_actor_training/loss": float(step)}, step=step, actor="train")
-    logger.log_dict({"ref_actor_rewards/rewards_mean": 0.5}, step=2, actor="ref")
+        logger.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="train")
+    logger.log_dict({REWARDS_MEAN: 0.5}, step=2, actor="ref")
     logger.rewound(1, from_step=3)
-    logger.log_dict({"faults/steps_redone": 2.0}, step=1)
+    logger.log_dict({FAULTS_STEPS_REDONE: 2.0}, step=1)
     for step in (2, 3, 4):
-        logger.log_dict({"train_actor_training/loss": 10.0 * step}, step=step, actor="train")
+        logger.log_dict({TRAIN_LOSS: 10.0 * step}, step=step, actor="train")
     logger.close()
     series = read_metrics(tmp_path)
     assert series == {
-        "train_actor_training/loss": [(1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)],
-        "faults/steps_redone": [(1, 2.0)],
+        TRAIN_LOSS: [(1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)],
+        FAULTS_STEPS_REDONE: [(1, 2.0)],
     }
     # The file keeps the superseded values, then the rewind line.
     text = (tmp_path / "metrics.jsonl").read_text()
@@ -204,9 +224,9 @@ def test_plotted_metrics_are_named_in_metric_names():
 
 def test_plot_survives_single_points_and_constant_series(tmp_path):
     logger = MetricLogger(tmp_path, use_wandb=False, stdout_every_n=0)
-    logger.log_dict({"eval/accuracy": 0.5}, step=0, actor="eval")
+    logger.log_dict({EVAL_ACCURACY: 0.5}, step=0, actor="eval")
     logger.log_dict(
-        {"train_actor_training/kl_loss": 0.0, "train_actor_training/approx_policy_kls": math.inf},
+        {TRAIN_KL_LOSS: 0.0, TRAIN_APPROX_POLICY_KLS: math.inf},
         step=0,
         actor="train",
     )

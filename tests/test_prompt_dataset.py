@@ -568,6 +568,7 @@ def test_rendered_prompt_token_ids_match_vllm(qwen25_dir, llama3_dir):
 def test_collector_generates_from_chat_turns(tmp_path, qwen25_dir):
     import queue
 
+    from grpo.rewards import MathCorrectnessReward
     from grpo.workers.collector import InferenceConfig, SyncLLMCollector
 
     rows = [
@@ -588,10 +589,18 @@ def test_collector_generates_from_chat_turns(tmp_path, qwen25_dir):
         max_prompt_tokens=512,
     )
     collector = SyncLLMCollector(
-        0, 1, qwen25_dir, pickle.loads(pickle.dumps(dataset)), queue.Queue(), config, seed=0
+        0,
+        1,
+        qwen25_dir,
+        pickle.loads(pickle.dumps(dataset)),
+        queue.Queue(),
+        config,
+        seed=0,
+        reward_functions=[MathCorrectnessReward()],
     )
     try:
-        assert collector.stop_strings == ["</answer>"] and collector.add_bos is False
+        assert collector.sampling.stop == ("</answer>",)
+        assert collector.environment.context.add_bos is False
         collector.generate_batch(2)
         groups = [collector.rollout_queue.get(timeout=30) for _ in range(2)]
         expected = {

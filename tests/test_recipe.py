@@ -24,6 +24,13 @@ def gsm8k_config(path: Path):
     )
 
 
+def single_turn():
+    """The environment of a run that names none: its reward functions score each response."""
+    from grpo.envs import build_environment
+
+    return build_environment(None, [{"_component_": "grpo.rewards.MathCorrectnessReward"}], 5.0)
+
+
 def test_bad_rows_are_skipped_and_reported(tmp_path, capsys):
     rows = [
         {"question": "One plus one?", "answer": "1 + 1 = 2\n#### 2"},
@@ -33,7 +40,7 @@ def test_bad_rows_are_skipped_and_reported(tmp_path, capsys):
     ]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    load_recipe().build_datasets(gsm8k_config(path))
+    load_recipe().build_datasets(gsm8k_config(path), single_turn())
     err = capsys.readouterr().err
     assert "dataset: skipped 2 rows" in err
     assert "row 2" in err and "row 3" in err
@@ -43,7 +50,7 @@ def test_a_dataset_with_no_usable_row_fails_before_the_run(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps({"question": "", "answer": ""}) + "\n")
     with pytest.raises(ValueError, match="train.jsonl"):
-        load_recipe().build_datasets(gsm8k_config(path))
+        load_recipe().build_datasets(gsm8k_config(path), single_turn())
 
 
 def test_a_reward_weight_no_reward_has_is_refused_before_the_run():
@@ -64,9 +71,12 @@ def test_a_reward_weight_no_reward_has_is_refused_before_the_run():
             ref=SimpleNamespace(reward_weights=weights), reward_functions=rewards
         )
 
-    check(config({"math_correctness": 1.0, "seven": 0.5}), None)
+    from grpo.envs import build_environment
+
+    single_turn = build_environment(None, rewards, 5.0)
+    check(config({"math_correctness": 1.0, "seven": 0.5}), single_turn)
     with pytest.raises(ConfigError, match="no reward named 'format'; the rewards are math_corr"):
-        check(config({"format": 1.0}), None)
+        check(config({"format": 1.0}), single_turn)
     environment = EchoUserEnv(reward_functions=[TokenPresenceReward(token="7")])
     check(config({"token_presence": 2.0}), environment)
     with pytest.raises(ConfigError, match="the rewards are token_presence"):

@@ -16,6 +16,12 @@ import yaml
 from safetensors.torch import load_file
 
 from grpo.cli import main as grpo_main
+from grpo.observability.metric_names import (
+    FAULTS_ACTOR_RESTARTS,
+    FAULTS_STEPS_REDONE,
+    TRAIN_LOSS,
+    TRAIN_LR,
+)
 from grpo.observability.metrics import records_after_rewinds
 from grpo.observability.plotting import read_metrics
 from grpo.orchestrator import ActorFailedError, Orchestrator, TrainingDivergedError
@@ -36,9 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {
-        r["step"]: r["train_actor_training/loss"]
-        for r in read_jsonl(run_dir / "metrics.jsonl")
-        if "train_actor_training/loss" in r
+        r["step"]: r[TRAIN_LOSS] for r in read_jsonl(run_dir / "metrics.jsonl") if TRAIN_LOSS in r
     }
 
 
@@ -153,11 +157,7 @@ def test_resume_continues_exactly(
     run(resumed, 5, "resume_from_checkpoint=true", "training.optimizer.lr=1e-4")
     recorded = yaml.safe_load((resumed / "config.yaml").read_text())
     assert recorded["training"]["optimizer"]["lr"] == 1e-4
-    lrs = {
-        r["step"]: r["train_actor_training/lr"]
-        for r in read_jsonl(resumed / "metrics.jsonl")
-        if "train_actor_training/lr" in r
-    }
+    lrs = {r["step"]: r[TRAIN_LR] for r in read_jsonl(resumed / "metrics.jsonl") if TRAIN_LR in r}
     assert lrs == {1: 3e-4, 2: 3e-4, 3: 3e-4, 4: 3e-4, 5: 1e-4}
 
 
@@ -213,7 +213,7 @@ def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
     names = [name for _, name in victims] + ["rollout_queue"]
     assert [r.actor for r in run.recoveries] == names
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert max(r["faults/actor_restarts"] for r in metrics if "faults/actor_restarts" in r) == 4
+    assert max(r[FAULTS_ACTOR_RESTARTS] for r in metrics if FAULTS_ACTOR_RESTARTS in r) == 4
     # The dead queue's groups were scored from the driver's copies of their generation
     # batches (the ledger checks below find none of them lost).
     assert len([r for r in metrics if "faults/groups_rescued" in r]) == 1
@@ -345,7 +345,7 @@ def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
     # value per step: the undisturbed run's.
     metrics = read_jsonl(restarted_dir / "metrics.jsonl")
     assert [r["rewound_to"] for r in metrics if "rewound_to" in r] == [2]
-    plotted = read_metrics(restarted_dir)["train_actor_training/loss"]
+    plotted = read_metrics(restarted_dir)[TRAIN_LOSS]
     assert [step for step, _ in plotted] == [1, 2, 3, 4]
     for step, value in plotted:
         assert value == pytest.approx(straight_losses[step], rel=1e-6, abs=1e-9)
@@ -354,9 +354,9 @@ def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
     for name, tensor in final_straight.items():
         torch.testing.assert_close(final_restarted[name], tensor, rtol=1e-6, atol=1e-7)
     restarts = [
-        r["faults/steps_redone"]
+        r[FAULTS_STEPS_REDONE]
         for r in read_jsonl(restarted_dir / "metrics.jsonl")
-        if "faults/steps_redone" in r
+        if FAULTS_STEPS_REDONE in r
     ]
     assert restarts == [float(run.steps_redone)]
 

@@ -1,7 +1,5 @@
 """Sampling seeds: every (group, episode, turn) request of a run has its own, reproducibly."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from grpo.envs import PlainTurnRenderer, Sample, run_episodes
@@ -17,14 +15,6 @@ MAX_TURNS = 3
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
-
-
-def collector_group_seed(run_seed: int, group_id: int) -> int:
-    """The seed a collector of run seed ``run_seed`` gives group ``group_id``."""
-    from grpo.workers.collector import SyncLLMCollector
-
-    collector = SimpleNamespace(seed=run_seed, group_size=GROUP_SIZE)
-    return SyncLLMCollector._request_seed(collector, group_id)
 
 
 def multi_turn_seeds(tokenizer, run_seed: int, num_batches: int = 2) -> list[int]:
@@ -53,7 +43,7 @@ def multi_turn_seeds(tokenizer, run_seed: int, num_batches: int = 2) -> list[int
             group_size=GROUP_SIZE,
             max_tokens_per_turn=4,
             max_model_len=512,
-            seeds=[collector_group_seed(run_seed, next(group_ids)) for _ in prompts],
+            seeds=[group_seed(run_seed, next(group_ids)) for _ in prompts],
         )
         assert all(e.num_turns == MAX_TURNS for group in groups for e in group)
     return seeds
@@ -70,9 +60,9 @@ def test_every_turn_of_every_episode_of_consecutive_batches_has_its_own_seed(tok
 
 
 def test_first_turns_are_the_seeds_vllm_gives_the_samples_of_a_group_request():
-    """A single-turn group is one request of ``n = group_size`` samples seeded with the
-    group's seed, whose sample ``j`` vLLM seeds with ``seed + j``: the first turn of episode
-    ``j`` of a multi-turn group samples with that same seed."""
+    """Episode ``j`` of a group samples its first turn with the group's seed + ``j``, the seed
+    vLLM gives sample ``j`` of one request of ``n = group_size`` samples: a group sampled as
+    one request or as ``group_size`` turns samples the same."""
     base = group_seed(7, 12)
     assert [sample_seed(base, member, 0) for member in range(4)] == [base + j for j in range(4)]
     assert sample_seed(base, 1, 1) not in {sample_seed(base, j, 0) for j in range(4)}

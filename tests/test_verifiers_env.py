@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("verifiers", reason="the verifiers extra: pip install -e '.[verifiers]'")
 
-from grpo.envs import verifiers_env  # noqa: E402
+from grpo.envs import EngineContext, verifiers_env  # noqa: E402
 from grpo.envs.generate_server import GENERATE_PATH, GenerateServer  # noqa: E402
 from grpo.envs.rollout import Sample  # noqa: E402
 from grpo.envs.verifiers_adapter import _fill_from_branch, verifiers_problems  # noqa: E402
@@ -82,14 +82,18 @@ class ScriptedEngine:
 
 def run_groups(model_dir, taskset, engine, *, group_size=2, rows=2, **env_args):
     env = verifiers_env(taskset, max_turns=3, **env_args)
-    env.start(str(model_dir), max_model_len=1024, max_tokens=64, temperature=1.0, top_p=1.0)
+    context = EngineContext(
+        model_dir=str(model_dir),
+        tokenizer=None,  # the client renders with its own
+        max_model_len=1024,
+        max_tokens_per_turn=64,
+    )
+    env.start(context)
     try:
         examples = env.examples()[:rows]
-        return (
-            env,
-            examples,
-            env.run_groups(examples, engine, group_size=group_size, max_tokens=64, seed=0),
-        )
+        prompts = [(example, env.prompt_ids(example)) for example in examples]
+        seeds = [0] * len(prompts)
+        return env, examples, env.run_groups(prompts, engine, group_size, seeds)
     finally:
         env.close()
 

@@ -14,6 +14,10 @@ import ray
 pytest.importorskip("verifiers", reason="the verifiers extra: pip install -e '.[verifiers]'")
 
 from grpo.cli import main as grpo_main  # noqa: E402
+from grpo.observability.metric_names import (
+    INFERENCE_EPISODES_DROPPED,
+    INFERENCE_EPISODES_DROPPED_TOTAL,
+)
 from grpo.testing import RANDOM_MODEL_OVERRIDES, read_jsonl  # noqa: E402
 from grpo.testing.tiny_models import build_tiny_qwen2  # noqa: E402
 
@@ -60,8 +64,8 @@ def test_two_steps_on_a_verifiers_environment(
     trained = [sid for r in read_jsonl(run_dir / "trained.jsonl") for sid in r["sequence_ids"]]
     assert len(trained) == len(set(trained)) == 2 * 16
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    batches = [r for r in metrics if "inference/episodes_dropped" in r]
-    assert batches and all(r["inference/episodes_dropped_total"] == 0 for r in batches)
+    batches = [r for r in metrics if INFERENCE_EPISODES_DROPPED in r]
+    assert batches and all(r[INFERENCE_EPISODES_DROPPED_TOTAL] == 0 for r in batches)
     # The prompts are the taskset's as the client rendered them: the tool taskset's list the
     # tool's schema in a system turn, several times longer than the question alone.
     prompt_tokens = batches[0]["inference/prompt_tokens"] / 4

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from grpo.rewards import MathCorrectnessReward
 from grpo.weights.checksum import WeightSyncError, state_dict_checksum
 from grpo.weights.engine import WeightReceiver, WeightUpdate
 
@@ -129,7 +130,16 @@ def make_collector(model_dir):
         max_generated_tokens=MAX_GENERATED_TOKENS,
         max_prompt_tokens=512,
     )
-    return SyncLLMCollector(0, 1, model_dir, long_prompt_dataset(), queue.Queue(), config, seed=0)
+    return SyncLLMCollector(
+        0,
+        1,
+        model_dir,
+        long_prompt_dataset(),
+        queue.Queue(),
+        config,
+        seed=0,
+        reward_functions=[MathCorrectnessReward()],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -236,11 +246,11 @@ def test_update_is_applied_between_batches_and_used(engines, kind):
 @contextlib.contextmanager
 def weight_updates(collector, mode: str):
     """The collector loads weights ``mode`` (in_flight, between_batches) inside the block."""
-    previous, collector.weight_updates = collector.weight_updates, mode
+    previous, collector.engine.weight_updates = collector.engine.weight_updates, mode
     try:
         yield
     finally:
-        collector.weight_updates = previous
+        collector.engine.weight_updates = previous
 
 
 def offer_during_step(collector, step: int, offer) -> list[int]:
@@ -418,7 +428,7 @@ def test_in_flight_update_that_fails_verification_is_rolled_back(engines):
 
 
 def test_an_engine_that_cannot_preempt_is_refused_naming_the_option():
-    from grpo.workers.collector import check_in_flight_updates
+    from grpo.workers.vllm_engine import check_in_flight_updates
 
     class OldEngine:
         def reset_prefix_cache(self) -> bool:
@@ -515,6 +525,7 @@ def test_weights_reach_a_collector_actor_between_batches(engines, ray_cluster):
             queue_put_timeout_s=0.5,
             max_prompt_tokens=64,
         ),
+        reward_functions=[MathCorrectnessReward()],
     )
     try:
         ray = ray_cluster
@@ -585,7 +596,7 @@ def test_collective_sync_from_a_trainer_actor_and_a_replacement_joins_a_new_pair
 
     from grpo.config import WeightSyncConfig
     from grpo.testing.faults import delay_next_weight_send
-    from grpo.weights.collective import TRAINER_CONCURRENCY_GROUPS
+    from grpo.weights.concurrency import TRAINER_CONCURRENCY_GROUPS
     from grpo.weights.sync import WeightSync
     from grpo.workers.collector import InferenceConfig, SyncLLMCollector
     from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
@@ -617,6 +628,7 @@ def test_collective_sync_from_a_trainer_actor_and_a_replacement_joins_a_new_pair
                 max_generated_tokens=MAX_GENERATED_TOKENS,
                 max_prompt_tokens=64,
             ),
+            reward_functions=[MathCorrectnessReward()],
         )
 
     collector = new_collector()

@@ -3,14 +3,16 @@
 A config is a YAML file laid out like torchtune's async GRPO config. Its options are declared
 once, as pydantic models (`grpo.config.sections`, `grpo.config.run.RunConfig`), and everything
 else here is derived from those declarations. Nothing in this package imports torch, Ray or
-vLLM: components import their section from here, never the other way round. The parts:
+vLLM, nor any part of grpo but `grpo.choices`: components import their section from here,
+never the other way round. What a config names on disk (model folder, datasets, run folder,
+resume checkpoint) is checked above it, by `grpo.preflight`. The parts:
 
 * `schema`: how a section declares its options (`Section`, `Component`, `ComponentList`).
 * `sections`: one section per component; `run`: `RunConfig` and the checks across sections.
 * `loading`: find a config by name or path, apply ``key=value`` / ``~key`` overrides, fill
   defaults (`compose_config`), and check it into a `RunConfig` (`load_config`).
 * `validation`: report every problem of a config at once, with did-you-mean hints
-  (`validate_config`).
+  (`validate_config`; `check_config` returns them, for `grpo.preflight` to add its own).
 * `instantiate`: build a ``_component_`` node (`instantiate`).
 * `reference`: the config reference, ``docs/config.md`` (`config_reference_markdown`).
 
@@ -25,7 +27,7 @@ from grpo.config.instantiate import instantiate, locate
 from grpo.config.loading import compose_config, load_config
 from grpo.config.paths import configs_dir, find_config, list_configs, repo_root, resolve_path
 from grpo.config.reference import config_reference_markdown
-from grpo.config.run import RunConfig, used_output_dir_problem
+from grpo.config.run import RunConfig
 from grpo.config.schema import (
     COMPONENT_DEFAULT,
     REQUIRED,
@@ -43,11 +45,12 @@ from grpo.config.sections import (
     TrainingConfig,
     WeightSyncConfig,
 )
-from grpo.config.validation import validate_config
+from grpo.config.validation import CheckedConfig, check_config, validate_config
 
 __all__ = [
     "COMPONENT_DEFAULT",
     "REQUIRED",
+    "CheckedConfig",
     "CheckpointConfig",
     "Component",
     "ComponentArgs",
@@ -59,10 +62,10 @@ __all__ = [
     "RayConfig",
     "RefConfig",
     "RunConfig",
-    "used_output_dir_problem",
     "Section",
     "TrainingConfig",
     "WeightSyncConfig",
+    "check_config",
     "compose_config",
     "config_reference_markdown",
     "configs_dir",

@@ -29,10 +29,6 @@ def locate(path: str) -> Any:
     parts = path.split(".")
     if not all(parts):
         raise InstantiationError(f"{path!r} is not a dotted import path")
-    if parts[0] == "torchtune":
-        # torchtune 0.6.1's `torchtune.training` imports names that torchao 0.16 dropped;
-        # importing grpo.models first installs its compatibility aliases.
-        importlib.import_module("grpo.models")
     obj: Any = None
     for depth, part in enumerate(parts):
         prefix = ".".join(parts[: depth + 1])

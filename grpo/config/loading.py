@@ -31,6 +31,7 @@ from grpo.config.errors import ConfigError
 from grpo.config.keys import fill_defaults, may_hold_keys, schema_at, siblings_at, suggest
 from grpo.config.paths import find_config, resolve_path
 from grpo.config.run import RunConfig
+from grpo.config.validation import validate_config
 
 # --------------------------------------------------------------------------------------------
 # Loading and overrides
@@ -77,16 +78,17 @@ def load_config(
     name_or_path: str | Path,
     overrides: Sequence[str] = (),
     *,
-    check_files: bool = True,
     check_components: bool = False,
     import_components: bool = False,
 ) -> RunConfig:
     """Load a config, apply command-line overrides, check it, and return it typed.
 
+    The config alone is checked (`validate_config`); a run about to start also has the files
+    it names checked (`grpo.preflight.load_run_config`).
+
     Args:
         name_or_path (str | Path): Config name (``configs/NAME.yaml``) or path to a YAML file.
         overrides (Sequence[str]): ``key.sub=value`` (value parsed as YAML) or ``~key``.
-        check_files (bool): Check the model folder, the resume target and the run folder.
         check_components (bool): Check that every ``_component_`` exists and takes its
             node's keywords.
         import_components (bool): Check them by importing them (exact, slow: torch and the
@@ -103,11 +105,8 @@ def load_config(
         >>> cfg.inference.group_size
         4
     """
-    from grpo.config.validation import validate_config  # it imports this module's helpers
-
     return validate_config(
         compose_config(name_or_path, overrides),
-        check_files=check_files,
         check_components=check_components,
         import_components=import_components,
     )

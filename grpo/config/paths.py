@@ -1,19 +1,20 @@
-"""Where configs and the repo are, and how config paths become absolute."""
+"""Where configs and the repo are, and how config paths become absolute.
+
+The layout of a run folder (checkpoints, what marks a run) is `grpo.run_folder`'s.
+"""
 
 from __future__ import annotations
 
 import difflib
 import os
-import time
 from pathlib import Path
 
-import grpo
 from grpo.config.errors import ConfigError
 
 
 def repo_root() -> Path:
     """The folder holding ``grpo/``, ``configs/`` and ``recipes/``."""
-    return Path(grpo.__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def configs_dir() -> Path:
@@ -74,69 +75,3 @@ def resolve_path(path: str | Path, *, fall_back_to_repo: bool = False) -> Path:
     if fall_back_to_repo and not from_cwd.exists() and (repo_root() / path).exists():
         return repo_root() / path
     return from_cwd
-
-
-# --------------------------------------------------------------------------------------------
-# Checkpoints in a run folder: output_dir/checkpoints/step_NNNNNN, `latest` names the newest.
-# --------------------------------------------------------------------------------------------
-
-CHECKPOINTS_DIR = "checkpoints"
-LATEST_FILE = "latest"
-STATE_FILE = "state.json"
-
-
-def find_checkpoint(run_dir: Path, resume: bool | str) -> Path | None:
-    """The checkpoint to resume from: ``true`` means the latest in ``run_dir``.
-
-    Raises:
-        FileNotFoundError: If ``resume`` is true and ``run_dir`` has no checkpoint.
-    """
-    if resume is False or resume is None:
-        return None
-    if resume is True:
-        latest = run_dir / CHECKPOINTS_DIR / LATEST_FILE
-        if not latest.is_file():
-            raise FileNotFoundError(
-                f"resume_from_checkpoint=true but {latest} does not exist (no checkpoint saved "
-                "in this output_dir yet)"
-            )
-        return run_dir / CHECKPOINTS_DIR / latest.read_text().strip()
-    path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"resume_from_checkpoint: {path} is not a checkpoint folder")
-    return path
-
-
-# What a run leaves in its folder; a folder holding any of them holds a run.
-RUN_RECORDS = ("metrics.jsonl", "trained.jsonl", "scored.jsonl", CHECKPOINTS_DIR, "final")
-
-
-def run_records(run_dir: Path) -> list[str]:
-    """The records of an earlier run in ``run_dir`` (`RUN_RECORDS` present), in that order."""
-    return [name for name in RUN_RECORDS if (run_dir / name).exists()]
-
-
-def move_run_aside(run_dir: Path) -> Path | None:
-    """Rename a folder that holds a run to ``<run_dir>.old-<time>``; nothing is deleted.
-
-    Returns:
-        Path | None: Where the old run went; None if ``run_dir`` held no run.
-    """
-    if not run_records(run_dir):
-        return None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
-    suffix = 1
-    while target.exists():
-        suffix += 1
-        target = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{suffix}")
-    run_dir.rename(target)
-    return target
-
-
-def latest_checkpoint_text(run_dir: Path) -> str:
-    """Where to resume from, for error messages: the latest checkpoint, or the start."""
-    latest = run_dir / CHECKPOINTS_DIR / LATEST_FILE
-    if latest.is_file():
-        return str(run_dir / CHECKPOINTS_DIR / latest.read_text().strip())
-    return "the start (no checkpoint saved yet)"

@@ -2,25 +2,26 @@
 
 `RunConfig` is the whole YAML file as one typed object. Each section is the config of the
 component that reads it (`grpo.config.sections`). The checks that involve more than one section
-(token budget vs prompt and response lengths, batch divisibility, buffer size, Ray resources,
-the model folder) are here, in one place; they read the plain values, so they run (and report)
-beside the per-option checks even when some option is invalid.
+(token budget vs prompt and response lengths, batch divisibility, buffer size, Ray resources)
+are here, in one place; they read the plain values, so they run (and report) beside the
+per-option checks even when some option is invalid. What a config names on disk (the model
+folder, the datasets, the run folder) is checked above the config, by `grpo.preflight`.
 """
 
-import json
+import inspect
 import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
-from grpo.choices import MODEL_TYPES, LogLevel
-from grpo.config.paths import STATE_FILE, find_checkpoint, resolve_path, run_records
+from grpo.choices import LogLevel
+from grpo.config.instantiate import locate
 from grpo.config.schema import Component, ComponentList, Section
 from grpo.config.sections import (
+    DEFAULT_LOSS,
     CheckpointConfig,
     InferenceConfig,
+    LossArgs,
     MetricLoggerArgs,
     OrchestrationConfig,
     RayConfig,
@@ -28,9 +29,8 @@ from grpo.config.sections import (
     TrainingConfig,
     WeightSyncConfig,
 )
+from grpo.config.signatures import static_overrides, static_reward_name
 
-# Files a model folder must hold; weights are checked separately (*.safetensors).
-MODEL_FILES = ("config.json", "tokenizer.json")
 # Marks a value whose interpolation failed; the failure is already reported.
 UNRESOLVED = object()
 NUMBER = (int, float)
@@ -128,23 +128,17 @@ class RunConfig(Section):
         """Whether the loss has a KL term to the reference model (``kl_coeff`` above 0).
 
         Without one the reference actor loads no model and computes no reference logprobs.
-        A loss class of your own with no ``kl_coeff`` keyword is taken to use the model.
+        An unset ``kl_coeff`` is the loss's default (`loss_defaults`); a loss class of your own
+        with no ``kl_coeff`` keyword is taken to use the model.
         """
         node = dict(self.training.loss)
-        if "kl_coeff" in node:
-            return float(node["kl_coeff"]) > 0.0
-        import inspect
-
-        from grpo.config.instantiate import locate
-
-        parameter = inspect.signature(locate(node["_component_"])).parameters.get("kl_coeff")
-        if parameter is None or parameter.default is inspect.Parameter.empty:
-            return True
-        return float(parameter.default) > 0.0
+        defaults = loss_defaults(node["_component_"])
+        kl_coeff = node.get("kl_coeff", defaults.get("kl_coeff"))
+        return kl_coeff is None or float(kl_coeff) > 0.0
 
     @staticmethod
-    def relation_problems(values: dict, check_files: bool = True) -> list[str]:
-        """Problems that involve more than one key, and with the files a config names.
+    def relation_problems(values: dict) -> list[str]:
+        """Problems that involve more than one key.
 
         Each check skips when a key it needs is itself invalid (that key is reported on its
         own).
@@ -152,15 +146,12 @@ class RunConfig(Section):
         Args:
             values (dict): The config as plain values, interpolations resolved (failed ones
                 are `UNRESOLVED`).
-            check_files (bool): Also check the model folder and the resume checkpoint.
 
         Returns:
             list[str]: Each problem as ``key: what is wrong``.
         """
         problems: list[str] = []
         _check_relations(values, problems)
-        if check_files:
-            _check_files(values, problems)
         return problems
 
 
@@ -173,7 +164,7 @@ def type_ok(value: Any, types: tuple[type, ...]) -> bool:
     return isinstance(value, types)
 
 
-def _get(values: dict, path: str, types: tuple[type, ...] = NUMBER) -> Any:
+def value_at(values: dict, path: str, types: tuple[type, ...] = NUMBER) -> Any:
     """Value at a dotted path if present, resolved and of `types` (bool never a number)."""
     node: Any = values
     for part in path.split("."):
@@ -185,7 +176,7 @@ def _get(values: dict, path: str, types: tuple[type, ...] = NUMBER) -> Any:
     return node
 
 
-def _longest_sequence(values: dict, max_positions: int | None = None) -> tuple[int, str] | None:
+def longest_sequence(values: dict, max_positions: int | None = None) -> tuple[int, str] | None:
     """Longest prompt + response a run can produce, and why; None if nothing bounds it here.
 
     As the collectors decide it. Single-turn: ``inference.max_prompt_tokens +
@@ -205,8 +196,8 @@ def _longest_sequence(values: dict, max_positions: int | None = None) -> tuple[i
     """
     if isinstance(values.get("environment"), dict):
         return _environment_sequence(values, max_positions)
-    max_prompt = _get(values, "inference.max_prompt_tokens", (int,))
-    max_generated = _get(values, "inference.max_generated_tokens", (int,))
+    max_prompt = value_at(values, "inference.max_prompt_tokens", (int,))
+    max_generated = value_at(values, "inference.max_generated_tokens", (int,))
     if max_prompt is not None:
         if max_generated is None:
             return None
@@ -215,7 +206,7 @@ def _longest_sequence(values: dict, max_positions: int | None = None) -> tuple[i
             f"inference.max_prompt_tokens ({max_prompt}) + inference.max_generated_tokens "
             f"({max_generated}) = {longest}"
         )
-    max_model_len = _get(values, "inference.engine_args.max_model_len", (int,))
+    max_model_len = value_at(values, "inference.engine_args.max_model_len", (int,))
     if max_model_len is not None:
         return max_model_len, (
             f"inference.engine_args.max_model_len ({max_model_len}), the longest sequence "
@@ -229,7 +220,7 @@ def _longest_sequence(values: dict, max_positions: int | None = None) -> tuple[i
     return None
 
 
-def _environment_context(values: dict) -> tuple[int, str, str] | None:
+def environment_context(values: dict) -> tuple[int, str, str] | None:
     """The engine's context of a run with an environment, as far as the config sets it.
 
     ``inference.engine_args.max_model_len``, or when that is null what the collector sets
@@ -240,13 +231,13 @@ def _environment_context(values: dict) -> tuple[int, str, str] | None:
     Returns:
         tuple[int, str, str] | None: The length, a description, and the key to change.
     """
-    context = _get(values, "inference.engine_args.max_model_len", (int,))
+    context = value_at(values, "inference.engine_args.max_model_len", (int,))
     if context is not None:
         key = "inference.engine_args.max_model_len"
         return context, f"{key} ({context})", key
-    max_prompt = _get(values, "inference.max_prompt_tokens", (int,))
-    max_generated = _get(values, "inference.max_generated_tokens", (int,))
-    episode = _get(values, "environment.max_episode_tokens", (int,))
+    max_prompt = value_at(values, "inference.max_prompt_tokens", (int,))
+    max_generated = value_at(values, "inference.max_generated_tokens", (int,))
+    episode = value_at(values, "environment.max_episode_tokens", (int,))
     if max_prompt is None or max_generated is None or episode is None:
         return None
     context = max_prompt + max(max_generated, episode)
@@ -261,15 +252,15 @@ def _environment_context(values: dict) -> tuple[int, str, str] | None:
 
 
 def _environment_sequence(values: dict, max_positions: int | None) -> tuple[int, str] | None:
-    """`_longest_sequence` of a run with an environment: its longest episode.
+    """`longest_sequence` of a run with an environment: its longest episode.
 
     An episode of a prompt of at most ``max_prompt_tokens`` ends at ``max_prompt_tokens +
-    environment.max_episode_tokens`` or at the engine's context (`_environment_context`; the
+    environment.max_episode_tokens`` or at the engine's context (`environment_context`; the
     model's ``max_position_embeddings`` when the config sets none), whichever comes first.
     """
-    max_prompt = _get(values, "inference.max_prompt_tokens", (int,))
-    episode = _get(values, "environment.max_episode_tokens", (int,))
-    context = _environment_context(values)
+    max_prompt = value_at(values, "inference.max_prompt_tokens", (int,))
+    episode = value_at(values, "environment.max_episode_tokens", (int,))
+    context = environment_context(values)
     if context is not None:
         length, about = context[0], context[1]
     elif max_positions is not None:
@@ -292,15 +283,15 @@ def _environment_sequence(values: dict, max_positions: int | None) -> tuple[int,
 
 def _check_relations(values: dict, problems: list[str]) -> None:
     """Checks that involve more than one key; each skips when a key it needs is invalid."""
-    longest = _longest_sequence(values)
-    budget = _get(values, "target_tokens_per_batch", (int,))
+    longest = longest_sequence(values)
+    budget = value_at(values, "target_tokens_per_batch", (int,))
     if longest is not None and budget is not None and budget < longest[0]:
         problems.append(
             f"target_tokens_per_batch: {budget} cannot hold the longest sequence, {longest[1]}"
         )
-    max_model_len = _get(values, "inference.engine_args.max_model_len", (int,))
-    max_prompt = _get(values, "inference.max_prompt_tokens", (int,))
-    max_generated = _get(values, "inference.max_generated_tokens", (int,))
+    max_model_len = value_at(values, "inference.engine_args.max_model_len", (int,))
+    max_prompt = value_at(values, "inference.max_prompt_tokens", (int,))
+    max_generated = value_at(values, "inference.max_generated_tokens", (int,))
     _check_episode_room(values, problems)
     if max_model_len is not None and max_generated is not None:
         if max_prompt is not None and max_model_len < max_prompt + max_generated:
@@ -316,8 +307,8 @@ def _check_relations(values: dict, problems: list[str]) -> None:
                 "inference.max_prompt_tokens is null"
             )
 
-    train_batch = _get(values, "training.batch_size", (int,))
-    num_trainers = _get(values, "orchestration.num_training_workers", (int,))
+    train_batch = value_at(values, "training.batch_size", (int,))
+    num_trainers = value_at(values, "orchestration.num_training_workers", (int,))
     if train_batch is not None and num_trainers and train_batch % num_trainers:
         problems.append(
             f"training.batch_size: {train_batch} is not divisible by "
@@ -326,7 +317,7 @@ def _check_relations(values: dict, problems: list[str]) -> None:
         )
     # training.batch_size need not be a multiple of inference.group_size: advantages are
     # computed per whole group before trajectories enter the buffer, so a step may mix groups.
-    buffer_size = _get(values, "orchestration.replay_buffer_size", (int,))
+    buffer_size = value_at(values, "orchestration.replay_buffer_size", (int,))
     if buffer_size is not None and train_batch is not None and buffer_size < train_batch:
         problems.append(
             f"orchestration.replay_buffer_size: {buffer_size} is smaller than "
@@ -334,7 +325,7 @@ def _check_relations(values: dict, problems: list[str]) -> None:
         )
 
     if (
-        _get(values, "eval_every_n_steps", (int,)) is not None
+        value_at(values, "eval_every_n_steps", (int,)) is not None
         and values.get("eval_dataset") is None
     ):
         problems.append("eval_every_n_steps: set, but eval_dataset is null")
@@ -355,19 +346,19 @@ def _check_relations(values: dict, problems: list[str]) -> None:
             "dataset: environment._component_ grpo.envs.verifiers_env plays its taskset's own "
             "tasks, which are the data; set dataset: null (or dataset=null on the command line)"
         )
-    if plays_verifiers and _get(values, "eval_every_n_steps", (int,)) is not None:
+    if plays_verifiers and value_at(values, "eval_every_n_steps", (int,)) is not None:
         problems.append(
             "eval_every_n_steps: held-out evaluation scores eval_dataset with reward_functions, "
             "but a verifiers environment's episodes are scored by its taskset; set "
             "eval_every_n_steps: null (the taskset's reward is in the training metrics)"
         )
 
-    weights = _get(values, "ref.reward_weights", (dict,))
+    weights = value_at(values, "ref.reward_weights", (dict,))
     names = reward_names(values)
     if weights and names is not None and (problem := reward_weights_problem(weights, names)):
         problems.append(problem)
 
-    engine_args = _get(values, "inference.engine_args", (dict,))
+    engine_args = value_at(values, "inference.engine_args", (dict,))
     if engine_args and "model" in engine_args:
         problems.append("inference.engine_args.model: the model comes from base_model_path")
     _check_sampled_distribution(values, problems)
@@ -379,11 +370,11 @@ def _check_relations(values: dict, problems: list[str]) -> None:
 def _check_episode_room(values: dict, problems: list[str]) -> None:
     """An episode of the longest prompt must reach ``max_episode_tokens`` within the engine's
     context, or its bound is the context, silently."""
-    episode = _get(values, "environment.max_episode_tokens", (int,))
-    context = _get(values, "inference.engine_args.max_model_len", (int,))
+    episode = value_at(values, "environment.max_episode_tokens", (int,))
+    context = value_at(values, "inference.engine_args.max_model_len", (int,))
     if episode is None or context is None or not isinstance(values.get("environment"), dict):
         return
-    max_prompt = _get(values, "inference.max_prompt_tokens", (int,))
+    max_prompt = value_at(values, "inference.max_prompt_tokens", (int,))
     if max_prompt is not None and max_prompt + episode > context:
         problems.append(
             f"environment.max_episode_tokens: inference.max_prompt_tokens ({max_prompt}) + "
@@ -400,7 +391,7 @@ def _check_episode_room(values: dict, problems: list[str]) -> None:
 def _check_sampled_distribution(values: dict, problems: list[str]) -> None:
     """The loss compares the trainer's logprobs with the engine's of the tokens it sampled:
     both must be those of the distribution that sampled them."""
-    top_p = _get(values, "inference.top_p")
+    top_p = value_at(values, "inference.top_p")
     if top_p is not None and 0 < top_p < 1:
         problems.append(
             f"inference.top_p: {top_p} is refused, only 1.0 trains: the trainer's logprobs are "
@@ -408,7 +399,7 @@ def _check_sampled_distribution(values: dict, problems: list[str]) -> None:
             "from, so the importance ratio would compare against a distribution that did not "
             "sample the tokens; lower inference.temperature to sample more sharply"
         )
-    mode = _get(values, "inference.engine_args.logprobs_mode", (str,))
+    mode = value_at(values, "inference.engine_args.logprobs_mode", (str,))
     if mode is not None and mode != "processed_logprobs":
         problems.append(
             f"inference.engine_args.logprobs_mode: {mode!r} is refused; the behaviour logprobs "
@@ -419,14 +410,14 @@ def _check_sampled_distribution(values: dict, problems: list[str]) -> None:
 
 def _check_idle_clip(values: dict, problems: list[str]) -> None:
     """With ``tis_cap`` and one epoch the clip has nothing to clip: say which keys do nothing."""
-    loss = _get(values, "training.loss", (dict,))
+    loss = value_at(values, "training.loss", (dict,))
     if not loss or loss.get("tis_cap") in (None, UNRESOLVED):
         return
-    if (_get(values, "training.ppo_epochs", (int,)) or 1) != 1:  # unset: the default, 1
+    if (value_at(values, "training.ppo_epochs", (int,)) or 1) != 1:  # unset: the default, 1
         return
     # A clip range left at the loss's own default is no choice of the user's (the shipped
     # configs list theirs): only one set to something else is said to do nothing.
-    defaults = _keyword_defaults(loss.get("_component_"))
+    defaults = loss_defaults(loss.get("_component_"))
     idle = [
         key
         for key in ("epsilon_low", "epsilon_high")
@@ -444,7 +435,7 @@ def _check_idle_clip(values: dict, problems: list[str]) -> None:
         )
 
 
-def _bound_advice(environment: Any) -> str:
+def bound_advice(environment: Any) -> str:
     """The keys that bound a sequence's length, for a run with ``environment`` (or None)."""
     if not isinstance(environment, dict):
         return "inference.max_prompt_tokens"
@@ -456,12 +447,22 @@ def _bound_advice(environment: Any) -> str:
     )
 
 
-def _keyword_defaults(component: Any) -> dict[str, Any]:
-    """The keyword defaults of a ``_component_`` path's signature ({} if it does not import)."""
-    import inspect
+def loss_defaults(component: Any) -> dict[str, Any]:
+    """The keyword defaults of the ``training.loss`` component at a dotted path.
 
-    from grpo.config.instantiate import locate
+    For `DEFAULT_LOSS`, those the config declares (`LossArgs`), so that reading a config
+    imports no loss; for a loss of your own, its signature's (imported as `instantiate` would
+    import it).
 
+    Args:
+        component: The node's ``_component_``.
+
+    Returns:
+        dict[str, Any]: Keyword name -> default; {} if the component does not import (the
+        component check reports that).
+    """
+    if component == DEFAULT_LOSS:
+        return {name: info.default for name, info in LossArgs.model_fields.items()}
     try:
         parameters = inspect.signature(locate(component)).parameters
     except Exception:  # a missing component is the component check's to report
@@ -489,8 +490,6 @@ def reward_names(values: dict) -> list[str] | None:
     Returns:
         list[str] | None: The names; None when the config does not tell (checked at start).
     """
-    from grpo.config.signatures import static_overrides, static_reward_name
-
     functions = values.get("reward_functions")
     environment = values.get("environment")
     if isinstance(environment, dict):
@@ -549,8 +548,8 @@ def _check_ray_resources(values: dict, problems: list[str]) -> None:
     for resource in ("num_cpus", "num_gpus"):
         needed, terms = 0.0, []
         for role, count_key in roles:
-            per_actor = _get(values, f"{role}.{resource}")
-            count = _get(values, f"orchestration.{count_key}", (int,))
+            per_actor = value_at(values, f"{role}.{resource}")
+            count = value_at(values, f"orchestration.{count_key}", (int,))
             if per_actor is None or count is None:
                 break
             needed += per_actor * count
@@ -558,7 +557,7 @@ def _check_ray_resources(values: dict, problems: list[str]) -> None:
         else:
             if needed == 0:
                 continue
-            have = _get(values, f"ray.{resource}")
+            have = value_at(values, f"ray.{resource}")
             if have is None:
                 have = (os.cpu_count() or 1) if resource == "num_cpus" else _visible_gpus()
             if needed > have + 1e-9:
@@ -573,133 +572,3 @@ def _visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count()
-
-
-def _check_files(values: dict, problems: list[str]) -> None:
-    model_path = values.get("base_model_path")
-    if isinstance(model_path, str) and model_path:
-        folder = resolve_path(model_path, fall_back_to_repo=True)
-        if not folder.is_dir():
-            problems.append(f"base_model_path: model folder {folder} does not exist")
-        else:
-            missing = [name for name in MODEL_FILES if not (folder / name).is_file()]
-            if not any(folder.glob("*.safetensors")):
-                missing.append("*.safetensors")
-            if missing:
-                problems.append(
-                    f"base_model_path: {folder} lacks {', '.join(missing)} (expected a "
-                    "Hugging Face model folder)"
-                )
-            _check_model_config(folder, values, problems)
-    output_dir = values.get("output_dir")
-    if isinstance(output_dir, str) and output_dir:
-        problem = _unwritable(resolve_path(output_dir))
-        if problem:
-            problems.append(f"output_dir: {problem}")
-    resume = values.get("resume_from_checkpoint")
-    if resume is True and isinstance(output_dir, str) and output_dir:
-        try:
-            find_checkpoint(resolve_path(output_dir), True)
-        except FileNotFoundError:
-            problems.append(
-                f"resume_from_checkpoint: true, but {resolve_path(output_dir)} holds no "
-                "checkpoint yet (no checkpoints/latest); start fresh with "
-                "resume_from_checkpoint=false, or give a checkpoint folder"
-            )
-    elif isinstance(resume, str) and resume:
-        path = resolve_path(resume)
-        if not path.exists():
-            problems.append(f"resume_from_checkpoint: {path} does not exist")
-        elif not (path / STATE_FILE).is_file():
-            problems.append(
-                f"resume_from_checkpoint: {path} is not a checkpoint folder (no {STATE_FILE})"
-            )
-
-
-def _unwritable(folder: Path) -> str | None:
-    """Why a run could not write into `folder` (created if absent), or None if it can.
-
-    Tries a file in the folder, or in its nearest existing parent, and removes it at once.
-    """
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is a file, not a folder; the run folder {folder} cannot be made"
-    try:
-        handle, probe = tempfile.mkstemp(prefix=".grpo-write-check-", dir=existing)
-    except OSError as exc:
-        where = "" if existing == folder else f" (its nearest existing parent {existing})"
-        return f"{folder} is not writable{where}: {exc.strerror or exc}"
-    os.close(handle)
-    os.unlink(probe)
-    return None
-
-
-def _check_model_config(folder: Path, values: dict, problems: list[str]) -> None:
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        return
-    try:
-        model_config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        problems.append(f"base_model_path: {config_path} is not valid JSON: {exc}")
-        return
-    model_type = model_config.get("model_type")
-    if model_type is not None and model_type not in MODEL_TYPES:
-        problems.append(
-            f"base_model_path: {config_path} has model_type {model_type!r}; supported model "
-            f"types: {', '.join(MODEL_TYPES)}"
-        )
-    max_positions = model_config.get("max_position_embeddings")
-    if not isinstance(max_positions, int) or isinstance(max_positions, bool):
-        return
-    from_config = _longest_sequence(values)
-    if from_config is None:
-        # Nothing in the config bounds the sequences: the model's context does, and one
-        # micro-batch must still hold the longest.
-        longest = _longest_sequence(values, max_positions)
-        budget = _get(values, "target_tokens_per_batch", (int,))
-        if longest is not None and budget is not None and budget < longest[0]:
-            problems.append(
-                f"target_tokens_per_batch: {budget} cannot hold the longest sequence, "
-                f"{longest[1]} in {config_path}; set " + _bound_advice(values.get("environment"))
-            )
-    elif isinstance(values.get("environment"), dict):
-        context = _environment_context(values)
-        if context is not None and context[0] > max_positions:
-            problems.append(
-                f"{context[2]}: {context[1]} exceeds the model's max_position_embeddings "
-                f"({max_positions}) in {config_path}"
-            )
-    elif from_config[0] > max_positions:
-        key = (
-            "inference.max_generated_tokens"
-            if _get(values, "inference.max_prompt_tokens", (int,)) is not None
-            else "inference.engine_args.max_model_len"
-        )
-        problems.append(
-            f"{key}: {from_config[1]} exceeds the model's max_position_embeddings "
-            f"({max_positions}) in {config_path}"
-        )
-
-
-def used_output_dir_problem(cfg: RunConfig) -> str | None:
-    """Why a run of ``cfg`` may not start in its ``output_dir``, or None if it may.
-
-    A fresh run into a folder that holds a run (`grpo.config.paths.RUN_RECORDS`) would append
-    to its metrics, ledger and W&B history; it must resume that run or move it aside
-    (``overwrite_output_dir``). Checked when a run starts and by ``grpo validate``, not when a
-    config is only read.
-    """
-    if cfg.resume_from_checkpoint or cfg.overwrite_output_dir:
-        return None
-    folder = resolve_path(cfg.output_dir)
-    records = run_records(folder)
-    if not records:
-        return None
-    return (
-        f"output_dir: {folder} already holds a run ({', '.join(records)}); continue it with "
-        "resume_from_checkpoint=true, move it aside with overwrite_output_dir=true, or choose "
-        "another output_dir"
-    )

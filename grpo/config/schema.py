@@ -60,8 +60,10 @@ class Section(BaseModel):
 class ComponentArgs(BaseModel):
     """Documented keyword arguments of a component; only the keys a node sets are checked.
 
-    Its fields default to `COMPONENT_DEFAULT` (the component's own default applies); keys it
-    does not declare are checked against the component's signature instead.
+    Its fields default to `COMPONENT_DEFAULT` (the component's own default applies), or to
+    the default component's defaults where the config reads a value a node leaves unset
+    (`grpo.config.sections.LossArgs`); keys it does not declare are checked against the
+    component's signature instead.
     """
 
     model_config = ConfigDict(extra="allow", strict=True, use_attribute_docstrings=True)

@@ -226,27 +226,39 @@ class LRSchedulerArgs(ComponentArgs):
     """Cosine cycles (0.5: decay to zero once)."""
 
 
-class LossArgs(ComponentArgs):
-    """Documented keywords of ``training.loss`` (`grpo.objective.loss.GRPOLoss`)."""
+DEFAULT_LOSS = "grpo.objective.loss.GRPOLoss"
+"""The ``_component_`` of ``training.loss`` when a config gives none."""
 
-    epsilon_low: float = Field(COMPONENT_DEFAULT, ge=0)
+
+class LossArgs(ComponentArgs):
+    """Documented keywords of ``training.loss``, with the defaults of `DEFAULT_LOSS`.
+
+    They are declared here, not read from the loss, because the config itself reads some of
+    them when a node leaves them unset (``kl_coeff`` decides whether the reference model is
+    loaded, the clip range whether `grpo validate` calls a key idle): `run.loss_defaults`. The
+    default loss's signature must say the same (a unit test holds them equal); a loss of your
+    own has its own defaults, read from its signature.
+    """
+
+    epsilon_low: float = Field(0.2, ge=0)
     """Lower clip: ratio >= 1 - epsilon_low."""
-    epsilon_high: float = Field(COMPONENT_DEFAULT, ge=0)
+    epsilon_high: float = Field(0.2, ge=0)
     """Upper clip: ratio <= 1 + epsilon_high."""
-    kl_coeff: float = Field(COMPONENT_DEFAULT, ge=0)
-    """Weight of the KL penalty to the reference model."""
-    kl_estimator: KLEstimator = COMPONENT_DEFAULT  # type: ignore[assignment]
+    kl_coeff: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference model. 0: no KL term, and the reference
+    actors load no model."""
+    kl_estimator: KLEstimator = "k3"
     """KL estimator."""
-    aggregation: Aggregation = COMPONENT_DEFAULT  # type: ignore[assignment]
+    aggregation: Aggregation = "token_mean"
     """token_mean, seq_mean_token_mean, or seq_mean_token_sum_norm (Dr. GRPO)."""
-    tis_cap: float | None = Field(COMPONENT_DEFAULT, gt=0)
+    tis_cap: float | None = Field(None, gt=0)
     """Truncated importance sampling of the vLLM/trainer mismatch: ratio against the trainer's
     pre-update logprobs, each token's loss weighted by min(exp(pi_old - behaviour), tis_cap).
     With ppo_epochs 1 that ratio is always 1 and nothing is clipped (grpo validate refuses
     epsilon_low, epsilon_high or ratio_level: sequence beside it). null: off."""
-    tis_level: Level = COMPONENT_DEFAULT  # type: ignore[assignment]
+    tis_level: Level = "token"
     """TIS weight per token, or per sequence (from its summed log-ratio)."""
-    ratio_level: Level = COMPONENT_DEFAULT  # type: ignore[assignment]
+    ratio_level: Level = "token"
     """token (PPO/GRPO) or sequence (GSPO: length-normalised sequence ratio, clipped per
     sequence; use tiny epsilons such as 3e-4 / 4e-4)."""
 
@@ -265,9 +277,7 @@ class TrainingConfig(Section):
     lr_scheduler: Component(LRSchedulerArgs) | None = None
     """Learning-rate schedule; the trainer passes the optimizer and num_training_steps
     (num_steps x ppo_epochs). null: constant."""
-    loss: Component(LossArgs) = Field(
-        default_factory=lambda: {"_component_": "grpo.objective.loss.GRPOLoss"}
-    )
+    loss: Component(LossArgs) = Field(default_factory=lambda: {"_component_": DEFAULT_LOSS})
     """GRPO loss on packed batches."""
     clip_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the gradient norm to this; null: no clipping."""

@@ -1,16 +1,19 @@
 """Check a config and report every problem at once, each as ``key: what is wrong``.
 
 One pass of pydantic over the declared sections (`grpo.config.sections`) checks types, ranges
-and choices and refuses unknown keys; the checks across keys and of the files a config names
-(`RunConfig.relation_problems`) and of its ``_component_`` nodes run beside it, so a config with
-several mistakes gets all of them in one message.
+and choices and refuses unknown keys; the checks across keys (`RunConfig.relation_problems`)
+and of its ``_component_`` nodes run beside it, so a config with several mistakes gets all of
+them in one message. These checks read the config alone; what it names on disk (the model
+folder, dataset files, a resume's checkpoint) is checked above it, by `grpo.preflight`, which
+adds its problems to those of `check_config`.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -19,7 +22,6 @@ from pydantic import BaseModel, ValidationError
 from grpo.config.errors import ConfigError, InstantiationError
 from grpo.config.instantiate import keyword_names, locate
 from grpo.config.keys import fill_defaults, siblings_at, suggest
-from grpo.config.resume import resume_problems
 from grpo.config.run import MOVED_KEYS, REMOVED_KEYS, UNRESOLVED, RunConfig
 from grpo.config.schema import ComponentSpec, Section, component_spec, section_type
 from grpo.config.signatures import static_keyword_names
@@ -35,40 +37,51 @@ _TYPE_NAMES = {
 }
 
 
-def validate_config(
+@dataclass(frozen=True)
+class CheckedConfig:
+    """What `check_config` found.
+
+    Attributes:
+        values (dict[str, Any]): The config as plain values with the declared defaults,
+            interpolations resolved (a failed one is `UNRESOLVED`, and reported).
+        run (RunConfig | None): The typed config; None when a key failed its section's checks.
+        problems (list[str]): Every problem, each as ``key: what is wrong``.
+    """
+
+    values: dict[str, Any]
+    run: RunConfig | None
+    problems: list[str]
+
+
+def check_config(
     cfg: DictConfig | Mapping[str, Any],
     *,
-    check_files: bool = True,
     check_components: bool = True,
     import_components: bool = True,
-) -> RunConfig:
-    """Check a config and return it typed; report every problem at once.
+    importer: Callable[[str], Any] = locate,
+) -> CheckedConfig:
+    """Check a config and return every problem, without raising.
 
     Checks unknown and moved keys (with did-you-mean), types, value ranges and choices,
-    relations between keys (token budget, divisibility, buffer size, Ray resources), the model
-    folder, and that every ``_component_`` imports and accepts its keyword arguments. Nothing is
-    instantiated.
+    relations between keys (token budget, divisibility, buffer size, Ray resources), and that
+    every ``_component_`` imports and accepts its keyword arguments. Nothing is instantiated
+    and no file the config names is read.
 
     Args:
         cfg (DictConfig | Mapping[str, Any]): The config, e.g. from `compose_config`.
-        check_files (bool): Check the model folder and the resume checkpoint (a resume may
-            not change what its checkpoint's state depends on: `grpo.config.resume`).
         check_components (bool): Check that every ``_component_`` exists and takes the keyword
             arguments its node gives.
         import_components (bool): Check by importing the components (exact; loads torch and
             the like); False reads their source instead (`grpo.config.signatures`: fast, and
             skips what the source does not tell).
+        importer (Callable[[str], Any]): Imports a dotted path when ``import_components``;
+            `locate` unless the caller must prepare some imports first.
 
     Returns:
-        RunConfig: The typed config, interpolations resolved.
+        CheckedConfig: The plain values, the typed config if it checked, and the problems.
 
     Raises:
-        ConfigError: Listing every problem, each as ``key: what is wrong``.
-
-    Example:
-        >>> run = validate_config(compose_config("tiny_arithmetic_cpu"))
-        >>> run.inference.group_size
-        8
+        ConfigError: Only if `cfg` is not a mapping at all.
     """
     problems: list[str] = []
     if isinstance(cfg, DictConfig):
@@ -91,17 +104,47 @@ def validate_config(
     except ValidationError as exc:
         problems.extend(pydantic_problems(exc, RunConfig, skip=unresolved))
     mode = ("import" if import_components else "source") if check_components else None
-    problems.extend(_component_problems(values, mode))
-    problems.extend(RunConfig.relation_problems(values, check_files))
-    if check_files:
-        problems.extend(_dataset_problems(values))
-        problems.extend(_environment_problems(values))
-        if run is not None:  # a resume may not change what its checkpoint's state was made for
-            problems.extend(resume_problems(run.model_dump()))
-    if problems:
-        raise ConfigError(problems)
-    assert run is not None
-    return run
+    problems.extend(_component_problems(values, mode, importer))
+    problems.extend(RunConfig.relation_problems(values))
+    return CheckedConfig(values, run, problems)
+
+
+def validate_config(
+    cfg: DictConfig | Mapping[str, Any],
+    *,
+    check_components: bool = True,
+    import_components: bool = True,
+) -> RunConfig:
+    """Check a config and return it typed; report every problem at once.
+
+    The checks of `check_config`: the config alone, no file it names is read (`grpo.preflight`
+    adds those checks for a run that is about to start).
+
+    Args:
+        cfg (DictConfig | Mapping[str, Any]): The config, e.g. from `compose_config`.
+        check_components (bool): Check that every ``_component_`` exists and takes the keyword
+            arguments its node gives.
+        import_components (bool): Check by importing the components (exact; loads torch and
+            the like); False reads their source instead (`grpo.config.signatures`).
+
+    Returns:
+        RunConfig: The typed config, interpolations resolved.
+
+    Raises:
+        ConfigError: Listing every problem, each as ``key: what is wrong``.
+
+    Example:
+        >>> run = validate_config(compose_config("tiny_arithmetic_cpu"))
+        >>> run.inference.group_size
+        8
+    """
+    checked = check_config(
+        cfg, check_components=check_components, import_components=import_components
+    )
+    if checked.problems:
+        raise ConfigError(checked.problems)
+    assert checked.run is not None
+    return checked.run
 
 
 def pydantic_problems(
@@ -206,47 +249,6 @@ def _resolve_all(node: Any, path: str, problems: list[str], unresolved: list[str
     return out
 
 
-def _dataset_problems(values: dict) -> list[str]:
-    """What the dataset nodes' files say: missing files and columns, template mismatches."""
-    # The checks of a source's files live beside the loaders that read them; they import
-    # neither torch nor the hub.
-    from grpo.data.preflight import dataset_problems
-
-    problems = []
-    model_path = values.get("base_model_path")
-    for key in ("dataset", "eval_dataset"):
-        node = values.get(key)
-        if isinstance(node, dict) and isinstance(node.get("_component_"), str):
-            unresolved = any(value is UNRESOLVED for value in node.values())
-            if not unresolved:
-                problems.extend(
-                    dataset_problems(key, node, model_path if isinstance(model_path, str) else None)
-                )
-    return problems
-
-
-def _environment_problems(values: dict) -> list[str]:
-    """What the environment node's tools say: imports and type hints (no torch)."""
-    node = values.get("environment")
-    if not isinstance(node, dict) or any(value is UNRESOLVED for value in node.values()):
-        return []
-    from grpo.envs.preflight import chat_template_problems, environment_problems
-
-    # `locate` names the close match of a mistyped tool path, as for every other dotted path.
-    problems = environment_problems("environment", node, locate)
-    dataset = values.get("dataset")
-    template = dataset.get("template") if isinstance(dataset, dict) else None
-    if not problems and isinstance(template, dict):
-        base_model_path = values.get("base_model_path")
-        problems += chat_template_problems(
-            "dataset.template",
-            template,
-            node,
-            base_model_path if isinstance(base_model_path, str) else None,
-        )
-    return problems
-
-
 # --------------------------------------------------------------------------------------------
 # _component_ nodes
 # --------------------------------------------------------------------------------------------
@@ -270,7 +272,9 @@ def _component_nodes(values: dict, model: type[Section], prefix: str = ""):
             yield f"{prefix}{key}", value, spec
 
 
-def _component_problems(values: dict, mode: str | None) -> list[str]:
+def _component_problems(
+    values: dict, mode: str | None, importer: Callable[[str], Any]
+) -> list[str]:
     problems: list[str] = []
     for path, node, spec in _component_nodes(values, RunConfig):
         if not isinstance(node, dict) or not isinstance(node.get("_component_"), str):
@@ -285,13 +289,19 @@ def _component_problems(values: dict, mode: str | None) -> list[str]:
                 spec.args.model_validate(documented)
             except ValidationError as exc:
                 problems.extend(pydantic_problems(exc, spec.args, prefix=f"{path}."))
-        _check_component(path, node, problems, mode)
+        _check_component(path, node, problems, mode, importer)
     return problems
 
 
-def _check_component(path: str, node: Any, problems: list[str], mode: str | None) -> None:
-    """Check a node's path and keywords: by importing it (`mode` "import"), from its source
-    ("source"), or only its shape (None)."""
+def _check_component(
+    path: str,
+    node: Any,
+    problems: list[str],
+    mode: str | None,
+    importer: Callable[[str], Any],
+) -> None:
+    """Check a node's path and keywords: by importing it with `importer` (`mode` "import"),
+    from its source ("source"), or only its shape (None)."""
     if node is UNRESOLVED:
         return
     if not isinstance(node, dict) or "_component_" not in node:
@@ -307,7 +317,9 @@ def _check_component(path: str, node: Any, problems: list[str], mode: str | None
     if mode is not None:
         try:
             accepted = (
-                keyword_names(locate(target)) if mode == "import" else static_keyword_names(target)
+                keyword_names(importer(target))
+                if mode == "import"
+                else static_keyword_names(target)
             )
         except InstantiationError as exc:
             problems.append(f"{path}._component_: {exc}")
@@ -324,4 +336,4 @@ def _check_component(path: str, node: Any, problems: list[str], mode: str | None
         for index, item in enumerate(items):
             if isinstance(item, dict) and "_component_" in item:
                 suffix = f"[{index}]" if isinstance(value, list) else ""
-                _check_component(f"{path}.{key}{suffix}", item, problems, mode)
+                _check_component(f"{path}.{key}{suffix}", item, problems, mode, importer)

@@ -211,3 +211,23 @@ def filter_long_prompts(
             f"max_prompt_tokens={max_prompt_tokens}; {skipped.summary()}"
         )
     return PromptDataset(examples, dataset.template, dataset.name, rows, skipped)
+
+
+def resolve_dataset(dataset: Any) -> Sequence[dict[str, Any]]:
+    """A dataset object as it is, or one built from its ``_component_`` config node.
+
+    Raises:
+        TypeError: If ``dataset`` is neither a sequence of examples nor a mapping.
+    """
+    from collections.abc import Mapping
+
+    if isinstance(dataset, Mapping):
+        from grpo.config import instantiate
+
+        return instantiate(dataset, _key_="dataset")
+    if dataset is None or not isinstance(dataset, Sequence):
+        raise TypeError(
+            "dataset must be a sequence of {'question', 'answer'} dicts (e.g. a PromptDataset) "
+            f"or a mapping with a _component_ key, got {type(dataset).__name__}"
+        )
+    return dataset

@@ -11,7 +11,7 @@ run continues with exactly the prompt an uninterrupted run would have read next.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -102,6 +102,39 @@ class PromptStream:
                 self.position = 0
                 self._order = self._epoch_order(self.epoch)
         return batch
+
+    def next_fitting(
+        self, count: int, token_ids: Callable[[dict[str, Any]], list[int]], max_tokens: int
+    ) -> tuple[list[tuple[dict[str, Any], list[int]]], int]:
+        """The next ``count`` examples whose prompts fit ``max_tokens``, with their token ids.
+
+        Args:
+            count (int): Examples to return.
+            token_ids (Callable): An example's prompt token ids.
+            max_tokens (int): The longest prompt kept.
+
+        Returns:
+            tuple: ``(example, token ids)`` pairs, and how many examples were skipped.
+
+        Raises:
+            ValueError: If a whole shard's worth of examples in a row is too long.
+        """
+        prompts, skipped, skipped_in_a_row = [], 0, 0
+        while len(prompts) < count:
+            [example] = self.next_batch(1)
+            ids = token_ids(example)
+            if len(ids) <= max_tokens:
+                prompts.append((example, ids))
+                skipped_in_a_row = 0
+                continue
+            skipped += 1
+            skipped_in_a_row += 1
+            if skipped_in_a_row >= len(self):
+                raise ValueError(
+                    f"collector {self.worker_id}: every prompt of its shard is longer than "
+                    f"max_prompt_tokens={max_tokens}"
+                )
+        return prompts, skipped
 
     def __iter__(self) -> PromptStream:
         return self

@@ -1,5 +1,9 @@
-"""Environments: multi-turn and tool-using episodes, token-exact.
+"""Environments: every kind of episode, token-exact, behind one protocol.
 
+* `Environment` (`protocol`): what the collector calls to turn prompts into scored episodes
+  (`run_groups`, `score`), and the framework's limits of an episode (`EpisodeLimits`).
+  `build_environment` (`build`) makes the run's from its config.
+* `SingleTurnEnv` (`single_turn`): a dataset with reward functions, one response per episode.
 * `MultiTurnEnv` (`base`): the environment answers each policy turn, ends the episode, scores it.
   Its options (``max_turns``, ...) are typed and bounded in its constructor's signature
   (`options`), which the constructor and ``grpo validate`` both check values against.
@@ -14,25 +18,31 @@
 * `dropped`: why an episode the environment failed was dropped (the exception and the lines of
   the environment that raised it), and the collector's log that names each reason once.
 
-A dataset with reward functions and no environment is the single-turn case. Importing this
-package loads no torch (``grpo validate`` reads tools and environments).
+Importing this package loads no torch (``grpo validate`` reads tools and environments).
 """
 
 from grpo.envs.base import Episode, MultiTurnEnv
+from grpo.envs.build import build_environment
 from grpo.envs.builtin_tools import calculator, python
+from grpo.envs.protocol import EngineContext, Environment, EpisodeLimits
 from grpo.envs.render import ChatTurnRenderer, PlainTurnRenderer, chat_template_problem
 from grpo.envs.rollout import Sample, SampleRequest, episode_groups, run_episodes
 from grpo.envs.runner import ToolOutcome, ToolRunner
+from grpo.envs.single_turn import SingleTurnEnv
 from grpo.envs.tool_env import ToolEnv
 from grpo.envs.tools import Tool, ToolCall, parse_tool_calls
 from grpo.envs.verifiers_adapter import VerifiersEnv, verifiers_env
 
 __all__ = [
     "ChatTurnRenderer",
+    "EngineContext",
+    "Environment",
     "Episode",
+    "EpisodeLimits",
     "MultiTurnEnv",
     "PlainTurnRenderer",
     "Sample",
+    "SingleTurnEnv",
     "SampleRequest",
     "Tool",
     "ToolCall",
@@ -40,6 +50,7 @@ __all__ = [
     "ToolOutcome",
     "ToolRunner",
     "VerifiersEnv",
+    "build_environment",
     "calculator",
     "chat_template_problem",
     "episode_groups",

@@ -1,13 +1,13 @@
-"""Environments: what answers the policy between its turns, ends an episode and scores it.
+"""Multi-turn environments: what answers the policy between its turns, ends an episode and
+scores it.
 
 An episode is a conversation: the policy's turns (the tokens it sampled, with their logprobs:
 trained) interleaved with the environment's turns (tool results, user replies: in the sequence,
 never trained). `grpo.envs.rollout.run_episodes` drives episodes on an inference engine; an
 environment only says, given the conversation so far, what it answers (`MultiTurnEnv.env_response`)
-and, at the end, what the episode scored (`MultiTurnEnv.score`).
-
-A dataset with reward functions and no environment is the single-turn case: the collector
-samples one response per episode and the reference actor scores it, as before.
+and, at the end, what the episode scored (`MultiTurnEnv.score`). `MultiTurnEnv` implements the
+collector's protocol (`grpo.envs.protocol.Environment`); a dataset with reward functions is its
+simplest case (`grpo.envs.SingleTurnEnv`: one turn, no answer).
 
 Write your own environment by subclassing `MultiTurnEnv`:
 
@@ -39,6 +39,7 @@ from pydantic import Field
 
 from grpo.envs.dropped import failure_reason
 from grpo.envs.options import checked_options
+from grpo.envs.protocol import EngineContext, Environment, EpisodeLimits, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +81,28 @@ class Episode:
     hit_max_turns: bool = False
     # The environment raised: the episode is dropped, and this says why (`failure_reason`).
     error: str | None = None
+    # ``(policy version, tokens)`` runs of the policy's tokens, oldest first: the weights that
+    # sampled each (they may change while an episode runs). Empty: the engine does not say.
+    version_runs: list[tuple[int, int]] = field(default_factory=list)
+    # Set by `MultiTurnEnv.score`: each reward function's success flag (None: the environment
+    # scores otherwise, and a reward above 0 counts as a success).
+    successes: dict[str, float] | None = None
 
-    def add_policy_turn(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+    def add_policy_turn(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        version_runs: Sequence[tuple[int, int]] = (),
+    ) -> None:
         self.response_ids.extend(int(t) for t in token_ids)
         self.logprobs.extend(float(lp) for lp in logprobs)
         self.response_mask.extend([True] * len(token_ids))
         self.turn_lengths.append(len(token_ids))
+        for version, count in version_runs:
+            if self.version_runs and self.version_runs[-1][0] == version:
+                self.version_runs[-1] = (version, self.version_runs[-1][1] + count)
+            else:
+                self.version_runs.append((int(version), int(count)))
 
     def add_env_turn(self, token_ids: Sequence[int]) -> None:
         self.response_ids.extend(int(t) for t in token_ids)
@@ -186,7 +203,7 @@ class PendingResponse:
         return self._answer
 
 
-class MultiTurnEnv:
+class MultiTurnEnv(Environment):
     """Base of multi-turn environments: answer each assistant turn until the episode is done.
 
     Args:
@@ -240,6 +257,77 @@ class MultiTurnEnv:
         self.max_tokens_per_turn = max_tokens_per_turn
         self.stop = tuple(stop)
         self.reward_timeout_s = reward_timeout_s
+        self.renderer: Any = None  # set by `start`, from the prompts' template
+        # Reward calls that timed out or raised, per function, over the run (`score`).
+        self.reward_failures: dict[str, int] = {}
+
+    # ---- the collector's protocol ------------------------------------------------------------
+
+    def response_budget(self, max_tokens_per_turn: int) -> int | None:
+        """Every policy and environment turn of an episode: ``max_episode_tokens`` (at least one
+        turn's tokens); None without it (the episode runs until the engine's context)."""
+        if self.max_episode_tokens is None:
+            return None
+        return max(max_tokens_per_turn, self.max_episode_tokens)
+
+    def start(self, context: EngineContext) -> None:
+        """Keep the engine's context and build the renderer of the environment's turns.
+
+        Environment turns are written like the prompt: as the chat template renders them after
+        a chat-template prompt, as plain text after a plain one.
+        """
+        super().start(context)
+        from grpo.envs.render import ChatTurnRenderer, PlainTurnRenderer
+
+        template = context.prompt_template
+        if getattr(template, "chat", False):
+            self.renderer = ChatTurnRenderer(
+                context.tokenizer,
+                getattr(template, "chat_template_kwargs", None),
+                roles=self.env_roles,
+            )
+        else:
+            self.renderer = PlainTurnRenderer(context.tokenizer)
+
+    def limits(self, context: EngineContext | None = None) -> EpisodeLimits:
+        """This environment's limits on ``context``'s engine (default: the started one)."""
+        context = context or self._started()
+        return EpisodeLimits(
+            max_turns=self.max_turns,
+            max_tokens_per_turn=self.max_tokens_per_turn or context.max_tokens_per_turn,
+            max_model_len=context.max_model_len,
+            max_episode_tokens=self.max_episode_tokens,
+        )
+
+    def batch_metrics(self) -> dict[str, float]:
+        """``inference/reward_failures_func_<name>``: failed reward calls so far."""
+        return {
+            f"inference/reward_failures_func_{name}": float(count)
+            for name, count in self.reward_failures.items()
+        }
+
+    def run_groups(
+        self,
+        prompts: Sequence[Prompt],
+        engine: Any,
+        group_size: int,
+        seeds: Sequence[int],
+    ) -> list[list[Episode]]:
+        """Episodes driven by `grpo.envs.rollout.run_episodes` (see `Environment.run_groups`)."""
+        from grpo.envs.rollout import run_episodes
+
+        context = self._started()
+        return run_episodes(
+            self,
+            engine,
+            context.tokenizer,
+            self.renderer,
+            prompts,
+            group_size=group_size,
+            max_tokens_per_turn=context.max_tokens_per_turn,
+            max_model_len=context.max_model_len,
+            seeds=seeds,
+        )
 
     # ---- what a subclass writes ------------------------------------------------------------
 
@@ -293,7 +381,9 @@ class MultiTurnEnv:
     def score(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
         """Rewards of finished episodes, by reward name.
 
-        By default every reward function scores the last assistant turn against the answer.
+        By default every reward function scores the last assistant turn against the answer,
+        and each episode keeps the functions' success flags (``successes``); calls that timed
+        out or raised are counted (`batch_metrics`).
         """
         if not self.reward_functions:
             raise ValueError(
@@ -307,10 +397,19 @@ class MultiTurnEnv:
             [str(episode.example.get("answer", "")) for episode in episodes],
             timeout_s=self.reward_timeout_s,
         )
-        return [
-            {
-                name: float(batch.rewards[row, column])
+        for name in batch.func_names:
+            failed = batch.num_timeouts[name] + batch.num_exceptions[name]
+            self.reward_failures[name] = self.reward_failures.get(name, 0) + failed
+        rewards = []
+        for row, episode in enumerate(episodes):
+            episode.successes = {
+                name: float(batch.successes[row, column])
                 for column, name in enumerate(batch.func_names)
             }
-            for row in range(len(episodes))
-        ]
+            rewards.append(
+                {
+                    name: float(batch.rewards[row, column])
+                    for column, name in enumerate(batch.func_names)
+                }
+            )
+        return rewards

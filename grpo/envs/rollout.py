@@ -13,7 +13,7 @@ to tokens (`grpo.envs.render`) and appended, masked from the loss.
 An episode ends when the environment says so, at ``max_turns`` policy turns (``hit_max_turns``),
 when a policy turn is cut by its token limit, or when the next environment turn would not leave
 room for a policy token within ``max_episode_tokens`` or the engine's context (both
-``truncated``). An environment that raises drops that episode only (``error`` says why:
+``truncated``): the limits of `grpo.envs.protocol.EpisodeLimits`. An environment that raises drops that episode only (``error`` says why:
 `grpo.envs.dropped.failure_reason`), and the run goes on; the caller reports the drops (the
 collector logs each reason once, with a count: `grpo.envs.dropped.DroppedEpisodeLog`).
 """
@@ -26,6 +26,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from grpo.envs.base import Episode, MultiTurnEnv, PendingResponse
+from grpo.envs.protocol import EpisodeLimits
 from grpo.seeds import sample_seed, turn_seed
 
 if TYPE_CHECKING:
@@ -47,6 +48,9 @@ class Sample(NamedTuple):
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (a stop token or string) or "length"
+    # ``(policy version, tokens)`` runs of the turn's tokens, oldest first (weights may change
+    # while it samples); empty when the engine does not track versions.
+    version_runs: tuple[tuple[int, int], ...] = ()
 
 
 Sampler = Callable[[Sequence[SampleRequest]], list[Sample]]
@@ -133,7 +137,12 @@ def run_episodes(
         list[list[Episode]]: Per prompt, its episodes (finished; those whose environment
         raised have ``error`` set, and are not logged here).
     """
-    per_turn = env.max_tokens_per_turn or max_tokens_per_turn
+    limits = EpisodeLimits(
+        max_turns=env.max_turns,
+        max_tokens_per_turn=env.max_tokens_per_turn or max_tokens_per_turn,
+        max_model_len=max_model_len,
+        max_episode_tokens=env.max_episode_tokens,
+    )
     groups: list[list[Episode]] = []
     for (example, prompt_ids), seed in zip(prompts, seeds):
         question = example.get("question")
@@ -165,7 +174,7 @@ def run_episodes(
         for episode in ready:
             request = SampleRequest(
                 token_ids=episode.prompt_ids + episode.response_ids,
-                max_tokens=min(per_turn, _room(env, episode, max_model_len)),
+                max_tokens=limits.turn_tokens(len(episode.prompt_ids), len(episode.response_ids)),
                 seed=turn_seed(episode.seed, episode.num_turns),
                 stop=env.stop,
             )
@@ -174,7 +183,7 @@ def run_episodes(
         if sampling:
             for key, turn in engine.step():
                 episode = sampling.pop(key)
-                if _add_turn(env, tokenizer, episode, turn, stop_tokens):
+                if _add_turn(limits, tokenizer, episode, turn, stop_tokens):
                     closed = bool(turn.token_ids) and turn.token_ids[-1] in stop_tokens
                     waiting.append((episode, env.start_response(episode), closed))
         elif waiting:  # nothing to sample until an answer is in
@@ -183,24 +192,25 @@ def run_episodes(
         for episode, pending, closed in waiting:
             if not pending.done():
                 still_waiting.append((episode, pending, closed))
-            elif _apply_answer(env, renderer, episode, pending.result(), closed, max_model_len):
+            elif _apply_answer(limits, renderer, episode, pending.result(), closed):
                 ready.append(episode)
         waiting = still_waiting
     return groups
 
 
 def _add_turn(
-    env: MultiTurnEnv, tokenizer: Any, episode: Episode, turn: Sample, stop_tokens: set[int]
+    limits: EpisodeLimits, tokenizer: Any, episode: Episode, turn: Sample, stop_tokens: set[int]
 ) -> bool:
     """Append a sampled policy turn; whether the environment answers it (the episode goes on)."""
-    episode.add_policy_turn(turn.token_ids, turn.logprobs)
+    episode.add_policy_turn(turn.token_ids, turn.logprobs, turn.version_runs)
     text = tokenizer.decode(turn.token_ids, skip_special_tokens=True)
     episode.messages.append({"role": "assistant", "content": text})
     if turn.finish_reason == "length":
         episode.truncated = True
         return False
-    if episode.num_turns >= env.max_turns:
-        episode.hit_max_turns = True
+    if episode.num_turns >= limits.max_turns:
+        # A single-turn environment ends every episode after its turn: no limit was hit.
+        episode.hit_max_turns = limits.max_turns > 1
         return False
     return True
 
@@ -223,12 +233,11 @@ def _wait_for_answers(pending: Sequence[PendingResponse], gather_s: float) -> No
 
 
 def _apply_answer(
-    env: MultiTurnEnv,
+    limits: EpisodeLimits,
     renderer: Any,
     episode: Episode,
     answer: list[dict[str, str]] | None,
     closed: bool,
-    max_model_len: int,
 ) -> bool:
     """Append the environment's answer to the episode; whether it goes on to a policy turn."""
     if episode.error is not None or answer is None:
@@ -236,20 +245,12 @@ def _apply_answer(
     # The conversation before the policy's last turn: the template renders the answer in its
     # light (`grpo.envs.render.ChatTurnRenderer`).
     env_ids = renderer.env_tokens(answer, closed=closed, history=episode.messages[:-1])
-    if len(env_ids) >= _room(env, episode, max_model_len):
+    if len(env_ids) >= limits.room(len(episode.prompt_ids), len(episode.response_ids)):
         episode.truncated = True  # no room for the answer and a policy token after it
         return False
     episode.add_env_turn(env_ids)
     episode.messages.extend(dict(m) for m in answer)
     return True
-
-
-def _room(env: MultiTurnEnv, episode: Episode, max_model_len: int) -> int:
-    """Response tokens the episode may still add."""
-    room = max_model_len - len(episode.prompt_ids) - len(episode.response_ids)
-    if env.max_episode_tokens is not None:
-        room = min(room, env.max_episode_tokens - len(episode.response_ids))
-    return room
 
 
 def episode_groups(
@@ -268,9 +269,11 @@ def episode_groups(
         rewards (Sequence[dict[str, float]]): One per episode without ``error``, in order.
         group_ids (Sequence[int]): One per prompt.
         sequence_id (Callable[[], str]): Makes the next unique sequence id.
-        policy_version (int): Version of the weights that sampled the oldest policy token.
-        last_policy_version (int | None): Version that sampled the newest (weights loaded
-            while the episodes ran); None: ``policy_version``.
+        policy_version (int): Version of the weights that sampled the oldest policy token of
+            an episode whose engine did not say (empty ``version_runs``).
+        last_policy_version (int | None): Version that sampled the newest, likewise; None:
+            ``policy_version``. An episode with ``version_runs`` carries its own: the oldest
+            and the newest of its tokens'.
 
     Returns:
         list[GroupedUnscoredTrajectories]: One per prompt that kept at least one episode
@@ -296,6 +299,7 @@ def episode_groups(
             if prompt_key not in prompt_tensors:
                 prompt_tensors[prompt_key] = torch.tensor(episode.prompt_ids, dtype=torch.long)
             response = torch.tensor(episode.response_ids, dtype=torch.long)
+            runs = episode.version_runs
             trajectories.append(
                 UnscoredTrajectory(
                     prompt_tokens=prompt_tensors[prompt_key],
@@ -305,11 +309,12 @@ def episode_groups(
                     logprobs=torch.tensor(episode.logprobs, dtype=torch.float32),
                     answer=str(episode.example.get("answer", "")),
                     sequence_id=sequence_id(),
-                    policy_version=policy_version,
-                    last_policy_version=last_policy_version,
+                    policy_version=min(v for v, _ in runs) if runs else policy_version,
+                    last_policy_version=runs[-1][0] if runs else last_policy_version,
                     group_id=group_id,
                     response_mask=torch.tensor(episode.response_mask, dtype=torch.bool),
                     env_rewards=next(scored),
+                    env_successes=episode.successes,
                     episode_stats=episode.stats(),
                 )
             )

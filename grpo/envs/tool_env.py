@@ -22,7 +22,7 @@ from pydantic import Field
 from grpo.envs.base import Episode, Message, MultiTurnEnv, PendingResponse
 from grpo.envs.dropped import failure_reason
 from grpo.envs.options import checked_options
-from grpo.envs.runner import ToolJob, ToolRunner, default_tool_runner, jobs_deadline
+from grpo.envs.runner import ToolRunner, default_tool_runner, tool_outcome
 from grpo.envs.tools import (
     BAD_ARGUMENTS,
     CALL_FORMATS,
@@ -33,6 +33,7 @@ from grpo.envs.tools import (
     parse_tool_calls,
     resolve_tools,
 )
+from grpo.process_pool import Job, jobs_deadline
 
 
 class ToolEnv(MultiTurnEnv):
@@ -139,7 +140,7 @@ class ToolEnv(MultiTurnEnv):
             return PendingResponse(None)  # no call: this turn is the answer
         runner = self.runner or default_tool_runner(self.tool_memory_mb, self.tool_workers)
         turns: list[Message] = []
-        jobs: list[tuple[int, ToolJob]] = []  # (position in turns, job) of each running call
+        jobs: list[tuple[int, Job]] = []  # (position in turns, job) of each running call
         for number, call in enumerate(calls):
             episode.tool_calls += 1
             problem, kind = self._refusal(call, number)
@@ -153,7 +154,7 @@ class ToolEnv(MultiTurnEnv):
 
         def finish() -> None:
             for position, job in jobs:
-                outcome = job.outcome()
+                outcome = tool_outcome(job)
                 content = outcome.text
                 if outcome.error is not None:
                     episode.count_tool_error(outcome.error)

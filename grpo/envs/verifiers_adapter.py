@@ -52,7 +52,9 @@ from typing import Any
 
 from grpo.envs.base import Episode
 from grpo.envs.dropped import cause_first, failure_reason, last_frame
+from grpo.envs.protocol import EngineContext, Environment, EpisodeLimits, Prompt
 from grpo.envs.rollout import Sample, Sampler, SampleRequest, TurnEngine, as_turn_engine
+from grpo.observability import metric_names as names
 from grpo.seeds import mix_seed
 
 log = logging.getLogger(__name__)
@@ -258,15 +260,15 @@ def verifiers_env(
     )
 
 
-class VerifiersEnv:
+class VerifiersEnv(Environment):
     """A loaded verifiers environment that plays its episodes against the collector's engine.
 
-    Build it with `verifiers_env`. The collector calls `examples` (the rows it samples from,
-    when the run has no ``dataset``), `run_groups` (episodes, token-exact), `score` and
-    `close`.
+    Build it with `verifiers_env`. It implements the collector's protocol
+    (`grpo.envs.protocol.Environment`): `examples` are the taskset's rows (the dataset of a
+    run that names none), `start` serves the engine's endpoint, `prompt_ids` is empty (the
+    client renders its own prompts), `run_groups` plays the episodes token-exact, `score` reads
+    the taskset's rewards, `close` stops the servers.
     """
-
-    supplies_tasks = True
 
     def __init__(
         self,
@@ -360,18 +362,19 @@ class VerifiersEnv:
 
     # ------------------------------------------------------------------ serving
 
-    def start(
-        self,
-        model_dir: str,
-        *,
-        max_model_len: int,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-    ) -> None:
+    def response_budget(self, max_tokens_per_turn: int) -> int | None:
+        """None: an episode runs until the engine's context (or its taskset's own end)."""
+        return None
+
+    def prompt_ids(self, example: Mapping[str, Any]) -> list[int]:
+        """Nothing: the environment's client renders its prompts itself."""
+        return []
+
+    def start(self, context: EngineContext) -> None:
         """Serve the engine's endpoint and open the environment (tool servers); once."""
         if self._loop is not None:
             return
+        super().start(context)
         import verifiers.v1 as vf
 
         from grpo.envs.generate_server import GenerateServer
@@ -379,7 +382,7 @@ class VerifiersEnv:
 
         # The client loads the tokenizer from the model folder; never from the hub.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        self._server = GenerateServer(max_model_len=max_model_len)
+        self._server = GenerateServer(max_model_len=context.max_model_len)
         self._context = vf.ModelContext(
             model=self._server.model_name,
             client=vf.TrainClientConfig(
@@ -389,9 +392,13 @@ class VerifiersEnv:
                 # Each turn extends the tokens sampled before it (a trace splits only where
                 # the environment rewrote its conversation), not a re-render of the messages.
                 renderer=bridge_renderer_config(self.tool_parser),
-                renderer_model_name=str(model_dir),
+                renderer_model_name=str(context.model_dir),
             ),
-            sampling=vf.SamplingConfig(temperature=temperature, top_p=top_p, max_tokens=max_tokens),
+            sampling=vf.SamplingConfig(
+                temperature=context.temperature,
+                top_p=context.top_p,
+                max_tokens=context.max_tokens_per_turn,
+            ),
         )
         self._loop = _event_loop()
         ready: concurrent.futures.Future = concurrent.futures.Future()
@@ -424,14 +431,16 @@ class VerifiersEnv:
 
     # ------------------------------------------------------------------ episodes
 
+    def batch_metrics(self) -> dict[str, float]:
+        """``inference/episode_split_traces``: traces of the last batch split by the template."""
+        return {names.INFERENCE_EPISODE_SPLIT_TRACES: float(self.split_traces)}
+
     def run_groups(
         self,
-        examples: Sequence[Mapping[str, Any]],
+        prompts: Sequence[Prompt],
         engine: TurnEngine | Sampler,
-        *,
         group_size: int,
-        max_tokens: int,
-        seed: int,
+        seeds: Sequence[int],
     ) -> list[list[Episode]]:
         """Run ``group_size`` episodes of each example's task to their end.
 
@@ -440,13 +449,13 @@ class VerifiersEnv:
         batch at the next step), until every episode is over.
 
         Args:
-            examples (Sequence[Mapping]): Rows from `examples` (their ``index`` names the task).
+            prompts (Sequence[Prompt]): ``(row, [])`` per task: rows from `examples` (their
+                ``index`` names the task).
             engine (TurnEngine | Sampler): The engine (`grpo.envs.rollout.run_episodes` has
                 both kinds).
             group_size (int): Episodes per example.
-            max_tokens (int): Most tokens of one model turn.
-            seed (int): The batch's seed (`grpo.seeds.group_seed` of its first group);
-                request ``n`` of the batch samples with ``mix_seed(seed, n)``.
+            seeds (Sequence[int]): One per prompt (`grpo.seeds.group_seed`); request ``n`` of
+                the batch samples with ``mix_seed(seeds[0], n)``.
 
         Returns:
             list[list[Episode]]: Per example, its episodes; one whose trace failed or whose
@@ -454,6 +463,15 @@ class VerifiersEnv:
         """
         if self._loop is None:
             raise RuntimeError("VerifiersEnv.start must be called before run_groups")
+        context = self._started()
+        # The framework's limits: the client's max_tokens within one turn's, within the context.
+        limits = EpisodeLimits(
+            max_turns=self.max_turns,
+            max_tokens_per_turn=context.max_tokens_per_turn,
+            max_model_len=self._server.max_model_len,
+        )
+        examples = [example for example, _ in prompts]
+        seed = seeds[0]
         engine = as_turn_engine(engine)
         self.split_traces = 0  # traces of this call split by the template
         groups = [
@@ -473,7 +491,7 @@ class VerifiersEnv:
                     timeout_s=0.05 if idle else 0.0, gather_s=0.02 if idle else 0.0
                 )
                 for request in requests:
-                    if (limit := self._turn_limit(request, max_tokens)) is not None:
+                    if (limit := self._turn_limit(request, limits)) is not None:
                         turn = SampleRequest(
                             list(request.token_ids), limit, next(seeds), request.stop
                         )
@@ -502,10 +520,10 @@ class VerifiersEnv:
             timeout=self.episode_timeout_s,
         )
 
-    def _turn_limit(self, request: Any, max_tokens: int) -> int | None:
+    def _turn_limit(self, request: Any, limits: EpisodeLimits) -> int | None:
         """Tokens ``request`` may sample, or None (answered with an error) if none fit."""
-        room = self._server.max_model_len - len(request.token_ids)
-        if room < 1:
+        limit = limits.turn_tokens(len(request.token_ids), 0, request.max_tokens or None)
+        if limit < 1:
             self._server.fail(
                 [request],
                 f"a prompt of {len(request.token_ids)} tokens leaves no room in "
@@ -513,7 +531,7 @@ class VerifiersEnv:
                 status=400,
             )
             return None
-        return min(request.max_tokens or max_tokens, max_tokens, room)
+        return limit
 
     def _group_episodes(
         self, example: Mapping[str, Any], group: concurrent.futures.Future, group_size: int
@@ -610,7 +628,7 @@ def _fill_from_branch(
     for is_sampled, tokens in runs:
         if is_sampled:
             turn = next(turns)
-            episode.add_policy_turn(turn.token_ids, turn.logprobs)
+            episode.add_policy_turn(turn.token_ids, turn.logprobs, turn.version_runs)
         else:
             episode.add_env_turn(tokens)
     return None

@@ -17,7 +17,6 @@ from typing import Any
 from tqdm import tqdm
 
 from grpo.config import RunConfig
-from grpo.config.paths import CHECKPOINTS_DIR, LATEST_FILE, latest_checkpoint_text
 from grpo.observability.logs import (
     ANSI_CODE,
     DRIVER_LOG,
@@ -26,7 +25,14 @@ from grpo.observability.logs import (
     logs_dir,
 )
 from grpo.observability.metric_logger import DEFAULT_METRIC_LOGGER, resolve_wandb_mode
-from grpo.observability.metric_names import GROUPS_KEPT, GROUPS_SCORED
+from grpo.observability.metric_names import (
+    EVAL_ACCURACY,
+    GROUPS_KEPT,
+    GROUPS_SCORED,
+    REWARDS_MEAN,
+    TRAIN_LOSS,
+)
+from grpo.run_folder import CHECKPOINTS_DIR, LATEST_FILE, latest_checkpoint_text
 
 
 def progress_fields(state: Any) -> dict[str, str]:
@@ -40,18 +46,18 @@ def progress_fields(state: Any) -> dict[str, str]:
     step, ``kept`` shows how many of the groups scored reached the buffer.
     """
     fields = {"v": str(state.policy_version)}
-    reward = state.last_scored_metrics.get("ref_actor_rewards/rewards_mean")
+    reward = state.last_scored_metrics.get(REWARDS_MEAN)
     if reward is not None:
         fields["reward"] = f"{reward:.3f}"
     scored = state.last_metrics.get(GROUPS_SCORED)
     kept = state.last_metrics.get(GROUPS_KEPT)
     if scored and kept is not None and kept < scored:
         fields["kept"] = f"{kept:.0f}/{scored:.0f}"
-    loss = state.last_metrics.get("train_actor_training/loss")
+    loss = state.last_metrics.get(TRAIN_LOSS)
     if loss is not None:
         fields["loss"] = f"{loss:.4f}"
     if state.eval_history:
-        fields["eval_acc"] = f"{state.eval_history[-1][1]['eval/accuracy']:.3f}"
+        fields["eval_acc"] = f"{state.eval_history[-1][1][EVAL_ACCURACY]:.3f}"
     return fields
 
 

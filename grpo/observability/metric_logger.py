@@ -44,11 +44,19 @@ from typing import Any
 
 from grpo.choices import WANDB_MODES
 from grpo.observability.metric_names import (
+    EVAL_ACCURACY,
     GLOBAL_STEP,
     INFERENCE_STEP,
+    INFERENCE_TOKENS_PER_SECOND,
     REF_STEP,
     RESERVED_KEYS,
+    REWARDS_MEAN,
     STEP_METRIC_RULES,
+    SUCCESSES_MEAN,
+    TRAIN_KL_LOSS,
+    TRAIN_LOSS,
+    TRAIN_PERF_TOKENS_PER_SECOND,
+    TRAIN_POLICY_AGE_MEAN,
     TRAIN_STEP,
     rule_for,
     step_metric_for,
@@ -59,14 +67,14 @@ log = logging.getLogger(__name__)
 
 # What stdout shows when `stdout_keys` is not given: a few headline numbers per actor.
 DEFAULT_STDOUT_KEYS: tuple[str, ...] = (
-    "train_actor_training/loss",
-    "train_actor_training/kl_loss",
-    "train_actor_training/policy_age_mean",
-    "train_actor_performance/tokens_per_second",
-    "ref_actor_rewards/rewards_mean",
-    "ref_actor_rewards/successes_mean",
-    "inference/tokens_per_second",
-    "eval/accuracy",
+    TRAIN_LOSS,
+    TRAIN_KL_LOSS,
+    TRAIN_POLICY_AGE_MEAN,
+    TRAIN_PERF_TOKENS_PER_SECOND,
+    REWARDS_MEAN,
+    SUCCESSES_MEAN,
+    INFERENCE_TOKENS_PER_SECOND,
+    EVAL_ACCURACY,
 )
 
 _TABLE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")

@@ -1,10 +1,11 @@
 """The metric names: the contract between the actors, the logger, the plots and the tests.
 
-Which names each actor logs (`METRIC_NAMES`), which step metric each name is plotted against
-on W&B (`STEP_METRIC_RULES`, `step_metric_for`), the per-reward-function names
-(`reward_metric_names`), and the one place for the percent-of-total arithmetic of the
-performance metrics (`ratio_metrics`). Pure Python: the driver, the actors and the plots
-import it without the logger.
+One constant per metric name that more than one module uses (``TRAIN_LOSS``,
+``EVAL_ACCURACY``, ...), which names each actor logs (`METRIC_NAMES`), which step metric each
+name is plotted against on W&B (`STEP_METRIC_RULES`, `step_metric_for`), the
+per-reward-function names (`reward_metric_names`), and the one place for the percent-of-total
+arithmetic of the performance metrics (`ratio_metrics`). Pure Python: the driver, the actors
+and the plots import it without the logger.
 """
 
 from __future__ import annotations
@@ -19,18 +20,124 @@ INFERENCE_STEP = "inference_step"
 # Step metric of a key that no rule covers and whose call named no known actor.
 GLOBAL_STEP = "global_step"
 
+# The metric names that more than one module uses, one constant each, grouped by namespace: any
+# other module names them through these (a test finds the literals), so that a renamed metric
+# cannot leave a reader behind. A constant is the name in upper case, after its namespace's short
+# form (``TRAIN_``, ``TRAIN_PERF_``, ``REF_PERF_``, ``INFERENCE_``, ``EVAL_``, ``FAULTS_``); the
+# ``ref_actor_rewards/`` and ``queues/`` names say what they count without one. Unit suffixes
+# (`` (s)``, `` (%)``) stay out of the constant's name, never out of its value. A ``*_TEMPLATE``
+# is a `str.format` template of a family of names.
+
+# Namespaces that `ratio_metrics` puts its percent-of-total names in.
+TRAIN_PERF_NAMESPACE = "train_actor_performance"
+REF_PERF_NAMESPACE = "ref_actor_performance"
+
+# train_actor_training/: the trainer's loss terms and batch statistics.
+TRAIN_LOSS = "train_actor_training/loss"
+TRAIN_KL_LOSS = "train_actor_training/kl_loss"
+TRAIN_APPROX_POLICY_KLS = "train_actor_training/approx_policy_kls"
+TRAIN_MISMATCH_MAX_ABS = "train_actor_training/mismatch_max_abs"
+TRAIN_RESPONSE_LENGTHS = "train_actor_training/response_lengths"
+TRAIN_POLICY_AGE_MEAN = "train_actor_training/policy_age_mean"
+TRAIN_POLICY_AGE_MAX = "train_actor_training/policy_age_max"
+TRAIN_GRAD_NORM = "train_actor_training/grad_norm"
+TRAIN_LR = "train_actor_training/lr"
+# Steps skipped in a row for a non-finite loss or gradient norm; the driver stops the run on it.
+TRAIN_NONFINITE_STEPS_IN_A_ROW = "train_actor_training/nonfinite_steps_in_a_row"
+
+# train_actor_performance/: the trainer's timings and throughput.
+TRAIN_PERF_TOTAL_STEP_TIME = "train_actor_performance/total_step_time (s)"
+TRAIN_PERF_TIME_GRPO_STEPS = "train_actor_performance/time_grpo_steps (s)"
+TRAIN_PERF_TOKENS_PER_SECOND = "train_actor_performance/tokens_per_second"
+TRAIN_PERF_TIME_WEIGHT_SYNC = "train_actor_performance/time_weight_sync (s)"
+TRAIN_PERF_PADDED_TOKENS_PERCENTAGE = "train_actor_performance/padded_tokens_percentage (%)"
+TRAIN_PERF_SHARED_PROMPT_TOKENS_SAVED = "train_actor_performance/shared_prompt_tokens_saved (%)"
+# The step's wall time and its parts (`grpo.observability.metrics.step_time_breakdown`).
+TRAIN_PERF_STEP_WALL_TIME = "train_actor_performance/step_wall_time (s)"
+TRAIN_PERF_TIME_WAITING_BUFFER = "train_actor_performance/time_waiting_buffer (s)"
+TRAIN_PERF_TIME_TRAIN_COMPUTE = "train_actor_performance/time_train_compute (s)"
+TRAIN_PERF_TIME_WEIGHT_GATHER = "train_actor_performance/time_weight_gather (s)"
+TRAIN_PERF_TIME_WEIGHT_TRANSFER = "train_actor_performance/time_weight_transfer (s)"
+TRAIN_PERF_TIME_ENGINE_RELOAD = "train_actor_performance/time_engine_reload (s)"
+TRAIN_PERF_TIME_DRIVER_OVERHEAD = "train_actor_performance/time_driver_overhead (s)"
+TRAIN_PERF_TIME_GENERATION_BUSY = "train_actor_performance/time_generation_busy (s)"
+TRAIN_PERF_TIME_SCORING_BUSY = "train_actor_performance/time_scoring_busy (s)"
+
+# ref_actor_performance/: the reference actor's timings.
+REF_PERF_TOTAL_ROLLOUT_TIME = "ref_actor_performance/total_rollout_time (s)"
+REF_PERF_TIME_MODEL_RUNNING = "ref_actor_performance/time_model_running (s)"
+REF_PERF_PCT_TIME_MODEL_RUNNING = "ref_actor_performance/pct_time_model_running (%)"
+REF_PERF_TIME_WAITING_BUFFER = "ref_actor_performance/time_waiting_buffer (s)"
+REF_PERF_TOTAL_TOKENS_PROCESSED = "ref_actor_performance/total_tokens_processed"
+REF_PERF_SHARED_PROMPT_TOKENS_SAVED = "ref_actor_performance/shared_prompt_tokens_saved (%)"
+
+# ref_actor_rewards/: rewards of the scored batch (`reward_metric_names` fills the templates).
+REWARDS_MEAN = "ref_actor_rewards/rewards_mean"
+SUCCESSES_MEAN = "ref_actor_rewards/successes_mean"
+REWARDS_FUNC_MEAN_TEMPLATE = "ref_actor_rewards/rewards_func_{name}_mean"
+SUCCESSES_FUNC_MEAN_TEMPLATE = "ref_actor_rewards/successes_func_{name}_mean"
 # Per-step group counts of dynamic sampling (`grpo.orchestrator.group_counts.GroupCounts`).
 GROUPS_SCORED = "ref_actor_rewards/groups_scored"
 GROUPS_KEPT = "ref_actor_rewards/groups_kept"
 ZERO_VARIANCE_GROUPS = "ref_actor_rewards/zero_variance_groups"
 
+# queues/: the rollout queue and the replay buffer, each logged by the actor it feeds.
+TRAIN_REPLAY_BUFFER_SIZE = "queues/train_replay_buffer_size"
+REPLAY_BUFFER_DROPPED_STALE = "queues/replay_buffer_dropped_stale"
+ROLLOUT_QUEUE_SIZE = "queues/rollout_queue_size"
+ROLLOUT_QUEUE_PUT_WAIT_S = "queues/rollout_queue_put_wait_s"
+
+# inference/: the collectors' generation rounds.
+INFERENCE_TOKENS_PER_SECOND = "inference/tokens_per_second"
+INFERENCE_GENERATED_TOKENS = "inference/generated_tokens"
+INFERENCE_TIME_GENERATION = "inference/time_generation (s)"
+INFERENCE_TIME_WEIGHT_UPDATE = "inference/time_weight_update (s)"
+INFERENCE_POLICY_VERSION = "inference/policy_version"
+INFERENCE_RESPONSE_LENGTH_MEAN = "inference/response_length_mean"
+# Non-zero when the collector found the rollout queue dead and kept its groups.
+INFERENCE_GROUPS_NOT_QUEUED = "inference/groups_not_queued"
+# Weight updates while generating (inference.weight_updates: in_flight).
+INFERENCE_WEIGHT_UPDATES_IN_FLIGHT = "inference/weight_updates_in_flight"
+INFERENCE_TIME_ENGINE_PAUSED = "inference/time_engine_paused (s)"
+INFERENCE_WEIGHT_UPDATES_REJECTED = "inference/weight_updates_rejected"
+INFERENCE_TRAJECTORIES_SPANNING_VERSIONS = "inference/trajectories_spanning_versions"
+INFERENCE_TOKENS_VERSION_LAG_0 = "inference/tokens_version_lag_0"
+INFERENCE_TOKENS_VERSION_LAG_1 = "inference/tokens_version_lag_1"
+INFERENCE_TOKENS_VERSION_LAG_2_PLUS = "inference/tokens_version_lag_2+"
+# Multi-turn environments (`grpo.envs`), per batch of episodes.
+INFERENCE_EPISODE_TURNS_MEAN = "inference/episode_turns_mean"
+INFERENCE_EPISODE_TURNS_MAX = "inference/episode_turns_max"
+INFERENCE_EPISODE_TURN_LENGTH_MEAN = "inference/episode_turn_length_mean"
+INFERENCE_EPISODE_ENV_TOKEN_FRACTION = "inference/episode_env_token_fraction"
+INFERENCE_EPISODE_TRUNCATED = "inference/episode_truncated"
+INFERENCE_EPISODE_HIT_MAX_TURNS = "inference/episode_hit_max_turns"
+INFERENCE_EPISODE_SPLIT_TRACES = "inference/episode_split_traces"
+INFERENCE_EPISODES_DROPPED = "inference/episodes_dropped"
+INFERENCE_EPISODES_DROPPED_TOTAL = "inference/episodes_dropped_total"
+INFERENCE_TOOL_CALLS_PER_EPISODE = "inference/tool_calls_per_episode"
+INFERENCE_TOOL_ERRORS = "inference/tool_errors"
+INFERENCE_TOOL_TIMEOUTS = "inference/tool_timeouts"
+INFERENCE_TOOL_QUEUE_WAIT_MEAN = "inference/tool_queue_wait_mean (s)"
+INFERENCE_TOOL_QUEUE_WAIT_MAX = "inference/tool_queue_wait_max (s)"
+# Tool errors of one kind (``timeout``, ...), and an environment's own metric by its name.
+INFERENCE_TOOL_ERRORS_KIND_TEMPLATE = "inference/tool_errors_{kind}"
+INFERENCE_ENV_METRIC_TEMPLATE = "inference/env_{name}"
+
+# eval/: held-out evaluation.
+EVAL_ACCURACY = "eval/accuracy"
+EVAL_NUM_EXAMPLES = "eval/num_examples"
+
+# faults/: restarts and the work they cost (the supervisor and the training loop).
+FAULTS_ACTOR_RESTARTS = "faults/actor_restarts"
+FAULTS_STEPS_REDONE = "faults/steps_redone"
+
 # (W&B metric name or glob, step metric), checked in order: exact names before the namespace
 # globs that would otherwise claim them. The `queues/` keys come from different actors, so each
 # one is routed to the actor that logs it.
 STEP_METRIC_RULES: tuple[tuple[str, str], ...] = (
-    ("queues/train_replay_buffer_size", TRAIN_STEP),
+    (TRAIN_REPLAY_BUFFER_SIZE, TRAIN_STEP),
     ("queues/replay_buffer_*", TRAIN_STEP),
-    ("queues/rollout_queue_size", REF_STEP),
+    (ROLLOUT_QUEUE_SIZE, REF_STEP),
     ("train_actor_*", TRAIN_STEP),
     ("ref_actor_*", REF_STEP),
     ("inference/*", INFERENCE_STEP),
@@ -53,65 +160,65 @@ ACTOR_STEP_METRIC: dict[str, str] = {
 METRIC_NAMES: dict[str, tuple[str, ...]] = {
     # PyTorchActorModel, keyed on the optimizer step (`train_step`).
     "train": (
-        "train_actor_training/loss",
+        TRAIN_LOSS,
         "train_actor_training/policy_loss",
-        "train_actor_training/kl_loss",
+        TRAIN_KL_LOSS,
         "train_actor_training/ratios",
         "train_actor_training/clipfrac",
-        "train_actor_training/approx_policy_kls",
+        TRAIN_APPROX_POLICY_KLS,
         # Token mean of the KL estimate to the reference model (the loss's estimator), logged
         # whether or not the KL term is in the loss (kl_coeff 0).
         "train_actor_training/kl_to_ref",
         # Sampler (vLLM) vs trainer logprobs of the same pre-update policy: token mean of the
         # k3 estimate of KL(behaviour || pi_old), and the largest |pi_old - behaviour|.
         "train_actor_training/mismatch_kl",
-        "train_actor_training/mismatch_max_abs",
-        "train_actor_training/response_lengths",
-        "train_actor_training/policy_age_mean",
-        "train_actor_training/policy_age_max",
-        "train_actor_training/grad_norm",
-        "train_actor_training/lr",
-        "train_actor_performance/total_step_time (s)",
-        "train_actor_performance/time_grpo_steps (s)",
+        TRAIN_MISMATCH_MAX_ABS,
+        TRAIN_RESPONSE_LENGTHS,
+        TRAIN_POLICY_AGE_MEAN,
+        TRAIN_POLICY_AGE_MAX,
+        TRAIN_GRAD_NORM,
+        TRAIN_LR,
+        TRAIN_PERF_TOTAL_STEP_TIME,
+        TRAIN_PERF_TIME_GRPO_STEPS,
         "train_actor_performance/pct_time_grpo_steps (%)",
-        "train_actor_performance/tokens_per_second",
-        "train_actor_performance/time_weight_sync (s)",
+        TRAIN_PERF_TOKENS_PER_SECOND,
+        TRAIN_PERF_TIME_WEIGHT_SYNC,
         "train_actor_performance/pct_time_weight_sync (%)",
-        "train_actor_performance/padded_tokens_percentage (%)",
-        "train_actor_performance/shared_prompt_tokens_saved (%)",
-        "train_actor_performance/time_waiting_buffer (s)",
+        TRAIN_PERF_PADDED_TOKENS_PERCENTAGE,
+        TRAIN_PERF_SHARED_PROMPT_TOKENS_SAVED,
+        TRAIN_PERF_TIME_WAITING_BUFFER,
         "train_actor_performance/pct_time_waiting_buffer (%)",
-        "train_actor_performance/time_weight_gather (s)",
+        TRAIN_PERF_TIME_WEIGHT_GATHER,
         "train_actor_performance/pct_time_weight_gather (%)",
         # The step's wall time and the parts that add up to it (`step_time_breakdown` in
         # grpo.observability.metrics explains each): time_waiting_buffer, time_train_compute,
         # time_weight_gather, time_weight_transfer, time_engine_reload, time_driver_overhead.
-        "train_actor_performance/step_wall_time (s)",
-        "train_actor_performance/time_train_compute (s)",
-        "train_actor_performance/time_weight_transfer (s)",
-        "train_actor_performance/time_engine_reload (s)",
-        "train_actor_performance/time_driver_overhead (s)",
+        TRAIN_PERF_STEP_WALL_TIME,
+        TRAIN_PERF_TIME_TRAIN_COMPUTE,
+        TRAIN_PERF_TIME_WEIGHT_TRANSFER,
+        TRAIN_PERF_TIME_ENGINE_RELOAD,
+        TRAIN_PERF_TIME_DRIVER_OVERHEAD,
         # Busy seconds of generation and scoring calls that finished during the step, summed
         # over actors; they overlap training and are not parts of the wall time.
-        "train_actor_performance/time_generation_busy (s)",
-        "train_actor_performance/time_scoring_busy (s)",
-        "queues/train_replay_buffer_size",
-        "queues/replay_buffer_dropped_stale",
+        TRAIN_PERF_TIME_GENERATION_BUSY,
+        TRAIN_PERF_TIME_SCORING_BUSY,
+        TRAIN_REPLAY_BUFFER_SIZE,
+        REPLAY_BUFFER_DROPPED_STALE,
     ),
     # RefActor, keyed on its own step (`ref_step`).
     "ref": (
-        "ref_actor_performance/total_rollout_time (s)",
-        "ref_actor_performance/time_model_running (s)",
-        "ref_actor_performance/pct_time_model_running (%)",
-        "ref_actor_performance/time_waiting_buffer (s)",
+        REF_PERF_TOTAL_ROLLOUT_TIME,
+        REF_PERF_TIME_MODEL_RUNNING,
+        REF_PERF_PCT_TIME_MODEL_RUNNING,
+        REF_PERF_TIME_WAITING_BUFFER,
         "ref_actor_performance/pct_time_waiting_buffer (%)",
-        "ref_actor_performance/total_tokens_processed",
-        "ref_actor_performance/shared_prompt_tokens_saved (%)",
-        "queues/rollout_queue_size",
-        "ref_actor_rewards/rewards_mean",
-        "ref_actor_rewards/successes_mean",
-        "ref_actor_rewards/rewards_func_{name}_mean",
-        "ref_actor_rewards/successes_func_{name}_mean",
+        REF_PERF_TOTAL_TOKENS_PROCESSED,
+        REF_PERF_SHARED_PROMPT_TOKENS_SAVED,
+        ROLLOUT_QUEUE_SIZE,
+        REWARDS_MEAN,
+        SUCCESSES_MEAN,
+        REWARDS_FUNC_MEAN_TEMPLATE,
+        SUCCESSES_FUNC_MEAN_TEMPLATE,
         # Counted by the driver over the reference calls that finished since the previous
         # training step, logged once per step (`grpo.orchestrator.group_counts.GroupCounts`):
         # groups scored, passed on to the buffer, and with all-equal rewards (dropped when
@@ -123,37 +230,37 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
     ),
     # SyncLLMCollector (vLLM), keyed on its generation round (`inference_step`).
     "inference": (
-        "inference/tokens_per_second",
-        "inference/time_generation (s)",
-        "inference/time_weight_update (s)",
-        "inference/policy_version",
-        "inference/response_length_mean",
+        INFERENCE_TOKENS_PER_SECOND,
+        INFERENCE_TIME_GENERATION,
+        INFERENCE_TIME_WEIGHT_UPDATE,
+        INFERENCE_POLICY_VERSION,
+        INFERENCE_RESPONSE_LENGTH_MEAN,
         # Weights loaded while the batch generated (inference.weight_updates: in_flight), the
         # time generation paused for them, and the sampled tokens by how many versions their
         # weights were behind the collector's at the end of the batch.
-        "inference/weight_updates_in_flight",
-        "inference/time_engine_paused (s)",
-        "inference/weight_updates_rejected",
-        "inference/trajectories_spanning_versions",
-        "inference/tokens_version_lag_0",
-        "inference/tokens_version_lag_1",
-        "inference/tokens_version_lag_2+",
+        INFERENCE_WEIGHT_UPDATES_IN_FLIGHT,
+        INFERENCE_TIME_ENGINE_PAUSED,
+        INFERENCE_WEIGHT_UPDATES_REJECTED,
+        INFERENCE_TRAJECTORIES_SPANNING_VERSIONS,
+        INFERENCE_TOKENS_VERSION_LAG_0,
+        INFERENCE_TOKENS_VERSION_LAG_1,
+        INFERENCE_TOKENS_VERSION_LAG_2_PLUS,
         # Multi-turn environments only (`grpo.envs`): per batch of episodes.
-        "inference/episode_turns_mean",
-        "inference/episode_turn_length_mean",
-        "inference/episode_env_token_fraction",
-        "inference/episode_truncated",
-        "inference/episodes_dropped",
-        "inference/tool_calls_per_episode",
-        "inference/tool_errors",
-        "inference/tool_timeouts",
-        "inference/tool_queue_wait_mean (s)",
-        "inference/tool_queue_wait_max (s)",
+        INFERENCE_EPISODE_TURNS_MEAN,
+        INFERENCE_EPISODE_TURN_LENGTH_MEAN,
+        INFERENCE_EPISODE_ENV_TOKEN_FRACTION,
+        INFERENCE_EPISODE_TRUNCATED,
+        INFERENCE_EPISODES_DROPPED,
+        INFERENCE_TOOL_CALLS_PER_EPISODE,
+        INFERENCE_TOOL_ERRORS,
+        INFERENCE_TOOL_TIMEOUTS,
+        INFERENCE_TOOL_QUEUE_WAIT_MEAN,
+        INFERENCE_TOOL_QUEUE_WAIT_MAX,
     ),
     # Held-out evaluation, keyed on the train step whose weights were evaluated.
     "eval": (
-        "eval/accuracy",
-        "eval/num_examples",
+        EVAL_ACCURACY,
+        EVAL_NUM_EXAMPLES,
     ),
 }
 
@@ -175,8 +282,8 @@ def reward_metric_names(func_name: str) -> tuple[str, str]:
         ('ref_actor_rewards/rewards_func_math_correct_mean', 'ref_actor_rewards/successes_func_math_correct_mean')
     """
     return (
-        f"ref_actor_rewards/rewards_func_{func_name}_mean",
-        f"ref_actor_rewards/successes_func_{func_name}_mean",
+        REWARDS_FUNC_MEAN_TEMPLATE.format(name=func_name),
+        SUCCESSES_FUNC_MEAN_TEMPLATE.format(name=func_name),
     )
 
 
@@ -233,9 +340,11 @@ def ratio_metrics(prefix: str, durations: Mapping[str, float], total: float) -> 
     zero-total guard (a step that took no measurable time reports 0 %, not a division error).
 
     Args:
-        prefix (str): Metric namespace, e.g. ``"train_actor_performance"``.
-        durations (Mapping[str, float]): Seconds per timing, keyed by name (``"time_x"`` or
-            ``"time_x (s)"``; the ``" (s)"`` suffix is dropped).
+        prefix (str): Metric namespace, e.g. ``"train_actor_performance"``
+            (`TRAIN_PERF_NAMESPACE`).
+        durations (Mapping[str, float]): Seconds per timing, keyed by name (``"time_x"``,
+            ``"time_x (s)"``, or the metric's full name ``"{prefix}/time_x (s)"``; the
+            namespace and the ``" (s)"`` suffix are dropped).
         total (float): Seconds of the whole step.
 
     Returns:
@@ -247,7 +356,7 @@ def ratio_metrics(prefix: str, durations: Mapping[str, float], total: float) -> 
     """
     metrics = {}
     for name, seconds in durations.items():
-        name = name.removesuffix(" (s)")
+        name = name.removeprefix(f"{prefix}/").removesuffix(" (s)")
         # `total > 0` is False for NaN as well, so a broken timer reads 0 % rather than NaN.
         metrics[f"{prefix}/pct_{name} (%)"] = 100.0 * seconds / total if total > 0 else 0.0
     return metrics

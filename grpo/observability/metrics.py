@@ -14,7 +14,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from grpo.observability.metric_names import ratio_metrics
+from grpo.observability.metric_names import (
+    REPLAY_BUFFER_DROPPED_STALE,
+    TRAIN_PERF_NAMESPACE,
+    TRAIN_PERF_STEP_WALL_TIME,
+    TRAIN_PERF_TIME_DRIVER_OVERHEAD,
+    TRAIN_PERF_TIME_ENGINE_RELOAD,
+    TRAIN_PERF_TIME_GENERATION_BUSY,
+    TRAIN_PERF_TIME_GRPO_STEPS,
+    TRAIN_PERF_TIME_SCORING_BUSY,
+    TRAIN_PERF_TIME_TRAIN_COMPUTE,
+    TRAIN_PERF_TIME_WAITING_BUFFER,
+    TRAIN_PERF_TIME_WEIGHT_GATHER,
+    TRAIN_PERF_TIME_WEIGHT_SYNC,
+    TRAIN_PERF_TIME_WEIGHT_TRANSFER,
+    TRAIN_PERF_TOTAL_STEP_TIME,
+    TRAIN_REPLAY_BUFFER_SIZE,
+    ratio_metrics,
+)
 
 log = logging.getLogger("grpo")
 
@@ -34,45 +51,34 @@ def step_metrics(
     """
     metrics = {
         **metrics,
-        "queues/train_replay_buffer_size": float(buffer_stats["size"]),
-        "queues/replay_buffer_dropped_stale": float(buffer_stats["dropped_stale"]),
+        TRAIN_REPLAY_BUFFER_SIZE: float(buffer_stats["size"]),
+        REPLAY_BUFFER_DROPPED_STALE: float(buffer_stats["dropped_stale"]),
         **queues,
     }
-    total = metrics.get("train_actor_performance/total_step_time (s)", 0.0)
+    total = metrics.get(TRAIN_PERF_TOTAL_STEP_TIME, 0.0)
     timings = {
-        name: metrics[f"train_actor_performance/{name}"]
-        for name in (
-            "time_grpo_steps (s)",
-            "time_waiting_buffer (s)",
-            "time_weight_sync (s)",
-            "time_weight_gather (s)",
+        key: metrics[key]
+        for key in (
+            TRAIN_PERF_TIME_GRPO_STEPS,
+            TRAIN_PERF_TIME_WAITING_BUFFER,
+            TRAIN_PERF_TIME_WEIGHT_SYNC,
+            TRAIN_PERF_TIME_WEIGHT_GATHER,
         )
-        if f"train_actor_performance/{name}" in metrics
+        if key in metrics
     }
     if total > 0:
-        metrics.update(ratio_metrics("train_actor_performance", timings, total))
+        metrics.update(ratio_metrics(TRAIN_PERF_NAMESPACE, timings, total))
     return metrics
 
 
-# Keys of `step_time_breakdown` (also in `grpo.observability.metric_names.METRIC_NAMES["train"]`).
-_PERF = "train_actor_performance/"
-STEP_WALL = f"{_PERF}step_wall_time (s)"
-BUFFER_WAIT = f"{_PERF}time_waiting_buffer (s)"
-TRAIN_COMPUTE = f"{_PERF}time_train_compute (s)"
-WEIGHT_GATHER = f"{_PERF}time_weight_gather (s)"
-WEIGHT_TRANSFER = f"{_PERF}time_weight_transfer (s)"
-ENGINE_RELOAD = f"{_PERF}time_engine_reload (s)"
-DRIVER_OVERHEAD = f"{_PERF}time_driver_overhead (s)"
-GENERATION_BUSY = f"{_PERF}time_generation_busy (s)"
-SCORING_BUSY = f"{_PERF}time_scoring_busy (s)"
-# The parts that add up to `STEP_WALL`, in the order a step runs them.
+# The parts that add up to `TRAIN_PERF_STEP_WALL_TIME`, in the order a step runs them.
 WALL_PARTS = (
-    BUFFER_WAIT,
-    TRAIN_COMPUTE,
-    WEIGHT_GATHER,
-    WEIGHT_TRANSFER,
-    ENGINE_RELOAD,
-    DRIVER_OVERHEAD,
+    TRAIN_PERF_TIME_WAITING_BUFFER,
+    TRAIN_PERF_TIME_TRAIN_COMPUTE,
+    TRAIN_PERF_TIME_WEIGHT_GATHER,
+    TRAIN_PERF_TIME_WEIGHT_TRANSFER,
+    TRAIN_PERF_TIME_ENGINE_RELOAD,
+    TRAIN_PERF_TIME_DRIVER_OVERHEAD,
 )
 
 
@@ -119,23 +125,25 @@ def step_time_breakdown(
         scoring_busy_s (float): Reference actors' scoring seconds finished during the step.
 
     Returns:
-        dict[str, float]: `STEP_WALL`, every `WALL_PARTS` key, `GENERATION_BUSY` and
-        `SCORING_BUSY`.
+        dict[str, float]: `TRAIN_PERF_STEP_WALL_TIME`, every `WALL_PARTS` key,
+        `TRAIN_PERF_TIME_GENERATION_BUSY` and `TRAIN_PERF_TIME_SCORING_BUSY`.
     """
-    gather = sync_timings.get(WEIGHT_GATHER, 0.0)
-    reload = sync_timings.get(ENGINE_RELOAD, 0.0)
-    transfer = sync_timings.get(WEIGHT_TRANSFER, max(sync_wall_s - gather - reload, 0.0))
+    gather = sync_timings.get(TRAIN_PERF_TIME_WEIGHT_GATHER, 0.0)
+    reload = sync_timings.get(TRAIN_PERF_TIME_ENGINE_RELOAD, 0.0)
+    transfer = sync_timings.get(
+        TRAIN_PERF_TIME_WEIGHT_TRANSFER, max(sync_wall_s - gather - reload, 0.0)
+    )
     accounted = buffer_wait_s + train_compute_s + gather + transfer + reload
     return {
-        STEP_WALL: wall_s,
-        BUFFER_WAIT: buffer_wait_s,
-        TRAIN_COMPUTE: train_compute_s,
-        WEIGHT_GATHER: gather,
-        WEIGHT_TRANSFER: transfer,
-        ENGINE_RELOAD: reload,
-        DRIVER_OVERHEAD: wall_s - accounted,
-        GENERATION_BUSY: generation_busy_s,
-        SCORING_BUSY: scoring_busy_s,
+        TRAIN_PERF_STEP_WALL_TIME: wall_s,
+        TRAIN_PERF_TIME_WAITING_BUFFER: buffer_wait_s,
+        TRAIN_PERF_TIME_TRAIN_COMPUTE: train_compute_s,
+        TRAIN_PERF_TIME_WEIGHT_GATHER: gather,
+        TRAIN_PERF_TIME_WEIGHT_TRANSFER: transfer,
+        TRAIN_PERF_TIME_ENGINE_RELOAD: reload,
+        TRAIN_PERF_TIME_DRIVER_OVERHEAD: wall_s - accounted,
+        TRAIN_PERF_TIME_GENERATION_BUSY: generation_busy_s,
+        TRAIN_PERF_TIME_SCORING_BUSY: scoring_busy_s,
     }
 
 

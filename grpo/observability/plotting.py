@@ -29,7 +29,25 @@ from pathlib import Path
 
 import numpy as np
 
-from grpo.observability.metric_names import RESERVED_KEYS, step_metric_for
+from grpo.observability.metric_names import (
+    EVAL_ACCURACY,
+    INFERENCE_EPISODE_ENV_TOKEN_FRACTION,
+    INFERENCE_EPISODE_TRUNCATED,
+    INFERENCE_EPISODE_TURNS_MEAN,
+    INFERENCE_TOKENS_PER_SECOND,
+    INFERENCE_TOOL_CALLS_PER_EPISODE,
+    INFERENCE_TOOL_ERRORS,
+    RESERVED_KEYS,
+    REWARDS_FUNC_MEAN_TEMPLATE,
+    SUCCESSES_FUNC_MEAN_TEMPLATE,
+    TRAIN_APPROX_POLICY_KLS,
+    TRAIN_KL_LOSS,
+    TRAIN_PERF_TOKENS_PER_SECOND,
+    TRAIN_POLICY_AGE_MAX,
+    TRAIN_POLICY_AGE_MEAN,
+    TRAIN_RESPONSE_LENGTHS,
+    step_metric_for,
+)
 from grpo.observability.metrics import records_after_rewinds
 
 log = logging.getLogger(__name__)
@@ -64,33 +82,33 @@ PLOTS: tuple[PlotSpec, ...] = (
         "rewards_per_function",
         "Training reward per reward function (mean over the ref actor's batch)",
         "mean reward",
-        ("ref_actor_rewards/rewards_func_*_mean",),
+        (REWARDS_FUNC_MEAN_TEMPLATE.format(name="*"),),
     ),
     PlotSpec(
         "successes_per_function",
         "Training success rate per reward function",
         "success rate",
-        ("ref_actor_rewards/successes_func_*_mean",),
+        (SUCCESSES_FUNC_MEAN_TEMPLATE.format(name="*"),),
     ),
-    PlotSpec("eval_accuracy", "Held-out accuracy", "accuracy", ("eval/accuracy",)),
+    PlotSpec("eval_accuracy", "Held-out accuracy", "accuracy", (EVAL_ACCURACY,)),
     PlotSpec(
         "kl",
         "KL to the reference policy",
         "KL",
-        ("train_actor_training/kl_loss", "train_actor_training/approx_policy_kls"),
+        (TRAIN_KL_LOSS, TRAIN_APPROX_POLICY_KLS),
         one_panel_per_series=True,
     ),
     PlotSpec(
         "response_length",
         "Mean response length (training batch)",
         "tokens",
-        ("train_actor_training/response_lengths",),
+        (TRAIN_RESPONSE_LENGTHS,),
     ),
     PlotSpec(
         "tokens_per_second",
         "Throughput",
         "tokens / s",
-        ("train_actor_performance/tokens_per_second", "inference/tokens_per_second"),
+        (TRAIN_PERF_TOKENS_PER_SECOND, INFERENCE_TOKENS_PER_SECOND),
         one_panel_per_series=True,
     ),
     PlotSpec(
@@ -98,11 +116,11 @@ PLOTS: tuple[PlotSpec, ...] = (
         "Multi-turn episodes (per generation batch: means per episode, counts per batch)",
         "value",
         (
-            "inference/episode_turns_mean",
-            "inference/tool_calls_per_episode",
-            "inference/tool_errors",
-            "inference/episode_env_token_fraction",
-            "inference/episode_truncated",
+            INFERENCE_EPISODE_TURNS_MEAN,
+            INFERENCE_TOOL_CALLS_PER_EPISODE,
+            INFERENCE_TOOL_ERRORS,
+            INFERENCE_EPISODE_ENV_TOKEN_FRACTION,
+            INFERENCE_EPISODE_TRUNCATED,
         ),
         one_panel_per_series=True,
     ),
@@ -110,7 +128,7 @@ PLOTS: tuple[PlotSpec, ...] = (
         "policy_age",
         "Policy age of trained samples (trainer version - generating version)",
         "versions",
-        ("train_actor_training/policy_age_mean", "train_actor_training/policy_age_max"),
+        (TRAIN_POLICY_AGE_MEAN, TRAIN_POLICY_AGE_MAX),
     ),
 )
 

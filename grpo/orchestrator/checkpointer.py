@@ -9,7 +9,7 @@ A checkpoint folder ``run_dir/checkpoints/step_NNNNNN`` holds
   (`grpo.workers.training_checkpoint`); it loads into any number of trainers;
 - ``state.json``: the run state (step, policy version, evaluation history);
 - ``config.yaml``: the config the run ran with (a resume compares its own with it:
-  `grpo.config.resume`);
+  `grpo.preflight.resume`);
 - ``pipeline.pt``: every other part's state, one flat dict (actor states from the supervisor,
   held groups from the in-flight ledger).
 
@@ -29,10 +29,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-# Where checkpoints live in a run folder is the config's to say (`grpo validate` checks a resume
-# target before anything starts); the checkpointer writes them there.
-from grpo.config.paths import CHECKPOINTS_DIR, LATEST_FILE, find_checkpoint, latest_checkpoint_text
-from grpo.config.resume import CONFIG_FILE
+# Where checkpoints live in a run folder is `grpo.run_folder`'s to say (`grpo validate` checks a
+# resume target before anything starts); the checkpointer writes them there.
+from grpo.run_folder import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    LATEST_FILE,
+    find_checkpoint,
+    latest_checkpoint_text,
+)
 
 __all__ = [
     "Checkpointer",

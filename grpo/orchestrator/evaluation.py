@@ -12,6 +12,7 @@ from typing import Any
 import ray
 
 from grpo.config import RunConfig
+from grpo.observability.metric_names import EVAL_ACCURACY, EVAL_NUM_EXAMPLES
 from grpo.rewards import MathCorrectnessReward, batched_rewards
 
 
@@ -72,8 +73,8 @@ class HeldOutEvaluator:
             timeout_s=self.reward_timeout_s,
         )
         metrics = {
-            "eval/accuracy": float(scores.successes[:, 0].mean()),
-            "eval/num_examples": float(len(self.items)),
+            EVAL_ACCURACY: float(scores.successes[:, 0].mean()),
+            EVAL_NUM_EXAMPLES: float(len(self.items)),
             "eval/response_chars": sum(len(c) for c in completions) / len(completions),
             "eval/time (s)": time.perf_counter() - start,
         }

@@ -27,9 +27,20 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from grpo.config import RunConfig
-from grpo.config.paths import CHECKPOINTS_DIR, LATEST_FILE
 from grpo.errors import ActorFailedError, RunStalledError, TrainerDiedError, TrainingDivergedError
-from grpo.observability.metric_names import ratio_metrics
+from grpo.observability.metric_names import (
+    FAULTS_STEPS_REDONE,
+    INFERENCE_GROUPS_NOT_QUEUED,
+    INFERENCE_TIME_GENERATION,
+    REF_PERF_NAMESPACE,
+    REF_PERF_TIME_WAITING_BUFFER,
+    REF_PERF_TOTAL_ROLLOUT_TIME,
+    ROLLOUT_QUEUE_SIZE,
+    TRAIN_NONFINITE_STEPS_IN_A_ROW,
+    TRAIN_PERF_TIME_TRAIN_COMPUTE,
+    TRAIN_PERF_TIME_WAITING_BUFFER,
+    ratio_metrics,
+)
 from grpo.observability.metrics import (
     RunLedger,
     debug_tables,
@@ -49,7 +60,8 @@ from grpo.orchestrator.supervisor import (
     actor_name,
     actor_started,
 )
-from grpo.weights.base import COLLECTOR_HEALTH_GROUP
+from grpo.run_folder import CHECKPOINTS_DIR, LATEST_FILE
+from grpo.weights.concurrency import COLLECTOR_HEALTH_GROUP
 from grpo.weights.sync import HEARTBEAT_TIMEOUT_S, START_UP_LIMIT_S, WeightSync
 
 log = logging.getLogger("grpo")
@@ -413,10 +425,10 @@ class Orchestrator:
     def _on_generated(self, call: Call, result: Any, relaunch: bool) -> None:
         self._log(result["metrics"], self.state.step)
         self.episode_drops.batch(call.index, result.get("dropped_episodes"))
-        self._busy["generation"] += result["metrics"].get("inference/time_generation (s)", 0.0)
+        self._busy["generation"] += result["metrics"].get(INFERENCE_TIME_GENERATION, 0.0)
         self.actors.collector_states[call.index] = result["state"]
         groups_ref, queue = call.payload
-        if result["metrics"].get("inference/groups_not_queued") and queue is self.rollout_queue:
+        if result["metrics"].get(INFERENCE_GROUPS_NOT_QUEUED) and queue is self.rollout_queue:
             # The collector found the queue dead before the loop did.
             name = actor_name(Role.COLLECTOR, call.index)
             self.actors.replace(
@@ -436,14 +448,14 @@ class Orchestrator:
     def _on_scored(self, call: Call, result: Any, relaunch: bool) -> None:
         step = self.state.step
         waited = self._waited.pop(call.index, 0.0)
-        busy = result["metrics"]["ref_actor_performance/total_rollout_time (s)"]
+        busy = result["metrics"][REF_PERF_TOTAL_ROLLOUT_TIME]
         self.state.last_scored_metrics = result["metrics"]
         self._busy["scoring"] += busy
         metrics = {
             **result["metrics"],
-            "ref_actor_performance/time_waiting_buffer (s)": waited,
+            REF_PERF_TIME_WAITING_BUFFER: waited,
             **ratio_metrics(
-                "ref_actor_performance", {"time_waiting_buffer": waited}, waited + busy
+                REF_PERF_NAMESPACE, {REF_PERF_TIME_WAITING_BUFFER: waited}, waited + busy
             ),
         }
         self._log(metrics, step)
@@ -697,7 +709,7 @@ class Orchestrator:
             logger.rewound.remote(self.state.step, died_at)
         recovery.seconds = time.perf_counter() - recovery.started
         self.actors.record_recovery(recovery)
-        self._log({"faults/steps_redone": float(self.steps_redone)}, self.state.step)
+        self._log({FAULTS_STEPS_REDONE: float(self.steps_redone)}, self.state.step)
         log.warning(
             "restarted from %s at step %d (%d steps to redo)",
             checkpoint or "the start",
@@ -711,7 +723,7 @@ class Orchestrator:
             self.save_checkpoint()
             raise self.actors.gave_up
         limit = self.cfg.orchestration.max_nonfinite_steps_in_a_row
-        in_a_row = int(metrics.get("train_actor_training/nonfinite_steps_in_a_row", 0))
+        in_a_row = int(metrics.get(TRAIN_NONFINITE_STEPS_IN_A_ROW, 0))
         if in_a_row >= limit:
             saved = self.save_checkpoint()
             raise TrainingDivergedError(
@@ -829,7 +841,7 @@ class Orchestrator:
                 self.metric_logger.log_table.remote(rows, columns, name, step=step)
         # Read before the sync: the version these steps trained with.
         queues = {
-            "queues/rollout_queue_size": float(self._queue_size()),
+            ROLLOUT_QUEUE_SIZE: float(self._queue_size()),
             "queues/replay_buffer_batches_waiting": float(len(self.inflight.to_buffer)),
             "queues/replay_buffer_duplicate_groups": float(self.inflight.num_duplicate_groups),
             "train_actor_training/policy_version": float(self.state.policy_version),
@@ -844,8 +856,8 @@ class Orchestrator:
         metrics.update(
             step_time_breakdown(
                 wall_s=time.perf_counter() - step_start,
-                buffer_wait_s=metrics.get("train_actor_performance/time_waiting_buffer (s)", 0.0),
-                train_compute_s=metrics.get("train_actor_performance/time_train_compute (s)", 0.0),
+                buffer_wait_s=metrics.get(TRAIN_PERF_TIME_WAITING_BUFFER, 0.0),
+                train_compute_s=metrics.get(TRAIN_PERF_TIME_TRAIN_COMPUTE, 0.0),
                 sync_timings=sync_timings,
                 sync_wall_s=sync_wall if sync_timings else 0.0,
                 generation_busy_s=self._busy["generation"],

@@ -27,10 +27,10 @@ from ray.exceptions import RayActorError, RayTaskError
 from grpo.config import ConfigError, InstantiationError, RunConfig, locate
 from grpo.config.instantiate import keyword_names
 from grpo.errors import ActorFailedError, TrainerDiedError
+from grpo.observability import metric_names as names
 from grpo.observability.logs import actor_log_path, is_verbose, logs_dir, with_output_to
 from grpo.observability.metric_logger import DEFAULT_METRIC_LOGGER
 from grpo.orchestrator.checkpointer import checkpoint_policy_version, latest_checkpoint_text
-from grpo.weights.collective import TRAINER_CONCURRENCY_GROUPS
 from grpo.workers.rollout_queue import RolloutQueue
 
 log = logging.getLogger("grpo")
@@ -415,10 +415,8 @@ class ActorSupervisor:
         world_size = cfg.orchestration.num_training_workers
 
         def trainer_class(rank: int) -> Any:
-            # Weight-channel calls run in their own concurrency group, beside training steps.
-            return ray.remote(
-                **_resources(training), concurrency_groups=TRAINER_CONCURRENCY_GROUPS
-            )(self._actor_class(PyTorchActorModel, actor_name(Role.TRAINER, rank)))
+            trainer_cls = self._actor_class(PyTorchActorModel, actor_name(Role.TRAINER, rank))
+            return trainer_cls.as_remote(**_resources(training))
 
         self.trainers = [
             trainer_class(rank).remote(
@@ -452,11 +450,9 @@ class ActorSupervisor:
         actor_cls = self._actor_class(RefActor, actor_name(Role.REF, index))
         return ray.remote(**_resources(ref_cfg))(actor_cls).remote(
             model_dir=cfg.base_model_path,
-            reward_functions=cfg.reward_functions,
             target_tokens_per_batch=cfg.target_tokens_per_batch,
             share_prompts=cfg.share_prompts,
             config=ref_cfg,
-            reward_timeout_s=cfg.reward_timeout_s,
             load_model=cfg.uses_reference_model(),
             temperature=cfg.inference.temperature,
         )
@@ -633,7 +629,7 @@ class ActorSupervisor:
         self.recovering[recovery.actor] = recovery
         self.log_metrics(
             {
-                "faults/actor_restarts": float(len(self.recoveries)),
+                names.FAULTS_ACTOR_RESTARTS: float(len(self.recoveries)),
                 "faults/time_recovering (s)": recovery.seconds,
             },
             recovery.step,

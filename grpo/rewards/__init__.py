@@ -39,8 +39,8 @@ worker processes, where a call that hangs is killed after its timeout and a call
 its worker is counted; either gets the function's ``failure_reward``.
 
 Modules: ``base`` (the contract), ``math`` (answer extraction, :class:`MathCorrectnessReward`),
-``format`` (:class:`FormatReward`, :class:`TokenPresenceReward`), ``pool`` (the worker
-processes), ``batch`` (:func:`batched_rewards`, :class:`RewardBatch`, :func:`total_reward`).
+``format`` (:class:`FormatReward`, :class:`TokenPresenceReward`), ``pool`` (reward calls
+in the worker processes of `grpo.process_pool`), ``batch`` (:func:`batched_rewards`, :class:`RewardBatch`, :func:`total_reward`).
 Group advantages live in `grpo.objective.advantages`, beside the loss.
 """
 

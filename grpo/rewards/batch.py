@@ -91,8 +91,9 @@ class RewardBatch:
 def env_reward_batch(trajectories: Sequence[Any]) -> RewardBatch:
     """The rewards environments gave episodes (``env_rewards``), as a `RewardBatch`.
 
-    A reward above 0 counts as a success. Every trajectory must carry rewards under the same
-    names (one environment scored them all).
+    Successes are the reward functions' flags where the environment kept them
+    (``env_successes``); otherwise a reward above 0 counts as a success. Every trajectory must
+    carry rewards under the same names (one environment scored them all).
 
     Args:
         trajectories (Sequence): Trajectories with ``env_rewards`` and ``sequence_id``.
@@ -105,7 +106,8 @@ def env_reward_batch(trajectories: Sequence[Any]) -> RewardBatch:
         ValueError: A trajectory without ``env_rewards``, or with other names.
     """
     names = list(trajectories[0].env_rewards or {})
-    rows = []
+    rows: list[list[float]] = []
+    success_rows: list[list[float]] = []
     for traj in trajectories:
         if traj.env_rewards is None or list(traj.env_rewards) != names:
             raise ValueError(
@@ -114,10 +116,16 @@ def env_reward_batch(trajectories: Sequence[Any]) -> RewardBatch:
                 f"names {names} of the other episodes of the batch"
             )
         rows.append([float(traj.env_rewards[name]) for name in names])
+        flags = traj.env_successes
+        success_rows.append(
+            [float(flags[name]) for name in names]
+            if flags is not None
+            else [float(reward > 0) for reward in rows[-1]]
+        )
     rewards = torch.tensor(rows, dtype=torch.float32).reshape(len(trajectories), len(names))
     return RewardBatch(
         rewards=rewards,
-        successes=(rewards > 0).float(),
+        successes=torch.tensor(success_rows, dtype=torch.float32).reshape(rewards.shape),
         func_names=names,
         num_timeouts=dict.fromkeys(names, 0),
         num_exceptions=dict.fromkeys(names, 0),

@@ -1,11 +1,11 @@
-"""Worker processes that run reward calls with a per-call timeout, on pebble's ``ProcessPool``.
+"""Reward calls on a `grpo.process_pool.TimedProcessPool`, each with a timeout.
 
 Parsers such as math-verify can hang on adversarial input, and the caller is usually a Ray
 actor method running on a non-main thread, where ``signal.alarm`` timeouts are unavailable. So
-every (function, completion) call is one pebble task with ``timeout=timeout_s``: pebble
-terminates the worker of a call that overruns and starts a replacement, and reports a call
-whose worker died as ``ProcessExpired``. :func:`~grpo.rewards.batched_rewards` gives such calls
-the function's ``failure_reward`` and counts them.
+the calls run in worker processes with ``timeout=timeout_s``: the worker of a call that
+overruns is stopped and replaced, and a call whose worker died is reported.
+:func:`~grpo.rewards.batched_rewards` gives such calls the function's ``failure_reward`` and
+counts them.
 
 Calls go to the workers in chunks, one task per chunk (a task per call adds a process round
 trip to each call, as costly as a math-verify check itself: 64 completions x 2 rewards on 2
@@ -18,17 +18,15 @@ size for later runs.
 
 Reward functions travel to the workers pickled, as bytes that the task itself unpickles: a
 function that cannot load in a worker (a module missing there) fails its own calls, not the
-pool. The workers' initializer imports the modules of the reward functions the pool has run, so
-a worker (a replacement too) does not spend a call's timeout on imports; a batch that brings a
-module the workers have not imported restarts them with it (once per new module).
+pool. The workers import the modules of the reward functions the pool has run before taking a
+call, so a worker (a replacement too) does not spend a call's timeout on imports; a batch that
+brings a module the workers have not imported restarts them with it (once per new module).
 """
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import functools
-import importlib
 import logging
 import math
 import os
@@ -37,10 +35,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import pebble
-
+from grpo.process_pool import STOP_GRACE_S, Job, TimedProcessPool, process_wide
 from grpo.rewards.base import FunctionReward, RewardFunction, call_reward, short_error
-from grpo.worker_processes import exit_with_parent, worker_context
 
 logger = logging.getLogger(__name__)
 
@@ -49,26 +45,12 @@ Call = tuple[int, str, str]
 # Outcome of a call: (reward, success, error kind "timeout" | "exception" | None, message).
 Outcome = tuple[float, bool, str | None, str | None]
 
-# Per call, beyond its timeout, for pebble to notice the overrun (it checks every 0.1 s),
-# terminate the worker (SIGTERM, SIGKILL after 3 s) and start a replacement.
-_STOP_GRACE_S = 5.0
 
-
-def _start_worker(modules: Sequence[str]) -> None:
-    """Initializer of a worker process: import the reward modules before taking any call.
-
-    Never raises: pebble would restart a worker whose initializer fails, forever. A module
-    that does not import here makes the calls that need it fail, and those are counted.
-    """
-    exit_with_parent()
-    # Timeouts are ours; silence math-verify's one-time "timeout is disabled" warning.
+def _quiet_math_verify() -> None:
+    """Initializer of a worker: timeouts are ours; silence math-verify's one-time "timeout is
+    disabled" warning."""
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except Exception:
-            pass
 
 
 @functools.lru_cache(maxsize=64)
@@ -78,7 +60,7 @@ def _load_reward(pickled: bytes) -> RewardFunction:
 
 
 def _score(pickled_fn: bytes, completion: str, answer: str) -> Outcome:
-    """One reward call in a worker; exceptions come back as outcomes, not as pebble errors."""
+    """One reward call in a worker; exceptions come back as outcomes, not as pool errors."""
     try:
         reward_fn = _load_reward(pickled_fn)
     except Exception as error:
@@ -122,7 +104,7 @@ class RewardPool:
             its own task (no chunks).
 
     Raises:
-        ValueError: On a bad ``num_workers`` or ``start_method``.
+        ValueError: On a bad ``num_workers``, ``start_method`` or ``max_calls_per_task``.
 
     Example:
         >>> with RewardPool(num_workers=2) as pool:
@@ -138,33 +120,29 @@ class RewardPool:
     ) -> None:
         if num_workers is None:
             num_workers = min(4, os.cpu_count() or 1)
-        if num_workers < 1:
-            raise ValueError(f"RewardPool: num_workers must be >= 1, got {num_workers}")
         if max_calls_per_task < 1:
             raise ValueError(
                 f"RewardPool: max_calls_per_task must be >= 1, got {max_calls_per_task}"
             )
-        # The reward package (torch, math-verify) is imported once in the forkserver rather
-        # than in every worker.
-        self._context = worker_context(start_method, "RewardPool")
+        self.pool = TimedProcessPool(
+            num_workers,
+            name="RewardPool",
+            start_method=start_method,
+            initializer=_quiet_math_verify,
+        )
         self.num_workers = num_workers
         self.startup_timeout_s = startup_timeout_s
         self.max_calls_per_task = max_calls_per_task
         self._lock = threading.Lock()
-        self._pid = os.getpid()
-        self._closed = False
-        self._modules: frozenset[str] = frozenset()
-        self._workers: pebble.ProcessPool | None = None
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self.pool.closed
 
     def close(self) -> None:
         """Stop the workers (pebble kills any that do not exit within 3 s of SIGTERM)."""
         with self._lock:
-            self._closed = True
-            self._stop_workers()
+            self.pool.close()
 
     def __enter__(self) -> RewardPool:
         return self
@@ -201,37 +179,39 @@ class RewardPool:
             ) from error
         modules = {_module_of(fn) for fn in reward_fns} - {"__main__", "builtins"}
         with self._lock:
-            if self._closed or os.getpid() != self._pid:
+            if not self.pool.usable:
                 raise RuntimeError(
                     "RewardPool.run: the pool is closed or belongs to another process"
                 )
             try:
-                return self._run_chunked(pickled_fns, modules, calls, timeout_s)
+                # The workers import the functions' modules before their first call.
+                self.pool.preload(modules)
+                return self._run_chunked(pickled_fns, calls, timeout_s)
             except BaseException:
                 # Interrupted: workers still on these calls would hold up the next run.
-                self._stop_workers()
+                self.pool.stop()
                 raise
 
     def _run_chunked(
-        self, pickled_fns: list[bytes], modules: set[str], calls: list[Call], timeout_s: float
+        self, pickled_fns: list[bytes], calls: list[Call], timeout_s: float
     ) -> list[Outcome]:
         """Chunks first; the calls of a chunk that overran or crashed again, one per task."""
         outcomes: list[Outcome | None] = [None] * len(calls)
         retry: list[int] = []
         chunk_size = min(self.max_calls_per_task, math.ceil(len(calls) / self.num_workers))
         if chunk_size > 1:
-            workers = self._workers_importing(modules)
             starts = range(0, len(calls), chunk_size)
-            futures = [
-                workers.schedule(
+            jobs = [
+                self.pool.submit(
                     _score_chunk,
-                    args=(pickled_fns, calls[start : start + chunk_size]),
-                    timeout=timeout_s,
+                    pickled_fns,
+                    calls[start : start + chunk_size],
+                    timeout_s=timeout_s,
                 )
                 for start in starts
             ]
             overran: list[int] = []
-            for start, result in zip(starts, self._collect(futures, timeout_s)):
+            for start, result in zip(starts, self._collect(jobs, timeout_s)):
                 indices = range(start, min(start + chunk_size, len(calls)))
                 if isinstance(result, list):
                     for index, outcome in zip(indices, result):
@@ -244,16 +224,17 @@ class RewardPool:
             retry = list(range(len(calls)))
             overran = []
         if retry:
-            workers = self._workers_importing(modules)
-            futures = [
-                workers.schedule(
+            jobs = [
+                self.pool.submit(
                     _score,
-                    args=(pickled_fns[calls[i][0]], calls[i][1], calls[i][2]),
-                    timeout=timeout_s,
+                    pickled_fns[calls[i][0]],
+                    calls[i][1],
+                    calls[i][2],
+                    timeout_s=timeout_s,
                 )
                 for i in retry
             ]
-            for index, outcome in zip(retry, self._collect(futures, timeout_s)):
+            for index, outcome in zip(retry, self._collect(jobs, timeout_s)):
                 outcomes[index] = outcome
             self._shrink_chunks_if_slow(overran, outcomes, chunk_size)
         return outcomes  # type: ignore[return-value]
@@ -271,56 +252,37 @@ class RewardPool:
                 self.max_calls_per_task,
             )
 
-    def _workers_importing(self, modules: set[str]) -> pebble.ProcessPool:
-        """The running pebble pool, restarted if broken or if it lacks one of ``modules``."""
-        if self._workers is not None and self._workers.active and modules <= self._modules:
-            return self._workers
-        self._stop_workers()
-        self._modules |= modules
-        self._workers = pebble.ProcessPool(
-            max_workers=self.num_workers,
-            initializer=_start_worker,
-            initargs=(sorted(self._modules),),
-            context=self._context,
-        )
-        return self._workers
-
-    def _stop_workers(self) -> None:
-        if self._workers is not None:
-            self._workers.stop()
-            self._workers.join()
-            self._workers = None
-
-    def _collect(self, futures: list[Any], timeout_s: float) -> list[Any]:
-        """Each future's result (an outcome, or a chunk's list of them), or an error outcome."""
-        # Bound the wait by the worst case, every call hanging, so that a task pebble loses (a
-        # worker stopped just as it took its next task never reports it) cannot hang the
+    def _collect(self, jobs: list[Job], timeout_s: float) -> list[Any]:
+        """Each job's result (an outcome, or a chunk's list of them), or an error outcome."""
+        # Bound the wait by the worst case, every call hanging, so that a task the pool loses
+        # (a worker stopped just as it took its next task never reports it) cannot hang the
         # caller; such a call counts as a timeout and the workers are restarted.
-        rounds = math.ceil(len(futures) / self.num_workers)
-        limit_s = self.startup_timeout_s + rounds * (timeout_s + _STOP_GRACE_S)
-        _, lost = concurrent.futures.wait(futures, timeout=limit_s)
-        if lost:
-            logger.warning("RewardPool: %d call(s) lost by the workers; restarting them", len(lost))
-            self._stop_workers()
+        rounds = math.ceil(len(jobs) / self.num_workers)
+        limit_s = self.startup_timeout_s + rounds * (timeout_s + STOP_GRACE_S)
+        concurrent.futures.wait([job.future for job in jobs], timeout=limit_s)
         outcomes: list[Any] = []
-        for future in futures:
-            if future in lost:
+        lost = 0
+        for job in jobs:
+            outcome = job.outcome()
+            if outcome.kind == "value":
+                outcomes.append(outcome.value)
+            elif outcome.kind == "lost":
+                lost += 1
                 outcomes.append((0.0, False, "timeout", f"no result within {limit_s:.0f} s"))
-                continue
-            try:
-                outcomes.append(future.result())
-            except concurrent.futures.TimeoutError:
+            elif outcome.kind == "timeout":
                 outcomes.append((0.0, False, "timeout", f"no result within {timeout_s} s"))
-            except pebble.ProcessExpired as error:
-                message = f"worker process exited with code {error.exitcode}"
+            elif outcome.kind == "crash":
+                message = f"worker process exited with code {outcome.exitcode}"
                 outcomes.append((0.0, False, "exception", message))
-            except Exception as error:  # e.g. BrokenProcessPool: restarted on the next run
-                outcomes.append((0.0, False, "exception", short_error(error)))
+            elif outcome.kind == "cancelled":
+                message = "the workers were stopped before it finished"
+                outcomes.append((0.0, False, "exception", message))
+            else:  # a broken pool, restarted on the next submit
+                outcomes.append((0.0, False, "exception", str(outcome.error)[:500]))
+        if lost:
+            logger.warning("RewardPool: %d call(s) lost by the workers; restarting them", lost)
+            self.pool.stop()
         return outcomes
-
-
-_default_pool: RewardPool | None = None
-_default_pool_lock = threading.Lock()
 
 
 def default_reward_pool() -> RewardPool:
@@ -328,9 +290,4 @@ def default_reward_pool() -> RewardPool:
 
     Started on first use and closed at interpreter exit.
     """
-    global _default_pool
-    with _default_pool_lock:
-        if _default_pool is None or _default_pool.closed or _default_pool._pid != os.getpid():
-            _default_pool = RewardPool()
-            atexit.register(_default_pool.close)
-        return _default_pool
+    return process_wide("rewards", RewardPool)

@@ -18,21 +18,22 @@ def fail_next_weight_receive(collector: Any) -> None:
     """The collector's next weight transfer fails before it joins its channel (once): the
     trainer's side then times out, as with a collector that never joined."""
     from grpo.weights.channel import WeightChannelError
+    from grpo.weights.collective import CollectiveTransport
 
-    receiver = collector.weight_channel
-    original = receiver.receive
+    receiver = collector.weights.ends[CollectiveTransport.name]
+    original = receiver.fetch
 
-    def receive(*args: Any, **kwargs: Any) -> Any:
-        receiver.receive = original
+    def fetch(*args: Any, **kwargs: Any) -> Any:
+        receiver.fetch = original
         raise WeightChannelError(f"weight channel to {receiver.owner}: did not join (injected)")
 
-    receiver.receive = receive
+    receiver.fetch = fetch
 
 
 def delay_next_weight_send(trainer: Any, seconds: float = 3.0) -> None:
     """Trainer rank 0's next weight send starts ``seconds`` late (once), as its thread can on a
     busy machine while the next training step runs."""
-    sender = trainer.weight_channels
+    sender = trainer.weight_publisher.channels
     original = sender.send
 
     def send(*args: Any, **kwargs: Any) -> float:

@@ -1,51 +1,121 @@
-"""The interface every weight transport implements (driver side).
+"""The interfaces of a weight transport: its driver side and its two ends.
 
-A transport is how the trainer's weights reach the collectors' engines. The driver
-(`grpo.weights.sync.WeightSync`) gathers, sends and waits through this interface only; which
-transport runs is the one lookup in `grpo.weights.sync.make_transport`. Each implementation
-keeps its trainer- and collector-side helpers in its own module.
+A transport is how the trainer's weights reach the collectors' engines. Each transport is one
+module holding its three parts, each run in its own process:
+
+* `TrainerEnd`, inside trainer rank 0: what it makes of each gathered version
+  (`grpo.weights.publisher.WeightPublisher` calls it);
+* `CollectorEnd`, inside a collector: what it makes of what the driver sent
+  (`grpo.weights.receiver.EngineWeights` calls it);
+* `WeightTransport`, in the driver: gathers, sends and waits; `grpo.weights.sync.WeightSync`
+  drives it through this interface only.
+
+Which transport runs is the one lookup in `grpo.weights.transports`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from grpo.config.sections import WeightSyncConfig
 from grpo.errors import WeightTransferError
 
+if TYPE_CHECKING:
+    import torch
+
 # `ray.get` that names a failed actor (`ActorSupervisor.get_all`).
 GetAll = Callable[[list[Any], str], list[Any]]
 
-# The collector actor's concurrency groups beside its default one (generation, evaluation):
-# weights arrive on a thread of their own and the driver's heartbeat is answered on another,
-# so neither ever waits for a free thread behind generation or behind a slow transfer.
-COLLECTOR_WEIGHTS_GROUP = "weights"
-COLLECTOR_HEALTH_GROUP = "health"
-COLLECTOR_CONCURRENCY_GROUPS = {COLLECTOR_WEIGHTS_GROUP: 1, COLLECTOR_HEALTH_GROUP: 1}
+
+class TrainerEnd(ABC):
+    """A transport's end inside trainer rank 0.
+
+    Args:
+        owner (str): The trainer's name (``trainer[0]``), for errors.
+        device (str): Where the trainer's tensors live: ``"cpu"`` or ``"cuda"``.
+    """
+
+    def __init__(self, owner: str, device: str) -> None:
+        self.owner = owner
+        self.device = device
+
+    @abstractmethod
+    def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Make ``weights`` the version this end hands out, until the next one.
+
+        Args:
+            version (int): Their policy version.
+            weights (Mapping[str, torch.Tensor]): The full state dict under HF names.
+
+        Returns:
+            dict: The payload's ``weights`` (what the driver passes on to each collector's
+            end, or None) and ``specs`` (the tensors' names, shapes and dtypes, or None).
+        """
+
+    def close(self) -> None:  # noqa: B027 - an end that holds nothing has nothing to close
+        """Release what this end holds (open channels)."""
+
+
+class CollectorEnd(ABC):
+    """A transport's end inside a collector.
+
+    Args:
+        owner (str): The collector's name (``collector[0]``), for errors.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+
+    @abstractmethod
+    def fetch(self, sent: Any) -> Any:
+        """The weights of one update, from what the driver sent for them.
+
+        Runs on the collector's ``weights`` thread, beside generation.
+
+        Args:
+            sent: What the transport's driver side passed to the collector's
+                ``receive_weights``.
+
+        Returns:
+            ``dict[str, Tensor]`` under HF names, or a Ray ``ObjectRef`` to one (resolved when
+            the update is applied).
+        """
+
+    def close(self) -> None:  # noqa: B027 - an end that holds nothing has nothing to close
+        """Release what this end holds (its channel)."""
 
 
 class WeightTransport(ABC):
     """Moves one gathered version of the weights from trainer rank 0 to collectors.
+
+    A subclass names its transport (``name``, the value of ``weight_sync.transport``) and its
+    two ends (``trainer_end``, ``collector_end``).
 
     Args:
         config (WeightSyncConfig): The ``weight_sync:`` options.
         get_all (GetAll): `ray.get` that names a failed actor.
     """
 
+    name: ClassVar[str]
+    trainer_end: ClassVar[type[TrainerEnd]]
+    collector_end: ClassVar[type[CollectorEnd]]
+
     def __init__(self, config: WeightSyncConfig, get_all: GetAll) -> None:
         self.config = config
         self._get_all = get_all
 
-    @abstractmethod
     def gather(self, trainers: list[Any]) -> list[Any]:
-        """Start the gather on every trainer rank (it is collective).
+        """Start the gather on every trainer rank (it is collective); rank 0 publishes the
+        weights through this transport's `TrainerEnd`.
 
         Returns:
             list: One ObjectRef per rank; rank 0's resolves to the payload
-            (``{"weights", "version", "checksum", "probe", "specs"}``), the others' to None.
+            (``{"weights", "version", "checksum", "probe", "specs"}``,
+            `grpo.weights.publisher.WeightPublisher.publish`), the others' to None.
         """
+        return [trainer.publish_weights.remote(self.name) for trainer in trainers]
 
     @abstractmethod
     def send(self, sender: Any, name: str, collector: Any, payload: dict[str, Any]) -> None:

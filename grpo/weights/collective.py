@@ -7,8 +7,9 @@ Three sides, each in the process that runs it:
   one open channel per collector, and broadcasts them on request;
 * `ChannelReceiver`, inside a collector: joins a channel and receives one version at a time;
 * `CollectiveTransport`, in the driver: opens channels (a replacement collector gets a new
-  one), starts each transfer as a pair of calls (the trainer sends, the collector receives), and
-  waits for it before the next on the same channel, which keeps versions in order.
+  one), starts each transfer as a pair of calls (the trainer sends, the collector receives a
+  `ChannelTransfer`), and waits for it before the next on the same channel, which keeps
+  versions in order.
 
 Only tensor bytes cross the channel; names, shapes and dtypes (`TensorSpec`) travel once
 through Ray, in the gathered payload.
@@ -20,30 +21,43 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from grpo.errors import TrainerDiedError
-from grpo.weights.base import COLLECTOR_WEIGHTS_GROUP, WeightTransport
+from grpo.weights.base import CollectorEnd, TrainerEnd, WeightTransport
 from grpo.weights.channel import (
     RECEIVER_RANK,
     SENDER_RANK,
     TensorSpec,
     WeightChannel,
     WeightChannelError,
+    tensor_specs,
 )
+from grpo.weights.concurrency import COLLECTOR_WEIGHTS_GROUP, TRAINER_CHANNEL_GROUP
 
 log = logging.getLogger("grpo")
 
-# The trainer actor's concurrency group for channel calls: a rendezvous or a transfer does not
-# wait behind a training step, nor behind a send to a dead collector that is timing out.
-# Transfers to different collectors may overlap; the driver keeps one per channel at a time.
-CHANNEL_GROUP = "weight_channel"
-TRAINER_CONCURRENCY_GROUPS = {CHANNEL_GROUP: 8}
+
+@dataclass(frozen=True)
+class ChannelTransfer:
+    """What a collector needs to receive one version over its channel.
+
+    Args:
+        specs (Sequence[TensorSpec]): Names, shapes and dtypes, in the sender's order.
+        bucket_bytes (int): The sender's bucket size.
+        join (dict | None): ``{"host", "port", "device", "timeout_s"}`` of a new channel
+            (`ChannelSender.open`) to join first, replacing any old one; None: the open one.
+    """
+
+    specs: Sequence[TensorSpec]
+    bucket_bytes: int
+    join: dict[str, Any] | None = None
 
 
-class ChannelSender:
+class ChannelSender(TrainerEnd):
     """Trainer rank 0's end: the weights of the latest gather and the open channels.
 
     Args:
@@ -52,22 +66,34 @@ class ChannelSender:
     """
 
     def __init__(self, owner: str, device: str) -> None:
-        self.owner = owner
-        self.device = device
+        super().__init__(owner, device)
         self._channels: dict[str, WeightChannel] = {}
         self._outgoing: tuple[int, Mapping[str, torch.Tensor]] | None = None
 
-    def hold(self, version: int, hf_state: Mapping[str, torch.Tensor]) -> None:
-        """Keep ``hf_state`` as what every channel sends until the next gather."""
-        self._outgoing = (version, hf_state)
-
-    def open(self, collector: str, host: str, timeout_s: float) -> dict[str, Any]:
-        """Start the rendezvous of a new channel to ``collector``; an older one is closed.
+    def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Hold ``weights`` as what every channel sends until the next gather (a replacement
+        collector's new channel included).
 
         Returns:
-            dict: ``{"host", "port", "device"}`` for the collector's `ChannelReceiver.join`.
+            dict: ``weights`` None (the tensors stay here) and ``specs``, the `TensorSpec` of
+            each held tensor, for the collectors to rebuild them.
         """
-        self.close(collector)
+        self._outgoing = (version, weights)
+        return {"weights": None, "specs": tensor_specs(weights)}
+
+    def open(self, collector: str, timeout_s: float) -> dict[str, Any]:
+        """Start the rendezvous of a new channel to ``collector``; an older one is closed.
+
+        Returns at once with the address the collector joins; the group is built in the
+        background and `send` waits for it.
+
+        Returns:
+            dict: ``{"host", "port", "device"}`` for the collector's `ChannelTransfer.join`.
+        """
+        import ray
+
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        self.close_channel(collector)
         channel = WeightChannel(collector, SENDER_RANK, host, 0, self.device, timeout_s)
         self._channels[collector] = channel
         return {"host": channel.host, "port": channel.port, "device": channel.device.type}
@@ -90,7 +116,7 @@ class ChannelSender:
         if held_version != version:
             # Closed, so that the collector waiting on the other end fails now rather than at
             # its timeout; the next send opens a new channel.
-            self.close(collector)
+            self.close_channel(collector)
             raise ValueError(
                 f"send to {collector}: asked for version {version}, {self.owner} holds "
                 f"version {held_version} (gather the weights for the collective transport first)"
@@ -104,18 +130,19 @@ class ChannelSender:
             raise
         return time.perf_counter() - start
 
-    def close(self, collector: str) -> None:
+    def close_channel(self, collector: str) -> None:
         """Close the channel to ``collector``, if there is one."""
         channel = self._channels.pop(collector, None)
         if channel is not None:
             channel.close()
 
-    def close_all(self) -> None:
+    def close(self) -> None:
+        """Close every channel."""
         for collector in list(self._channels):
-            self.close(collector)
+            self.close_channel(collector)
 
 
-class ChannelReceiver:
+class ChannelReceiver(CollectorEnd):
     """A collector's end: one channel, one transfer at a time, in call order.
 
     Args:
@@ -123,23 +150,16 @@ class ChannelReceiver:
     """
 
     def __init__(self, owner: str) -> None:
-        self.owner = owner
+        super().__init__(owner)
         self._lock = threading.Lock()
         self._channel: WeightChannel | None = None
 
-    def receive(
-        self,
-        specs: Sequence[TensorSpec],
-        bucket_bytes: int,
-        join: dict[str, Any] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def fetch(self, sent: ChannelTransfer) -> dict[str, torch.Tensor]:
         """Join a new channel if asked, then receive one broadcast version.
 
         Args:
-            specs (Sequence[TensorSpec]): Names, shapes and dtypes, in the sender's order.
-            bucket_bytes (int): The sender's bucket size.
-            join (dict | None): ``{"host", "port", "device", "timeout_s"}`` of a new channel
-                (`ChannelSender.open`), replacing any old one.
+            sent (ChannelTransfer): The tensors' specs, the bucket size, and the channel to
+                join first, if any.
 
         Returns:
             dict[str, torch.Tensor]: The received tensors (views into the received buckets).
@@ -148,6 +168,7 @@ class ChannelReceiver:
             WeightChannelError: No channel, or the rendezvous or a broadcast failed or timed
                 out.
         """
+        join = sent.join
         with self._lock:
             if join is not None:
                 self.close()
@@ -162,12 +183,13 @@ class ChannelReceiver:
             if self._channel is None:
                 raise WeightChannelError(f"{self.owner} has no weight channel; join one first")
             try:
-                return self._channel.receive(specs, bucket_bytes)
+                return self._channel.receive(sent.specs, sent.bucket_bytes)
             except WeightChannelError:
                 self._channel = None
                 raise
 
     def close(self) -> None:
+        """Close the channel, if there is one."""
         channel, self._channel = self._channel, None
         if channel is not None:
             channel.close()
@@ -176,15 +198,16 @@ class ChannelReceiver:
 class CollectiveTransport(WeightTransport):
     """Driver side: a channel per collector from trainer rank 0, one transfer in flight each."""
 
+    name = "collective"
+    trainer_end = ChannelSender
+    collector_end = ChannelReceiver
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # By collector actor id (a replacement has the name of the collector it replaces):
         # the open channel's collector name, and the transfer in flight as (name, send, receive).
         self._channels: dict[str, str] = {}
         self._transfers: dict[str, tuple[str, Any, Any]] = {}
-
-    def gather(self, trainers: list[Any]) -> list[Any]:
-        return [trainer.gather_hf_weights_for_channels.remote() for trainer in trainers]
 
     def send(self, sender: Any, name: str, collector: Any, payload: dict[str, Any]) -> None:
         """Start a transfer; the previous one to ``collector`` must be finished (`finish`)."""
@@ -193,26 +216,23 @@ class CollectiveTransport(WeightTransport):
             raise RuntimeError(f"{name}: finish the weight transfer in flight before the next")
         join = None
         if key not in self._channels:
-            opening = sender.open_weight_channel.options(concurrency_group=CHANNEL_GROUP).remote(
-                name, config.timeout_s
-            )
+            opening = sender.open_weight_channel.options(
+                concurrency_group=TRAINER_CHANNEL_GROUP
+            ).remote(name, config.timeout_s)
             address = self._get_all([opening], f"trainer[0] opening the weight channel to {name}")
             join = {**address[0], "timeout_s": config.timeout_s}
             self._channels[key] = name
         version = payload["version"]
-        sent = sender.send_weights.options(concurrency_group=CHANNEL_GROUP).remote(
+        sent = sender.send_weights.options(concurrency_group=TRAINER_CHANNEL_GROUP).remote(
             name, version, config.bucket_bytes
         )
-        receive = collector.receive_weights_over_channel.options(
-            concurrency_group=COLLECTOR_WEIGHTS_GROUP
-        )
+        receive = collector.receive_weights.options(concurrency_group=COLLECTOR_WEIGHTS_GROUP)
         received = receive.remote(
+            ChannelTransfer(payload["specs"], config.bucket_bytes, join),
             version,
-            payload["specs"],
-            config.bucket_bytes,
             payload["checksum"],
             payload["probe"],
-            join,
+            self.name,
         )
         self._transfers[key] = (name, sent, received)
 

@@ -5,9 +5,9 @@ Two pieces:
 * `WeightSyncWorkerExtension`: methods added to vLLM's worker (engine argument
   ``worker_extension_cls``) and called through ``LLM.collective_rpc``; they reload weights in
   place and report the checksum.
-* `WeightReceiver` (collector side): keeps the newest update pending and applies it between
-  two engine steps or generation batches, whichever transport brought it
-  (`grpo.weights.collective`, `grpo.weights.object_store`).
+* `WeightReceiver` (collector side): keeps the newest update pending and loads it into the
+  engine, whichever transport brought it; `grpo.weights.receiver.EngineWeights` decides when
+  (between two engine steps or generation batches) and verifies it.
 
 Why the checksum is over the sent HF state dict and not over vLLM's parameters: vLLM fuses
 ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``, pads the vocabulary,
@@ -15,7 +15,8 @@ and on CPU it repacks every linear weight into a oneDNN handle and leaves an emp
 ``weight`` parameter behind. vLLM's parameters can therefore not be hashed back into HF names.
 The checksum proves the worker received exactly the trainer's tensors and handed them to the
 loader. That the engine then computes with them is a separate, functional check: compare
-`SyncLLMCollector.probe_logprobs` with the trainer's own forward (the tests do).
+`grpo.weights.receiver.EngineWeights.probe_logprobs` with the trainer's own forward (the
+trainer's probe, checked with every update).
 
 This module imports neither vLLM nor Ray at import time. The checksum both ends compute is
 `grpo.weights.checksum.state_dict_checksum`.

@@ -19,7 +19,9 @@ from typing import Any
 
 from grpo.config.sections import WeightSyncConfig
 from grpo.errors import ActorFailedError, TrainerDiedError, WeightTransferError
-from grpo.weights.base import COLLECTOR_HEALTH_GROUP, GetAll
+from grpo.observability import metric_names as names
+from grpo.weights.base import GetAll
+from grpo.weights.concurrency import COLLECTOR_HEALTH_GROUP
 from grpo.weights.transports import make_transport
 
 log = logging.getLogger("grpo")
@@ -105,9 +107,9 @@ class WeightSync:
         self._send(list(enumerate(collectors)), payload)
         end = time.perf_counter()
         return payload["version"], {
-            "train_actor_performance/time_weight_gather (s)": gather_time,
-            "train_actor_performance/time_weight_transfer (s)": end - start - gather_time,
-            "train_actor_performance/time_weight_sync (s)": end - start,
+            names.TRAIN_PERF_TIME_WEIGHT_GATHER: gather_time,
+            names.TRAIN_PERF_TIME_WEIGHT_TRANSFER: end - start - gather_time,
+            names.TRAIN_PERF_TIME_WEIGHT_SYNC: end - start,
         }
 
     def catch_up(

@@ -1,8 +1,9 @@
-"""The reference actor: reference logprobs, rewards and group advantages.
+"""The reference actor: reference logprobs and group advantages.
 
 `score` gets whole groups (a group is never split across advantage computations) that the
-driver took from the rollout queue, packs them with `grpo.packing.packs`, runs the frozen reference
-model once per pack, scores every sample with every reward function, and returns the
+driver took from the rollout queue, packs them with `grpo.packing.packs`, runs the frozen
+reference model once per pack, turns the rewards the environment gave each episode (scored in
+the collector, `grpo.envs.protocol.Environment.score`) into group advantages, and returns the
 `ScoredTrajectory`s grouped as they came. The driver owns both the groups it passes in and the
 scored groups that come back (it hands them on to the replay buffer), so the actor holds no
 trajectory between calls and a crash loses nothing: its replacement scores the same groups.
@@ -22,10 +23,10 @@ from typing import Any
 
 import torch
 
-from grpo.config import instantiate
 from grpo.config.sections import RefConfig
 from grpo.models import build_model, load_tokenizer, torch_dtype
 from grpo.objective.advantages import group_advantages, zero_variance_groups
+from grpo.observability import metric_names as names
 from grpo.packing.attention import resolve_mask_kind, use_packed_attention
 from grpo.packing.logprobs import model_response_logprobs
 from grpo.packing.packs import (
@@ -34,7 +35,6 @@ from grpo.packing.packs import (
     plan_sequence_packs,
     unpack_response_logprobs,
 )
-from grpo.rewards import batched_rewards
 from grpo.rewards.batch import env_reward_batch
 from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory
 
@@ -44,7 +44,6 @@ class RefActor:
 
     Args:
         model_dir (str): HF-format folder of the frozen reference model.
-        reward_functions (list): Reward functions, or ``_component_`` nodes of them.
         target_tokens_per_batch (int): Token budget of one reference forward.
         share_prompts (bool): Pack the responses of a prompt after one copy of it
             (`grpo.packing.packs.pack_sequences`).
@@ -52,10 +51,9 @@ class RefActor:
             dtype, attention kind); None: their defaults. With
             ``filter_zero_variance_groups``, groups whose rewards are all equal are left out
             of what `score` returns.
-        reward_timeout_s (float): Seconds one reward call may take before it scores 0.
         load_model (bool): Load the reference model and compute ``ref_logprobs``. False when
-            the loss has no KL term (``kl_coeff`` 0): the actor then only scores rewards and
-            advantages, and its trajectories carry ``ref_logprobs=None``.
+            the loss has no KL term (``kl_coeff`` 0): the actor then only computes advantages,
+            and its trajectories carry ``ref_logprobs=None``.
         temperature (float): The collectors' sampling temperature (``inference.temperature``):
             reference logprobs are those of its logits divided by it, like the policy's in the
             loss, so that the KL term compares two distributions at the same temperature.
@@ -65,11 +63,9 @@ class RefActor:
         self,
         *,
         model_dir: str,
-        reward_functions: list[Any],
         target_tokens_per_batch: int,
         share_prompts: bool = True,
         config: RefConfig | None = None,
-        reward_timeout_s: float = 10.0,
         load_model: bool = True,
         temperature: float = 1.0,
     ) -> None:
@@ -90,19 +86,11 @@ class RefActor:
             for parameter in self.model.parameters():
                 parameter.requires_grad_(False)
         self.tokenizer = load_tokenizer(model_dir)
-        self.reward_fns = [
-            instantiate(fn, _key_=f"reward_functions[{index}]")
-            if isinstance(fn, dict) or hasattr(fn, "keys")
-            else fn
-            for index, fn in enumerate(reward_functions)
-        ]
         self.reward_weights = config.reward_weights
-        self.reward_timeout_s = reward_timeout_s
         self.target_tokens_per_batch = target_tokens_per_batch
         self.filter_zero_variance_groups = config.filter_zero_variance_groups
         self.share_prompts = share_prompts
         self.steps_run = 0
-        self.reward_failures: dict[str, int] = {}
 
     @torch.no_grad()
     def reference_logprobs(self, trajectories: list[Any]) -> tuple[dict[str, torch.Tensor], float]:
@@ -144,10 +132,7 @@ class RefActor:
     def score_groups(
         self, groups: list[GroupedUnscoredTrajectories]
     ) -> tuple[list[list[ScoredTrajectory]], list[GroupedUnscoredTrajectories], dict[str, float]]:
-        """Reference logprobs, rewards and advantages of whole groups.
-
-        Episodes an environment already scored (``env_rewards``, multi-turn environments)
-        keep those rewards; the reward functions score the others.
+        """Reference logprobs and advantages of whole groups, from the environment's rewards.
 
         A group whose total rewards are all equal (`zero_variance_groups`; a group of one
         sample counts) has all-zero advantages. With ``filter_zero_variance_groups`` it is
@@ -162,19 +147,7 @@ class RefActor:
             filtering), the zero-variance groups (in order), and timing/reward metrics.
         """
         trajectories = [t for g in groups for t in g.trajectories]
-        if any(t.env_rewards is not None for t in trajectories):
-            reward_batch = env_reward_batch(trajectories)
-        else:
-            completions = [
-                self.tokenizer.decode(t.response_tokens.tolist(), skip_special_tokens=True)
-                for t in trajectories
-            ]
-            reward_batch = batched_rewards(
-                self.reward_fns,
-                completions,
-                [t.answer for t in trajectories],
-                timeout_s=self.reward_timeout_s,
-            )
+        reward_batch = env_reward_batch(trajectories)
         rewards, successes = reward_batch.rewards, reward_batch.successes
         total_reward = reward_batch.total(self.reward_weights)
         metadata = {"func_names": list(reward_batch.func_names)}
@@ -229,30 +202,20 @@ class RefActor:
                 )
             scored_groups.append(scored)
 
-        for name in reward_batch.func_names:
-            failures = reward_batch.num_timeouts[name] + reward_batch.num_exceptions[name]
-            self.reward_failures[name] = self.reward_failures.get(name, 0) + failures
         metrics = {
-            "ref_actor_performance/time_model_running (s)": time_model_running,
-            "ref_actor_performance/total_tokens_processed": float(
-                sum(g.total_tokens for g in groups)
-            ),
-            "ref_actor_rewards/rewards_mean": float(total_reward.mean()),
-            "ref_actor_rewards/successes_mean": float(successes.mean()),
+            names.REF_PERF_TIME_MODEL_RUNNING: time_model_running,
+            names.REF_PERF_TOTAL_TOKENS_PROCESSED: float(sum(g.total_tokens for g in groups)),
+            names.REWARDS_MEAN: float(total_reward.mean()),
+            names.SUCCESSES_MEAN: float(successes.mean()),
         }
         if self.model is not None:
-            metrics["ref_actor_performance/shared_prompt_tokens_saved (%)"] = (
-                shared_prompt_saved_pct
-            )
+            metrics[names.REF_PERF_SHARED_PROMPT_TOKENS_SAVED] = shared_prompt_saved_pct
         for column, name in enumerate(reward_batch.func_names):
-            metrics[f"ref_actor_rewards/rewards_func_{name}_mean"] = float(
+            metrics[names.REWARDS_FUNC_MEAN_TEMPLATE.format(name=name)] = float(
                 rewards[:, column].mean()
             )
-            metrics[f"ref_actor_rewards/successes_func_{name}_mean"] = float(
+            metrics[names.SUCCESSES_FUNC_MEAN_TEMPLATE.format(name=name)] = float(
                 successes[:, column].mean()
-            )
-            metrics[f"ref_actor_rewards/failures_func_{name}"] = float(
-                self.reward_failures.get(name, 0)
             )
         return scored_groups, zero_variance, metrics
 
@@ -282,9 +245,9 @@ class RefActor:
         total = time.perf_counter() - start
         metrics.update(
             {
-                "ref_actor_performance/total_rollout_time (s)": total,
-                "ref_actor_performance/pct_time_model_running (%)": 100.0
-                * metrics["ref_actor_performance/time_model_running (s)"]
+                names.REF_PERF_TOTAL_ROLLOUT_TIME: total,
+                names.REF_PERF_PCT_TIME_MODEL_RUNNING: 100.0
+                * metrics[names.REF_PERF_TIME_MODEL_RUNNING]
                 / max(total, 1e-9),
                 "ref_actor_performance/groups_scored": float(len(groups)),
             }
@@ -302,9 +265,8 @@ class RefActor:
 
     def state_dict(self) -> dict[str, Any]:
         """Counters that continue across a resume (the actor holds no trajectories)."""
-        return {"reward_failures": dict(self.reward_failures), "steps_run": self.steps_run}
+        return {"steps_run": self.steps_run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
-        self.reward_failures = dict(state["reward_failures"])
         self.steps_run = state["steps_run"]

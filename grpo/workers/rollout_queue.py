@@ -13,6 +13,7 @@ them to its replacement, so nothing taken from the queue is ever lost with an ac
 from __future__ import annotations
 
 import asyncio
+import queue
 from typing import Any
 
 import ray
@@ -74,3 +75,22 @@ class RolloutQueue(Queue):
     def take(self, max_items: int, timeout_s: float) -> tuple[Any, Any]:
         """Start a take: ``(count_ref, groups_ref)``, both owned by the caller."""
         return self.actor.take.options(num_returns=2).remote(max_items, timeout_s)
+
+
+def put_all(rollout_queue: Any, items: list[Any], timeout_s: float) -> int:
+    """Queue ``items`` in order on any queue, each waiting up to ``timeout_s`` for room.
+
+    A `RolloutQueue` takes them in one round trip (`RolloutQueue.put_all`); any other queue
+    (``ray.util.queue.Queue``, ``queue.Queue``) one ``put`` at a time.
+
+    Returns:
+        int: How many were queued: all of them, or the count before the one that timed out.
+    """
+    if hasattr(rollout_queue, "put_all"):
+        return rollout_queue.put_all(items, timeout_s)
+    for count, item in enumerate(items):
+        try:
+            rollout_queue.put(item, block=True, timeout=timeout_s)
+        except queue.Full:  # ray.util.queue.Full subclasses queue.Full
+            return count
+    return len(items)

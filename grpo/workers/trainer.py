@@ -35,6 +35,7 @@ from grpo.models import (
     tune_to_hf_state_dict,
 )
 from grpo.objective.loss import combine_stats
+from grpo.observability import metric_names as names
 from grpo.packing.attention import resolve_mask_kind, use_packed_attention
 from grpo.packing.logprobs import model_response_logprobs
 from grpo.packing.packs import (
@@ -45,9 +46,9 @@ from grpo.packing.packs import (
     unpack_response_logprobs,
 )
 from grpo.types import GRPOStats, PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
-from grpo.weights.channel import tensor_specs
 from grpo.weights.checksum import state_dict_checksum
-from grpo.weights.collective import ChannelSender
+from grpo.weights.concurrency import TRAINER_CONCURRENCY_GROUPS
+from grpo.weights.publisher import WeightPublisher
 from grpo.workers.training_checkpoint import (
     TRAINER_SUBDIR,
     carry_over_hyperparameters,
@@ -118,7 +119,7 @@ def _set_seed(seed: int) -> None:
 
 
 class PyTorchActorModel:
-    """One training worker. Wrap with ``ray.remote`` to run it as an actor.
+    """One training worker; `as_remote` makes it a Ray actor class.
 
     Args:
         rank (int): This worker's rank.
@@ -181,8 +182,24 @@ class PyTorchActorModel:
         self.policy_version = 0
         self.num_nonfinite_skipped = 0
         self._nonfinite_in_a_row = 0
-        # Rank 0's end of the collective transport's channels, and the weights they send.
-        self.weight_channels = ChannelSender(f"trainer[{rank}]", self.device.type)
+        # Rank 0's side of weight sync: each gathered version, published for the collectors.
+        self.weight_publisher = WeightPublisher(f"trainer[{rank}]", self.device.type)
+
+    @classmethod
+    def as_remote(cls, **options: Any) -> Any:
+        """This class as a Ray actor class.
+
+        The weight channel's calls (`open_weight_channel`, `send_weights`) run in a concurrency
+        group of their own (`grpo.weights.concurrency.TRAINER_CONCURRENCY_GROUPS`), beside
+        training steps.
+
+        Args:
+            **options: ``ray.remote`` options (``num_cpus``, ``num_gpus``, ...).
+
+        Returns:
+            The Ray actor class; call ``.remote(...)`` with the constructor's arguments.
+        """
+        return ray.remote(**{"concurrency_groups": TRAINER_CONCURRENCY_GROUPS, **options})(cls)
 
     def setup(self, dist_init_method: str | None = None, checkpoint_dir: str | None = None) -> None:
         """Join the process group (several workers), build the model, optimizer and loss.
@@ -424,35 +441,35 @@ class PyTorchActorModel:
         ages = [self.policy_version - t.policy_version for t in batch]
         metrics: dict[str, Any] = {
             **loss_metrics,
-            "train_actor_training/grad_norm": float(grad_norm),
-            "train_actor_training/lr": self.optimizer.param_groups[0]["lr"],
-            "train_actor_training/response_lengths": response_tokens / len(batch),
+            names.TRAIN_GRAD_NORM: float(grad_norm),
+            names.TRAIN_LR: self.optimizer.param_groups[0]["lr"],
+            names.TRAIN_RESPONSE_LENGTHS: response_tokens / len(batch),
             # Below 1 only with multi-turn episodes: environment tokens are not trained.
             "train_actor_training/trained_token_fraction": (
                 policy_tokens / response_tokens if response_tokens else 1.0
             ),
-            "train_actor_training/policy_age_mean": sum(ages) / len(ages),
-            "train_actor_training/policy_age_max": float(max(ages)),
+            names.TRAIN_POLICY_AGE_MEAN: sum(ages) / len(ages),
+            names.TRAIN_POLICY_AGE_MAX: float(max(ages)),
             "train_actor_training/num_micro_batches": float(len(packs)),
             "train_actor_training/nonfinite_steps_skipped": float(self.num_nonfinite_skipped),
-            "train_actor_training/nonfinite_steps_in_a_row": float(self._nonfinite_in_a_row),
-            "train_actor_performance/total_step_time (s)": (
+            names.TRAIN_NONFINITE_STEPS_IN_A_ROW: float(self._nonfinite_in_a_row),
+            names.TRAIN_PERF_TOTAL_STEP_TIME: (
                 time.perf_counter() - step_start + time_waiting_buffer
             ),
-            "train_actor_performance/time_grpo_steps (s)": time_grpo_steps,
+            names.TRAIN_PERF_TIME_GRPO_STEPS: time_grpo_steps,
             # Everything this call computed (packing, forward, backward, optimizer, the
             # metric reduction); the driver's step breakdown subtracts it from its wall time.
-            "train_actor_performance/time_train_compute (s)": time.perf_counter() - step_start,
-            "train_actor_performance/time_waiting_buffer (s)": time_waiting_buffer,
-            "train_actor_performance/tokens_per_second": (
+            names.TRAIN_PERF_TIME_TRAIN_COMPUTE: time.perf_counter() - step_start,
+            names.TRAIN_PERF_TIME_WAITING_BUFFER: time_waiting_buffer,
+            names.TRAIN_PERF_TOKENS_PER_SECOND: (
                 response_tokens * self.ppo_epochs / time_grpo_steps if time_grpo_steps else 0.0
             ),
-            "train_actor_performance/padded_tokens_percentage (%)": (
+            names.TRAIN_PERF_PADDED_TOKENS_PERCENTAGE: (
                 100.0 * (packed_tokens - real_tokens) / packed_tokens if packed_tokens else 0.0
             ),
             # Share of this worker's sequence tokens (prompts repeated) that shared prompts
             # left out of the forward and backward passes.
-            "train_actor_performance/shared_prompt_tokens_saved (%)": (
+            names.TRAIN_PERF_SHARED_PROMPT_TOKENS_SAVED: (
                 100.0 * shared_tokens / (real_tokens + shared_tokens) if real_tokens else 0.0
             ),
         }
@@ -522,7 +539,7 @@ class PyTorchActorModel:
         }
         for name in ("ratios", "clipfrac", "approx_policy_kls", "kl_to_ref", "mismatch_kl"):
             metrics[f"train_actor_training/{name}"] = total[name] / tokens
-        metrics["train_actor_training/mismatch_max_abs"] = float(mismatch_max_abs)
+        metrics[names.TRAIN_MISMATCH_MAX_ABS] = float(mismatch_max_abs)
         return metrics
 
     def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -586,11 +603,17 @@ class PyTorchActorModel:
         atol = 1e-3 if self.dtype == torch.float32 else 0.1
         return {"token_ids": token_ids, "logprobs": logprobs, "atol": atol}
 
-    def _gather_hf_weights(self) -> dict[str, Any] | None:
-        """Every rank: full weights in HF names, their checksum and a probe; bump the version.
+    def publish_weights(self, transport: str) -> dict[str, Any] | None:
+        """Gather the full weights, bump the policy version and publish them (rank 0).
 
-        Collective (every rank must call it); rank 0 returns ``{"weights", "version",
-        "checksum", "probe", "specs"}`` with the HF state dict as ``weights``, the others None.
+        Collective: every rank must call it (the gather and the probe forward are).
+
+        Args:
+            transport (str): The transport the driver uses (``weight_sync.transport``).
+
+        Returns:
+            dict | None: On rank 0, the payload (`WeightPublisher.publish`); None on the
+            others.
         """
         tune_state = self.full_state_dict()
         probe = self.probe_logprobs()
@@ -598,73 +621,15 @@ class PyTorchActorModel:
         if self.rank != 0:
             return None
         hf_state = tune_to_hf_state_dict(tune_state, self.hf_config)
-        return {
-            "weights": hf_state,
-            "version": self.policy_version,
-            "checksum": state_dict_checksum(hf_state),
-            "probe": probe,
-            "specs": None,
-        }
-
-    def gather_hf_weights(self) -> dict[str, Any] | None:
-        """Gather the weights for the object-store transport (every rank must call it).
-
-        Returns:
-            dict | None: On rank 0, the payload with ``weights`` an ObjectRef when Ray is
-            running (the tensors themselves otherwise): put once, from here, so the driver
-            handles only the reference and every collector reads the same object.
-        """
-        payload = self._gather_hf_weights()
-        if payload is not None and ray.is_initialized():
-            payload["weights"] = ray.put(payload["weights"])
-        return payload
-
-    def gather_hf_weights_for_channels(self) -> dict[str, Any] | None:
-        """Gather the weights for the collective transport (every rank must call it).
-
-        Rank 0 holds the tensors until the next gather: every channel sends this version, a
-        replacement collector's new one included.
-
-        Returns:
-            dict | None: On rank 0, the payload with ``weights`` None and ``specs`` (a list of
-            `TensorSpec`) describing the held tensors.
-        """
-        payload = self._gather_hf_weights()
-        if payload is None:
-            return None
-        self.weight_channels.hold(payload["version"], payload["weights"])
-        return {**payload, "weights": None, "specs": tensor_specs(payload["weights"])}
+        return self.weight_publisher.publish(transport, self.policy_version, hf_state, probe)
 
     def open_weight_channel(self, collector: str, timeout_s: float) -> dict[str, Any]:
-        """Start the rendezvous of a new weight channel to ``collector`` (rank 0 only).
-
-        Returns at once with the address the collector joins; the group is built in the
-        background and `send_weights` waits for it. An older channel of the same name (a
-        collector that was replaced) is closed. Call it, like `send_weights`, in the actor's
-        ``weight_channel`` concurrency group, so that neither waits behind a training step nor
-        behind a send to a dead collector (which times out on its own thread).
-
-        Returns:
-            dict: ``{"host", "port", "device"}`` for the collector's ``join``.
-        """
-        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        return self.weight_channels.open(collector, host, timeout_s)
+        """`ChannelSender.open` on rank 0: a new weight channel to ``collector``."""
+        return self.weight_publisher.channels.open(collector, timeout_s)
 
     def send_weights(self, collector: str, version: int, bucket_bytes: int) -> float:
-        """Broadcast the weights of the last gather over ``collector``'s channel.
-
-        Returns:
-            float: Seconds the transfer took.
-
-        Raises:
-            WeightChannelError: No such channel, or the transfer failed or timed out.
-            ValueError: The weights held are not of ``version``.
-        """
-        return self.weight_channels.send(collector, version, bucket_bytes)
-
-    def close_weight_channel(self, collector: str) -> None:
-        """Close the weight channel to ``collector``, if there is one."""
-        self.weight_channels.close(collector)
+        """`ChannelSender.send` on rank 0: the published weights over ``collector``'s channel."""
+        return self.weight_publisher.channels.send(collector, version, bucket_bytes)
 
     def weights_checksum(self) -> Any:
         """Checksum of the current weights, in the same definition the collectors use."""
@@ -695,6 +660,6 @@ class PyTorchActorModel:
         return f"tcp://{ip}:{port}"
 
     def shutdown(self) -> None:
-        self.weight_channels.close_all()
+        self.weight_publisher.close()
         if dist.is_initialized():
             dist.destroy_process_group()

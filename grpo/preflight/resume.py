@@ -1,14 +1,15 @@
 """What a resume may change: the config a checkpoint ran with, compared with the new one.
 
 Every checkpoint holds the config its run ran with (``config.yaml``, written by the
-checkpointer) and its step (``state.json``). A resume (``resume_from_checkpoint``) runs the
-new config; most settings simply apply from the checkpoint's step on (the optimizer's
-hyperparameters and the LR schedule's length included: the trainer carries them over, see
+checkpointer) and its step (``state.json``), as `grpo.run_folder` lays them out. A resume
+(``resume_from_checkpoint``) runs the new config; most settings simply apply from the
+checkpoint's step on (the optimizer's hyperparameters and the LR schedule's length included:
+the trainer carries them over, see
 `grpo.workers.training_checkpoint.carry_over_hyperparameters`). The settings in
 `FIXED_ON_RESUME` are those the checkpoint's state was made for, and a resume that changes
 one is refused before anything starts, as is one that would train nothing
 (``orchestration.num_steps`` at or below the checkpoint's step). ``grpo run`` and ``grpo
-validate`` both check it (`grpo.config.validation.validate_config`).
+validate`` both check it (`grpo.preflight.validate_run_config`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ from typing import Any
 
 import yaml
 
-from grpo.config.paths import STATE_FILE, find_checkpoint, resolve_path
-
-CONFIG_FILE = "config.yaml"
-"""The config a checkpoint's run ran with, in the checkpoint folder."""
+from grpo.config import resolve_path
+from grpo.run_folder import CONFIG_FILE, STATE_FILE, find_checkpoint
 
 # Setting -> why the checkpoint's state cannot go on under another value.
 FIXED_ON_RESUME: dict[str, str] = {

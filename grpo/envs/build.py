@@ -1,0 +1,63 @@
+"""Build a run's environment from its config: the ``environment:`` node, or the single-turn
+environment of the run's reward functions when it names none."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from grpo.envs.protocol import Environment
+
+
+def build_environment(
+    environment: Any, reward_functions: Sequence[Any], reward_timeout_s: float
+) -> Environment:
+    """The run's environment, built from its ``_component_`` node if need be.
+
+    The node gets the run's ``reward_functions`` and ``reward_timeout_s`` unless it names its
+    own. Without a node (None), the environment is a `grpo.envs.SingleTurnEnv` of the run's
+    reward functions. The driver builds it once before any actor starts
+    (`recipes/async_grpo.py`), so that a bad value is one line there, not an error in a
+    collector; each collector then builds its own from the same node.
+
+    Args:
+        environment: An `Environment`, its ``_component_`` node, or None.
+        reward_functions (Sequence): The run's reward functions (built, or their nodes).
+        reward_timeout_s (float): The run's ``reward_timeout_s``.
+
+    Returns:
+        Environment: The environment.
+
+    Raises:
+        ConfigError: If it cannot be built, naming the key and the reason.
+        TypeError: If ``environment`` is an object that is no `Environment`.
+    """
+    from grpo.config import ConfigError, instantiate
+
+    if environment is None:
+        from grpo.envs.single_turn import SingleTurnEnv
+
+        functions = [
+            instantiate(fn, _key_=f"reward_functions[{index}]") if isinstance(fn, Mapping) else fn
+            for index, fn in enumerate(reward_functions)
+        ]
+        try:
+            return SingleTurnEnv(functions, reward_timeout_s=reward_timeout_s)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+    if isinstance(environment, Mapping):
+        node = dict(environment)
+        node.setdefault("reward_functions", list(reward_functions))
+        node.setdefault("reward_timeout_s", reward_timeout_s)
+        try:
+            environment = instantiate(node, _key_="environment")
+        except ConfigError:
+            raise
+        except Exception as error:  # the environment's own check of its arguments
+            raise ConfigError(f"environment: {error}") from error
+    if not isinstance(environment, Environment):
+        raise TypeError(
+            f"environment: {type(environment).__name__} is not a grpo.envs.Environment "
+            "(subclass MultiTurnEnv, ToolEnv or Environment)"
+        )
+    return environment

@@ -1,0 +1,186 @@
+"""The one protocol between the collector and every kind of episode.
+
+The collector knows nothing of what an episode is. It starts its environment once with what
+the engine is (`EngineContext`), takes each example's prompt tokens from it (`prompt_ids`),
+hands it a batch of prompts and a continuous engine (`run_groups`), and has it score the
+episodes that finished (`score`). Every kind of episode implements that:
+
+* `grpo.envs.SingleTurnEnv`: a dataset with reward functions, one sampled response per
+  episode (the environment of a run that names none);
+* `grpo.envs.MultiTurnEnv` and `grpo.envs.ToolEnv`: the environment answers each policy turn;
+* `grpo.envs.VerifiersEnv`: a verifiers taskset plays its own episodes against the engine.
+
+The limits of an episode (turns, tokens per turn, tokens per episode, the engine's context)
+are the framework's, in one place (`EpisodeLimits`), read by the rollout of every kind.
+
+Pure Python; no torch, Ray or vLLM (``grpo validate`` reads environments).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grpo.envs.base import Episode
+    from grpo.envs.rollout import TurnEngine
+
+# One prompt of a batch: the example, and its prompt token ids (`Environment.prompt_ids`).
+Prompt = tuple[dict[str, Any], list[int]]
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an environment is told once, before its first episode, about the engine.
+
+    Args:
+        model_dir (str): The model folder the engine serves (its tokenizer files too).
+        tokenizer: The model folder's tokenizer (`grpo.models.load_tokenizer`): ``encode``,
+            ``decode``, ``stop_tokens``.
+        max_model_len (int): The engine's context: prompt and response never exceed it.
+        max_tokens_per_turn (int): ``inference.max_generated_tokens``.
+        temperature (float): The sampling temperature.
+        top_p (float): The sampling nucleus (1: none).
+        prompt_template: The dataset's prompt template (``chat``, ``chat_template_kwargs``,
+            ``add_bos``, ``stop``), or None.
+    """
+
+    model_dir: str
+    tokenizer: Any
+    max_model_len: int
+    max_tokens_per_turn: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    prompt_template: Any = None
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether prompts start with a bos token: a chat template's text already holds the
+        model's leading special tokens (Llama 3's writes <|begin_of_text|>)."""
+        return bool(getattr(self.prompt_template, "add_bos", True))
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Where an episode stops, whatever its kind.
+
+    Args:
+        max_turns (int): Most policy turns; an episode that reaches it ends (``hit_max_turns``
+            when the environment would have gone on).
+        max_tokens_per_turn (int): Most tokens the policy samples in one turn.
+        max_model_len (int): The engine's context.
+        max_episode_tokens (int | None): Most response tokens (policy and environment) of an
+            episode; None: the context is the only bound.
+    """
+
+    max_turns: int
+    max_tokens_per_turn: int
+    max_model_len: int
+    max_episode_tokens: int | None = None
+
+    def room(self, prompt_len: int, response_len: int) -> int:
+        """Response tokens an episode with these lengths may still add."""
+        room = self.max_model_len - prompt_len - response_len
+        if self.max_episode_tokens is not None:
+            room = min(room, self.max_episode_tokens - response_len)
+        return room
+
+    def turn_tokens(self, prompt_len: int, response_len: int, asked: int | None = None) -> int:
+        """Tokens the next policy turn may sample (0: none fit).
+
+        Args:
+            prompt_len (int): The episode's prompt tokens.
+            response_len (int): Its response tokens so far.
+            asked (int | None): What the turn's caller asked for (a client's ``max_tokens``).
+        """
+        limit = self.max_tokens_per_turn if asked is None else min(asked, self.max_tokens_per_turn)
+        return max(min(limit, self.room(prompt_len, response_len)), 0)
+
+
+class Environment(ABC):
+    """What the collector calls to turn prompts into scored episodes.
+
+    A subclass writes `run_groups` and `score`; the rest has defaults. The collector calls,
+    in this order: `examples` (once, when the run names no dataset), `response_budget`
+    (once, to size the engine's context), `start` (once, the engine built), then per batch
+    `prompt_ids`, `run_groups`, `score` and `batch_metrics`, and `close` at the end.
+    """
+
+    # Set by `start`; a class attribute, so that subclasses need not call a base __init__.
+    context: EngineContext | None = None
+
+    def examples(self) -> list[dict[str, Any]] | None:
+        """The rows the run samples from when it names no ``dataset`` (a taskset's), or None."""
+        return None
+
+    def response_budget(self, max_tokens_per_turn: int) -> int | None:
+        """The most response tokens of one episode, which the engine's context must hold.
+
+        None: only the context bounds it (the collector then keeps the model's context).
+        """
+        return max_tokens_per_turn
+
+    def start(self, context: EngineContext) -> None:
+        """Learn what the engine is; called once before the first episode."""
+        self.context = context
+
+    def prompt_ids(self, example: Mapping[str, Any]) -> list[int]:
+        """The token ids of an example's rendered ``prompt``.
+
+        Raises:
+            KeyError: If the example has no ``prompt`` (a dataset built without a template).
+        """
+        context = self._started()
+        text = example.get("prompt")
+        if text is None:
+            raise KeyError(
+                f"example {example.get('index')} has no 'prompt' (build the dataset with a "
+                "template)"
+            )
+        # add_eos=False: the prompt continues into the response. A plain prompt gets a bos
+        # only for families whose tokenizer adds one (Llama 3); a chat template's text is
+        # encoded as it is, as transformers and vLLM encode it.
+        return context.tokenizer.encode(text, add_bos=context.add_bos, add_eos=False)
+
+    @abstractmethod
+    def run_groups(
+        self,
+        prompts: Sequence[Prompt],
+        engine: TurnEngine,
+        group_size: int,
+        seeds: Sequence[int],
+    ) -> list[list[Episode]]:
+        """Run ``group_size`` episodes per prompt to their end on ``engine``.
+
+        Args:
+            prompts (Sequence[Prompt]): ``(example, prompt_ids)`` per prompt.
+            engine (TurnEngine): The collector's engine; a turn joins its running batch.
+            group_size (int): Episodes per prompt.
+            seeds (Sequence[int]): One seed per prompt (`grpo.seeds.group_seed`).
+
+        Returns:
+            list[list[Episode]]: Per prompt, its finished episodes (one the environment
+            failed has ``error`` set).
+        """
+
+    @abstractmethod
+    def score(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
+        """Rewards of finished episodes (none has ``error``), by reward name, in order."""
+
+    def reward_names(self) -> list[str] | None:
+        """The names `score` gives its rewards, known before any episode runs, or None."""
+        return None
+
+    def batch_metrics(self) -> dict[str, float]:
+        """Metrics of the last `run_groups` of this environment's own (``inference/...``)."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 (optional: most environments open nothing)
+        """Release what `start` opened (servers, worker processes)."""
+
+    def _started(self) -> EngineContext:
+        if self.context is None:
+            raise RuntimeError(f"{type(self).__name__}.start must be called before episodes run")
+        return self.context

@@ -1,0 +1,57 @@
+"""The single-turn environment: a dataset with reward functions.
+
+Each episode is one response the policy samples for the prompt; the run's reward functions
+score it against the example's answer. It is the environment of a run that names none, and it
+runs on the same path as every other (`grpo.envs.protocol.Environment`): the collector does
+not know it is the simple case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from grpo.envs.base import Episode, Message, MultiTurnEnv
+from grpo.envs.protocol import EngineContext, Environment
+
+
+class SingleTurnEnv(MultiTurnEnv):
+    """One policy turn per episode, scored by reward functions.
+
+    Args:
+        reward_functions (Sequence): Reward functions (`grpo.rewards`), built.
+        reward_timeout_s (float): Seconds one reward call may take before it scores its
+            failure reward.
+
+    Raises:
+        ValueError: Without reward functions (nothing would score the episodes).
+
+    Example:
+        >>> env = SingleTurnEnv([math_reward], reward_timeout_s=5.0)
+        >>> env.response_budget(256)
+        256
+    """
+
+    def __init__(self, reward_functions: Sequence[Any] = (), reward_timeout_s: float = 10.0):
+        if not reward_functions:
+            raise ValueError(
+                "reward_functions: a run without an environment scores each response with its "
+                "reward functions; give at least one"
+            )
+        super().__init__(
+            reward_functions=reward_functions, max_turns=1, reward_timeout_s=reward_timeout_s
+        )
+
+    def response_budget(self, max_tokens_per_turn: int) -> int | None:
+        """One turn's tokens."""
+        return max_tokens_per_turn
+
+    def start(self, context: EngineContext) -> None:
+        """Keep the engine's context (there are no environment turns to render)."""
+        Environment.start(self, context)
+
+    def env_response(
+        self, messages: list[Message], state: dict[str, Any], episode: Episode
+    ) -> list[Message] | None:
+        """Never asked: an episode ends after its one turn."""
+        return None

@@ -1,0 +1,160 @@
+"""One check of a config for a run: `grpo.config.check_config`, then what it names."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from grpo.config import ConfigError, RunConfig, check_config, compose_config, locate
+from grpo.config.run import UNRESOLVED
+from grpo.preflight.files import file_problems
+from grpo.preflight.resume import resume_problems
+
+
+def import_component(path: str) -> Any:
+    """Import the object at a dotted path, as `grpo.config.locate` does.
+
+    torchtune 0.6.1's ``torchtune.training`` imports names that torchao 0.16 dropped;
+    importing `grpo.models` first installs its compatibility aliases, so a torchtune component
+    (the shipped configs' LR schedule) imports here as it does in the trainer.
+
+    Raises:
+        InstantiationError: Naming the path, what could not be found, and a close name if any.
+    """
+    if path.split(".")[0] == "torchtune":
+        import grpo.models  # noqa: F401  (torch: only when a torchtune path is imported)
+    return locate(path)
+
+
+def preflight_problems(values: dict[str, Any], run: RunConfig | None) -> list[str]:
+    """Problems of what a config names: files, datasets, environment, resume target.
+
+    Args:
+        values (dict[str, Any]): The config as plain values, interpolations resolved (failed
+            ones are `UNRESOLVED`): `grpo.config.validation.CheckedConfig.values`.
+        run (RunConfig | None): The typed config, when it checked; a resume's checks need it.
+
+    Returns:
+        list[str]: Each problem as ``key: what is wrong``: the model folder, the run folder
+        and the resume target (`file_problems`), the datasets' files, the environment's
+        options, tools and chat template, and what a resume may not change
+        (`resume_problems`).
+    """
+    problems = file_problems(values)
+    problems.extend(_dataset_problems(values))
+    problems.extend(_environment_problems(values))
+    if run is not None:  # a resume may not change what its checkpoint's state was made for
+        problems.extend(resume_problems(run.model_dump()))
+    return problems
+
+
+def validate_run_config(
+    cfg: DictConfig | Mapping[str, Any],
+    *,
+    check_components: bool = True,
+    import_components: bool = True,
+) -> RunConfig:
+    """Check a config and what it names; return it typed, or report every problem at once.
+
+    The config's own checks (`grpo.config.check_config`: keys, types, relations, components)
+    and those of the files it names (`preflight_problems`), in one message.
+
+    Args:
+        cfg (DictConfig | Mapping[str, Any]): The config, e.g. from `compose_config`.
+        check_components (bool): Check that every ``_component_`` exists and takes the keyword
+            arguments its node gives.
+        import_components (bool): Check by importing the components (exact; loads torch and
+            the like); False reads their source instead (fast; ``grpo validate``).
+
+    Returns:
+        RunConfig: The typed config, interpolations resolved.
+
+    Raises:
+        ConfigError: Listing every problem, each as ``key: what is wrong``.
+    """
+    checked = check_config(
+        cfg,
+        check_components=check_components,
+        import_components=import_components,
+        importer=import_component,
+    )
+    problems = checked.problems + preflight_problems(checked.values, checked.run)
+    if problems:
+        raise ConfigError(problems)
+    assert checked.run is not None
+    return checked.run
+
+
+def load_run_config(
+    name_or_path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    check_components: bool = False,
+    import_components: bool = False,
+) -> RunConfig:
+    """Load a config as `grpo.config.load_config` does, and check what it names too.
+
+    Args:
+        name_or_path (str | Path): Config name (``configs/NAME.yaml``) or path to a YAML file.
+        overrides (Sequence[str]): ``key.sub=value`` (value parsed as YAML) or ``~key``.
+        check_components (bool): Check that every ``_component_`` exists and takes its
+            node's keywords.
+        import_components (bool): Check them by importing them (exact, slow: torch and the
+            like) rather than by reading their source.
+
+    Returns:
+        RunConfig: The typed config, interpolations resolved.
+
+    Raises:
+        ConfigError: Listing every problem at once, each as ``key: what is wrong``.
+    """
+    return validate_run_config(
+        compose_config(name_or_path, overrides),
+        check_components=check_components,
+        import_components=import_components,
+    )
+
+
+def _dataset_problems(values: dict[str, Any]) -> list[str]:
+    """What the dataset nodes' files say: missing files and columns, template mismatches."""
+    # The checks of a source's files live beside the loaders that read them; they import
+    # neither torch nor the hub.
+    from grpo.data.preflight import dataset_problems
+
+    problems = []
+    model_path = values.get("base_model_path")
+    for key in ("dataset", "eval_dataset"):
+        node = values.get(key)
+        if isinstance(node, dict) and isinstance(node.get("_component_"), str):
+            unresolved = any(value is UNRESOLVED for value in node.values())
+            if not unresolved:
+                problems.extend(
+                    dataset_problems(key, node, model_path if isinstance(model_path, str) else None)
+                )
+    return problems
+
+
+def _environment_problems(values: dict[str, Any]) -> list[str]:
+    """What the environment node's tools say: imports and type hints (no torch)."""
+    node = values.get("environment")
+    if not isinstance(node, dict) or any(value is UNRESOLVED for value in node.values()):
+        return []
+    # Beside the tools they check; only a config with an environment imports them.
+    from grpo.envs.preflight import chat_template_problems, environment_problems
+
+    # `locate` names the close match of a mistyped tool path, as for every other dotted path.
+    problems = environment_problems("environment", node, locate)
+    dataset = values.get("dataset")
+    template = dataset.get("template") if isinstance(dataset, dict) else None
+    if not problems and isinstance(template, dict):
+        base_model_path = values.get("base_model_path")
+        problems += chat_template_problems(
+            "dataset.template",
+            template,
+            node,
+            base_model_path if isinstance(base_model_path, str) else None,
+        )
+    return problems

@@ -1,0 +1,493 @@
+"""A collector's side of weight sync: updates received, loaded into its vLLM engine, verified,
+rolled back, and the policy version of every token the engine samples.
+
+`EngineWeights` is the receiving side inside a collector (`SyncLLMCollector` holds one, and its
+actor methods delegate to it). Whichever transport brought an update (its `CollectorEnd`,
+`grpo.weights.transports`), the update becomes the pending `WeightUpdate`, loaded:
+
+* between batches (``inference.weight_updates: between_batches``); or
+* in flight, between two steps of the engine's scheduler while a batch generates
+  (``in_flight``: the running requests are preempted and prefilled again with the new weights,
+  so every later token is the new policy's; ``in_flight_keep_kv``: they keep the KV cache the
+  old weights computed, whose blocks leave the prefix cache once the engine is idle).
+
+Every update is verified: the checksum of the tensors the worker loaded, and the engine's
+logprobs of the trainer's probe sequence. Between batches, an engine that failed refuses to
+generate until a verified update is applied. In flight, the engine reloads the weights it had
+and samples on; the tokens sampled while the probe ran are labelled `UNVERIFIED_VERSION` and
+their samples are sampled again.
+
+Each running sample's tokens are recorded as runs of ``(version, number of tokens)``, oldest
+first: a finished request comes out of `EngineWeights.step` with the runs of each sample.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from grpo.choices import WeightUpdateMode
+from grpo.observability import metric_names as names
+from grpo.weights.checksum import WeightSyncError
+from grpo.weights.engine import WeightReceiver, WeightUpdate
+from grpo.weights.transports import collector_ends
+
+log = logging.getLogger(__name__)
+
+# Consecutive rejected in-flight updates after which the collector stops: weights that never
+# verify are a fault to report, not a reason to keep sampling with ever older ones.
+MAX_REJECTED_UPDATES_IN_A_ROW = 3
+# The label of tokens sampled with weights that then failed verification (the running samples
+# go on while the probe runs). A sample holding any is sampled again from its start, never
+# trained on.
+UNVERIFIED_VERSION = -1
+
+_PROBE_IDS = itertools.count()  # request ids of probes, unique in the process
+
+# ``[(version, number of tokens), ...]`` of each sample of a finished request, oldest first.
+VersionRuns = list[list[tuple[int, int]]]
+
+
+def _in_flight(updates: WeightUpdateMode) -> bool:
+    """Weights are loaded between engine steps, not only between batches."""
+    return updates != "between_batches"
+
+
+class EngineWeights:
+    """The weights of one collector's vLLM engine and the versions of the tokens it samples.
+
+    `receive` may be called from any thread (the actor's ``weights`` thread, beside
+    generation); every other method runs under the engine lock, on the thread that steps the
+    engine.
+
+    Args:
+        llm: The collector's ``vllm.LLM``, started with
+            ``worker_extension_cls=grpo.weights.engine.WORKER_EXTENSION_CLS``.
+        engine_lock (threading.RLock): The collector's lock around its engine, which is not
+            thread-safe.
+        add_request (Callable): ``add_request(request_id, token_ids, params)``: add a request
+            to the engine whose one output comes when it finishes (the probe is one).
+        engine_step (Callable): One step of the engine's scheduler; returns its outputs.
+        owner (str): The collector's name (``collector[0]``), in errors and log lines.
+        model_dir (str): The model folder the engine was started from: the weights a rollback
+            reloads before any update was kept.
+        policy_version (int): The policy version of those weights.
+        verify (bool): Check the checksum of every update the engine loads.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        engine_lock: threading.RLock,
+        add_request: Callable[[str, Sequence[int], Any], None],
+        engine_step: Callable[[], list[Any]],
+        *,
+        owner: str,
+        model_dir: str,
+        policy_version: int,
+        verify: bool = True,
+    ) -> None:
+        self.llm = llm
+        self._lock = engine_lock
+        self._add_request = add_request
+        self._engine_step = engine_step
+        self.owner = owner
+        self.model_dir = model_dir
+        self.verify = verify
+        self.ends = collector_ends(owner)
+        self.pending = WeightReceiver()
+        # The version of the verified weights the engine holds (what samples are labelled
+        # with), and of the weights it samples with right now (the new ones while they are
+        # being verified in flight).
+        self.policy_version = int(policy_version)
+        self.sampling_version = self.policy_version
+        self._error: str | None = None  # set while the engine holds unverified weights
+        # The weights a rejected in-flight update rolls back to (None: the model folder's,
+        # while `_can_roll_back`).
+        self._loaded_weights: Mapping[str, torch.Tensor] | None = None
+        self._can_roll_back = True
+        # For each running sample (request id, sample index), the versions of its tokens so
+        # far, as ``(version, tokens sampled up to then)``; and requests that finished while a
+        # probe stepped the engine, with their runs, for the next `step`.
+        self._token_versions: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        self._held_outputs: list[tuple[Any, VersionRuns]] = []
+        self._rejected_in_a_row = 0
+        # Prefix-cache blocks the old weights computed, still held by running sequences when
+        # new weights came (in_flight_keep_kv): dropped as soon as the engine is idle.
+        self._stale_prefix_cache = False
+        # The current batch's in-flight updates and the time generation paused for them (the
+        # collector resets it per batch), and cumulative counts.
+        self.batch_switches = {"updates": 0.0, "pause_s": 0.0}
+        self.totals = {"weight_updates_in_flight": 0.0, "weight_updates_rejected": 0.0}
+
+    # ------------------------------------------------------------------ receiving
+
+    def receive(
+        self,
+        weights: Any,
+        version: int,
+        checksum: str | None = None,
+        probe: dict[str, Any] | None = None,
+        transport: str = "object_store",
+    ) -> bool:
+        """Receive one update through ``transport`` and keep it as the pending one.
+
+        Args:
+            weights: What the transport's driver side sent (`CollectorEnd.fetch`): with
+                ``object_store``, ``dict[str, Tensor]`` under HF names or a Ray ``ObjectRef``
+                to one; with ``collective``, a `grpo.weights.collective.ChannelTransfer`.
+            version (int): Their policy version; must exceed the current one.
+            checksum (str | None): `state_dict_checksum` of the weights, checked on load.
+            probe (dict | None): Optional logprob check, see `WeightUpdate`.
+            transport (str): The transport that sent them (``weight_sync.transport``).
+
+        Returns:
+            bool: False (and ignored) if the version is not newer than both the engine's and
+            the pending update's.
+
+        Raises:
+            WeightChannelError: With ``collective``: no channel, or the rendezvous or a
+                broadcast failed or timed out.
+        """
+        received = self.ends[transport].fetch(weights)
+        update = WeightUpdate(
+            version=int(version), weights=received, checksum=checksum, probe=probe
+        )
+        accepted = self.pending.offer(update, self.policy_version)
+        if not accepted:
+            log.warning(
+                "%s ignored weights of version %s: it already has version %d or newer",
+                self.owner,
+                version,
+                self.policy_version,
+            )
+        return accepted
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether an update waits to be applied."""
+        return self.pending.has_pending
+
+    def close(self) -> None:
+        """Close every transport's end (the collective transport's channel)."""
+        for end in self.ends.values():
+            end.close()
+
+    # ------------------------------------------------------------------ applying
+
+    def apply_pending(self, updates: WeightUpdateMode) -> float:
+        """Load pending weights, if any, into the engine and bump ``policy_version``.
+
+        Args:
+            updates (WeightUpdateMode): ``inference.weight_updates``: in flight, an update
+                that fails verification is rolled back (`_switch`).
+
+        Returns:
+            float: Seconds spent (0.0 if nothing was pending).
+
+        Raises:
+            WeightSyncError: Between batches, if the checksum or the probe does not match, or
+                an earlier update failed and no good one has arrived since. The engine then
+                holds weights it cannot vouch for: generation and evaluation refuse to run
+                (rather than label samples with a wrong ``policy_version``) until a verified
+                update is applied. In flight, see `_switch`.
+        """
+        with self._lock:
+            if _in_flight(updates):
+                return self._switch(keep_kv=updates == "in_flight_keep_kv")
+            start = time.perf_counter()
+            try:
+                applied = self.pending.apply_pending(self.llm, verify=self.verify)
+                if applied is not None and applied.probe is not None:
+                    self._check_probe(applied.probe, applied.version)
+            except WeightSyncError as error:
+                self._error = str(error)
+                raise
+            if applied is None:
+                if self._error is not None:
+                    raise WeightSyncError(
+                        f"{self.owner} holds unverified weights ({self._error}); it generates "
+                        "again once a verified update is applied"
+                    )
+                return 0.0
+            self._error = None
+            self.policy_version = self.sampling_version = applied.version
+            return time.perf_counter() - start
+
+    def _switch(self, keep_kv: bool) -> float:
+        """Load pending weights now, between two steps of the engine (hold the engine lock).
+
+        The engine's running requests are preempted and prefilled again with the new weights,
+        so each samples on as the new policy; the versions of the tokens each has so far are
+        recorded first. An update whose checksum or probe fails is rolled back: the engine
+        reloads the weights it had, keeps its version and samples on; the tokens sampled while
+        the probe ran are labelled `UNVERIFIED_VERSION`, and the samples holding them are
+        sampled again (by the collector's generation).
+
+        With ``keep_kv`` the running requests keep their KV cache instead; its blocks are then
+        dropped from the prefix cache once the engine is idle (`step`), so no later prompt
+        reuses keys and values of the old weights.
+
+        Returns:
+            float: Seconds generation was paused (0.0 if nothing was pending).
+
+        Raises:
+            WeightSyncError: After `MAX_REJECTED_UPDATES_IN_A_ROW` rejected updates in a row,
+                or a rejected update whose previous weights were not kept (on the GPU).
+        """
+        self._drop_stale_prefix_cache()
+        if not self.pending.has_pending:
+            return 0.0
+        start = time.perf_counter()
+        running = self.llm.llm_engine.has_unfinished_requests()
+        self._mark_token_versions()  # the tokens so far: the weights being replaced
+        try:
+            applied = self.pending.apply_pending(
+                self.llm, verify=self.verify, recompute_running=not keep_kv
+            )
+            self._stale_prefix_cache = running and keep_kv
+            if applied is None:  # taken by another thread in between
+                return 0.0
+            self.sampling_version = applied.version
+            if applied.probe is not None:
+                self._check_probe(applied.probe, applied.version)
+        except WeightSyncError as error:
+            self._reject(error)
+            return time.perf_counter() - start
+        # Kept for a rollback where that costs no accelerator memory (on CPU a reload copies
+        # them into vLLM's own packed weights anyway); a GPU copy would double the weights.
+        on_cpu = all(t.device.type == "cpu" for t in applied.weights.values())
+        self._loaded_weights = applied.weights if on_cpu else None
+        self._can_roll_back = on_cpu
+        self.policy_version = applied.version
+        self._error = None
+        self._rejected_in_a_row = 0
+        seconds = time.perf_counter() - start
+        if running:
+            self.totals["weight_updates_in_flight"] += 1
+            self.batch_switches["updates"] += 1
+            self.batch_switches["pause_s"] += seconds
+        return seconds
+
+    def _reject(self, error: WeightSyncError) -> None:
+        """Roll back an in-flight update that failed verification, and label what it sampled.
+
+        Raises:
+            WeightSyncError: If the weights cannot be rolled back, or this was the
+                `MAX_REJECTED_UPDATES_IN_A_ROW`-th rejection in a row.
+        """
+        # The tokens sampled while the probe ran, by samples still running and by those that
+        # finished meanwhile (held for the next `step`), came from the rejected weights.
+        rejected = self.sampling_version
+        self.sampling_version = UNVERIFIED_VERSION
+        self._mark_token_versions()
+        if rejected != self.policy_version:
+            self._held_outputs = [
+                (
+                    output,
+                    [
+                        [(UNVERIFIED_VERSION if v == rejected else v, n) for v, n in sample]
+                        for sample in runs
+                    ],
+                )
+                for output, runs in self._held_outputs
+            ]
+        if not self._can_roll_back:
+            self._error = str(error)
+            raise WeightSyncError(
+                f"{self.owner}: {error}; the weights it had were on the GPU and not kept, so it "
+                "cannot roll back"
+            ) from error
+        self._restore_weights()
+        self.totals["weight_updates_rejected"] += 1
+        self._rejected_in_a_row += 1
+        log.warning(
+            "%s rejected new weights and keeps version %d: %s",
+            self.owner,
+            self.policy_version,
+            error,
+        )
+        if self._rejected_in_a_row >= MAX_REJECTED_UPDATES_IN_A_ROW:
+            raise WeightSyncError(
+                f"{self.owner}: {self._rejected_in_a_row} weight updates in a row failed "
+                f"verification; the last: {error}"
+            ) from error
+
+    def _drop_stale_prefix_cache(self) -> None:
+        """Reset the prefix cache if old weights' blocks are in it and the engine is idle."""
+        if self._stale_prefix_cache and not self.llm.llm_engine.has_unfinished_requests():
+            self._stale_prefix_cache = not self.llm.reset_prefix_cache()
+
+    def _restore_weights(self) -> None:
+        """Reload the weights of ``policy_version`` (after a rejected in-flight update)."""
+        weights = self._loaded_weights
+        if weights is None:  # the engine still ran the model folder's weights
+            from grpo.models import load_hf_state_dict
+
+            weights = load_hf_state_dict(self.model_dir)
+        self.llm.collective_rpc("grpo_update_weights", args=(weights, True))
+        self.llm.reset_prefix_cache(reset_running_requests=True)
+        self.sampling_version = self.policy_version
+        self._stale_prefix_cache = False
+
+    # ------------------------------------------------------------------ verification
+
+    def _check_probe(self, probe: dict[str, Any], version: int) -> None:
+        got = torch.tensor(self.probe_logprobs(probe["token_ids"]))
+        expected = torch.tensor(probe["logprobs"], dtype=torch.float32)
+        max_diff = float((got - expected).abs().max()) if got.numel() else 0.0
+        if got.shape != expected.shape or max_diff > float(probe.get("atol", 1e-3)):
+            raise WeightSyncError(
+                f"weights of version {version}: the engine's probe logprobs differ from the "
+                f"sender's by {max_diff:.3g} (atol {probe.get('atol', 1e-3)}); the engine does "
+                "not compute with the sent weights"
+            )
+
+    def checksum(self) -> str | None:
+        """`state_dict_checksum` of the weights the engine was last loaded with."""
+        with self._lock:
+            return self.llm.collective_rpc("grpo_weights_checksum")[0]
+
+    def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """The engine's logprob of every token of ``token_ids`` after the first.
+
+        The trainer computes the same numbers with its model to check that the engine really
+        computes with the synced weights (a checksum only proves they arrived).
+
+        Args:
+            token_ids (Sequence[int]): At least two token ids.
+
+        Returns:
+            list[float]: ``len(token_ids) - 1`` logprobs, from unscaled logits.
+
+        Raises:
+            ValueError: With fewer than two token ids.
+        """
+        from vllm import SamplingParams
+
+        token_ids = [int(t) for t in token_ids]
+        if len(token_ids) < 2:
+            raise ValueError(f"probe_logprobs needs at least 2 token ids, got {len(token_ids)}")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        request_id = f"probe-{next(_PROBE_IDS)}"
+        output = None
+        with self._lock:
+            # Stepped like any request: during an in-flight update the running samples go on
+            # beside it, and what finishes meanwhile is handed to the next `step`.
+            self._add_request(request_id, token_ids, params)
+            while output is None:
+                for finished, versions in self._versioned_step():
+                    if finished.request_id == request_id:
+                        output = finished
+                    else:
+                        self._held_outputs.append((finished, versions))
+        # prompt_logprobs[0] is None (nothing precedes the first token); entry i maps the
+        # actual token i (and possibly the top candidates) to its logprob.
+        return [
+            float(entry[token].logprob)
+            for token, entry in zip(token_ids[1:], output.prompt_logprobs[1:])
+        ]
+
+    # ------------------------------------------------------------------ stepping the engine
+
+    def step(self, updates: WeightUpdateMode | None) -> list[tuple[Any, VersionRuns]]:
+        """Pending weights in (updates in flight), then one step of the engine's scheduler.
+
+        Hold the engine lock.
+
+        Args:
+            updates (WeightUpdateMode | None): ``inference.weight_updates``: in flight, pending
+                weights are loaded first; None: they stay pending (greedy evaluation keeps the
+                weights it started with).
+
+        Returns:
+            list: The requests that finished, each with the ``(version, tokens)`` runs of its
+            samples' tokens, including any that finished while a probe ran.
+
+        Raises:
+            WeightSyncError: As `_switch`.
+        """
+        if updates is not None and _in_flight(updates):
+            self._switch(keep_kv=updates == "in_flight_keep_kv")
+        finished, self._held_outputs = self._held_outputs, []
+        return finished + self._versioned_step()
+
+    def _versioned_step(self) -> list[tuple[Any, VersionRuns]]:
+        """One scheduler step; each finished request with its samples' version runs."""
+        return [
+            (output, [self._version_runs(output.request_id, c) for c in output.outputs])
+            for output in self._engine_step()
+            if output.finished
+        ]
+
+    def _mark_token_versions(self) -> None:
+        """Record that every running sample's tokens so far came from ``sampling_version``.
+
+        Reads vLLM's output processor, which holds the sampled logprobs of each running sample
+        (child ``request_index`` of the request ``external_req_id``) until it finishes.
+        """
+        label = self.sampling_version
+        for state in self.llm.llm_engine.output_processor.request_states.values():
+            count = len(state.logprobs_processor.logprobs or ())
+            marks = self._token_versions.setdefault(
+                (state.external_req_id, state.request_index), []
+            )
+            if count > (marks[-1][1] if marks else 0):
+                marks.append((label, count))
+
+    def _version_runs(self, request_id: str, completion: Any) -> list[tuple[int, int]]:
+        """``[(version, number of tokens), ...]`` of a finished sample, oldest first."""
+        runs, start = [], 0
+        num_tokens = len(completion.token_ids)
+        for version, count in self._token_versions.pop((request_id, completion.index), []):
+            runs.append((version, count - start))
+            start = count
+        if num_tokens > start or not runs:
+            runs.append((self.sampling_version, num_tokens - start))
+        return runs
+
+    # ------------------------------------------------------------------ metrics
+
+    def start_batch(self) -> None:
+        """Count the next batch's in-flight updates from zero."""
+        self.batch_switches = {"updates": 0.0, "pause_s": 0.0}
+
+    def batch_metrics(self, runs: VersionRuns) -> dict[str, float]:
+        """Weight updates during the batch and how old the policy of its tokens is.
+
+        Args:
+            runs (VersionRuns): The ``(version, tokens)`` runs of each sample of the batch.
+
+        Returns:
+            dict[str, float]: ``inference/weight_updates_*``, the engine's pause, the samples
+            that span versions, and ``inference/tokens_version_lag_K``: the sampled tokens
+            whose weights were K versions (2: two or more) older than the engine's at the end
+            of the batch.
+        """
+        lags = [0.0, 0.0, 0.0]
+        for sample_runs in runs:
+            for version, count in sample_runs:
+                lags[min(max(self.policy_version - version, 0), 2)] += count
+        return {
+            names.INFERENCE_WEIGHT_UPDATES_IN_FLIGHT: self.batch_switches["updates"],
+            "inference/weight_updates_in_flight_total": self.totals["weight_updates_in_flight"],
+            names.INFERENCE_WEIGHT_UPDATES_REJECTED: self.totals["weight_updates_rejected"],
+            names.INFERENCE_TIME_ENGINE_PAUSED: self.batch_switches["pause_s"],
+            names.INFERENCE_TRAJECTORIES_SPANNING_VERSIONS: float(
+                sum(len({version for version, _ in sample_runs}) > 1 for sample_runs in runs)
+            ),
+            names.INFERENCE_TOKENS_VERSION_LAG_0: lags[0],
+            names.INFERENCE_TOKENS_VERSION_LAG_1: lags[1],
+            names.INFERENCE_TOKENS_VERSION_LAG_2_PLUS: lags[2],
+        }
+
+    def forget_requests(self) -> None:
+        """Drop what is recorded of the engine's requests (after they were aborted)."""
+        self._token_versions.clear()
+        self._held_outputs.clear()

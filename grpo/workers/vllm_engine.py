@@ -1,0 +1,402 @@
+"""The collector's vLLM engine: how it is built and sized, and how episodes sample on it.
+
+The engine runs inside the collector's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): start-up
+in seconds instead of a separate engine-core process (~25 s on CPU), and weight updates pass
+tensors by reference. Its context (``max_model_len``) holds the longest prompt and the longest
+response an environment allows (`grpo.envs.protocol.Environment.response_budget`).
+
+`VLLMTurnEngine` is the engine as the environments see it (`grpo.envs.rollout.TurnEngine`):
+each policy turn is a request of its own, added when its episode is ready, and each step runs
+the scheduler once, so a turn joins the running batch without waiting for the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from grpo.choices import WeightUpdateMode
+from grpo.config.sections import InferenceConfig
+from grpo.weights.engine import WORKER_EXTENSION_CLS
+from grpo.weights.receiver import UNVERIFIED_VERSION, EngineWeights, VersionRuns
+
+# vLLM settings that make a CPU engine start in seconds and fit beside other processes.
+CPU_ENGINE_DEFAULTS: dict[str, Any] = {
+    # No CUDA graphs or torch.compile on CPU: compilation takes minutes, eager is fast enough.
+    "enforce_eager": True,
+    # float32: the behaviour logprobs then match an fp32 trainer's forward to ~1e-6. bfloat16
+    # is faster on CPUs with bf16 units; pass dtype in engine_args to choose it.
+    "dtype": "float32",
+    # An explicit KV cache size. The default sizes it as a fraction of the NUMA node's memory
+    # minus this process's RSS, which fails as soon as other processes hold memory.
+    "kv_cache_memory_bytes": 512 * 2**20,
+}
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "worker_extension_cls": WORKER_EXTENSION_CLS,
+    # The logprobs of the distribution that sampled (after temperature), not of the raw
+    # logits: the importance ratio and TIS weights compare the trainer's against them.
+    "logprobs_mode": "processed_logprobs",
+}
+
+
+def engine_kwargs(
+    engine_args: Mapping[str, Any] | None, seed: int, on_cpu: bool | None = None
+) -> dict[str, Any]:
+    """The keyword arguments for ``vllm.LLM``: defaults, then ``engine_args`` on top.
+
+    Args:
+        engine_args (Mapping[str, Any] | None): User settings; they win over every default.
+        seed (int): Engine seed (per-request seeds make sampling reproducible anyway).
+        on_cpu (bool | None): Apply `CPU_ENGINE_DEFAULTS`; default: when CUDA is unavailable.
+
+    Returns:
+        dict[str, Any]: Arguments for ``vllm.LLM(model=..., **kwargs)``.
+    """
+    if on_cpu is None:
+        on_cpu = not torch.cuda.is_available()
+    kwargs: dict[str, Any] = {"seed": seed, **ENGINE_DEFAULTS}
+    if on_cpu:
+        kwargs.update(CPU_ENGINE_DEFAULTS)
+    kwargs.update(dict(engine_args or {}))
+    return kwargs
+
+
+def whole_prefills(kwargs: Mapping[str, Any], model_dir: str) -> dict[str, Any]:
+    """Engine arguments that never split a prompt's prefill across steps (the CPU default).
+
+    vLLM 0.32 rewinds the sampling generator of a seeded request whose prefill was split
+    (chunked prefill), and the CPU generator has no offset to rewind: ``RuntimeError: CPU
+    Generator does not use offset`` as soon as a batch's prompts exceed one step's token budget
+    (64 samples of a 100-token prompt). Without chunked prefill a prompt that does not fit the
+    step waits for the next one, whole; the budget must then hold the longest sequence.
+
+    Returns:
+        dict[str, Any]: ``enable_chunked_prefill`` False and ``max_num_batched_tokens`` at
+        least ``max_model_len`` (the model's ``max_position_embeddings`` when not set).
+    """
+    from grpo.models.hf_folder import load_hf_config
+
+    max_model_len = kwargs.get("max_model_len") or load_hf_config(model_dir).get(
+        "max_position_embeddings", 0
+    )
+    budget = max(int(kwargs.get("max_num_batched_tokens") or 4096), int(max_model_len))
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
+
+
+def check_in_flight_updates(llm_engine: Any) -> None:
+    """Refuse an engine that cannot take weights while it generates.
+
+    An in-flight update preempts the running requests so that they are prefilled again with
+    the new weights (``reset_prefix_cache(reset_running_requests=True)``, vLLM >= 0.11).
+
+    Raises:
+        ValueError: Naming ``inference.weight_updates`` and the setting that works.
+    """
+    import inspect
+
+    reset = getattr(llm_engine, "reset_prefix_cache", None)
+    if reset is None or "reset_running_requests" not in inspect.signature(reset).parameters:
+        import vllm
+
+        raise ValueError(
+            f"inference.weight_updates: in_flight needs a vLLM engine that can preempt its "
+            f"running requests (LLMEngine.reset_prefix_cache(reset_running_requests=True)), "
+            f"and vLLM {vllm.__version__} cannot; set inference.weight_updates=between_batches"
+        )
+
+
+class Engine(NamedTuple):
+    """A built engine and the prompt limit that fits its context."""
+
+    llm: Any  # vllm.LLM
+    max_model_len: int
+    max_prompt_tokens: int
+
+
+def build_engine(
+    model_dir: str, config: InferenceConfig, seed: int, response_tokens: int | None
+) -> Engine:
+    """Start a vLLM engine for ``model_dir`` with the ``inference:`` options.
+
+    Without ``max_model_len`` in ``engine_args`` the context is ``max_prompt_tokens`` +
+    ``response_tokens`` when both are set (the model's context otherwise); a null
+    ``max_prompt_tokens`` becomes the context minus the response budget.
+
+    Args:
+        model_dir (str): The model folder.
+        config (InferenceConfig): The ``inference:`` options.
+        seed (int): The engine seed.
+        response_tokens (int | None): The longest response (one turn, or a whole episode);
+            None: only the context bounds it.
+
+    Returns:
+        Engine: The engine, its ``max_model_len`` and ``max_prompt_tokens``.
+
+    Raises:
+        ValueError: If no prompt fits (``max_prompt_tokens`` + ``max_generated_tokens`` over
+            the context), or in-flight updates are asked of an engine that cannot take them.
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+
+    kwargs = engine_kwargs(config.engine_args, seed)
+    max_prompt_tokens = config.max_prompt_tokens
+    if "max_model_len" not in kwargs and max_prompt_tokens is not None:
+        if response_tokens is not None:  # else: the model's context
+            kwargs["max_model_len"] = max_prompt_tokens + response_tokens
+    user_args = config.engine_args or {}
+    if not torch.cuda.is_available() and "enable_chunked_prefill" not in user_args:
+        kwargs.update(whole_prefills(kwargs, model_dir))
+    llm = LLM(model=model_dir, **kwargs)
+    if config.weight_updates != "between_batches":
+        check_in_flight_updates(llm.llm_engine)
+    max_model_len = int(llm.llm_engine.model_config.max_model_len)
+    max_generated_tokens = config.max_generated_tokens
+    if max_prompt_tokens is None:
+        max_prompt_tokens = max_model_len - (response_tokens or max_generated_tokens)
+    if max_prompt_tokens < 1 or max_prompt_tokens + max_generated_tokens > max_model_len:
+        raise ValueError(
+            f"max_prompt_tokens={max_prompt_tokens} + max_generated_tokens="
+            f"{max_generated_tokens} must fit in vLLM's max_model_len={max_model_len}"
+        )
+    return Engine(llm, max_model_len, max_prompt_tokens)
+
+
+class Sampling(NamedTuple):
+    """How the run samples: the settings every policy turn shares.
+
+    Args:
+        temperature (float): ``inference.temperature``.
+        top_p (float): ``inference.top_p``.
+        stop (tuple[str, ...]): The prompt template's stop strings (the tokens that complete
+            one are kept in the turn).
+        stop_token_ids (tuple[int, ...]): The tokenizer's stop tokens (<|im_end|>,
+            <|endoftext|>), in case the model folder's generation_config names only one.
+    """
+
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def params(
+        self, seed: int, max_tokens: int, extra_stop: Sequence[str] = (), greedy: bool = False
+    ) -> Any:
+        """``SamplingParams`` of one turn (``greedy``: temperature 0, for evaluation)."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=1,
+            max_tokens=max_tokens,
+            temperature=0.0 if greedy else self.temperature,
+            top_p=1.0 if greedy else self.top_p,
+            logprobs=0,  # the sampled token's logprob only
+            seed=seed,
+            stop=[*self.stop, *extra_stop] or None,
+            include_stop_str_in_output=True,
+            stop_token_ids=list(self.stop_token_ids),
+        )
+
+
+def sampled_logprobs(completion: Any, where: str) -> list[float]:
+    """vLLM's logprob of each sampled token of a completion (one per token, checked).
+
+    Raises:
+        RuntimeError: If vLLM returned another number of logprobs than tokens.
+    """
+    token_ids = completion.token_ids
+    entries = completion.logprobs or ()
+    if len(entries) != len(token_ids):
+        raise RuntimeError(
+            f"vLLM returned {len(entries)} logprobs for {len(token_ids)} tokens ({where})"
+        )
+    return [entry[token].logprob for token, entry in zip(token_ids, entries)]
+
+
+def add_request(llm: Any, request_id: str, token_ids: Sequence[int], params: Any) -> None:
+    """Add a request to ``llm``'s engine; its one output comes when it finishes."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    # The outputs carry this id (vLLM adds a suffix of its own only inside the engine).
+    llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(token_ids)), params)
+
+
+_TURN_IDS = itertools.count()  # request ids of policy turns, unique in the process
+
+
+class VLLMTurnEngine:
+    """A collector's vLLM engine as a continuous `grpo.envs.rollout.TurnEngine`.
+
+    The caller holds the collector's engine lock from the first submit to the last step: a
+    ``generate`` call in between would run these requests to completion as its own.
+
+    Args:
+        add_request (Callable): ``add_request(request_id, token_ids, params)`` on the engine.
+        step (Callable): One step of the engine (pending weights loaded first unless
+            ``greedy``): the finished requests with their samples' version runs.
+        sampling (Sampling): The run's sampling settings.
+        greedy (bool): Greedy turns (evaluation): temperature 0, and the weights stay those the
+            episodes started with.
+        max_tokens (int | None): A cap on every turn (evaluation's budget), or None.
+    """
+
+    def __init__(
+        self,
+        add_request: Callable[[str, Sequence[int], Any], None],
+        step: Callable[[bool], list[tuple[Any, VersionRuns]]],
+        sampling: Sampling,
+        greedy: bool = False,
+        max_tokens: int | None = None,
+    ) -> None:
+        self._add_request = add_request
+        self._step = step
+        self.sampling = sampling
+        self.greedy = greedy
+        self.max_tokens = max_tokens
+        # vLLM request id -> (the key `submit` returned, the request): a turn sampled partly
+        # with weights that failed verification is sampled again under a new id.
+        self._running: dict[str, tuple[str, Any]] = {}
+
+    def submit(self, request: Any, key: str | None = None) -> str:
+        """Start sampling a `grpo.envs.SampleRequest`; its key."""
+        max_tokens = request.max_tokens
+        if self.max_tokens is not None:
+            max_tokens = min(max_tokens, self.max_tokens)
+        params = self.sampling.params(request.seed, max_tokens, request.stop, self.greedy)
+        request_id = f"turn-{next(_TURN_IDS)}"
+        self._add_request(request_id, request.token_ids, params)
+        self._running[request_id] = (key or request_id, request)
+        return request_id
+
+    def step(self) -> list[tuple[str, Any]]:
+        """One step of the engine; the turns that finished, as `grpo.envs.Sample`s by key."""
+        from grpo.envs import Sample
+
+        finished = []
+        for output, runs in self._step(not self.greedy):
+            if output.request_id not in self._running:
+                continue
+            key, request = self._running.pop(output.request_id)
+            [completion] = output.outputs
+            [turn_runs] = runs
+            if any(version == UNVERIFIED_VERSION for version, _ in turn_runs):
+                self.submit(request, key)  # part of it came from weights that failed
+                continue
+            sample = Sample(
+                list(completion.token_ids),
+                sampled_logprobs(completion, "policy turn"),
+                completion.finish_reason or "stop",
+                tuple(turn_runs),
+            )
+            finished.append((key, sample))
+        return finished
+
+
+class EngineLoop:
+    """A collector's engine with its weights: one lock, and every step timed.
+
+    vLLM's engine is not thread-safe; a threaded actor serialises every call on it with
+    ``lock``. Each step loads pending weights first when updates are in flight (`step`), and
+    is timed for the driver's stall watch (`step_running_s`).
+
+    Args:
+        llm: The ``vllm.LLM`` (`build_engine`).
+        sampling (Sampling): The run's sampling settings.
+        weight_updates (WeightUpdateMode): ``inference.weight_updates``.
+        owner (str): The collector's name (``collector[0]``).
+        model_dir (str): The folder the engine was started from (what a rollback reloads).
+        policy_version (int): The version of those weights.
+        verify (bool): Check the checksum of every update.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        sampling: Sampling,
+        weight_updates: WeightUpdateMode,
+        *,
+        owner: str,
+        model_dir: str,
+        policy_version: int,
+        verify: bool = True,
+    ) -> None:
+        self.llm = llm
+        self.sampling = sampling
+        self.weight_updates = weight_updates
+        self.lock = threading.RLock()
+        # The engine's weights: updates received, loaded (in flight or between batches),
+        # verified, rolled back, and the policy version of every token it samples.
+        self.weights = EngineWeights(
+            llm,
+            self.lock,
+            self.add_request,
+            self._timed_step,
+            owner=owner,
+            model_dir=model_dir,
+            policy_version=policy_version,
+            verify=verify,
+        )
+        self._step_started: float | None = None  # when the step now running began
+        self.steps = 0
+
+    def add_request(self, request_id: str, token_ids: Sequence[int], params: Any) -> None:
+        """Add a request to the engine (hold the lock)."""
+        add_request(self.llm, request_id, token_ids, params)
+
+    def step(self, load_pending: bool = True) -> list[tuple[Any, VersionRuns]]:
+        """Pending weights in (updates in flight, unless ``load_pending`` is False: greedy
+        evaluation keeps its weights), then one scheduler step; the finished requests with
+        the version runs of their samples (`grpo.weights.receiver.EngineWeights.step`)."""
+        return self.weights.step(self.weight_updates if load_pending else None)
+
+    def _timed_step(self) -> list[Any]:
+        self._step_started = time.monotonic()
+        try:
+            return self.llm.llm_engine.step()
+        finally:
+            self._step_started = None
+            self.steps += 1
+
+    def step_running_s(self, now: float) -> float:
+        """How long the step now running has run (0.0 between steps); takes no lock."""
+        started = self._step_started
+        return now - started if started is not None else 0.0
+
+    def turn_engine(self, greedy: bool = False, max_tokens: int | None = None) -> VLLMTurnEngine:
+        """The engine as the environments drive it (hold the lock while it runs)."""
+        return VLLMTurnEngine(self.add_request, self.step, self.sampling, greedy, max_tokens)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Hold the engine for a batch; a batch that fails leaves no request behind (the next
+        batch would otherwise step them as its own)."""
+        with self.lock:
+            try:
+                yield
+            except BaseException:
+                self._abort_unfinished()
+                raise
+
+    def _abort_unfinished(self) -> None:
+        engine = self.llm.llm_engine
+        request_ids = {s.external_req_id for s in engine.output_processor.request_states.values()}
+        if request_ids:
+            engine.abort_request(sorted(request_ids))
+        self.weights.forget_requests()
+
+    def shutdown(self) -> None:
+        """Close the weights' channels and shut the engine down (idempotent)."""
+        self.weights.close()
+        with self.lock:
+            llm, self.llm = self.llm, None
+            if llm is not None:
+                llm.llm_engine.engine_core.shutdown()
