@@ -135,3 +135,20 @@ def test_an_environment_must_be_started_before_its_episodes(tokenizer):
     env.start(_context(tokenizer))
     with pytest.raises(KeyError, match="no 'prompt'"):
         env.prompt_ids({"question": "q", "index": 3})
+
+
+def test_rewards_are_computed_while_the_episodes_run_and_score_collects_them(tokenizer):
+    env = SingleTurnEnv([MathCorrectnessReward()], reward_timeout_s=5.0)
+    env.start(_context(tokenizer))
+    scored_now = []
+    score_now = env._score_now
+    env._score_now = lambda episodes: scored_now.append(len(episodes)) or score_now(episodes)
+    example = {"question": "1 + 6?", "answer": "7", "prompt": "What is 1 + 6?", "index": 0}
+    engine = _scripted(tokenizer, lambda seed: "<answer>7</answer>" if seed % 2 else "8")
+    [group] = env.run_groups([(example, env.prompt_ids(example))], engine, 4, seeds=[100])
+    assert sum(scored_now) == 4  # every episode scored by the time run_groups returns
+    assert [r["math_correctness"] for r in env.score(group)] == [0.0, 1.0, 0.0, 1.0]
+    assert sum(scored_now) == 4  # score only collected them
+    # Episodes it did not see (or a second call) are scored when asked.
+    assert [r["math_correctness"] for r in env.score(group[:2])] == [0.0, 1.0]
+    assert sum(scored_now) == 6

@@ -224,7 +224,7 @@ def environment_context(values: dict) -> tuple[int, str, str] | None:
     """The engine's context of a run with an environment, as far as the config sets it.
 
     ``inference.engine_args.max_model_len``, or when that is null what the collector sets
-    (`grpo.workers.collector.response_budget`): ``max_prompt_tokens +
+    (`grpo.envs.Environment.response_budget`): ``max_prompt_tokens +
     max(max_generated_tokens, environment.max_episode_tokens)``. None when the config sets
     neither (the engine's context is then the model's ``max_position_embeddings``).
 

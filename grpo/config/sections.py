@@ -75,7 +75,7 @@ class OrchestrationConfig(Section):
     num_inference_workers: int = Field(1, ge=1)
     """vLLM collector actors, each with its own dataset shard."""
     num_ref_workers: int = Field(1, ge=1)
-    """Reference-model actors (ref logprobs, rewards, advantages)."""
+    """Reference-model actors (ref logprobs and group advantages)."""
     num_training_workers: int = Field(1, ge=1)
     """Training actors; more than one shards the model with FSDP2."""
     replay_buffer_size: int = Field(512, ge=1)

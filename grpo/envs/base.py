@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -260,6 +262,8 @@ class MultiTurnEnv(Environment):
         self.renderer: Any = None  # set by `start`, from the prompts' template
         # Reward calls that timed out or raised, per function, over the run (`score`).
         self.reward_failures: dict[str, int] = {}
+        # Rewards of the last `run_groups`' episodes, computed as each ended, by id(episode).
+        self._early_rewards: dict[int, dict[str, float]] = {}
 
     # ---- the collector's protocol ------------------------------------------------------------
 
@@ -313,21 +317,33 @@ class MultiTurnEnv(Environment):
         group_size: int,
         seeds: Sequence[int],
     ) -> list[list[Episode]]:
-        """Episodes driven by `grpo.envs.rollout.run_episodes` (see `Environment.run_groups`)."""
+        """Episodes driven by `grpo.envs.rollout.run_episodes` (see `Environment.run_groups`).
+
+        With the default `score`, each episode's rewards are computed in the background as
+        soon as it ends, while the engine runs the others (`score` then only collects them):
+        scoring in worker processes costs the engine no wait but the last episodes'.
+        """
         from grpo.envs.rollout import run_episodes
 
         context = self._started()
-        return run_episodes(
-            self,
-            engine,
-            context.tokenizer,
-            self.renderer,
-            prompts,
-            group_size=group_size,
-            max_tokens_per_turn=context.max_tokens_per_turn,
-            max_model_len=context.max_model_len,
-            seeds=seeds,
-        )
+        early = _EarlyScoring(self) if type(self).score is MultiTurnEnv.score else None
+        try:
+            groups = run_episodes(
+                self,
+                engine,
+                context.tokenizer,
+                self.renderer,
+                prompts,
+                group_size=group_size,
+                max_tokens_per_turn=context.max_tokens_per_turn,
+                max_model_len=context.max_model_len,
+                seeds=seeds,
+                on_end=early.add if early is not None else None,
+            )
+        finally:
+            if early is not None:
+                self._early_rewards = early.finish()
+        return groups
 
     # ---- what a subclass writes ------------------------------------------------------------
 
@@ -383,8 +399,15 @@ class MultiTurnEnv(Environment):
 
         By default every reward function scores the last assistant turn against the answer,
         and each episode keeps the functions' success flags (``successes``); calls that timed
-        out or raised are counted (`batch_metrics`).
+        out or raised are counted (`batch_metrics`). Rewards computed while the episodes ran
+        (`run_groups`) are taken as they are.
         """
+        early, self._early_rewards = self._early_rewards, {}
+        if all(id(episode) in early for episode in episodes):
+            return [early[id(episode)] for episode in episodes]
+        return self._score_now(episodes)
+
+    def _score_now(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
         if not self.reward_functions:
             raise ValueError(
                 f"{type(self).__name__} has no reward_functions: give it some, or override score"
@@ -413,3 +436,50 @@ class MultiTurnEnv(Environment):
                 }
             )
         return rewards
+
+
+class _EarlyScoring:
+    """Scores episodes on a thread of its own as they end, in batches of those that ended
+    while the previous batch was being scored."""
+
+    def __init__(self, env: MultiTurnEnv) -> None:
+        self.env = env
+        self._ended: queue.SimpleQueue[Episode | None] = queue.SimpleQueue()
+        self._rewards: dict[int, dict[str, float]] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="early-scoring", daemon=True)
+        self._thread.start()
+
+    def add(self, episode: Episode) -> None:
+        if episode.error is None:  # a failed episode is dropped, never scored
+            self._ended.put(episode)
+
+    def _run(self) -> None:
+        done = False
+        while not done:
+            batch = [self._ended.get()]
+            while not self._ended.empty():
+                batch.append(self._ended.get())
+            done = batch[-1] is None
+            episodes = [episode for episode in batch if episode is not None]
+            if not episodes or self._error is not None:
+                continue
+            try:
+                rewards = self.env._score_now(episodes)
+            except BaseException as error:  # raised again on the caller's thread
+                self._error = error
+                continue
+            for episode, reward in zip(episodes, rewards):
+                self._rewards[id(episode)] = reward
+
+    def finish(self) -> dict[int, dict[str, float]]:
+        """Wait for the episodes added so far; their rewards by ``id(episode)``.
+
+        Raises:
+            Exception: What scoring raised.
+        """
+        self._ended.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._rewards

@@ -112,6 +112,7 @@ def run_episodes(
     max_model_len: int,
     seeds: Sequence[int],
     gather_s: float = 0.02,
+    on_end: Callable[[Episode], None] | None = None,
 ) -> list[list[Episode]]:
     """Run ``group_size`` episodes per prompt to their end.
 
@@ -132,6 +133,8 @@ def run_episodes(
             other turn of the run shares, and a resumed stream samples the same.
         gather_s (float): When the engine is idle and one episode's answer is in, how long to
             wait for others' (a bigger batch) before sampling its next turn.
+        on_end (Callable | None): Called with each episode as soon as it ends (its reward can
+            be computed while the others still run).
 
     Returns:
         list[list[Episode]]: Per prompt, its episodes (finished; those whose environment
@@ -186,6 +189,8 @@ def run_episodes(
                 if _add_turn(limits, tokenizer, episode, turn, stop_tokens):
                     closed = bool(turn.token_ids) and turn.token_ids[-1] in stop_tokens
                     waiting.append((episode, env.start_response(episode), closed))
+                elif on_end is not None:
+                    on_end(episode)
         elif waiting:  # nothing to sample until an answer is in
             _wait_for_answers([pending for _, pending, _ in waiting], gather_s)
         still_waiting = []
@@ -194,6 +199,8 @@ def run_episodes(
                 still_waiting.append((episode, pending, closed))
             elif _apply_answer(limits, renderer, episode, pending.result(), closed):
                 ready.append(episode)
+            elif on_end is not None:
+                on_end(episode)
         waiting = still_waiting
     return groups
 
