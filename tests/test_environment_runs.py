@@ -48,7 +48,8 @@ def metric(run_dir: Path, name: str) -> list[float]:
 
 
 def test_multi_turn_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
-    """2 steps + resume + 2 steps == 4 straight steps, with multi-turn episodes."""
+    """A run resumed from step 2's checkpoint of a 4-step multi-turn run trains steps 3 and 4
+    exactly as that run did: the same episodes, in the same order, and the same losses."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
 
@@ -73,16 +74,21 @@ def test_multi_turn_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypat
         ray.shutdown()
 
     run(straight, 4)
-    run(resumed, 2)
-    run(resumed, 4, "resume_from_checkpoint=true")
+    run(resumed, 4, f"resume_from_checkpoint={straight / 'checkpoints' / 'step_000002'}")
 
-    assert trained_ids(resumed) == trained_ids(straight)
+    straight_records = read_jsonl(straight / "trained.jsonl")
+    assert [r["step"] for r in straight_records] == [1, 2, 3, 4]
+    resumed_records = read_jsonl(resumed / "trained.jsonl")
+    assert [r["step"] for r in resumed_records] == [3, 4]
+    assert [r["sequence_ids"] for r in resumed_records] == [
+        r["sequence_ids"] for r in straight_records[2:]
+    ]
     assert len(set(trained_ids(straight))) == len(trained_ids(straight)) == 4 * 32
     losses = {r["step"]: r[TRAIN_LOSS] for r in read_jsonl(straight / "metrics.jsonl") if TRAIN_LOSS in r}  # fmt: skip
     resumed_losses = {r["step"]: r[TRAIN_LOSS] for r in read_jsonl(resumed / "metrics.jsonl") if TRAIN_LOSS in r}  # fmt: skip
-    assert sorted(resumed_losses) == [1, 2, 3, 4]
-    for step, value in losses.items():
-        assert resumed_losses[step] == pytest.approx(value, rel=1e-6, abs=1e-9)
+    assert sorted(losses) == [1, 2, 3, 4] and sorted(resumed_losses) == [3, 4]
+    for step in (3, 4):
+        assert resumed_losses[step] == pytest.approx(losses[step], rel=1e-6, abs=1e-9)
 
     # The episodes were multi-turn, and the environment's tokens were not trained.
     assert max(metric(straight, INFERENCE_EPISODE_TURNS_MEAN)) > 1.5
