@@ -1,5 +1,5 @@
-"""Whole runs with a multi-turn environment: exact resume, a replaced collector, and an
-environment that fails every episode.
+"""Whole runs with a multi-turn environment: exact resume, a replaced collector (in the run the
+resumed run must reproduce), and an environment that fails every episode.
 
 The environment is `grpo.testing.tools.EchoUserEnv` (a user who answers every turn), with
 stop strings the random tiny model writes often, so every step trains on real multi-turn
@@ -47,34 +47,60 @@ def metric(run_dir: Path, name: str) -> list[float]:
     return [r[name] for r in read_jsonl(run_dir / "metrics.jsonl") if name in r]
 
 
+# The settings of the multi-turn runs that must reproduce one another exactly.
+SYNCHRONOUS = (
+    "orchestration.synchronous=true",
+    "training.lr_scheduler=null",
+    "checkpoint.save_every_n_steps=2",
+    "eval_every_n_steps=null",
+)
+
+
 def test_multi_turn_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     """A run resumed from step 2's checkpoint of a 4-step multi-turn run trains steps 3 and 4
-    exactly as that run did: the same episodes, in the same order, and the same losses."""
+    exactly as that run did: the same episodes, in the same order, and the same losses.
+
+    The 4-step run's collector is killed after step 3: its replacement plays the batch's
+    episodes again, every step completes, and nothing is lost or trained twice. The resumed
+    run, whose collector lives, trains the same steps 3 and 4, so the replacement changed
+    nothing either (a run of its own for the replaced collector would pay another start-up)."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
 
-    def run(run_dir: Path, num_steps: int, *more: str) -> None:
-        args = [
-            "run",
-            "async_grpo",
-            "--config",
-            "tiny_arithmetic_cpu",
-            f"base_model_path={tiny_model_dir}",
-            *RANDOM_MODEL_OVERRIDES,
-            f"output_dir={run_dir}",
-            f"orchestration.num_steps={num_steps}",
-            "orchestration.synchronous=true",
-            "training.lr_scheduler=null",
-            "checkpoint.save_every_n_steps=2",
-            "eval_every_n_steps=null",
-            *MULTI_TURN,
-            *more,
-        ]
-        assert grpo_main(args) == 0
+    run = start_tiny_run(
+        tiny_model_dir, straight, 4, "orchestration.stall_timeout_s=60", *SYNCHRONOUS, *MULTI_TURN
+    )
+    kill_at_steps(run, [(3, "collector[0]")])
+    try:
+        state = run.run()
+    finally:
+        run.shutdown()
         ray.shutdown()
+    assert state.step == 4
+    assert [r.actor for r in run.recoveries] == ["collector[0]"]
+    scored = [sid for r in read_jsonl(straight / "scored.jsonl") for sid in r["sequence_ids"]]
+    numbers = sorted({int(sid.split("-")[1]) for sid in scored})
+    assert numbers == list(range(numbers[-1] + 1))
+    assert len(set(trained_ids(straight))) == len(trained_ids(straight)) == 4 * 32
+    assert set(trained_ids(straight)) <= set(scored)
 
-    run(straight, 4)
-    run(resumed, 4, f"resume_from_checkpoint={straight / 'checkpoints' / 'step_000002'}")
+    from_checkpoint = straight / "checkpoints" / "step_000002"
+    assert (
+        grpo_main(
+            [
+                *("run", "async_grpo", "--config", "tiny_arithmetic_cpu"),
+                f"base_model_path={tiny_model_dir}",
+                *RANDOM_MODEL_OVERRIDES,
+                f"output_dir={resumed}",
+                "orchestration.num_steps=4",
+                *SYNCHRONOUS,
+                *MULTI_TURN,
+                f"resume_from_checkpoint={from_checkpoint}",
+            ]
+        )
+        == 0
+    )
+    ray.shutdown()
 
     straight_records = read_jsonl(straight / "trained.jsonl")
     assert [r["step"] for r in straight_records] == [1, 2, 3, 4]
@@ -83,7 +109,6 @@ def test_multi_turn_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypat
     assert [r["sequence_ids"] for r in resumed_records] == [
         r["sequence_ids"] for r in straight_records[2:]
     ]
-    assert len(set(trained_ids(straight))) == len(trained_ids(straight)) == 4 * 32
     losses = {r["step"]: r[TRAIN_LOSS] for r in read_jsonl(straight / "metrics.jsonl") if TRAIN_LOSS in r}  # fmt: skip
     resumed_losses = {r["step"]: r[TRAIN_LOSS] for r in read_jsonl(resumed / "metrics.jsonl") if TRAIN_LOSS in r}  # fmt: skip
     assert sorted(losses) == [1, 2, 3, 4] and sorted(resumed_losses) == [3, 4]
@@ -94,29 +119,6 @@ def test_multi_turn_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypat
     assert max(metric(straight, INFERENCE_EPISODE_TURNS_MEAN)) > 1.5
     assert max(metric(straight, INFERENCE_EPISODE_ENV_TOKEN_FRACTION)) > 0.05
     assert min(metric(straight, "train_actor_training/trained_token_fraction")) < 0.95
-
-
-def test_replaced_collector_loses_no_episode(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
-    """A collector killed mid-run with a multi-turn environment: its replacement regenerates
-    the batch; every step completes and nothing is trained twice."""
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    run_dir = tmp_path / "run"
-    run = start_tiny_run(
-        tiny_model_dir, run_dir, 6, "orchestration.stall_timeout_s=60", *MULTI_TURN
-    )
-    kill_at_steps(run, [(2, "collector[0]")])
-    try:
-        state = run.run()
-    finally:
-        run.shutdown()
-    assert state.step == 6
-    assert [r.actor for r in run.recoveries] == ["collector[0]"]
-    scored = [sid for r in read_jsonl(run_dir / "scored.jsonl") for sid in r["sequence_ids"]]
-    numbers = sorted({int(sid.split("-")[1]) for sid in scored})
-    assert numbers == list(range(numbers[-1] + 1))
-    trained = trained_ids(run_dir)
-    assert len(trained) == len(set(trained)) == 6 * 32
-    assert set(trained) <= set(scored)
 
 
 # Reads state["anwser"] when it answers: every episode whose first turn ends on a stop string

@@ -1,12 +1,24 @@
-"""Checkpoint and exact resume, killed actors, and graceful stops on SIGINT / SIGTERM."""
+"""Checkpoint and exact resume, killed actors, and graceful stops on SIGINT / SIGTERM.
+
+Starting a run (Ray, a vLLM engine, reference and trainer) takes tens of seconds on two
+cores, and a step of these tiny runs well under one, so the tests share runs where one shows
+several properties: one undisturbed deterministic run (the `undisturbed` fixture) is what the
+resumed and the restarted runs must reproduce, the resumed run goes on until Ctrl-C stops it,
+the run that SIGTERM stops extends a copy of the undisturbed one under another lr, and the
+run stopped by its diverged losses has two actors die before a checkpoint after it.
+"""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -57,108 +69,266 @@ def trained_versions(run_dir: Path) -> list[list[int]]:
     ]
 
 
+# The settings of the runs that must reproduce one another exactly (resume, trainer restart).
+DETERMINISTIC = (
+    *RANDOM_MODEL_OVERRIDES,
+    "orchestration.synchronous=true",
+    # Nothing older than the current weights is trained: a resumed or restarted run whose
+    # collectors labelled their samples with an older version than their weights would
+    # drop every sample and never fill a batch.
+    "orchestration.max_policy_lag=0",
+    "training.lr_scheduler=null",
+    "checkpoint.save_every_n_steps=2",
+    "eval_every_n_steps=null",
+    "inference.max_generated_tokens=12",
+    "inference.batch_size=4",
+    "training.batch_size=32",
+    # A reward the random tiny model earns sometimes, so losses and updates are non-zero.
+    "reward_functions=[{_component_: grpo.rewards.TokenPresenceReward, token: '7'}]",
+    "ref.reward_weights=null",
+)
+
+
 def deterministic_overrides(model_dir: Path, run_dir: Path, num_steps: int) -> list[str]:
     return [
         f"base_model_path={model_dir}",
-        *RANDOM_MODEL_OVERRIDES,
         f"output_dir={run_dir}",
         f"orchestration.num_steps={num_steps}",
-        "orchestration.synchronous=true",
-        # Nothing older than the current weights is trained: a resumed or restarted run whose
-        # collectors labelled their samples with an older version than their weights would
-        # drop every sample and never fill a batch.
-        "orchestration.max_policy_lag=0",
-        "training.lr_scheduler=null",
-        "checkpoint.save_every_n_steps=2",
-        "eval_every_n_steps=null",
-        "inference.max_generated_tokens=12",
-        "inference.batch_size=4",
-        "training.batch_size=32",
-        # A reward the random tiny model earns sometimes, so losses and updates are non-zero.
-        "reward_functions=[{_component_: grpo.rewards.TokenPresenceReward, token: '7'}]",
-        "ref.reward_weights=null",
+        *DETERMINISTIC,
     ]
 
 
-@pytest.mark.parametrize("num_workers", [1, 2], ids=["1_trainer", "2_fsdp_trainers"])
-def test_resume_continues_exactly(
-    num_workers, tiny_model_dir, tmp_path, monkeypatch, capsys, ray_cleanup
-):
-    """2 steps + resume + 2 steps == 4 straight steps: same losses, weights and prompts.
+def training_state(run: Orchestrator) -> dict:
+    """Trainer rank 0's whole model and optimizer state, gathered in its process."""
+    return ray.get(run.trainers[0].__ray_call__.remote(gathered_training_state))
 
-    The 2-step run finishes with no periodic checkpoint, so extending it to 4 steps also
-    proves that the end of a run saves one and that ``latest`` names the newest.
 
-    With two trainers each writes its own shards of the model and optimizer state and reads
-    them back (no rank gathers the optimizer state).
+@dataclass(frozen=True)
+class Undisturbed:
+    """A finished deterministic run: its folder (read-only) and trainer rank 0's whole state
+    after each step."""
 
-    Then a resume that would train nothing, or that changes the seed, is refused before Ray
-    starts; and (one trainer) a resume with another lr runs that lr, the one its config.yaml
-    records."""
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    args = ["run", "async_grpo", "--config", "tiny_arithmetic_cpu"]
-    workers = [
-        f"orchestration.num_training_workers={num_workers}",
-        f"ray.num_cpus={3 + num_workers}",
-    ]
+    run_dir: Path
+    states_at: dict[int, dict]
 
-    def run(run_dir: Path, num_steps: int, *more: str) -> None:
-        overrides = deterministic_overrides(tiny_model_dir, run_dir, num_steps)
-        assert grpo_main([*args, *overrides, *workers, *more]) == 0
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_model_dir, tmp_path_factory) -> Undisturbed:
+    """The deterministic 4-step run, one trainer, checkpoints at steps 2 and 4, that the
+    resumed and the restarted runs must reproduce (and that SIGTERM's run extends a copy of).
+
+    Four steps: a checkpoint (step 2) to go on from and, after it, a step a restarted run
+    loses when its trainer dies (step 3) and one it trains after redoing it (step 4)."""
+    run_dir = tmp_path_factory.mktemp("undisturbed") / "run"
+    states_at: dict[int, dict] = {}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_MODE", "disabled")
+        run = start_tiny_run(tiny_model_dir, run_dir, 4, *DETERMINISTIC)
+        try:
+            run.run(on_step=lambda state: states_at.setdefault(state.step, training_state(run)))
+            run.save_final_checkpoint()
+        finally:
+            run.shutdown()
+            ray.shutdown()
+    return Undisturbed(run_dir, states_at)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def assert_all_gone(processes: list[psutil.Process], within_s: float = 30.0) -> None:
+    """Every one of ``processes`` ends within ``within_s`` (a zombie counts as ended)."""
+
+    def running(process: psutil.Process) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + within_s
+    alive = [p for p in processes if running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alive = [p for p in alive if running(p)]
+    assert not alive, f"orphan processes: {[(p.pid, p.name()) for p in alive]}"
+
+
+def ctrl_c_once_trained(trained: Path, records: int, finished: threading.Event) -> dict[str, Any]:
+    """In a background thread, send this process SIGINT, as Ctrl-C does, once ``trained``
+    holds ``records`` records, unless ``finished`` is set first (a Ctrl-C after the run would
+    interrupt pytest itself).
+
+    Returns:
+        dict[str, Any]: Filled as it is sent: ``at`` (``time.monotonic()``) and ``children``
+        (the processes started since this call and alive then: the run's).
+    """
+    before = {p.pid for p in descendants(os.getpid())}
+    sent: dict[str, Any] = {}
+
+    def wait_and_send() -> None:
+        deadline = time.monotonic() + 300
+        while not finished.is_set() and time.monotonic() < deadline:
+            if trained.exists() and trained.read_text().count("\n") >= records:
+                sent["children"] = [p for p in descendants(os.getpid()) if p.pid not in before]
+                sent["at"] = time.monotonic()
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=wait_and_send, daemon=True).start()
+    return sent
+
+
+def grpo_run(model_dir: Path, run_dir: Path, num_steps: int, *more: str, workers: int = 1) -> int:
+    """``grpo run`` of a deterministic run in this process; Ray is shut down after it."""
+    try:
+        return grpo_main(
+            [
+                *("run", "async_grpo", "--config", "tiny_arithmetic_cpu"),
+                *deterministic_overrides(model_dir, run_dir, num_steps),
+                f"orchestration.num_training_workers={workers}",
+                f"ray.num_cpus={3 + workers}",
+                *more,
+            ]
+        )
+    finally:
         ray.shutdown()
 
-    run(straight, 4)
-    # A finished 2-step run with no periodic checkpoint: the end of the run saves one.
-    run(resumed, 2, "checkpoint.save_every_n_steps=null")
-    assert (resumed / "checkpoints" / "latest").read_text() == "step_000002"
-    shards = sorted(p.name for p in (resumed / "checkpoints" / "step_000002" / "trainer").iterdir())
-    assert shards == [".metadata", *(f"__{r}_0.distcp" for r in range(num_workers)), "extra.pt"]
-    # Extending the finished run continues from its last step.
-    run(resumed, 4, "resume_from_checkpoint=true")
-    assert (resumed / "checkpoints" / "latest").read_text() == "step_000004"
 
-    # The same prompts and samples, in the same order: nothing trained twice or skipped;
-    # and the same policy versions (the resumed collectors label what they sample with the
+def weights_at(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The policy weights of a run's checkpoint of ``step``."""
+    return load_file(run_dir / "checkpoints" / f"step_{step:06d}" / "model" / "model.safetensors")
+
+
+def assert_continues_exactly(straight: Path, resumed: Path, model_dir: Path) -> None:
+    """``resumed``, resumed from step 2's checkpoint of the finished 4-step run ``straight``,
+    trained its steps 3 and 4 exactly as ``straight`` did."""
+    # The same prompts and samples, in the same order: nothing trained twice or skipped; and
+    # the same policy versions (the resumed collectors label what they sample with the
     # checkpoint's version, the version of the weights they start from).
-    assert trained_ids(resumed) == trained_ids(straight)
-    assert trained_versions(resumed) == trained_versions(straight)
+    straight_records = read_jsonl(straight / "trained.jsonl")
+    assert [r["step"] for r in straight_records] == [1, 2, 3, 4]
+    continued = straight_records[2:]
+    resumed_records = read_jsonl(resumed / "trained.jsonl")[:2]
+    assert [r["step"] for r in resumed_records] == [3, 4]
+    assert [r["sequence_ids"] for r in resumed_records] == [r["sequence_ids"] for r in continued]
+    assert trained_versions(resumed)[:2] == [r["policy_versions"] for r in continued]
     assert len(set(trained_ids(straight))) == len(trained_ids(straight))
     # Same per-step losses. Both runs execute the same fp32 CPU kernels on the same data in
     # the same order, so they agree to rounding; 1e-6 relative leaves room for nothing else.
     straight_losses, resumed_losses = losses(straight), losses(resumed)
-    assert sorted(resumed_losses) == [1, 2, 3, 4]
-    for step, value in straight_losses.items():
-        assert resumed_losses[step] == pytest.approx(value, rel=1e-6, abs=1e-9)
-    assert any(abs(v) > 0 for v in straight_losses.values()), "no learning signal to compare"
-    # Same final weights (AdamW moments and step counts were restored, not rebuilt).
-    final_straight = load_file(straight / "final" / "model.safetensors")
-    final_resumed = load_file(resumed / "final" / "model.safetensors")
-    base = load_file(Path(tiny_model_dir) / "model.safetensors")
-    assert any(not torch.equal(final_straight[k], base[k]) for k in base)
-    for name, tensor in final_straight.items():
-        torch.testing.assert_close(final_resumed[name], tensor, rtol=1e-6, atol=1e-7)
+    assert sorted(straight_losses) == [1, 2, 3, 4] and sorted(resumed_losses)[:2] == [3, 4]
+    for step in (3, 4):
+        assert resumed_losses[step] == pytest.approx(straight_losses[step], rel=1e-6, abs=1e-9)
+    assert any(abs(straight_losses[step]) > 0 for step in (3, 4)), "no learning signal to compare"
+    # Same weights after step 4 (AdamW moments and step counts were restored, not rebuilt),
+    # which steps 3 and 4 moved away from the checkpoint's.
+    base = load_file(Path(model_dir) / "model.safetensors")
+    assert any(not torch.equal(weights_at(straight, 4)[k], base[k]) for k in base)
+    assert any(
+        not torch.equal(weights_at(straight, 4)[k], weights_at(straight, 2)[k]) for k in base
+    )
+    for name, tensor in weights_at(straight, 4).items():
+        torch.testing.assert_close(weights_at(resumed, 4)[name], tensor, rtol=1e-6, atol=1e-7)
 
-    # Each checkpoint records the config it ran with; a resume is checked against it.
-    saved = yaml.safe_load((resumed / "checkpoints" / "step_000004" / "config.yaml").read_text())
-    assert saved["orchestration"]["num_steps"] == 4
+
+def assert_refused_before_ray_starts(model_dir: Path, run_dir: Path, workers: int, capsys) -> None:
+    """Resuming ``run_dir`` with a num_steps that trains nothing, or with another seed, is
+    refused before Ray starts: each checkpoint records the config it ran with."""
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
+    step = json.loads((latest / "state.json").read_text())["step"]
     capsys.readouterr()
     for more, key in (
         ([], "orchestration.num_steps"),
-        (["orchestration.num_steps=5", "seed=3"], "seed"),
+        ([f"orchestration.num_steps={step + 1}", "seed=3"], "seed"),
     ):
-        overrides = deterministic_overrides(tiny_model_dir, resumed, 4)
-        assert grpo_main([*args, *overrides, *workers, "resume_from_checkpoint=true", *more]) == 2
+        args = deterministic_overrides(model_dir, run_dir, step)
+        args += [f"orchestration.num_training_workers={workers}", f"ray.num_cpus={3 + workers}"]
+        run = ["run", "async_grpo", "--config", "tiny_arithmetic_cpu"]
+        assert grpo_main([*run, *args, "resume_from_checkpoint=true", *more]) == 2
         err = capsys.readouterr().err
         assert f"{key}: " in err and "Traceback" not in err, err
         assert not ray.is_initialized()
-    if num_workers > 1:
-        return  # each rank applies the same settings: one trainer shows it
-    run(resumed, 5, "resume_from_checkpoint=true", "training.optimizer.lr=1e-4")
-    recorded = yaml.safe_load((resumed / "config.yaml").read_text())
-    assert recorded["training"]["optimizer"]["lr"] == 1e-4
-    lrs = {r["step"]: r[TRAIN_LR] for r in read_jsonl(resumed / "metrics.jsonl") if TRAIN_LR in r}
-    assert lrs == {1: 3e-4, 2: 3e-4, 3: 3e-4, 4: 3e-4, 5: 1e-4}
+
+
+def test_resume_continues_exactly(
+    undisturbed, tiny_model_dir, tmp_path, monkeypatch, capsys, ray_cleanup
+):
+    """A run resumed from step 2's checkpoint of the undisturbed 4-step run trains steps 3
+    and 4 exactly as it did: the same prompts, samples and policy versions, losses and
+    weights. Ctrl-C (SIGINT) then stops it gracefully: status 130, a checkpoint of the step
+    it stopped at, no process left behind.
+
+    Two trainers: `test_resume_with_two_fsdp_trainers_continues_exactly`. SIGTERM, to a run
+    in a process of its own: `test_signal_stops_gracefully`."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    resumed = tmp_path / "resumed"
+    from_checkpoint = undisturbed.run_dir / "checkpoints" / "step_000002"
+    trained = resumed / "trained.jsonl"
+    finished = threading.Event()
+    # Ctrl-C once steps 3 and 4 are trained; the run stops after the step it is in then.
+    sent = ctrl_c_once_trained(trained, 2, finished)
+    try:
+        status = grpo_run(tiny_model_dir, resumed, 500, f"resume_from_checkpoint={from_checkpoint}")
+    except KeyboardInterrupt:  # escaping, it would end the whole test session
+        pytest.fail("Ctrl-C escaped grpo run as KeyboardInterrupt")
+    finally:
+        finished.set()
+    stop_seconds = time.monotonic() - sent["at"]
+    # 130 for Ctrl-C: a script can tell an interrupted run from a finished one.
+    assert status == 130, capsys.readouterr()
+    assert stop_seconds < 120
+    assert_continues_exactly(undisturbed.run_dir, resumed, tiny_model_dir)
+
+    latest = resumed / "checkpoints" / (resumed / "checkpoints" / "latest").read_text()
+    state = json.loads((latest / "state.json").read_text())
+    # Every step up to the stop was trained once and is in the checkpoint.
+    assert [r["step"] for r in read_jsonl(trained)] == list(range(3, state["step"] + 1))
+    assert state["step"] >= 4
+    assert (latest / "model" / "model.safetensors").is_file()
+    shards = sorted(p.name for p in (latest / "trainer").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "extra.pt"]
+    # No orphans: every process the run started is gone shortly after it ended.
+    assert sent["children"], "the run started no processes"
+    assert_all_gone(sent["children"])
+    saved = yaml.safe_load((latest / "config.yaml").read_text())
+    assert saved["orchestration"]["num_steps"] == 500
+    assert_refused_before_ray_starts(tiny_model_dir, resumed, 1, capsys)
+
+
+def test_resume_with_two_fsdp_trainers_continues_exactly(
+    tiny_model_dir, tmp_path, monkeypatch, capsys, ray_cleanup
+):
+    """As `test_resume_continues_exactly`, with two trainers: each writes its own shards of
+    the model and optimizer state and reads them back (no rank gathers the optimizer state).
+
+    The resumed run saves no periodic checkpoint, so the one it has proves that the end of a
+    run saves one and that ``latest`` names the newest."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert grpo_run(tiny_model_dir, straight, 4, workers=2) == 0
+    from_checkpoint = straight / "checkpoints" / "step_000002"
+    resume = (f"resume_from_checkpoint={from_checkpoint}", "checkpoint.save_every_n_steps=null")
+    assert grpo_run(tiny_model_dir, resumed, 4, *resume, workers=2) == 0
+    # No periodic checkpoint: the end of the run saved this one.
+    checkpoints = resumed / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000004"]
+    assert (checkpoints / "latest").read_text() == "step_000004"
+    shards = sorted(p.name for p in (checkpoints / "step_000004" / "trainer").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra.pt"]
+
+    assert_continues_exactly(straight, resumed, tiny_model_dir)
+    final_straight = load_file(straight / "final" / "model.safetensors")
+    final_resumed = load_file(resumed / "final" / "model.safetensors")
+    for name, tensor in final_straight.items():
+        torch.testing.assert_close(final_resumed[name], tensor, rtol=1e-6, atol=1e-7)
+    saved = yaml.safe_load((checkpoints / "step_000004" / "config.yaml").read_text())
+    assert saved["orchestration"]["num_steps"] == 4
+    assert_refused_before_ray_starts(tiny_model_dir, resumed, 2, capsys)
 
 
 def start_run(model_dir: Path, run_dir: Path, num_steps: int, *overrides: str) -> Orchestrator:
@@ -242,69 +412,16 @@ def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
     assert len(killed) == 3
 
 
-def test_checkpoint_replaces_actors_that_died_between_calls(
-    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
-):
-    """A reference actor and the buffer killed after the loop's last step are replaced when
-    the checkpoint asks them for their state, and the checkpoint still holds every scored
-    trajectory that was not trained on."""
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    run_dir = tmp_path / "run"
-    run = start_run(tiny_model_dir, run_dir, 2)
-    try:
-        run.run()
-        ray.kill(run.ref_actors[0], no_restart=True)
-        ray.kill(run.replay_buffer, no_restart=True)
-        checkpoint = run.save_checkpoint()
-    finally:
-        run.shutdown()
-    assert sorted(r.actor for r in run.recoveries) == ["ref_actor[0]", "replay_buffer"]
-    pipeline = torch.load(checkpoint / "pipeline.pt", weights_only=False)
-    in_buffer = [t.sequence_id for t, _ in pipeline["replay_buffer"]["items"]]
-    waiting = [t.sequence_id for group in pipeline["unbuffered_groups"] for t in group]
-    unscored = [t.sequence_id for group in pipeline["unscored_groups"] for t in group.trajectories]
-    trained = trained_ids(run_dir)
-    scored = {sid for r in read_jsonl(run_dir / "scored.jsonl") for sid in r["sequence_ids"]}
-    held = in_buffer + waiting
-    assert len(held) == len(set(held)) and not set(held) & set(trained)
-    # Nothing is stale after 2 steps (max_policy_lag 2), so every scored trajectory is
-    # either trained or held in the checkpoint, and the unscored ones are not scored yet.
-    assert set(held) | set(trained) == scored
-    assert not set(unscored) & scored
-
-
-def training_state(run: Orchestrator) -> dict:
-    """Trainer rank 0's whole model and optimizer state, gathered in its process."""
-    return ray.get(run.trainers[0].__ray_call__.remote(gathered_training_state))
-
-
 def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
-    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+    undisturbed, tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
 ):
     """A trainer killed after step 3 of 4 (checkpoints every 2 steps): the run restarts from step
     2's checkpoint by itself, the restored weights and AdamW state are the checkpoint's, and
     the run it finishes is the one it would have been undisturbed (synchronous, so exactly):
     the same trajectories trained at the same steps, losses and final weights."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    straight_dir, restarted_dir = tmp_path / "straight", tmp_path / "restarted"
-    overrides = [
-        o
-        for o in deterministic_overrides(tiny_model_dir, straight_dir, 4)
-        if not o.startswith(("base_model_path=", "output_dir=", "orchestration.num_steps="))
-    ]
-
-    straight = start_tiny_run(tiny_model_dir, straight_dir, 4, *overrides)
-    states_at: dict[int, dict] = {}
-    try:
-        straight.run(
-            on_step=lambda state: states_at.setdefault(state.step, training_state(straight))
-        )
-        straight.save_final_checkpoint()
-    finally:
-        straight.shutdown()
-        ray.shutdown()
-
-    run = start_tiny_run(tiny_model_dir, restarted_dir, 4, *overrides)
+    straight_dir, restarted_dir = undisturbed.run_dir, tmp_path / "restarted"
+    run = start_tiny_run(tiny_model_dir, restarted_dir, 4, *DETERMINISTIC)
     restored: list[dict] = []
     restart = run._restart_from_checkpoint
 
@@ -325,7 +442,7 @@ def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
     assert run.recoveries[0].seconds_to_work is not None
     # Back at step 2 with exactly the checkpoint's weights, AdamW moments and step counts.
     assert [r["step"] for r in restored] == [2]
-    assert_same_training_state(restored[0], states_at[2])
+    assert_same_training_state(restored[0], undisturbed.states_at[2])
     assert run.steps_redone >= 1
     # The ledger marks the rewind; what stands is the undisturbed run's ledger.
     records = read_jsonl(restarted_dir / "trained.jsonl")
@@ -412,7 +529,11 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(
     tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
 ):
     """Every step's loss is NaN: each is skipped and counted, the weights never move, and
-    after max_nonfinite_steps_in_a_row the run stops with a checkpoint of where it was."""
+    after max_nonfinite_steps_in_a_row the run stops with a checkpoint of where it was.
+
+    Then a reference actor and the buffer, killed after the run stopped (between calls),
+    are replaced when another checkpoint asks them for their state, and that checkpoint still
+    holds every scored trajectory that was not trained on."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "run"
     run = start_run(
@@ -425,6 +546,12 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(
     try:
         with pytest.raises(TrainingDivergedError) as error:
             run.run()
+        checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
+        state = json.loads((checkpoint / "state.json").read_text())
+        saved = load_file(checkpoint / "model" / "model.safetensors")
+        ray.kill(run.ref_actors[0], no_restart=True)
+        ray.kill(run.replay_buffer, no_restart=True)
+        after_kills = run.save_checkpoint()
     finally:
         run.shutdown()
     assert "2 training steps in a row" in str(error.value)
@@ -436,42 +563,45 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(
         if "train_actor_training/nonfinite_steps_skipped" in r
     ]
     assert skipped == [1.0, 2.0]
-    checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
-    assert json.loads((checkpoint / "state.json").read_text())["step"] == 2
-    saved = load_file(checkpoint / "model" / "model.safetensors")
+    assert state["step"] == 2
     base = load_file(Path(tiny_model_dir) / "model.safetensors")
     for name, tensor in base.items():
         assert torch.equal(saved[name], tensor), f"{name} moved in a skipped step"
 
+    assert sorted(r.actor for r in run.recoveries) == ["ref_actor[0]", "replay_buffer"]
+    pipeline = torch.load(after_kills / "pipeline.pt", weights_only=False)
+    in_buffer = [t.sequence_id for t, _ in pipeline["replay_buffer"]["items"]]
+    waiting = [t.sequence_id for group in pipeline["unbuffered_groups"] for t in group]
+    unscored = [t.sequence_id for group in pipeline["unscored_groups"] for t in group.trajectories]
+    trained = trained_ids(run_dir)
+    scored = {sid for r in read_jsonl(run_dir / "scored.jsonl") for sid in r["sequence_ids"]}
+    held = in_buffer + waiting
+    assert len(held) == len(set(held)) and not set(held) & set(trained)
+    # Nothing is stale after 2 steps (max_policy_lag 2), so every scored trajectory is
+    # either trained or held in the checkpoint, and the unscored ones are not scored yet.
+    assert set(held) | set(trained) == scored
+    assert not set(unscored) & scored
 
-def descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
 
+def test_signal_stops_gracefully(undisturbed, tiny_model_dir, tmp_path):
+    """SIGTERM (a scheduler's stop) ends a run in a process of its own after its current step:
+    status 143, a checkpoint of the step it stopped at, no process left behind.
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
-def test_signal_stops_gracefully(stop_signal, tiny_model_dir, tmp_path):
+    The run extends a copy of the finished undisturbed run, asynchronously and with another
+    lr: it goes on from the last step and runs that lr, the one its config.yaml records (each
+    trainer rank applies the same settings: one trainer shows it). (Ctrl-C, SIGINT:
+    `test_resume_continues_exactly`.)"""
     run_dir = tmp_path / "run"
+    shutil.copytree(undisturbed.run_dir, run_dir)
     env = {**os.environ, "WANDB_MODE": "disabled"}
     process = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "grpo",
-            "run",
-            "async_grpo",
-            "--config",
-            "tiny_arithmetic_cpu",
-            f"base_model_path={tiny_model_dir}",
-            *RANDOM_MODEL_OVERRIDES,
-            f"output_dir={run_dir}",
-            "orchestration.num_steps=500",
-            "eval_every_n_steps=null",
-            "inference.max_generated_tokens=8",
-            "inference.batch_size=4",
-            "training.batch_size=32",
+            *(sys.executable, "-m", "grpo", "run", "async_grpo", "--config", "tiny_arithmetic_cpu"),
+            *deterministic_overrides(tiny_model_dir, run_dir, 500),
+            "resume_from_checkpoint=true",
+            "training.optimizer.lr=1e-4",
+            "orchestration.synchronous=false",
+            "orchestration.max_policy_lag=2",
         ],
         cwd=REPO,
         env=env,
@@ -479,36 +609,40 @@ def test_signal_stops_gracefully(stop_signal, tiny_model_dir, tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
+    trained = run_dir / "trained.jsonl"
     try:
         deadline = time.monotonic() + 300
-        trained = run_dir / "trained.jsonl"
+        # Two steps past the 4 of the run it extends.
         while time.monotonic() < deadline and process.poll() is None:
-            if trained.exists() and trained.read_text().count("\n") >= 2:
+            if trained.read_text().count("\n") >= 4 + 2:
                 break
             time.sleep(0.5)
         assert process.poll() is None, process.communicate()[0][-3000:]
         children = descendants(process.pid)
         assert children, "the run started no processes"
-        process.send_signal(stop_signal)
+        process.send_signal(signal.SIGTERM)
         start = time.monotonic()
         output, _ = process.communicate(timeout=180)
         stop_seconds = time.monotonic() - start
     finally:
         if process.poll() is None:
             process.kill()
-    # 130 for Ctrl-C, 143 for SIGTERM: a script can tell an interrupted run from a finished one.
-    assert process.returncode == 128 + stop_signal, output[-3000:]
+    # 143 for SIGTERM: a script can tell an interrupted run from a finished one.
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert stop_seconds < 120
     latest = run_dir / "checkpoints" / "latest"
     assert latest.is_file(), output[-3000:]
     checkpoint = run_dir / "checkpoints" / latest.read_text()
     state = json.loads((checkpoint / "state.json").read_text())
-    assert state["step"] == len(read_jsonl(run_dir / "trained.jsonl")) >= 2
+    assert state["step"] == len(read_jsonl(trained)) >= 4 + 2
     assert (checkpoint / "model" / "model.safetensors").is_file()
     # No orphans: every process the run started is gone shortly after it exits.
-    deadline = time.monotonic() + 30
-    alive = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.5)
-        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"orphan processes: {[(p.pid, p.name()) for p in alive]}"
+    assert_all_gone(children)
+
+    recorded = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert recorded["training"]["optimizer"]["lr"] == 1e-4
+    lrs = {r["step"]: r[TRAIN_LR] for r in read_jsonl(run_dir / "metrics.jsonl") if TRAIN_LR in r}
+    assert lrs == {
+        **dict.fromkeys(range(1, 5), 3e-4),
+        **dict.fromkeys(range(5, state["step"] + 1), 1e-4),
+    }
