@@ -147,7 +147,9 @@ def _stand_ins(config: Path, overrides: list[str], model: Path) -> list[str]:
     values = yaml.safe_load(config.read_text()) if config.is_file() else {}
     given = dict(override.split("=", 1) for override in overrides if "=" in override)
     folder = Path(given.get("base_model_path", values.get("base_model_path", "")))
-    if (folder if folder.is_absolute() else REPO / folder).is_dir():
+    # Only a model the repo ships is used as is: a folder elsewhere (a download in /tmp) may
+    # or may not be on this machine, and the check must not depend on it.
+    if not folder.is_absolute() and (REPO / folder).is_dir():
         return []
     stand_ins = [f"base_model_path={model}"]
     if "ray.address" not in given and (values.get("ray") or {}).get("address") is None:
