@@ -34,6 +34,10 @@ WeightUpdateMode = Literal["in_flight", "in_flight_keep_kv", "between_batches"]
 sequences prefilled again with them, or keeping the KV cache the old weights computed), or only
 between generation batches."""
 
+LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Linear layers a LoRA adapter can wrap, by their Hugging Face / PEFT / vLLM names (the same in
+every supported family)."""
+
 LogLevel = Literal["info", "debug"]
 """Terminal verbosity of ``grpo run``."""
 
@@ -52,3 +56,4 @@ TRANSPORTS: tuple[str, ...] = get_args(WeightTransportKind)
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
 MODEL_TYPES: tuple[str, ...] = get_args(ModelType)
+LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)

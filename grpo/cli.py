@@ -5,8 +5,11 @@
                                                 (--verbose: every process's output on the
                                                 terminal instead of OUTPUT_DIR/logs/)
     grpo validate NAME [k=v ...]                check a config without running anything
+                [--gpu-memory 24GiB]            and its GPU memory plan (per role, per GPU)
     grpo cp NAME DEST [--force]                 copy a config or recipe to edit it
     grpo plot RUN_DIR                           write the standard plots of a run
+    grpo export CHECKPOINT_DIR --peft OUT       a LoRA checkpoint's adapter as a PEFT folder,
+                               --merged OUT     and/or merged into its base model
     grpo --version                              the installed package's version
 
 A recipe is a Python file with a ``recipe_main(cfg)`` function: a name (``async_grpo``) means
@@ -35,6 +38,13 @@ from types import ModuleType
 from grpo.config import ConfigError, configs_dir, list_configs, repo_root
 from grpo.observability.logs import DriverLog
 from grpo.preflight import load_run_config, used_output_dir_problem
+from grpo.preflight.memory import (
+    format_memory_plan,
+    memory_problems,
+    parse_size,
+    run_memory_plan,
+)
+from grpo.preflight.versions import check_vllm_version
 from grpo.recipe import add_verbose_flag, import_from_launch_folder, run_recipe, split_overrides
 
 # A config names its recipe in its launch comment: "#   grpo run async_grpo --config ...".
@@ -144,8 +154,29 @@ def _validate_cmd(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, args.overrides, check_components=True)
     if problem := used_output_dir_problem(cfg):  # what `grpo run` would refuse at start
         raise ConfigError(problem)
+    if warning := check_vllm_version():  # may work; was not tested
+        print(f"grpo validate: warning: {warning}", file=sys.stderr)
+    try:
+        plan = run_memory_plan(cfg, args.gpu_memory)
+    except ValueError as exc:  # a config.json without the sizes (a stand-in model folder)
+        print(f"GPU memory plan: none ({exc})")
+        plan = None
+    if plan is not None:
+        print(format_memory_plan(plan))
+        if problems := memory_problems(plan):
+            if len(problems) == 1:
+                raise CommandError(problems[0])
+            lines = "\n".join(f"  - {problem}" for problem in problems)
+            raise CommandError(f"{len(problems)} roles do not fit their GPUs:\n{lines}")
     print("Config is well-formed!")
     return 0
+
+
+def _gpu_memory(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _ls_cmd(args: argparse.Namespace) -> int:
@@ -223,6 +254,28 @@ def _plot_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_cmd(args: argparse.Namespace) -> int:
+    if args.peft is None and args.merged is None:
+        raise CommandError("give --peft OUT_DIR and/or --merged OUT_DIR", 2)
+    if not Path(args.checkpoint_dir).exists():
+        raise CommandError(f"checkpoint folder {args.checkpoint_dir} does not exist", 2)
+    # Imported here: it loads torch, which the other commands do without.
+    from grpo.export import ExportError, export_checkpoint
+
+    try:
+        written = export_checkpoint(
+            args.checkpoint_dir,
+            peft_dir=args.peft,
+            merged_dir=args.merged,
+            overwrite=args.overwrite,
+        )
+    except ExportError as exc:
+        raise CommandError(str(exc)) from None
+    for path in written:
+        print(path)
+    return 0
+
+
 def package_version() -> str:
     """The installed ``grpo`` package's version ("unknown" when run from an uninstalled tree)."""
     try:
@@ -265,6 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("config", help="config name or path to a YAML file")
     validate.add_argument("overrides", nargs="*", help="key.sub=value or ~key overrides")
+    validate.add_argument(
+        "--gpu-memory",
+        type=_gpu_memory,
+        metavar="SIZE",
+        help="memory of each GPU, e.g. 24GiB or 80GB: the placement's memory plan is checked "
+        "against it (default: this machine's GPUs; none: the plan is only printed)",
+    )
     validate.set_defaults(func=_validate_cmd, takes_overrides=True)
 
     ls = commands.add_parser(
@@ -293,6 +353,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl)")
     plot.set_defaults(func=_plot_cmd)
+
+    export = commands.add_parser(
+        "export",
+        help="export a LoRA checkpoint as a PEFT adapter or a merged model",
+        description="Write a LoRA checkpoint's adapter as a PEFT folder (vLLM, PEFT) and/or "
+        "merged into its base model as a Hugging Face folder.",
+        epilog="Example: grpo export runs/x/checkpoints/step_100 --merged exports/step_100",
+    )
+    export.add_argument(
+        "checkpoint_dir", help="checkpoint folder of a training.lora run, or a PEFT folder"
+    )
+    export.add_argument("--peft", metavar="OUT_DIR", help="write the PEFT adapter folder here")
+    export.add_argument("--merged", metavar="OUT_DIR", help="write the merged model folder here")
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace existing non-empty output folders"
+    )
+    export.set_defaults(func=_export_cmd)
     return parser
 
 

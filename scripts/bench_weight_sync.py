@@ -11,21 +11,28 @@ For each state dict (the tiny demo model's HF weights, and a synthetic fp32 one 
   (`grpo.weights.channel`, what the ``collective`` transport does).
 
 Each transport is timed from the driver, end to end (until the receiver holds the named
-tensors); the vLLM reload that follows is the same for both and is not included. Variants run
+tensors); the vLLM reload that follows is the same for both and is timed apart.
+
+With LoRA (``training.lora``) only the adapter travels: the demo model's rank-16 adapter on all
+seven projections is a case of its own. Then, on one vLLM engine (the demo model, LoRA enabled),
+the two ways a collector takes an update: a full in-place reload (`grpo_update_weights`) and an
+adapter load (`grpo.weights.adapter.EngineAdapters`: PEFT folder written, checksum read back,
+``add_lora``), each followed by the same probe forward. Variants run
 round-robin after one warm-up each (the machine may be shared); medians are printed, with the
 ratio to the clone, and the load average at the start and the end.
 
 Usage::
 
     python scripts/bench_weight_sync.py [--synthetic-mb 256] [--bucket-mb 32] [--repeats 5]
+        [--no-engine]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import load_average
 
-from grpo.config import WeightSyncConfig  # noqa: E402
+from grpo.choices import LORA_TARGETS  # noqa: E402
+from grpo.config import LoRAConfig, WeightSyncConfig  # noqa: E402
 from grpo.models import load_hf_state_dict  # noqa: E402
-from grpo.testing import build_tiny_qwen2  # noqa: E402
 from grpo.weights.channel import (  # noqa: E402
     RECEIVER_RANK,
     SENDER_RANK,
@@ -128,19 +135,93 @@ def bench(state: dict[str, torch.Tensor], bucket_bytes: int, repeats: int) -> di
     return {name: statistics.median(values) for name, values in seconds.items()}
 
 
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny_arithmetic_qwen2"
+DEMO_LORA = {"rank": 16, "alpha": 32.0, "target_modules": list(LORA_TARGETS)}
+
+
+def demo_adapter() -> dict[str, torch.Tensor]:
+    """The demo model's adapter as the trainer sends it (PEFT names), B moved off zero."""
+    from grpo.models import build_model, load_hf_config
+    from grpo.models.lora import adapter_state_dict, apply_lora, peft_adapter_state_dict
+
+    model = build_model(DEMO_MODEL)
+    torch.manual_seed(0)
+    apply_lora(model, LoRAConfig(**DEMO_LORA))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_b" in name:
+                parameter.normal_(std=0.01)
+    return peft_adapter_state_dict(
+        adapter_state_dict(model.state_dict()), load_hf_config(DEMO_MODEL)
+    )
+
+
+def bench_engine_loads(
+    full: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], repeats: int
+) -> dict[str, float]:
+    """Median seconds of a full reload and of an adapter load into one vLLM engine, each with
+    the probe forward that verifies it."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    from grpo.models.lora import peft_adapter_config
+    from grpo.testing import tiny_vllm_engine_kwargs
+    from grpo.weights.adapter import EngineAdapters, engine_lora_args
+    from grpo.weights.checksum import state_dict_checksum
+    from grpo.weights.engine import WORKER_EXTENSION_CLS
+
+    kwargs = {**tiny_vllm_engine_kwargs(max_model_len=128), **engine_lora_args(16)}
+    llm = LLM(model=str(DEMO_MODEL), worker_extension_cls=WORKER_EXTENSION_CLS, **kwargs)
+    adapters = EngineAdapters(llm, peft_adapter_config(LoRAConfig(**DEMO_LORA), str(DEMO_MODEL)))
+    probe = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    tokens = {"prompt_token_ids": list(range(3, 19))}
+    version = 0
+
+    def full_reload() -> None:
+        llm.collective_rpc("grpo_update_weights", args=(full, True))
+        llm.reset_prefix_cache()
+        llm.generate(tokens, probe, use_tqdm=False)
+
+    def adapter_load() -> None:
+        nonlocal version
+        version += 1
+        adapters.load(adapter, version, state_dict_checksum(adapter))
+        adapters.activate(version)
+        llm.generate(tokens, probe, lora_request=adapters.request_added("p"), use_tqdm=False)
+        adapters.request_finished("p")
+
+    variants = {"full reload": full_reload, "adapter load": adapter_load}
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    for function in variants.values():
+        function()
+    for _ in range(repeats):
+        for name, function in variants.items():
+            start = time.perf_counter()
+            function()
+            seconds[name].append(time.perf_counter() - start)
+    adapters.close()
+    llm.llm_engine.engine_core.shutdown()
+    return {name: statistics.median(values) for name, values in seconds.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--synthetic-mb", type=int, default=256)
     parser.add_argument("--bucket-mb", type=float, default=WeightSyncConfig().bucket_mb)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-engine", action="store_true", help="skip the vLLM load timing")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"load average at start: {load_average()}")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     bucket_bytes = int(args.bucket_mb * 2**20)
-    with tempfile.TemporaryDirectory() as work_dir:
-        tiny = load_hf_state_dict(build_tiny_qwen2(Path(work_dir) / "tiny"))
-    cases = {"tiny demo model": tiny, "synthetic fp32": synthetic_state_dict(args.synthetic_mb)}
+    full = load_hf_state_dict(DEMO_MODEL)
+    adapter = demo_adapter()
+    cases = {
+        "demo model, full": full,
+        "demo model, LoRA": adapter,
+        "synthetic fp32": synthetic_state_dict(args.synthetic_mb),
+    }
     print(f"\nweight transfer, median of {args.repeats} (bucket {args.bucket_mb:g} MiB)")
     print(
         f"  {'state dict':<18} {'MiB':>7} {'clone s':>9} {'object_store s':>15} "
@@ -155,8 +236,13 @@ def main() -> None:
             f"{medians['object_store'] / base:>8.2f} {medians['collective']:>13.4f} "
             f"{medians['collective'] / base:>8.2f}"
         )
-    print(f"\nload average at end: {load_average()}")
     ray.shutdown()
+    if not args.no_engine:
+        loads = bench_engine_loads(full, adapter, args.repeats)
+        print(f"\nvLLM load + probe of one update, demo model, median of {args.repeats}")
+        for name, value in loads.items():
+            print(f"  {name:<14} {value:>8.4f} s  x full {value / loads['full reload']:>5.2f}")
+    print(f"\nload average at end: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from grpo.config.schema import (
 from grpo.config.sections import (
     CheckpointConfig,
     InferenceConfig,
+    LoRAConfig,
     OrchestrationConfig,
     RayConfig,
     RefConfig,
@@ -63,6 +64,7 @@ __all__ = [
     "RefConfig",
     "RunConfig",
     "Section",
+    "LoRAConfig",
     "TrainingConfig",
     "WeightSyncConfig",
     "check_config",

@@ -363,6 +363,7 @@ def _check_relations(values: dict, problems: list[str]) -> None:
         problems.append("inference.engine_args.model: the model comes from base_model_path")
     _check_sampled_distribution(values, problems)
     _check_idle_clip(values, problems)
+    _check_time_sharing(values, problems)
 
     _check_ray_resources(values, problems)
 
@@ -405,6 +406,16 @@ def _check_sampled_distribution(values: dict, problems: list[str]) -> None:
             f"inference.engine_args.logprobs_mode: {mode!r} is refused; the behaviour logprobs "
             "must be processed_logprobs (the default), those of the tempered distribution that "
             "sampled the tokens, which the trainer's are compared with"
+        )
+
+
+def _check_time_sharing(values: dict, problems: list[str]) -> None:
+    """vLLM sleeps while the trainer steps: only a synchronous run generates nothing then."""
+    sleeps = value_at(values, "inference.sleep_while_training", (bool,))
+    if sleeps and value_at(values, "orchestration.synchronous", (bool,)) is False:
+        problems.append(
+            "inference.sleep_while_training: needs orchestration.synchronous: true (vLLM "
+            "sleeps while the trainer steps, so nothing may generate meanwhile)"
         )
 
 

@@ -15,6 +15,7 @@ from grpo.choices import (
     DType,
     KLEstimator,
     Level,
+    LoRATarget,
     MaskKind,
     WandbMode,
     WeightTransportKind,
@@ -156,6 +157,11 @@ class InferenceConfig(Section):
     """GPUs per collector actor."""
     num_cpus: float = Field(1, ge=0)
     """CPUs per collector actor."""
+    sleep_while_training: bool = False
+    """Time-share one GPU with the trainer (needs orchestration.synchronous): vLLM sleeps
+    while the trainer steps and wakes for generation; level 1 (weights kept in CPU memory)
+    with training.lora, level 2 (weights dropped, the new ones loaded on wake) otherwise.
+    Every wake is followed by the weight probe."""
     resources: ActorResources = Field(default_factory=dict)
     """Ray custom resources per collector actor, e.g. {rollout_node: 1}: they start only on
     nodes that have them (``ray start --resources='{"rollout_node": 4}'``), which places the
@@ -263,6 +269,23 @@ class LossArgs(ComponentArgs):
     sequence; use tiny epsilons such as 3e-4 / 4e-4)."""
 
 
+class LoRAConfig(Section):
+    """Low-rank adapters (``training.lora``): only they are trained, synced and checkpointed."""
+
+    rank: int = Field(ge=1)
+    """Rank r of each adapter (vLLM serves ranks up to 512: 1, 8, 16, 32, 64, 128, 256, 320,
+    512)."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale: the adapter adds (alpha / rank) * B @ A to each wrapped weight."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training."""
+    target_modules: list[LoRATarget] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+    """Linear layers to adapt, by Hugging Face name: q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj."""
+
+
 class TrainingConfig(Section):
     """Policy optimisation."""
 
@@ -290,6 +313,11 @@ class TrainingConfig(Section):
     compile: bool = False
     """torch.compile each decoder layer (inductor); the first step pays the compile time.
     Varlen and flex attention run outside the compiled graphs."""
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters on the frozen base model instead of every weight; null: full
+    fine-tuning. Only the adapters go to the collectors (vLLM serves them as a LoRA adapter),
+    and the reference logprobs come from the base model with the adapter off (no reference
+    model is loaded)."""
     num_gpus: float = Field(0, ge=0)
     """GPUs per training actor."""
     num_cpus: float = Field(1, ge=0)

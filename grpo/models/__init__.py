@@ -19,6 +19,8 @@ its ``config.json``. The parts:
 * `tokenizer`: `load_tokenizer`, the folder's own tokenizer (``tokenizer.json`` through
   transformers, as vLLM loads it) and its chat template, for every family.
 * `save`: `save_hf_checkpoint`, a torchtune state dict written as a folder, atomically.
+* `lora`: low-rank adapters on a decoder (`apply_lora`, torchtune's ``LoRALinear``), their
+  state-dict helpers, the PEFT exchange format (vLLM, ``grpo export``) and `merge_lora`.
 
 Hidden states and the output projection for the loss live in `grpo.packing.logprobs`
 (`model_hidden_states`, `output_projection_weight`).
@@ -67,6 +69,21 @@ from grpo.models.hf_folder import (  # noqa: E402
     load_hf_state_dict,
 )
 from grpo.models.llama import llama_builder_args  # noqa: E402
+from grpo.models.lora import (  # noqa: E402
+    LORA_MODULES,
+    adapter_state_dict,
+    apply_lora,
+    base_state_dict,
+    is_adapter_key,
+    load_peft_adapter,
+    merge_lora,
+    peft_adapter_config,
+    peft_adapter_state_dict,
+    reset_lora_parameters,
+    save_peft_adapter,
+    trainable_parameters,
+    tune_adapter_state_dict,
+)
 from grpo.models.qwen2 import qwen2_builder_args  # noqa: E402
 from grpo.models.qwen3 import qwen3_builder_args  # noqa: E402
 from grpo.models.save import save_hf_checkpoint  # noqa: E402
@@ -75,21 +92,34 @@ from grpo.models.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 __all__ = [
     "DTYPES",
     "FAMILIES",
+    "LORA_MODULES",
     "SAFETENSORS_FILE",
     "SAFETENSORS_INDEX_FILE",
     "SUPPORTED_MODEL_TYPES",
     "Tokenizer",
+    "adapter_state_dict",
+    "apply_lora",
+    "base_state_dict",
     "build_model",
     "family_of",
     "hf_to_tune_state_dict",
     "hf_weight_iterator",
+    "is_adapter_key",
     "load_hf_config",
     "load_hf_state_dict",
     "llama_builder_args",
+    "load_peft_adapter",
     "load_tokenizer",
+    "merge_lora",
+    "peft_adapter_config",
+    "peft_adapter_state_dict",
     "qwen2_builder_args",
     "qwen3_builder_args",
+    "reset_lora_parameters",
     "save_hf_checkpoint",
+    "save_peft_adapter",
     "torch_dtype",
+    "trainable_parameters",
+    "tune_adapter_state_dict",
     "tune_to_hf_state_dict",
 ]

@@ -104,6 +104,10 @@ INFERENCE_TRAJECTORIES_SPANNING_VERSIONS = "inference/trajectories_spanning_vers
 INFERENCE_TOKENS_VERSION_LAG_0 = "inference/tokens_version_lag_0"
 INFERENCE_TOKENS_VERSION_LAG_1 = "inference/tokens_version_lag_1"
 INFERENCE_TOKENS_VERSION_LAG_2_PLUS = "inference/tokens_version_lag_2+"
+# inference.sleep_while_training (`grpo.workers.engine_sleep`): how long the engine slept while
+# the trainer stepped, and how long its wake took (weights, load, KV cache, probe).
+INFERENCE_TIME_ASLEEP = "inference/time_asleep (s)"
+INFERENCE_TIME_TO_WAKE = "inference/time_to_wake (s)"
 # Multi-turn environments (`grpo.envs`), per batch of episodes.
 INFERENCE_EPISODE_TURNS_MEAN = "inference/episode_turns_mean"
 INFERENCE_EPISODE_TURNS_MAX = "inference/episode_turns_max"
@@ -245,6 +249,10 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         INFERENCE_TOKENS_VERSION_LAG_0,
         INFERENCE_TOKENS_VERSION_LAG_1,
         INFERENCE_TOKENS_VERSION_LAG_2_PLUS,
+        # inference.sleep_while_training only: logged by the driver when the engine next
+        # sleeps, for the sleep and wake before it.
+        INFERENCE_TIME_ASLEEP,
+        INFERENCE_TIME_TO_WAKE,
         # Multi-turn environments only (`grpo.envs`): per batch of episodes.
         INFERENCE_EPISODE_TURNS_MEAN,
         INFERENCE_EPISODE_TURN_LENGTH_MEAN,

@@ -625,6 +625,8 @@ class Orchestrator:
             batch_ref, summary, waited = self._next_batch_asynchronously()
         if summary is None:
             return False
+        if cfg.inference.sleep_while_training:  # synchronous: nothing generates meanwhile
+            self._sleep_collectors()
         metrics = self._train(batch_ref, summary, waited)
         self._after_train_step(
             metrics, batch_ref, summary, cfg.weight_sync.every_n_steps, step_start
@@ -798,6 +800,28 @@ class Orchestrator:
             self._drain()
             if not self.inflight.unscored and self._queue_size() == 0:
                 return
+
+    def _sleep_collectors(self) -> None:
+        """Put every collector's engine to sleep before the trainers step: they share the GPU
+        (``inference.sleep_while_training``). Each wakes for its next batch or weight check,
+        loads the weights synced meanwhile and probes them (`grpo.workers.engine_sleep`).
+
+        Raises:
+            ActorFailedError: A collector raised, or died and cannot be replaced.
+        """
+        calls = [(c, c.sleep_engine.remote()) for c in self.collectors]
+        for index, (collector, ref) in enumerate(calls):
+            try:
+                metrics = ray.get(ref)
+            except RayActorError as error:
+                # It died between batches: its replacement starts awake, and sleeps too.
+                self.actors.replace(Role.COLLECTOR, index, collector, error)
+                metrics = self.actors.ask(Role.COLLECTOR, index, "sleep_engine")
+            except RayTaskError as error:
+                name = actor_name(Role.COLLECTOR, index)
+                raise ActorFailedError(f"{name} failed to sleep: {error}") from error
+            # The sleep and wake that ended with this step's generation.
+            self._log(metrics, self.state.step)
 
     def _train(self, batch_ref: Any, summary: dict[str, Any], waited: float) -> dict[str, Any]:
         """Train every rank on the batch behind ``batch_ref``; rank 0's metrics.

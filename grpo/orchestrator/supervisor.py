@@ -307,6 +307,8 @@ class ActorSupervisor:
         # checkpoint's (a replacement starts there too, then catches up to the latest).
         self.collector_model_dir = str(cfg.base_model_path)
         self.collector_weights_version = 0
+        # With training.lora: the base model, and the adapter of that version (None: none).
+        self.collector_adapter_dir: str | None = None
         self.recoveries: list[Recovery] = []
         self.recovering: dict[str, Recovery] = {}  # replaced, first call not back yet
         self.restarts: dict[str, int] = {}
@@ -352,8 +354,9 @@ class ActorSupervisor:
         self.start_replay_buffer()
         self.start_ref_actors()
         if checkpoint_dir is not None:
+            weights = "adapter" if self.cfg.training.lora is not None else "model"
             self.start_collectors(
-                checkpoint_dir / "model", checkpoint_policy_version(checkpoint_dir)
+                checkpoint_dir / weights, checkpoint_policy_version(checkpoint_dir)
             )
         else:
             self.start_collectors()
@@ -453,7 +456,7 @@ class ActorSupervisor:
             target_tokens_per_batch=cfg.target_tokens_per_batch,
             share_prompts=cfg.share_prompts,
             config=ref_cfg,
-            load_model=cfg.uses_reference_model(),
+            load_model=cfg.uses_reference_model() and cfg.training.lora is None,
             temperature=cfg.inference.temperature,
         )
 
@@ -483,16 +486,22 @@ class ActorSupervisor:
             environment=cfg.environment,
             reward_functions=cfg.reward_functions,
             reward_timeout_s=cfg.reward_timeout_s,
+            lora=cfg.training.lora,
+            adapter_dir=self.collector_adapter_dir,
         )
 
     def start_collectors(
         self, weights_dir: Path | None = None, weights_version: int = 0
     ) -> list[Any]:
         """Start the vLLM collectors from ``weights_dir`` (a checkpoint's weights, of policy
-        version ``weights_version``) or the base model; they label what they sample with the
-        version of the weights their engine holds."""
+        version ``weights_version``; with ``training.lora`` its adapter, on the base model) or
+        the base model; they label what they sample with the version of the weights their
+        engine holds."""
         if weights_dir is not None:
-            self.collector_model_dir = str(weights_dir)
+            if self.cfg.training.lora is not None:
+                self.collector_adapter_dir = str(weights_dir)
+            else:
+                self.collector_model_dir = str(weights_dir)
             self.collector_weights_version = weights_version
         num_workers = self.cfg.orchestration.num_inference_workers
         self.collectors = [self._new_collector(worker_id) for worker_id in range(num_workers)]
@@ -695,6 +704,7 @@ class ActorSupervisor:
             self.rollout_queue.shutdown(force=True)
         self.recovering.clear()
         self.collector_model_dir = str(self.cfg.base_model_path)
+        self.collector_adapter_dir = None
         self.collector_weights_version = 0
         self.start_pipeline(pad_token_id, checkpoint_dir)
 

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from grpo.config import ConfigError, RunConfig, check_config, compose_config, locate
 from grpo.config.run import UNRESOLVED
 from grpo.preflight.files import file_problems
+from grpo.preflight.lora import lora_problems
 from grpo.preflight.resume import resume_problems
 
 
@@ -40,12 +41,14 @@ def preflight_problems(values: dict[str, Any], run: RunConfig | None) -> list[st
     Returns:
         list[str]: Each problem as ``key: what is wrong``: the model folder, the run folder
         and the resume target (`file_problems`), the datasets' files, the environment's
-        options, tools and chat template, and what a resume may not change
+        options, tools and chat template, ``training.lora`` against vLLM and the model
+        (`grpo.preflight.lora.lora_problems`), and what a resume may not change
         (`resume_problems`).
     """
     problems = file_problems(values)
     problems.extend(_dataset_problems(values))
     problems.extend(_environment_problems(values))
+    problems.extend(lora_problems(values))
     if run is not None:  # a resume may not change what its checkpoint's state was made for
         problems.extend(resume_problems(run.model_dump()))
     return problems

@@ -33,6 +33,8 @@ FIXED_ON_RESUME: dict[str, str] = {
     "training.optimizer._component_": "the saved optimizer state is this optimizer's",
     "training.lr_scheduler._component_": "the saved LR schedule is this schedule's",
     "training.ppo_epochs": "the LR schedule counts optimizer steps, ppo_epochs per training step",
+    "training.lora": "the checkpoint holds what it trained: an adapter of these settings, or the "
+    "whole model",
 }
 
 

@@ -8,6 +8,11 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+# The checksum of "no LoRA adapter": the base model, which a fresh adapter (B = 0) computes
+# exactly. A LoRA run's trainer reports it until its adapter has changed, and a collector
+# until it has loaded one.
+NO_ADAPTER_CHECKSUM = "no-adapter"
+
 
 class WeightSyncError(RuntimeError):
     """Weights did not arrive intact (checksum mismatch) or the engine does not use them."""

@@ -175,6 +175,16 @@ class WeightReceiver:
         with self._lock:
             return self._pending is not None
 
+    def take(self) -> WeightUpdate | None:
+        """The pending update, its weights resolved (no longer pending); None if none."""
+        with self._lock:
+            update, self._pending = self._pending, None
+        if update is not None and not isinstance(update.weights, Mapping):
+            import ray  # an ObjectRef that was not resolved on arrival
+
+            update.weights = ray.get(update.weights)
+        return update
+
     def apply_pending(
         self, llm: Any, verify: bool = True, recompute_running: bool = False
     ) -> WeightUpdate | None:
@@ -196,17 +206,11 @@ class WeightReceiver:
                 holds the received (unverified) tensors; the caller must not label its
                 samples with the new version.
         """
-        with self._lock:
-            update, self._pending = self._pending, None
+        update = self.take()
         if update is None:
             return None
         weights = update.weights
-        if not isinstance(weights, Mapping):  # an ObjectRef that was not resolved on arrival
-            import ray
-
-            weights = ray.get(weights)
         compute = verify and update.checksum is not None
-        update.weights = weights
         checksums = llm.collective_rpc("grpo_update_weights", args=(weights, compute))
         # Cached KV blocks were computed with the old weights; a prompt sharing a prefix with
         # an earlier one would otherwise reuse them.

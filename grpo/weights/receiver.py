@@ -34,6 +34,7 @@ import torch
 
 from grpo.choices import WeightUpdateMode
 from grpo.observability import metric_names as names
+from grpo.weights.adapter import EngineAdapters
 from grpo.weights.checksum import WeightSyncError
 from grpo.weights.engine import WeightReceiver, WeightUpdate
 from grpo.weights.transports import collector_ends
@@ -54,7 +55,7 @@ _PROBE_IDS = itertools.count()  # request ids of probes, unique in the process
 VersionRuns = list[list[tuple[int, int]]]
 
 
-def _in_flight(updates: WeightUpdateMode) -> bool:
+def in_flight(updates: WeightUpdateMode) -> bool:
     """Weights are loaded between engine steps, not only between batches."""
     return updates != "between_batches"
 
@@ -79,6 +80,9 @@ class EngineWeights:
             reloads before any update was kept.
         policy_version (int): The policy version of those weights.
         verify (bool): Check the checksum of every update the engine loads.
+        adapters (EngineAdapters | None): With ``training.lora``: updates are LoRA adapters,
+            each version served as an adapter of its own (`grpo.weights.adapter`); None:
+            updates are full weights, loaded in place.
     """
 
     def __init__(
@@ -92,8 +96,10 @@ class EngineWeights:
         model_dir: str,
         policy_version: int,
         verify: bool = True,
+        adapters: EngineAdapters | None = None,
     ) -> None:
         self.llm = llm
+        self.adapters = adapters
         self._lock = engine_lock
         self._add_request = add_request
         self._engine_step = engine_step
@@ -108,6 +114,11 @@ class EngineWeights:
         self.policy_version = int(policy_version)
         self.sampling_version = self.policy_version
         self._error: str | None = None  # set while the engine holds unverified weights
+        # The probe of the weights the engine holds (the last verified update's), run again
+        # after the engine woke from sleep (`apply_pending`'s ``before_probe``), and the
+        # version of the last probe that passed.
+        self.current_probe: dict[str, Any] | None = None
+        self.probed_version: int | None = None
         # The weights a rejected in-flight update rolls back to (None: the model folder's,
         # while `_can_roll_back`).
         self._loaded_weights: Mapping[str, torch.Tensor] | None = None
@@ -178,15 +189,28 @@ class EngineWeights:
         """Close every transport's end (the collective transport's channel)."""
         for end in self.ends.values():
             end.close()
+        if self.adapters is not None:
+            self.adapters.close()
 
     # ------------------------------------------------------------------ applying
 
-    def apply_pending(self, updates: WeightUpdateMode) -> float:
+    def apply_pending(
+        self,
+        updates: WeightUpdateMode,
+        *,
+        before_probe: Callable[[WeightUpdate | None], None] | None = None,
+    ) -> float:
         """Load pending weights, if any, into the engine and bump ``policy_version``.
 
         Args:
             updates (WeightUpdateMode): ``inference.weight_updates``: in flight, an update
                 that fails verification is rolled back (`_switch`).
+            before_probe (Callable | None): Given, the engine is idle and loads between
+                batches whatever ``updates`` says: the hook is called with the update loaded
+                (None: nothing was pending) before its probe runs, and with nothing pending
+                the weights the engine holds are probed again (`current_probe`). An engine
+                waking from sleep wakes its KV cache there, which the probe needs
+                (`grpo.workers.engine_sleep`), and proves it did not wake with stale weights.
 
         Returns:
             float: Seconds spent (0.0 if nothing was pending).
@@ -199,13 +223,19 @@ class EngineWeights:
                 update is applied. In flight, see `_switch`.
         """
         with self._lock:
-            if _in_flight(updates):
+            if self.adapters is not None:
+                return self._switch_adapter(before_probe)
+            if in_flight(updates) and before_probe is None:
                 return self._switch(keep_kv=updates == "in_flight_keep_kv")
             start = time.perf_counter()
             try:
                 applied = self.pending.apply_pending(self.llm, verify=self.verify)
+                if before_probe is not None:
+                    before_probe(applied)
                 if applied is not None and applied.probe is not None:
                     self._check_probe(applied.probe, applied.version)
+                elif applied is None and before_probe is not None and self._error is None:
+                    self._probe_current()
             except WeightSyncError as error:
                 self._error = str(error)
                 raise
@@ -218,6 +248,7 @@ class EngineWeights:
                 return 0.0
             self._error = None
             self.policy_version = self.sampling_version = applied.version
+            self.current_probe = applied.probe
             return time.perf_counter() - start
 
     def _switch(self, keep_kv: bool) -> float:
@@ -266,6 +297,7 @@ class EngineWeights:
         self._loaded_weights = applied.weights if on_cpu else None
         self._can_roll_back = on_cpu
         self.policy_version = applied.version
+        self.current_probe = applied.probe
         self._error = None
         self._rejected_in_a_row = 0
         seconds = time.perf_counter() - start
@@ -274,6 +306,70 @@ class EngineWeights:
             self.batch_switches["updates"] += 1
             self.batch_switches["pause_s"] += seconds
         return seconds
+
+    def _switch_adapter(
+        self, before_probe: Callable[[WeightUpdate | None], None] | None = None
+    ) -> float:
+        """Load a pending LoRA adapter and serve it to new requests (hold the engine lock).
+
+        Running requests keep the adapter they started with, so nothing is preempted and no
+        token changes version under a sequence. A version whose checksum or probe fails is
+        discarded: the engine serves the previous one on, as it did during the check.
+        ``before_probe``: as `apply_pending`'s (an engine woken from sleep).
+
+        Returns:
+            float: Seconds the load and the check took (0.0 if nothing was pending).
+
+        Raises:
+            WeightSyncError: After `MAX_REJECTED_UPDATES_IN_A_ROW` rejected updates in a row.
+        """
+        update = self.pending.take()
+        if update is None:
+            if before_probe is not None:
+                before_probe(None)
+                self._probe_current()
+            return 0.0
+        start = time.perf_counter()
+        adapters = self.adapters
+        running = self.llm.llm_engine.has_unfinished_requests()
+        try:
+            adapters.load(update.weights, update.version, update.checksum if self.verify else None)
+            if before_probe is not None:
+                before_probe(update)
+            if update.probe is not None:
+                with adapters.probing(update.version):
+                    self._check_probe(update.probe, update.version)
+        except WeightSyncError as error:
+            adapters.discard(update.version)
+            self._count_rejection(error)
+            return time.perf_counter() - start
+        adapters.activate(update.version)
+        self.policy_version = self.sampling_version = update.version
+        self.current_probe = update.probe
+        self._error = None
+        self._rejected_in_a_row = 0
+        seconds = time.perf_counter() - start
+        if running:
+            self.totals["weight_updates_in_flight"] += 1
+            self.batch_switches["updates"] += 1
+            self.batch_switches["pause_s"] += seconds
+        return seconds
+
+    def _count_rejection(self, error: WeightSyncError) -> None:
+        """Count a rejected update the engine did not keep; raise after too many in a row."""
+        self.totals["weight_updates_rejected"] += 1
+        self._rejected_in_a_row += 1
+        log.warning(
+            "%s rejected new weights and keeps version %d: %s",
+            self.owner,
+            self.policy_version,
+            error,
+        )
+        if self._rejected_in_a_row >= MAX_REJECTED_UPDATES_IN_A_ROW:
+            raise WeightSyncError(
+                f"{self.owner}: {self._rejected_in_a_row} weight updates in a row failed "
+                f"verification; the last: {error}"
+            ) from error
 
     def _reject(self, error: WeightSyncError) -> None:
         """Roll back an in-flight update that failed verification, and label what it sampled.
@@ -305,19 +401,7 @@ class EngineWeights:
                 "cannot roll back"
             ) from error
         self._restore_weights()
-        self.totals["weight_updates_rejected"] += 1
-        self._rejected_in_a_row += 1
-        log.warning(
-            "%s rejected new weights and keeps version %d: %s",
-            self.owner,
-            self.policy_version,
-            error,
-        )
-        if self._rejected_in_a_row >= MAX_REJECTED_UPDATES_IN_A_ROW:
-            raise WeightSyncError(
-                f"{self.owner}: {self._rejected_in_a_row} weight updates in a row failed "
-                f"verification; the last: {error}"
-            ) from error
+        self._count_rejection(error)
 
     def _drop_stale_prefix_cache(self) -> None:
         """Reset the prefix cache if old weights' blocks are in it and the engine is idle."""
@@ -341,17 +425,29 @@ class EngineWeights:
     def _check_probe(self, probe: dict[str, Any], version: int) -> None:
         got = torch.tensor(self.probe_logprobs(probe["token_ids"]))
         expected = torch.tensor(probe["logprobs"], dtype=torch.float32)
-        max_diff = float((got - expected).abs().max()) if got.numel() else 0.0
-        if got.shape != expected.shape or max_diff > float(probe.get("atol", 1e-3)):
+        same_shape = got.shape == expected.shape
+        max_diff = float((got - expected).abs().max()) if same_shape and got.numel() else 0.0
+        # "not <=": NaN logprobs (garbage weights, such as memory a wake did not restore) fail
+        # too, where "NaN > atol" is False.
+        if not same_shape or not max_diff <= float(probe.get("atol", 1e-3)):
             raise WeightSyncError(
                 f"weights of version {version}: the engine's probe logprobs differ from the "
                 f"sender's by {max_diff:.3g} (atol {probe.get('atol', 1e-3)}); the engine does "
                 "not compute with the sent weights"
             )
+        self.probed_version = version
+
+    def _probe_current(self) -> None:
+        """Probe the weights the engine holds again (`current_probe`, if known)."""
+        if self.current_probe is not None:
+            self._check_probe(self.current_probe, self.policy_version)
 
     def checksum(self) -> str | None:
-        """`state_dict_checksum` of the weights the engine was last loaded with."""
+        """`state_dict_checksum` of the weights the engine was last loaded with (with LoRA:
+        of the adapter it serves to new requests)."""
         with self._lock:
+            if self.adapters is not None:
+                return self.adapters.current_checksum
             return self.llm.collective_rpc("grpo_weights_checksum")[0]
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
@@ -413,18 +509,38 @@ class EngineWeights:
         Raises:
             WeightSyncError: As `_switch`.
         """
-        if updates is not None and _in_flight(updates):
-            self._switch(keep_kv=updates == "in_flight_keep_kv")
+        if updates is not None and (in_flight(updates) or self.adapters is not None):
+            if self.adapters is not None:
+                # An adapter never changes under a running request: loading one between
+                # steps is always safe, whatever inference.weight_updates says.
+                if in_flight(updates):
+                    self._switch_adapter()
+            else:
+                self._switch(keep_kv=updates == "in_flight_keep_kv")
         finished, self._held_outputs = self._held_outputs, []
         return finished + self._versioned_step()
 
     def _versioned_step(self) -> list[tuple[Any, VersionRuns]]:
         """One scheduler step; each finished request with its samples' version runs."""
+        if self.adapters is not None:
+            return self._adapter_versioned_step()
         return [
             (output, [self._version_runs(output.request_id, c) for c in output.outputs])
             for output in self._engine_step()
             if output.finished
         ]
+
+    def _adapter_versioned_step(self) -> list[tuple[Any, VersionRuns]]:
+        """One scheduler step with LoRA: every token of a request is its adapter's version."""
+        finished = []
+        for output in self._engine_step():
+            if not output.finished:
+                continue
+            version = self.adapters.version_of(output.request_id)
+            self.adapters.request_finished(output.request_id)
+            label = self.policy_version if version is None else version
+            finished.append((output, [[(label, len(c.token_ids))] for c in output.outputs]))
+        return finished
 
     def _mark_token_versions(self) -> None:
         """Record that every running sample's tokens so far came from ``sampling_version``.
@@ -491,3 +607,5 @@ class EngineWeights:
         """Drop what is recorded of the engine's requests (after they were aborted)."""
         self._token_versions.clear()
         self._held_outputs.clear()
+        if self.adapters is not None:
+            self.adapters.forget_requests()

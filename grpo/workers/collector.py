@@ -32,7 +32,7 @@ from collections import ChainMap
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
-from grpo.config.sections import InferenceConfig
+from grpo.config.sections import InferenceConfig, LoRAConfig
 from grpo.data.dataset import resolve_dataset
 from grpo.envs.build import build_environment
 from grpo.envs.dropped import BatchDrops, DroppedEpisodeLog
@@ -42,15 +42,17 @@ from grpo.envs.rollout import episode_groups
 from grpo.observability import metric_names as names
 from grpo.seeds import group_seed
 from grpo.types import GroupedUnscoredTrajectories
+from grpo.weights.adapter import engine_adapters
 from grpo.weights.concurrency import COLLECTOR_CONCURRENCY_GROUPS
 from grpo.weights.receiver import VersionRuns
+from grpo.workers.engine_sleep import SleepMethods
 from grpo.workers.rollout_queue import put_all
 from grpo.workers.vllm_engine import EngineLoop, Sampling, build_engine
 
 log = logging.getLogger(__name__)
 
 
-class SyncLLMCollector:
+class SyncLLMCollector(SleepMethods):
     """Plays the environment's episodes with vLLM on one shard of a prompt dataset.
 
     Args:
@@ -71,6 +73,10 @@ class SyncLLMCollector:
             single-turn environment of ``reward_functions`` (`grpo.envs.build_environment`).
         reward_functions (Sequence): The run's reward functions (nodes or objects).
         reward_timeout_s (float): Timeout of one reward call.
+        lora (LoRAConfig | None): ``training.lora``: updates are adapters, served by vLLM as
+            LoRA adapters on the base model in ``model_dir`` (`grpo.weights.adapter`).
+        adapter_dir (str | None): With ``lora``, the adapter of ``policy_version`` (a
+            checkpoint's ``adapter/``); None: the base model.
 
     Raises:
         ValueError: On inconsistent sizes (worker id out of range, a shard that is empty, no
@@ -98,6 +104,8 @@ class SyncLLMCollector:
         environment: Any = None,
         reward_functions: Sequence[Any] = (),
         reward_timeout_s: float = 10.0,
+        lora: LoRAConfig | None = None,
+        adapter_dir: str | None = None,
     ) -> None:
         from grpo.data.stream import PromptStream
         from grpo.models import load_tokenizer
@@ -131,7 +139,7 @@ class SyncLLMCollector:
         # The engine's context holds the longest prompt and the environment's longest episode.
         response_tokens = self.environment.response_budget(self.max_generated_tokens)
         llm, self.max_model_len, self.max_prompt_tokens = build_engine(
-            self.model_dir, config, seed, response_tokens
+            self.model_dir, config, seed, response_tokens, lora.rank if lora else None
         )
         self.engine = EngineLoop(
             llm,
@@ -141,6 +149,8 @@ class SyncLLMCollector:
             model_dir=self.model_dir,
             policy_version=policy_version,
             verify=verify_weights,
+            adapters=engine_adapters(llm, lora, self.model_dir, adapter_dir, policy_version),
+            sleep_while_training=config.sleep_while_training,
         )
         self.weights = self.engine.weights
         self.environment.start(
@@ -217,8 +227,8 @@ class SyncLLMCollector:
         return self.weights.receive(weights, version, checksum, probe, transport)
 
     def apply_pending_weights(self) -> float:
-        """Load pending weights now; the seconds it took."""
-        return self.weights.apply_pending(self.engine.weight_updates)
+        """Load pending weights now (a sleeping engine wakes first); the seconds it took."""
+        return self.engine.apply_pending()
 
     def get_weights_checksum(self) -> str | None:
         """`state_dict_checksum` of the weights the engine was last loaded with."""
@@ -232,9 +242,7 @@ class SyncLLMCollector:
         """The engine's logprob of every token of ``token_ids`` after the first."""
         return self.weights.probe_logprobs(token_ids)
 
-    @property
-    def policy_version(self) -> int:
-        return self.weights.policy_version
+    policy_version = property(lambda self: self.weights.policy_version)
 
     @property
     def llm(self) -> Any:
@@ -275,11 +283,8 @@ class SyncLLMCollector:
         return groups, {**metrics, **self.environment.batch_metrics()}, runs
 
     def _put_groups(self, groups: list[GroupedUnscoredTrajectories], put: dict[str, float]) -> None:
-        """Blocking puts of ``groups`` in order, retried on timeout until every one is queued.
-
-        ``put["queued"]`` counts the groups queued so far (right even when a put raises),
-        ``put["waits"]`` and ``put["wait_s"]`` the timeouts on a full queue and the time spent.
-        """
+        """Blocking puts of ``groups`` in order, retried on timeout until all are queued;
+        ``put`` counts them (right even when a put raises), the timeouts and the time spent."""
         if self.rollout_queue is None:
             raise RuntimeError(f"collector {self.worker_id} has no rollout_queue to put groups on")
         start = time.perf_counter()
@@ -319,12 +324,8 @@ class SyncLLMCollector:
         """
         if num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-        in_flight = self.engine.weight_updates != "between_batches"
-        weight_update_s = (
-            self.apply_pending_weights()
-            if in_flight or self.batch_counter % self.weight_check_every_n_batches == 0
-            else 0.0
-        )
+        check = self.engine.in_flight or self.batch_counter % self.weight_check_every_n_batches == 0
+        weight_update_s = self.apply_pending_weights() if check else 0.0
         self.weights.start_batch()
         prompts, skipped = self.stream.next_fitting(
             num_prompts, self.environment.prompt_ids, self.max_prompt_tokens
@@ -363,11 +364,9 @@ class SyncLLMCollector:
                 "queues/rollout_queue_put_waits": put["waits"],
                 **episode_metrics,
             }
-            if queued < len(groups):
+            if (lost := len(groups) - queued) > 0:
                 log.warning(
-                    "collector %d: %d generated groups were not queued because a put failed",
-                    self.worker_id,
-                    len(groups) - queued,
+                    "collector %d: %d groups not queued: a put failed", self.worker_id, lost
                 )
         return metrics
 

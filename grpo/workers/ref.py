@@ -52,8 +52,10 @@ class RefActor:
             ``filter_zero_variance_groups``, groups whose rewards are all equal are left out
             of what `score` returns.
         load_model (bool): Load the reference model and compute ``ref_logprobs``. False when
-            the loss has no KL term (``kl_coeff`` 0): the actor then only computes advantages,
-            and its trajectories carry ``ref_logprobs=None``.
+            the loss has no KL term (``kl_coeff`` 0), or with ``training.lora``, where the
+            trainers compute them from their base model with the adapter off
+            (`PyTorchActorModel._reference_logprobs`): the actor then only computes
+            advantages, and its trajectories carry ``ref_logprobs=None``.
         temperature (float): The collectors' sampling temperature (``inference.temperature``):
             reference logprobs are those of its logits divided by it, like the policy's in the
             loss, so that the KL term compares two distributions at the same temperature.

@@ -6,6 +6,11 @@ tokens, and accumulates gradients normalised by the whole batch's count (tokens 
 sequences), so the update does not depend on how the batch was split into packs or across
 workers. With several workers the model is sharded with FSDP2 (gloo on CPU, NCCL on GPU).
 
+With ``training.lora`` the trainer trains LoRA adapters (`grpo.models.lora`) on the frozen
+base model: only the adapters have optimizer state, are checkpointed (``adapter/`` and
+``trainer/``) and published to the collectors, and the reference logprobs of the KL term are
+the same model's with the adapters switched off.
+
 Packing, logprobs and the loss come from `grpo.packing.packs`, `grpo.packing.logprobs` and `grpo.objective.loss`;
 nothing here re-implements them. The module is over 500 lines on purpose: it is one actor (and
 the ``training:`` options it declares), whose methods all share the model, optimizer and
@@ -17,6 +22,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,7 @@ import ray
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchtune.modules.peft import disable_adapter
 
 from grpo.config import instantiate
 from grpo.config.sections import TrainingConfig
@@ -33,6 +40,15 @@ from grpo.models import (
     save_hf_checkpoint,
     torch_dtype,
     tune_to_hf_state_dict,
+)
+from grpo.models.lora import (
+    apply_lora,
+    is_adapter_key,
+    merge_lora,
+    peft_adapter_config,
+    peft_adapter_state_dict,
+    save_peft_adapter,
+    trainable_parameters,
 )
 from grpo.objective.loss import combine_stats
 from grpo.observability import metric_names as names
@@ -46,10 +62,12 @@ from grpo.packing.packs import (
     unpack_response_logprobs,
 )
 from grpo.types import GRPOStats, PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
-from grpo.weights.checksum import state_dict_checksum
+from grpo.weights.checksum import NO_ADAPTER_CHECKSUM, state_dict_checksum
 from grpo.weights.concurrency import TRAINER_CONCURRENCY_GROUPS
 from grpo.weights.publisher import WeightPublisher
 from grpo.workers.training_checkpoint import (
+    ADAPTER_SUBDIR,
+    MODEL_SUBDIR,
     TRAINER_SUBDIR,
     carry_over_hyperparameters,
     load_training_state,
@@ -118,6 +136,16 @@ def _set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _loss_uses_reference(loss_fn: Any) -> bool:
+    """Whether the loss has a KL term to the reference model (``kl_coeff`` above 0).
+
+    The same rule as `RunConfig.uses_reference_model`, on the built loss: a loss class of
+    your own without a ``kl_coeff`` is taken to use the reference logprobs.
+    """
+    kl_coeff = getattr(loss_fn, "kl_coeff", None)
+    return kl_coeff is None or float(kl_coeff) > 0.0
+
+
 class PyTorchActorModel:
     """One training worker; `as_remote` makes it a Ray actor class.
 
@@ -134,8 +162,9 @@ class PyTorchActorModel:
             ``optimizer`` node (the parameters are passed in), the ``lr_scheduler`` node (it
             receives ``optimizer`` and ``num_training_steps``), the ``loss`` node,
             ``ppo_epochs``, ``clip_grad_norm`` (null: no clipping), ``dtype``, ``mask_kind``
-            (see `grpo.packing.attention`; flex has no backward on CPU) and ``compile`` (see
-            `compile_layers`). None: their defaults.
+            (see `grpo.packing.attention`; flex has no backward on CPU), ``compile`` (see
+            `compile_layers`) and ``lora`` (train low-rank adapters on the frozen base model:
+            see `setup`, `adapter_state_dict` and `publish_weights`). None: their defaults.
         seed (int): Seed of model-independent randomness.
         temperature (float): The collectors' sampling temperature (``inference.temperature``):
             the policy's logprobs are those of its logits divided by it, the distribution the
@@ -168,6 +197,10 @@ class PyTorchActorModel:
         self.ppo_epochs = config.ppo_epochs
         self.clip_grad_norm = config.clip_grad_norm
         self.compile = config.compile
+        self.lora = config.lora
+        # Set in `setup` once the loss is built: LoRA with a KL term computes the reference
+        # logprobs here (the base model is the adapter switched off; no reference model).
+        self.computes_reference = False
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.mask_kind = resolve_mask_kind(config.mask_kind, self.device)
         self.dtype = torch_dtype(config.dtype)
@@ -213,7 +246,13 @@ class PyTorchActorModel:
                 ``model/`` folder, then the sharded model and optimizer state, LR schedule,
                 counters and RNG from ``trainer/`` (saved by any number of workers). The
                 config's optimizer settings and ``num_steps`` apply from there
-                (`carry_over_hyperparameters`).
+                (`carry_over_hyperparameters`). With ``lora`` the checkpoint has no
+                ``model/``: the base model is built from ``model_dir`` and ``trainer/`` brings
+                back the adapters with their optimizer state.
+
+        With ``lora``, the adapters wrap the base model before sharding and after the seed, so
+        every rank starts from the same adapter initialisation; the base weights are frozen
+        and the optimizer sees only the adapters.
         """
         world_size, rank = self.world_size, self.rank
         if world_size > 1:
@@ -225,13 +264,22 @@ class PyTorchActorModel:
             )
         # Same seed on every rank: identical initial weights before sharding.
         _set_seed(self.seed)
-        weights_dir = str(Path(checkpoint_dir) / "model") if checkpoint_dir else self.model_dir
+        # A LoRA checkpoint holds no full model: the frozen base is always the base model.
+        weights_dir = (
+            str(Path(checkpoint_dir) / MODEL_SUBDIR)
+            if checkpoint_dir and self.lora is None
+            else self.model_dir
+        )
         decoder = build_model(
             weights_dir,
             dtype=self.dtype,
             device=self.device,
             packed_len=self.target_tokens_per_batch,
         )
+        if self.lora is not None:
+            # Draws the adapters' initial values from the RNG seeded above: identical on
+            # every rank before FSDP shards them (a resume overwrites them from trainer/).
+            apply_lora(decoder, self.lora)
         if self.mask_kind != "dense":
             use_packed_attention(decoder)
         if self.compile:
@@ -247,9 +295,12 @@ class PyTorchActorModel:
 
         nodes = self._component_nodes
         self.loss_fn = instantiate(nodes["loss"], _key_="training.loss")
-        self.optimizer = instantiate(
-            nodes["optimizer"], self.policy.parameters(), _key_="training.optimizer"
+        self.computes_reference = self.lora is not None and _loss_uses_reference(self.loss_fn)
+        # Only the adapters under LoRA: the optimizer then keeps no state for the frozen base.
+        parameters = (
+            trainable_parameters(self.policy) if self.lora is not None else self.policy.parameters()
         )
+        self.optimizer = instantiate(nodes["optimizer"], parameters, _key_="training.optimizer")
         self.lr_scheduler = (
             instantiate(
                 nodes["lr_scheduler"],
@@ -272,15 +323,30 @@ class PyTorchActorModel:
         shards (`grpo.workers.training_checkpoint`), plus the LR schedule, counters and RNG.
         The caller makes the folder and renames it into place once complete, so every rank
         must see the same ``checkpoint_dir`` (a shared filesystem across nodes). Collective.
+
+        With ``lora`` it writes ``adapter/`` (a PEFT adapter folder of the base model,
+        `grpo.models.lora.save_peft_adapter`) instead of ``model/``, and ``trainer/`` holds
+        only the adapters and their optimizer state: the frozen base is never rewritten.
         """
         checkpoint_dir = Path(checkpoint_dir)
-        # The exported model (collectors start from it) needs the full weights: gathered
-        # (an all-gather), written by rank 0, freed before the sharded save. The optimizer
-        # state is never gathered.
-        tune_state = self.full_state_dict()
-        if self.rank == 0:
-            save_hf_checkpoint(tune_state, self.model_dir, checkpoint_dir / "model")
-        del tune_state
+        if self.lora is not None:
+            # Collectors start from the base model and this adapter.
+            adapter = self.adapter_state_dict()
+            if self.rank == 0:
+                save_peft_adapter(
+                    checkpoint_dir / ADAPTER_SUBDIR,
+                    peft_adapter_state_dict(adapter, self.hf_config),
+                    peft_adapter_config(self.lora, self.model_dir),
+                )
+            del adapter
+        else:
+            # The exported model (collectors start from it) needs the full weights: gathered
+            # (an all-gather), written by rank 0, freed before the sharded save. The optimizer
+            # state is never gathered.
+            tune_state = self.full_state_dict()
+            if self.rank == 0:
+                save_hf_checkpoint(tune_state, self.model_dir, checkpoint_dir / MODEL_SUBDIR)
+            del tune_state
         extra = {
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
             # The configured lr: a resume with another one scales the schedule by the ratio.
@@ -342,7 +408,10 @@ class PyTorchActorModel:
 
         With ``ppo_epochs > 1`` each pack first gets one forward without gradient for the
         pre-update logprobs pi_old (see `_old_logprobs`), which every epoch's loss uses for the
-        TIS ratio and the mismatch metrics (``mismatch_kl``, ``mismatch_max_abs``).
+        TIS ratio and the mismatch metrics (``mismatch_kl``, ``mismatch_max_abs``). With
+        ``lora`` and a KL term, each pack also gets a forward of the base model (adapter off)
+        for the reference logprobs (see `_reference_logprobs`), and the batch's
+        ``ref_logprobs`` are not used.
 
         Args:
             batch (list[ScoredTrajectory]): The whole batch (identical on every worker).
@@ -377,6 +446,9 @@ class PyTorchActorModel:
         grad_norm = torch.tensor(0.0)
         skipped = False
         grpo_start = time.perf_counter()
+        reference_start = time.perf_counter()
+        ref_logprobs = self._reference_logprobs(packs, num_micro_batches)
+        time_reference = time.perf_counter() - reference_start
         old_logprobs = self._old_logprobs(packs, num_micro_batches)
         for _epoch in range(self.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
@@ -396,7 +468,7 @@ class PyTorchActorModel:
                     debug_pi_logprobs.update(_select_logprobs(packed, pi_logprobs, wanted))
                 stats = self.loss_fn.compute_loss_from_logprobs(
                     pi_logprobs,
-                    packed.ref_logprobs,
+                    ref_logprobs[index % len(packs)],
                     packed.advantages,
                     packed.behavior_logprobs,
                     old_logprobs=old_logprobs[index % len(packs)],
@@ -473,6 +545,9 @@ class PyTorchActorModel:
                 100.0 * shared_tokens / (real_tokens + shared_tokens) if real_tokens else 0.0
             ),
         }
+        if self.computes_reference:
+            # Part of time_grpo_steps: the base model's forwards (adapter off) in this trainer.
+            metrics["train_actor_performance/time_reference_forward"] = time_reference
         if wanted:
             metrics["debug_pi_logprobs"] = debug_pi_logprobs
         return metrics
@@ -504,6 +579,36 @@ class PyTorchActorModel:
                 if index < len(packs):
                     old_logprobs.append(logprobs.detach().float())
         return old_logprobs
+
+    def _reference_logprobs(
+        self, packs: list[PackedTrajectory], num_micro_batches: int
+    ) -> list[torch.Tensor | None]:
+        """The reference logprobs of each pack: the batch's, or the base model's under LoRA.
+
+        With ``lora`` and a loss with a KL term, the reference model is the base model this
+        trainer already holds: the same forward as the policy's (temperature applied), without
+        gradient and with every adapter switched off (torchtune's ``disable_adapter``). Under
+        FSDP each forward gathers parameters, so every rank runs ``num_micro_batches`` of them
+        (a rank with fewer packs repeats one). They are computed in the training dtype.
+        Otherwise each pack's own ``ref_logprobs`` (from the reference actor; None without a
+        KL term).
+
+        Args:
+            packs (list[PackedTrajectory]): This rank's packs.
+            num_micro_batches (int): Micro-batches every rank runs.
+
+        Returns:
+            list[torch.Tensor | None]: One entry per pack.
+        """
+        if not self.computes_reference or not packs:
+            return [packed.ref_logprobs for packed in packs]
+        ref_logprobs: list[torch.Tensor | None] = []
+        with torch.no_grad(), disable_adapter(self.policy.model):
+            for index in range(num_micro_batches):
+                logprobs = self.policy(packs[index % len(packs)], self.temperature)
+                if index < len(packs):
+                    ref_logprobs.append(logprobs.detach().float())
+        return ref_logprobs
 
     def _combined_loss_metrics(self, step_stats: list[GRPOStats]) -> dict[str, float]:
         """The step's loss metrics over every micro-batch, epoch and rank.
@@ -566,14 +671,47 @@ class PyTorchActorModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights in torchtune names, on CPU.
 
-        Collective: with several workers every rank must call it.
+        Collective: with several workers every rank must call it. With ``lora``, the base
+        weights and the adapters (``lora_a`` / ``lora_b``), unmerged.
         """
+        return self._gathered(lambda name: True)
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) LoRA adapter tensors in torchtune names, on CPU.
+
+        Only the adapters are gathered, never the base. Collective: with several workers
+        every rank must call it.
+
+        Raises:
+            RuntimeError: Without ``lora`` (there is no adapter).
+        """
+        if self.lora is None:
+            raise RuntimeError("adapter_state_dict: this trainer has no adapter (training.lora)")
+        return self._gathered(is_adapter_key)
+
+    def _gathered(self, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+        """The model's state dict entries whose name ``keep`` accepts, unsharded, on CPU."""
         state = {}
+        # Every rank visits the same names in the same order, so the all-gathers line up.
         for name, tensor in self.policy.model.state_dict().items():
+            if not keep(name):
+                continue
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
             state[name] = tensor.detach().to("cpu", copy=True)
         return state
+
+    def _published_weights(self) -> dict[str, torch.Tensor] | None:
+        """What the collectors receive, under the names they load: the full weights in HF
+        names, or with ``lora`` only the adapter tensors in PEFT names.
+
+        Collective (the gather); renamed on rank 0 only, None on the other ranks.
+        """
+        if self.lora is not None:
+            adapter = self.adapter_state_dict()
+            return peft_adapter_state_dict(adapter, self.hf_config) if self.rank == 0 else None
+        tune_state = self.full_state_dict()
+        return tune_to_hf_state_dict(tune_state, self.hf_config) if self.rank == 0 else None
 
     @torch.no_grad()
     def probe_logprobs(self) -> dict[str, Any]:
@@ -606,6 +744,10 @@ class PyTorchActorModel:
     def publish_weights(self, transport: str) -> dict[str, Any] | None:
         """Gather the full weights, bump the policy version and publish them (rank 0).
 
+        With ``lora`` only the adapter tensors are gathered and published, in PEFT names
+        (`grpo.models.lora.peft_adapter_state_dict`); the payload is otherwise the same, its
+        probe that of the model with the adapter on (what the collectors serve).
+
         Collective: every rank must call it (the gather and the probe forward are).
 
         Args:
@@ -615,13 +757,12 @@ class PyTorchActorModel:
             dict | None: On rank 0, the payload (`WeightPublisher.publish`); None on the
             others.
         """
-        tune_state = self.full_state_dict()
+        weights = self._published_weights()
         probe = self.probe_logprobs()
         self.policy_version += 1
-        if self.rank != 0:
+        if weights is None:  # not rank 0
             return None
-        hf_state = tune_to_hf_state_dict(tune_state, self.hf_config)
-        return self.weight_publisher.publish(transport, self.policy_version, hf_state, probe)
+        return self.weight_publisher.publish(transport, self.policy_version, weights, probe)
 
     def open_weight_channel(self, collector: str, timeout_s: float) -> dict[str, Any]:
         """`ChannelSender.open` on rank 0: a new weight channel to ``collector``."""
@@ -632,15 +773,31 @@ class PyTorchActorModel:
         return self.weight_publisher.channels.send(collector, version, bucket_bytes)
 
     def weights_checksum(self) -> Any:
-        """Checksum of the current weights, in the same definition the collectors use."""
-        hf_state = tune_to_hf_state_dict(self.full_state_dict(), self.hf_config)
-        return state_dict_checksum(hf_state) if self.rank == 0 else None
+        """Checksum of the current weights, in the same definition the collectors use.
+
+        With ``lora``, that of the PEFT-named adapter tensors (what `publish_weights` sends),
+        or `NO_ADAPTER_CHECKSUM` while every B is zero: such an adapter is the base model, which
+        is what a collector serves before its first adapter. Collective.
+        """
+        weights = self._published_weights()
+        if weights is None:
+            return None
+        lora_b = [t for name, t in weights.items() if name.endswith("lora_B.weight")]
+        if lora_b and not any(bool(t.any()) for t in lora_b):
+            return NO_ADAPTER_CHECKSUM
+        return state_dict_checksum(weights)
 
     def save_hf_checkpoint(self, out_dir: str) -> str | None:
-        """Write the current policy as an HF-format folder (atomically; rank 0 writes)."""
+        """Write the current policy as an HF-format folder (atomically; rank 0 writes).
+
+        With ``lora``, the base model with the adapters merged into its weights
+        (`grpo.models.lora.merge_lora`): a plain model folder, served without LoRA. Collective.
+        """
         tune_state = self.full_state_dict()
         if self.rank != 0:
             return None
+        if self.lora is not None:
+            tune_state = merge_lora(tune_state, self.lora)
         save_hf_checkpoint(tune_state, self.model_dir, out_dir)
         return str(out_dir)
 

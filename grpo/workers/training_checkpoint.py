@@ -4,7 +4,9 @@ The trainers write their part of a checkpoint into its ``trainer/`` folder with
 ``torch.distributed.checkpoint`` (DCP): every rank writes only the shards it owns (one
 ``__<rank>_0.distcp`` file each) and rank 0 adds DCP's ``.metadata``, so no rank ever holds
 the whole optimizer state (AdamW's two moments are twice the model). Rank 0 also writes the
-small, world-size independent rest (LR schedule, counters, RNG) as ``extra.pt``.
+small, world-size independent rest (LR schedule, counters, RNG) as ``extra.pt``. Only the
+trainable parameters are saved: with LoRA (``training.lora``) the adapters and their optimizer
+state, not the frozen base, which a resume builds from the base model again.
 
 Loading goes the other way on every rank: DCP reads the slices of the saved tensors that
 cover each rank's own shards, so a checkpoint saved by N workers loads into M workers
@@ -45,11 +47,28 @@ log = logging.getLogger("grpo")
 TRAINER_SUBDIR = "trainer"
 """The folder of a checkpoint that holds the trainers' sharded state."""
 
+MODEL_SUBDIR = "model"
+"""The folder of a checkpoint that holds the policy as a Hugging Face model folder (full
+fine-tuning; collectors start from it)."""
+
+ADAPTER_SUBDIR = "adapter"
+"""The folder of a checkpoint that holds the policy's LoRA adapter as a PEFT adapter folder
+(``training.lora``; collectors start from the base model and it). Such a checkpoint has no
+`MODEL_SUBDIR`."""
+
 EXTRA_STATE_FILE = "extra.pt"
 METADATA_FILE = ".metadata"  # written by DCP's coordinator (rank 0) once every shard is written
 
 # Sharded, not gathered: each rank keeps its own shards of parameters and optimizer state.
-_SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
+# Frozen parameters (a LoRA model's base) are left out: they come from the base model, and
+# rewriting the unchanged base at every checkpoint would cost time and disk for nothing.
+# Full fine-tuning has none, so its files are unchanged.
+_SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False, ignore_frozen_params=True)
+# Loading into a model whose frozen parameters are already in place: they are "missing" from
+# what was saved, which `load_training_state` checks itself (nothing else may be).
+_SHARDED_LOAD = StateDictOptions(
+    full_state_dict=False, cpu_offload=False, ignore_frozen_params=True, strict=False
+)
 
 
 def _no_dist() -> bool:
@@ -73,6 +92,9 @@ def save_training_state(
     extra: dict[str, Any],
 ) -> None:
     """Write the model and optimizer shards of this rank, and ``extra`` from rank 0.
+
+    Only the trainable parameters are written (all of them in full fine-tuning, the adapters
+    under LoRA), with the optimizer state, which covers exactly those.
 
     Collective: every rank must call it with the same ``folder``.
 
@@ -103,6 +125,7 @@ def load_training_state(
 
     Collective: every rank must call it. The optimizer may be fresh (no step taken yet):
     its state is initialised first so that DCP knows every tensor's shape and sharding.
+    Frozen parameters are not loaded (they were not saved): the model must already hold them.
 
     Args:
         model (nn.Module): The model, already sharded as it will be trained.
@@ -114,6 +137,8 @@ def load_training_state(
 
     Raises:
         FileNotFoundError: If ``folder`` is not a complete saved training state.
+        RuntimeError: If a trainable parameter of ``model`` is not in the saved state (DCP
+            names it), or the saved state has parameters the model lacks.
     """
     folder = Path(folder)
     missing = [f for f in (METADATA_FILE, EXTRA_STATE_FILE) if not (folder / f).is_file()]
@@ -127,13 +152,20 @@ def load_training_state(
     model_state, optimizer_state = get_state_dict(model, optimizer, options=_SHARDED)
     state = {"model": model_state, "optimizer": optimizer_state}
     _dcp_call(dcp.load, state, checkpoint_id=str(folder))
-    set_state_dict(
+    incompatible = set_state_dict(
         model,
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
-        options=_SHARDED,
+        options=_SHARDED_LOAD,
     )
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    not_loaded = set(incompatible.missing_keys) - frozen
+    if not_loaded or incompatible.unexpected_keys:
+        raise RuntimeError(
+            f"{folder}: the saved training state does not fit the model: not loaded "
+            f"{sorted(not_loaded)[:5]}, unexpected {sorted(incompatible.unexpected_keys)[:5]}"
+        )
     return torch.load(folder / EXTRA_STATE_FILE, map_location="cpu", weights_only=False)
 
 

@@ -13,6 +13,7 @@ the scheduler once, so a turn joins the running batch without waiting for the ot
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -24,8 +25,10 @@ import torch
 
 from grpo.choices import WeightUpdateMode
 from grpo.config.sections import InferenceConfig
+from grpo.weights.adapter import EngineAdapters, engine_lora_args
 from grpo.weights.engine import WORKER_EXTENSION_CLS
-from grpo.weights.receiver import UNVERIFIED_VERSION, EngineWeights, VersionRuns
+from grpo.weights.receiver import UNVERIFIED_VERSION, EngineWeights, VersionRuns, in_flight
+from grpo.workers.engine_sleep import EngineSleep, sleep_engine_args, sleep_level
 
 # vLLM settings that make a CPU engine start in seconds and fit beside other processes.
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
@@ -121,7 +124,11 @@ class Engine(NamedTuple):
 
 
 def build_engine(
-    model_dir: str, config: InferenceConfig, seed: int, response_tokens: int | None
+    model_dir: str,
+    config: InferenceConfig,
+    seed: int,
+    response_tokens: int | None,
+    lora_rank: int | None = None,
 ) -> Engine:
     """Start a vLLM engine for ``model_dir`` with the ``inference:`` options.
 
@@ -135,6 +142,8 @@ def build_engine(
         seed (int): The engine seed.
         response_tokens (int | None): The longest response (one turn, or a whole episode);
             None: only the context bounds it.
+        lora_rank (int | None): Serve LoRA adapters of this rank (``training.lora.rank``);
+            None: full weights only.
 
     Returns:
         Engine: The engine, its ``max_model_len`` and ``max_prompt_tokens``.
@@ -147,6 +156,8 @@ def build_engine(
     from vllm import LLM
 
     kwargs = engine_kwargs(config.engine_args, seed)
+    if lora_rank is not None:
+        kwargs = {**engine_lora_args(lora_rank), **kwargs}
     max_prompt_tokens = config.max_prompt_tokens
     if "max_model_len" not in kwargs and max_prompt_tokens is not None:
         if response_tokens is not None:  # else: the model's context
@@ -154,8 +165,10 @@ def build_engine(
     user_args = config.engine_args or {}
     if not torch.cuda.is_available() and "enable_chunked_prefill" not in user_args:
         kwargs.update(whole_prefills(kwargs, model_dir))
+    if config.sleep_while_training:
+        kwargs.update(sleep_engine_args())  # whatever engine_args say: sleeping needs it
     llm = LLM(model=model_dir, **kwargs)
-    if config.weight_updates != "between_batches":
+    if in_flight(config.weight_updates):
         check_in_flight_updates(llm.llm_engine)
     max_model_len = int(llm.llm_engine.model_config.max_model_len)
     max_generated_tokens = config.max_generated_tokens
@@ -220,14 +233,24 @@ def sampled_logprobs(completion: Any, where: str) -> list[float]:
     return [entry[token].logprob for token, entry in zip(token_ids, entries)]
 
 
-def add_request(llm: Any, request_id: str, token_ids: Sequence[int], params: Any) -> None:
-    """Add a request to ``llm``'s engine; its one output comes when it finishes."""
+def add_request(
+    llm: Any, request_id: str, token_ids: Sequence[int], params: Any, lora_request: Any = None
+) -> None:
+    """Add a request to ``llm``'s engine; its one output comes when it finishes.
+
+    ``lora_request``: the LoRA adapter it samples with to its end (None: the base weights).
+    """
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     params.output_kind = RequestOutputKind.FINAL_ONLY
     # The outputs carry this id (vLLM adds a suffix of its own only inside the engine).
-    llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(token_ids)), params)
+    llm.llm_engine.add_request(
+        request_id,
+        TokensPrompt(prompt_token_ids=list(token_ids)),
+        params,
+        lora_request=lora_request,
+    )
 
 
 _TURN_IDS = itertools.count()  # request ids of policy turns, unique in the process
@@ -316,6 +339,10 @@ class EngineLoop:
         model_dir (str): The folder the engine was started from (what a rollback reloads).
         policy_version (int): The version of those weights.
         verify (bool): Check the checksum of every update.
+        adapters (EngineAdapters | None): With ``training.lora``: the engine's adapters, one
+            per policy version; every request gets the newest verified one.
+        sleep_while_training (bool): ``inference.sleep_while_training``: the engine sleeps
+            while the trainer steps (`sleep`) and wakes for the next batch or weight check.
     """
 
     def __init__(
@@ -328,6 +355,8 @@ class EngineLoop:
         model_dir: str,
         policy_version: int,
         verify: bool = True,
+        adapters: EngineAdapters | None = None,
+        sleep_while_training: bool = False,
     ) -> None:
         self.llm = llm
         self.sampling = sampling
@@ -344,13 +373,46 @@ class EngineLoop:
             model_dir=model_dir,
             policy_version=policy_version,
             verify=verify,
+            adapters=adapters,
+        )
+        # Time-sharing the GPU with the trainer (`grpo.workers.engine_sleep`): level 1 keeps a
+        # LoRA run's base weights in host memory, level 2 drops full weights (new ones come).
+        self.sleeper = (
+            EngineSleep(llm, self.weights, self.lock, sleep_level(adapters is not None), owner)
+            if sleep_while_training
+            else None
         )
         self._step_started: float | None = None  # when the step now running began
         self.steps = 0
 
+    def apply_pending(self) -> float:
+        """Load pending weights now (`EngineWeights.apply_pending`); a sleeping engine wakes
+        first (`EngineSleep.apply_pending`). The seconds it took."""
+        if self.sleeper is not None:
+            load = functools.partial(self.weights.apply_pending, self.weight_updates)
+            return self.sleeper.apply_pending(load)
+        return self.weights.apply_pending(self.weight_updates)
+
+    def sleep(self) -> dict[str, float]:
+        """Put the engine to sleep while the trainer steps (`EngineSleep.sleep`).
+
+        Raises:
+            RuntimeError: If it was not built to sleep (``inference.sleep_while_training``).
+        """
+        if self.sleeper is None:
+            raise RuntimeError("the engine sleeps only with inference.sleep_while_training")
+        return self.sleeper.sleep()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether pending weights load between engine steps, not only between batches."""
+        return in_flight(self.weight_updates)
+
     def add_request(self, request_id: str, token_ids: Sequence[int], params: Any) -> None:
-        """Add a request to the engine (hold the lock)."""
-        add_request(self.llm, request_id, token_ids, params)
+        """Add a request to the engine (hold the lock), with the adapter it samples with."""
+        adapters = self.weights.adapters
+        lora_request = adapters.request_added(request_id) if adapters is not None else None
+        add_request(self.llm, request_id, token_ids, params, lora_request)
 
     def step(self, load_pending: bool = True) -> list[tuple[Any, VersionRuns]]:
         """Pending weights in (updates in flight, unless ``load_pending`` is False: greedy
@@ -380,6 +442,8 @@ class EngineLoop:
         """Hold the engine for a batch; a batch that fails leaves no request behind (the next
         batch would otherwise step them as its own)."""
         with self.lock:
+            if self.sleeper is not None and self.sleeper.asleep:
+                self.apply_pending()  # a batch with no weight check wakes the engine too
             try:
                 yield
             except BaseException:

@@ -1,0 +1,422 @@
+"""Low-rank adapters on a torchtune decoder, and their exchange format (PEFT).
+
+The adapters are torchtune's ``LoRALinear`` modules put in place of a decoder's linear layers,
+not PEFT's wrappers, because:
+
+* our models are torchtune ``TransformerDecoder``s (`grpo.models.build_model`); PEFT wraps
+  transformers models and would need a second model class;
+* FSDP2 shards a decoder with ``LoRALinear`` layers as it shards the plain one (each layer
+  is still one module, its frozen base weight and small trainable matrices side by side);
+* torchtune's ``disable_adapter(model)`` switches every adapter off for a forward pass, so
+  the reference model of the KL term is the same model with the adapter off: no second copy.
+
+The PEFT layout (``adapter_model.safetensors`` + ``adapter_config.json``, tensors named
+``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``) is only the exchange
+format: vLLM's LoRA loader and PEFT read it, and ``grpo export`` writes it.
+
+The weights a wrapped layer computes are ``W x + b + (alpha / rank) * B (A dropout(x))``, with
+``W`` and ``b`` the base layer's (kept under their names, frozen) and ``A`` (``lora_a``,
+kaiming-uniform) and ``B`` (``lora_b``, zeros) the adapter: a fresh adapter changes nothing.
+
+Example:
+    >>> model = build_model(model_dir)
+    >>> apply_lora(model, LoRAConfig(rank=8, target_modules=["q_proj", "v_proj"]))
+    >>> optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-4)
+    >>> with disable_adapter(model):  # torchtune.modules.peft: the base model's logits
+    ...     ref_logits = model(tokens)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torchtune.modules.peft import LoRALinear
+from torchtune.training import set_default_dtype
+
+from grpo.config import LoRAConfig
+from grpo.models.families import family_of
+from grpo.models.save import _fsync_path, _replace_dir
+
+__all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "LORA_MODULES",
+    "adapter_state_dict",
+    "apply_lora",
+    "base_state_dict",
+    "is_adapter_key",
+    "load_peft_adapter",
+    "lora_modules",
+    "merge_lora",
+    "peft_adapter_config",
+    "peft_adapter_state_dict",
+    "reset_lora_parameters",
+    "save_peft_adapter",
+    "trainable_parameters",
+    "tune_adapter_state_dict",
+]
+
+# HF target name -> attribute path inside a torchtune decoder layer, the same in every family
+# (Qwen2 and Llama from torchtune's builders, Qwen3 from `grpo.models.qwen3`).
+LORA_MODULES: dict[str, str] = {
+    "q_proj": "attn.q_proj",
+    "k_proj": "attn.k_proj",
+    "v_proj": "attn.v_proj",
+    "o_proj": "attn.output_proj",
+    "gate_proj": "mlp.w1",
+    "up_proj": "mlp.w3",
+    "down_proj": "mlp.w2",
+}
+
+# HF target name -> module path inside an HF decoder layer (``model.layers.{i}.<path>``).
+_HF_MODULES: dict[str, str] = {
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+_TARGET_OF_TUNE_PATH = {path: target for target, path in LORA_MODULES.items()}
+_TARGET_OF_HF_PATH = {path: target for target, path in _HF_MODULES.items()}
+
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+_PEFT_PREFIX = "base_model.model."
+
+_ADAPTER_KEY = re.compile(r"(^|\.)lora_[ab]\.weight$")
+_TUNE_ADAPTER_KEY = re.compile(r"^layers\.(\d+)\.(.+)\.lora_([ab])\.weight$")
+_PEFT_ADAPTER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+
+
+def lora_modules(decoder: nn.Module) -> list[tuple[str, LoRALinear]]:
+    """The ``(name, module)`` of every ``LoRALinear`` of a model, in module order."""
+    return [(name, m) for name, m in decoder.named_modules() if isinstance(m, LoRALinear)]
+
+
+def apply_lora(decoder: nn.Module, config: LoRAConfig) -> None:
+    """Wrap the targeted linear layers of every decoder layer in LoRA adapters, in place.
+
+    Each targeted ``nn.Linear`` becomes a torchtune ``LoRALinear`` that reuses the base
+    layer's weight and bias Parameters (no copy; same dtype and device), so the base keys of
+    ``state_dict()`` keep their names (``layers.0.attn.q_proj.weight``) and the adapter adds
+    ``...q_proj.lora_a.weight`` and ``...q_proj.lora_b.weight``, in the base weight's dtype
+    and device. Every parameter of the model (embeddings, norms, output included) is frozen;
+    only the adapters train.
+
+    The adapters are initialised as torchtune does (``lora_a`` kaiming-uniform, ``lora_b``
+    zeros) from the current torch RNG, in module order (`reset_lora_parameters`), so the same
+    seed gives the same adapter on every rank. On device ``meta`` nothing is drawn: after
+    materialising the model (``to_empty``), call `reset_lora_parameters`; from the same seed
+    it gives the adapter a model wrapped on a real device gets.
+
+    Args:
+        decoder (nn.Module): A torchtune ``TransformerDecoder`` (its ``layers``).
+        config (LoRAConfig): Rank, alpha, dropout and the target modules (HF names).
+
+    Raises:
+        ValueError: If a target is not an ``nn.Linear`` in some layer (the model has no such
+            layer, or it already carries an adapter); the model is then left unchanged.
+    """
+    targets = [target for target in LORA_MODULES if target in config.target_modules]
+    wrapped = []
+    for index, layer in enumerate(decoder.layers):
+        for target in targets:
+            parent_path, _, attr = LORA_MODULES[target].rpartition(".")
+            parent = layer.get_submodule(parent_path)
+            base = getattr(parent, attr, None)
+            if type(base) is not nn.Linear:  # a LoRALinear is no nn.Linear subclass either
+                raise ValueError(
+                    f"training.lora.target_modules: {target!r} is layers.{index}."
+                    f"{LORA_MODULES[target]}, a {type(base).__name__}, not an nn.Linear"
+                )
+            wrapped.append((parent, attr, base))
+    for param in decoder.parameters():
+        param.requires_grad_(False)
+    for parent, attr, base in wrapped:
+        setattr(parent, attr, _lora_linear(base, config))
+    reset_lora_parameters(decoder)
+
+
+def _lora_linear(base: nn.Linear, config: LoRAConfig) -> LoRALinear:
+    """A ``LoRALinear`` around ``base``'s own Parameters; its adapter is left uninitialised."""
+    weight = base.weight
+    # Built on meta so that its own base weight (replaced below) is never allocated.
+    with set_default_dtype(weight.dtype), torch.device("meta"):
+        lora = LoRALinear(
+            in_dim=base.in_features,
+            out_dim=base.out_features,
+            rank=config.rank,
+            alpha=config.alpha,
+            dropout=config.dropout,
+            use_bias=base.bias is not None,
+        )
+    lora.weight = weight
+    lora.bias = base.bias
+    lora.to_empty(device=weight.device)  # LoRALinear's to_empty: lora_a and lora_b only
+    lora.lora_a.weight.requires_grad_(True)
+    lora.lora_b.weight.requires_grad_(True)
+    return lora
+
+
+def reset_lora_parameters(decoder: nn.Module) -> None:
+    """Initialise every adapter of a model again (``lora_a`` kaiming-uniform, ``lora_b`` zeros).
+
+    `apply_lora` ends with it; call it again for a model wrapped on device ``meta`` once it
+    is materialised. Draws from the current torch RNG in module order (on ``meta``: nothing).
+    """
+    for _, module in lora_modules(decoder):
+        module.initialize_parameters()
+
+
+def is_adapter_key(name: str) -> bool:
+    """Whether a state-dict key is an adapter weight (``...lora_a.weight``, ``...lora_b.weight``)."""
+    return _ADAPTER_KEY.search(name) is not None
+
+
+def adapter_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter entries of a state dict (the tensors themselves, not copies)."""
+    return {name: tensor for name, tensor in state.items() if is_adapter_key(name)}
+
+
+def base_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict without its adapter entries: the keys of the plain model."""
+    return {name: tensor for name, tensor in state.items() if not is_adapter_key(name)}
+
+
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters that require grad (after `apply_lora`, the adapters'), in module order."""
+    return [param for param in module.parameters() if param.requires_grad]
+
+
+def _llama_row_permutation(hf_config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """``target -> (heads, head_dim)`` of the projections whose rows HF stores permuted.
+
+    HF Llama checkpoints store the q/k rows reordered for rotate-half RoPE, torchtune's in
+    Meta's interleaved order (`grpo.models.llama`); ``lora_B``'s rows are output rows of the
+    same projection, so they take the same reordering. Qwen2/Qwen3 use rotate-half in both.
+    """
+    if family_of(hf_config).model_type != "llama":
+        return {}
+    num_heads = int(hf_config["num_attention_heads"])
+    num_kv_heads = int(hf_config.get("num_key_value_heads") or num_heads)
+    head_dim = int(hf_config["hidden_size"]) // num_heads
+    return {"q_proj": (num_heads, head_dim), "k_proj": (num_kv_heads, head_dim)}
+
+
+def _permute_rows(t: torch.Tensor, heads: int, head_dim: int, *, to_hf: bool) -> torch.Tensor:
+    # torchtune's convert_weights permutation (tune_to_hf / hf_to_tune), for any column count.
+    split = (heads, head_dim // 2, 2, -1) if to_hf else (heads, 2, head_dim // 2, -1)
+    return t.reshape(split).transpose(1, 2).reshape(heads * head_dim, -1)
+
+
+def peft_adapter_state_dict(
+    tune_adapter: Mapping[str, torch.Tensor], hf_config: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """Adapter weights under PEFT's names, as PEFT saves them and vLLM loads them.
+
+    ``layers.3.attn.q_proj.lora_a.weight`` becomes
+    ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` and
+    ``layers.3.mlp.w1.lora_b.weight`` ``base_model.model.model.layers.3.mlp.gate_proj.lora_B.weight``;
+    Llama's q/k ``lora_B`` rows are reordered as its q/k weights are.
+
+    Args:
+        tune_adapter (Mapping[str, torch.Tensor]): Adapter entries of a torchtune state dict
+            (`adapter_state_dict`); full tensors (gather FSDP shards first).
+        hf_config (dict[str, Any]): Parsed ``config.json`` of the base model.
+
+    Returns:
+        dict[str, torch.Tensor]: PEFT name -> tensor (reordered ones are new tensors).
+
+    Raises:
+        ValueError: If a name is not an adapter of a `LORA_MODULES` layer, or the model type
+            is not supported.
+    """
+    permuted = _llama_row_permutation(hf_config)
+    converted = {}
+    for name, tensor in tune_adapter.items():
+        match = _TUNE_ADAPTER_KEY.match(name)
+        target = match and _TARGET_OF_TUNE_PATH.get(match.group(2))
+        if not target:
+            raise ValueError(f"{name!r} is not a LoRA adapter weight of a decoder layer")
+        layer, matrix = match.group(1), match.group(3)
+        if matrix == "b" and target in permuted:
+            tensor = _permute_rows(tensor, *permuted[target], to_hf=True)
+        hf_name = f"model.layers.{layer}.{_HF_MODULES[target]}.lora_{matrix.upper()}.weight"
+        converted[_PEFT_PREFIX + hf_name] = tensor
+    return converted
+
+
+def tune_adapter_state_dict(
+    peft_tensors: Mapping[str, torch.Tensor], hf_config: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The inverse of `peft_adapter_state_dict`: PEFT names to torchtune adapter keys.
+
+    Args:
+        peft_tensors (Mapping[str, torch.Tensor]): Tensors of ``adapter_model.safetensors``.
+        hf_config (dict[str, Any]): Parsed ``config.json`` of the base model.
+
+    Returns:
+        dict[str, torch.Tensor]: torchtune adapter key -> tensor, loadable into a model
+        `apply_lora` wrapped with the same targets (``load_state_dict(..., strict=False)``).
+
+    Raises:
+        ValueError: If a tensor is not a LoRA A/B weight of a targetable layer (an adapter
+            on embeddings or ``lm_head``, a DoRA magnitude, a bias).
+    """
+    permuted = _llama_row_permutation(hf_config)
+    converted = {}
+    for name, tensor in peft_tensors.items():
+        match = _PEFT_ADAPTER_KEY.match(name.removeprefix(_PEFT_PREFIX))
+        target = match and _TARGET_OF_HF_PATH.get(match.group(2))
+        if not target:
+            raise ValueError(
+                f"adapter tensor {name!r} is not a LoRA A/B weight of one of "
+                f"{', '.join(_HF_MODULES)}"
+            )
+        layer, matrix = match.group(1), match.group(3).lower()
+        if matrix == "b" and target in permuted:
+            tensor = _permute_rows(tensor, *permuted[target], to_hf=False)
+        converted[f"layers.{layer}.{LORA_MODULES[target]}.lora_{matrix}.weight"] = tensor
+    return converted
+
+
+def peft_adapter_config(config: LoRAConfig, base_model_path: str | os.PathLike) -> dict[str, Any]:
+    """The ``adapter_config.json`` of an adapter, with the keys PEFT writes for a LoRA.
+
+    Args:
+        config (LoRAConfig): The adapter's settings.
+        base_model_path (str | os.PathLike): Folder (or hub id) of the base model, as
+            ``base_model_name_or_path``; an existing folder is made absolute, so that
+            ``grpo export`` finds the base to merge into from any working directory.
+
+    Returns:
+        dict[str, Any]: JSON-ready content.
+    """
+    base = os.path.abspath(base_model_path) if os.path.isdir(base_model_path) else base_model_path
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        # Sorted as PEFT does (it stores a set), so equal configs give equal files.
+        "target_modules": sorted(config.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "revision": None,
+    }
+
+
+def save_peft_adapter(
+    out_dir: str | os.PathLike,
+    peft_tensors: Mapping[str, torch.Tensor],
+    adapter_config: dict[str, Any],
+) -> Path:
+    """Write a PEFT adapter folder atomically: ``adapter_model.safetensors`` + config.
+
+    Written to a temporary sibling, fsynced, then renamed to ``out_dir`` (an existing one is
+    replaced only once the new folder is complete), as `grpo.models.save_hf_checkpoint` does.
+
+    Args:
+        out_dir (str | os.PathLike): Folder to write.
+        peft_tensors (Mapping[str, torch.Tensor]): `peft_adapter_state_dict` output; any device.
+        adapter_config (dict[str, Any]): `peft_adapter_config` output.
+
+    Returns:
+        Path: ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in peft_tensors.items()}
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        weights_path = tmp_dir / ADAPTER_WEIGHTS_FILE
+        save_file(tensors, str(weights_path), metadata={"format": "pt"})
+        config_path = tmp_dir / ADAPTER_CONFIG_FILE
+        config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
+        for path in (weights_path, config_path):
+            _fsync_path(path)
+        tmp_dir.chmod(0o755)  # mkdtemp creates 0o700
+        _fsync_path(tmp_dir)
+        _replace_dir(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def load_peft_adapter(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a PEFT adapter folder.
+
+    Args:
+        folder (str | os.PathLike): Holds ``adapter_model.safetensors`` and
+            ``adapter_config.json``.
+
+    Returns:
+        tuple[dict[str, torch.Tensor], dict[str, Any]]: The tensors (PEFT names, on CPU) and
+        the parsed config.
+
+    Raises:
+        FileNotFoundError: If the folder or one of the two files is missing, naming it.
+    """
+    folder = Path(folder)
+    for name in (ADAPTER_WEIGHTS_FILE, ADAPTER_CONFIG_FILE):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{str(folder)!r} is not a PEFT adapter folder (no {name})")
+    config = json.loads((folder / ADAPTER_CONFIG_FILE).read_text())
+    return load_file(str(folder / ADAPTER_WEIGHTS_FILE)), config
+
+
+def merge_lora(
+    tune_state: Mapping[str, torch.Tensor], config: LoRAConfig
+) -> dict[str, torch.Tensor]:
+    """Fold the adapters into their base weights: the state dict a plain model loads.
+
+    Each adapted weight becomes ``W + (alpha / rank) * B @ A`` (computed in float32, stored in
+    ``W``'s dtype); the adapter keys are dropped. The input is not modified.
+
+    Args:
+        tune_state (Mapping[str, torch.Tensor]): A LoRA model's full state dict (base and
+            adapter keys, torchtune names).
+        config (LoRAConfig): The adapter's settings (its ``alpha`` and ``rank``).
+
+    Returns:
+        dict[str, torch.Tensor]: Base keys only; adapted weights are new tensors.
+
+    Raises:
+        ValueError: If an adapter has no base weight or lacks its A or B half.
+    """
+    scale = config.alpha / config.rank
+    merged = base_state_dict(tune_state)
+    prefixes = {name.rsplit(".", 2)[0] for name in adapter_state_dict(tune_state)}
+    for prefix in sorted(prefixes):
+        names = (f"{prefix}.weight", f"{prefix}.lora_a.weight", f"{prefix}.lora_b.weight")
+        missing = [name for name in names if name not in tune_state]
+        if missing:
+            raise ValueError(f"cannot merge the adapter of {prefix!r}: no {', '.join(missing)}")
+        weight, lora_a, lora_b = (tune_state[name] for name in names)
+        delta = scale * (lora_b.float() @ lora_a.float())
+        merged[names[0]] = (weight.float() + delta.to(weight.device)).to(weight.dtype)
+    return merged

@@ -1,0 +1,244 @@
+"""A collector's LoRA adapters: each policy version is a vLLM LoRA adapter of its own.
+
+With ``training.lora`` the trainer sends only the adapter tensors (PEFT names). The collector
+writes each version as a PEFT folder and serves it as a ``LoRARequest`` whose name and id are
+the version's, so:
+
+* a request is added with the adapter of the newest verified version and keeps it to its end:
+  an update never changes the weights under a running sequence, and every token of a request
+  is labelled with its adapter's version, exactly;
+* a rejected update costs nothing to roll back: the previous request is still loaded, and new
+  requests go on using it;
+* an adapter no running request uses any more is removed from the engine and its folder
+  deleted.
+
+Version 0 is the base model with no adapter: a fresh adapter's B matrices are zero, so it
+computes exactly the base model (`NO_ADAPTER_CHECKSUM` on both ends).
+
+The checksum is over the tensors read back from the folder vLLM loads, so it proves what the
+engine reads, not only what arrived; the probe (logprobs through the new adapter) proves the
+engine computes with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo.weights.checksum import NO_ADAPTER_CHECKSUM, WeightSyncError, state_dict_checksum
+
+log = logging.getLogger(__name__)
+
+# The ranks vLLM's ``max_lora_rank`` accepts (vllm.config.lora.MaxLoRARanks): an adapter of
+# rank r is served by an engine sized for the smallest of them >= r.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_lora_args(rank: int) -> dict[str, Any]:
+    """``vllm.LLM`` arguments that serve adapters of ``rank``.
+
+    Two adapters are active at once: the newest version for new requests, and the one before
+    it for the requests still running when it came.
+
+    Raises:
+        ValueError: If ``rank`` is above the largest rank vLLM serves.
+    """
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(
+            f"training.lora.rank={rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}"
+        )
+    return {"enable_lora": True, "max_lora_rank": fitting[0], "max_loras": 2, "max_cpu_loras": 3}
+
+
+def engine_adapters(
+    llm: Any, lora: Any, model_dir: str, adapter_dir: str | None, policy_version: int
+) -> EngineAdapters | None:
+    """The adapters of an engine started with `engine_lora_args` (None without ``lora``).
+
+    Args:
+        llm: The ``vllm.LLM``.
+        lora (LoRAConfig | None): ``training.lora``.
+        model_dir (str): The base model the adapters apply to.
+        adapter_dir (str | None): The PEFT folder of ``policy_version``; None: the base model.
+        policy_version (int): The version the engine starts with.
+    """
+    if lora is None:
+        return None
+    from grpo.models.lora import peft_adapter_config
+
+    config = peft_adapter_config(lora, model_dir)
+    return EngineAdapters(llm, config, adapter_dir, policy_version)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+class EngineAdapters:
+    """The LoRA adapters a collector's engine serves, one per policy version.
+
+    Hold the engine lock around every call (the collector's `EngineWeights` does).
+
+    Args:
+        llm: The ``vllm.LLM``, started with `engine_lora_args`.
+        adapter_config (dict): ``adapter_config.json`` of every version (the trainer's
+            `grpo.models.lora.peft_adapter_config`).
+        initial_dir (str | None): A PEFT folder to start from (a checkpoint's ``adapter/``),
+            served as ``policy_version``; None: the base model.
+        policy_version (int): The version of the initial adapter (0 without one).
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        adapter_config: Mapping[str, Any],
+        initial_dir: str | None = None,
+        policy_version: int = 0,
+    ) -> None:
+        self.llm = llm
+        self.adapter_config = dict(adapter_config)
+        self.root = Path(tempfile.mkdtemp(prefix="grpo-adapters-"))
+        self.current_checksum = NO_ADAPTER_CHECKSUM
+        self._requests: dict[int, Any] = {}  # version -> its LoRARequest
+        self._checksums: dict[int, str] = {}  # version -> checksum of its folder's tensors
+        self._probing: int | None = None  # a loaded version not yet verified, for the probe
+        self._running = Counter()  # version -> requests running with it
+        self._version_of_request: dict[str, int] = {}
+        self._current_version = int(policy_version)
+        if initial_dir is not None:
+            tensors = _read_safetensors(Path(initial_dir) / "adapter_model.safetensors")
+            self.load(tensors, int(policy_version), checksum=None)
+            self.activate(int(policy_version))
+
+    # ------------------------------------------------------------------ requests
+
+    def request_added(self, request_id: str) -> Any:
+        """The ``LoRARequest`` of a new request (None: the base model); counts it as running.
+
+        While `probing` a version, that version's (the probe is the only request added then).
+        """
+        version = self._current_version if self._probing is None else self._probing
+        self._version_of_request[request_id] = version
+        self._running[version] += 1
+        return self._requests.get(version)
+
+    @contextlib.contextmanager
+    def probing(self, version: int) -> Iterator[None]:
+        """Requests added inside get ``version``'s adapter (loaded, not yet activated)."""
+        self._probing = int(version)
+        try:
+            yield
+        finally:
+            self._probing = None
+
+    def version_of(self, request_id: str) -> int | None:
+        """The version of the adapter a request was added with (None: not known here)."""
+        return self._version_of_request.get(request_id)
+
+    def request_finished(self, request_id: str) -> None:
+        """A request ended: an older adapter that no request uses any more is removed."""
+        version = self._version_of_request.pop(request_id, None)
+        if version is None:
+            return
+        self._running[version] -= 1
+        if self._running[version] <= 0:
+            del self._running[version]
+            # Only an older version goes: a newer one is being verified (the probe is its
+            # first request) and is activated next.
+            if version < self._current_version:
+                self._remove(version)
+
+    def forget_requests(self) -> None:
+        """Every request was aborted: drop what is counted and every older adapter."""
+        self._version_of_request.clear()
+        self._running.clear()
+        for version in [v for v in self._requests if v < self._current_version]:
+            self._remove(version)
+
+    # ------------------------------------------------------------------ versions
+
+    def load(self, tensors: Mapping[str, torch.Tensor], version: int, checksum: str | None) -> str:
+        """Write ``tensors`` as the PEFT folder of ``version`` and load it into the engine.
+
+        New requests keep the current adapter until `activate`.
+
+        Args:
+            tensors (Mapping[str, torch.Tensor]): The adapter under PEFT names.
+            version (int): Its policy version (> 0).
+            checksum (str | None): The sender's `state_dict_checksum`; None: not checked.
+
+        Returns:
+            str: The checksum of the tensors read back from the folder the engine loads.
+
+        Raises:
+            WeightSyncError: If that checksum differs from the sender's, or vLLM cannot load
+                the folder.
+        """
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        folder = self.root / f"v{version}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        save_file(
+            {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()},
+            str(folder / "adapter_model.safetensors"),
+        )
+        (folder / "adapter_config.json").write_text(json.dumps(self.adapter_config, indent=2))
+        loaded = state_dict_checksum(_read_safetensors(folder / "adapter_model.safetensors"))
+        if checksum is not None and loaded != checksum:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise WeightSyncError(
+                f"adapter of version {version}: the folder the engine loads holds tensors with "
+                f"checksum {loaded}, the sender's checksum is {checksum}"
+            )
+        request = LoRARequest(f"policy-v{version}", int(version), str(folder))
+        try:
+            self.llm.llm_engine.add_lora(request)
+        except Exception as error:  # noqa: BLE001 - vLLM's loader raises many kinds
+            shutil.rmtree(folder, ignore_errors=True)
+            raise WeightSyncError(
+                f"adapter of version {version}: vLLM could not load it: {error}"
+            ) from error
+        self._requests[int(version)] = request
+        self._checksums[int(version)] = loaded
+        return loaded
+
+    def activate(self, version: int) -> None:
+        """Serve ``version`` (loaded) to new requests; an unused older one is removed."""
+        previous = self._current_version
+        self._current_version = int(version)
+        self.current_checksum = self._checksums[int(version)]
+        if previous != version and not self._running.get(previous):
+            self._remove(previous)
+
+    def discard(self, version: int) -> None:
+        """Remove a loaded version that failed verification (never activated for requests)."""
+        if version != self._current_version:
+            self._remove(version)
+
+    def _remove(self, version: int) -> None:
+        request = self._requests.pop(version, None)
+        if request is None:
+            return
+        try:
+            self.llm.llm_engine.remove_lora(request.lora_int_id)
+        except Exception as error:  # noqa: BLE001 - an adapter vLLM already evicted
+            log.debug("removing adapter %s: %s", request.lora_name, error)
+        shutil.rmtree(Path(request.lora_path), ignore_errors=True)
+
+    def close(self) -> None:
+        """Delete every adapter folder."""
+        shutil.rmtree(self.root, ignore_errors=True)
