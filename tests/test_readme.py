@@ -296,6 +296,11 @@ class Shell:
         elif args[0] == "plot":
             status, output = _grpo(["plot", "--help"])
             assert status == 0, output
+        elif args[0] == "export":  # the checkpoint is a run's: check the flags exist
+            status, output = _grpo(["export", "--help"])
+            assert status == 0, output
+            for flag in (arg for arg in args[1:] if arg.startswith("--")):
+                assert flag in output, f"grpo export has no option {flag}"
         else:
             raise AssertionError(f"grpo has no command {args[0]!r}")
 

@@ -236,6 +236,20 @@ def test_sleeping_while_training_needs_a_synchronous_run():
     assert cfg.inference.sleep_while_training and cfg.orchestration.synchronous
 
 
+def test_a_trainer_and_a_collector_sharing_a_gpu_cannot_use_the_collective_transport():
+    """NCCL refuses two ranks on one device: fractions of a GPU need the object store."""
+    shared = ["inference.num_gpus=0.5", "training.num_gpus=0.25", "ray.num_gpus=1"]
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_arithmetic_cpu", [*shared, "weight_sync.transport=collective"])
+    [problem] = info.value.problems
+    assert problem.startswith("weight_sync.transport: collective broadcasts over NCCL")
+    assert "set weight_sync.transport: object_store" in problem
+    load_config("tiny_arithmetic_cpu", [*shared, "weight_sync.transport=object_store"])
+    # Whole GPUs each: separate devices, the collective transport is fine.
+    whole = ["inference.num_gpus=1", "training.num_gpus=1", "ray.num_gpus=2"]
+    load_config("tiny_arithmetic_cpu", [*whole, "weight_sync.transport=collective"])
+
+
 # ------------------------------------------------------------------ a real run on CPU
 
 # A synchronous run whose every step generates one batch (4 prompts x 8 = training.batch_size),

@@ -364,6 +364,7 @@ def _check_relations(values: dict, problems: list[str]) -> None:
     _check_sampled_distribution(values, problems)
     _check_idle_clip(values, problems)
     _check_time_sharing(values, problems)
+    _check_shared_gpu_transport(values, problems)
 
     _check_ray_resources(values, problems)
 
@@ -412,10 +413,26 @@ def _check_sampled_distribution(values: dict, problems: list[str]) -> None:
 def _check_time_sharing(values: dict, problems: list[str]) -> None:
     """vLLM sleeps while the trainer steps: only a synchronous run generates nothing then."""
     sleeps = value_at(values, "inference.sleep_while_training", (bool,))
-    if sleeps and value_at(values, "orchestration.synchronous", (bool,)) is False:
+    # Unset is the default, asynchronous.
+    if sleeps and value_at(values, "orchestration.synchronous", (bool,)) is not True:
         problems.append(
             "inference.sleep_while_training: needs orchestration.synchronous: true (vLLM "
             "sleeps while the trainer steps, so nothing may generate meanwhile)"
+        )
+
+
+def _check_shared_gpu_transport(values: dict, problems: list[str]) -> None:
+    """NCCL refuses two ranks on one device ("Duplicate GPU detected"): a trainer and a
+    collector that may share a GPU (fractions of one each) cannot open a collective channel."""
+    transport = value_at(values, "weight_sync.transport", (str,)) or "collective"
+    inference = value_at(values, "inference.num_gpus", (int, float)) or 0
+    training = value_at(values, "training.num_gpus", (int, float)) or 0
+    if transport == "collective" and 0 < inference < 1 and 0 < training < 1:
+        problems.append(
+            f"weight_sync.transport: collective broadcasts over NCCL, which refuses a trainer "
+            f"and a collector on the same GPU, and fractions of a GPU (inference.num_gpus "
+            f"{inference}, training.num_gpus {training}) put them on one; set "
+            "weight_sync.transport: object_store"
         )
 
 

@@ -433,6 +433,7 @@ class ActorSupervisor:
                 config=training,
                 seed=cfg.seed,
                 temperature=cfg.inference.temperature,
+                empty_cache_after_step=cfg.inference.sleep_while_training,
             )
             for rank in range(world_size)
         ]

@@ -169,6 +169,8 @@ class PyTorchActorModel:
         temperature (float): The collectors' sampling temperature (``inference.temperature``):
             the policy's logprobs are those of its logits divided by it, the distribution the
             engine sampled from and whose logprobs it returned as the behaviour logprobs.
+        empty_cache_after_step (bool): Give the allocator's cached GPU memory back after each
+            step (``inference.sleep_while_training``: vLLM wakes on the same GPU next).
     """
 
     def __init__(
@@ -184,10 +186,12 @@ class PyTorchActorModel:
         config: TrainingConfig | None = None,
         seed: int = 0,
         temperature: float = 1.0,
+        empty_cache_after_step: bool = False,
     ) -> None:
         config = config or TrainingConfig()
         self.rank = rank
         self.temperature = float(temperature)
+        self.empty_cache_after_step = empty_cache_after_step
         self.world_size = world_size
         self.model_dir = str(model_dir)
         self.hf_config = load_hf_config(self.model_dir)
@@ -550,6 +554,9 @@ class PyTorchActorModel:
             metrics["train_actor_performance/time_reference_forward"] = time_reference
         if wanted:
             metrics["debug_pi_logprobs"] = debug_pi_logprobs
+        if self.empty_cache_after_step and self.device.type == "cuda":
+            # The allocator keeps the step's peak reserved; vLLM wakes on the same GPU next.
+            torch.cuda.empty_cache()
         return metrics
 
     def _old_logprobs(
