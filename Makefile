@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 EXTRA  ?= cpu
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: setup test test-fast demo demo-tools lint clean
+.PHONY: setup test test-fast demo demo-tools demo-lora lint clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ demo: setup
 # The multi-turn demo: the tiny model learns when to call a calculator.
 demo-tools: setup
 	$(VENV)/bin/grpo run async_grpo --config tiny_calculator_cpu overwrite_output_dir=true
+
+# The arithmetic demo with LoRA: only adapters are trained and synced to vLLM.
+demo-lora: setup
+	$(VENV)/bin/grpo run async_grpo --config tiny_arithmetic_lora_cpu overwrite_output_dir=true
 
 lint: setup
 	$(VENV)/bin/ruff check grpo tests scripts recipes

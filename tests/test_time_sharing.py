@@ -309,15 +309,15 @@ def metrics(run_dir: Path, name: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_a_run_that_sleeps_while_training_trains_what_an_awake_run_trains(
+def test_a_run_that_sleeps_while_training_wakes_loads_and_probes_in_order(
     tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
 ):
     """Three synchronous steps with the engine asleep while each trains: it sleeps before
     every training step and wakes before every generation as weights, load (or reload),
-    KV cache, probe; and the run trains the same trajectories, of the same policy versions,
-    with the same losses as the same run that never sleeps."""
+    KV cache, probe, and trains on-policy batches. (That a sleeping run trains exactly what
+    an awake one does is checked by tests/test_lora_runs.py, whose resumed run is awake.)"""
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    sleeping, awake = tmp_path / "sleeping", tmp_path / "awake"
+    sleeping = tmp_path / "sleeping"
     events, recoveries = run_steps(tiny_model_dir, sleeping, "inference.sleep_while_training=true")
     assert not recoveries
 
@@ -341,7 +341,5 @@ def test_a_run_that_sleeps_while_training_trains_what_an_awake_run_trains(
     assert len(metrics(sleeping, INFERENCE_TIME_ASLEEP)) == 2  # logged at the sleeps of steps 2, 3
     assert len(metrics(sleeping, INFERENCE_TIME_TO_WAKE)) == 2
 
-    run_steps(tiny_model_dir, awake)
     assert [versions for _, versions in trained(sleeping)] == [[0] * 32, [0] * 32, [1] * 32]
-    assert trained(sleeping) == trained(awake)
-    assert metrics(sleeping, TRAIN_LOSS) == pytest.approx(metrics(awake, TRAIN_LOSS), rel=1e-6)
+    assert all(math.isfinite(loss) for loss in metrics(sleeping, TRAIN_LOSS))

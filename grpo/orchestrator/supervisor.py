@@ -32,6 +32,7 @@ from grpo.observability.logs import actor_log_path, is_verbose, logs_dir, with_o
 from grpo.observability.metric_logger import DEFAULT_METRIC_LOGGER
 from grpo.orchestrator.checkpointer import checkpoint_policy_version, latest_checkpoint_text
 from grpo.workers.rollout_queue import RolloutQueue
+from grpo.workers.training_checkpoint import ADAPTER_SUBDIR, MODEL_SUBDIR
 
 log = logging.getLogger("grpo")
 
@@ -354,7 +355,8 @@ class ActorSupervisor:
         self.start_replay_buffer()
         self.start_ref_actors()
         if checkpoint_dir is not None:
-            weights = "adapter" if self.cfg.training.lora is not None else "model"
+            lora = self.cfg.training.lora is not None
+            weights = ADAPTER_SUBDIR if lora else MODEL_SUBDIR
             self.start_collectors(
                 checkpoint_dir / weights, checkpoint_policy_version(checkpoint_dir)
             )

@@ -34,7 +34,12 @@ from typing import Any
 
 import torch
 
-from grpo.weights.checksum import NO_ADAPTER_CHECKSUM, WeightSyncError, state_dict_checksum
+from grpo.weights.checksum import (
+    NO_ADAPTER_CHECKSUM,
+    WeightSyncError,
+    adapter_checksum,
+    state_dict_checksum,
+)
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +218,7 @@ class EngineAdapters:
                 f"adapter of version {version}: vLLM could not load it: {error}"
             ) from error
         self._requests[int(version)] = request
-        self._checksums[int(version)] = loaded
+        self._checksums[int(version)] = adapter_checksum(tensors)
         return loaded
 
     def activate(self, version: int) -> None:

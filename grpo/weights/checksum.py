@@ -14,6 +14,15 @@ import torch
 NO_ADAPTER_CHECKSUM = "no-adapter"
 
 
+def adapter_checksum(named_tensors: Mapping[str, torch.Tensor]) -> str:
+    """What a LoRA adapter computes, as both ends report it: `NO_ADAPTER_CHECKSUM` while every
+    B (``lora_B``) is zero (the base model), else `state_dict_checksum` of its tensors."""
+    lora_b = [t for name, t in named_tensors.items() if name.endswith("lora_B.weight")]
+    if lora_b and not any(bool(t.any()) for t in lora_b):
+        return NO_ADAPTER_CHECKSUM
+    return state_dict_checksum(named_tensors)
+
+
 class WeightSyncError(RuntimeError):
     """Weights did not arrive intact (checksum mismatch) or the engine does not use them."""
 

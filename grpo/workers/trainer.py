@@ -62,7 +62,7 @@ from grpo.packing.packs import (
     unpack_response_logprobs,
 )
 from grpo.types import GRPOStats, PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
-from grpo.weights.checksum import NO_ADAPTER_CHECKSUM, state_dict_checksum
+from grpo.weights.checksum import adapter_checksum, state_dict_checksum
 from grpo.weights.concurrency import TRAINER_CONCURRENCY_GROUPS
 from grpo.weights.publisher import WeightPublisher
 from grpo.workers.training_checkpoint import (
@@ -789,10 +789,7 @@ class PyTorchActorModel:
         weights = self._published_weights()
         if weights is None:
             return None
-        lora_b = [t for name, t in weights.items() if name.endswith("lora_B.weight")]
-        if lora_b and not any(bool(t.any()) for t in lora_b):
-            return NO_ADAPTER_CHECKSUM
-        return state_dict_checksum(weights)
+        return adapter_checksum(weights) if self.lora is not None else state_dict_checksum(weights)
 
     def save_hf_checkpoint(self, out_dir: str) -> str | None:
         """Write the current policy as an HF-format folder (atomically; rank 0 writes).
