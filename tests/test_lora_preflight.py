@@ -92,3 +92,15 @@ def test_grpo_validate_reports_it(tmp_path):
         "inference.engine_args.enable_lora: false, but training.lora trains an adapter the "
         "collectors serve through vLLM's LoRA support; remove the key",
     ]
+
+
+def test_schema_errors_below_training_lora_name_the_whole_key():
+    from grpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_arithmetic_lora_cpu", ["training.lora.target_modules=[q_proj, qkv]"])
+    [problem] = info.value.problems
+    assert problem.startswith("training.lora.target_modules[1]: must be one of q_proj")
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_arithmetic_lora_cpu", ["training.lora.rnk=3"])
+    assert "did you mean training.lora.rank?" in info.value.problems[0]

@@ -133,6 +133,14 @@ def section_type(info: FieldInfo) -> type[Section] | None:
     return None
 
 
+def optional_section_type(info: FieldInfo) -> type[Section] | None:
+    """The section class of a field, optional ones included (``LoRAConfig | None``), or None."""
+    for part in _union_parts(info.annotation):
+        if isinstance(part, type) and issubclass(part, Section):
+            return part
+    return None
+
+
 def component_spec(info: FieldInfo) -> ComponentSpec | None:
     """The `ComponentSpec` of a component field (optional ones too), or None."""
     metadata = list(info.metadata)

@@ -23,7 +23,13 @@ from grpo.config.errors import ConfigError, InstantiationError
 from grpo.config.instantiate import keyword_names, locate
 from grpo.config.keys import fill_defaults, siblings_at, suggest
 from grpo.config.run import MOVED_KEYS, REMOVED_KEYS, UNRESOLVED, RunConfig
-from grpo.config.schema import ComponentSpec, Section, component_spec, section_type
+from grpo.config.schema import (
+    ComponentSpec,
+    Section,
+    component_spec,
+    optional_section_type,
+    section_type,
+)
 from grpo.config.signatures import static_keyword_names
 
 _TYPE_NAMES = {
@@ -188,7 +194,8 @@ def _path_of(loc: tuple, model: type[BaseModel], prefix: str) -> tuple[str, str 
         elif isinstance(current, type) and issubclass(current, BaseModel):
             path = f"{path}.{part}" if path else str(part)
             info = current.model_fields.get(part)
-            current = section_type(info) if info is not None else None
+            # An optional section (``training.lora``) is still a section below it.
+            current = optional_section_type(info) if info is not None else None
         else:  # below a plain field: a union member's tag (`bool`, `str`)
             member = str(part)
     return path, member
