@@ -57,3 +57,18 @@ LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
 MODEL_TYPES: tuple[str, ...] = get_args(ModelType)
 LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
+
+# Where each LoRA target sits in a Hugging Face decoder layer (``model.layers.{i}.<path>``).
+LORA_HF_MODULES: dict[str, str] = {
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+
+# The values vLLM's ``max_lora_rank`` accepts (``vllm.config.lora.MaxLoRARanks``); an adapter
+# of any rank up to the engine's loads.
+VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)

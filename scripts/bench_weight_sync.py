@@ -103,6 +103,20 @@ def synthetic_state_dict(megabytes: int) -> dict[str, torch.Tensor]:
     }
 
 
+def round_robin_medians(variants: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Median seconds of each variant, after one warm-up each, run round-robin ``repeats``
+    times (a shared machine's load then weighs on every variant alike)."""
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    for function in variants.values():
+        function()
+    for _ in range(repeats):
+        for name, function in variants.items():
+            start = time.perf_counter()
+            function()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in seconds.items()}
+
+
 def bench(state: dict[str, torch.Tensor], bucket_bytes: int, repeats: int) -> dict[str, float]:
     actor_options = {"num_cpus": 0}
     sender = ray.remote(**actor_options)(Sender).remote(ray.put(state))
@@ -122,17 +136,10 @@ def bench(state: dict[str, torch.Tensor], bucket_bytes: int, repeats: int) -> di
         ray.get([sender.send.remote(bucket_bytes), receiver.receive.remote(specs, bucket_bytes)])
 
     variants = {"clone": clone, "object_store": object_store, "collective": collective}
-    seconds: dict[str, list[float]] = {name: [] for name in variants}
-    for function in variants.values():
-        function()
-    for _ in range(repeats):
-        for name, function in variants.items():
-            start = time.perf_counter()
-            function()
-            seconds[name].append(time.perf_counter() - start)
+    medians = round_robin_medians(variants, repeats)
     ray.kill(sender)
     ray.kill(receiver)
-    return {name: statistics.median(values) for name, values in seconds.items()}
+    return medians
 
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny_arithmetic_qwen2"
@@ -191,17 +198,10 @@ def bench_engine_loads(
         adapters.request_finished("p")
 
     variants = {"full reload": full_reload, "adapter load": adapter_load}
-    seconds: dict[str, list[float]] = {name: [] for name in variants}
-    for function in variants.values():
-        function()
-    for _ in range(repeats):
-        for name, function in variants.items():
-            start = time.perf_counter()
-            function()
-            seconds[name].append(time.perf_counter() - start)
+    medians = round_robin_medians(variants, repeats)
     adapters.close()
     llm.llm_engine.engine_core.shutdown()
-    return {name: statistics.median(values) for name, values in seconds.items()}
+    return medians
 
 
 def main() -> None:

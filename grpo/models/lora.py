@@ -31,8 +31,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -43,9 +41,10 @@ from torch import nn
 from torchtune.modules.peft import LoRALinear
 from torchtune.training import set_default_dtype
 
+from grpo.choices import LORA_HF_MODULES
 from grpo.config import LoRAConfig
 from grpo.models.families import family_of
-from grpo.models.save import _fsync_path, _replace_dir
+from grpo.models.save import atomic_folder
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -79,15 +78,7 @@ LORA_MODULES: dict[str, str] = {
 }
 
 # HF target name -> module path inside an HF decoder layer (``model.layers.{i}.<path>``).
-_HF_MODULES: dict[str, str] = {
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
+_HF_MODULES = LORA_HF_MODULES
 _TARGET_OF_TUNE_PATH = {path: target for target, path in LORA_MODULES.items()}
 _TARGET_OF_HF_PATH = {path: target for target, path in _HF_MODULES.items()}
 
@@ -349,21 +340,12 @@ def save_peft_adapter(
     """
     out_dir = Path(out_dir)
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in peft_tensors.items()}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic_folder(out_dir) as (tmp_dir, written):
         weights_path = tmp_dir / ADAPTER_WEIGHTS_FILE
         save_file(tensors, str(weights_path), metadata={"format": "pt"})
         config_path = tmp_dir / ADAPTER_CONFIG_FILE
         config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
-        for path in (weights_path, config_path):
-            _fsync_path(path)
-        tmp_dir.chmod(0o755)  # mkdtemp creates 0o700
-        _fsync_path(tmp_dir)
-        _replace_dir(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
+        written += [weights_path, config_path]
     return out_dir
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -94,6 +96,31 @@ def _replace_dir(new_dir: Path, out_dir: Path) -> None:
     _fsync_path(out_dir.parent)
 
 
+@contextlib.contextmanager
+def atomic_folder(out_dir: Path) -> Iterator[tuple[Path, list[Path]]]:
+    """Write a folder atomically: yields a temporary sibling of ``out_dir`` and a list the
+    caller appends each file it writes there to.
+
+    On a clean exit every listed file and the folder are fsynced (data on disk before the
+    rename publishes the folder, so a crash never leaves a complete-looking folder with
+    truncated files), then the folder replaces ``out_dir`` (`_replace_dir`); on an error it is
+    deleted and nothing changes.
+    """
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    written: list[Path] = []
+    try:
+        yield tmp_dir, written
+        for path in written:
+            _fsync_path(path)
+        tmp_dir.chmod(0o755)  # mkdtemp creates 0o700
+        _fsync_path(tmp_dir)
+        _replace_dir(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+
+
 def save_hf_checkpoint(
     tune_state_dict: dict[str, torch.Tensor],
     model_dir_src: str | os.PathLike,
@@ -151,10 +178,8 @@ def save_hf_checkpoint(
         if "dtype" in hf_config:  # transformers 5 spelling
             hf_config["dtype"] = _DTYPE_NAMES[dtype]
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        written = _write_weights(hf_state_dict, tmp_dir, max_shard_bytes)
+    with atomic_folder(out_dir) as (tmp_dir, written):
+        written += _write_weights(hf_state_dict, tmp_dir, max_shard_bytes)
         config_path = tmp_dir / "config.json"
         config_path.write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         written.append(config_path)
@@ -162,14 +187,4 @@ def save_hf_checkpoint(
             if src.is_file() and src.name != "config.json":
                 if not src.name.endswith(WEIGHT_FILE_SUFFIXES):
                     written.append(Path(shutil.copy2(src, tmp_dir / src.name)))
-        # Data on disk before the rename publishes the folder, so a crash never leaves a
-        # complete-looking folder with truncated files.
-        for path in written:
-            _fsync_path(path)
-        tmp_dir.chmod(0o755)  # mkdtemp creates 0o700
-        _fsync_path(tmp_dir)
-        _replace_dir(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     return out_dir

@@ -13,24 +13,10 @@ import json
 import struct
 from pathlib import Path
 
+from grpo.choices import LORA_HF_MODULES as _HF_MODULES
+from grpo.choices import VLLM_LORA_RANKS as VLLM_MAX_LORA_RANKS
 from grpo.config import resolve_path
 from grpo.config.run import UNRESOLVED, value_at
-
-# vLLM 0.32's `vllm.config.lora.MaxLoRARanks`: the values `max_lora_rank` accepts; an adapter
-# of any rank up to it loads. The same as `grpo.weights.adapter.VLLM_LORA_RANKS`, repeated
-# here because that module imports torch and these checks must not.
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-# HF target name -> module of an HF decoder layer (`grpo.models.lora`'s table, without torch).
-_HF_MODULES = {
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
 
 
 def lora_problems(values: dict) -> list[str]:

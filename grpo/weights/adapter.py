@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from grpo.choices import VLLM_LORA_RANKS
 from grpo.weights.checksum import (
     NO_ADAPTER_CHECKSUM,
     WeightSyncError,
@@ -43,16 +44,13 @@ from grpo.weights.checksum import (
 
 log = logging.getLogger(__name__)
 
-# The ranks vLLM's ``max_lora_rank`` accepts (vllm.config.lora.MaxLoRARanks): an adapter of
-# rank r is served by an engine sized for the smallest of them >= r.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
 
 def engine_lora_args(rank: int) -> dict[str, Any]:
     """``vllm.LLM`` arguments that serve adapters of ``rank``.
 
     Two adapters are active at once: the newest version for new requests, and the one before
-    it for the requests still running when it came.
+    it for the requests still running when it came. The engine is sized for the smallest rank
+    vLLM accepts (`grpo.choices.VLLM_LORA_RANKS`) at or above ``rank``.
 
     Raises:
         ValueError: If ``rank`` is above the largest rank vLLM serves.

@@ -297,15 +297,7 @@ class EngineWeights:
         self._loaded_weights = applied.weights if on_cpu else None
         self._can_roll_back = on_cpu
         self.policy_version = applied.version
-        self.current_probe = applied.probe
-        self._error = None
-        self._rejected_in_a_row = 0
-        seconds = time.perf_counter() - start
-        if running:
-            self.totals["weight_updates_in_flight"] += 1
-            self.batch_switches["updates"] += 1
-            self.batch_switches["pause_s"] += seconds
-        return seconds
+        return self._accepted(applied, start, running)
 
     def _switch_adapter(
         self, before_probe: Callable[[WeightUpdate | None], None] | None = None
@@ -345,6 +337,10 @@ class EngineWeights:
             return time.perf_counter() - start
         adapters.activate(update.version)
         self.policy_version = self.sampling_version = update.version
+        return self._accepted(update, start, running)
+
+    def _accepted(self, update: WeightUpdate, start: float, running: bool) -> float:
+        """Book a verified update loaded while requests ran; the seconds since ``start``."""
         self.current_probe = update.probe
         self._error = None
         self._rejected_in_a_row = 0
