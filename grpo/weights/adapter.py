@@ -38,7 +38,7 @@ from grpo.choices import VLLM_LORA_RANKS
 from grpo.weights.checksum import (
     NO_ADAPTER_CHECKSUM,
     WeightSyncError,
-    adapter_checksum,
+    is_base_adapter,
     state_dict_checksum,
 )
 
@@ -216,7 +216,8 @@ class EngineAdapters:
                 f"adapter of version {version}: vLLM could not load it: {error}"
             ) from error
         self._requests[int(version)] = request
-        self._checksums[int(version)] = adapter_checksum(tensors)
+        # What `adapter_checksum` reports, without hashing the tensors a second time.
+        self._checksums[int(version)] = NO_ADAPTER_CHECKSUM if is_base_adapter(tensors) else loaded
         return loaded
 
     def activate(self, version: int) -> None:

@@ -17,10 +17,17 @@ NO_ADAPTER_CHECKSUM = "no-adapter"
 def adapter_checksum(named_tensors: Mapping[str, torch.Tensor]) -> str:
     """What a LoRA adapter computes, as both ends report it: `NO_ADAPTER_CHECKSUM` while every
     B (``lora_B``) is zero (the base model), else `state_dict_checksum` of its tensors."""
+    return (
+        NO_ADAPTER_CHECKSUM
+        if is_base_adapter(named_tensors)
+        else state_dict_checksum(named_tensors)
+    )
+
+
+def is_base_adapter(named_tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a PEFT adapter computes the base model: it has B matrices and all are zero."""
     lora_b = [t for name, t in named_tensors.items() if name.endswith("lora_B.weight")]
-    if lora_b and not any(bool(t.any()) for t in lora_b):
-        return NO_ADAPTER_CHECKSUM
-    return state_dict_checksum(named_tensors)
+    return bool(lora_b) and not any(bool(t.any()) for t in lora_b)
 
 
 class WeightSyncError(RuntimeError):
