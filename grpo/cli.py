@@ -151,7 +151,12 @@ def _run_cmd(args: argparse.Namespace) -> int:
 
 
 def _validate_cmd(args: argparse.Namespace) -> int:
-    cfg = load_run_config(args.config, args.overrides, check_components=True)
+    # With --gpu-memory the run is planned for GPUs of that size, usually from another machine
+    # (a laptop): this one's Ray cluster, the weights and the datasets are not the run's.
+    planning = args.gpu_memory is not None
+    cfg = load_run_config(
+        args.config, args.overrides, check_components=True, this_machine=not planning
+    )
     if problem := used_output_dir_problem(cfg):  # what `grpo run` would refuse at start
         raise ConfigError(problem)
     if warning := check_vllm_version():  # may work; was not tested
@@ -168,6 +173,12 @@ def _validate_cmd(args: argparse.Namespace) -> int:
                 raise CommandError(problems[0])
             lines = "\n".join(f"  - {problem}" for problem in problems)
             raise CommandError(f"{len(problems)} roles do not fit their GPUs:\n{lines}")
+    if planning:
+        print(
+            "Planned from the model's config.json alone. Not checked with --gpu-memory: this "
+            "machine's Ray cluster, the model's weights, tokenizer and chat template, the "
+            "datasets' files (run `grpo validate` without it where the run starts)."
+        )
     print("Config is well-formed!")
     return 0
 
@@ -327,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_gpu_memory,
         metavar="SIZE",
         help="memory of each GPU, e.g. 24GiB or 80GB: the placement's memory plan is checked "
-        "against it (default: this machine's GPUs; none: the plan is only printed)",
+        "against it (default: this machine's GPUs; none: the plan is only printed). Plans a "
+        "run on other machines: only the model's config.json is read (a folder holding just "
+        "it will do), and this machine's Ray cluster is not checked",
     )
     validate.set_defaults(func=_validate_cmd, takes_overrides=True)
 

@@ -1,5 +1,6 @@
 """The ways a run stops on its own: an actor that cannot go on, a diverged loss, an
-environment that fails its episodes, and no data left to learn from. Shared by the driver and
+environment that fails its episodes, a reward function that fails its calls, and no data left
+to learn from. Shared by the driver and
 the weight transports, so it imports nothing."""
 
 
@@ -20,6 +21,12 @@ class EnvironmentFailingError(RuntimeError):
     """Nearly every episode of several generation batches in a row was dropped because the
     environment raised (a typo in its code, a tool server that is down): the message names
     the most common exception, where it raised, and the log that counts every reason."""
+
+
+class RewardFailingError(RuntimeError):
+    """Nearly every call of one reward function in several generation batches in a row raised
+    or timed out (a typo in its body, a checker that always hangs): the message names the
+    function, the exception, where in its code it raised, and how many calls timed out."""
 
 
 class TrainerDiedError(ActorFailedError):

@@ -20,6 +20,9 @@ STATE_FILE = "state.json"
 """The run state of a checkpoint (step, policy version, ...), in the checkpoint folder."""
 CONFIG_FILE = "config.yaml"
 """The config a checkpoint's run ran with, in the checkpoint folder."""
+WANDB_RUN_FILE = "wandb_run.json"
+"""The W&B run a run logs to (its id, name and project), in the metric logger's folder: a
+resume goes on logging to it (`grpo.observability.metric_logger.MetricLogger`)."""
 
 # What a run leaves in its folder; a folder holding any of them holds a run.
 RUN_RECORDS = ("metrics.jsonl", "trained.jsonl", "scored.jsonl", CHECKPOINTS_DIR, "final")

@@ -98,8 +98,9 @@ class UnscoredTrajectory(_PicklesTensorsAsArrays):
             shape ``(response_len,)``.
         answer (str): Ground-truth answer of the prompt.
         sequence_id (str): Unique id of this sequence.
-        policy_version (int): Version of the weights that generated its oldest token (the
-            replay buffer's ``max_policy_lag`` counts from it).
+        policy_version (int): Version of the weights that generated its oldest token: the
+            training steps those weights had taken (the replay buffer's ``max_policy_lag``
+            counts from it).
         group_id (int): Id of the prompt group it belongs to.
         response_mask (torch.Tensor | None): Bool ``(response_len,)``: True on the tokens the
             policy sampled (trained), False on the environment's tokens of a multi-turn

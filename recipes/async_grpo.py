@@ -48,6 +48,7 @@ from grpo.errors import (
     ActorFailedError,
     EnvironmentFailingError,
     NoInformativeGroupsError,
+    RewardFailingError,
     TrainingDivergedError,
 )
 from grpo.models import load_tokenizer
@@ -85,6 +86,8 @@ def recipe_main(cfg: RunConfig) -> dict:
     run = Orchestrator(cfg, run_dir, tokenizer, dataset=datasets["dataset"])
     with stop_on_signals(run), shutdown_on_exit(run):
         checkpoint = set_up(run, cfg, run_dir)  # 2. set up
+        # What this invocation starts from: the results say what it ran, and which are older.
+        first_step, earlier_evals = run.state.step, len(run.state.eval_history)
         evaluate = build_evaluator(cfg, datasets.get("eval_dataset"), run)
         started = time.monotonic()
         state, stopped_by = train(run, cfg, evaluate)  # 3. train
@@ -121,6 +124,8 @@ def recipe_main(cfg: RunConfig) -> dict:
         "seconds": seconds,
         "plots": write_plots(run_dir),
         "resumed_from": str(checkpoint) if checkpoint else None,
+        "resumed_at_step": first_step if checkpoint else None,
+        "evals_before_resume": earlier_evals,
     }
     print_end(summary)
     return summary
@@ -138,7 +143,7 @@ def set_up(run: Orchestrator, cfg: RunConfig, run_dir: Path) -> Path | None:
     checkpoint = find_checkpoint(run_dir, cfg.resume_from_checkpoint)
     run.start_actors(pad_token_id=run.tokenizer.pad_id, checkpoint_dir=checkpoint)
     if checkpoint:
-        run.restore(checkpoint)
+        run.resume(checkpoint)
         print(f"Resumed from {checkpoint} at step {run.state.step}")
     return checkpoint
 
@@ -149,7 +154,8 @@ def train(run: Orchestrator, cfg: RunConfig, evaluate: Any) -> tuple[Any, Except
     Returns:
         tuple[RunState, Exception | None]: The final step, policy version and metrics, and the
         error the run stopped on by its own decision (an actor that failed, a diverged loss,
-        an environment failing its episodes, no informative group), or None. Any other error
+        an environment failing its episodes, a reward function failing its calls, no
+        informative group), or None. Any other error
         propagates (`grpo.recipe.run_recipe` reports it the same way).
     """
     try:
@@ -160,6 +166,7 @@ def train(run: Orchestrator, cfg: RunConfig, evaluate: Any) -> tuple[Any, Except
         TrainingDivergedError,
         NoInformativeGroupsError,
         EnvironmentFailingError,
+        RewardFailingError,
     ) as error:
         return run.state, error
 

@@ -255,6 +255,17 @@ def test_unknown_override_key_suggests_the_right_one(config_path):
     assert "bogus" in problems[2]
 
 
+def test_a_key_of_a_component_node_is_suggested_before_a_look_alike():
+    # `lr` is a documented keyword of training.optimizer; `lora` only looks like it.
+    with pytest.raises(ConfigError) as info:
+        compose_config("tiny_arithmetic_cpu", ["training.lr=1e-5", "lr=1e-5", "training.lorra=1"])
+    assert info.value.problems == [
+        "training.lr=1e-5: unknown key training.lr; did you mean training.optimizer.lr?",
+        "lr=1e-5: unknown key lr; did you mean training.optimizer.lr?",
+        "training.lorra=1: unknown key training.lorra; did you mean training.lora?",
+    ]
+
+
 def test_malformed_overrides(config_path):
     with pytest.raises(ConfigError, match="key=value"):
         compose_config(config_path, ["inference.group_size"])

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from grpo.envs import Episode, MultiTurnEnv, VerifiersEnv
-from grpo.envs.dropped import DroppedEpisodeLog, cause_first
+from grpo.envs.dropped import DroppedEpisodeLog, cause_first, scored_episodes
 from grpo.errors import EnvironmentFailingError, NoInformativeGroupsError
 from grpo.orchestrator.episode_drops import EpisodeDrops
 from grpo.orchestrator.group_counts import GroupCounts
+from grpo.rewards import MathCorrectnessReward
 
 
 class TypoEnv(MultiTurnEnv):
@@ -110,6 +111,65 @@ def test_each_reason_is_logged_once_with_a_count_then_counted_now_and_then(caplo
     )
     assert len(lines) == 3  # 176 episodes dropped, 3 lines
     assert drops.record([episode()], "TypoEnv").dropped == 0
+
+
+def typo_batch(size: int) -> tuple[TypoEnv, list[Episode]]:
+    """``size`` episodes of one policy turn each, on which `TypoEnv` raised."""
+    env = TypoEnv(reward_functions=[MathCorrectnessReward(failure_reward=-0.5)])
+    episodes = []
+    for _ in range(size):
+        failed = episode()
+        failed.add_policy_turn([5, 6], [-0.1, -0.2])
+        failed.messages.append({"role": "assistant", "content": "7"})
+        env.start_response(failed)
+        episodes.append(failed)
+    return env, episodes
+
+
+def test_failed_episodes_scored_in_their_groups_are_logged_and_stop_a_run_that_fails_them_all(
+    caplog,
+):
+    """With ``failed_episodes: score`` the failed episodes stay, with the failure reward; the
+    log says so, and the guard stops a run whose environment fails nearly every episode all
+    the same."""
+    env, failed = typo_batch(8)
+    kept, rewards = scored_episodes(env, failed)
+    assert kept == failed and rewards == [{"math_correctness": -0.5}] * 8
+    drops = DroppedEpisodeLog("collector 0")
+    with caplog.at_level(logging.WARNING, logger="grpo.envs.dropped"):
+        batch = drops.record(failed, "TypoEnv")
+        drops.record(failed, "TypoEnv")
+        drops.flush()
+    assert (batch.episodes, batch.dropped, batch.scored) == (8, 8, 8)
+    first, more = (record.getMessage() for record in caplog.records)
+    assert first.startswith(
+        "collector 0: 8 of the 8 episodes of a batch were scored with the failure reward "
+        "because TypoEnv failed (later ones"
+    )
+    assert "KeyError: 'anwser'" in first
+    assert more.startswith("collector 0: 8 more episodes scored with the failure reward for ")
+
+    guard = EpisodeDrops()
+    for _ in range(3):
+        guard.batch(0, batch.as_dict())
+    assert guard.note().startswith(
+        "16 of the last 16 episodes were scored with the failure reward because the environment "
+        "raised (most often: KeyError: 'anwser'"
+    )
+    with pytest.raises(EnvironmentFailingError) as error:
+        guard.check()
+    assert str(error.value).startswith(
+        "the environment failed nearly every episode: 24 of the 24 episodes of the last 3 "
+        "generation batches were scored with the failure reward because it raised (24 of them: "
+        "KeyError: 'anwser'"
+    )
+
+    # Dropped instead: left out of their groups, counted by the same guard.
+    dropping = TypoEnv(reward_functions=env.reward_functions, failed_episodes="drop")
+    _, failed = typo_batch(8)
+    assert scored_episodes(dropping, failed) == ([], [])
+    assert not any(e.failure_scored for e in failed)
+    assert DroppedEpisodeLog("collector 0").record(failed).scored == 0
 
 
 def test_reasons_that_name_each_episode_are_logged_in_full_only_up_to_a_limit(caplog):

@@ -5,6 +5,7 @@ batches of informative, unique trajectories."""
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -97,6 +98,8 @@ def test_ref_actor_drops_exactly_the_zero_variance_groups(filtering, tiny_model_
     assert info["dropped_sequence_ids"] == [
         [t.sequence_id for t in groups[g].trajectories] for g in dropped
     ]
+    # Every group's total rewards, kept or not, for the driver's report of the first episodes.
+    assert info["group_rewards"] == [[1, 0, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 1], [1]]
     # Kept groups keep their advantages; the reward metrics cover every group scored.
     assert [float(t.advantages) > 0 for t in scored[0]] == [True, False, True, False]
     assert info["metrics"][REWARDS_MEAN] == pytest.approx(8 / 17)
@@ -256,6 +259,94 @@ def test_guard_names_equal_rewards_after_the_timeout_of_waiting(monkeypatch, cap
     unfiltered.check(waiting_since=0.0)
 
 
+ALL_WRONG = [[0.0] * 4] * 4  # one reference call: 4 groups of 4 episodes, every reward 0
+
+
+def test_first_episodes_whose_groups_are_all_equal_are_reported_at_once_with_advice(
+    monkeypatch, caplog
+):
+    """A task the model cannot yet score on: after the first 64 episodes (not after minutes of
+    waiting) one warning gives their reward distribution and what to change; the run then
+    stops after equal_rewards_timeout_s of waiting, without a second warning."""
+    now = [100.0]
+    monkeypatch.setattr("grpo.orchestrator.group_counts.time.monotonic", lambda: now[0])
+    counts = GroupCounts(filtering=True, timeout_s=120.0)
+    with caplog.at_level(logging.INFO, logger="grpo"):
+        for _ in range(3):  # 48 episodes: too few to say
+            counts.scored(4, num_zero_variance=4, num_dropped=4, group_rewards=ALL_WRONG)
+        assert not caplog.records
+        now[0] = 105.0
+        counts.scored(4, num_zero_variance=4, num_dropped=4, group_rewards=ALL_WRONG)
+        counts.scored(4, num_zero_variance=4, num_dropped=4, group_rewards=ALL_WRONG)
+        now[0] = 190.0  # past a quarter of the timeout: the report was this streak's warning
+        counts.check(waiting_since=100.0)
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and record.name == "grpo"
+    message = record.getMessage()
+    assert message.startswith(
+        "rewards of the first 64 episodes: mean 0.00, all 16 groups equal (0.0: 64). Every "
+        "advantage is zero"
+    )
+    for advice in (
+        "raise inference.group_size",
+        "add partial-credit or format rewards to reward_functions",
+        "start from a stronger model",
+        "raise inference.temperature",
+        "orchestration.equal_rewards_timeout_s (120 s)",
+        "ref.filter_zero_variance_groups=false trains on them",
+    ):
+        assert advice in message, advice
+    now[0] = 221.0
+    with pytest.raises(NoInformativeGroupsError) as error:
+        counts.check(waiting_since=100.0)
+    assert str(error.value).startswith(
+        "no training batch for 121 s: every group had equal rewards (20 groups in a row; "
+        "rewards mean 0.00, all 20 groups equal (0.0: 80))"
+    )
+    assert "orchestration.equal_rewards_timeout_s=120" in str(error.value)
+
+    # Without the filter the run trains on such groups: the warning says so.
+    caplog.clear()
+    unfiltered = GroupCounts(filtering=False, timeout_s=120.0)
+    with caplog.at_level(logging.INFO, logger="grpo"):
+        unfiltered.scored(16, 16, 0, [[1.0] * 4] * 6 + [[0.0] * 4] * 10)
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith(
+        "rewards of the first 64 episodes: mean 0.38, all 16 groups equal (0.0: 40, 1.0: 24). "
+    )
+    assert "the run trains on such groups" in record.getMessage()
+
+    # Groups that differ: the distribution goes to the driver's log only, once.
+    caplog.clear()
+    healthy = GroupCounts(filtering=True, timeout_s=120.0)
+    with caplog.at_level(logging.INFO, logger="grpo"):
+        healthy.scored(16, 10, 10, [[1.0, 0.0, 0.0, 0.5]] * 6 + [[0.0] * 4] * 10)
+        healthy.scored(16, 16, 16, [[0.0] * 4] * 16)
+    [record] = caplog.records
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        "rewards of the first 64 episodes: mean 0.14, 6 of 16 groups differ "
+        "(0.0: 52, 0.5: 6, 1.0: 6)"
+    )
+
+
+def test_the_warning_about_the_first_episodes_reaches_the_terminal(tmp_path, capsys):
+    """The terminal shows the grpo logger's warnings (`grpo.observability.logs.DriverLog`):
+    the report of a task every group scores alike on is there, in one line."""
+    from grpo.observability.logs import DriverLog
+
+    with DriverLog() as driver_log:
+        driver_log.start(str(tmp_path / "run"), "info")
+        counts = GroupCounts(filtering=True, timeout_s=120.0)
+        for _ in range(4):
+            counts.scored(4, num_zero_variance=4, num_dropped=4, group_rewards=ALL_WRONG)
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "first 64" in line]
+    assert line.startswith(
+        "WARNING: rewards of the first 64 episodes: mean 0.00, all 16 groups equal (0.0: 64). "
+    )
+
+
 # ---------------------------------------------------------------- a real run
 
 
@@ -326,10 +417,11 @@ def test_run_with_filter_trains_full_batches_of_informative_unique_groups(
 
 @pytest.mark.slow
 def test_synchronous_run_whose_rewards_never_differ_stops_naming_the_cause(
-    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+    tiny_model_dir, tmp_path, monkeypatch, caplog, ray_cleanup
 ):
     """A constant reward with the filter: a synchronous run generates round after round,
-    then stops with an error that says every group had equal rewards."""
+    warns with the first 64 episodes' rewards and what to change, then stops after
+    equal_rewards_timeout_s with an error that says every group had equal rewards."""
     from grpo.testing import start_tiny_run
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
@@ -340,7 +432,7 @@ def test_synchronous_run_whose_rewards_never_differ_stops_naming_the_cause(
         2,
         "ref.filter_zero_variance_groups=true",
         "orchestration.synchronous=true",
-        "orchestration.stall_timeout_s=3",
+        "orchestration.equal_rewards_timeout_s=15",
         "training.batch_size=16",
         "inference.group_size=4",
         "inference.batch_size=4",
@@ -350,11 +442,23 @@ def test_synchronous_run_whose_rewards_never_differ_stops_naming_the_cause(
         "ref.reward_weights=null",
     )
     try:
-        with pytest.raises(NoInformativeGroupsError, match="every group had equal rewards"):
+        with (
+            caplog.at_level(logging.WARNING, logger="grpo"),
+            pytest.raises(NoInformativeGroupsError, match="every group had equal rewards"),
+        ):
             run.run()
     finally:
         run.shutdown()
     assert run.state.step == 0
+    [first] = [r.getMessage() for r in caplog.records if "rewards of the first" in r.getMessage()]
+    # Groups of 4, at least 64 episodes: those of the reference calls up to the 64th.
+    said = re.match(
+        r"rewards of the first (\d+) episodes: mean 0\.00, all (\d+) groups equal \(0\.0: \1\)\. "
+        r"Every advantage is zero",
+        first,
+    )
+    assert said and int(said[1]) >= 64 and int(said[1]) == 4 * int(said[2]), first
+    assert "raise inference.group_size" in first
     records = read_jsonl(Path(run_dir) / "scored.jsonl")
     # Several generation rounds, all of them scored and dropped, none trained.
     assert len(records) >= 2

@@ -17,8 +17,8 @@ from grpo.cli import main as grpo_main
 from grpo.observability.metric_names import (
     INFERENCE_EPISODE_ENV_TOKEN_FRACTION,
     INFERENCE_EPISODE_TURNS_MEAN,
-    INFERENCE_EPISODES_DROPPED,
     INFERENCE_EPISODES_DROPPED_TOTAL,
+    INFERENCE_EPISODES_FAILED_SCORED,
     TRAIN_LOSS,
 )
 from grpo.testing import RANDOM_MODEL_OVERRIDES, kill_at_steps, read_jsonl, start_tiny_run
@@ -125,17 +125,22 @@ def test_multi_turn_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypat
 # (nearly all: the random model writes these often) raises KeyError.
 TYPO_ENVIRONMENT = (
     "environment={_component_: grpo.testing.tools.MisspeltStateEnv, max_turns: 3, "
-    "stop: [' ', 'e', 'a', 'o', 't', '1', '2', '<']}"
+    "stop: [' ', 'e', 'a', 'o', 't', '1', '2', '<'], failed_episodes: %s}"
 )
 
 
-@pytest.mark.parametrize("filtering", [False, True], ids=["no_filter", "dynamic_sampling"])
+@pytest.mark.parametrize(
+    ("filtering", "failed_episodes"),
+    [(False, "drop"), (True, "score")],
+    ids=["no_filter_dropped", "dynamic_sampling_scored"],
+)
 def test_an_environment_that_fails_every_episode_stops_the_run_naming_its_error(
-    filtering, tiny_model_dir, tmp_path, monkeypatch, capsys, ray_cleanup
+    filtering, failed_episodes, tiny_model_dir, tmp_path, monkeypatch, capsys, ray_cleanup
 ):
     """A typo in env_response: the run stops soon after its first batch, naming the KeyError
     and the line that raised it, with or without dynamic sampling (whose own guard would
-    blame equal rewards); the collector's log names the reason once, with a count."""
+    blame equal rewards), whether the failed episodes are dropped or scored with the failure
+    reward in their groups; the collector's log names the reason once, with a count."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "run"
     status = grpo_main(
@@ -148,7 +153,7 @@ def test_an_environment_that_fails_every_episode_stops_the_run_naming_its_error(
             "eval_every_n_steps=null",
             f"ref.filter_zero_variance_groups={str(filtering).lower()}",
             "orchestration.stall_timeout_s=60",
-            TYPO_ENVIRONMENT,
+            TYPO_ENVIRONMENT % failed_episodes,
             "inference.engine_args.max_model_len=256",
             "inference.max_generated_tokens=24",
             "inference.batch_size=2",
@@ -159,7 +164,7 @@ def test_an_environment_that_fails_every_episode_stops_the_run_naming_its_error(
     stopped_at = time.time()
     err = capsys.readouterr().err
     assert status == 1, err
-    first_batch = min(r["time"] for r in read_jsonl(run_dir / "metrics.jsonl") if INFERENCE_EPISODES_DROPPED in r)  # fmt: skip
+    first_batch = min(r["time"] for r in read_jsonl(run_dir / "metrics.jsonl") if INFERENCE_EPISODES_FAILED_SCORED in r)  # fmt: skip
     # Stopped within seconds of the first batch (shutting the actors down included).
     assert stopped_at - first_batch < 60
 
@@ -175,14 +180,19 @@ def test_an_environment_that_fails_every_episode_stops_the_run_naming_its_error(
     assert "EnvironmentFailingError" in (run_dir / "logs" / "driver.log").read_text()
 
     # The collector's log names the reason once, with a count, however many episodes it
-    # dropped for it.
-    dropped = max(metric(run_dir, INFERENCE_EPISODES_DROPPED_TOTAL))
+    # dropped (or scored with the failure reward) for it.
+    if failed_episodes == "drop":
+        failed, fate = max(metric(run_dir, INFERENCE_EPISODES_DROPPED_TOTAL)), "dropped"
+        assert not any(metric(run_dir, INFERENCE_EPISODES_FAILED_SCORED))
+    else:
+        failed, fate = sum(metric(run_dir, INFERENCE_EPISODES_FAILED_SCORED)), "scored with the failure reward"  # fmt: skip
+        assert not any(metric(run_dir, INFERENCE_EPISODES_DROPPED_TOTAL))
     lines = [
         line
         for line in (run_dir / "logs" / "collector_0.log").read_text().splitlines()
         if "'anwser'" in line
     ]
-    assert dropped >= 16 and len(lines) <= 2, lines
-    first = re.search(r"(\d+) of the 8 episodes of a batch were dropped because MisspeltStateEnv failed \(.*\): KeyError: 'anwser' \(at .*tools\.py", lines[0])  # fmt: skip
+    assert failed >= 16 and len(lines) <= 2, lines
+    first = re.search(rf"(\d+) of the 8 episodes of a batch were {fate} because MisspeltStateEnv failed \(.*\): KeyError: 'anwser' \(at .*tools\.py", lines[0])  # fmt: skip
     assert first and int(first[1]) >= 1, lines[0]
-    assert all("more episodes dropped for the same reason" in line for line in lines[1:])
+    assert all(f"more episodes {fate} for the same reason" in line for line in lines[1:])

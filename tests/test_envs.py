@@ -24,11 +24,13 @@ from grpo.envs import (
     Tool,
     ToolEnv,
     ToolRunner,
+    VerifiersEnv,
     episode_groups,
     parse_tool_calls,
     run_episodes,
 )
 from grpo.envs.builtin_tools import calculator, python
+from grpo.envs.dropped import scored_episodes
 from grpo.envs.options import checked_options, option_problems
 from grpo.envs.tools import CALL_FORMATS
 from grpo.models import load_tokenizer
@@ -373,7 +375,12 @@ def test_max_turns_and_token_budget_end_episodes(tokenizer):
 
 
 def test_an_environment_that_raises_drops_only_its_episode(tokenizer):
-    env = EchoUserEnv(max_turns=3, raise_on_turn=2, reward_functions=[MathCorrectnessReward()])
+    env = EchoUserEnv(
+        max_turns=3,
+        raise_on_turn=2,
+        reward_functions=[MathCorrectnessReward()],
+        failed_episodes="drop",
+    )
     engine = ScriptedEngine(tokenizer, ["<answer>7</answer>"] * 3)
     prompts = [_prompt(tokenizer, "Hi", index=0), _prompt(tokenizer, "Hi", index=1)]
     groups = _run(env, engine, tokenizer, prompts, group_size=2)
@@ -382,16 +389,74 @@ def test_an_environment_that_raises_drops_only_its_episode(tokenizer):
     # The reason names the exception and the line of the environment's code that raised it.
     assert failed[0].error.startswith("RuntimeError: scripted failure at turn 2 (at ")
     assert "grpo/testing/tools.py:" in failed[0].error and "in env_response" in failed[0].error
-    kept = [e for group in groups for e in group if e.error is None]
+    kept, rewards = scored_episodes(env, [e for group in groups for e in group])
+    assert kept == [e for group in groups for e in group if e.error is None]
     trajectories = episode_groups(
         groups,
-        env.score(kept),
+        rewards,
         group_ids=[0, 1],
         sequence_id=iter(f"s{i}" for i in range(9)).__next__,
         policy_version=0,
     )
     assert [g.group_id for g in trajectories] == [1]
     assert len(trajectories[0].trajectories) == 2
+
+
+class OwnScoreEchoEnv(EchoUserEnv):
+    """Scores episodes itself, under names no reward function declares."""
+
+    def score(self, episodes):
+        return [
+            {"turns": float(e.num_turns), "tokens": float(len(e.response_ids))} for e in episodes
+        ]
+
+
+def test_a_failed_episode_stays_in_its_group_scored_with_the_failure_reward(tokenizer):
+    """By default a multi-turn environment keeps an episode whose environment raised in its
+    group: its tokens are what the policy sampled up to the failure (only those are trained),
+    and each reward is its function's failure reward; an environment with its own score gives
+    0 under its names."""
+    reward = MathCorrectnessReward(failure_reward=-1.0)
+    env = EchoUserEnv(max_turns=3, raise_on_turn=2, reward_functions=[reward])
+    assert env.failed_episodes == "score" and ToolEnv(tools=[calculator]).failed_episodes == "score"
+    assert VerifiersEnv.failed_episodes == "drop"  # its failed episodes hold no tokens
+    with pytest.raises(ValueError, match="failed_episodes"):
+        EchoUserEnv(failed_episodes="keep")
+    engine = ScriptedEngine(tokenizer, ["<answer>7</answer>"] * 3)
+    prompts = [_prompt(tokenizer, "Hi", index=0), _prompt(tokenizer, "Hi", index=1)]
+    groups = _run(env, engine, tokenizer, prompts, group_size=2)
+    every = [e for group in groups for e in group]
+    kept, rewards = scored_episodes(env, every)
+    assert kept == every
+    assert [e.failure_scored for e in every] == [True, True, False, False]
+    assert all(e.error.startswith("RuntimeError: scripted failure at turn 2") for e in every[:2])
+    assert [r["math_correctness"] for r in rewards] == [-1.0, -1.0, 1.0, 1.0]
+
+    trajectories = episode_groups(
+        groups,
+        rewards,
+        group_ids=[0, 1],
+        sequence_id=iter(f"s{i}" for i in range(9)).__next__,
+        policy_version=0,
+    )
+    assert [len(g.trajectories) for g in trajectories] == [2, 2]  # every member counts
+    failed = trajectories[0].trajectories[0]
+    assert failed.env_rewards == {"math_correctness": -1.0}
+    assert failed.env_successes == {"math_correctness": 0.0}
+    # Turn 1, the user's "again", turn 2 (the environment raised on it): only the policy's
+    # tokens are marked, and the sequence ends with the turn that made it raise.
+    turn = tokenizer.encode("<answer>7</answer>", add_bos=False, add_eos=False)
+    turn.append(tokenizer.eos_id)
+    tokens, mask = failed.response_tokens.tolist(), failed.response_mask.tolist()
+    assert tokens[: len(turn)] == turn and tokens[-len(turn) :] == turn
+    assert mask == [True] * len(turn) + [False] * (len(tokens) - 2 * len(turn)) + [True] * len(turn)
+    assert failed.logprobs.tolist()[-len(turn) :] == [-0.5] * len(turn)
+
+    own = OwnScoreEchoEnv(max_turns=3, raise_on_turn=2)
+    groups = _run(own, ScriptedEngine(tokenizer, ["<answer>7</answer>"] * 3), tokenizer, prompts, 2)
+    kept, rewards = scored_episodes(own, [e for group in groups for e in group])
+    assert len(kept) == 4 and rewards[0] == {"turns": 0.0, "tokens": 0.0}
+    assert rewards[2]["turns"] == 3.0
 
 
 def test_tools_check_their_arguments_and_calls_parse_in_both_formats():
@@ -483,6 +548,48 @@ def test_validate_names_each_environment_mistake(tmp_path, capsys):
         )
         == 0
     )
+
+
+def test_a_tool_with_two_required_parameters_is_refused_under_the_tag_format(
+    tmp_path, capsys, monkeypatch
+):
+    """`tag` passes one text: validate and the environment refuse what it cannot call."""
+    from grpo.cli import main
+
+    (tmp_path / "two_parameter_tools.py").write_text(
+        "def convert(amount: float, rate: float) -> str:\n"
+        '    """Convert an amount of money at an exchange rate."""\n'
+        '    return f"{amount * rate:.2f}"\n\n\n'
+        "def scale(amount: float, rate: float = 2.0) -> str:\n"
+        '    """Scale an amount."""\n'
+        '    return f"{amount * rate:.2f}"\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tools = "environment.tools=[grpo.envs.calculator,two_parameter_tools.convert]"
+    status = main(["validate", "tiny_calculator_cpu", f"output_dir={tmp_path}/run", tools])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    expected = (
+        "environment.call_format: tag passes the text inside <convert>...</convert> as the "
+        "tool's first parameter ('amount') only, but convert also requires 'rate'; use "
+        "call_format: json"
+    )
+    assert err.startswith(f"grpo validate: error: {expected}"), err
+    assert len(err.splitlines()) == 1, err
+
+    import two_parameter_tools
+
+    with pytest.raises(ValueError, match="but convert also requires 'rate'"):
+        ToolEnv(tools=[two_parameter_tools.convert], call_format="tag")
+    # A second parameter with a default, or the json format, can be called.
+    ToolEnv(tools=[two_parameter_tools.scale], call_format="tag")
+    ToolEnv(tools=[two_parameter_tools.convert], call_format="json")
+    for overrides in (
+        [tools, "environment.call_format=json"],
+        ["environment.tools=[two_parameter_tools.scale]"],
+    ):
+        status = main(["validate", "tiny_calculator_cpu", f"output_dir={tmp_path}/r", *overrides])
+        assert status == 0, capsys.readouterr().err
 
 
 def test_run_refuses_an_environment_that_cannot_be_built(tmp_path, capsys, monkeypatch):

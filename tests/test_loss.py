@@ -64,7 +64,9 @@ def _hand_aggregate(values, aggregation):
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_loss_matches_hand_computation(estimator, aggregation):
-    kl_coeff = 0.1
+    # k1 has no gradient to regularise with (refused beside kl_coeff > 0): only its estimate,
+    # kl_to_ref, is checked.
+    kl_coeff = 0.0 if estimator == "k1" else 0.1
     loss_fn = GRPOLoss(
         kl_coeff=kl_coeff,
         kl_estimator=estimator,
@@ -412,6 +414,96 @@ def test_bad_inputs_raise():
         loss_fn.compute_loss_from_logprobs(
             pi, ref, advantages, behaviour, response_lens=torch.tensor([3, 4]), loss_normalizer=0
         )
+
+
+# Each check of GRPOLoss's constructor, as a value it refuses and the key it names. `grpo
+# validate` must refuse every one of them too, before any actor starts.
+LOSS_REFUSALS = [
+    ({"epsilon_low": -0.1}, "epsilon_low"),
+    ({"epsilon_low": 1.5}, "epsilon_low"),
+    ({"epsilon_low": True}, "epsilon_low"),
+    ({"epsilon_high": -0.2}, "epsilon_high"),
+    ({"epsilon_high": "0.2"}, "epsilon_high"),
+    ({"kl_coeff": -1.0}, "kl_coeff"),
+    ({"kl_coeff": math.nan}, "kl_coeff"),
+    ({"kl_coeff": math.inf}, "kl_coeff"),
+    ({"kl_estimator": "k4"}, "kl_estimator"),
+    ({"kl_coeff": 0.04, "kl_estimator": "k1"}, "kl_estimator"),
+    ({"aggregation": "sum"}, "aggregation"),
+    ({"aggregation": "seq_mean_token_sum_norm"}, "max_response_len"),
+    ({"max_response_len": 0}, "max_response_len"),
+    ({"max_response_len": 2.5}, "max_response_len"),
+    ({"tis_cap": 0.0}, "tis_cap"),
+    ({"tis_cap": math.inf}, "tis_cap"),
+    ({"tis_cap": True}, "tis_cap"),
+    ({"tis_level": "seq"}, "tis_level"),
+    ({"ratio_level": "tokens"}, "ratio_level"),
+]
+
+
+def test_the_refusals_cover_every_argument_of_the_loss():
+    import inspect
+
+    arguments = set(inspect.signature(GRPOLoss).parameters)
+    assert {key for kwargs, _ in LOSS_REFUSALS for key in kwargs} == arguments
+
+
+@pytest.mark.parametrize("kwargs,key", LOSS_REFUSALS, ids=lambda value: repr(value))
+def test_validate_refuses_what_the_loss_refuses(kwargs, key):
+    """A value the loss would refuse inside the trainer, after Ray and every actor started, is
+    refused by `grpo validate` first, naming the same key."""
+    from omegaconf import open_dict
+
+    from grpo.config import compose_config
+    from grpo.config.validation import check_config
+
+    with pytest.raises(ValueError, match=key):
+        GRPOLoss(**kwargs)
+    cfg = compose_config("tiny_arithmetic_cpu")
+    assert not check_config(cfg, check_components=False).problems
+    with open_dict(cfg):
+        for name, value in kwargs.items():
+            cfg.training.loss[name] = value
+    problems = check_config(cfg, check_components=False).problems
+    assert any(problem.startswith(f"training.loss.{key}:") for problem in problems), problems
+
+
+def test_grpo_validate_refuses_k1_as_a_loss_term_in_one_line(capsys):
+    from grpo.cli import main
+
+    overrides = ["training.loss.kl_estimator=k1", "training.loss.kl_coeff=0.04"]
+    assert main(["validate", "tiny_arithmetic_cpu", *overrides]) != 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("grpo validate: error: training.loss.kl_estimator: k1 beside")
+    assert "use k3" in lines[0] and "or k2" in lines[0]
+    # Without a KL term k1 is only the kl_to_ref estimate: accepted.
+    assert main(["validate", "tiny_arithmetic_cpu", "training.loss.kl_estimator=k1"]) == 0
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_expected_gradient_of_each_kl_estimator_as_a_loss_term(estimator):
+    """On an exact categorical over 6 tokens (the expectation over the samples of pi computed
+    exactly, not sampled), the gradient of E_pi[k(x)] taken through log pi(x) with x fixed, as
+    the loss takes it: k1's is zero (it regularises nothing), k2's is that of the reverse KL
+    KL(pi, ref), k3's that of the forward KL(ref, pi)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, generator=generator, dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(6, generator=generator, dtype=torch.float64), dim=0)
+    log_pi = torch.log_softmax(logits, dim=0)
+    pi = log_pi.exp()
+    # kl_coeff 0: the estimator alone (k1 is refused beside a KL term).
+    estimate = GRPOLoss(kl_estimator=estimator)._kl(log_pi, ref)
+    (grad,) = torch.autograd.grad((pi.detach() * estimate).sum(), logits, retain_graph=True)
+
+    reverse = torch.autograd.grad((pi * (log_pi - ref)).sum(), logits, retain_graph=True)[0]
+    forward = torch.autograd.grad((ref.exp() * (ref - log_pi)).sum(), logits)[0]
+    assert float(reverse.abs().max()) > 0.05 and float((reverse - forward).abs().max()) > 0.05
+    if estimator == "k1":
+        assert float(grad.abs().max()) < 1e-12
+    else:
+        expected = reverse if estimator == "k2" else forward
+        torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
 
 
 # ---- torchtune model path --------------------------------------------------------------------

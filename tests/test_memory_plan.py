@@ -413,6 +413,44 @@ def test_validate_without_gpus_prints_the_plan_and_checks_nothing(
     assert "size unknown" in out and "Config is well-formed!" in out
 
 
+def test_a_gpu_run_is_planned_from_a_laptop_with_only_its_config_json(tmp_path, capsys):
+    """The docs' command, from a machine without GPUs, the weights or the cluster's cores."""
+    model_dir = tmp_path / "Qwen2.5-1.5B-Instruct"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(QWEN2_5_1_5B))
+    args = ["validate", "qwen2_5_1_5b_gsm8k", f"output_dir={tmp_path / 'run'}"]
+    assert main([*args, f"base_model_path={model_dir}", "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("GPU memory plan (4 GPUs, 80.0 GiB each, --gpu-memory;"), out
+    assert "  GPU 3: 64.0 GiB of 80.0 GiB\n    trainer 0    64.0 GiB: weights 2.88 GiB" in out
+    assert "reference 0  5.26 GiB" in out and out.count("68.0 GiB = 0.85 of the GPU") == 2
+    assert "Not checked with --gpu-memory: this machine's Ray cluster, the model's weights" in out
+    assert out.strip().endswith("Config is well-formed!")
+
+    # Without --gpu-memory the run would start here: its weights and cluster are checked.
+    assert main([*args, f"base_model_path={model_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert f"base_model_path: {model_dir} lacks tokenizer.json, *.safetensors" in err
+
+    # A model folder that is not here: what the plan reads, and that nothing is downloaded.
+    assert main([*args, f"base_model_path={tmp_path / 'absent'}", "--gpu-memory", "80GiB"]) == 2
+    assert capsys.readouterr().err == (
+        f"grpo validate: error: base_model_path: {tmp_path / 'absent'} does not exist; the "
+        "memory plan reads only the model's config.json: put that file (from the model's hub "
+        "page) in a folder and give base_model_path=FOLDER. A hub name is not looked up, and "
+        "nothing is downloaded\n"
+    )
+
+
+def test_a_planned_cluster_is_held_to_the_size_the_config_sets(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(QWEN2_5_1_5B))
+    args = ["validate", "qwen2_5_1_5b_gsm8k", f"base_model_path={model_dir}", "ray.num_gpus=2"]
+    assert main([*args, f"output_dir={tmp_path / 'run'}", "--gpu-memory", "80GiB"]) == 2
+    assert "ray.num_gpus: the actors need 4" in capsys.readouterr().err
+
+
 def test_validate_rejects_a_size_without_unit(qwen_1_5b_overrides, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["validate", "qwen2_5_1_5b_gsm8k", "--gpu-memory", "24"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -360,10 +361,14 @@ def test_step_metric_for_rules_and_fallbacks():
 # ---------------------------------------------------------------- W&B (fake module)
 
 
+_RUN_IDS = itertools.count()
+
+
 class _FakeRun:
     def __init__(self, **init_kwargs):
         self.init_kwargs = init_kwargs
-        self.name = "fake-run"
+        self.id = init_kwargs.get("id") or f"fake{next(_RUN_IDS)}"
+        self.name = init_kwargs.get("name") or "fake-run"
         self.defined: dict[str, str | None] = {}
         self.logged: list[dict] = []
         self.summary: dict = {}
@@ -540,7 +545,7 @@ def test_a_rewind_is_marked_and_forks_the_wandb_run_with_the_standing_values(tmp
     first, second = fake_wandb.runs
     assert first.finished == 1 and len(first.logged) == 6
     assert first.summary["rewound_to_step"] == 1 and first.summary["from_step"] == 3
-    assert second.init_kwargs["name"] == "fake-run (from step 1)"
+    assert second.init_kwargs["name"] == "r (from step 1)"
     assert second.defined[TRAIN_STEP] is None  # the step metrics are declared again
     train = [(c[TRAIN_STEP], c[TRAIN_LOSS]) for c in second.logged if TRAIN_STEP in c]
     ref = [(c[REF_STEP], c[REWARDS_MEAN]) for c in second.logged if REF_STEP in c]
@@ -548,6 +553,58 @@ def test_a_rewind_is_marked_and_forks_the_wandb_run_with_the_standing_values(tmp
     assert ref == [(0, 0.1), (1, 0.2)]
     assert second.summary == {"final/accuracy": 0.5}
     assert second.finished == 1
+
+
+def test_a_resume_goes_on_in_the_same_wandb_run(tmp_path, fake_wandb):
+    """One run and its resumes are one W&B run; a resume that redoes steps forks it, and the
+    next resume goes on in the fork."""
+    first = _logger(tmp_path, use_wandb=True, mode="offline", project="p")
+    for step in (1, 2):
+        first.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="train")
+    first.close()
+    saved = json.loads((tmp_path / "run" / "wandb_run.json").read_text())
+    assert saved == {"id": fake_wandb.runs[0].id, "name": "fake-run", "project": "p",
+                     "first_record_offset": 0}  # fmt: skip
+
+    # Stopped at its checkpoint of step 2 (Ctrl-C): the resume goes on in the same run.
+    second = _logger(tmp_path, use_wandb=True, mode="offline", project="p")
+    second.resumed(2)
+    second.log_dict({TRAIN_LOSS: 3.0}, step=3, actor="train")
+    second.close()
+    assert len(fake_wandb.runs) == 2
+    resumed = fake_wandb.runs[1]
+    assert resumed.init_kwargs["id"] == fake_wandb.runs[0].id
+    assert resumed.init_kwargs["resume"] == "allow" and resumed.finished == 1
+    assert [c[TRAIN_STEP] for c in resumed.logged] == [3]
+
+    # Killed after step 3 with its last checkpoint at step 2: step 3 is redone, a rewind.
+    third = _logger(tmp_path, use_wandb=True, mode="offline", project="p")
+    third.resumed(2)
+    third.log_dict({TRAIN_LOSS: 30.0}, step=3, actor="train")
+    third.close()
+    going_on, forked = fake_wandb.runs[2:]
+    assert going_on.init_kwargs["id"] == fake_wandb.runs[0].id
+    assert going_on.summary == {"rewound_to_step": 2, "from_step": 3}
+    assert "id" not in forked.init_kwargs and forked.name == "fake-run (from step 2)"
+    # The fork holds the standing history of all three loggers, each step once.
+    assert [(c[TRAIN_STEP], c[TRAIN_LOSS]) for c in forked.logged] == [(1, 1.0), (2, 2.0),
+                                                                       (3, 30.0)]  # fmt: skip
+    records = _strict_json_lines(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["step"], r.get(TRAIN_LOSS)) for r in records_after_rewinds(records)] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 30.0),
+    ]
+
+    fourth = _logger(tmp_path, use_wandb=True, mode="offline", project="p")
+    fourth.resumed(3)
+    fourth.close()
+    assert fake_wandb.runs[4].init_kwargs["id"] == forked.id
+    assert fake_wandb.runs[4].init_kwargs["name"] == "fake-run (from step 2)"
+    # Another project cannot hold this run: a new one starts there.
+    other = _logger(tmp_path, use_wandb=True, mode="offline", project="q")
+    other.close()
+    assert "id" not in fake_wandb.runs[5].init_kwargs
 
 
 # ---------------------------------------------------------------- W&B (real, offline)
@@ -605,6 +662,25 @@ def test_a_rewind_forks_the_offline_wandb_run(tmp_path, monkeypatch):
     assert train == [(1, 1.0), (2, 20.0)]
     superseded = [r[TRAIN_LOSS] for r in _wandb_history(first) if TRAIN_STEP in r]
     assert superseded == [1.0, 2.0, 3.0]
+
+
+def test_a_resumed_run_logs_to_the_same_offline_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb_home"))
+    ids = []
+    for steps in ((1, 2), (3,)):  # a run, then its resume from the checkpoint of step 2
+        logger = MetricLogger(tmp_path / "run", project="grpo-test", stdout_every_n=0)
+        logger.resumed(steps[0] - 1)
+        for step in steps:
+            logger.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="train")
+        ids.append(logger._wandb_run.id)
+        logger.close()
+    assert ids[0] == ids[1]
+    # W&B writes each invocation's offline run under the same id; `wandb sync` joins them.
+    run_dirs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 2 and all(d.name.split("-")[3] == ids[0] for d in run_dirs)
 
 
 def test_wandb_offline_run_lands_in_the_log_dir(tmp_path, monkeypatch):

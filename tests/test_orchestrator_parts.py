@@ -353,3 +353,64 @@ def test_an_actor_whose_constructor_raised_stops_the_run_instead_of_being_replac
     with pytest.raises(ActorFailedError, match=r"collector\[0\] failed to start.*: ConfigError"):
         run._process(["ref"], relaunch=True)
     assert not replaced
+
+
+# ---------------------------------------------------------------- the failing-reward guard
+
+TYPO = "NameError: name 'completon' is not defined (at /home/me/my_rewards.py:6 in short: ...)"
+HANG = "no result within 10.0 s"
+
+
+def reward_calls(calls: int, exceptions: int = 0, timeouts: int = 0, name: str = "short"):
+    """One batch's calls of reward ``name`` (`RewardCalls.as_dict`), and a healthy one's."""
+    reason = TYPO if exceptions else HANG if timeouts else None
+    return {
+        name: {"calls": calls, "timeouts": timeouts, "exceptions": exceptions, "reason": reason},
+        "math": {"calls": calls, "timeouts": 0, "exceptions": 0, "reason": None},
+    }
+
+
+# (batches, as (collector, calls, exceptions, timeouts), then what check says: None or words)
+REWARD_GUARD_CASES = [
+    # Every call raises: stops at the third batch, naming the function, the error and the line.
+    ([(0, 8, 8, 0), (1, 8, 8, 0), (1, 8, 8, 0)], "'short' failed nearly every call: 24 of its 24"),
+    # Two batches are not enough, however many calls.
+    ([(0, 64, 64, 0), (0, 64, 64, 0)], None),
+    # Three batches of 4 calls: 12, below the 16 a decision needs; a fourth makes 16.
+    ([(0, 4, 4, 0)] * 3, None),
+    ([(0, 4, 4, 0)] * 4, "16 of its 16 calls in the last 4 generation batches"),
+    # Occasional failures (a third) keep scoring the failure reward.
+    ([(0, 8, 3, 0)] * 10, None),
+    # 90% is enough: an odd call that gets through does not hide a broken function.
+    ([(0, 10, 9, 0)] * 3, "27 of its 30 calls"),
+    # Timeouts count too, and are said apart from exceptions.
+    ([(0, 8, 0, 8)] * 3, "(24 timed out (over reward_timeout_s)): no result within 10.0 s"),
+    ([(0, 8, 4, 4)] * 3, "(12 raised and 12 timed out"),
+    # The newest batches decide: a function fixed (by a restart) goes on.
+    ([(0, 8, 8, 0)] * 2 + [(0, 8, 0, 0)] * 3, None),
+]
+
+
+@pytest.mark.parametrize("batches, expected", REWARD_GUARD_CASES)
+def test_the_reward_guard_stops_a_run_whose_reward_fails_nearly_every_call(batches, expected):
+    from grpo.errors import RewardFailingError
+    from grpo.orchestrator.reward_failures import RewardFailures
+
+    guard = RewardFailures(lambda index: f" (its output: logs/collector_{index}.log)")
+    guard.batch(0, None)  # a batch that called no reward function says nothing
+    guard.batch(0, {})
+    for collector, calls, exceptions, timeouts in batches:
+        guard.batch(collector, reward_calls(calls, exceptions, timeouts))
+    if expected is None:
+        guard.check()
+        return
+    with pytest.raises(RewardFailingError) as error:
+        guard.check()
+    message = str(error.value)
+    assert expected in message and "\n" not in message
+    assert message.startswith("reward function 'short' failed nearly every call")
+    assert "'math'" not in message  # the healthy function is not blamed
+    if "raised" in message:
+        assert TYPO in message
+    if batches[0][0] != batches[-1][0]:
+        assert "(its output: logs/collector_1.log)" in message  # the collector that saw it most

@@ -365,6 +365,31 @@ def test_readme_figures_are_those_of_the_benchmarks_page():
             assert row in benchmarks, f"README.md row not in docs/benchmarks.md: {row}"
 
 
+def test_a_learning_rate_the_docs_quote_is_the_config_s():
+    """``configs/X.yaml` uses `LR``` in a page: X's ``training.optimizer.lr`` is LR."""
+    quoted = [
+        (page, match)
+        for page in PAGES
+        for match in re.finditer(r"`(configs/[\w.]+\.yaml)`\s+uses\s+`([^`]+)`", _prose(page))
+    ]
+    assert quoted
+    for page, match in quoted:
+        config = yaml.safe_load((REPO / match.group(1)).read_text())
+        lr = config["training"]["optimizer"]["lr"]
+        assert float(match.group(2)) == float(lr), f"{page.name}: {match.group(0)}, config: {lr}"
+
+
+def test_configs_point_to_the_config_reference_page():
+    """Every shipped config's header names the page that describes every key, which exists."""
+    for config in sorted((REPO / "configs").glob("*.yaml")):
+        header = "".join(
+            line for line in config.read_text().splitlines(keepends=True) if line.startswith("#")
+        )
+        assert "Every key is described in docs/config.md" in header, config.name
+        assert 'README "Config reference"' not in header, config.name
+    assert (DOCS / "config.md").read_text().startswith("# Config reference")
+
+
 # --------------------------------------------------------------------------------------------
 # Every page
 # --------------------------------------------------------------------------------------------

@@ -98,6 +98,25 @@ def test_stale_trajectories_are_dropped_and_counted():
     assert buffer.stats()["policy_age_max"] == 1
 
 
+def test_the_lag_counts_training_steps_between_syncs():
+    """Synced every 2 steps with max_policy_lag 1: the weights published after step 2 (version
+    2) sample for the steps that update the weights of steps 2 and 3 (ages 0 and 1), and what
+    they sampled is stale once the trainer's weights have taken 4 steps."""
+    buffer = ReplayBuffer(capacity=16, max_policy_lag=1)
+    buffer.add(group("base", 2, policy_version=0))
+    buffer.add(group("synced", 6, policy_version=2))
+    assert [t.sequence_id for t in buffer.sample(2, current_policy_version=1)] == [
+        "base-0",
+        "base-1",
+    ]
+    assert buffer.sample(2, current_policy_version=2) is not None
+    assert buffer.stats()["policy_age_max"] == 0
+    assert buffer.sample(2, current_policy_version=3) is not None
+    assert buffer.stats()["policy_age_max"] == 1
+    assert buffer.sample(2, current_policy_version=4) is None
+    assert buffer.stats()["dropped_stale"] == 2 and len(buffer) == 0
+
+
 def test_groups_are_added_whole_or_not_at_all():
     buffer = ReplayBuffer(capacity=6, max_policy_lag=0)
     assert buffer.add(group("a", 4))

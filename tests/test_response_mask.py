@@ -46,7 +46,7 @@ def test_hand_computed_loss_skips_environment_tokens():
     "options",
     [
         {"aggregation": "token_mean", "kl_coeff": 0.1},
-        {"aggregation": "seq_mean_token_mean", "kl_coeff": 0.1, "kl_estimator": "k1"},
+        {"aggregation": "seq_mean_token_mean", "kl_coeff": 0.1, "kl_estimator": "k2"},
         {"aggregation": "seq_mean_token_sum_norm", "max_response_len": 16},
         {"tis_cap": 2.0, "tis_level": "sequence"},
         {"ratio_level": "sequence", "epsilon_low": 3e-4, "epsilon_high": 4e-4},

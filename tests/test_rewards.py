@@ -1,4 +1,9 @@
-"""Tests for reward functions, batched scoring with timeouts, and group advantages."""
+"""Tests for reward functions, batched scoring with timeouts, and group advantages.
+
+Reward functions as users write them (plain per-sample ones, TRL's batched ones, ones that take
+the example's columns) score as written, ``grpo validate`` and the run accept and refuse the
+same nodes, and a run whose reward fails every call stops, naming the error and its line.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import os
 import pickle
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -456,3 +462,304 @@ def test_reward_weights_apply_by_name_whatever_the_column_order():
         ValueError, match="no reward named 'exact'; the rewards are format, correct"
     ):
         batch.total({"exact": 1.0})
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward functions as users write them: plain, TRL-style batched, with the example's columns
+# ---------------------------------------------------------------------------------------------
+
+
+def plain_float(completion: str, answer: str) -> float:
+    return float(answer in completion)
+
+
+def plain_bool(completion: str, answer: str) -> bool:
+    return completion.startswith("<answer>")
+
+
+def trl_short(completions: list[str], **kwargs) -> list[float]:
+    return [float(len(completion) < 10) for completion in completions]
+
+
+def trl_by_level(prompts: list[str], completions: list[str], level: list[int]) -> list:
+    # None: the function does not apply (TRL's meaning).
+    return [None if lvl == 0 else lvl / 10 + float(p == "P0") for p, lvl in zip(prompts, level)]
+
+
+def per_sample_with_columns(completion: str, answer: str, level: int, scale: float = 1.0):
+    return level * scale, level > 1
+
+
+def every_column(completion: str, answer: str, **columns) -> float:
+    return float(sorted(columns) == ["level", "prompt", "question"])
+
+
+def misspelt(completion: str, answer: str) -> float:
+    return float(len(completon) < 50)  # noqa: F821 (the typo under test)
+
+
+MISSPELT_LINE = misspelt.__code__.co_firstlineno + 1
+
+
+def test_plain_and_trl_style_functions_score_as_written(pool):
+    completions = ["<answer>3</answer>", "three, not 3", "no"]
+    answers = ["3", "4", "5"]
+    columns = [
+        {"level": 2, "prompt": "P0", "question": "q0"},
+        {"level": 0, "prompt": "P1", "question": "q1"},
+        {"level": 1, "prompt": "P2", "question": "q2"},
+    ]
+    functions = [
+        reward_function(plain_float),
+        reward_function(plain_bool),
+        reward_function(trl_short),
+        reward_function(trl_by_level),
+        reward_function(per_sample_with_columns)(scale=2.0),  # an option, the rest columns
+        reward_function(every_column),
+    ]
+    batch = batched_rewards(
+        functions, completions, answers, timeout_s=5.0, pool=pool, columns=columns
+    )
+    assert sum(batch.num_exceptions.values()) == 0, batch.failure_reasons
+    expected = [
+        # plain float, bool, TRL short, TRL by level (None -> 0), columns, every column
+        [1.0, 1.0, 0.0, 1.2, 4.0, 1.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+        [0.0, 0.0, 1.0, 0.1, 2.0, 1.0],
+    ]
+    torch.testing.assert_close(batch.rewards, torch.tensor(expected))
+    # A float succeeds above 0; "not applicable" is no success and no failure.
+    assert batch.successes[:, 0].tolist() == [1.0, 0.0, 0.0]
+    assert batch.successes[:, 3].tolist() == [1.0, 0.0, 1.0]
+    assert batch.successes[:, 4].tolist() == [1.0, 0.0, 0.0]
+    inline = batched_rewards(functions, completions, answers, timeout_s=None, columns=columns)
+    torch.testing.assert_close(inline.rewards, batch.rewards)
+
+
+def test_a_failing_call_is_named_by_its_exception_and_line(pool):
+    batch = batched_rewards(
+        [reward_function(misspelt), reward_function(plain_float)],
+        ["a", "b", "c"],
+        ["a", "x", "c"],
+        timeout_s=5.0,
+        pool=pool,
+    )
+    assert batch.num_exceptions == {"misspelt": 3, "plain_float": 0}
+    reason = batch.failure_reasons["misspelt"]
+    assert reason.startswith("NameError: name 'completon' is not defined (at ")
+    assert f"{__file__}:{MISSPELT_LINE} in misspelt" in reason
+    assert "grpo/rewards" not in reason  # the pool's frames are not where it raised
+    calls = batch.calls()
+    assert (calls["misspelt"].calls, calls["misspelt"].exceptions) == (3, 3)
+    assert calls["plain_float"].failed == 0 and calls["plain_float"].reason is None
+
+
+def test_returns_that_are_no_reward_are_failures_that_say_what_to_return():
+    @reward_function(name="none")
+    def returns_none(completion: str, answer: str) -> None:
+        return None
+
+    @reward_function(name="batched_two")
+    def returns_two(completions, **kwargs) -> list[float]:
+        return [1.0, 2.0]
+
+    batch = batched_rewards([returns_none, returns_two], ["a"], ["a"], timeout_s=None)
+    assert batch.num_exceptions == {"none": 1, "batched_two": 1}
+    assert "returned NoneType None; return a float, a bool" in batch.failure_reasons["none"]
+    assert "expected a list of one float per completion" in batch.failure_reasons["batched_two"]
+
+
+def test_the_environment_passes_the_example_columns_and_counts_the_calls():
+    from grpo.envs import Episode, SingleTurnEnv
+
+    env = SingleTurnEnv([reward_function(per_sample_with_columns), reward_function(misspelt)])
+    episodes = []
+    for level in (1, 3):
+        example = {"question": "q", "answer": "7", "prompt": "P", "index": 0, "level": level}
+        episode = Episode(example=example, prompt_ids=[1], messages=[])
+        episode.messages = [{"role": "assistant", "content": "7"}]
+        episodes.append(episode)
+    env.reward_timeout_s = 5.0
+    rewards = env._score_now(episodes)
+    assert [r["per_sample_with_columns"] for r in rewards] == [1.0, 3.0]
+    env._score_now(episodes[:1])
+    calls = env.take_reward_calls()
+    assert calls["per_sample_with_columns"] == {
+        "calls": 3,
+        "timeouts": 0,
+        "exceptions": 0,
+        "reason": None,
+    }
+    assert calls["misspelt"]["exceptions"] == 3 and "NameError" in calls["misspelt"]["reason"]
+    assert env.take_reward_calls() == {}  # taken once
+
+
+# Reward function nodes that `grpo validate` and the run must both accept, or both refuse
+# naming the same key. The module is written to a folder on sys.path, as a user's would be.
+USER_REWARDS = """
+from grpo.rewards import RewardFunction, RewardResult, reward_function
+
+
+def plain_float(completion: str, answer: str) -> float:
+    return float(answer in completion)
+
+
+def short_reward(completions, **kwargs):
+    return [float(len(c) < 50) for c in completions]
+
+
+def with_column(completion, answer, level, scale=1.0):
+    return level * scale
+
+
+@reward_function(name="digits", failure_reward=-1.0)
+def digits(completion, answer, bonus=1.0):
+    return bonus * any(c.isdigit() for c in completion), True
+
+
+class Short(RewardFunction):
+    name = "short_class"
+
+    def __init__(self, *, max_chars=10, **kwargs):
+        super().__init__(**kwargs)
+        self.max_chars = max_chars
+
+    def __call__(self, completion, answer):
+        return float(len(completion) <= self.max_chars), True
+
+
+def make_short(max_chars):
+    return Short(max_chars=max_chars)
+
+
+def text_and_gold(text, gold):
+    return 1.0
+
+
+def completion_only(completion):
+    return 1.0
+"""
+
+ACCEPTED_NODES = [
+    "{_component_: M.plain_float}",
+    "{_component_: M.plain_float, name: exact, failure_reward: -1.0}",
+    "{_component_: M.short_reward}",
+    "{_component_: M.with_column, scale: 2.0}",
+    "{_component_: M.digits, bonus: 2.0}",
+    "{_component_: M.Short, max_chars: 5}",
+    "{_component_: M.make_short, max_chars: 5}",  # a factory given what it needs
+]
+REFUSED_NODES = [
+    # (node, the problem's key, words of it)
+    ("{_component_: M.text_and_gold}", "reward_functions[0]", "is not a reward function"),
+    ("{_component_: M.make_short}", "reward_functions[0]", "is not a reward function"),
+    ("{_component_: M.completion_only}", "reward_functions[0]", "takes no answer"),
+    ("{_component_: M.with_column, scael: 2.0}", "reward_functions[0]", "scael"),
+    ("{_component_: M.plain_float, max_chars: 2}", "reward_functions[0]", "max_chars"),
+    ("{_component_: M.digits, bouns: 2.0}", "reward_functions[0]", "bouns"),
+]
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    name = f"user_rewards_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def _validate_and_build(module: str, node: str) -> tuple[list[str], list[str], str | None]:
+    """The reward problems of `grpo validate` (source) and of the run's check (import), and
+    what building the environment raised (None: built)."""
+    from grpo.config import ConfigError, check_config, compose_config
+    from grpo.envs import build_environment
+
+    node = node.replace("M.", f"{module}.")
+    cfg = compose_config("tiny_arithmetic_cpu", [f"reward_functions=[{node}]"])
+    found = []
+    for import_components in (False, True):
+        checked = check_config(cfg, import_components=import_components)
+        found.append([p for p in checked.problems if p.startswith("reward_functions")])
+    try:
+        env = build_environment(None, checked.values["reward_functions"], 5.0)
+    except ConfigError as error:
+        return found[0], found[1], str(error)
+    assert callable(env.reward_functions[0])
+    return found[0], found[1], None
+
+
+@pytest.mark.parametrize("node", ACCEPTED_NODES)
+def test_validate_and_the_run_accept_the_same_reward_functions(node, user_rewards):
+    assert _validate_and_build(user_rewards, node) == ([], [], None)
+
+
+@pytest.mark.parametrize("node, key, words", REFUSED_NODES)
+def test_validate_and_the_run_refuse_the_same_reward_functions(node, key, words, user_rewards):
+    source, imported, built = _validate_and_build(user_rewards, node)
+    assert len(source) == 1 and source == imported, (source, imported)
+    assert source[0].startswith(key) and words in source[0]
+    assert built is not None and built.startswith(f"{key}") and words in built
+    if words in ("is not a reward function", "takes no answer"):
+        # One line that says what to write, the same from validate and from the run.
+        assert built == source[0] and "\n" not in built
+        assert "fn(completion, answer, **columns)" in built and "fn(completions" in built
+
+
+def test_a_plain_function_in_an_environment_node_is_built_as_a_reward(user_rewards):
+    from grpo.config import ConfigError
+    from grpo.envs import build_environment
+
+    node = {
+        "_component_": "grpo.testing.tools.EchoUserEnv",
+        "reward_functions": [{"_component_": f"{user_rewards}.plain_float"}],
+    }
+    env = build_environment(node, [], 5.0)
+    assert env.reward_functions[0]("x 3", "3") == 1.0
+    node["reward_functions"] = [{"_component_": f"{user_rewards}.text_and_gold"}]
+    with pytest.raises(ConfigError, match=r"^environment\.reward_functions\[0\]: .* is not a"):
+        build_environment(node, [], 5.0)
+
+
+@pytest.mark.slow
+def test_a_run_whose_reward_has_a_typo_stops_naming_the_error_and_its_line(
+    tiny_model_dir, tmp_path, monkeypatch, capsys, ray_cleanup
+):
+    """A plain reward with a typo in its body (NameError on every call): the run stops within
+    a minute of its first batch, naming the function, the exception and the line."""
+    from grpo.cli import main as grpo_main
+    from grpo.observability.metric_names import INFERENCE_EPISODES_DROPPED
+    from grpo.testing import RANDOM_MODEL_OVERRIDES, read_jsonl
+    from grpo.testing import rewards as user_rewards
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run_dir = tmp_path / "run"
+    started = time.time()
+    status = grpo_main(
+        [
+            *("run", "async_grpo", "--config", "tiny_arithmetic_cpu"),
+            f"base_model_path={tiny_model_dir}",
+            *RANDOM_MODEL_OVERRIDES,
+            f"output_dir={run_dir}",
+            "orchestration.num_steps=20",
+            "eval_every_n_steps=null",
+            "reward_functions=[{_component_: grpo.testing.rewards.misspelt_short}]",
+            "inference.batch_size=2",
+            "inference.group_size=4",
+            "training.batch_size=16",
+        ]
+    )
+    stopped_at = time.time()
+    err = capsys.readouterr().err
+    assert status == 1, err
+    batches = [r["time"] for r in read_jsonl(run_dir / "metrics.jsonl") if INFERENCE_EPISODES_DROPPED in r]  # fmt: skip
+    assert stopped_at - min(batches) < 60, (stopped_at - min(batches), stopped_at - started)
+
+    stopped = next(line for line in err.splitlines() if line.startswith("Run stopped: "))
+    source = Path(user_rewards.__file__).read_text().splitlines()
+    line = next(number for number, text in enumerate(source, start=1) if "completon" in text)
+    assert "reward function 'misspelt_short' failed nearly every call" in stopped
+    assert "NameError: name 'completon' is not defined (at " in stopped
+    assert f"grpo/testing/rewards.py:{line} in misspelt_short" in stopped
+    assert "Traceback (most recent call last)" not in err
+    print(f"stopped {stopped_at - min(batches):.1f} s after the first batch, "
+          f"{stopped_at - started:.1f} s after the start: {stopped}")  # fmt: skip

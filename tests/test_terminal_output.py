@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -155,6 +156,72 @@ def test_ctrl_c_while_ray_starts_exits_130_without_a_traceback(
     assert err.endswith("grpo run: interrupted\n") and "Traceback" not in err, err
 
 
+def _summary(tmp_path: Path, **fields) -> dict:
+    """A recipe summary (`recipes/async_grpo.py`) of a run that reached step 100."""
+    return {
+        "steps": 100,
+        "policy_version": 100,
+        "eval": [(0, 0.172), (10, 0.221)],
+        "final_checkpoint": str(tmp_path / "final"),
+        "run_dir": str(tmp_path),
+        "seconds": 7.2,
+        "plots": [],
+        "resumed_from": None,
+        "resumed_at_step": None,
+        "evals_before_resume": 0,
+        **fields,
+    }
+
+
+def test_the_results_of_a_resumed_run_say_what_it_ran_and_which_figures_are_older(tmp_path, capsys):
+    from grpo.observability.console import print_end
+
+    print_end(_summary(tmp_path))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [
+        "Run finished: 100 steps in 00:07, policy version 100",
+        "Held-out accuracy: 0.172 at step 0 -> 0.221 at step 10",
+    ]
+    # Resumed at step 93 with evaluation off: 7 steps ran, and both figures are older.
+    print_end(_summary(tmp_path, resumed_at_step=93, evals_before_resume=2))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [
+        "Run finished: step 100 (7 steps this run, resumed from step 93) in 00:07, "
+        "policy version 100",
+        "Held-out accuracy: 0.172 at step 0 -> 0.221 at step 10, before this run's resume",
+    ]
+    # With evaluation on, this run's figures follow the older ones.
+    evals = [(0, 0.172), (10, 0.221), (99, 0.3), (100, 0.31)]
+    print_end(_summary(tmp_path, eval=evals, resumed_at_step=99, evals_before_resume=2))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [
+        "Run finished: step 100 (1 step this run, resumed from step 99) in 00:07, "
+        "policy version 100",
+        "Held-out accuracy: 0.172 at step 0 -> 0.221 at step 10 (before this run's resume) "
+        "-> 0.300 at step 99 -> 0.310 at step 100",
+    ]
+
+
+def test_the_start_lines_name_the_wandb_run_a_resume_goes_on_in(tmp_path, monkeypatch):
+    from grpo.observability.console import wandb_text
+    from grpo.preflight import load_run_config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    saved = {"id": "abc123", "name": None, "project": "grpo-tiny", "first_record_offset": 0}
+    (run_dir / "wandb_run.json").write_text(json.dumps(saved))
+    overrides = [f"output_dir={run_dir}", "overwrite_output_dir=true"]
+    fresh = load_run_config("tiny_arithmetic_cpu", overrides)
+    assert wandb_text(fresh, run_dir) == (
+        f"offline, project 'grpo-tiny', in {run_dir / 'wandb'} (upload with `wandb sync`)"
+    )
+    resumed = fresh.model_copy(update={"resume_from_checkpoint": True})
+    assert wandb_text(resumed, run_dir).startswith(
+        "offline, project 'grpo-tiny', run abc123 resumed"
+    )
+
+
 @pytest.mark.slow
 def test_a_run_prints_progress_and_results_and_nothing_else(tmp_path):
     run_dir = tmp_path / "run"
@@ -210,3 +277,20 @@ def test_a_run_prints_progress_and_results_and_nothing_else(tmp_path):
     for name in ("trainer_0", "ref_actor_0", "replay_buffer"):
         assert (logs / f"{name}.log").is_file()
     assert (run_dir / "metrics.jsonl").stat().st_size > 0
+
+    # Resumed for one more step with evaluation off: the results say what this invocation
+    # ran, the accuracies are marked as older, and W&B goes on in the same run.
+    wandb_run = json.loads((run_dir / "wandb_run.json").read_text())
+    resume = ["resume_from_checkpoint=true", "orchestration.num_steps=4", "eval_every_n_steps=null"]
+    result = subprocess.run(
+        [*command, *resume], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert f"W&B: offline, project 'grpo-tiny', run {wandb_run['id']} resumed, in " in out
+    assert f"Resumed from {run_dir / 'checkpoints' / 'step_000003'} at step 3" in out
+    assert "Run finished: step 4 (1 step this run, resumed from step 3) in " in out
+    assert re.search(r"Held-out accuracy: .* at step 3, before this run's resume\n", out), out
+    assert json.loads((run_dir / "wandb_run.json").read_text()) == wandb_run
+    offline_runs = list((run_dir / "wandb").glob(f"offline-run-*-{wandb_run['id']}*"))
+    assert len(offline_runs) == 2, list((run_dir / "wandb").iterdir())

@@ -254,10 +254,10 @@ def test_a_trainer_and_a_collector_sharing_a_gpu_cannot_use_the_collective_trans
 
 # A synchronous run whose every step generates one batch (4 prompts x 8 = training.batch_size),
 # synced every 2 steps: its wakes load the weights synced meanwhile or, with nothing synced,
-# reload those they had.
+# reload those they had (so a step between two syncs trains on a batch one step old).
 SYNCHRONOUS = (
     "orchestration.synchronous=true",
-    "orchestration.max_policy_lag=0",
+    "orchestration.max_policy_lag=1",
     "weight_sync.every_n_steps=2",
     "training.lr_scheduler=null",
     "checkpoint.save_every_n_minutes=null",
@@ -314,7 +314,7 @@ def test_a_run_that_sleeps_while_training_wakes_loads_and_probes_in_order(
 ):
     """Three synchronous steps with the engine asleep while each trains: it sleeps before
     every training step and wakes before every generation as weights, load (or reload),
-    KV cache, probe, and trains on-policy batches. (That a sleeping run trains exactly what
+    KV cache, probe, and trains batches at most one step old (a version counts steps). (That a sleeping run trains exactly what
     an awake one does is checked by tests/test_lora_runs.py, whose resumed run is awake.)"""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     sleeping = tmp_path / "sleeping"
@@ -327,8 +327,8 @@ def test_a_run_that_sleeps_while_training_wakes_loads_and_probes_in_order(
     # Generation 1 ran on the weights the engine started with; then, after each step:
     step_1 = ["sleep(2)"]  # before training step 1
     step_2 = [*woken("reload(v0)", 0), "sleep(2)"]  # generation 2: nothing synced after step 1
-    step_3 = [*woken("load(v1)", 1), "sleep(2)"]  # generation 3: v1 synced after step 2
-    end = woken("load(v2)", 2)  # the weight check after the final checkpoint (synced v2)
+    step_3 = [*woken("load(v2)", 2), "sleep(2)"]  # generation 3: v2 synced after step 2
+    end = woken("load(v3)", 3)  # the weight check after the final checkpoint (synced v3)
     assert events == [
         step_1,
         step_1 + step_2,
@@ -337,9 +337,9 @@ def test_a_run_that_sleeps_while_training_wakes_loads_and_probes_in_order(
     ]
     # A probe of the version it then held ended every wake.
     wakes = [i for i, event in enumerate(events[-1]) if event == "wake(weights)"]
-    assert [events[-1][i + 3] for i in wakes] == ["probe(v0)", "probe(v1)", "probe(v2)"]
+    assert [events[-1][i + 3] for i in wakes] == ["probe(v0)", "probe(v2)", "probe(v3)"]
     assert len(metrics(sleeping, INFERENCE_TIME_ASLEEP)) == 2  # logged at the sleeps of steps 2, 3
     assert len(metrics(sleeping, INFERENCE_TIME_TO_WAKE)) == 2
 
-    assert [versions for _, versions in trained(sleeping)] == [[0] * 32, [0] * 32, [1] * 32]
+    assert [versions for _, versions in trained(sleeping)] == [[0] * 32, [0] * 32, [2] * 32]
     assert all(math.isfinite(loss) for loss in metrics(sleeping, TRAIN_LOSS))

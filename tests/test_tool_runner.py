@@ -146,6 +146,7 @@ def test_a_tool_module_in_the_launch_folder_imports(tmp_path):
             "tiny_calculator_cpu",
             f"output_dir={tmp_path}/run",
             "environment.tools=[my_tools.convert,grpo.envs.calculator]",
+            "environment.call_format=json",  # two parameters: `tag` passes one
         ],
         cwd=tmp_path,
         capture_output=True,

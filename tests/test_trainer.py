@@ -168,6 +168,21 @@ def test_non_finite_steps_are_skipped_counted_and_leave_the_weights(tiny_model_d
     assert any(not torch.equal(after[name], before[name]) for name in before)
 
 
+def test_a_policy_version_counts_training_steps(tiny_model_dir):
+    """Weights published after N steps are version N however many steps passed between two
+    syncs (weight_sync.every_n_steps), so staleness (orchestration.max_policy_lag, the policy
+    age) is counted in steps."""
+    batch = make_batch(4, vocab_size=300)
+    trainer = PyTorchActorModel(**trainer_kwargs(tiny_model_dir, 0, 1, 1024))
+    trainer.setup()
+    assert {t.policy_version for t in batch} == {0}
+    ages = [trainer.train_step(batch)["train_actor_training/policy_age_max"] for _ in range(2)]
+    assert ages == [0.0, 1.0]  # the base model's samples, trained by weights 0 then 1 step old
+    assert trainer.publish_weights("object_store")["version"] == trainer.policy_version == 2
+    trainer.train_step(batch)
+    assert trainer.publish_weights("object_store")["version"] == 3
+
+
 @pytest.mark.slow
 def test_two_fsdp_workers_match_one_worker(tiny_model_dir, ray_cluster):
     # Shared prompts: each worker trains on whole prompt groups (`grpo.packing.packs.shard_batch`).

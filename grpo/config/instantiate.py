@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -88,6 +88,7 @@ def instantiate(
     node: DictConfig | Mapping[str, Any] | None,
     *args: Any,
     _key_: str | None = None,
+    _wrap_: Callable[[Any], Any] | None = None,
     **kwargs: Any,
 ) -> Any:
     """Build the object a ``_component_`` node describes.
@@ -102,6 +103,9 @@ def instantiate(
         *args (Any): Positional arguments, e.g. the parameters of an optimizer.
         _key_ (str | None): The node's config key for messages (``training.optimizer``); an
             OmegaConf node knows its own.
+        _wrap_ (Callable | None): Applied to the imported object before it is called (the
+            node's own, not nested ones'): a reward function node makes a plain scoring
+            function configurable (`grpo.rewards.build_reward_function`).
         **kwargs (Any): Keyword arguments that take precedence over the node's.
 
     Returns:
@@ -126,10 +130,12 @@ def instantiate(
             raise InstantiationError(f"{key or 'config'}: {str(exc).splitlines()[0]}") from None
     else:
         plain = dict(node)
-    return _build(plain, key, args, kwargs)
+    return _build(plain, key, args, kwargs, _wrap_)
 
 
-def _build(node: Any, key: str, args: tuple, kwargs: dict) -> Any:
+def _build(
+    node: Any, key: str, args: tuple, kwargs: dict, wrap: Callable[[Any], Any] | None = None
+) -> Any:
     if not isinstance(node, Mapping) or "_component_" not in node:
         raise InstantiationError(
             f"{_at(key)}cannot instantiate {node!r}: expected a mapping with a _component_ key"
@@ -143,6 +149,8 @@ def _build(node: Any, key: str, args: tuple, kwargs: dict) -> Any:
         component = locate(target)
     except InstantiationError as exc:
         raise InstantiationError(f"{_at(key, '_component_')}{exc}") from None
+    if wrap is not None:
+        component = wrap(component)
     node_kwargs = {
         name: _build_nested(value, f"{key}.{name}" if key else name)
         for name, value in node.items()

@@ -86,13 +86,17 @@ def may_hold_keys(spec: Any) -> bool:
 
 
 def all_schema_keys(model: type[Section] = RunConfig, prefix: str = "") -> list[str]:
-    """Every declared dotted key (sections and their options)."""
+    """Every declared dotted key: sections, their options, and the documented keywords of
+    their component nodes (``training.optimizer.lr``)."""
     keys = []
     for key, info in model.model_fields.items():
         keys.append(prefix + key)
         nested = section_type(info)
         if nested is not None:
             keys.extend(all_schema_keys(nested, f"{prefix}{key}."))
+        component = component_spec(info)
+        if component is not None and component.args is not None and not component.many:
+            keys.extend(f"{prefix}{key}.{name}" for name in component.args.model_fields)
     return keys
 
 
@@ -120,10 +124,15 @@ def suggest(prefix: str, key: str, siblings: Sequence[str]) -> str:
         return f"; moved to {MOVED_KEYS[full]}"
     if not prefix and key in REMOVED_KEYS:
         return f"; {key} is no longer used: {REMOVED_KEYS[key]}"
+    same_name = [path for path in all_schema_keys() if path.rsplit(".", 1)[-1] == key]
+    # The same name deeper in this section (``training.lr`` -> ``training.optimizer.lr``) is
+    # a surer guess than a look-alike beside it (``training.lora``).
+    below = [path for path in same_name if path.startswith(prefix)]
+    if below:
+        return f"; did you mean {' or '.join(below)}?"
     close = difflib.get_close_matches(key, list(siblings), n=1, cutoff=0.6)
     if close:
         return f"; did you mean {prefix}{close[0]}?"
-    elsewhere = [path for path in all_schema_keys() if path.rsplit(".", 1)[-1] == key]
-    if elsewhere:
-        return f"; did you mean {' or '.join(elsewhere)}?"
+    if same_name:
+        return f"; did you mean {' or '.join(same_name)}?"
     return ""

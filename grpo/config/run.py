@@ -362,11 +362,10 @@ def _check_relations(values: dict, problems: list[str]) -> None:
     if engine_args and "model" in engine_args:
         problems.append("inference.engine_args.model: the model comes from base_model_path")
     _check_sampled_distribution(values, problems)
+    _check_policy_lag(values, problems)
     _check_idle_clip(values, problems)
     _check_time_sharing(values, problems)
     _check_shared_gpu_transport(values, problems)
-
-    _check_ray_resources(values, problems)
 
 
 def _check_episode_room(values: dict, problems: list[str]) -> None:
@@ -407,6 +406,23 @@ def _check_sampled_distribution(values: dict, problems: list[str]) -> None:
             f"inference.engine_args.logprobs_mode: {mode!r} is refused; the behaviour logprobs "
             "must be processed_logprobs (the default), those of the tempered distribution that "
             "sampled the tokens, which the trainer's are compared with"
+        )
+
+
+def _check_policy_lag(values: dict, problems: list[str]) -> None:
+    """The lag counts training steps, and the collectors' newest weights trail the trainer's
+    by up to ``every_n_steps - 1`` of them: a smaller bound leaves steps with no batch."""
+    lag = value_at(values, "orchestration.max_policy_lag", (int,))
+    every = value_at(values, "weight_sync.every_n_steps", (int,))
+    # An out-of-range value is reported by its own check.
+    if lag is not None and every is not None and 0 <= lag < every - 1:
+        problems.append(
+            f"orchestration.max_policy_lag: {lag} is less than weight_sync.every_n_steps - 1 "
+            f"({every - 1}): the lag counts training steps, and before each sync the "
+            f"collectors' newest weights are up to {every - 1} step{'s' if every > 2 else ''} "
+            "older than the trainer's, "
+            "so those steps could never get a batch; raise max_policy_lag to "
+            f"{every - 1} or set weight_sync.every_n_steps to {lag + 1}"
         )
 
 
@@ -563,11 +579,22 @@ def reward_weights_problem(weights: Any, names: list[str]) -> str | None:
     )
 
 
-def _check_ray_resources(values: dict, problems: list[str]) -> None:
-    """A local cluster must have room for every actor, or Ray waits forever to place one."""
+def local_cluster_problems(values: dict, this_machine: bool = True) -> list[str]:
+    """A local cluster must have room for every actor, or Ray waits forever to place one.
+
+    Args:
+        values (dict): The config as plain values, interpolations resolved.
+        this_machine (bool): A ``ray.num_cpus`` / ``ray.num_gpus`` left null is this
+            machine's cores and GPUs; False (planning a run on another machine): only a
+            size the config sets is checked.
+
+    Returns:
+        list[str]: One ``ray.<resource>: ...`` line per resource the actors need more of.
+    """
+    problems: list[str] = []
     ray_section = values.get("ray")
     if not isinstance(ray_section, dict) or ray_section.get("address") is not None:
-        return  # an existing cluster: its size is not known here
+        return problems  # an existing cluster: its size is not known here
     roles = (
         ("inference", "num_inference_workers"),
         ("ref", "num_ref_workers"),
@@ -586,6 +613,8 @@ def _check_ray_resources(values: dict, problems: list[str]) -> None:
             if needed == 0:
                 continue
             have = value_at(values, f"ray.{resource}")
+            if have is None and not this_machine:
+                continue  # the other machine's size: the memory plan says what it needs
             if have is None:
                 have = (os.cpu_count() or 1) if resource == "num_cpus" else _visible_gpus()
             if needed > have + 1e-9:
@@ -594,6 +623,7 @@ def _check_ray_resources(values: dict, problems: list[str]) -> None:
                     f"local Ray cluster has {have:g}; raise ray.{resource} or lower the "
                     "per-actor amounts"
                 )
+    return problems
 
 
 def _visible_gpus() -> int:

@@ -8,7 +8,7 @@ An option lives in the section of the component that reads it. Imports: pydantic
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
 from grpo.choices import (
     Aggregation,
@@ -30,6 +30,9 @@ def _custom_resource_names(resources: dict[str, float]) -> dict[str, float]:
             raise ValueError(f"{name!r} is set by num_cpus / num_gpus, not as a custom resource")
     return resources
 
+
+# vLLM raises a lower sampling temperature to this one (``vllm.sampling_params._MAX_TEMP``).
+MIN_TEMPERATURE = 0.01
 
 ActorResources = Annotated[
     dict[str, Annotated[float, Field(ge=0)]], AfterValidator(_custom_resource_names)
@@ -83,14 +86,20 @@ class OrchestrationConfig(Section):
     """Most trajectories the replay buffer holds; when it is full, scored groups wait for room
     (nothing is dropped)."""
     max_policy_lag: int = Field(1, ge=0)
-    """Drop trajectories generated more than this many weight versions ago (0: strictly
-    on-policy)."""
+    """Staleness bound, in training steps: a trajectory is dropped, and counted, when its
+    oldest token was sampled by weights more than this many steps older than those the trainer
+    is about to update (0: strictly on-policy, every batch sampled by the current weights;
+    needs weight_sync.every_n_steps 1). Before each sync the collectors' newest weights are up
+    to every_n_steps - 1 steps old, so grpo validate refuses a bound below that."""
     stall_timeout_s: float = Field(600.0, gt=0)
     """With no training step for this many seconds, replace the actor that holds the run up (a
     frozen or hung collector, a trainer stuck in a step, an actor stuck in one call), or stop
-    naming it when replacing cannot help (every sample dropped as stale); also stop when every
-    group scored while waiting this long for a batch had equal rewards
-    (ref.filter_zero_variance_groups)."""
+    naming it when replacing cannot help (every sample dropped as stale)."""
+    equal_rewards_timeout_s: float = Field(120.0, gt=0)
+    """With ref.filter_zero_variance_groups, stop when every group scored while waiting this
+    long for a batch had equal rewards (nothing to train on: a task the model cannot yet score
+    on, or one it has solved); a warning comes after a quarter of it. The reward distribution
+    of the first 64 episodes is logged, and warned about when every group was equal."""
     max_actor_restarts: int = Field(3, ge=0)
     """Times each collector, reference actor and the replay buffer may be restarted after dying
     (their work is rebuilt, nothing is lost); one more death stops the run with a checkpoint.
@@ -131,8 +140,9 @@ class InferenceConfig(Section):
     max_generated_tokens: int = Field(256, ge=1)
     """Most tokens generated per response."""
     temperature: float = Field(1.0, gt=0)
-    """Sampling temperature. The behaviour logprobs are those of the tempered distribution
-    (vLLM's processed_logprobs), and the trainer and reference divide their logits by it too."""
+    """Sampling temperature, at least 0.01. The behaviour logprobs are those of the tempered
+    distribution (vLLM's processed_logprobs), and the trainer and reference divide their logits
+    by it too; vLLM samples with 0.01 when given less, so a lower value is refused."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass; only 1.0 trains (grpo validate refuses less): the trainer's
     logprobs cannot reproduce the nucleus, so the importance ratio would compare against a
@@ -167,6 +177,18 @@ class InferenceConfig(Section):
     nodes that have them (``ray start --resources='{"rollout_node": 4}'``), which places the
     role on chosen nodes of a cluster. A resource no node has is refused at start."""
 
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_the_engine_samples_with(cls, value: float) -> float:
+        if value < MIN_TEMPERATURE:
+            raise ValueError(
+                f"{value!r} is below {MIN_TEMPERATURE}, the lowest temperature vLLM samples "
+                f"with (it raises a lower one to {MIN_TEMPERATURE}), while the trainer and the "
+                "reference would divide their logits by the value given: the importance ratio "
+                f"would compare two different distributions; use {MIN_TEMPERATURE} or more"
+            )
+        return value
+
 
 # --------------------------------------------------------------------------------------------
 # ref: (RefActor)
@@ -184,6 +206,11 @@ class RefConfig(Section):
     """Weight of each reward in the total reward, by reward name (a reward function's name, or
     a name in an environment's scores), e.g. {math_correctness: 1.0, format: 0.2}; a reward
     not named weighs 1. null: all 1."""
+    advantage_std_normalization: bool = True
+    """true: a sample's advantage is (r - group mean) / (group std + 1e-4) (GRPO); false: r -
+    group mean, undivided (Dr. GRPO, together with training.loss.aggregation:
+    seq_mean_token_sum_norm): dividing by the std weighs groups that nearly agree (too easy or
+    too hard) more."""
     dtype: DType = "fp32"
     """Reference model dtype."""
     mask_kind: MaskKind = "auto"
@@ -246,18 +273,28 @@ class LossArgs(ComponentArgs):
     own has its own defaults, read from its signature.
     """
 
-    epsilon_low: float = Field(0.2, ge=0)
-    """Lower clip: ratio >= 1 - epsilon_low."""
+    epsilon_low: float = Field(0.2, ge=0, lt=1)
+    """Lower clip: ratio >= 1 - epsilon_low (below 1: the bound must stay a positive ratio)."""
     epsilon_high: float = Field(0.2, ge=0)
     """Upper clip: ratio <= 1 + epsilon_high."""
-    kl_coeff: float = Field(0.0, ge=0)
+    kl_coeff: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Weight of the KL penalty to the reference model. 0: no KL term, and the reference
     actors load no model."""
     kl_estimator: KLEstimator = "k3"
-    """KL estimator."""
+    """Estimator of KL(pi, ref) = E_pi[log pi - log ref] from each sampled token, with r =
+    ref / pi: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. As a loss term what counts
+    is its expected gradient: k3's is that of KL(ref, pi) (DeepSeekMath GRPO, verl's
+    low_var_kl), k2's that of KL(pi, ref), k1's zero, so k1 is refused beside kl_coeff > 0
+    (docs/training.md)."""
     aggregation: Aggregation = "token_mean"
-    """token_mean, seq_mean_token_mean, or seq_mean_token_sum_norm (Dr. GRPO)."""
-    tis_cap: float | None = Field(None, gt=0)
+    """token_mean, seq_mean_token_mean, or seq_mean_token_sum_norm (Dr. GRPO's: each
+    sequence's token sum over max_response_len; Dr. GRPO also sets
+    ref.advantage_std_normalization: false)."""
+    max_response_len: int | None = Field(None, ge=1, validate_default=True)
+    """The constant seq_mean_token_sum_norm divides each sequence's token sum by, and required
+    by it: the longest response, e.g. ${inference.max_generated_tokens}. Unused by the other
+    aggregations."""
+    tis_cap: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Truncated importance sampling of the vLLM/trainer mismatch: ratio against the trainer's
     pre-update logprobs, each token's loss weighted by min(exp(pi_old - behaviour), tis_cap).
     With ppo_epochs 1 that ratio is always 1 and nothing is clipped (grpo validate refuses
@@ -267,6 +304,30 @@ class LossArgs(ComponentArgs):
     ratio_level: Level = "token"
     """token (PPO/GRPO) or sequence (GSPO: length-normalised sequence ratio, clipped per
     sequence; use tiny epsilons such as 3e-4 / 4e-4)."""
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _estimator_with_a_gradient(cls, value: str, info: ValidationInfo) -> str:
+        kl_coeff = info.data.get("kl_coeff")
+        if value == "k1" and isinstance(kl_coeff, (int, float)) and kl_coeff > 0:
+            raise ValueError(
+                f"k1 beside kl_coeff {kl_coeff} is refused: as a loss term k1 = log pi - log "
+                "ref has zero expected gradient (E_pi[grad log pi] = 0), so it regularises "
+                "nothing; use k3 (the gradient of KL(ref, pi): DeepSeekMath GRPO, verl's "
+                "low_var_kl) or k2 (the gradient of KL(pi, ref))"
+            )
+        return value
+
+    @field_validator("max_response_len", mode="after")
+    @classmethod
+    def _dr_grpo_constant(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is None and info.data.get("aggregation") == "seq_mean_token_sum_norm":
+            raise ValueError(
+                "required by aggregation seq_mean_token_sum_norm (each sequence's token sum "
+                "is divided by this constant): set it to the longest response, e.g. "
+                "${inference.max_generated_tokens}"
+            )
+        return value
 
 
 class LoRAConfig(Section):
@@ -278,12 +339,27 @@ class LoRAConfig(Section):
     alpha: float = Field(16.0, gt=0)
     """Scale: the adapter adds (alpha / rank) * B @ A to each wrapped weight."""
     dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on the adapter's input while training."""
+    """Dropout on the adapter's input; only 0 trains (grpo validate refuses more): the
+    collectors sample without dropout, so every logprob the loss and the weight sync compare
+    must be computed without it too (docs/training.md)."""
     target_modules: list[LoRATarget] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
     )
     """Linear layers to adapt, by Hugging Face name: q_proj, k_proj, v_proj, o_proj,
     gate_proj, up_proj, down_proj."""
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        if value > 0:
+            raise ValueError(
+                f"{value!r} is refused, only 0 trains: the collectors sample without dropout, "
+                "and dropout makes the trainer's logprobs random: the weight probe would never "
+                "match (every update fails verification) and the importance ratio pi / "
+                "behaviour would compare a random sub-network with the policy that sampled; "
+                "set 0"
+            )
+        return value
 
 
 class TrainingConfig(Section):

@@ -16,9 +16,11 @@ import ast
 import difflib
 import functools
 import importlib.util
+import inspect
 from pathlib import Path
 
 from grpo.config.errors import InstantiationError
+from grpo.config.reward_forms import scoring_form
 
 # How many ``from x import name`` hops to follow before giving up (cycles, deep re-exports).
 _MAX_HOPS = 8
@@ -51,8 +53,9 @@ def static_keyword_names(path: str) -> set[str] | None:
 def static_reward_name(path: str) -> str | None:
     """The reward name of the reward function at a dotted path, read from source.
 
-    A `grpo.rewards.RewardFunction` subclass's own ``name = "..."``, or the name of a function
-    decorated with ``reward_function`` (its ``name=`` argument, else the function's name).
+    A `grpo.rewards.RewardFunction` subclass's own ``name = "..."``, the name of a function
+    decorated with ``reward_function`` (its ``name=`` argument, else the function's name), or
+    that of a plain scoring function (`grpo.config.reward_forms.scoring_form`).
 
     Args:
         path (str): ``module.attribute`` path, e.g. ``grpo.rewards.FormatReward``.
@@ -92,7 +95,63 @@ def static_reward_name(path: str) -> str | None:
                     is_text = isinstance(value, ast.Constant) and isinstance(value.value, str)
                     return value.value if is_text else None
             return node.name
+        # A plain scoring function scores under its own name (`grpo.rewards.reward_function`).
+        if not node.decorator_list and scoring_form(_signature_parameters(node.args)):
+            return node.name
     return None
+
+
+def static_function(path: str) -> tuple[list[inspect.Parameter], bool] | None:
+    """The parameters of the function at a dotted path, read from source, and whether it is
+    decorated with ``reward_function``.
+
+    Args:
+        path (str): ``module.attribute`` path of a function.
+
+    Returns:
+        tuple | None: The parameters (a default stands for any default) and the flag; None for
+        a class, a function with other decorators, or when the source does not tell.
+
+    Raises:
+        InstantiationError: If the module or the attribute certainly does not exist.
+    """
+    try:
+        node = _definition(path)
+    except _Unknown:
+        return None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    names = [
+        ast.unparse(d.func if isinstance(d, ast.Call) else d).rsplit(".", 1)[-1]
+        for d in node.decorator_list
+    ]
+    if any(name != "reward_function" for name in names):
+        return None  # another decorator may make it anything
+    return _signature_parameters(node.args), bool(names)
+
+
+def _signature_parameters(args: ast.arguments) -> list[inspect.Parameter]:
+    """`inspect.Parameter`s of a parsed function's arguments (defaults as ``...``)."""
+    kind = inspect.Parameter
+    positional = [*args.posonlyargs, *args.args]
+    first_default = len(positional) - len(args.defaults)
+    parameters = [
+        kind(
+            arg.arg,
+            kind.POSITIONAL_ONLY if index < len(args.posonlyargs) else kind.POSITIONAL_OR_KEYWORD,
+            default=... if index >= first_default else kind.empty,
+        )
+        for index, arg in enumerate(positional)
+    ]
+    if args.vararg is not None:
+        parameters.append(kind(args.vararg.arg, kind.VAR_POSITIONAL))
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults):
+        parameters.append(
+            kind(arg.arg, kind.KEYWORD_ONLY, default=kind.empty if default is None else ...)
+        )
+    if args.kwarg is not None:
+        parameters.append(kind(args.kwarg.arg, kind.VAR_KEYWORD))
+    return parameters
 
 
 def static_overrides(path: str, method: str, base: str) -> bool | None:

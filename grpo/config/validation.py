@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from grpo.config.errors import ConfigError, InstantiationError
 from grpo.config.instantiate import keyword_names, locate
 from grpo.config.keys import fill_defaults, siblings_at, suggest
+from grpo.config.reward_forms import function_parameters, is_reward_node_key, reward_node_check
 from grpo.config.run import MOVED_KEYS, REMOVED_KEYS, UNRESOLVED, RunConfig
 from grpo.config.schema import (
     ComponentSpec,
@@ -30,7 +31,7 @@ from grpo.config.schema import (
     optional_section_type,
     section_type,
 )
-from grpo.config.signatures import static_keyword_names
+from grpo.config.signatures import static_function, static_keyword_names
 
 _TYPE_NAMES = {
     "int": "int",
@@ -69,9 +70,10 @@ def check_config(
     """Check a config and return every problem, without raising.
 
     Checks unknown and moved keys (with did-you-mean), types, value ranges and choices,
-    relations between keys (token budget, divisibility, buffer size, Ray resources), and that
-    every ``_component_`` imports and accepts its keyword arguments. Nothing is instantiated
-    and no file the config names is read.
+    relations between keys (token budget, divisibility, buffer size), and that every
+    ``_component_`` imports and accepts its keyword arguments. Nothing is instantiated, no
+    file the config names is read, and the machine is not asked its size (`grpo.preflight`
+    checks a local Ray cluster against the actors).
 
     Args:
         cfg (DictConfig | Mapping[str, Any]): The config, e.g. from `compose_config`.
@@ -300,6 +302,24 @@ def _component_problems(
     return problems
 
 
+def _reward_keywords(
+    target: str, node: dict, mode: str, importer: Callable[[str], Any]
+) -> tuple[str | None, set[str] | None]:
+    """A reward function node's problem, if any, and the keys it may set, by the rule the run
+    builds it with (`grpo.config.reward_forms`): imported, or read from source."""
+    keys = [key for key in node if key != "_component_"]
+    if mode == "import":
+        component = importer(target)
+        parameters = function_parameters(component)
+        if parameters is None:
+            return None, keyword_names(component)
+        return reward_node_check(target, parameters, False, keys)
+    function = static_function(target)
+    if function is None:
+        return None, static_keyword_names(target)
+    return reward_node_check(target, *function, keys)
+
+
 def _check_component(
     path: str,
     node: Any,
@@ -322,15 +342,19 @@ def _check_component(
         problems.append(f"{path}._component_: expected a dotted import path, got {target!r}")
         return
     if mode is not None:
+        problem = None
         try:
-            accepted = (
-                keyword_names(importer(target))
-                if mode == "import"
-                else static_keyword_names(target)
-            )
+            if is_reward_node_key(path):
+                problem, accepted = _reward_keywords(target, node, mode, importer)
+            elif mode == "import":
+                accepted = keyword_names(importer(target))
+            else:
+                accepted = static_keyword_names(target)
         except InstantiationError as exc:
             problems.append(f"{path}._component_: {exc}")
         else:
+            if problem is not None:
+                problems.append(f"{path}: {problem}")
             if accepted is not None:
                 for key in node:
                     if key != "_component_" and key not in accepted:

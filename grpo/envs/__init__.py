@@ -15,8 +15,9 @@
   (`generate_server`), with the harness of `verifiers_harness` by default.
 * `run_episodes` (`rollout`): drives episodes on an inference engine, batched across episodes;
   `render` turns the environment's messages into tokens the way the chat template does.
-* `dropped`: why an episode the environment failed was dropped (the exception and the lines of
-  the environment that raised it), and the collector's log that names each reason once.
+* `dropped`: episodes the environment failed, scored with the failure rewards in their groups
+  or dropped (`scored_episodes`), why (the exception and the lines of the environment that
+  raised it), and the collector's log that names each reason once.
 
 Importing this package loads no torch (``grpo validate`` reads tools and environments).
 """

@@ -41,7 +41,7 @@ from pydantic import Field
 
 from grpo.envs.dropped import failure_reason
 from grpo.envs.options import checked_options
-from grpo.envs.protocol import EngineContext, Environment, EpisodeLimits, Prompt
+from grpo.envs.protocol import EngineContext, Environment, EpisodeLimits, FailedEpisodes, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,11 @@ class Episode:
     tool_queue_waits: list[float] = field(default_factory=list)
     truncated: bool = False  # ended by the token budget or a turn cut at max tokens
     hit_max_turns: bool = False
-    # The environment raised: the episode is dropped, and this says why (`failure_reason`).
+    # The environment raised, and this says why (`failure_reason`): the episode is dropped, or
+    # kept in its group with the failure rewards (``failed_episodes: score``).
     error: str | None = None
+    # Failed, and kept in its group with the failure rewards (`grpo.envs.dropped.scored_episodes`).
+    failure_scored: bool = False
     # ``(policy version, tokens)`` runs of the policy's tokens, oldest first: the weights that
     # sampled each (they may change while an episode runs). Empty: the engine does not say.
     version_runs: list[tuple[int, int]] = field(default_factory=list)
@@ -221,6 +224,13 @@ class MultiTurnEnv(Environment):
             the collector's ``inference.max_generated_tokens``.
         stop (Sequence[str]): Extra stop strings that end a policy turn (kept in the turn).
         reward_timeout_s (float): Seconds one reward call may take before it scores 0.
+        failed_episodes (str): An episode whose environment raises (in `env_response`, often
+            on output it cannot read): ``"score"`` keeps it in its group, its tokens as the
+            policy sampled them up to the failure, scored with each reward function's
+            ``failure_reward`` (`failure_rewards`), so the behaviour that made it raise is
+            penalised and the group's baseline keeps every member; ``"drop"`` leaves it out.
+            Either way it is logged with its reason and counted
+            (`grpo.envs.dropped.DroppedEpisodeLog`).
 
     The options' types and bounds are declared in the signature (`grpo.envs.options`): the
     constructor checks them, and ``grpo validate`` checks an ``environment:`` node against
@@ -245,6 +255,7 @@ class MultiTurnEnv(Environment):
         max_tokens_per_turn: Annotated[int, Field(ge=1)] | None = None,
         stop: Annotated[Sequence[str], Field()] = (),
         reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0,
+        failed_episodes: Annotated[FailedEpisodes, Field()] = "score",
     ) -> None:
         for index, fn in enumerate(reward_functions):
             if not callable(fn):
@@ -259,9 +270,12 @@ class MultiTurnEnv(Environment):
         self.max_tokens_per_turn = max_tokens_per_turn
         self.stop = tuple(stop)
         self.reward_timeout_s = reward_timeout_s
+        self.failed_episodes = failed_episodes
         self.renderer: Any = None  # set by `start`, from the prompts' template
         # Reward calls that timed out or raised, per function, over the run (`score`).
         self.reward_failures: dict[str, int] = {}
+        # Reward calls per function since the collector last took them (`take_reward_calls`).
+        self._reward_calls: dict[str, Any] = {}
         # Rewards of the last `run_groups`' episodes, computed as each ended, by id(episode).
         self._early_rewards: dict[int, dict[str, float]] = {}
 
@@ -302,6 +316,12 @@ class MultiTurnEnv(Environment):
             max_model_len=context.max_model_len,
             max_episode_tokens=self.max_episode_tokens,
         )
+
+    def take_reward_calls(self) -> dict[str, dict[str, Any]] | None:
+        """The reward functions' calls (`score`) since the last time they were taken, by name
+        (`grpo.rewards.calls.RewardCalls.as_dict`)."""
+        calls, self._reward_calls = self._reward_calls, {}
+        return {name: made.as_dict() for name, made in calls.items()}
 
     def batch_metrics(self) -> dict[str, float]:
         """``inference/reward_failures_func_<name>``: failed reward calls so far."""
@@ -371,13 +391,14 @@ class MultiTurnEnv(Environment):
         """Begin the answer to the episode's last policy turn; it may finish later.
 
         By default `env_response` runs now. An episode whose environment raises is marked with
-        its ``error`` (and dropped by the rollout); the others go on. Environments with slow
+        its ``error`` and ends there (dropped, or scored with the failure rewards:
+        ``failed_episodes``); the others go on. Environments with slow
         steps (tools in worker processes) override this to return a `PendingResponse` that
         finishes later, so the rollout goes on with the other episodes meanwhile.
         """
         try:
             return PendingResponse(self.env_response(episode.messages, episode.state, episode))
-        except Exception as error:  # the run goes on; the episode is dropped and named
+        except Exception as error:  # the run goes on; the episode ends here, named
             episode.error = failure_reason(error)
             return PendingResponse(None)
 
@@ -393,6 +414,19 @@ class MultiTurnEnv(Environment):
         from grpo.rewards import reward_name
 
         return [reward_name(fn) for fn in self.reward_functions]
+
+    def failure_rewards(self) -> dict[str, float] | None:
+        """Each reward function's ``failure_reward`` (0 unless it says otherwise), by name: the
+        rewards of a failed episode kept in its group (``failed_episodes: score``). None for a
+        subclass with its own `score`: its names then score 0."""
+        if type(self).score is not MultiTurnEnv.score:
+            return None
+        from grpo.rewards import reward_name
+
+        return {
+            reward_name(fn): float(getattr(fn, "failure_reward", 0.0))
+            for fn in self.reward_functions
+        }
 
     def score(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
         """Rewards of finished episodes, by reward name.
@@ -419,10 +453,19 @@ class MultiTurnEnv(Environment):
             [episode.last_assistant_text() for episode in episodes],
             [str(episode.example.get("answer", "")) for episode in episodes],
             timeout_s=self.reward_timeout_s,
+            # The example's other columns, for reward functions that take them by name.
+            columns=[
+                {key: value for key, value in episode.example.items() if key != "answer"}
+                for episode in episodes
+            ],
         )
         for name in batch.func_names:
             failed = batch.num_timeouts[name] + batch.num_exceptions[name]
             self.reward_failures[name] = self.reward_failures.get(name, 0) + failed
+        calls = dict(self._reward_calls)
+        for name, made in batch.calls().items():
+            calls[name] = calls[name].merged(made) if name in calls else made
+        self._reward_calls = calls
         rewards = []
         for row, episode in enumerate(episodes):
             episode.successes = {

@@ -37,18 +37,21 @@ def build_environment(
     if environment is None:
         from grpo.envs.single_turn import SingleTurnEnv
 
-        functions = [
-            instantiate(fn, _key_=f"reward_functions[{index}]") if isinstance(fn, Mapping) else fn
-            for index, fn in enumerate(reward_functions)
-        ]
+        functions = _built_rewards(reward_functions, "reward_functions")
         try:
             return SingleTurnEnv(functions, reward_timeout_s=reward_timeout_s)
         except ValueError as error:
             raise ConfigError(str(error)) from error
     if isinstance(environment, Mapping):
         node = dict(environment)
+        own = "reward_functions" in node
         node.setdefault("reward_functions", list(reward_functions))
         node.setdefault("reward_timeout_s", reward_timeout_s)
+        if isinstance(node["reward_functions"], Sequence):
+            # Built here, by the rule for reward functions (a plain function scores; it is
+            # not called with the node's keys), before the environment gets them.
+            where = "environment.reward_functions" if own else "reward_functions"
+            node["reward_functions"] = _built_rewards(node["reward_functions"], where)
         try:
             environment = instantiate(node, _key_="environment")
         except ConfigError:
@@ -61,3 +64,14 @@ def build_environment(
             "(subclass MultiTurnEnv, ToolEnv or Environment)"
         )
     return environment
+
+
+def _built_rewards(reward_functions: Sequence[Any], key: str) -> list[Any]:
+    """Reward functions built from their nodes (`grpo.rewards.build_reward_function`); built
+    ones as they are."""
+    from grpo.rewards import build_reward_function
+
+    return [
+        build_reward_function(fn, f"{key}[{index}]") if isinstance(fn, Mapping) else fn
+        for index, fn in enumerate(reward_functions)
+    ]

@@ -15,8 +15,10 @@ def episode_metrics(
     """``inference/episode_*`` and ``inference/tool_*`` metrics of one batch of episodes.
 
     Args:
-        episodes (Sequence[Episode]): The batch's episodes the environment did not fail.
-        dropped (int): The batch's episodes it failed (`grpo.envs.dropped`).
+        episodes (Sequence[Episode]): The batch's episodes that go into their groups: those
+            the environment did not fail, and failed ones scored with the failure rewards
+            (``failure_scored``: `grpo.envs.dropped.scored_episodes`).
+        dropped (int): The batch's episodes it failed and that were left out.
         dropped_total (float): Those of the run so far.
 
     Returns:
@@ -40,6 +42,7 @@ def episode_metrics(
         names.INFERENCE_EPISODE_HIT_MAX_TURNS: float(sum(e.hit_max_turns for e in episodes)),
         names.INFERENCE_EPISODES_DROPPED: float(dropped),
         names.INFERENCE_EPISODES_DROPPED_TOTAL: dropped_total,
+        names.INFERENCE_EPISODES_FAILED_SCORED: float(sum(e.failure_scored for e in episodes)),
         names.INFERENCE_TOOL_CALLS_PER_EPISODE: sum(e.tool_calls for e in episodes) / count,
         names.INFERENCE_TOOL_ERRORS: float(sum(errors.values())),
         names.INFERENCE_TOOL_TIMEOUTS: float(errors.get("timeout", 0)),

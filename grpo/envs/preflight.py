@@ -9,11 +9,12 @@ an error in a collector. No torch.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from grpo.envs.options import option_problems
-from grpo.envs.tools import check_tools
+from grpo.envs.tools import call_format_problem, check_tools
 
 
 def environment_problems(
@@ -49,8 +50,23 @@ def environment_problems(
             *problems,
             f"{key}.tools: expected a list of dotted paths of functions, got {tools!r}",
         ]
-    _, tool_problems = check_tools(tools, locate)
+    by_name, tool_problems = check_tools(tools, locate)
+    call_format = node.get("call_format", _default(component, "call_format"))
+    for tool in by_name.values():
+        if problem := call_format_problem(call_format, tool):
+            tool_problems.append(problem)
     return problems + [f"{key}.{problem}" for problem in tool_problems]
+
+
+def _default(component: Any, name: str) -> Any:
+    """The default of the component's keyword ``name``, or None."""
+    try:
+        parameter = inspect.signature(component).parameters.get(name)
+    except (TypeError, ValueError):  # no component, or no signature to read
+        return None
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return parameter.default
 
 
 def _component(path: Any, locate: Callable[[str], Any] | None) -> Any:

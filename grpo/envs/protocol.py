@@ -21,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from grpo.envs.base import Episode
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 # One prompt of a batch: the example, and its prompt token ids (`Environment.prompt_ids`).
 Prompt = tuple[dict[str, Any], list[int]]
+# What becomes of an episode the environment failed (`Environment.failed_episodes`).
+FailedEpisodes = Literal["drop", "score"]
 
 
 @dataclass(frozen=True)
@@ -105,11 +107,16 @@ class Environment(ABC):
     A subclass writes `run_groups` and `score`; the rest has defaults. The collector calls,
     in this order: `examples` (once, when the run names no dataset), `response_budget`
     (once, to size the engine's context), `start` (once, the engine built), then per batch
-    `prompt_ids`, `run_groups`, `score` and `batch_metrics`, and `close` at the end.
+    `prompt_ids`, `run_groups`, `score`, `batch_metrics` and `take_reward_calls`, and `close`
+    at the end.
     """
 
     # Set by `start`; a class attribute, so that subclasses need not call a base __init__.
     context: EngineContext | None = None
+    # What becomes of an episode the environment failed (``Episode.error``): "drop" leaves it
+    # out of its group; "score" keeps it there, scored with `failure_rewards`
+    # (`grpo.envs.dropped.scored_episodes`). `grpo.envs.MultiTurnEnv` takes it as an option.
+    failed_episodes: FailedEpisodes = "drop"
 
     def examples(self) -> list[dict[str, Any]] | None:
         """The rows the run samples from when it names no ``dataset`` (a taskset's), or None."""
@@ -167,10 +174,22 @@ class Environment(ABC):
 
     @abstractmethod
     def score(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
-        """Rewards of finished episodes (none has ``error``), by reward name, in order."""
+        """Rewards of finished episodes (none has ``error``: failed ones are scored apart,
+        `failure_rewards`), by reward name, in order."""
 
     def reward_names(self) -> list[str] | None:
         """The names `score` gives its rewards, known before any episode runs, or None."""
+        return None
+
+    def failure_rewards(self) -> dict[str, float] | None:
+        """Rewards of an episode the environment failed and ``failed_episodes: score`` keeps
+        in its group, by reward name; None: 0 under each name `score` gives the others."""
+        return None
+
+    def take_reward_calls(self) -> dict[str, dict[str, Any]] | None:
+        """Its reward functions' calls since it was last asked, by reward name
+        (`grpo.rewards.calls.RewardCalls.as_dict`: calls, failures, why), for the driver's
+        guard on failing rewards; None: it scores without reward functions of the run's."""
         return None
 
     def batch_metrics(self) -> dict[str, float]:

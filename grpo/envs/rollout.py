@@ -13,9 +13,11 @@ to tokens (`grpo.envs.render`) and appended, masked from the loss.
 An episode ends when the environment says so, at ``max_turns`` policy turns (``hit_max_turns``),
 when a policy turn is cut by its token limit, or when the next environment turn would not leave
 room for a policy token within ``max_episode_tokens`` or the engine's context (both
-``truncated``): the limits of `grpo.envs.protocol.EpisodeLimits`. An environment that raises drops that episode only (``error`` says why:
-`grpo.envs.dropped.failure_reason`), and the run goes on; the caller reports the drops (the
-collector logs each reason once, with a count: `grpo.envs.dropped.DroppedEpisodeLog`).
+``truncated``): the limits of `grpo.envs.protocol.EpisodeLimits`. An environment that raises
+ends that episode only (``error`` says why: `grpo.envs.dropped.failure_reason`), and the run
+goes on; the caller scores it with the failure rewards or drops it
+(`grpo.envs.dropped.scored_episodes`) and reports it (the collector logs each reason once, with
+a count: `grpo.envs.dropped.DroppedEpisodeLog`).
 """
 
 from __future__ import annotations
@@ -138,7 +140,8 @@ def run_episodes(
 
     Returns:
         list[list[Episode]]: Per prompt, its episodes (finished; those whose environment
-        raised have ``error`` set, and are not logged here).
+        raised have ``error`` set, hold the tokens sampled up to the failure, and are not
+        logged here).
     """
     limits = EpisodeLimits(
         max_turns=env.max_turns,
@@ -273,7 +276,9 @@ def episode_groups(
 
     Args:
         groups (Sequence[Sequence[Episode]]): Per prompt, its episodes (`run_episodes`).
-        rewards (Sequence[dict[str, float]]): One per episode without ``error``, in order.
+        rewards (Sequence[dict[str, float]]): One per episode kept, in order: those without
+            ``error``, and failed ones scored with the failure rewards (``failure_scored``:
+            `grpo.envs.dropped.scored_episodes`).
         group_ids (Sequence[int]): One per prompt.
         sequence_id (Callable[[], str]): Makes the next unique sequence id.
         policy_version (int): Version of the weights that sampled the oldest policy token of
@@ -284,7 +289,7 @@ def episode_groups(
 
     Returns:
         list[GroupedUnscoredTrajectories]: One per prompt that kept at least one episode
-        (episodes whose environment raised are left out).
+        (episodes whose environment raised are left out, unless ``failure_scored``).
     """
     # Imported here: `grpo validate` reads this package without loading torch.
     import torch
@@ -300,7 +305,7 @@ def episode_groups(
         # tokens share one tensor, and packing lays such a prompt out once.
         prompt_tensors: dict[tuple[int, ...], torch.Tensor] = {}
         for episode in group:
-            if episode.error is not None:
+            if episode.error is not None and not episode.failure_scored:
                 continue
             prompt_key = tuple(episode.prompt_ids)
             if prompt_key not in prompt_tensors:

@@ -22,6 +22,7 @@ from pydantic import Field
 from grpo.envs.base import Episode, Message, MultiTurnEnv, PendingResponse
 from grpo.envs.dropped import failure_reason
 from grpo.envs.options import checked_options
+from grpo.envs.protocol import FailedEpisodes
 from grpo.envs.runner import ToolRunner, default_tool_runner, tool_outcome
 from grpo.envs.tools import (
     BAD_ARGUMENTS,
@@ -29,6 +30,7 @@ from grpo.envs.tools import (
     PARSE_ERROR,
     UNKNOWN_TOOL,
     Tool,
+    call_format_problem,
     call_stop_strings,
     parse_tool_calls,
     resolve_tools,
@@ -62,6 +64,9 @@ class ToolEnv(MultiTurnEnv):
             with ``tool_workers`` workers and ``tool_memory_mb``.
         reward_functions, max_turns, max_episode_tokens, max_tokens_per_turn,
             reward_timeout_s: As `MultiTurnEnv`.
+        failed_episodes (str): As `MultiTurnEnv`; default ``"score"``: a turn that makes the
+            environment raise (its call parser, on output it cannot read) is the policy's
+            doing, and is penalised with the failure rewards in its group.
         stop (Sequence[str] | None): Stop strings of a policy turn; default the end of a call
             (``</tool_call>``, or ``</name>`` of each tool for the tag format), so a turn ends
             as soon as it has made its call.
@@ -94,10 +99,14 @@ class ToolEnv(MultiTurnEnv):
         max_tokens_per_turn: Annotated[int, Field(ge=1)] | None = None,
         stop: Annotated[Sequence[str], Field()] | None = None,
         reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0,
+        failed_episodes: Annotated[FailedEpisodes, Field()] = "score",
     ) -> None:
         if not tools:
             raise ValueError("ToolEnv needs at least one tool")
         self.tools = resolve_tools(tools)
+        for tool in self.tools.values():
+            if problem := call_format_problem(call_format, tool):
+                raise ValueError(problem)
         # A policy turn stops right after a call: the result comes before the model goes on.
         if stop is None:
             stop = call_stop_strings(call_format, list(self.tools))
@@ -108,6 +117,7 @@ class ToolEnv(MultiTurnEnv):
             max_tokens_per_turn=max_tokens_per_turn,
             stop=stop,
             reward_timeout_s=reward_timeout_s,
+            failed_episodes=failed_episodes,
         )
         self.call_format = call_format
         self.tool_timeout_s = float(tool_timeout_s)
@@ -133,7 +143,7 @@ class ToolEnv(MultiTurnEnv):
         """
         try:
             calls = parse_tool_calls(episode.last_assistant_text(), self.call_format, self.tools)
-        except Exception as error:  # the run goes on; the episode is dropped and named
+        except Exception as error:  # the run goes on; the episode ends here, named
             episode.error = failure_reason(error)
             return PendingResponse(None)
         if not calls:

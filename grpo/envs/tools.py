@@ -239,6 +239,30 @@ def call_stop_strings(call_format: str, tool_names: Sequence[str]) -> tuple[str,
     return _CALL_ENDS[call_format]
 
 
+def call_format_problem(call_format: str, tool: Tool) -> str | None:
+    """Why the model could not call ``tool`` in ``call_format``, or None if it can.
+
+    The ``"tag"`` format passes the text inside ``<name>...</name>`` as the tool's first
+    parameter and nothing else, so a tool that requires another parameter could never be
+    called correctly: every call would be an error turn.
+
+    Returns:
+        str | None: One line naming the tool, its required parameters and the format to use.
+    """
+    if call_format != "tag":
+        return None
+    first = next(iter(tool.parameters))
+    others = [name for name in tool.required if name != first]
+    if not others:
+        return None
+    return (
+        f"call_format: tag passes the text inside <{tool.name}>...</{tool.name}> as the "
+        f"tool's first parameter ({first!r}) only, but {tool.name} also requires "
+        f"{', '.join(map(repr, others))}; use call_format: json (or the format of your "
+        "model's chat template), or give those parameters defaults"
+    )
+
+
 def _call_from_payload(payload: Any, arguments_key: str) -> ToolCall:
     """A call from a decoded JSON object ``{"name", arguments_key: {...}}``."""
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):

@@ -57,16 +57,26 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
+from pydantic import ValidationError
 
 from grpo.choices import AGGREGATIONS, KL_ESTIMATORS, LEVELS
+from grpo.config.sections import LossArgs
+from grpo.config.validation import pydantic_problems
 from grpo.types import GRPOStats, count_per_sequence
 
-# Allowed values, declared once in grpo.choices (the config's Literal types).
+# Allowed values, declared once in grpo.choices (the config's Literal types); exported here.
 TIS_LEVELS = RATIO_LEVELS = LEVELS
+__all__ = [
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "RATIO_LEVELS",
+    "TIS_LEVELS",
+    "GRPOLoss",
+    "combine_stats",
+]
 
 # exp() of a log-ratio above ~88 overflows fp32, and an inf in the unselected branch of the
 # clipped objective turns its zero gradient into NaN (0 * inf). Tokens this far off-policy are
@@ -129,12 +139,15 @@ class GRPOLoss:
             recipes (DAPO, Dr. GRPO) drop the KL term; set e.g. 0.04 (DeepSeekMath GRPO) to keep
             the policy near the reference. With 0.0, ``ref_logprobs`` may be None.
         kl_estimator (str): ``"k1"`` (``pi - ref``), ``"k2"`` (``0.5 * (pi - ref)^2``) or
-            ``"k3"`` (``exp(ref - pi) - (ref - pi) - 1``, unbiased and non-negative).
+            ``"k3"`` (``exp(ref - pi) - (ref - pi) - 1``, unbiased and non-negative), each an
+            estimate of KL(pi, ref) from tokens sampled by pi. Differentiated as a loss term,
+            k3's expected gradient is that of KL(ref, pi), k2's that of KL(pi, ref), and
+            k1's is zero (``E_pi[grad log pi] = 0``), so k1 is refused beside ``kl_coeff > 0``.
         aggregation (str): ``"token_mean"`` (all tokens weigh the same), ``"seq_mean_token_mean"``
             (mean per sequence, then over sequences) or ``"seq_mean_token_sum_norm"``
             (Dr. GRPO: token sum per sequence / ``max_response_len``, then mean over sequences).
-        max_response_len (int | None): The Dr. GRPO constant; required by, and only used by,
-            ``"seq_mean_token_sum_norm"``.
+        max_response_len (int | None): The Dr. GRPO constant, ``>= 1``; required by, and
+            only used by, ``"seq_mean_token_sum_norm"``.
         tis_cap (float | None): Truncated importance sampling of the sampler/trainer mismatch:
             the PPO ratio is taken against the trainer's pre-update logprobs ``pi_old``, and
             each token's policy term is weighted by ``min(exp(pi_old - behaviour), tis_cap)``
@@ -150,7 +163,9 @@ class GRPOLoss:
             ``aggregation="seq_mean_token_mean"``.
 
     Raises:
-        ValueError: If a value is out of range, naming the key and what is allowed.
+        ValueError: If a value is out of range, naming the key and what is allowed. The checks
+            are those of the config (`grpo.config.sections.LossArgs`), so ``grpo validate``
+            refuses the same values.
     """
 
     def __init__(
@@ -165,48 +180,23 @@ class GRPOLoss:
         tis_level: str = "token",
         ratio_level: str = "token",
     ) -> None:
-        for key, value in (
-            ("epsilon_low", epsilon_low),
-            ("epsilon_high", epsilon_high),
-            ("kl_coeff", kl_coeff),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{key} must be a number, got {value!r}")
-        if not 0.0 <= epsilon_low < 1.0:
-            raise ValueError(f"epsilon_low must be in [0, 1), got {epsilon_low!r}")
-        if epsilon_high < 0.0:
-            raise ValueError(f"epsilon_high must be >= 0, got {epsilon_high!r}")
-        if kl_coeff < 0.0:
-            raise ValueError(f"kl_coeff must be >= 0, got {kl_coeff!r}")
-        if kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-        if max_response_len is not None and (
-            isinstance(max_response_len, bool)
-            or not isinstance(max_response_len, int)
-            or max_response_len < 1
-        ):
-            raise ValueError(f"max_response_len must be a positive int, got {max_response_len!r}")
-        if aggregation == "seq_mean_token_sum_norm" and max_response_len is None:
-            raise ValueError(
-                "max_response_len is required when aggregation='seq_mean_token_sum_norm' "
-                "(the Dr. GRPO constant: the generation's max new tokens)"
-            )
-        if tis_cap is not None and (
-            isinstance(tis_cap, bool)
-            or not isinstance(tis_cap, (int, float))
-            or not math.isfinite(tis_cap)
-            or tis_cap <= 0
-        ):
-            raise ValueError(
-                f"tis_cap must be a finite number > 0 (usually >= 1), or None for no truncated "
-                f"importance sampling; got {tis_cap!r}"
-            )
-        if tis_level not in TIS_LEVELS:
-            raise ValueError(f"tis_level must be one of {TIS_LEVELS}, got {tis_level!r}")
-        if ratio_level not in RATIO_LEVELS:
-            raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+        # The bounds are the config's (`LossArgs`): `grpo validate` refuses exactly what the
+        # loss would refuse here, inside the trainer after the actors started.
+        arguments = {
+            "epsilon_low": epsilon_low,
+            "epsilon_high": epsilon_high,
+            "kl_coeff": kl_coeff,
+            "kl_estimator": kl_estimator,
+            "aggregation": aggregation,
+            "max_response_len": max_response_len,
+            "tis_cap": tis_cap,
+            "tis_level": tis_level,
+            "ratio_level": ratio_level,
+        }
+        try:
+            LossArgs.model_validate(arguments)
+        except ValidationError as exc:
+            raise ValueError("; ".join(pydantic_problems(exc, LossArgs))) from None
         self.epsilon_low = float(epsilon_low)
         self.epsilon_high = float(epsilon_high)
         self.kl_coeff = float(kl_coeff)

@@ -24,7 +24,11 @@ from grpo.observability.logs import (
     log_traceback,
     logs_dir,
 )
-from grpo.observability.metric_logger import DEFAULT_METRIC_LOGGER, resolve_wandb_mode
+from grpo.observability.metric_logger import (
+    DEFAULT_METRIC_LOGGER,
+    resolve_wandb_mode,
+    saved_wandb_run,
+)
 from grpo.observability.metric_names import (
     EVAL_ACCURACY,
     GROUPS_KEPT,
@@ -127,9 +131,14 @@ def wandb_text(cfg: RunConfig, run_dir: Path) -> str | None:
     if node.get("use_wandb") is False or mode == "disabled":
         return "off"
     project = node.get("project", "grpo")
+    saved = saved_wandb_run(node.get("log_dir") or run_dir, project)
+    # A resume goes on in the W&B run its run folder names (`MetricLogger`).
+    run = f", run {saved['id']} resumed" if cfg.resume_from_checkpoint and saved else ""
     if mode == "offline":
-        return f"offline, project {project!r}, in {run_dir / 'wandb'} (upload with `wandb sync`)"
-    return f"online, project {project!r}"
+        return (
+            f"offline, project {project!r}{run}, in {run_dir / 'wandb'} (upload with `wandb sync`)"
+        )
+    return f"online, project {project!r}{run}"
 
 
 def dataset_text(node: dict[str, Any], dataset: Any) -> str:
@@ -175,14 +184,41 @@ def write_plots(run_dir: Path) -> list[str]:
 
 
 def print_end(summary: dict) -> None:
-    """The lines after the progress bar: accuracy, where the policy, metrics and plots are."""
-    print(
-        f"Run finished: {summary['steps']} steps in {tqdm.format_interval(summary['seconds'])}, "
-        f"policy version {summary['policy_version']}"
+    """The lines after the progress bar: what ran, accuracy, where the policy, metrics and
+    plots are.
+
+    Args:
+        summary (dict): The recipe's summary: ``steps`` (the last step), ``seconds`` (of this
+            invocation), ``policy_version``, ``eval`` (``(step, accuracy)`` pairs, oldest
+            first), ``final_checkpoint``, ``run_dir``, ``plots``; for a resumed run
+            ``resumed_at_step`` (the checkpoint's step) and ``evals_before_resume`` (how many
+            of ``eval`` its checkpoint held), so that what this invocation ran is told apart
+            from what ran before.
+    """
+    steps, resumed_at = summary["steps"], summary.get("resumed_at_step")
+    took = tqdm.format_interval(summary["seconds"])
+    if resumed_at is None:
+        ran = f"{steps} steps"
+    else:
+        this_run = steps - resumed_at
+        ran = (
+            f"step {steps} ({this_run} step{'' if this_run == 1 else 's'} this run, resumed "
+            f"from step {resumed_at})"
+        )
+    print(f"Run finished: {ran} in {took}, policy version {summary['policy_version']}")
+    before = summary.get("evals_before_resume", 0) if resumed_at is not None else 0
+    older, newer = (
+        [f"{a:.3f} at step {step}" for step, a in part if a is not None]
+        for part in (summary["eval"][:before], summary["eval"][before:])
     )
-    accuracies = [f"{a:.3f} at step {step}" for step, a in summary["eval"] if a is not None]
+    if older and newer:
+        accuracies = f"{' -> '.join(older)} (before this run's resume) -> {' -> '.join(newer)}"
+    elif older:
+        accuracies = f"{' -> '.join(older)}, before this run's resume"
+    else:
+        accuracies = " -> ".join(newer)
     if accuracies:
-        print(f"Held-out accuracy: {' -> '.join(accuracies)}")
+        print(f"Held-out accuracy: {accuracies}")
     print(f"Final policy: {summary['final_checkpoint']}")
     run_dir = Path(summary["run_dir"])
     plots = summary["plots"]

@@ -15,12 +15,18 @@ instead (``train_actor_*`` and ``eval/*`` on ``train_step``, ``ref_actor_*`` on 
 value with every ``log`` call. W&B's own ``_step`` then just counts calls (always increasing),
 and each chart uses its namespace's step as x axis, so an actor running behind loses nothing.
 
+Resumes. A run resumed from its checkpoint logs to the W&B run it logged to before: the logger
+keeps that run's id in its folder (`grpo.run_folder.WANDB_RUN_FILE`) and passes it to
+``wandb.init(id=..., resume="allow")``, so one run and its resumes are one W&B run.
+
 Rewinds. A trainer that dies sends the run back to its latest checkpoint, and the steps after
-it are redone (`rewound`). What was logged for those steps is superseded: ``metrics.jsonl``
+it are redone (`rewound`); so does a resume when the run it resumes had logged steps after that
+checkpoint (`resumed`). What was logged for those steps is superseded: ``metrics.jsonl``
 keeps it, followed by a rewind line, and its readers show the standing values only
 (`grpo.observability.metrics.records_after_rewinds`). A W&B run's history can only grow, so
 the logger forks it instead: it finishes the W&B run that holds the superseded values and
-starts a new one that gets the standing history again, then the redone steps.
+starts a new one that gets the standing history again, then the redone steps; a later resume
+goes on in that one.
 
 Example:
     >>> logger = MetricLogger(log_dir="runs/demo", project="grpo", use_wandb=False)
@@ -62,6 +68,7 @@ from grpo.observability.metric_names import (
     step_metric_for,
 )
 from grpo.observability.metrics import records_after_rewinds
+from grpo.run_folder import WANDB_RUN_FILE
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +115,28 @@ def _to_jsonable(value: Any) -> Any:
     return str(value)
 
 
+def saved_wandb_run(log_dir: str | Path, project: str) -> dict[str, Any] | None:
+    """The W&B run an earlier logger of ``log_dir`` logged to, which a new one resumes.
+
+    Args:
+        log_dir (str | Path): The logger's folder (`grpo.run_folder.WANDB_RUN_FILE` in it).
+        project (str): The W&B project: a run of another project cannot go on in this one.
+
+    Returns:
+        dict[str, Any] | None: ``id``, ``name``, ``project`` and ``first_record_offset``
+        (where the W&B run's records begin in ``metrics.jsonl``); None when there is none.
+    """
+    path = Path(log_dir).expanduser() / WANDB_RUN_FILE
+    try:
+        saved = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError) as error:
+        log.warning("ignoring %s (%s): a new W&B run is started", path, error)
+        return None
+    if not isinstance(saved, dict) or not isinstance(saved.get("id"), str):
+        return None
+    return saved if saved.get("project") == project else None
+
+
 # The metric logger a run uses unless its config names another class.
 DEFAULT_METRIC_LOGGER = "grpo.observability.metric_logger.MetricLogger"
 
@@ -126,6 +155,8 @@ class MetricLogger:
         ``summary.json``: what `log_summary` received, merged.
         ``config.yaml`` / ``config.json``: the run config.
         ``wandb/``: the W&B run folder, when W&B is on.
+        ``wandb_run.json``: the id, name and project of the W&B run, which a logger made for
+        the same folder (a resumed run) goes on logging to.
 
     Args:
         log_dir (str | Path): The run folder (created if missing).
@@ -175,8 +206,9 @@ class MetricLogger:
         self._log_path = self.log_dir / "metrics.jsonl"
         # Line-buffered append; `_write_line` flushes explicitly as well.
         self._file = open(self._log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
-        # Where this logger's records begin in the file (a resumed run appends to it): what a
-        # W&B run forked at a rewind gets again (`_fork_wandb_run`).
+        # Where the records of the W&B run begin in the file: what a W&B run forked at a
+        # rewind gets again (`_fork_wandb_run`). A resumed run appends to the file and, when
+        # it goes on in the W&B run it had, that run's records begin where they began then.
         self._first_record_offset = self._log_path.stat().st_size
         self._table_files: dict[str, Any] = {}
         # A resumed run keeps the summary it had.
@@ -195,7 +227,7 @@ class MetricLogger:
         self._wandb_run = None
         self._wandb_defined: set[str] = set()
         if self.mode != "disabled":
-            self._init_wandb(project, run_name)
+            self._init_wandb(project, run_name, resume=saved_wandb_run(self.log_dir, project))
 
     # ---------------------------------------------------------------- public API
 
@@ -337,6 +369,27 @@ class MetricLogger:
         if self._wandb_run is not None:
             self._fork_wandb_run(step, from_step)
 
+    def resumed(self, step: int) -> None:
+        """Mark that a resumed run goes on from its checkpoint of ``step``.
+
+        A run that stopped after its checkpoint (a crash, a kill) logged steps that the
+        resumed run redoes: that is a rewind (`rewound`), to ``step`` from the last step
+        logged. A run that stopped at its checkpoint logged nothing after it, and its W&B run
+        simply goes on.
+
+        Args:
+            step (int): The step of the checkpoint the run resumed from.
+
+        Raises:
+            RuntimeError: If the logger is closed.
+        """
+        self._check_open()
+        with open(self._log_path, encoding="utf-8") as file:
+            records = [json.loads(line) for line in file if line.strip()]
+        last = max((record["step"] for record in records_after_rewinds(records)), default=0)
+        if last > step:
+            self.rewound(step, from_step=last)
+
     def get_log_path(self) -> Path:
         """The ``metrics.jsonl`` this logger writes."""
         return self._log_path
@@ -438,12 +491,25 @@ class MetricLogger:
 
     # ---------------------------------------------------------------- W&B
 
-    def _init_wandb(self, project: str, run_name: str | None, notes: str | None = None) -> None:
+    def _init_wandb(
+        self,
+        project: str,
+        run_name: str | None,
+        notes: str | None = None,
+        resume: dict[str, Any] | None = None,
+    ) -> None:
         try:
             import wandb
         except ImportError as error:
             self._wandb_failed("importing wandb", error)
             return
+        options: dict[str, Any] = {}
+        if resume is not None:
+            # "allow", not "must": a run that was logged offline and never synced is not on
+            # the server yet, and is made there with this id.
+            options = {"id": resume["id"], "resume": "allow"}
+            run_name = resume.get("name") or run_name  # a forked run keeps its "(from step N)"
+            self._first_record_offset = int(resume.get("first_record_offset", 0))
         try:
             run = wandb.init(
                 project=project,
@@ -454,6 +520,7 @@ class MetricLogger:
                 dir=str(self.log_dir),
                 # Each logger owns its run, even when a process holds more than one.
                 reinit="create_new",
+                **options,
             )
             for step_metric in (TRAIN_STEP, REF_STEP, INFERENCE_STEP, GLOBAL_STEP):
                 run.define_metric(step_metric, hidden=True)
@@ -464,7 +531,29 @@ class MetricLogger:
             return
         self._wandb = wandb
         self._wandb_run = run
-        log.info("W&B run %s (%s) in %s", run.name, self.mode, self.log_dir / "wandb")
+        self._save_wandb_run(project, run_name)
+        resumed = "resumed" if resume is not None else "new"
+        log.info("W&B run %s (%s, %s) in %s", run.name, resumed, self.mode, self.log_dir / "wandb")
+
+    def _save_wandb_run(self, project: str, run_name: str | None) -> None:
+        """Keep the W&B run's id in the folder for a resume (`WANDB_RUN_FILE`)."""
+        run = self._wandb_run
+        if not isinstance(getattr(run, "id", None), str):
+            return
+        saved = {
+            "id": run.id,
+            # Offline, W&B knows no name for a run it was not given one.
+            "name": run.name or run_name,
+            "project": project,
+            "first_record_offset": self._first_record_offset,
+        }
+        path = self.log_dir / WANDB_RUN_FILE
+        tmp = path.with_suffix(".json.tmp")
+        try:
+            tmp.write_text(json.dumps(saved, indent=2) + "\n")
+            tmp.replace(path)
+        except (OSError, TypeError) as error:  # a resume then starts a new W&B run
+            log.warning("could not write %s: %s", path, error)
 
     def _wandb_log(self, metrics: dict[str, Any], step: int, actor: str | None) -> None:
         payload = dict(metrics)

@@ -118,6 +118,9 @@ INFERENCE_EPISODE_HIT_MAX_TURNS = "inference/episode_hit_max_turns"
 INFERENCE_EPISODE_SPLIT_TRACES = "inference/episode_split_traces"
 INFERENCE_EPISODES_DROPPED = "inference/episodes_dropped"
 INFERENCE_EPISODES_DROPPED_TOTAL = "inference/episodes_dropped_total"
+# Episodes the environment failed that stayed in their groups with the failure rewards
+# (an environment's ``failed_episodes: score``), per batch.
+INFERENCE_EPISODES_FAILED_SCORED = "inference/episodes_failed_scored"
 INFERENCE_TOOL_CALLS_PER_EPISODE = "inference/tool_calls_per_episode"
 INFERENCE_TOOL_ERRORS = "inference/tool_errors"
 INFERENCE_TOOL_TIMEOUTS = "inference/tool_timeouts"
@@ -259,6 +262,7 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         INFERENCE_EPISODE_ENV_TOKEN_FRACTION,
         INFERENCE_EPISODE_TRUNCATED,
         INFERENCE_EPISODES_DROPPED,
+        INFERENCE_EPISODES_FAILED_SCORED,
         INFERENCE_TOOL_CALLS_PER_EPISODE,
         INFERENCE_TOOL_ERRORS,
         INFERENCE_TOOL_TIMEOUTS,

@@ -21,7 +21,8 @@ orchestrator:
 - `group_counts`: `GroupCounts` (groups scored and dropped per step, and the
   no-informative-group guard of dynamic sampling).
 - `episode_drops`: `EpisodeDrops` (the guard that stops a run whose environment fails nearly
-  every episode).
+  every episode); `reward_failures`: `RewardFailures` (the guard that stops a run whose reward
+  function fails nearly every call).
 
 Beside them, from other packages: `grpo.weights.sync.WeightSync` (gather, send, verify the
 weights), `grpo.observability` (step metrics, the run ledger, debug tables) and `grpo.errors`

@@ -1,6 +1,8 @@
 """The guard that stops a run whose environment fails nearly every episode.
 
-An environment that raises drops that episode and the run goes on (`grpo.envs.rollout`). One
+An environment that raises ends that episode and the run goes on (`grpo.envs.rollout`); the
+episode is dropped, or kept in its group with the failure rewards (``failed_episodes: score``),
+and counts as failed either way. One
 that raises on nearly every episode (a typo in its code, a tool server that is down) leaves
 nothing to train on, and the loop would wait forever: batches keep coming back, so the stall
 check never fires, and with dynamic sampling the few episodes that got through have equal
@@ -94,6 +96,12 @@ class EpisodeDrops:
         return sum(batch.dropped for _, batch in window), episodes
 
     @staticmethod
+    def _fate(window: list[tuple[int, BatchDrops]]) -> str:
+        """What became of the window's failed episodes, as the messages say it."""
+        dropped = sum(batch.dropped - batch.scored for _, batch in window)
+        return "were dropped" if dropped else "were scored with the failure reward"
+
+    @staticmethod
     def _most_common(window: list[tuple[int, BatchDrops]]) -> tuple[str, int, int]:
         """The reason most episodes of the window were dropped for, their number, and the
         collector that reported it most."""
@@ -110,11 +118,12 @@ class EpisodeDrops:
         return reason, count, collector
 
     def check(self) -> None:
-        """Raise if nearly every episode of the last batches was dropped.
+        """Raise if the environment failed nearly every episode of the last batches.
 
         Raises:
             EnvironmentFailingError: At least ``min_fraction`` of the episodes of the last
-                ``min_batches`` batches (at least ``min_episodes`` episodes) were dropped; the
+                ``min_batches`` batches (at least ``min_episodes`` episodes) failed (dropped,
+                or scored with the failure rewards); the
                 message names the most common reason in full and the log that counts them all.
         """
         window = self._window(self.min_batches, self.min_episodes)
@@ -128,17 +137,18 @@ class EpisodeDrops:
         head, _, rest = reason.partition("\n")
         raise EnvironmentFailingError(
             f"the environment failed nearly every episode: {dropped} of the {episodes} episodes "
-            f"of the last {len(window)} generation batches were dropped because it raised "
+            f"of the last {len(window)} generation batches {self._fate(window)} because it raised "
             f"({count} of them: {head}). Each reason is logged once, with its count, by the "
             f"collectors{self.output_hint(collector)}. Fix the environment and start the run again "
             f"(the run stops once {self.min_fraction:.0%} of at least {self.min_episodes} "
-            f"episodes in {self.min_batches} batches are dropped)."
+            f"episodes in {self.min_batches} batches fail, scored or dropped)."
             + (f"\nThe reason in full:\n{rest}" if rest else "")
         )
 
     def note(self) -> str | None:
         """Why other guards should blame the environment: "N of the last M episodes were
-        dropped ...", when at least half of the newest few were; else None."""
+        dropped (or scored with the failure reward) ...", when at least half of the newest few
+        failed; else None."""
         window = self._window(1, self.min_episodes)
         if not window:
             window = list(reversed(self._batches))
@@ -149,7 +159,7 @@ class EpisodeDrops:
             return None
         reason, _, collector = self._most_common(window)
         return (
-            f"{dropped} of the last {episodes} episodes were dropped because the environment "
-            f"raised (most often: {reason.splitlines()[0]}; each reason is logged by the "
+            f"{dropped} of the last {episodes} episodes {self._fate(window)} because the "
+            f"environment raised (most often: {reason.splitlines()[0]}; each reason is logged by the "
             f"collectors{self.output_hint(collector)})"
         )

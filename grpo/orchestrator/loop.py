@@ -51,6 +51,7 @@ from grpo.orchestrator.checkpointer import Checkpointer, find_checkpoint
 from grpo.orchestrator.episode_drops import EpisodeDrops
 from grpo.orchestrator.group_counts import GroupCounts
 from grpo.orchestrator.ledger import InFlightLedger
+from grpo.orchestrator.reward_failures import RewardFailures
 from grpo.orchestrator.stall import CallInFlight, StallWatch
 from grpo.orchestrator.state import Call, CallKind, RunState
 from grpo.orchestrator.supervisor import (
@@ -156,11 +157,18 @@ class Orchestrator:
         self.episode_drops = EpisodeDrops(
             lambda index: self.actors.output_hint(actor_name(Role.COLLECTOR, index))
         )
-        # Groups scored and dropped for equal rewards per step, and the guard that stops a
-        # run whose groups all have equal rewards (ref.filter_zero_variance_groups).
+        # Reward calls per generation batch, and the guard that stops a run whose reward
+        # function fails nearly every call (checked as each batch comes back: the failure
+        # rewards still fill batches, so the run would train on).
+        self.reward_failures = RewardFailures(
+            lambda index: self.actors.output_hint(actor_name(Role.COLLECTOR, index))
+        )
+        # Groups scored and dropped for equal rewards per step, the first episodes' reward
+        # distribution (a warning when every group was equal), and the guard that stops a run
+        # whose groups all have equal rewards (ref.filter_zero_variance_groups).
         self.group_counts = GroupCounts(
             cfg.ref.filter_zero_variance_groups,
-            cfg.orchestration.stall_timeout_s,
+            cfg.orchestration.equal_rewards_timeout_s,
             self.episode_drops,
         )
         # Progress is a trained step; without one for stall_timeout_s, who holds the run up
@@ -214,6 +222,18 @@ class Orchestrator:
         """Load a checkpoint's run and pipeline state into freshly started actors."""
         self.checkpointer.load(checkpoint_dir)
         self.checkpointed_step = self.synced_step = self.state.step
+
+    def resume(self, checkpoint_dir: Path) -> None:
+        """Go on from a checkpoint an earlier run saved (``resume_from_checkpoint``).
+
+        `restore`, and the metric logger goes on in that run's W&B run; what the earlier run
+        logged after this checkpoint is redone, which the logger marks as a rewind
+        (`MetricLogger.resumed`).
+        """
+        self.restore(checkpoint_dir)
+        logger = self.actors.metric_logger
+        if logger is not None and hasattr(logger, "resumed"):  # a custom logger may lack it
+            logger.resumed.remote(self.state.step)
 
     def request_stop(self, signum: int | None = None) -> None:
         """Ask the loop to stop at the next step boundary (signal handlers call this).
@@ -274,8 +294,10 @@ class Orchestrator:
         """
         actor = self.replay_buffer
         timeout_s = 0.0 if self.synchronous else _SAMPLE_WAIT_S
+        # The trainers' weights are the policy version of ``state.step`` (a version counts
+        # training steps), synced to the collectors or not: staleness is counted from it.
         summary_ref, batch_ref = actor.sample_batch.options(num_returns=2).remote(
-            self.cfg.training.batch_size, self.state.policy_version, timeout_s
+            self.cfg.training.batch_size, self.state.step, timeout_s
         )
         # The driver reads only the summary; the trainers read the batch.
         self._launch(summary_ref, CallKind.SAMPLE, 0, actor, payload=batch_ref)
@@ -425,6 +447,8 @@ class Orchestrator:
     def _on_generated(self, call: Call, result: Any, relaunch: bool) -> None:
         self._log(result["metrics"], self.state.step)
         self.episode_drops.batch(call.index, result.get("dropped_episodes"))
+        self.reward_failures.batch(call.index, result.get("reward_calls"))
+        self.reward_failures.check()
         self._busy["generation"] += result["metrics"].get(INFERENCE_TIME_GENERATION, 0.0)
         self.actors.collector_states[call.index] = result["state"]
         groups_ref, queue = call.payload
@@ -467,6 +491,7 @@ class Orchestrator:
             len(result["group_ids"]) + len(result["dropped_group_ids"]),
             result["num_zero_variance_groups"],
             len(result["dropped_group_ids"]),
+            result["group_rewards"],
         )
         self.inflight.scored(call.payload[1], result)
         self._pump_buffer_adds()
@@ -582,9 +607,12 @@ class Orchestrator:
             TrainingDivergedError: ``orchestration.max_nonfinite_steps_in_a_row`` steps in a row
                 were skipped for a non-finite loss (after saving a checkpoint).
             NoInformativeGroupsError: With ``ref.filter_zero_variance_groups``, every
-                group had equal rewards for ``orchestration.stall_timeout_s`` of waiting.
+                group had equal rewards for ``orchestration.equal_rewards_timeout_s`` of
+                waiting.
             EnvironmentFailingError: Nearly every episode of the last generation batches was
                 dropped because the environment raised (`EpisodeDrops`).
+            RewardFailingError: Nearly every call of a reward function in the last generation
+                batches raised or timed out (`RewardFailures`).
         """
         cfg = self.cfg
         num_steps = cfg.orchestration.num_steps

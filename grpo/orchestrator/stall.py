@@ -175,7 +175,7 @@ class StallWatch:
                 f"dropped {dropped - before:.0f} trajectories as stale since the last trained "
                 f"step ({lag}) and never held a batch: samples are older than the lag allows "
                 "by the time they arrive. Raise orchestration.max_policy_lag, sync weights "
-                "less often (weight_sync.every_n_steps), or generate smaller batches "
+                "more often (weight_sync.every_n_steps), or generate smaller batches "
                 "(inference.batch_size)",
                 False,
             )

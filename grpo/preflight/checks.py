@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from grpo.config import ConfigError, RunConfig, check_config, compose_config, locate
-from grpo.config.run import UNRESOLVED
+from grpo.config.run import UNRESOLVED, local_cluster_problems
 from grpo.preflight.files import file_problems
 from grpo.preflight.lora import lora_problems
 from grpo.preflight.resume import resume_problems
@@ -30,24 +30,33 @@ def import_component(path: str) -> Any:
     return locate(path)
 
 
-def preflight_problems(values: dict[str, Any], run: RunConfig | None) -> list[str]:
+def preflight_problems(
+    values: dict[str, Any], run: RunConfig | None, this_machine: bool = True
+) -> list[str]:
     """Problems of what a config names: files, datasets, environment, resume target.
 
     Args:
         values (dict[str, Any]): The config as plain values, interpolations resolved (failed
             ones are `UNRESOLVED`): `grpo.config.validation.CheckedConfig.values`.
         run (RunConfig | None): The typed config, when it checked; a resume's checks need it.
+        this_machine (bool): The run starts here: check this machine's Ray cluster, the
+            model's weights, tokenizer and chat template, and the datasets' files. False
+            (planning a run elsewhere, ``grpo validate --gpu-memory``): of what the run will
+            read, only the model's ``config.json`` (`grpo.preflight.files.model_config_file`).
 
     Returns:
-        list[str]: Each problem as ``key: what is wrong``: the model folder, the run folder
-        and the resume target (`file_problems`), the datasets' files, the environment's
-        options, tools and chat template, ``training.lora`` against vLLM and the model
+        list[str]: Each problem as ``key: what is wrong``: the local Ray cluster's size
+        (`grpo.config.run.local_cluster_problems`), the model folder, the run folder and the
+        resume target (`file_problems`), the datasets' files, the environment's options, tools
+        and chat template, ``training.lora`` against vLLM and the model
         (`grpo.preflight.lora.lora_problems`), and what a resume may not change
         (`resume_problems`).
     """
-    problems = file_problems(values)
-    problems.extend(_dataset_problems(values))
-    problems.extend(_environment_problems(values))
+    problems = local_cluster_problems(values, this_machine)
+    problems.extend(file_problems(values, this_machine))
+    if this_machine:
+        problems.extend(_dataset_problems(values))
+    problems.extend(_environment_problems(values, this_machine))
     problems.extend(lora_problems(values))
     if run is not None:  # a resume may not change what its checkpoint's state was made for
         problems.extend(resume_problems(run.model_dump()))
@@ -59,6 +68,7 @@ def validate_run_config(
     *,
     check_components: bool = True,
     import_components: bool = True,
+    this_machine: bool = True,
 ) -> RunConfig:
     """Check a config and what it names; return it typed, or report every problem at once.
 
@@ -71,6 +81,8 @@ def validate_run_config(
             arguments its node gives.
         import_components (bool): Check by importing the components (exact; loads torch and
             the like); False reads their source instead (fast; ``grpo validate``).
+        this_machine (bool): The run starts on this machine; False checks, of what the run
+            will read, only the model's ``config.json`` (see `preflight_problems`).
 
     Returns:
         RunConfig: The typed config, interpolations resolved.
@@ -84,7 +96,7 @@ def validate_run_config(
         import_components=import_components,
         importer=import_component,
     )
-    problems = checked.problems + preflight_problems(checked.values, checked.run)
+    problems = checked.problems + preflight_problems(checked.values, checked.run, this_machine)
     if problems:
         raise ConfigError(problems)
     assert checked.run is not None
@@ -97,6 +109,7 @@ def load_run_config(
     *,
     check_components: bool = False,
     import_components: bool = False,
+    this_machine: bool = True,
 ) -> RunConfig:
     """Load a config as `grpo.config.load_config` does, and check what it names too.
 
@@ -107,6 +120,8 @@ def load_run_config(
             node's keywords.
         import_components (bool): Check them by importing them (exact, slow: torch and the
             like) rather than by reading their source.
+        this_machine (bool): The run starts on this machine; False checks, of what the run
+            will read, only the model's ``config.json`` (see `preflight_problems`).
 
     Returns:
         RunConfig: The typed config, interpolations resolved.
@@ -118,6 +133,7 @@ def load_run_config(
         compose_config(name_or_path, overrides),
         check_components=check_components,
         import_components=import_components,
+        this_machine=this_machine,
     )
 
 
@@ -140,8 +156,9 @@ def _dataset_problems(values: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _environment_problems(values: dict[str, Any]) -> list[str]:
-    """What the environment node's tools say: imports and type hints (no torch)."""
+def _environment_problems(values: dict[str, Any], this_machine: bool = True) -> list[str]:
+    """What the environment node's tools say: imports and type hints (no torch); with
+    ``this_machine``, whether the model folder's chat template renders its turns."""
     node = values.get("environment")
     if not isinstance(node, dict) or any(value is UNRESOLVED for value in node.values()):
         return []
@@ -152,7 +169,7 @@ def _environment_problems(values: dict[str, Any]) -> list[str]:
     problems = environment_problems("environment", node, locate)
     dataset = values.get("dataset")
     template = dataset.get("template") if isinstance(dataset, dict) else None
-    if not problems and isinstance(template, dict):
+    if this_machine and not problems and isinstance(template, dict):
         base_model_path = values.get("base_model_path")
         problems += chat_template_problems(
             "dataset.template",

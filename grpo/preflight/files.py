@@ -26,19 +26,47 @@ from grpo.run_folder import STATE_FILE, find_checkpoint, run_records
 MODEL_FILES = ("config.json", "tokenizer.json")
 
 
-def file_problems(values: dict) -> list[str]:
+def model_config_file(model_path: str) -> Path | None:
+    """A model folder's ``config.json``, or None where the folder or the file is missing.
+
+    The memory plan reads nothing else, so a folder holding only ``config.json`` (the file
+    from the model's hub page) will do. Nothing is downloaded.
+
+    Args:
+        model_path (str): ``base_model_path``.
+    """
+    path = resolve_path(model_path, fall_back_to_repo=True) / "config.json"
+    return path if path.is_file() else None
+
+
+def file_problems(values: dict, this_machine: bool = True) -> list[str]:
     """Problems of the model folder, the run folder and the resume target a config names.
 
     Args:
         values (dict): The config as plain values, interpolations resolved (failed ones are
             `UNRESOLVED`); each check skips a value of the wrong type (reported on its own).
+        this_machine (bool): The run starts here: its model folder must hold the weights and
+            the tokenizer. False (planning a run elsewhere): only the model's ``config.json``
+            is read (`model_config_file`).
 
     Returns:
         list[str]: Each problem as ``key: what is wrong``.
     """
     problems: list[str] = []
     model_path = values.get("base_model_path")
-    if isinstance(model_path, str) and model_path:
+    if isinstance(model_path, str) and model_path and not this_machine:
+        config_path = model_config_file(model_path)
+        if config_path is None:
+            folder = resolve_path(model_path, fall_back_to_repo=True)
+            where = "has no config.json" if folder.is_dir() else "does not exist"
+            problems.append(
+                f"base_model_path: {folder} {where}; the memory plan reads only the model's "
+                "config.json: put that file (from the model's hub page) in a folder and give "
+                "base_model_path=FOLDER. A hub name is not looked up, and nothing is downloaded"
+            )
+        else:
+            _check_model_config(config_path, values, problems)
+    elif isinstance(model_path, str) and model_path:
         folder = resolve_path(model_path, fall_back_to_repo=True)
         if not folder.is_dir():
             problems.append(f"base_model_path: model folder {folder} does not exist")
@@ -51,7 +79,7 @@ def file_problems(values: dict) -> list[str]:
                     f"base_model_path: {folder} lacks {', '.join(missing)} (expected a "
                     "Hugging Face model folder)"
                 )
-            _check_model_config(folder, values, problems)
+            _check_model_config(folder / "config.json", values, problems)
     output_dir = values.get("output_dir")
     if isinstance(output_dir, str) and output_dir:
         problem = _unwritable(resolve_path(output_dir))
@@ -98,8 +126,7 @@ def _unwritable(folder: Path) -> str | None:
     return None
 
 
-def _check_model_config(folder: Path, values: dict, problems: list[str]) -> None:
-    config_path = folder / "config.json"
+def _check_model_config(config_path: Path, values: dict, problems: list[str]) -> None:
     if not config_path.is_file():
         return
     try:

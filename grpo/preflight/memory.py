@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo.choices import LORA_TARGETS
-from grpo.config import LoRAConfig, RunConfig, resolve_path
+from grpo.config import LoRAConfig, RunConfig
+from grpo.preflight.files import model_config_file
 
 GiB = 2**30
 
@@ -840,13 +841,15 @@ def run_memory_plan(cfg: RunConfig, gpu_memory: int | None = None) -> MemoryPlan
         MemoryPlan | None: None when no role asks for a GPU.
 
     Raises:
-        ValueError: If ``config.json`` lacks a size the plan needs.
+        ValueError: If there is no ``config.json``, or it lacks a size the plan needs.
     """
     if not (cfg.ref.num_gpus or cfg.inference.num_gpus or cfg.training.num_gpus):
         return None
     # Read here rather than with grpo.models.load_hf_config, whose module imports torch.
-    folder = resolve_path(cfg.base_model_path, fall_back_to_repo=True)
-    hf_config = json.loads((folder / "config.json").read_text())
+    config_path = model_config_file(cfg.base_model_path)
+    if config_path is None:
+        raise ValueError(f"no config.json for {cfg.base_model_path}")
+    hf_config = json.loads(config_path.read_text())
     source = "--gpu-memory"
     if gpu_memory is None:
         local = local_gpu_memory()

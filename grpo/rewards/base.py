@@ -1,10 +1,13 @@
 """The reward contract: `RewardResult`, the `RewardFunction` base class, and `reward_function`.
 
-A reward is a `RewardFunction`: called with ``(completion, answer)`` it returns a
-`RewardResult` (or a ``(reward, success)`` tuple); it has a ``name`` (its column in
-``func_names`` and the metrics) and a ``failure_reward`` (given when a call raises, times out
-or kills its worker). Write one as a subclass with keyword options, or wrap a plain function
-with `reward_function`; see the package docstring.
+A reward is a `RewardFunction`: called with ``(completion, answer)`` (and the example's other
+columns it asks for, as keyword arguments) it returns a `RewardResult`, a ``(reward,
+success)`` tuple, a float or a bool; it has a ``name`` (its column in ``func_names`` and the
+metrics) and a ``failure_reward`` (given when a call raises, times out or kills its worker).
+Write one as a subclass with keyword options, as a plain function (per sample, or batched as
+TRL writes them), or wrap a function with `reward_function`; see the package docstring. Which
+functions a config may name, and with which keys, is one rule shared with ``grpo validate``
+(`grpo.config.reward_forms`).
 """
 
 from __future__ import annotations
@@ -13,9 +16,26 @@ import functools
 import importlib
 import inspect
 import math
+import numbers
+import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
+
+from grpo.config.reward_forms import (
+    BATCHED_FILLED,
+    COMMON_OPTIONS,
+    Form,
+    function_parameters,
+    option_names,
+    option_parameters,
+    reward_node_check,
+    scoring_form,
+)
+from grpo.tracebacks import failure_reason
+
+# This package's frames are the machinery that called a reward function, not where it raised.
+_REWARDS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class RewardResult(NamedTuple):
@@ -31,7 +51,7 @@ class RewardResult(NamedTuple):
     success: bool
 
 
-RewardFn = Callable[[str, str], "RewardResult | tuple[float, bool]"]
+RewardFn = Callable[..., "RewardResult | tuple[float, bool] | float | bool"]
 
 
 class RewardFunction:
@@ -67,17 +87,53 @@ class RewardFunction:
     def __call__(self, completion: str, answer: str) -> RewardResult:
         raise NotImplementedError(f"{type(self).__name__} must implement __call__")
 
+    def select_columns(self, columns: Mapping[str, Any]) -> dict[str, Any]:
+        """The example's columns this function takes as keyword arguments when it scores.
+
+        Those ``__call__`` names after ``(completion, answer)``, or all of them when it takes
+        ``**kwargs``; none for a ``__call__(completion, answer)``.
+
+        Args:
+            columns (Mapping[str, Any]): The example's columns but its answer.
+
+        Returns:
+            dict[str, Any]: The columns to pass.
+        """
+        parameters = list(inspect.signature(self.__call__).parameters.values())
+        return _selected(columns, parameters, "per_sample", set())
+
     def __repr__(self) -> str:
         options = ", ".join(f"{key}={value!r}" for key, value in vars(self).items())
         return f"{type(self).__name__}({options})"
 
 
+def _selected(
+    columns: Mapping[str, Any],
+    parameters: Sequence[inspect.Parameter],
+    form: Form,
+    configured: set[str],
+) -> dict[str, Any]:
+    """The columns a scoring call with these parameters takes: by name, or all with
+    ``**kwargs``; never one a configured option or the call itself fills."""
+    wanted, takes_any = option_parameters(parameters, form)
+    filled = set(configured)
+    filled |= BATCHED_FILLED if form == "batched" else {p.name for p in list(parameters)[:2]}
+    names = {p.name for p in wanted}
+    return {
+        key: value
+        for key, value in columns.items()
+        if key not in filled and (takes_any or key in names)
+    }
+
+
 class FunctionReward(RewardFunction):
     """A plain function ``fn(completion, answer, **options)`` used as a reward function.
 
-    Made by :func:`reward_function`; see there. Called with ``(completion, answer)`` it scores;
-    called with keyword options only it returns a configured copy, which is what a config's
-    ``_component_`` does.
+    Made by :func:`reward_function`; see there. Called with ``(completion, answer)`` it scores
+    (with the example's columns the function takes as keyword arguments); called with keyword
+    options only it returns a configured copy, which is what a config's ``_component_`` does.
+    A parameter after ``(completion, answer)`` is filled by the option of that name if the
+    config sets one, else by the example's column of that name if it has one.
 
     Args:
         fn (Callable): The scoring function, defined at module level (or a picklable callable
@@ -86,6 +142,9 @@ class FunctionReward(RewardFunction):
         failure_reward (float): Reward on exception or timeout.
         options (dict | None): Extra keyword arguments passed to ``fn`` on every call.
     """
+
+    # How the function scores (`grpo.config.reward_forms.scoring_form`).
+    form: Form = "per_sample"
 
     def __init__(
         self,
@@ -102,7 +161,7 @@ class FunctionReward(RewardFunction):
         # only: `instantiate` and `grpo validate` check a `_component_` node's keys against
         # it), not the scoring call that `__wrapped__` would show.
         del self.__wrapped__
-        self.__signature__ = _config_signature(fn)
+        self.__signature__ = _config_signature(fn, self.form)
         super().__init__(name=name, failure_reward=failure_reward)
         self.fn = fn
         self.options = dict(options or {})
@@ -111,6 +170,12 @@ class FunctionReward(RewardFunction):
         if not args:
             return self.configure(**options)
         return self.fn(*args, **{**self.options, **options})
+
+    def select_columns(self, columns: Mapping[str, Any]) -> dict[str, Any]:
+        """The example's columns the function takes, by name or with ``**kwargs``, but those
+        a configured option sets."""
+        parameters = list(inspect.signature(self.fn).parameters.values())
+        return _selected(columns, parameters, self.form, set(self.options))
 
     def configure(
         self, *, name: str | None = None, failure_reward: float | None = None, **options: Any
@@ -121,20 +186,15 @@ class FunctionReward(RewardFunction):
             TypeError: If an option is not a keyword parameter of the function.
         """
         parameters = list(inspect.signature(self.fn).parameters.values())
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-        option_names = {
-            p.name
-            for p in parameters[2:]
-            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        }
-        unknown = sorted(set(options) - option_names)
-        if unknown and not takes_any:
+        accepted = option_names(parameters, self.form)
+        if accepted is not None and (unknown := sorted(set(options) - accepted)):
             raise TypeError(
                 f"reward function {self.name!r}: unknown option(s) {unknown}; "
-                f"{_qualified_name(self.fn)} accepts {sorted(option_names)} (score with "
-                f"fn(completion, answer), configure with keyword options only)"
+                f"{_qualified_name(self.fn)} accepts "
+                f"{sorted(accepted - set(COMMON_OPTIONS))} (score with fn(completion, answer), "
+                "configure with keyword options only)"
             )
-        return FunctionReward(
+        return type(self)(
             self.fn,
             name=self.name if name is None else name,
             failure_reward=self.failure_reward if failure_reward is None else failure_reward,
@@ -154,28 +214,88 @@ class FunctionReward(RewardFunction):
                     "module level, so worker processes cannot import it; move it to module level"
                 )
             target = (module, qualname)
-        return (_load_function_reward, (target, self.name, self.failure_reward, self.options))
+        return (
+            _load_function_reward,
+            (target, self.name, self.failure_reward, self.options, type(self)),
+        )
 
     def __repr__(self) -> str:
         return (
-            f"FunctionReward({_qualified_name(self.fn)}, name={self.name!r}, "
+            f"{type(self).__name__}({_qualified_name(self.fn)}, name={self.name!r}, "
             f"failure_reward={self.failure_reward!r}, options={self.options!r})"
         )
 
 
-def _config_signature(fn: Callable[..., Any]) -> inspect.Signature:
-    """Keyword-only ``name``, ``failure_reward`` and the options ``fn`` takes after
-    ``(completion, answer)`` (or ``**options`` if it takes any keyword)."""
+class BatchedFunctionReward(FunctionReward):
+    """A function written as TRL writes reward functions, used as a reward function.
+
+    ``fn(completions, prompts=..., **columns) -> list[float]``: called with lists, it returns
+    one reward per completion. Each call here scores one completion, within the per-call
+    timeout: ``completions`` is a list of that one completion (its text), ``prompts`` a list of
+    its prompt (as the model saw it: the rendered text), ``answer`` and every other column of
+    the example a list of its one value. A reward above 0 counts as a success. ``None`` in the
+    returned list means the function does not apply to that completion (TRL's meaning): it adds
+    nothing, 0, to the total reward, and is no failure. Made by :func:`reward_function`, which
+    a config's plain function whose first parameter is ``completions`` or ``prompts`` goes
+    through.
+    """
+
+    form: Form = "batched"
+
+    def __call__(self, *args: Any, **columns: Any) -> Any:
+        if not args:
+            return self.configure(**columns)
+        completion, answer = args
+        parameters = inspect.signature(self.fn).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        prompt = columns.pop("prompt", None)
+        arguments: dict[str, Any] = {key: [value] for key, value in columns.items()}
+        if "prompts" in parameters or takes_any:
+            arguments["prompts"] = [prompt]
+        if "answer" not in self.options and ("answer" in parameters or takes_any):
+            arguments["answer"] = [answer]
+        result = self.fn(completions=[completion], **arguments, **self.options)
+        if isinstance(result, (str, bytes)) or not isinstance(result, Sequence) or len(result) != 1:
+            raise TypeError(
+                f"batched reward function {self.name!r} returned {_described_value(result)} for "
+                "one completion; expected a list of one float per completion"
+            )
+        [reward] = result
+        return RewardResult(0.0, False) if reward is None else reward
+
+    def select_columns(self, columns: Mapping[str, Any]) -> dict[str, Any]:
+        """The columns the function takes (by name or with ``**kwargs``), and the prompt if it
+        takes ``prompts``."""
+        parameters = list(inspect.signature(self.fn).parameters.values())
+        selected = _selected(columns, parameters, self.form, set(self.options) | {"prompt"})
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        if "prompt" in columns and (takes_any or any(p.name == "prompts" for p in parameters)):
+            selected["prompt"] = columns["prompt"]
+        return selected
+
+
+def _described_value(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _config_signature(fn: Callable[..., Any], form: Form) -> inspect.Signature:
+    """Keyword-only ``name``, ``failure_reward`` and the options ``fn`` takes (those a call
+    does not fill, `grpo.config.reward_forms.option_parameters`), or ``**options`` if it takes
+    any keyword."""
     keyword = inspect.Parameter.KEYWORD_ONLY
-    parameters = [
-        inspect.Parameter("name", keyword, default=None),
-        inspect.Parameter("failure_reward", keyword, default=None),
+    parameters = [inspect.Parameter(name, keyword, default=None) for name in COMMON_OPTIONS]
+    all_parameters = list(inspect.signature(fn).parameters.values())
+    options, takes_any = option_parameters(all_parameters, form)
+    # A parameter without a default is optional here: the example's column of its name fills
+    # it when the config does not.
+    parameters += [
+        p.replace(kind=keyword, default=None if p.default is p.empty else p.default)
+        for p in options
+        if p.name not in COMMON_OPTIONS
     ]
-    for parameter in list(inspect.signature(fn).parameters.values())[2:]:
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            parameters.append(parameter)
-        elif parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, keyword):
-            parameters.append(parameter.replace(kind=keyword))
+    if takes_any:
+        parameters += [p for p in all_parameters if p.kind is inspect.Parameter.VAR_KEYWORD]
     return inspect.Signature(parameters)
 
 
@@ -185,7 +305,11 @@ def _qualified_name(fn: Any) -> str:
 
 
 def _load_function_reward(
-    target: Any, name: str, failure_reward: float, options: dict[str, Any]
+    target: Any,
+    name: str,
+    failure_reward: float,
+    options: dict[str, Any],
+    cls: type[FunctionReward] = FunctionReward,
 ) -> FunctionReward:
     """Unpickle a :class:`FunctionReward`, importing its function if it was stored by name."""
     if isinstance(target, tuple):
@@ -194,7 +318,7 @@ def _load_function_reward(
         for part in qualname.split("."):
             target = getattr(target, part)
     fn = target.fn if isinstance(target, FunctionReward) else target
-    return FunctionReward(fn, name=name, failure_reward=failure_reward, options=options)
+    return cls(fn, name=name, failure_reward=failure_reward, options=options)
 
 
 def reward_function(
@@ -203,12 +327,16 @@ def reward_function(
     name: str | None = None,
     failure_reward: float | None = None,
 ) -> Any:
-    """Make a function ``fn(completion, answer, **options)`` a reward function.
+    """Make a function a reward function: ``fn(completion, answer, **options)`` per sample, or
+    ``fn(completions, **kwargs) -> list[float]`` batched, as TRL writes them.
 
-    The function returns a :class:`RewardResult` or a ``(reward, success)`` tuple. The
-    decorated object scores when called with ``(completion, answer)`` and, called with keyword
-    options only, returns a configured copy (how a config's ``_component_`` builds it).
-    :func:`~grpo.rewards.batched_rewards` wraps any plain callable it is given this way.
+    A per-sample function returns a :class:`RewardResult`, a ``(reward, success)`` tuple, a
+    float (success: reward above 0) or a bool (1.0 or 0.0). A function whose first parameter is
+    ``completions`` or ``prompts`` is batched (:class:`BatchedFunctionReward`). The decorated
+    object scores when called with ``(completion, answer)`` and, called with keyword options
+    only, returns a configured copy (how a config's ``_component_`` builds it). A config may
+    also name a plain function without the decorator; :func:`~grpo.rewards.batched_rewards`
+    wraps any plain callable it is given this way too.
 
     Args:
         fn (Callable | None): The function (when used as ``@reward_function``).
@@ -231,7 +359,12 @@ def reward_function(
 
     def wrap(function: Callable[..., Any]) -> FunctionReward:
         default_name = getattr(function, "__name__", None) or type(function).__name__
-        return FunctionReward(
+        try:
+            parameters = list(inspect.signature(function).parameters.values())
+        except (TypeError, ValueError):  # no signature to read: called as (completion, answer)
+            parameters = []
+        batched = scoring_form(parameters, decorated=True) == "batched"
+        return (BatchedFunctionReward if batched else FunctionReward)(
             function,
             name=name or getattr(function, "name", None) or default_name,
             failure_reward=float(
@@ -244,10 +377,59 @@ def reward_function(
     return wrap if fn is None else wrap(fn)
 
 
+def as_reward_function(fn: Any) -> RewardFunction:
+    """``fn`` itself if it is a `RewardFunction`; a plain callable wrapped by `reward_function`."""
+    return fn if isinstance(fn, RewardFunction) else reward_function(fn)
+
+
 def reward_name(fn: Any) -> str:
     """The name a reward function scores under: its column in ``func_names`` and the metrics,
     and its key in ``ref.reward_weights`` (a plain callable is wrapped by `reward_function`)."""
-    return (fn if isinstance(fn, RewardFunction) else reward_function(fn)).name
+    return as_reward_function(fn).name
+
+
+def _configurable(component: Any) -> Any:
+    """A plain scoring function as a configurable `FunctionReward`; anything else as it is."""
+    parameters = function_parameters(component)
+    if parameters is not None and scoring_form(parameters) is not None:
+        return reward_function(component)
+    return component
+
+
+def build_reward_function(node: Mapping[str, Any], key: str) -> Any:
+    """Build one ``reward_functions`` node, by the rule ``grpo validate`` checks it with.
+
+    The node names a class (called with its keys), a function decorated with
+    `reward_function`, a plain per-sample or batched function (wrapped by `reward_function`,
+    its keys its options) or a factory (a function that takes the node's keys and returns the
+    reward function); see `grpo.config.reward_forms`.
+
+    Args:
+        node (Mapping[str, Any]): The node (``_component_`` and its keys).
+        key (str): Its config key, for messages (``reward_functions[0]``).
+
+    Returns:
+        Any: The reward function.
+
+    Raises:
+        InstantiationError: Naming the key: a path that does not import, keys the function
+            does not take, or a function that is no reward function (saying what to write).
+    """
+    from grpo.config import InstantiationError, instantiate, locate
+
+    target = node.get("_component_")
+    if isinstance(target, str):
+        try:
+            component = locate(target)
+        except InstantiationError as error:
+            raise InstantiationError(f"{key}._component_: {error}") from None
+        parameters = function_parameters(component)
+        if parameters is not None:
+            keys = [name for name in node if name != "_component_"]
+            problem, _ = reward_node_check(target, parameters, False, keys)
+            if problem is not None:
+                raise InstantiationError(f"{key}: {problem}")
+    return instantiate(node, _key_=key, _wrap_=_configurable)
 
 
 def short_error(error: BaseException) -> str:
@@ -255,28 +437,49 @@ def short_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:500]
 
 
-def call_reward(reward_fn: RewardFunction, completion: str, answer: str) -> tuple[float, bool]:
+def reward_failure_reason(error: BaseException) -> str:
+    """Why a reward call failed: the exception and where in the reward function's own code it
+    raised (`grpo.tracebacks.failure_reason`, outside this package's frames)."""
+    return failure_reason(error, machinery=(_REWARDS_DIR,))
+
+
+def call_reward(
+    reward_fn: RewardFunction,
+    completion: str,
+    answer: str,
+    columns: Mapping[str, Any] | None = None,
+) -> tuple[float, bool]:
     """Call a reward function and check its result.
 
     Args:
         reward_fn (RewardFunction): The function.
         completion (str): Model output.
         answer (str): Gold answer.
+        columns (Mapping[str, Any] | None): The example's columns the function takes
+            (`RewardFunction.select_columns`), passed as keyword arguments.
 
     Returns:
-        tuple[float, bool]: ``(reward, success)``.
+        tuple[float, bool]: ``(reward, success)``; a float alone succeeds when above 0, a bool
+        is 1.0 or 0.0.
 
     Raises:
-        TypeError: If the result is not a ``(reward, success)`` pair.
+        TypeError: If the result is none of a `RewardResult`, a ``(reward, success)`` pair, a
+            float or a bool.
         ValueError: If the reward is not finite (it would poison the group's advantages).
     """
-    result = reward_fn(completion, answer)
-    if not isinstance(result, tuple) or len(result) != 2:
+    result = reward_fn(completion, answer, **columns) if columns else reward_fn(completion, answer)
+    if isinstance(result, bool):
+        reward, success = float(result), result
+    elif isinstance(result, numbers.Real):
+        reward = float(result)
+        success = reward > 0
+    elif isinstance(result, tuple) and len(result) == 2:
+        reward, success = float(result[0]), bool(result[1])
+    else:
         raise TypeError(
-            f"reward function {reward_fn.name!r} returned {type(result).__name__}; "
-            "expected RewardResult(reward, success) or a (reward, success) tuple"
+            f"reward function {reward_fn.name!r} returned {_described_value(result)}; return a "
+            "float, a bool, a (reward, success) tuple or a RewardResult"
         )
-    reward, success = float(result[0]), bool(result[1])
     if not math.isfinite(reward):
         raise ValueError(f"reward function {reward_fn.name!r} returned reward {reward}")
     return reward, success

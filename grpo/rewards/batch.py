@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from grpo.rewards.base import RewardFunction, call_reward, reward_function, short_error
+from grpo.rewards.base import (
+    RewardFunction,
+    as_reward_function,
+    call_reward,
+    reward_failure_reason,
+)
+from grpo.rewards.calls import RewardCalls
 from grpo.rewards.pool import Call, Outcome, RewardPool, default_reward_pool
 
 logger = logging.getLogger(__name__)
@@ -54,6 +60,9 @@ class RewardBatch:
         func_names (list[str]): Name of each column.
         num_timeouts (dict[str, int]): Calls that overran the timeout, per function.
         num_exceptions (dict[str, int]): Calls that raised (or whose worker died), per function.
+        failure_reasons (dict[str, str]): Per function that failed a call, why: its first
+            exception (type, message and the line of the function's code that raised), else
+            its first timeout.
     """
 
     rewards: torch.Tensor
@@ -61,6 +70,24 @@ class RewardBatch:
     func_names: list[str]
     num_timeouts: dict[str, int]
     num_exceptions: dict[str, int]
+    failure_reasons: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_calls(self) -> int:
+        """Calls of each function: one per completion."""
+        return int(self.rewards.shape[0])
+
+    def calls(self) -> dict[str, RewardCalls]:
+        """Each function's calls, failures and why, by name (for the driver's guard)."""
+        return {
+            name: RewardCalls(
+                self.num_calls,
+                self.num_timeouts.get(name, 0),
+                self.num_exceptions.get(name, 0),
+                self.failure_reasons.get(name),
+            )
+            for name in self.func_names
+        }
 
     def total(self, reward_weights: Mapping[str, float] | None = None) -> torch.Tensor:
         """Total reward per completion, shape ``(N,)``: the weighted sum of its rewards.
@@ -135,13 +162,13 @@ def env_reward_batch(trajectories: Sequence[Any]) -> RewardBatch:
 def _run_inline(reward_fns: list[RewardFunction], calls: list[Call]) -> list[Outcome]:
     """Run calls in this thread, without timeouts (exceptions are still caught)."""
     outcomes: list[Outcome] = []
-    for fn_index, completion, answer in calls:
+    for fn_index, completion, answer, columns in calls:
         try:
-            reward, success = call_reward(reward_fns[fn_index], completion, answer)
+            reward, success = call_reward(reward_fns[fn_index], completion, answer, columns)
             outcomes.append((reward, success, None, None))
         except Exception as error:
             logger.debug("reward %s raised", reward_fns[fn_index].name, exc_info=True)
-            outcomes.append((0.0, False, "exception", short_error(error)))
+            outcomes.append((0.0, False, "exception", reward_failure_reason(error)))
     return outcomes
 
 
@@ -151,6 +178,7 @@ def batched_rewards(
     answers: Sequence[str],
     timeout_s: float | None = 5.0,
     pool: RewardPool | None = None,
+    columns: Sequence[Mapping[str, Any]] | None = None,
 ) -> RewardBatch:
     """Score every completion with every reward function.
 
@@ -169,10 +197,14 @@ def batched_rewards(
             calling thread with no timeout (for debugging; exceptions are still caught).
         pool (RewardPool | None): Pool to use; defaults to
             :func:`~grpo.rewards.default_reward_pool`.
+        columns (Sequence[Mapping] | None): Per completion, its example's other columns (all
+            but the answer; they must pickle). Each function gets those it takes as keyword
+            arguments (`RewardFunction.select_columns`). None: none.
 
     Returns:
         RewardBatch: ``rewards`` and ``successes`` of shape ``(N, F)`` (float32) in the order
-        of ``reward_fns``, ``func_names``, and per-function timeout and exception counts.
+        of ``reward_fns``, ``func_names``, per-function timeout and exception counts, and why
+        each function that failed a call failed.
 
     Raises:
         ValueError: On mismatched lengths, no reward functions or duplicate names.
@@ -190,17 +222,22 @@ def batched_rewards(
         raise ValueError(
             f"batched_rewards: {len(completions)} completions but {len(answers)} answers"
         )
-    functions = [fn if isinstance(fn, RewardFunction) else reward_function(fn) for fn in reward_fns]
+    if columns is not None and len(columns) != len(completions):
+        raise ValueError(
+            f"batched_rewards: {len(completions)} completions but {len(columns)} column rows"
+        )
+    functions = [as_reward_function(fn) for fn in reward_fns]
     func_names = [fn.name for fn in functions]
     duplicates = sorted({name for name in func_names if func_names.count(name) > 1})
     if duplicates:
         raise ValueError(f"batched_rewards: duplicate reward function names {duplicates}")
 
     num_funcs = len(functions)
+    rows = columns if columns is not None else [{}] * len(completions)
     calls: list[Call] = [
-        (fn_index, completion, answer)
-        for completion, answer in zip(completions, answers)
-        for fn_index in range(num_funcs)
+        (fn_index, completion, answer, fn.select_columns(row) if row else {})
+        for completion, answer, row in zip(completions, answers, rows)
+        for fn_index, fn in enumerate(functions)
     ]
     if not calls:
         outcomes: list[Outcome] = []
@@ -214,6 +251,7 @@ def batched_rewards(
     num_timeouts = dict.fromkeys(func_names, 0)
     num_exceptions = dict.fromkeys(func_names, 0)
     first_errors: dict[str, str] = {}
+    reasons: dict[str, str] = {}
     for position, (reward, success, error_kind, message) in enumerate(outcomes):
         sample, fn_index = divmod(position, num_funcs)
         name = func_names[fn_index]
@@ -225,6 +263,10 @@ def batched_rewards(
         counter = num_timeouts if error_kind == "timeout" else num_exceptions
         counter[name] += 1
         first_errors.setdefault(name, f"sample {sample}: {message}")
+        if error_kind == "timeout":
+            reasons.setdefault(name, message or "timed out")
+        elif num_exceptions[name] == 1:  # the first exception: it says more than a timeout
+            reasons[name] = message or "raised"
     for name, first_error in first_errors.items():
         logger.warning(
             "reward %r: %d timeout(s), %d exception(s) in a batch of %d; first: %s",
@@ -234,4 +276,4 @@ def batched_rewards(
             len(completions),
             first_error,
         )
-    return RewardBatch(rewards, successes, func_names, num_timeouts, num_exceptions)
+    return RewardBatch(rewards, successes, func_names, num_timeouts, num_exceptions, reasons)

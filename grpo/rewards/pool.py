@@ -36,13 +36,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from grpo.process_pool import STOP_GRACE_S, Job, TimedProcessPool, process_wide
-from grpo.rewards.base import FunctionReward, RewardFunction, call_reward, short_error
+from grpo.rewards.base import (
+    FunctionReward,
+    RewardFunction,
+    call_reward,
+    reward_failure_reason,
+    short_error,
+)
 
 logger = logging.getLogger(__name__)
 
-# One call: (index of the reward function, completion, answer).
-Call = tuple[int, str, str]
-# Outcome of a call: (reward, success, error kind "timeout" | "exception" | None, message).
+# One call: (index of the reward function, completion, answer, the example's columns it takes).
+Call = tuple[int, str, str, dict[str, Any]]
+# Outcome of a call: (reward, success, error kind "timeout" | "exception" | None, message). The
+# message of an exception is made where it raised, in the worker: it names the line of the
+# reward function's code (`grpo.rewards.base.reward_failure_reason`).
 Outcome = tuple[float, bool, str | None, str | None]
 
 
@@ -59,23 +67,26 @@ def _load_reward(pickled: bytes) -> RewardFunction:
     return pickle.loads(pickled)
 
 
-def _score(pickled_fn: bytes, completion: str, answer: str) -> Outcome:
+def _score(
+    pickled_fn: bytes, completion: str, answer: str, columns: dict[str, Any] | None = None
+) -> Outcome:
     """One reward call in a worker; exceptions come back as outcomes, not as pool errors."""
     try:
         reward_fn = _load_reward(pickled_fn)
     except Exception as error:
         return 0.0, False, "exception", f"cannot load reward function: {short_error(error)}"
     try:
-        reward, success = call_reward(reward_fn, completion, answer)
+        reward, success = call_reward(reward_fn, completion, answer, columns)
     except Exception as error:
-        return 0.0, False, "exception", short_error(error)
+        return 0.0, False, "exception", reward_failure_reason(error)
     return reward, success, None, None
 
 
 def _score_chunk(pickled_fns: Sequence[bytes], calls: Sequence[Call]) -> list[Outcome]:
     """Several reward calls in one worker task, in order (see the module docstring)."""
     return [
-        _score(pickled_fns[fn_index], completion, answer) for fn_index, completion, answer in calls
+        _score(pickled_fns[fn_index], completion, answer, columns)
+        for fn_index, completion, answer, columns in calls
     ]
 
 
@@ -157,7 +168,7 @@ class RewardPool:
 
         Args:
             reward_fns (Sequence[RewardFunction]): The functions the calls index.
-            calls (list[Call]): ``(function index, completion, answer)`` per call.
+            calls (list[Call]): ``(function index, completion, answer, columns)`` per call.
             timeout_s (float): Per-call limit in seconds, timed from when a worker takes it.
 
         Returns:
@@ -230,6 +241,7 @@ class RewardPool:
                     pickled_fns[calls[i][0]],
                     calls[i][1],
                     calls[i][2],
+                    calls[i][3],
                     timeout_s=timeout_s,
                 )
                 for i in retry

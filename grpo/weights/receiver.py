@@ -580,7 +580,8 @@ class EngineWeights:
             dict[str, float]: ``inference/weight_updates_*``, the engine's pause, the samples
             that span versions, and ``inference/tokens_version_lag_K``: the sampled tokens
             whose weights were K versions (2: two or more) older than the engine's at the end
-            of the batch.
+            of the batch (a version counts training steps: with
+            ``weight_sync.every_n_steps: N``, two syncs are N versions apart).
         """
         lags = [0.0, 0.0, 0.0]
         for sample_runs in runs:

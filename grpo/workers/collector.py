@@ -35,7 +35,7 @@ from typing import Any
 from grpo.config.sections import InferenceConfig, LoRAConfig
 from grpo.data.dataset import resolve_dataset
 from grpo.envs.build import build_environment
-from grpo.envs.dropped import BatchDrops, DroppedEpisodeLog
+from grpo.envs.dropped import BatchDrops, DroppedEpisodeLog, scored_episodes
 from grpo.envs.metrics import episode_metrics, generation_metrics
 from grpo.envs.protocol import EngineContext, Prompt
 from grpo.envs.rollout import episode_groups
@@ -270,10 +270,11 @@ class SyncLLMCollector(SleepMethods):
                 prompts, self.engine.turn_engine(), self.group_size, seeds
             )
         every = [e for group in episodes for e in group]
-        kept = [e for e in every if e.error is None]
+        # Failed episodes stay in their groups with the failure rewards, or are left out
+        # (the environment's failed_episodes).
+        kept, rewards = scored_episodes(self.environment, every)
         self._batch_drops = self.dropped_episodes.record(every, type(self.environment).__name__)
-        self.totals["episodes_dropped"] += (dropped := self._batch_drops.dropped)
-        rewards = self.environment.score(kept) if kept else []
+        self.totals["episodes_dropped"] += (dropped := len(every) - len(kept))
         groups = episode_groups(
             episodes, rewards, group_ids=group_ids, sequence_id=self._next_sequence_id,
             policy_version=first_version, last_policy_version=self.policy_version,
@@ -384,12 +385,11 @@ class SyncLLMCollector(SleepMethods):
         Returns:
             tuple: ``{"metrics": generate_batch's metrics, "state": state_dict(),
             "group_ids": the batch's group ids, "dropped_episodes": the batch's episodes and
-            those the environment failed (`grpo.envs.dropped.BatchDrops.as_dict`)}``, and the
-            batch's groups.
+            those the environment failed (`grpo.envs.dropped.BatchDrops.as_dict`),
+            "reward_calls": `Environment.take_reward_calls`}``, and the batch's groups.
         """
-        # No lock: only generation batches move the stream, and the orchestrator runs one at
-        # a time. (Holding the engine lock here would block `evaluate` for as long as the
-        # batch waits on a full queue.)
+        # No lock: only generation batches move the stream, one at a time (holding the engine
+        # lock here would block `evaluate` for as long as the batch waits on a full queue).
         self._batch_drops = None
         metrics = self.generate_batch(num_prompts, caller_holds_groups=True)
         drops, groups = self._batch_drops, self._batch_groups
@@ -398,6 +398,7 @@ class SyncLLMCollector(SleepMethods):
             "state": self.state_dict(),
             "group_ids": [group.group_id for group in groups],
             "dropped_episodes": drops.as_dict() if drops is not None else None,
+            "reward_calls": self.environment.take_reward_calls(),
         }
         return info, groups
 

@@ -48,7 +48,7 @@ class RefActor:
         share_prompts (bool): Pack the responses of a prompt after one copy of it
             (`grpo.packing.packs.pack_sequences`).
         config (RefConfig | None): The ``ref:`` options (dynamic sampling, reward weights,
-            dtype, attention kind); None: their defaults. With
+            advantage normalisation, dtype, attention kind); None: their defaults. With
             ``filter_zero_variance_groups``, groups whose rewards are all equal are left out
             of what `score` returns.
         load_model (bool): Load the reference model and compute ``ref_logprobs``. False when
@@ -91,6 +91,7 @@ class RefActor:
         self.reward_weights = config.reward_weights
         self.target_tokens_per_batch = target_tokens_per_batch
         self.filter_zero_variance_groups = config.filter_zero_variance_groups
+        self.advantage_std_normalization = config.advantage_std_normalization
         self.share_prompts = share_prompts
         self.steps_run = 0
 
@@ -175,7 +176,9 @@ class RefActor:
 
         scored_groups = []
         for group, offset, group_reward in kept:
-            advantages = group_advantages(group_reward)
+            advantages = group_advantages(
+                group_reward, std_normalize=self.advantage_std_normalization
+            )
             scored = []
             for i, traj in enumerate(group.trajectories):
                 row = offset + i
@@ -238,7 +241,9 @@ class RefActor:
             "num_zero_variance_groups" (groups whose rewards were all equal),
             "dropped_group_ids", "dropped_sequence_ids" (those of them left out by
             ``filter_zero_variance_groups``; empty without it), "policy_version" (the newest
-            of all the groups)}`` and the returned scored groups, in order (possibly none).
+            of all the groups), "group_rewards" (each group's total rewards, in the order
+            given: the driver reports the first episodes' reward distribution)}`` and the
+            returned scored groups, in order (possibly none).
         """
         start = time.perf_counter()
         scored_groups, zero_variance, metrics = self.score_groups(groups)
@@ -262,6 +267,7 @@ class RefActor:
             "dropped_group_ids": [g.group_id for g in dropped],
             "dropped_sequence_ids": [[t.sequence_id for t in g.trajectories] for g in dropped],
             "policy_version": max(t.policy_version for g in groups for t in g.trajectories),
+            "group_rewards": _group_totals(groups, self.reward_weights),
         }
         return info, scored_groups
 
@@ -272,3 +278,16 @@ class RefActor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
         self.steps_run = state["steps_run"]
+
+
+def _group_totals(
+    groups: list[GroupedUnscoredTrajectories], reward_weights: dict[str, float] | None
+) -> list[list[float]]:
+    """Each group's total rewards (weighted as the advantages weigh them), one per episode."""
+    totals = env_reward_batch([t for g in groups for t in g.trajectories]).total(reward_weights)
+    result, offset = [], 0
+    for group in groups:
+        size = len(group.trajectories)
+        result.append(totals[offset : offset + size].tolist())
+        offset += size
+    return result

@@ -2,8 +2,11 @@
 
 It holds unpacked `ScoredTrajectory`s. Two flaws of earlier designs shape it:
 sampling is without replacement (each trajectory is trained on exactly once by default), and
-staleness is bounded: a trajectory generated more than `max_policy_lag` policy versions ago
-is dropped, and counted, instead of being trained on.
+staleness is bounded: a trajectory whose oldest token was sampled by weights more than
+`max_policy_lag` training steps older than the trainer's is dropped, and counted, instead of
+being trained on. A policy version is the number of training steps its weights have taken
+(`grpo.workers.trainer.PyTorchActorModel.publish_weights`), so the lag is counted in steps
+however often the weights are synced.
 
 Groups are added atomically: `add` takes a whole group or nothing, so the caller can apply
 back-pressure (wait and retry) when the buffer is full rather than lose data.
@@ -33,7 +36,8 @@ class ReplayBuffer:
     Args:
         capacity (int): Most trajectories held at once.
         max_policy_lag (int): A trajectory whose ``policy_version`` is more than this many
-            versions behind the trainer's current version is dropped at sampling time.
+            training steps behind the trainer's current version (its step count) is dropped
+            at sampling time.
         sampling (str): ``"fifo"`` (oldest first: lowest policy lag, deterministic) or
             ``"random"`` (uniform without replacement, seeded).
         seed (int): Seed of the ``"random"`` sampler.
@@ -148,7 +152,8 @@ class ReplayBuffer:
 
         Args:
             n (int): Number of trajectories wanted.
-            current_policy_version (int): The trainer's current policy version.
+            current_policy_version (int): The trainer's current policy version: the
+                training steps its weights have taken, synced to the collectors or not.
 
         Returns:
             list[ScoredTrajectory] | None: ``n`` trajectories, or None if fewer are available
@@ -264,7 +269,8 @@ class ReplayBufferActor(ReplayBuffer):
 
         Args:
             n (int): Number of trajectories wanted.
-            current_policy_version (int): The trainer's current policy version.
+            current_policy_version (int): The trainer's current policy version: the
+                training steps its weights have taken, synced to the collectors or not.
             timeout_s (float): Most seconds to wait; 0 looks once.
 
         Returns:

@@ -514,7 +514,8 @@ class PyTorchActorModel:
         shared_tokens = sum(p.shared_prompt_tokens for p in packs)
         response_tokens = sum(t.response_len for t in batch)
         policy_tokens = sum(t.policy_len for t in batch)
-        ages = [self.policy_version - t.policy_version for t in batch]
+        # In training steps: the weights this step updated had taken steps_run - 1 of them.
+        ages = [self.steps_run - 1 - t.policy_version for t in batch]
         metrics: dict[str, Any] = {
             **loss_metrics,
             names.TRAIN_GRAD_NORM: float(grad_norm),
@@ -749,7 +750,11 @@ class PyTorchActorModel:
         return {"token_ids": token_ids, "logprobs": logprobs, "atol": atol}
 
     def publish_weights(self, transport: str) -> dict[str, Any] | None:
-        """Gather the full weights, bump the policy version and publish them (rank 0).
+        """Gather the full weights and publish them (rank 0), as version ``steps_run``.
+
+        A policy version is the number of training steps the weights have taken (0: the base
+        model), so the staleness of a trajectory, its version against the trainer's step
+        count, is counted in steps whatever ``weight_sync.every_n_steps`` is.
 
         With ``lora`` only the adapter tensors are gathered and published, in PEFT names
         (`grpo.models.lora.peft_adapter_state_dict`); the payload is otherwise the same, its
@@ -766,7 +771,7 @@ class PyTorchActorModel:
         """
         weights = self._published_weights()
         probe = self.probe_logprobs()
-        self.policy_version += 1
+        self.policy_version = self.steps_run
         if weights is None:  # not rank 0
             return None
         return self.weight_publisher.publish(transport, self.policy_version, weights, probe)
