@@ -247,7 +247,7 @@ def test_equal_rewards_of_mostly_dropped_episodes_blame_the_environment(monkeypa
     now = [100.0]
     monkeypatch.setattr("grpo.orchestrator.group_counts.time.monotonic", lambda: now[0])
     drops = EpisodeDrops(lambda index: f" (its output: logs/collector_{index}.log)")
-    counts = GroupCounts(filtering=True, timeout_s=10.0, episode_drops=drops)
+    counts = GroupCounts(filtering=True, timeout_s=10.0, causes=[drops])
     drops.batch(0, batch(8, 6))
     counts.scored(2, num_zero_variance=2, num_dropped=2)
     now[0] = 111.0

@@ -414,3 +414,28 @@ def test_the_reward_guard_stops_a_run_whose_reward_fails_nearly_every_call(batch
         assert TYPO in message
     if batches[0][0] != batches[-1][0]:
         assert "(its output: logs/collector_1.log)" in message  # the collector that saw it most
+
+
+def test_equal_rewards_from_a_failing_reward_blame_the_reward_not_the_task(caplog):
+    """One batch of a broken reward already makes every group equal (all score the failure
+    reward): the first episodes' warning names the reward's error, before its guard can stop
+    the run, instead of advising a bigger group or a stronger model."""
+    import logging
+
+    from grpo.orchestrator.group_counts import GroupCounts
+    from grpo.orchestrator.reward_failures import RewardFailures
+
+    guard = RewardFailures(lambda index: f" (its output: logs/collector_{index}.log)")
+    counts = GroupCounts(filtering=True, timeout_s=120.0, causes=[guard])
+    guard.batch(0, reward_calls(64, exceptions=64))
+    with caplog.at_level(logging.WARNING, logger="grpo"):
+        counts.scored(8, num_zero_variance=8, num_dropped=8, group_rewards=[[0.0] * 8] * 8)
+    [record] = caplog.records
+    assert "64 of the last 64 calls of reward function 'short' failed" in record.message
+    assert TYPO.split(" (at")[0] in record.message and "logs/collector_0.log" in record.message
+    assert "group_size" not in record.message
+    # A function that fails now and then is no cause: the task is.
+    assert RewardFailures().note() is None
+    healthy = RewardFailures()
+    healthy.batch(0, reward_calls(64, exceptions=10))
+    assert healthy.note() is None

@@ -100,14 +100,16 @@ class GroupCounts:
     dropped group just costs a generation), so the warning is about time, not a count.
 
     Groups of episodes that mostly failed have equal rewards too (the few episodes left score
-    alike): when ``episode_drops`` says many episodes were dropped, the warning and the error
-    name that instead of the rewards.
+    alike, or all score a reward function's failure reward): when one of ``causes`` says many
+    episodes were dropped or many reward calls failed, the warning and the error name that
+    instead of the task.
 
     Args:
         filtering (bool): ``ref.filter_zero_variance_groups``.
         timeout_s (float): ``orchestration.equal_rewards_timeout_s``.
-        episode_drops: The driver's `grpo.orchestrator.episode_drops.EpisodeDrops` (its
-            ``note()``), or None.
+        causes (Sequence): Guards whose ``note()`` may explain equal rewards: the driver's
+            `grpo.orchestrator.episode_drops.EpisodeDrops` and
+            `grpo.orchestrator.reward_failures.RewardFailures`.
         first_episodes (int): Episodes whose reward distribution is reported.
     """
 
@@ -115,12 +117,12 @@ class GroupCounts:
         self,
         filtering: bool,
         timeout_s: float,
-        episode_drops: Any = None,
+        causes: Sequence[Any] = (),
         first_episodes: int = FIRST_EPISODES,
     ) -> None:
         self.filtering = filtering
         self.timeout_s = timeout_s
-        self.episode_drops = episode_drops
+        self.causes = tuple(causes)
         self.first_episodes = first_episodes
         # The first episodes' rewards, until reported; then None.
         self.first: RewardCounts | None = RewardCounts()
@@ -175,7 +177,7 @@ class GroupCounts:
         if not first.all_equal:
             log.info("%s", line)
             return
-        dropped = self.episode_drops.note() if self.episode_drops is not None else None
+        dropped = self._cause()
         if dropped is not None:
             log.warning("%s; %s", line, dropped)
         elif self.filtering:
@@ -200,6 +202,10 @@ class GroupCounts:
         if self._streak_since is not None:
             self._warned = True  # this was the streak's warning
 
+    def _cause(self) -> str | None:
+        """The first of ``causes``' notes, or None."""
+        return next((note for cause in self.causes if (note := cause.note()) is not None), None)
+
     def check(self, waiting_since: float) -> None:
         """Raise if the driver waited for a batch while only uninformative groups came.
 
@@ -215,7 +221,7 @@ class GroupCounts:
         if self._streak_since is None:
             return
         waited = time.monotonic() - max(self._streak_since, waiting_since)
-        dropped = self.episode_drops.note() if self.episode_drops is not None else None
+        dropped = self._cause()
         rewards = f"; rewards {self.streak.text()}" if self.streak.groups else ""
         if not self._warned and waited > self.timeout_s / 4:
             self._warned = True
@@ -235,8 +241,8 @@ class GroupCounts:
         if waited > self.timeout_s and dropped is not None:
             raise NoInformativeGroupsError(
                 f"no training batch for {waited:.0f} s: every group had equal rewards "
-                f"({self.dropped_in_a_row} groups in a row{rewards}) and {dropped}. Fix the "
-                "environment; ref.filter_zero_variance_groups=true drops such groups "
+                f"({self.dropped_in_a_row} groups in a row{rewards}) and {dropped}. Fix that "
+                "first; ref.filter_zero_variance_groups=true drops such groups "
                 f"(orchestration.equal_rewards_timeout_s={self.timeout_s:g})."
             )
         if waited > self.timeout_s:

@@ -169,7 +169,7 @@ class Orchestrator:
         self.group_counts = GroupCounts(
             cfg.ref.filter_zero_variance_groups,
             cfg.orchestration.equal_rewards_timeout_s,
-            self.episode_drops,
+            causes=(self.episode_drops, self.reward_failures),
         )
         # Progress is a trained step; without one for stall_timeout_s, who holds the run up
         # is named and replaced, or the run stops naming it (`_wait`, `_on_stall`).

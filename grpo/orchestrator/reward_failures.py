@@ -28,6 +28,9 @@ from grpo.rewards.calls import RewardCalls
 MIN_BATCHES = 3
 MIN_CALLS = 16
 MIN_FAILED_FRACTION = 0.9
+# Of a shorter window, this fraction failed is enough for other guards to name the reward
+# function, not the task, as the likely cause (`note`).
+NOTE_FRACTION = 0.5
 # Batches remembered: enough to gather `MIN_CALLS` calls from batches of one episode.
 _HISTORY = 64
 
@@ -73,9 +76,11 @@ class RewardFailures:
         if made:
             self._batches.append((collector, made))
 
-    def _window(self, name: str) -> list[tuple[int, RewardCalls]]:
+    def _window(self, name: str, min_batches: int | None = None) -> list[tuple[int, RewardCalls]]:
         """The newest batches that called ``name``, holding at least ``min_batches`` batches
-        and ``min_calls`` calls; empty if all of them together hold fewer."""
+        (default ``self.min_batches``) and ``min_calls`` calls; empty if all of them together
+        hold fewer."""
+        min_batches = self.min_batches if min_batches is None else min_batches
         window: list[tuple[int, RewardCalls]] = []
         calls = 0
         for collector, batch in reversed(self._batches):
@@ -83,9 +88,34 @@ class RewardFailures:
                 continue
             window.append((collector, batch[name]))
             calls += batch[name].calls
-            if len(window) >= self.min_batches and calls >= self.min_calls:
+            if len(window) >= min_batches and calls >= self.min_calls:
                 return window
         return []
+
+    def _names(self) -> list[str]:
+        return list(dict.fromkeys(name for _, batch in self._batches for name in batch))
+
+    def note(self) -> str | None:
+        """Why other guards should blame a reward function: "N of the last M calls of reward
+        function 'x' failed ...", when at least half of its newest calls (one batch, or more
+        until ``min_calls``) failed, before this guard has seen enough batches to stop the run;
+        else None."""
+        for name in self._names():
+            window = self._window(name, min_batches=1)
+            if not window:
+                continue
+            calls = sum(made.calls for _, made in window)
+            failed = sum(made.timeouts + made.exceptions for _, made in window)
+            if failed < NOTE_FRACTION * calls:
+                continue
+            reason, collector = self._most_common(window)
+            head = (reason or "no reason given").partition("\n")[0]
+            return (
+                f"{failed} of the last {calls} calls of reward function {name!r} failed, "
+                f"scoring its failure_reward (most often: {head}; each reason is logged by the "
+                f"collectors{self.output_hint(collector)})"
+            )
+        return None
 
     @staticmethod
     def _most_common(window: list[tuple[int, RewardCalls]]) -> tuple[str | None, int]:
@@ -117,8 +147,7 @@ class RewardFailures:
                 and how many timed out, and the most common reason in full (the exception,
                 its message and the line of the function's code that raised).
         """
-        names = dict.fromkeys(name for _, batch in self._batches for name in batch)
-        for name in names:
+        for name in self._names():
             window = self._window(name)
             if not window:
                 continue
