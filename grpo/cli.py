@@ -8,6 +8,8 @@
                 [--gpu-memory 24GiB]            and its GPU memory plan (per role, per GPU)
     grpo cp NAME DEST [--force]                 copy a config or recipe to edit it
     grpo plot RUN_DIR                           write the standard plots of a run
+    grpo eval CONFIG_OR_RUN_DIR [k=v ...]       evaluate a policy on the held-out set, no
+              [--checkpoint PATH]               training: a table, and RUN_DIR/eval.json
     grpo export CHECKPOINT_DIR --peft OUT       a LoRA checkpoint's adapter as a PEFT folder,
                                --merged OUT     and/or merged into its base model
     grpo --version                              the installed package's version
@@ -24,6 +26,7 @@ any config problem, 130 after Ctrl-C (``128 + signal`` for a run a signal stoppe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib.metadata
 import importlib.util
@@ -31,9 +34,10 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from grpo.config import ConfigError, configs_dir, list_configs, repo_root
 from grpo.observability.logs import DriverLog
@@ -46,6 +50,9 @@ from grpo.preflight.memory import (
 )
 from grpo.preflight.versions import check_vllm_version
 from grpo.recipe import add_verbose_flag, import_from_launch_folder, run_recipe, split_overrides
+
+if TYPE_CHECKING:
+    from grpo.config import RunConfig
 
 # A config names its recipe in its launch comment: "#   grpo run async_grpo --config ...".
 _LAUNCH_LINE = re.compile(r"^#.*\bgrpo run\s+(\S+)\s+--config\b", re.MULTILINE)
@@ -291,6 +298,102 @@ def _export_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _saved_config(run_dir: Path) -> Path:
+    """The config a run folder's run ran with: the metric logger's copy, else its latest
+    checkpoint's."""
+    from grpo.run_folder import CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE
+
+    latest = run_dir / CHECKPOINTS_DIR / LATEST_FILE
+    candidates = [run_dir / CONFIG_FILE]
+    if latest.is_file():
+        candidates.append(run_dir / CHECKPOINTS_DIR / latest.read_text().strip() / CONFIG_FILE)
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise CommandError(f"{run_dir} holds no run config ({CONFIG_FILE}); give the config", 2)
+
+
+@contextlib.contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """Send this process's stdout and stderr (the file descriptors: vLLM's C++ and its logger
+    too) to ``path`` while the block runs, then give the terminal back."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def _has_own_held_out_rows(cfg: RunConfig) -> bool:
+    """Whether the run's environment generates held-out rows of its own (a reasoning-gym
+    environment with ``eval_size`` > 0), which evaluation plays when ``eval_dataset`` is null."""
+    from grpo.envs import build_environment
+
+    environment = build_environment(cfg.environment, cfg.reward_functions, cfg.reward_timeout_s)
+    try:
+        rows = environment.eval_examples()
+        return rows is not None and len(rows) > 0
+    finally:
+        environment.close()
+
+
+def _eval_cmd(args: argparse.Namespace) -> int:
+    target = Path(args.config_or_run_dir)
+    run_dir = target if target.is_dir() else None
+    config = _saved_config(target) if run_dir is not None else args.config_or_run_dir
+    # The run's own resume setting is not this command's business: it trains nothing.
+    overrides = ["resume_from_checkpoint=false", *args.overrides]
+    cfg = load_run_config(config, overrides, check_components=True)
+    if cfg.eval_dataset is None and not _has_own_held_out_rows(cfg):
+        raise ConfigError("eval_dataset: null; grpo eval evaluates on the held-out set")
+    checkpoint = args.checkpoint
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        raise CommandError(f"--checkpoint: {checkpoint} is not a folder", 2)
+    if checkpoint is None and run_dir is not None and (run_dir / "final").is_dir():
+        checkpoint = str(run_dir / "final")
+    if checkpoint is not None and cfg.training.lora is None:
+        if not (Path(checkpoint) / "config.json").is_file():
+            raise CommandError(
+                f"--checkpoint: {checkpoint} has no config.json (a LoRA adapter needs a config "
+                "with training.lora)",
+                2,
+            )
+    import json
+
+    from grpo.orchestrator.evaluation import evaluate_policy, format_evaluation
+
+    out_dir = run_dir or Path(cfg.output_dir)
+    log_path = out_dir / "logs" / "eval.log"
+    print(f"Evaluating; vLLM's output goes to {log_path}", file=sys.stderr)
+    try:
+        with _output_to(log_path):  # the terminal gets the table, not the engine's log
+            metrics, results = evaluate_policy(cfg, checkpoint)
+    except ValueError as exc:  # an empty held-out set, an environment with its own tasks
+        raise CommandError(str(exc).splitlines()[0]) from None
+    report = {
+        "policy": checkpoint or cfg.base_model_path,
+        "metrics": metrics,
+        "examples": results,
+    }
+    (out_dir / "eval.json").write_text(json.dumps(report, indent=1))
+    print(f"Policy: {report['policy']}")
+    print(format_evaluation(metrics))
+    print(f"Wrote {out_dir / 'eval.json'}")
+    return 0
+
+
 def package_version() -> str:
     """The installed ``grpo`` package's version ("unknown" when run from an uninstalled tree)."""
     try:
@@ -370,6 +473,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl)")
     plot.set_defaults(func=_plot_cmd)
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="evaluate a policy on the held-out set without training",
+        description="Evaluate a policy folder (the base model, a checkpoint, final/, a LoRA "
+        "checkpoint with a training.lora config) on the config's held-out set, as the "
+        "training loop evaluates (eval_* keys): a table on the terminal and eval.json in the "
+        "run folder (the run dir given, or the config's output_dir).",
+        epilog="Example: grpo eval runs/x --checkpoint runs/x/checkpoints/step_000100 "
+        "eval_samples_per_example=4 eval_temperature=1.0",
+    )
+    evaluate.add_argument(
+        "config_or_run_dir", help="config name or YAML path, or a run folder (its saved config)"
+    )
+    evaluate.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="policy folder to evaluate (default: a run folder's final/, else the base model)",
+    )
+    evaluate.add_argument("overrides", nargs="*", help="key.sub=value or ~key overrides")
+    evaluate.set_defaults(func=_eval_cmd, takes_overrides=True)
 
     export = commands.add_parser(
         "export",

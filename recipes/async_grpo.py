@@ -194,7 +194,9 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
 def build_datasets(cfg: RunConfig, environment: Environment) -> dict[str, Any]:
     """Build ``dataset`` and ``eval_dataset`` once: report skipped rows, fail on an empty set.
 
-    Without a ``dataset``, the environment's own tasks are the dataset (a verifiers taskset).
+    Without a ``dataset``, the environment's own tasks are the dataset (a verifiers taskset, a
+    reasoning-gym environment); without an ``eval_dataset``, its held-out rows are, if it has
+    them (`Environment.eval_examples`).
 
     Returns:
         dict[str, Any]: The built datasets by config key (absent keys left out).
@@ -206,8 +208,10 @@ def build_datasets(cfg: RunConfig, environment: Environment) -> dict[str, Any]:
     for key in ("dataset", "eval_dataset"):
         node = getattr(cfg, key)
         if node is None:
-            if key == "dataset" and (examples := environment.examples()) is not None:
-                datasets[key] = examples
+            # An environment with its own tasks: its rows, and its held-out rows.
+            own = environment.examples() if key == "dataset" else environment.eval_examples()
+            if own is not None:
+                datasets[key] = own
             continue
         try:
             dataset = datasets[key] = instantiate(node, _key_=key)
@@ -299,7 +303,8 @@ def build_evaluator(cfg: RunConfig, eval_dataset: Any, run: Orchestrator) -> Any
         run.collectors[0],
         run.metric_logger,
         max_generated_tokens=cfg.inference.max_generated_tokens,
-        reward_timeout_s=cfg.reward_timeout_s,
+        samples_per_example=cfg.eval_samples_per_example,
+        temperature=cfg.eval_temperature,
     )
     return lambda step: evaluator(step, run.collectors[0])
 

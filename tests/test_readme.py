@@ -301,6 +301,14 @@ class Shell:
             assert status == 0, output
             for flag in (arg for arg in args[1:] if arg.startswith("--")):
                 assert flag in output, f"grpo export has no option {flag}"
+        elif args[0] == "eval":  # a config: it and its overrides validate; a run folder: none
+            status, output = _grpo(["eval", "--help"])
+            assert status == 0, output
+            rest = [arg for arg in args[1:] if not arg.startswith("--")]
+            if "--checkpoint" in args:
+                rest.remove(args[args.index("--checkpoint") + 1])
+            if not rest[0].startswith(("outputs/", "runs/")):
+                _validate(rest[0], rest[1:], self.folder, self.model)
         else:
             raise AssertionError(f"grpo has no command {args[0]!r}")
 

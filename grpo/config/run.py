@@ -34,6 +34,15 @@ from grpo.config.signatures import static_overrides, static_reward_name
 # Marks a value whose interpolation failed; the failure is already reported.
 UNRESOLVED = object()
 NUMBER = (int, float)
+# The reasoning-gym environment's full path (it brings its own tasks, as verifiers_env does).
+REASONING_GYM_ENV = "grpo.envs.reasoning_gym.ReasoningGymEnv"
+# Environments that generate their own rows and held-out rows (a hub's tasks or games).
+OWN_ROWS_ENVS = (
+    "grpo.envs.ReasoningGymEnv",
+    REASONING_GYM_ENV,
+    "grpo.envs.TextArenaEnv",
+    "grpo.envs.textarena_env.TextArenaEnv",
+)
 
 # Top-level keys of older configs that nothing reads any more, with what to do instead. They
 # looked like components but were never built: the actors build the model and load the
@@ -93,6 +102,11 @@ class RunConfig(Section):
     """Evaluate on eval_dataset every N training steps; null: never."""
     eval_num_examples: int | None = Field(None, ge=1)
     """Held-out examples per evaluation; null: all of eval_dataset."""
+    eval_samples_per_example: int = Field(1, ge=1)
+    """Episodes per held-out example: the k of eval/avg@k and eval/pass@k (docs/evaluation.md);
+    above 1 needs eval_temperature above 0."""
+    eval_temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of held-out evaluation; 0: greedy."""
     log_level: LogLevel = "info"
     """info: the terminal shows a progress bar and the results; each process's own output
     (vLLM, Ray, W&B) goes to output_dir/logs/. debug (grpo run --verbose): all of it on the
@@ -113,7 +127,8 @@ class RunConfig(Section):
     """Training prompts and answers; null with an environment that brings its own tasks
     (grpo.envs.verifiers_env: the taskset's rows are the data), and only then."""
     eval_dataset: Component() | None = None
-    """Evaluation prompts; null: no evaluation."""
+    """Evaluation prompts; null: no evaluation, or the held-out rows of an environment that
+    generates its own tasks (grpo.envs.ReasoningGymEnv's eval_size)."""
     environment: Component() | None = None
     """Multi-turn environment that answers the policy's turns (tool results, user replies) and
     scores each episode with reward_functions, e.g. {_component_: grpo.envs.ToolEnv, tools:
@@ -324,20 +339,36 @@ def _check_relations(values: dict, problems: list[str]) -> None:
             f"training.batch_size ({train_batch}); a batch could never be sampled"
         )
 
-    if (
-        value_at(values, "eval_every_n_steps", (int,)) is not None
-        and values.get("eval_dataset") is None
-    ):
-        problems.append("eval_every_n_steps: set, but eval_dataset is null")
     environment = values.get("environment")
     plays_verifiers = (
         isinstance(environment, dict)
         and environment.get("_component_") == "grpo.envs.verifiers_env"
     )
-    if values.get("dataset") is None and not plays_verifiers:
+    plays_own_rows = (
+        isinstance(environment, dict) and environment.get("_component_") in OWN_ROWS_ENVS
+    )
+    if (
+        value_at(values, "eval_every_n_steps", (int,)) is not None
+        and values.get("eval_dataset") is None
+        and not plays_own_rows  # its own held-out rows (eval_size) are the eval set
+    ):
+        problems.append("eval_every_n_steps: set, but eval_dataset is null")
+    if (
+        plays_own_rows
+        and value_at(values, "eval_every_n_steps", (int,)) is not None
+        and values.get("eval_dataset") is None
+        and environment.get("eval_size") == 0
+    ):
+        problems.append(
+            "eval_every_n_steps: set, but environment.eval_size is 0 and eval_dataset is null: "
+            "there is no held-out row to evaluate on; give eval_size > 0 (or eval_every_n_steps: "
+            "null)"
+        )
+    if values.get("dataset") is None and not (plays_verifiers or plays_own_rows):
         problems.append(
             "dataset: required key is missing (only an environment with its own tasks, "
-            "grpo.envs.verifiers_env, runs without one)"
+            "grpo.envs.verifiers_env, grpo.envs.ReasoningGymEnv or grpo.envs.TextArenaEnv, "
+            "runs without one)"
         )
     if plays_verifiers and values.get("dataset") is not None:
         # The episodes are the taskset's: a dataset's rows would be played as the tasks at
@@ -346,11 +377,26 @@ def _check_relations(values: dict, problems: list[str]) -> None:
             "dataset: environment._component_ grpo.envs.verifiers_env plays its taskset's own "
             "tasks, which are the data; set dataset: null (or dataset=null on the command line)"
         )
+    if plays_own_rows and values.get("dataset") is not None:
+        # Its rows carry the task and metadata its scorer reads; a dataset's would not.
+        problems.append(
+            f"dataset: environment._component_ {environment['_component_']} generates its own "
+            "tasks, which are the data; set dataset: null (or dataset=null on the command line)"
+        )
     if plays_verifiers and value_at(values, "eval_every_n_steps", (int,)) is not None:
         problems.append(
-            "eval_every_n_steps: held-out evaluation scores eval_dataset with reward_functions, "
-            "but a verifiers environment's episodes are scored by its taskset; set "
-            "eval_every_n_steps: null (the taskset's reward is in the training metrics)"
+            "eval_every_n_steps: held-out evaluation scores eval_dataset's examples, but a "
+            "verifiers environment plays only its taskset's own tasks, which have no held-out "
+            "split here; set eval_every_n_steps: null (the taskset's reward is in the training "
+            "metrics)"
+        )
+    samples = value_at(values, "eval_samples_per_example", (int,))
+    temperature = value_at({"eval_temperature": 0.0, **values}, "eval_temperature")
+    if samples is not None and samples > 1 and temperature == 0:
+        problems.append(
+            f"eval_samples_per_example: {samples} samples at eval_temperature 0 are identical "
+            "greedy samples (pass@k would equal avg@k); set eval_temperature above 0 (e.g. "
+            "1.0) or eval_samples_per_example: 1"
         )
 
     weights = value_at(values, "ref.reward_weights", (dict,))

@@ -13,6 +13,11 @@
 * `verifiers_env` (`verifiers_adapter`): a verifiers environment (``verifiers.v1``), its episodes
   played against the collector's engine served on vLLM's token-in, token-out endpoint
   (`generate_server`), with the harness of `verifiers_harness` by default.
+* `ReasoningGymEnv` (`reasoning_gym`): reasoning-gym's procedural tasks, its rows generated
+  (training and held-out) and each response scored by the task's own scorer (the ``hub``
+  extra).
+* `TextArenaEnv` (`textarena_env`): a single-player TextArena game, one game object per episode,
+  the policy's turns its actions and the game's own reward the episode's (the ``hub`` extra).
 * `run_episodes` (`rollout`): drives episodes on an inference engine, batched across episodes;
   `render` turns the environment's messages into tokens the way the chat template does.
 * `dropped`: episodes the environment failed, scored with the failure rewards in their groups
@@ -26,10 +31,12 @@ from grpo.envs.base import Episode, MultiTurnEnv
 from grpo.envs.build import build_environment
 from grpo.envs.builtin_tools import calculator, python
 from grpo.envs.protocol import EngineContext, Environment, EpisodeLimits
+from grpo.envs.reasoning_gym import ReasoningGymEnv
 from grpo.envs.render import ChatTurnRenderer, PlainTurnRenderer, chat_template_problem
 from grpo.envs.rollout import Sample, SampleRequest, episode_groups, run_episodes
 from grpo.envs.runner import ToolOutcome, ToolRunner
 from grpo.envs.single_turn import SingleTurnEnv
+from grpo.envs.textarena_env import TextArenaEnv
 from grpo.envs.tool_env import ToolEnv
 from grpo.envs.tools import Tool, ToolCall, parse_tool_calls
 from grpo.envs.verifiers_adapter import VerifiersEnv, verifiers_env
@@ -42,9 +49,11 @@ __all__ = [
     "EpisodeLimits",
     "MultiTurnEnv",
     "PlainTurnRenderer",
+    "ReasoningGymEnv",
     "Sample",
     "SingleTurnEnv",
     "SampleRequest",
+    "TextArenaEnv",
     "Tool",
     "ToolCall",
     "ToolEnv",

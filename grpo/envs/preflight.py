@@ -31,7 +31,9 @@ def environment_problems(
     Returns:
         list[str]: Empty when the options fit the environment's declarations and the tools
         import and take typed arguments (for a verifiers environment: when the extra is
-        installed and its modules import).
+        installed and its modules import; for `grpo.envs.ReasoningGymEnv`: when the extra is
+        installed and reasoning-gym has each task and takes its config; for
+        `grpo.envs.TextArenaEnv`: when the extra is installed and TextArena has the game).
     """
     if node.get("_component_") == "grpo.envs.verifiers_env":
         from grpo.envs.verifiers_adapter import verifiers_problems
@@ -42,6 +44,17 @@ def environment_problems(
     if component is not None:
         arguments = {name: value for name, value in node.items() if name != "_component_"}
         problems += [f"{key}.{problem}" for problem in option_problems(component, arguments)]
+    if not problems and component is not None:
+        from grpo.envs.reasoning_gym import ReasoningGymEnv, task_problems
+
+        if inspect.isclass(component) and issubclass(component, ReasoningGymEnv):
+            # Task names and configs, checked by reasoning-gym itself (did-you-mean).
+            problems += task_problems(node.get("tasks"), f"{key}.tasks")
+        from grpo.envs.textarena_env import TextArenaEnv, game_problems
+
+        if inspect.isclass(component) and issubclass(component, TextArenaEnv):
+            # The game's name (did-you-mean) and that it starts with one player.
+            problems += game_problems(node.get("game"), f"{key}.game")
     tools = node.get("tools")
     if tools is None:
         return problems

@@ -122,6 +122,11 @@ class Environment(ABC):
         """The rows the run samples from when it names no ``dataset`` (a taskset's), or None."""
         return None
 
+    def eval_examples(self) -> Any:
+        """The held-out rows evaluation plays when the run names no ``eval_dataset`` (an
+        environment that generates its own tasks, kept apart from `examples`), or None."""
+        return None
+
     def response_budget(self, max_tokens_per_turn: int) -> int | None:
         """The most response tokens of one episode, which the engine's context must hold.
 

@@ -133,6 +133,18 @@ INFERENCE_ENV_METRIC_TEMPLATE = "inference/env_{name}"
 # eval/: held-out evaluation.
 EVAL_ACCURACY = "eval/accuracy"
 EVAL_NUM_EXAMPLES = "eval/num_examples"
+EVAL_SAMPLES_PER_EXAMPLE = "eval/samples_per_example"
+EVAL_RESPONSE_TOKENS_MEAN = "eval/response_tokens_mean"
+EVAL_FAILED_EPISODES = "eval/failed_episodes"
+EVAL_TIME = "eval/time (s)"
+# avg@k and pass@k of the first reward function's success (k: samples per example), overall
+# and per task (an example's ``task`` column); each reward function's mean and success rate.
+EVAL_AVG_AT_K_TEMPLATE = "eval/avg@{k}"
+EVAL_PASS_AT_K_TEMPLATE = "eval/pass@{k}"
+EVAL_TASK_AVG_AT_K_TEMPLATE = "eval/task_{task}/avg@{k}"
+EVAL_TASK_PASS_AT_K_TEMPLATE = "eval/task_{task}/pass@{k}"
+EVAL_REWARD_MEAN_TEMPLATE = "eval/reward_{name}_mean"
+EVAL_SUCCESS_MEAN_TEMPLATE = "eval/success_{name}_mean"
 
 # faults/: restarts and the work they cost (the supervisor and the training loop).
 FAULTS_ACTOR_RESTARTS = "faults/actor_restarts"

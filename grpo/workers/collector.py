@@ -36,6 +36,7 @@ from grpo.config.sections import InferenceConfig, LoRAConfig
 from grpo.data.dataset import resolve_dataset
 from grpo.envs.build import build_environment
 from grpo.envs.dropped import BatchDrops, DroppedEpisodeLog, scored_episodes
+from grpo.envs.evaluation import EvaluationEnvironment, evaluation_episodes
 from grpo.envs.metrics import episode_metrics, generation_metrics
 from grpo.envs.protocol import EngineContext, Prompt
 from grpo.envs.rollout import episode_groups
@@ -164,6 +165,9 @@ class SyncLLMCollector(SleepMethods):
                 prompt_template=prompt_template,
             )
         )
+        # Held-out evaluation's own instance of the environment (built on first use).
+        spec = (environment, reward_functions, reward_timeout_s)
+        self.evaluation_env = EvaluationEnvironment(*spec, self.environment)
         self.sequence_counter = 0
         self.group_counter = 0
         self.batch_counter = 0
@@ -413,6 +417,7 @@ class SyncLLMCollector(SleepMethods):
         the garbage collector tears down under the others: close several in one process
         explicitly, last created first.
         """
+        self.evaluation_env.close()
         self.environment.close()
         self.engine.shutdown()
 
@@ -421,48 +426,43 @@ class SyncLLMCollector(SleepMethods):
     def evaluate(
         self, dataset_items: Sequence[Mapping[str, Any]], max_generated_tokens: int | None = None
     ) -> list[str]:
-        """Greedy episodes of held-out examples with the current weights (pending ones are
-        applied first and kept while the episodes run); scoring is the caller's job.
+        """Per example, the last policy turn of its greedy episode, decoded (special tokens
+        dropped; ``""`` for a prompt that does not fit or a failed episode): `evaluate_episodes`
+        with one greedy sample each."""
+        results = self.evaluate_episodes(dataset_items, 1, 0.0, max_generated_tokens)
+        return [result["samples"][0]["text"] for result in results]
+
+    def evaluate_episodes(
+        self,
+        dataset_items: Sequence[Mapping[str, Any]],
+        samples_per_example: int = 1,
+        temperature: float = 0.0,
+        max_generated_tokens: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Held-out episodes on the current weights (pending ones applied first, then kept),
+        scored by the environment's own rewards on an instance of their own
+        (`grpo.envs.evaluation`): training's counts, metrics and stream are untouched.
 
         Args:
             dataset_items (Sequence[Mapping[str, Any]]): Examples with ``"prompt"``.
+            samples_per_example (int): Episodes per example.
+            temperature (float): Sampling temperature (0: greedy).
             max_generated_tokens (int | None): Most tokens of one turn (default the run's).
 
         Returns:
-            list[str]: Per example, the last policy turn of its greedy episode, decoded (special
-            tokens dropped); ``""`` for a prompt that does not fit or a failed episode.
-
-        Raises:
-            ValueError: If the environment brings its own tasks (a verifiers taskset scores
-                its own episodes; `grpo validate` refuses such a config).
+            list[dict]: Per example, its samples (`grpo.envs.evaluation.evaluation_episodes`;
+            a ValueError for an environment with its own tasks, a verifiers taskset).
         """
-        if self.environment.examples() is not None:
-            raise ValueError(
-                "held-out evaluation scores eval_dataset with reward functions; an environment "
-                "with its own tasks (a verifiers taskset) scores its own episodes"
-            )
+        env = self.evaluation_env.get()
         self.apply_pending_weights()
-        prompt_ids = [self.environment.prompt_ids(item) for item in dataset_items]
-        fits = [i for i, ids in enumerate(prompt_ids) if len(ids) < self.max_model_len]
-        if len(fits) < len(prompt_ids):
-            log.warning(
-                "collector %d: %d evaluation prompts do not fit max_model_len=%d",
-                self.worker_id,
-                len(prompt_ids) - len(fits),
-                self.max_model_len,
-            )
-        completions = [""] * len(prompt_ids)
-        if not fits:
-            return completions
-        engine = self.engine.turn_engine(greedy=True, max_tokens=max_generated_tokens)
-        with self.engine.batch():
-            episodes = self.environment.run_groups(
-                [(dict(dataset_items[i]), prompt_ids[i]) for i in fits], engine, 1, [0] * len(fits)
-            )
-        self.dropped_episodes.record((e for [e] in episodes), type(self.environment).__name__)
-        for i, [episode] in zip(fits, episodes):
-            completions[i] = episode.last_assistant_text() if episode.error is None else ""
-        return completions
+        prompt_ids = [env.prompt_ids(item) for item in dataset_items]
+        fitting = [ids if len(ids) < self.max_model_len else None for ids in prompt_ids]
+        if too_long := fitting.count(None):
+            log.warning("collector %d: %d evaluation prompts do not fit", self.worker_id, too_long)
+        engine = self.engine.turn_engine(max_tokens=max_generated_tokens, temperature=temperature)
+        return evaluation_episodes(
+            env, engine, dataset_items, fitting, samples_per_example, self.seed, self.engine.batch
+        )
 
     # ------------------------------------------------------------------ checkpointing
 

@@ -270,6 +270,8 @@ class VLLMTurnEngine:
         greedy (bool): Greedy turns (evaluation): temperature 0, and the weights stay those the
             episodes started with.
         max_tokens (int | None): A cap on every turn (evaluation's budget), or None.
+        hold_weights (bool | None): Keep the weights the episodes started with (evaluation);
+            None: as ``greedy``.
     """
 
     def __init__(
@@ -279,12 +281,14 @@ class VLLMTurnEngine:
         sampling: Sampling,
         greedy: bool = False,
         max_tokens: int | None = None,
+        hold_weights: bool | None = None,
     ) -> None:
         self._add_request = add_request
         self._step = step
         self.sampling = sampling
         self.greedy = greedy
         self.max_tokens = max_tokens
+        self.hold_weights = greedy if hold_weights is None else hold_weights
         # vLLM request id -> (the key `submit` returned, the request): a turn sampled partly
         # with weights that failed verification is sampled again under a new id.
         self._running: dict[str, tuple[str, Any]] = {}
@@ -305,7 +309,7 @@ class VLLMTurnEngine:
         from grpo.envs import Sample
 
         finished = []
-        for output, runs in self._step(not self.greedy):
+        for output, runs in self._step(not self.hold_weights):
             if output.request_id not in self._running:
                 continue
             key, request = self._running.pop(output.request_id)
@@ -433,9 +437,24 @@ class EngineLoop:
         started = self._step_started
         return now - started if started is not None else 0.0
 
-    def turn_engine(self, greedy: bool = False, max_tokens: int | None = None) -> VLLMTurnEngine:
-        """The engine as the environments drive it (hold the lock while it runs)."""
-        return VLLMTurnEngine(self.add_request, self.step, self.sampling, greedy, max_tokens)
+    def turn_engine(
+        self, greedy: bool = False, max_tokens: int | None = None, temperature: float | None = None
+    ) -> VLLMTurnEngine:
+        """The engine as the environments drive it (hold the lock while it runs).
+
+        Args:
+            greedy (bool): Greedy turns, on the weights the episodes started with.
+            max_tokens (int | None): A cap on every turn, or None.
+            temperature (float | None): Evaluation's temperature (0: greedy), on the weights
+                the episodes started with; None: the run's sampling (or ``greedy``).
+        """
+        sampling, hold_weights = self.sampling, greedy
+        if temperature is not None:
+            greedy, hold_weights = temperature == 0, True
+            sampling = sampling._replace(temperature=float(temperature))
+        return VLLMTurnEngine(
+            self.add_request, self.step, sampling, greedy, max_tokens, hold_weights
+        )
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

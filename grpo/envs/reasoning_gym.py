@@ -1,0 +1,396 @@
+"""reasoning-gym tasks as an environment: its procedural tasks, scored by its own scorers.
+
+`ReasoningGymEnv` generates its training rows (`examples`) and its held-out rows
+(`eval_examples`, from another seed, disjoint from the training rows) with reasoning-gym's
+``create_dataset``, renders each question with the environment's prompt template, and scores
+each response with the task's own ``score_answer`` on the answer reasoning-gym extracts (the
+last ``<answer>...</answer>`` block, ``reasoning_gym.utils.extract_answer``). The scoring is a
+reward function (`ReasoningGymReward`, named ``reasoning_gym``) run in the reward worker pool
+with the run's ``reward_timeout_s``, like every other reward; the run's ``reward_functions``
+are scored beside it.
+
+reasoning-gym is an extra (``pip install -e ".[hub]"``); this module imports it only when a
+task is checked, generated or scored, so that ``import grpo.envs`` never needs it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import json
+import operator
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from grpo.envs.base import Episode
+from grpo.envs.options import checked_options
+from grpo.envs.single_turn import SingleTurnEnv
+from grpo.rewards.base import RewardFunction, RewardResult
+
+EXTRA = "hub"
+INSTALL_HINT = (
+    'grpo.envs.ReasoningGymEnv needs the reasoning-gym package: pip install -e ".[hub]" '
+    "(make setup installs it)"
+)
+# The name the reasoning-gym score is logged and weighed under (``ref.reward_weights``).
+REWARD_NAME = "reasoning_gym"
+
+
+def _reasoning_gym() -> Any:
+    """The reasoning_gym module.
+
+    Raises:
+        ImportError: If it is not installed, naming the extra that installs it.
+    """
+    try:
+        import reasoning_gym
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    return reasoning_gym
+
+
+def task_names() -> list[str]:
+    """Every task reasoning-gym registers, sorted.
+
+    Raises:
+        ImportError: If reasoning-gym is not installed.
+    """
+    _reasoning_gym()
+    from reasoning_gym.factory import DATASETS
+
+    return sorted(DATASETS)
+
+
+def _weight_and_config(spec: Any) -> tuple[float, dict[str, Any]]:
+    """A task's sampling weight and reasoning-gym config from its ``tasks`` value (checked)."""
+    if isinstance(spec, Mapping):
+        return float(spec.get("weight", 1.0)), dict(spec.get("config") or {})
+    return float(spec), {}
+
+
+def _spec_problem(spec: Any) -> str | None:
+    """What is wrong with the form of one ``tasks`` value, or None."""
+    if isinstance(spec, bool) or not isinstance(spec, int | float | Mapping):
+        return f"expected a weight > 0 or {{weight, config}}, got {spec!r}"
+    if not isinstance(spec, Mapping):
+        return None if spec > 0 else f"expected a weight > 0, got {spec!r}"
+    unknown = sorted(set(spec) - {"weight", "config"})
+    if unknown:
+        return f"unknown key(s) {unknown}; a task takes weight and config"
+    weight = spec.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
+        return f"weight: expected a number > 0, got {weight!r}"
+    config = spec.get("config")
+    if config is not None and not isinstance(config, Mapping):
+        return f"config: expected a mapping of the task's options, got {config!r}"
+    return None
+
+
+def task_problems(tasks: Any, key: str = "tasks") -> list[str]:
+    """What is wrong with a ``tasks`` mapping, one line per task, each naming its key.
+
+    Checks that every name is a reasoning-gym task (naming the closest one when it is not),
+    that every weight is above 0, and that every task's config builds its dataset.
+
+    Args:
+        tasks: The ``tasks`` option: ``{name: weight}`` or ``{name: {weight, config}}``.
+        key (str): The option's config key (``environment.tasks``).
+
+    Returns:
+        list[str]: Empty when every task can be generated; a single line naming the extra
+        when reasoning-gym is not installed.
+    """
+    if not isinstance(tasks, Mapping) or not tasks:
+        return [f"{key}: expected a mapping of reasoning-gym task names to weights, got {tasks!r}"]
+    try:
+        known = task_names()
+    except ImportError as error:
+        return [f"{key}: {error}"]
+    from reasoning_gym import create_dataset
+
+    problems = []
+    for name, spec in tasks.items():
+        where = f"{key}.{name}"
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; it has {len(known)} tasks"
+            problems.append(f"{where}: reasoning-gym has no task {name!r}{hint}")
+            continue
+        if (problem := _spec_problem(spec)) is not None:
+            problems.append(f"{where}: {problem}")
+            continue
+        _, config = _weight_and_config(spec)
+        try:
+            create_dataset(name, size=1, seed=0, **config)
+        except Exception as error:  # the task's own check of its config, in its words
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            problems.append(f"{where}.config: {message}")
+    return problems
+
+
+def _seed(seed: int, task: str, split: str) -> int:
+    """A task's generator seed for a split: far apart for each (seed, task, split), since
+    reasoning-gym seeds row i with ``seed + i``."""
+    digest = hashlib.sha256(f"{seed}:{task}:{split}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _counts(weights: Mapping[str, float], total: int) -> dict[str, int]:
+    """``total`` split over the tasks in proportion to their weights (largest remainders)."""
+    norm = sum(weights.values())
+    exact = {name: total * weight / norm for name, weight in weights.items()}
+    counts = {name: int(share) for name, share in exact.items()}
+    for name in sorted(exact, key=lambda n: counts[n] - exact[n])[: total - sum(counts.values())]:
+        counts[name] += 1
+    return counts
+
+
+class QuestionLine:
+    """The default prompt: the question on a line of its own (as
+    ``grpo.data.AnswerOnlyTemplate`` writes it), the answer closed by ``</answer>``."""
+
+    name = "question_line"
+    stop: tuple[str, ...] = ("</answer>",)
+
+    def __call__(self, question: str) -> str:
+        return f"{question}\n"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class TaskRows(Sequence):
+    """Generated rows with the prompt template attached: ``rows[i]`` also carries the
+    ``prompt`` the template renders from its question, and ``template`` is what the collector
+    reads (stop strings, ``add_bos``), as for a `grpo.data.PromptDataset`.
+
+    Args:
+        rows (list[dict]): The rows (``question``, ``answer``, ``task``, ``metadata``,
+            ``index``).
+        template (Callable[[str], str]): Renders a question as the prompt.
+        name (str): For logs (``reasoning_gym:train``).
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], template: Callable[[str], str], name: str):
+        self.rows = rows
+        self.template = template
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: Any) -> dict[str, Any]:
+        row = self.rows[operator.index(index)]
+        return {**row, "prompt": self.template(row["question"])}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, size={len(self)})"
+
+
+def _rows(
+    task: str,
+    config: Mapping[str, Any],
+    count: int,
+    seed: int,
+    avoid: set[str],
+) -> list[dict[str, Any]]:
+    """``count`` rows of one task, none whose question is in ``avoid``.
+
+    Raises:
+        ValueError: If the task's config has too few distinct questions to fill ``count``
+            rows that avoid the others.
+    """
+    from reasoning_gym import create_dataset
+
+    size = max(count, 1)
+    for _ in range(5):
+        rows = []
+        dataset = create_dataset(task, size=size, seed=seed, **config)
+        for entry in dataset:
+            if entry["question"] in avoid:
+                continue
+            rows.append(entry)
+            if len(rows) == count:
+                return rows
+        size *= 2
+    raise ValueError(
+        f"tasks.{task}: {len(rows)} of {count} training questions differ from the held-out "
+        "ones; the task's config has too few distinct questions (widen it, or lower eval_size)"
+    )
+
+
+class ReasoningGymEnv(SingleTurnEnv):
+    """reasoning-gym tasks: one response per question, scored by the task's own scorer.
+
+    The environment brings its own rows (`examples`, run with ``dataset: null``): ``size``
+    questions drawn from ``tasks`` in proportion to their weights, and ``eval_size`` held-out
+    ones (`eval_examples`) from other seeds, none of them a training question. Every row has
+    ``question``, ``answer``, ``task`` (its task's name), ``metadata`` (reasoning-gym's, which
+    its scorer reads) and the ``prompt`` the template renders.
+
+    Each response is scored by `ReasoningGymReward` (``reasoning_gym``: the task's
+    ``score_answer`` on the last ``<answer>`` block) in the reward worker pool with
+    ``reward_timeout_s``; the ``reward_functions`` given (the run's) are scored beside it. Each
+    batch logs each task's mean score as ``inference/env_<task>_reward``.
+
+    Args:
+        tasks (Mapping): Task name -> sampling weight, or -> ``{weight, config}`` where
+            ``config`` holds the task's reasoning-gym options (``{min_terms: 2}``).
+        size (int): Training rows generated.
+        seed (int): Seed of the generation; the same options give the same rows.
+        eval_size (int): Held-out rows generated (0: none).
+        template (Callable | None): The prompt template, built from its ``_component_`` node
+            (``grpo.data.ChatTemplate``, ``grpo.data.ThinkAnswerTemplate``, ...); None: the
+            question on a line of its own (`QuestionLine`).
+        reward_functions (Sequence): Reward functions scored beside reasoning-gym's.
+        reward_timeout_s (float): Seconds one reward call may take before it scores 0.
+
+    Raises:
+        ValueError: An unknown task (naming the closest one), a weight that is not above 0, a
+            task config its task refuses, a template that is not callable, or reasoning-gym
+            not installed (naming the extra that installs it).
+
+    Example:
+        >>> env = ReasoningGymEnv({"chain_sum": 1.0}, size=4, eval_size=2)
+        >>> sorted(env.examples()[0])
+        ['answer', 'index', 'metadata', 'prompt', 'question', 'task']
+    """
+
+    @checked_options
+    def __init__(
+        self,
+        tasks: Annotated[Mapping[str, Any], Field(min_length=1)],
+        size: Annotated[int, Field(ge=1)] = 20000,
+        seed: Annotated[int, Field()] = 0,
+        eval_size: Annotated[int, Field(ge=0)] = 512,
+        template: Callable[[str], str] | None = None,
+        reward_functions: Sequence[Any] = (),
+        reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0,
+    ) -> None:
+        problems = task_problems(tasks)
+        if problems:
+            raise ValueError("; ".join(problems))
+        if template is not None and not callable(template):
+            raise ValueError(
+                "template: expected a template node ({_component_: grpo.data.ChatTemplate, "
+                f"model_dir: ...}}) or null (the question on a line of its own), got {template!r}"
+            )
+        self.tasks = {name: _weight_and_config(spec) for name, spec in tasks.items()}
+        scorer = ReasoningGymReward(config={name: c for name, (_, c) in self.tasks.items() if c})
+        super().__init__([scorer, *reward_functions], reward_timeout_s=reward_timeout_s)
+        self.size = size
+        self.seed = seed
+        self.eval_size = eval_size
+        self.template = template if template is not None else QuestionLine()
+        self._splits: dict[str, Any] = {}
+
+    def examples(self) -> Any:
+        """The training rows with the template (`TaskRows`; made once)."""
+        return self._split("train")
+
+    def eval_examples(self) -> Any:
+        """The held-out rows (``eval_size`` of them, from other seeds, none a training
+        question), with the same template and columns (`TaskRows`)."""
+        return self._split("eval")
+
+    def _split(self, split: str) -> Any:
+        if split not in self._splits:
+            self._splits = self._generate()
+        return self._splits[split]
+
+    def _generate(self) -> dict[str, Any]:
+        """Both splits: the held-out rows first, so the training rows can avoid them."""
+        weights = {name: weight for name, (weight, _) in self.tasks.items()}
+        splits = {}
+        held_out: dict[str, set[str]] = {}
+        for split, total in (("eval", self.eval_size), ("train", self.size)):
+            rows = []
+            for task, count in _counts(weights, total).items():
+                config = self.tasks[task][1]
+                if count == 0:
+                    continue
+                avoid = held_out.get(task, set()) if split == "train" else set()
+                entries = _rows(task, config, count, _seed(self.seed, task, split), avoid)
+                if split == "eval":
+                    held_out[task] = {entry["question"] for entry in entries}
+                rows += [
+                    {
+                        "question": str(entry["question"]),
+                        "answer": str(entry["answer"]),
+                        "task": task,
+                        "metadata": entry.get("metadata", {}),
+                    }
+                    for entry in entries
+                ]
+            # Tasks interleaved, in an order fixed by the seed.
+            random.Random(_seed(self.seed, "order", split)).shuffle(rows)
+            for index, row in enumerate(rows):
+                row["index"] = index
+            splits[split] = TaskRows(rows, self.template, name=f"reasoning_gym:{split}")
+        return splits
+
+    def _score_now(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
+        """Rewards by name, and each episode's task score as its ``<task>_reward`` metric
+        (`grpo.envs.metrics.episode_metrics` logs the batch's mean per task)."""
+        rewards = super()._score_now(episodes)
+        for episode, reward in zip(episodes, rewards):
+            task = episode.example.get("task")
+            if task is not None:
+                metrics = episode.state.setdefault("metrics", {})
+                metrics[f"{task}_reward"] = reward[REWARD_NAME]
+        return rewards
+
+
+@functools.lru_cache(maxsize=64)
+def _scorer(task: str, config_json: str) -> Any:
+    """The ``score_answer`` of a task built with its config, once per worker process."""
+    create_dataset = _reasoning_gym().create_dataset
+    return create_dataset(task, size=1, seed=0, **json.loads(config_json)).score_answer
+
+
+class ReasoningGymReward(RewardFunction):
+    """reasoning-gym's own score of a response: its task's ``score_answer`` on the answer
+    `reasoning_gym.utils.extract_answer` reads (the last ``<answer>...</answer>`` block; none:
+    reasoning-gym scores a missing answer, usually 0).
+
+    Args:
+        config (Mapping | None): Per task, the reasoning-gym config its scorer is built with
+            (a scorer that reads its options); None: each task's defaults.
+
+    Example:
+        >>> reward = ReasoningGymReward()
+        >>> reward("<answer>6</answer>", "6", question="1 + 5 =", metadata={}, task="chain_sum")
+        RewardResult(reward=1.0, success=True)
+    """
+
+    name = REWARD_NAME
+
+    def __init__(self, *, config: Mapping[str, Mapping[str, Any]] | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.config = {task: dict(options) for task, options in (config or {}).items()}
+
+    def __call__(
+        self,
+        completion: str,
+        answer: str,
+        question: str = "",
+        metadata: Mapping[str, Any] | None = None,
+        task: str = "",
+    ) -> RewardResult:
+        """Score one response.
+
+        Raises:
+            ValueError: If the example names no task (a row not made by `ReasoningGymEnv`).
+        """
+        if not task:
+            raise ValueError("ReasoningGymReward scores rows with a 'task' column")
+        from reasoning_gym.utils import extract_answer
+
+        config = json.dumps(self.config.get(task, {}), sort_keys=True)
+        entry = {"question": question, "answer": answer, "metadata": dict(metadata or {})}
+        score = float(_scorer(task, config)(extract_answer(completion), entry))
+        return RewardResult(score, score >= 1.0)

@@ -1,0 +1,388 @@
+"""TextArena games as an environment: one single-player game per episode, played turn by turn.
+
+`TextArenaEnv` plays a TextArena game (``GuessTheNumber-v0``, ``TowerOfHanoi-v0``, ...): each
+example is a game seed, the prompt is the game's first observation, each policy turn is the
+action passed to the game's ``step``, and what the game says back (hints, boards, invalid-move
+notices) is the next user turn. When the game ends, its own reward for the player is the
+episode's reward (named ``textarena``) and its win is the episode's success; an episode that
+stops first (``max_turns``, the token budget) scores 0, unfinished.
+
+Games are made from TextArena's unwrapped (``-raw``) registrations, so the policy's text goes
+to the game as written and only the game's new messages come back each turn. Every episode gets
+a game object of its own, made in the collector process. TextArena seeds games through Python's
+global ``random``; each game's random state is kept apart from the process's (and from the
+other games') and its calls are made one at a time.
+
+TextArena is an extra (``pip install -e ".[hub]"``); this module imports it only when a game
+is checked or played, so that ``import grpo.envs`` never needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import operator
+import random
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from grpo.envs.base import Episode, Message, MultiTurnEnv
+from grpo.envs.options import checked_options
+from grpo.envs.protocol import FailedEpisodes
+
+EXTRA = "hub"
+INSTALL_HINT = (
+    'grpo.envs.TextArenaEnv needs the textarena package: pip install -e ".[hub]" '
+    "(make setup installs it)"
+)
+# The name the game's reward is logged and weighed under (``ref.reward_weights``).
+REWARD_NAME = "textarena"
+# TextArena's games draw from the process's global ``random``: one game call at a time.
+_RANDOM_LOCK = threading.Lock()
+
+
+def _textarena() -> Any:
+    """The textarena module.
+
+    Raises:
+        ImportError: If it is not installed, naming the extra that installs it.
+    """
+    try:
+        import textarena
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    return textarena
+
+
+def game_names() -> list[str]:
+    """Every game TextArena registers (its ``-raw`` variants left out), sorted.
+
+    Raises:
+        ImportError: If textarena is not installed.
+    """
+    from_registry = _textarena().envs.registration.ENV_REGISTRY
+    return sorted(name for name in from_registry if not name.endswith("-raw"))
+
+
+def game_problems(game: Any, key: str = "game") -> list[str]:
+    """What is wrong with a ``game`` name, in one line naming its key, or nothing.
+
+    Checks that TextArena has the game (naming the closest one when it does not) and that it
+    starts with one player.
+
+    Args:
+        game: The ``game`` option (``GuessTheNumber-v0``).
+        key (str): The option's config key (``environment.game``).
+
+    Returns:
+        list[str]: Empty when the game can be played; one line otherwise (a single line
+        naming the extra when textarena is not installed).
+    """
+    if not isinstance(game, str) or not game:
+        return [f"{key}: expected a TextArena game name such as GuessTheNumber-v0, got {game!r}"]
+    try:
+        known = game_names()
+    except ImportError as error:
+        return [f"{key}: {error}"]
+    if game not in known:
+        close = difflib.get_close_matches(game, known, n=1)
+        hint = f"; did you mean {close[0]}?" if close else f"; it has {len(known)} games"
+        return [f"{key}: TextArena has no game {game!r}{hint}"]
+    try:
+        _Game(game, seed=0)
+    except Exception as error:  # the game's own refusal, in its words
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return [f"{key}: {game} does not start as a single-player game here ({message})"]
+    return []
+
+
+class _Game:
+    """One TextArena game in play, with its own random state.
+
+    Args:
+        name (str): The registered game (its ``-raw`` variant is made when there is one).
+        seed (int): The game's seed.
+    """
+
+    def __init__(self, name: str, seed: int) -> None:
+        textarena = _textarena()
+        registry = textarena.envs.registration.ENV_REGISTRY
+        self.name = name
+        self._random: Any = None
+        with self._turn():
+            self.env = textarena.make(f"{name}-raw" if f"{name}-raw" in registry else name)
+            self.env.reset(num_players=1, seed=seed)
+        self.done = False
+        self.reward = 0.0
+        self.info: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """Run a game call on this game's random state, the process's kept aside."""
+        with _RANDOM_LOCK:
+            outside = random.getstate()
+            if self._random is not None:
+                random.setstate(self._random)
+            try:
+                yield
+            finally:
+                self._random = random.getstate()
+                random.setstate(outside)
+
+    def observation(self) -> str:
+        """What the game says to the player since the last observation (its own actions
+        echoed back left out)."""
+        with self._turn():
+            _, observation = self.env.get_observation()
+        if isinstance(observation, str):
+            return observation.strip()
+        kinds = _textarena().ObservationType
+        return "\n".join(
+            str(message).strip()
+            for _, message, kind in observation
+            if kind != kinds.PLAYER_ACTION and str(message).strip()
+        )
+
+    def step(self, action: str) -> None:
+        """Play ``action``; when the game ends, keep its reward and outcome."""
+        with self._turn():
+            done, _ = self.env.step(action)
+            if done:
+                rewards, info = self.env.close()
+        if done:
+            self.done = True
+            self.reward = float((rewards or {}).get(0, 0.0))
+            self.info = dict((info or {}).get(0, {}))
+
+
+class GameRows(Sequence):
+    """The rows of one split: row ``i`` is the game played with ``seeds[i]``, its ``question``
+    the game's first observation (made when the row is read), its ``prompt`` the template's
+    rendering of it, and ``template`` what the collector reads (stop strings, ``add_bos``).
+
+    Args:
+        game (str): The TextArena game.
+        seeds (Sequence[int]): The games' seeds.
+        template (Callable[[str], str]): Renders a first observation as the prompt.
+        name (str): For logs (``textarena:train``).
+    """
+
+    def __init__(
+        self, game: str, seeds: Sequence[int], template: Callable[[str], str], name: str
+    ) -> None:
+        self.game = game
+        self.seeds = seeds
+        self.template = template
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    def __getitem__(self, index: Any) -> dict[str, Any]:
+        index = operator.index(index)
+        seed = int(self.seeds[index])
+        question = _Game(self.game, seed).observation()
+        return {
+            "game": self.game,
+            "seed": seed,
+            "question": question,
+            "answer": "",
+            "index": index if index >= 0 else len(self) + index,
+            "prompt": self.template(question),
+        }
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, size={len(self)})"
+
+
+class ObservationLine:
+    """The default prompt: the game's first observation on lines of its own, as the
+    environment's later turns are written after a plain prompt."""
+
+    name = "observation_line"
+    stop: tuple[str, ...] = ()
+
+    def __call__(self, question: str) -> str:
+        return f"{question}\n"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _base_seed(seed: int, game: str) -> int:
+    """Where a run's game seeds start, far apart for each (seed, game)."""
+    digest = hashlib.sha256(f"{seed}:{game}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x3FFFFFFF
+
+
+class TextArenaEnv(MultiTurnEnv):
+    """A single-player TextArena game: the policy plays it, the game scores it.
+
+    The environment brings its own rows (`examples`, run with ``dataset: null``): ``size``
+    games of ``game``, each a seed, and ``eval_size`` held-out games (`eval_examples`) on other
+    seeds. Every row has ``game``, ``seed``, ``question`` (the game's first observation),
+    ``answer`` (empty: the game judges) and the ``prompt`` the template renders.
+
+    Each episode plays its own game: every policy turn is the action given to the game's
+    ``step``, and the game's new messages are the next user turn, until the game ends (or
+    ``max_turns``). The game's reward for the player is the reward ``textarena`` and its win
+    (reward 1 or more) the episode's success; an unfinished game scores 0. The
+    ``reward_functions`` given are scored beside it on the last turn. Each batch logs the
+    fraction of games that finished (``inference/env_textarena_finished``) and of those lost
+    to an invalid move (``inference/env_textarena_invalid_move``).
+
+    Args:
+        game (str): A single-player TextArena game (``GuessTheNumber-v0``).
+        size (int): Training games (seeds).
+        seed (int): Seed of the games' seeds; the same options give the same games.
+        eval_size (int): Held-out games, on seeds no training game has (0: none).
+        template (Callable | None): The prompt template, built from its ``_component_`` node;
+            None: the first observation on lines of its own (`ObservationLine`).
+        reward_functions (Sequence): Reward functions scored beside the game's reward.
+        max_turns (int): Most policy turns (actions) in an episode.
+        max_episode_tokens (int | None): Most response tokens of an episode.
+        max_tokens_per_turn (int | None): Most tokens of one action.
+        stop (Sequence[str]): Strings that end a policy turn (kept in it); by default ``]``,
+            since TextArena's actions are bracketed (``[5]``).
+        reward_timeout_s (float): Seconds one call of a reward function may take.
+        failed_episodes (str): ``"score"`` or ``"drop"`` an episode whose game raised.
+
+    Raises:
+        ValueError: An unknown game (naming the closest one), one that does not start with
+            one player, a template that is not callable, or textarena not installed (naming
+            the extra that installs it).
+
+    Example:
+        >>> env = TextArenaEnv("GuessTheNumber-v0", size=4, eval_size=2)
+        >>> sorted(env.examples()[0])
+        ['answer', 'game', 'index', 'prompt', 'question', 'seed']
+    """
+
+    @checked_options
+    def __init__(
+        self,
+        game: Annotated[str, Field(min_length=1)],
+        size: Annotated[int, Field(ge=1)] = 10000,
+        seed: Annotated[int, Field()] = 0,
+        eval_size: Annotated[int, Field(ge=0)] = 64,
+        template: Callable[[str], str] | None = None,
+        reward_functions: Sequence[Any] = (),
+        max_turns: Annotated[int, Field(ge=1)] = 12,
+        max_episode_tokens: Annotated[int, Field(ge=1)] | None = None,
+        max_tokens_per_turn: Annotated[int, Field(ge=1)] | None = None,
+        stop: Annotated[Sequence[str], Field()] = ("]",),
+        reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0,
+        failed_episodes: Annotated[FailedEpisodes, Field()] = "score",
+    ) -> None:
+        problems = game_problems(game)
+        if problems:
+            raise ValueError("; ".join(problems))
+        if template is not None and not callable(template):
+            raise ValueError(
+                "template: expected a template node ({_component_: grpo.data.ChatTemplate, "
+                f"model_dir: ...}}) or null (the first observation on its own lines), got "
+                f"{template!r}"
+            )
+        super().__init__(
+            reward_functions,
+            max_turns=max_turns,
+            max_episode_tokens=max_episode_tokens,
+            max_tokens_per_turn=max_tokens_per_turn,
+            stop=stop,
+            reward_timeout_s=reward_timeout_s,
+            failed_episodes=failed_episodes,
+        )
+        self.game = game
+        self.size = size
+        self.seed = seed
+        self.eval_size = eval_size
+        self.template = template if template is not None else ObservationLine()
+        # Held-out games first, then the training games: the seeds never overlap.
+        start = _base_seed(seed, game)
+        self._seeds = {
+            "eval": range(start, start + eval_size),
+            "train": range(start + eval_size, start + eval_size + size),
+        }
+
+    def examples(self) -> Any:
+        """The training games (`GameRows`)."""
+        return GameRows(self.game, self._seeds["train"], self.template, "textarena:train")
+
+    def eval_examples(self) -> Any:
+        """The held-out games (``eval_size`` of them, on seeds no training game has)."""
+        return GameRows(self.game, self._seeds["eval"], self.template, "textarena:eval")
+
+    def reset(self, example: Mapping[str, Any]) -> dict[str, Any]:
+        """A new game of the example's seed, its first observation read (it is the prompt)."""
+        game = _Game(str(example.get("game") or self.game), int(example["seed"]))
+        game.observation()
+        return {"answer": example.get("answer", ""), "game": game}
+
+    def env_response(
+        self, messages: list[Message], state: dict[str, Any], episode: Episode
+    ) -> list[Message] | None:
+        """Play the policy's turn as the game's action: the game's answer, or None when the
+        game is over (its reward and outcome kept in ``state``)."""
+        game: _Game = state["game"]
+        game.step(messages[-1]["content"])
+        if not game.done:
+            return [{"role": "user", "content": game.observation()}]
+        self._finish(state)
+        return None
+
+    def _finish(self, state: dict[str, Any]) -> None:
+        """Keep the game's result in ``state`` and let the game object go."""
+        game = state.pop("game", None)
+        if game is None or "reward" in state:
+            return
+        invalid = bool(game.info.get("invalid_move", False))
+        state["reward"] = game.reward if game.done else 0.0
+        state["won"] = game.done and game.reward >= 1.0
+        state["reason"] = str(game.info.get("reason", "unfinished"))
+        metrics = state.setdefault("metrics", {})
+        metrics["textarena_finished"] = float(game.done)
+        metrics["textarena_invalid_move"] = float(invalid)
+
+    def reward_names(self) -> list[str] | None:
+        """``textarena``, then the reward functions' names."""
+        from grpo.rewards import reward_name
+
+        return [REWARD_NAME, *(reward_name(fn) for fn in self.reward_functions)]
+
+    def failure_rewards(self) -> dict[str, float] | None:
+        """0 for the game's reward, and each reward function's ``failure_reward``."""
+        from grpo.rewards import reward_name
+
+        return {
+            REWARD_NAME: 0.0,
+            **{
+                reward_name(fn): float(getattr(fn, "failure_reward", 0.0))
+                for fn in self.reward_functions
+            },
+        }
+
+    def score(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
+        """The game's reward (``textarena``) and its win as the success, with the reward
+        functions' rewards beside them (scored now, on the episodes' last turns)."""
+        return self._score_now(episodes)
+
+    def _score_now(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
+        if self.reward_functions:
+            rewards = super()._score_now(episodes)
+        else:
+            rewards = [{} for _ in episodes]
+            for episode in episodes:
+                episode.successes = {}
+        scored = []
+        for episode, reward in zip(episodes, rewards):
+            self._finish(episode.state)  # an episode that stopped before its game did
+            episode.successes = {
+                REWARD_NAME: float(episode.state["won"]),
+                **(episode.successes or {}),
+            }
+            scored.append({REWARD_NAME: float(episode.state["reward"]), **reward})
+        return scored
