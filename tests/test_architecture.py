@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 GRPO = Path(__file__).resolve().parents[1] / "grpo"
 COMPUTE_MODULES = ("types.py", "packing", "objective")
@@ -147,3 +151,15 @@ def test_one_environment_protocol_and_the_collector_names_no_environment_kind():
         source = path.read_text()
         assert "supplies_tasks" not in source and "_plays_own_episodes" not in source
         assert "getattr(self.environment" not in source and "getattr(environment" not in source
+
+
+@pytest.mark.parametrize("package", ["grpo.config", "grpo.envs"])
+def test_reading_configs_and_environments_loads_no_torch(package):
+    """``grpo validate`` imports these to check a config, its tools and its environment: a
+    torch import there costs every validation seconds (a hub environment's scorer is a
+    reward function, imported only when the environment is built)."""
+    code = f"import sys, {package}; print(sorted(m for m in ('torch', 'ray', 'vllm') if m in sys.modules))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]", result.stdout

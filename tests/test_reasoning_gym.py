@@ -13,7 +13,8 @@ pytest.importorskip("reasoning_gym", reason='the hub extra: pip install -e ".[hu
 from grpo.envs import Episode, ReasoningGymEnv  # noqa: E402
 from grpo.envs.metrics import episode_metrics  # noqa: E402
 from grpo.envs.preflight import environment_problems  # noqa: E402
-from grpo.envs.reasoning_gym import INSTALL_HINT, ReasoningGymReward, task_problems  # noqa: E402
+from grpo.envs.reasoning_gym import INSTALL_HINT, task_problems  # noqa: E402
+from grpo.rewards.reasoning_gym import ReasoningGymReward  # noqa: E402
 from grpo.testing import RANDOM_MODEL_OVERRIDES, read_jsonl  # noqa: E402
 
 SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}

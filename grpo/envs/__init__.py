@@ -18,6 +18,8 @@
   extra).
 * `TextArenaEnv` (`textarena_env`): a single-player TextArena game, one game object per episode,
   the policy's turns its actions and the game's own reward the episode's (the ``hub`` extra).
+* `AgentEnv` (`agent_env`): an agent program written against an OpenAI client, served the
+  collector's engine on OpenAI's routes (`openai_server`), token-exact, its return its reward.
 * `run_episodes` (`rollout`): drives episodes on an inference engine, batched across episodes;
   `render` turns the environment's messages into tokens the way the chat template does.
 * `dropped`: episodes the environment failed, scored with the failure rewards in their groups
@@ -27,6 +29,7 @@
 Importing this package loads no torch (``grpo validate`` reads tools and environments).
 """
 
+from grpo.envs.agent_env import AgentEnv
 from grpo.envs.base import Episode, MultiTurnEnv
 from grpo.envs.build import build_environment
 from grpo.envs.builtin_tools import calculator, python
@@ -42,6 +45,7 @@ from grpo.envs.tools import Tool, ToolCall, parse_tool_calls
 from grpo.envs.verifiers_adapter import VerifiersEnv, verifiers_env
 
 __all__ = [
+    "AgentEnv",
     "ChatTurnRenderer",
     "EngineContext",
     "Environment",

@@ -55,6 +55,12 @@ def environment_problems(
         if inspect.isclass(component) and issubclass(component, TextArenaEnv):
             # The game's name (did-you-mean) and that it starts with one player.
             problems += game_problems(node.get("game"), f"{key}.game")
+        from grpo.envs.agent_env import AgentEnv, agent_problem
+
+        if inspect.isclass(component) and issubclass(component, AgentEnv):
+            # The agent imports, is an async def and takes (client, example).
+            if (problem := agent_problem(node.get("agent"))) is not None:
+                problems.append(f"{key}.agent: {problem}")
     tools = node.get("tools")
     if tools is None:
         return problems

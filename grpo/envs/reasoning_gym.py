@@ -5,7 +5,7 @@
 ``create_dataset``, renders each question with the environment's prompt template, and scores
 each response with the task's own ``score_answer`` on the answer reasoning-gym extracts (the
 last ``<answer>...</answer>`` block, ``reasoning_gym.utils.extract_answer``). The scoring is a
-reward function (`ReasoningGymReward`, named ``reasoning_gym``) run in the reward worker pool
+reward function (`grpo.rewards.reasoning_gym.ReasoningGymReward`, named ``reasoning_gym``) run in the reward worker pool
 with the run's ``reward_timeout_s``, like every other reward; the run's ``reward_functions``
 are scored beside it.
 
@@ -16,9 +16,7 @@ task is checked, generated or scored, so that ``import grpo.envs`` never needs i
 from __future__ import annotations
 
 import difflib
-import functools
 import hashlib
-import json
 import operator
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -29,14 +27,15 @@ from pydantic import Field
 from grpo.envs.base import Episode
 from grpo.envs.options import checked_options
 from grpo.envs.single_turn import SingleTurnEnv
-from grpo.rewards.base import RewardFunction, RewardResult
 
 EXTRA = "hub"
 INSTALL_HINT = (
     'grpo.envs.ReasoningGymEnv needs the reasoning-gym package: pip install -e ".[hub]" '
     "(make setup installs it)"
 )
-# The name the reasoning-gym score is logged and weighed under (``ref.reward_weights``).
+# The name the reasoning-gym score is logged and weighed under (``ref.reward_weights``); the
+# scorer itself is `grpo.rewards.reasoning_gym.ReasoningGymReward` (imported when an environment
+# is built: importing this module loads no torch).
 REWARD_NAME = "reasoning_gym"
 
 
@@ -280,6 +279,8 @@ class ReasoningGymEnv(SingleTurnEnv):
                 f"model_dir: ...}}) or null (the question on a line of its own), got {template!r}"
             )
         self.tasks = {name: _weight_and_config(spec) for name, spec in tasks.items()}
+        from grpo.rewards.reasoning_gym import ReasoningGymReward
+
         scorer = ReasoningGymReward(config={name: c for name, (_, c) in self.tasks.items() if c})
         super().__init__([scorer, *reward_functions], reward_timeout_s=reward_timeout_s)
         self.size = size
@@ -343,54 +344,3 @@ class ReasoningGymEnv(SingleTurnEnv):
                 metrics = episode.state.setdefault("metrics", {})
                 metrics[f"{task}_reward"] = reward[REWARD_NAME]
         return rewards
-
-
-@functools.lru_cache(maxsize=64)
-def _scorer(task: str, config_json: str) -> Any:
-    """The ``score_answer`` of a task built with its config, once per worker process."""
-    create_dataset = _reasoning_gym().create_dataset
-    return create_dataset(task, size=1, seed=0, **json.loads(config_json)).score_answer
-
-
-class ReasoningGymReward(RewardFunction):
-    """reasoning-gym's own score of a response: its task's ``score_answer`` on the answer
-    `reasoning_gym.utils.extract_answer` reads (the last ``<answer>...</answer>`` block; none:
-    reasoning-gym scores a missing answer, usually 0).
-
-    Args:
-        config (Mapping | None): Per task, the reasoning-gym config its scorer is built with
-            (a scorer that reads its options); None: each task's defaults.
-
-    Example:
-        >>> reward = ReasoningGymReward()
-        >>> reward("<answer>6</answer>", "6", question="1 + 5 =", metadata={}, task="chain_sum")
-        RewardResult(reward=1.0, success=True)
-    """
-
-    name = REWARD_NAME
-
-    def __init__(self, *, config: Mapping[str, Mapping[str, Any]] | None = None, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.config = {task: dict(options) for task, options in (config or {}).items()}
-
-    def __call__(
-        self,
-        completion: str,
-        answer: str,
-        question: str = "",
-        metadata: Mapping[str, Any] | None = None,
-        task: str = "",
-    ) -> RewardResult:
-        """Score one response.
-
-        Raises:
-            ValueError: If the example names no task (a row not made by `ReasoningGymEnv`).
-        """
-        if not task:
-            raise ValueError("ReasoningGymReward scores rows with a 'task' column")
-        from reasoning_gym.utils import extract_answer
-
-        config = json.dumps(self.config.get(task, {}), sort_keys=True)
-        entry = {"question": question, "answer": answer, "metadata": dict(metadata or {})}
-        score = float(_scorer(task, config)(extract_answer(completion), entry))
-        return RewardResult(score, score >= 1.0)

@@ -116,6 +116,11 @@ INFERENCE_EPISODE_ENV_TOKEN_FRACTION = "inference/episode_env_token_fraction"
 INFERENCE_EPISODE_TRUNCATED = "inference/episode_truncated"
 INFERENCE_EPISODE_HIT_MAX_TURNS = "inference/episode_hit_max_turns"
 INFERENCE_EPISODE_SPLIT_TRACES = "inference/episode_split_traces"
+# Agents as environments (`grpo.envs.AgentEnv`): episodes split by a rewritten history, calls
+# whose own sampling was answered with the run's, and agent errors by kind, per batch.
+INFERENCE_AGENT_SPLITS = "inference/agent_splits"
+INFERENCE_AGENT_OVERRIDDEN_SAMPLING = "inference/agent_overridden_sampling"
+INFERENCE_AGENT_ERRORS_KIND_TEMPLATE = "inference/agent_errors_{kind}"
 INFERENCE_EPISODES_DROPPED = "inference/episodes_dropped"
 INFERENCE_EPISODES_DROPPED_TOTAL = "inference/episodes_dropped_total"
 # Episodes the environment failed that stayed in their groups with the failure rewards

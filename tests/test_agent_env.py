@@ -1,0 +1,349 @@
+"""Agents as environments: the real ``openai`` client against the endpoint, token-exact.
+
+The fast tests play agents against a scripted engine (the endpoint, the client and the chat
+template are real); the slow ones against the collector's real vLLM engine on tiny models with
+the Qwen3 and Llama 3.1 templates (random weights: the structure and the tokens are checked,
+not what the model says).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from grpo.envs import AgentEnv, ChatTurnRenderer, EngineContext, Sample
+from grpo.envs.agent_env import AGENT_OVERRIDDEN_SAMPLING, AGENT_SPLITS
+from grpo.envs.preflight import environment_problems
+from grpo.models import load_tokenizer
+from grpo.testing import agents
+from grpo.testing.chat_families import build_tiny_chat_family
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+EXAMPLE = {"question": "What is 3+4?", "answer": "7", "index": 0}
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agent_families")
+    return {
+        name: build_tiny_chat_family(root / name, family, (TEMPLATES / f"{name}.jinja").read_text())
+        for name, family in (("qwen3", "qwen3"), ("llama3_1", "llama3"))
+    }
+
+
+class ScriptedSampler:
+    """Answers the first call of an episode with a tool call, later ones with text; a call of
+    3 tokens with its seed (the choices of one call then differ)."""
+
+    def __init__(self, tokenizer, first_len: int):
+        self.tokenizer = tokenizer
+        self.first_len = first_len
+
+    def __call__(self, requests):
+        out = []
+        for request in requests:
+            text = CALL if len(request.token_ids) <= self.first_len else "the answer is 7"
+            if request.max_tokens == 3:
+                text = f"{request.seed % 9973} picked"
+            ids = self.tokenizer.encode(text, add_bos=False, add_eos=False)
+            ids.append(self.tokenizer.stop_tokens[0])
+            finish = "length" if len(ids) > request.max_tokens else "stop"
+            ids = ids[: request.max_tokens]
+            out.append(Sample(ids, [-0.5] * len(ids), finish))
+        return out
+
+
+@pytest.fixture(scope="module")
+def scripted(family_dirs):
+    """A started AgentEnv on the Qwen3 model's tokenizer, and a scripted engine."""
+    tokenizer = load_tokenizer(family_dirs["qwen3"])
+    env = AgentEnv(agent=agents.tool_agent, max_turns=3, agent_timeout_s=20)
+    env.start(EngineContext(str(family_dirs["qwen3"]), tokenizer, 4096, 64))
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": EXAMPLE["question"]}],
+        tools=[agents.CALCULATOR],
+        add_generation_prompt=True,
+    )
+    first_len = len(tokenizer.encode(text, add_bos=True, add_eos=False))
+    yield env, ScriptedSampler(tokenizer, first_len), tokenizer
+    env.close()
+
+
+def _play(env, sampler, agent, group_size=1):
+    env.agent = agent
+    agents.RECORDS.clear()
+    [group] = env.run_groups([(EXAMPLE, [])], sampler, group_size, [0])
+    return group, env.batch_metrics()
+
+
+def _runs(trajectory_tokens, mask):
+    runs: list[tuple[bool, list[int]]] = []
+    for token, trained in zip(trajectory_tokens, mask):
+        if runs and runs[-1][0] == trained:
+            runs[-1][1].append(token)
+        else:
+            runs.append((bool(trained), [token]))
+    return runs
+
+
+def test_tool_calls_are_parsed_and_the_trajectory_continues_token_exact(scripted):
+    env, sampler, tokenizer = scripted
+    group, metrics = _play(env, sampler, agents.tool_agent, group_size=2)
+    assert len(group) == 2 and metrics[AGENT_SPLITS] == 0
+    renderer = ChatTurnRenderer(tokenizer)
+    for episode, calls in zip(group, agents.RECORDS):
+        assert episode.error is None and episode.state["agent_rewards"] == {"agent": 1.0}
+        (prompt1, sampled1), (prompt2, sampled2) = calls
+        assert tokenizer.decode(sampled1, skip_special_tokens=True) == CALL
+        assert episode.prompt_ids == prompt1
+        bridge = renderer.env_tokens(
+            [{"role": "tool", "content": "42"}],
+            closed=True,
+            history=[{"role": "user", "content": EXAMPLE["question"]}],
+        )
+        assert prompt2 == prompt1 + sampled1 + bridge
+        runs = _runs(episode.response_ids, episode.response_mask)
+        assert runs == [(True, sampled1), (False, bridge), (True, sampled2)]
+
+
+def test_the_answer_has_tool_calls_as_the_client_parses_them(scripted):
+    env, sampler, _ = scripted
+    seen = {}
+
+    async def agent(client, example):
+        response = await client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": example["question"]}],
+            tools=[agents.CALCULATOR],
+            tool_choice="auto",
+            logprobs=True,
+        )
+        seen["choice"] = response.choices[0]
+        seen["usage"] = response.usage
+        models = await client.models.list()
+        seen["models"] = [m.id for m in models.data]
+        return 1.0
+
+    _play(env, sampler, agent)
+    choice = seen["choice"]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "calculator"
+    assert json.loads(call.function.arguments) == {"expression": "2+3"}
+    assert len(choice.logprobs.content) == seen["usage"].completion_tokens
+    assert seen["models"] == ["policy"]
+
+
+def test_a_rewritten_history_splits_the_episode_into_trajectories_that_share_its_reward(
+    scripted,
+):
+    env, sampler, _ = scripted
+    group, metrics = _play(env, sampler, agents.rewriting_agent)
+    assert metrics[AGENT_SPLITS] == 1
+    [calls] = agents.RECORDS
+    assert [e.prompt_ids for e in group] == [calls[0][0], calls[1][0]]
+    assert [e.response_ids for e in group] == [calls[0][1], calls[1][1]]
+    assert all(all(e.response_mask) for e in group)
+    assert env.score(group) == [{"agent": 0.5}, {"agent": 0.5}]
+
+
+def test_completions_on_token_ids_continue_the_trajectory(scripted):
+    env, sampler, _ = scripted
+    [episode], metrics = _play(env, sampler, agents.completion_agent)
+    assert metrics[AGENT_SPLITS] == 0
+    (prompt1, sampled1), (_, sampled2) = agents.RECORDS[0]
+    assert len(sampled1) == len(sampled2) == 4  # max_tokens
+    assert episode.prompt_ids == prompt1
+    assert _runs(episode.response_ids, episode.response_mask) == [
+        (True, sampled1),
+        (False, [5, 6]),
+        (True, sampled2),
+    ]
+
+
+def test_streaming_and_the_runs_sampling_wins(scripted, caplog):
+    env, sampler, _ = scripted
+    [episode], metrics = _play(env, sampler, agents.streaming_agent)
+    assert episode.error is None and episode.state["agent_rewards"] == {"agent": 1.0}
+    assert metrics[AGENT_OVERRIDDEN_SAMPLING] == 1
+
+
+def test_an_agent_that_raises_or_never_calls_is_an_episode_with_an_error(scripted):
+    env, sampler, _ = scripted
+    [episode], metrics = _play(env, sampler, agents.raising_agent)
+    assert "RuntimeError: the agent broke" in episode.error
+    assert metrics["inference/agent_errors_raised"] == 1
+    [episode], metrics = _play(env, sampler, agents.idle_agent)
+    assert episode.error == "the agent never called the model"
+    assert metrics["inference/agent_errors_no_call"] == 1
+
+
+def test_a_call_past_max_turns_is_refused_and_the_episode_ends_flagged(scripted):
+    env, sampler, _ = scripted
+    [episode], _ = _play(env, sampler, agents.limit_agent)
+    assert episode.error is None and episode.hit_max_turns
+    assert episode.state["agent_rewards"] == {"agent": 3.5}  # 3 calls, then "max_turns"
+    assert len(episode.turn_lengths) == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"{not json", "the body is not JSON"),
+        (b'{"messages": []}', "messages must be a non-empty list"),
+        (b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', "max_tokens"),
+    ],
+)
+def test_a_malformed_body_is_http_400_with_the_reason(scripted, body, reason):
+    env, _, _ = scripted
+    request = urllib.request.Request(
+        env.server.session_url("nobody") + "/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=5)
+    assert raised.value.code == 400
+    assert reason in json.loads(raised.value.read())["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("agent", "words"),
+    [
+        ("grpo.testing.agents.no_such_agent", "cannot import"),
+        ("no_such_module.solve", "cannot import"),
+        ("grpo.testing.agents.sync_agent", "is not an async def"),
+        ("grpo.testing.agents.one_argument_agent", "must take (client, example)"),
+    ],
+)
+def test_validate_refuses_a_bad_agent_in_one_line(agent, words):
+    node = {"_component_": "grpo.envs.AgentEnv", "agent": agent}
+    [problem] = environment_problems("environment", node)
+    assert problem.startswith("environment.agent: ") and words in problem
+    assert "\n" not in problem
+    good = {**node, "agent": "grpo.testing.agents.tool_agent"}
+    assert environment_problems("environment", good) == []
+
+
+# ---- the real engine -----------------------------------------------------------------------
+
+
+def _collector(model_dir, agent):
+    from grpo.data import ChatTemplate, arithmetic_dataset
+    from grpo.workers.collector import InferenceConfig, SyncLLMCollector
+
+    dataset = arithmetic_dataset(num_examples=8, seed=0, template=ChatTemplate(model_dir, stop=[]))
+    env = AgentEnv(agent=agent, max_turns=3, agent_timeout_s=60)
+    config = InferenceConfig(
+        engine_args={"kv_cache_memory_bytes": 32 * 2**20, "max_model_len": 1024},
+        group_size=4,
+        max_generated_tokens=8,
+        max_prompt_tokens=256,
+    )
+    return SyncLLMCollector(
+        0, 1, model_dir, dataset, queue.Queue(), config, seed=0, environment=env
+    )
+
+
+def _batch(collector, agent, prompts=1):
+    collector.environment.agent = agent
+    agents.RECORDS.clear()
+    metrics = collector.generate_batch(prompts)
+    return metrics, [collector.rollout_queue.get(timeout=5) for _ in range(prompts)]
+
+
+def _check_exact(groups, renderer, tokenizer):
+    """Every trajectory is its calls' tokens: the first prompt, then each call's sampled tokens
+    (trained) and the tool turn as the template writes it (masked)."""
+    by_sequence = {tuple(calls[-1][0] + calls[-1][1]): calls for calls in agents.RECORDS}
+    for group in groups:
+        assert len(group.trajectories) == 4
+        for trajectory in group.trajectories:
+            prompt = trajectory.prompt_tokens.tolist()
+            response = trajectory.response_tokens.tolist()
+            calls = by_sequence[tuple(prompt + response)]
+            (prompt1, sampled1), (prompt2, sampled2) = calls
+            closed = sampled1[-1] in tokenizer.stop_tokens
+            bridge = renderer.env_tokens([{"role": "tool", "content": "42"}], closed)
+            assert prompt == prompt1 and prompt2 == prompt1 + sampled1 + bridge
+            assert _runs(response, trajectory.response_mask.tolist()) == [
+                (True, sampled1),
+                (False, bridge),
+                (True, sampled2),
+            ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("template", ["qwen3", "llama3_1"])
+def test_the_real_engine_trains_the_sampled_tokens_and_masks_the_tool_turns(family_dirs, template):
+    collector = _collector(family_dirs[template], agents.tool_agent)
+    try:
+        metrics, groups = _batch(collector, agents.tool_agent)
+        assert metrics["inference/episodes_dropped"] == 0 and metrics[AGENT_SPLITS] == 0
+        renderer = ChatTurnRenderer(collector.tokenizer)
+        _check_exact(groups, renderer, collector.tokenizer)
+        if template == "qwen3":  # the other routes, once
+            metrics, groups = _batch(collector, agents.streaming_agent)
+            assert metrics[AGENT_OVERRIDDEN_SAMPLING] == 4
+            metrics, groups = _batch(collector, agents.completion_agent)
+            for calls in agents.RECORDS:
+                (prompt1, sampled1), (prompt2, _) = calls
+                assert prompt2[: len(prompt1) + len(sampled1)] == prompt1 + sampled1
+            assert all(t.prompt_tokens.tolist() == [1, 2, 3, 4] for t in groups[0].trajectories)
+            metrics, groups = _batch(collector, agents.rewriting_agent)
+            assert metrics[AGENT_SPLITS] == 4 and len(groups[0].trajectories) == 8
+            collector.environment.agent = agents.raising_agent
+            metrics = collector.generate_batch(1)
+            assert metrics["inference/agent_errors_raised"] == 4
+            assert metrics["inference/episodes_dropped"] == 4
+    finally:
+        collector.shutdown()
+
+
+def test_an_agent_past_its_timeout_is_an_episode_with_an_error(scripted):
+    env, sampler, _ = scripted
+
+    async def slow(client, example):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        await asyncio.sleep(30)
+
+    env.agent_timeout_s = 0.5
+    try:
+        [episode], metrics = _play(env, sampler, slow)
+    finally:
+        env.agent_timeout_s = 20
+    assert "agent_timeout_s" in episode.error
+    assert metrics["inference/agent_errors_timeout"] == 1
+
+
+def test_with_n_answers_the_one_sent_back_continues_the_trajectory(scripted):
+    env, sampler, tokenizer = scripted
+    seen = {}
+
+    async def agent(client, example):
+        messages = [{"role": "user", "content": example["question"]}]
+        first = await client.chat.completions.create(
+            model="m", messages=messages, n=2, max_tokens=3, extra_body=agents.IDS
+        )
+        seen["first"] = [list(choice.token_ids) for choice in first.choices]
+        messages += [first.choices[1].message, {"role": "user", "content": "go on"}]
+        second = await client.chat.completions.create(
+            model="m", messages=messages, extra_body=agents.IDS
+        )
+        seen["prompt"] = list(second.prompt_token_ids)
+        return 1.0
+
+    [episode], metrics = _play(env, sampler, agent)
+    assert len(seen["first"]) == 2 and seen["first"][0] != seen["first"][1]
+    assert metrics[AGENT_SPLITS] == 0
+    runs = _runs(episode.response_ids, episode.response_mask)
+    assert runs[0] == (True, seen["first"][1])
+    assert seen["prompt"] == episode.prompt_ids + seen["first"][1] + runs[1][1]
