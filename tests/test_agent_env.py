@@ -347,3 +347,34 @@ def test_with_n_answers_the_one_sent_back_continues_the_trajectory(scripted):
     runs = _runs(episode.response_ids, episode.response_mask)
     assert runs[0] == (True, seen["first"][1])
     assert seen["prompt"] == episode.prompt_ids + seen["first"][1] + runs[1][1]
+
+
+def test_a_batch_of_clients_connecting_at_once_are_all_answered():
+    """A generation batch's episodes open their connections at the same moment: each of 128
+    fresh `openai` clients (no retries, as agents get them) is answered, none reset."""
+    import asyncio
+
+    import openai
+
+    from grpo.envs.openai_server import OpenAIServer
+
+    server = OpenAIServer(backend=None, max_model_len=64)
+
+    async def one(index: int) -> str:
+        client = openai.AsyncOpenAI(
+            base_url=server.session_url(f"episode-{index}"),
+            api_key="grpo",
+            max_retries=0,
+            timeout=30,
+            http_client=openai.DefaultAsyncHttpxClient(trust_env=False),
+        )
+        async with client:
+            return (await client.models.list()).data[0].id
+
+    async def all_at_once() -> list[str]:
+        return await asyncio.gather(*(one(index) for index in range(128)))
+
+    try:
+        assert asyncio.run(all_at_once()) == ["policy"] * 128
+    finally:
+        server.close()

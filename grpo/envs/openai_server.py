@@ -419,6 +419,13 @@ def completion_events(
         yield {**body, "choices": [], "usage": usage}
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    # A batch's episodes open their connections at once (64 and more); the socket's default
+    # backlog of 5 overflows, and the clients that did not fit see their connection reset.
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 class OpenAIServer:
     """OpenAI's routes on 127.0.0.1, a free port, served by ``backend``.
 
@@ -519,8 +526,7 @@ class OpenAIServer:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 log.debug("openai endpoint: " + format, *args)
 
-        self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._http.daemon_threads = True
+        self._http = _Server(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(
             target=self._http.serve_forever, name="openai-endpoint", daemon=True
         )
