@@ -378,3 +378,93 @@ def test_a_batch_of_clients_connecting_at_once_are_all_answered():
         assert asyncio.run(all_at_once()) == ["policy"] * 128
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("length", ["-1", "many", str(10**12)])
+def test_a_content_length_that_is_no_size_is_http_400_and_the_connection_closes(length):
+    """A negative length would read until the client hangs up: the client would wait forever."""
+    import http.client
+
+    from grpo.envs.openai_server import OpenAIServer
+
+    server = OpenAIServer(backend=None)
+    try:
+        host, port = server.base_url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=5)
+        connection.putrequest("POST", "/s/episode-0/v1/chat/completions")
+        connection.putheader("Content-Length", length)
+        connection.endheaders()
+        response = connection.getresponse()
+        assert response.status == 400
+        assert "Content-Length" in json.loads(response.read())["error"]["message"]
+        assert response.getheader("Connection") == "close"
+    finally:
+        server.close()
+
+
+def test_agent_rewards_are_finite_numbers_by_name():
+    import numpy as np
+
+    from grpo.envs.agent_env import _rewards
+
+    assert _rewards(np.float32(0.5)) == {"agent": 0.5}
+    assert _rewards({"b": 1, "a": np.int64(2)}) == {"b": 1.0, "a": 2.0}
+    assert _rewards(None) is None
+    for bad in (float("nan"), {"a": float("inf")}):
+        with pytest.raises(ValueError, match="not a finite number"):
+            _rewards(bad)
+    with pytest.raises(TypeError, match="not a number"):
+        _rewards({"a": "1"})
+
+
+def test_a_batch_whose_agents_return_other_reward_names_is_scored_under_one_set(scripted):
+    """The reference actor reads a batch's rewards as columns: a float from one agent, a dict
+    from another, in any order, all come back under the same names, each total unchanged."""
+    from grpo.envs.base import Episode
+
+    env, _, _ = scripted
+    episodes = []
+    for rewards in ({"agent": 1.0}, {"z": 2.0, "a": 0.5}, {"a": 1.0, "z": 0.0}):
+        episode = Episode(example={"answer": "1"}, prompt_ids=[1], messages=[])
+        episode.state["agent_rewards"] = rewards
+        episodes.append(episode)
+    scored = env.score(episodes)
+    assert [list(reward) for reward in scored] == [["a", "agent", "z"]] * 3
+    assert [sum(reward.values()) for reward in scored] == [1.0, 2.5, 1.0]
+
+
+async def _refused_then_answered_agent(client, example: dict) -> float:
+    """Its first request is one the engine refuses (a 400 for it alone), its second is not."""
+    import openai
+
+    messages = [{"role": "user", "content": example["question"]}]
+    try:
+        await client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+    except openai.BadRequestError as refused:
+        assert "the engine refused the request" in str(refused)
+    else:
+        raise AssertionError("the refused request was answered")
+    response = await client.chat.completions.create(model="m", messages=messages)
+    return float(len(response.choices) == 1)  # answered
+
+
+def test_a_request_the_engine_refuses_fails_that_call_not_the_batch(scripted):
+    """vLLM refuses some requests when they are submitted (a token id past the vocabulary):
+    the agent gets a 400 for that call, the other episodes of the batch go on."""
+    from grpo.envs.rollout import BatchEngine
+
+    env, sampler, _ = scripted
+
+    class RefusingEngine(BatchEngine):
+        def submit(self, request):
+            if request.max_tokens == 2:
+                raise ValueError("token id out of vocabulary")
+            return super().submit(request)
+
+    env.agent = _refused_then_answered_agent
+    groups = env.run_groups([(EXAMPLE, []), (EXAMPLE, [])], RefusingEngine(sampler), 2, [0, 1])
+    episodes = [episode for group in groups for episode in group]
+    assert len(episodes) == 4
+    assert [(e.error, e.state.get("agent_rewards")) for e in episodes] == [
+        (None, {"agent": 1.0})
+    ] * 4

@@ -52,6 +52,8 @@ import importlib
 import inspect
 import itertools
 import logging
+import math
+import numbers
 import queue
 import re
 import threading
@@ -134,6 +136,7 @@ class _Call:
     requests: list[SampleRequest]
     samples: list[Sample | None] = field(default_factory=list)
     error: str | None = None
+    status: int = 503  # the HTTP status of ``error``: 400 for a request the engine refused
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -219,6 +222,7 @@ class AgentEnv(MultiTurnEnv):
         self._ids = itertools.count()
         self._limits: EpisodeLimits | None = None
         self._warned = False
+        self._warned_names = False  # rewards under different names in one batch (`score`)
         self._counts: dict[str, float] = {}
         self._count_lock = threading.Lock()
 
@@ -330,7 +334,20 @@ class AgentEnv(MultiTurnEnv):
         rewards: list[dict[str, float] | None] = [e.state.get("agent_rewards") for e in episodes]
         unscored = [e for e, r in zip(episodes, rewards) if r is None]
         scored = iter(self._score_now(unscored) if unscored else [])
-        return [dict(r) if r is not None else next(scored) for r in rewards]
+        every = [dict(r) if r is not None else next(scored) for r in rewards]
+        # Every episode of a batch is scored under the same names, in one order (the reference
+        # actor reads them as columns): agents may return other names (a float, a dict, None
+        # scored by the reward functions); a name an episode lacks scores 0 there, so each
+        # episode's total reward is its own.
+        names = sorted({name for reward in every for name in reward})
+        if any(sorted(reward) != names for reward in every) and not self._warned_names:
+            self._warned_names = True
+            log.warning(
+                "agents returned rewards under different names in one batch (%s); each is "
+                "scored 0 where an episode lacks it, so totals are unchanged",
+                ", ".join(names),
+            )
+        return [{name: reward.get(name, 0.0) for name in names} for reward in every]
 
     # ---- the engine's thread -----------------------------------------------------------------
 
@@ -349,8 +366,18 @@ class AgentEnv(MultiTurnEnv):
                 break
         for call in first:
             call.samples = [None] * len(call.requests)
-            for index, request in enumerate(call.requests):
-                sampling[engine.submit(request)] = (call, index)
+            submitted = []
+            try:
+                for index, request in enumerate(call.requests):
+                    key = engine.submit(request)
+                    submitted.append(key)
+                    sampling[key] = (call, index)
+            except Exception as refused:  # the engine refused the request: that call fails
+                for key in submitted:
+                    sampling.pop(key, None)
+                call.error = f"the engine refused the request: {type(refused).__name__}: {refused}"
+                call.status = 400
+                call.done.set()
         if sampling:
             for key, sample in engine.step():
                 call, index = sampling.pop(key)
@@ -594,7 +621,7 @@ class AgentEnv(MultiTurnEnv):
                 raise ApiError("the episode is over")
             self._calls.put(call)
         if not call.done.wait(self.agent_timeout_s + _GRACE_S) or call.error is not None:
-            raise ApiError(call.error or "no answer from the engine", 503)
+            raise ApiError(call.error or "no answer from the engine", call.status)
         session.calls += 1
         choices = [self._choice(sample) for sample in call.samples if sample is not None]
         session.pending = [
@@ -659,13 +686,15 @@ def _rewards(result: Any) -> dict[str, float] | None:
     """An agent's return value as rewards by name (None: score with the reward functions)."""
     if result is None:
         return None
-    if isinstance(result, (int, float)) and not isinstance(result, bool):
-        return {AGENT_REWARD: float(result)}
+    if isinstance(result, numbers.Real) and not isinstance(result, bool):
+        result = {AGENT_REWARD: result}
     if isinstance(result, Mapping) and result:
         out = {}
         for name, value in result.items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise TypeError(f"reward {name!r} is a {type(value).__name__}, not a number")
+            if not math.isfinite(float(value)):  # it would poison the group's advantages
+                raise ValueError(f"reward {name!r} is {float(value)}, not a finite number")
             out[str(name)] = float(value)
         return out
     raise TypeError(f"expected a float, a dict of floats or None, got {type(result).__name__}")

@@ -419,6 +419,21 @@ def completion_events(
         yield {**body, "choices": [], "usage": usage}
 
 
+# The largest request body read (a long conversation with tools is well under it).
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def _content_length(value: str | None) -> int:
+    """A request's ``Content-Length``, or an `ApiError` (400) for one that is not a size."""
+    try:
+        length = int(value or 0)
+    except ValueError:
+        raise ApiError(f"Content-Length: {value!r} is not a number of bytes") from None
+    if not 0 <= length <= MAX_BODY_BYTES:
+        raise ApiError(f"Content-Length: {length} is not between 0 and {MAX_BODY_BYTES}")
+    return length
+
+
 class _Server(http.server.ThreadingHTTPServer):
     # A batch's episodes open their connections at once (64 and more); the socket's default
     # backlog of 5 overflows, and the clients that did not fit see their connection reset.
@@ -466,7 +481,11 @@ class OpenAIServer:
             def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
                 session, route = _split(self.path)
                 try:
-                    length = int(self.headers.get("Content-Length") or 0)
+                    try:
+                        length = _content_length(self.headers.get("Content-Length"))
+                    except ApiError:
+                        self.close_connection = True  # the body's end is unknown
+                        raise
                     raw = self.rfile.read(length)
                     if route not in ("/v1/chat/completions", "/v1/completions"):
                         raise ApiError(f"no route POST {self.path}", 404)
@@ -504,6 +523,8 @@ class OpenAIServer:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if self.close_connection:  # the client must not send another request on it
+                    self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(data)
 
