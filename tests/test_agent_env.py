@@ -468,3 +468,16 @@ def test_a_request_the_engine_refuses_fails_that_call_not_the_batch(scripted):
     assert [(e.error, e.state.get("agent_rewards")) for e in episodes] == [
         (None, {"agent": 1.0})
     ] * 4
+
+
+def test_evaluation_counts_an_episode_split_in_two_once(scripted):
+    """A rewritten history splits an episode into two trajectories that share its reward: held
+    out, it is one sample of its example, not two (avg@k and pass@k count episodes)."""
+    from grpo.envs.evaluation import evaluation_episodes
+
+    env, sampler, _ = scripted
+    env.agent = agents.rewriting_agent
+    [result] = evaluation_episodes(env, sampler, [EXAMPLE], [[]], 2, seed=0)
+    assert len(result["samples"]) == 2
+    assert all(sample["rewards"] == {"agent": 0.5} for sample in result["samples"])
+    assert env.batch_metrics()[AGENT_SPLITS] == 2

@@ -66,6 +66,7 @@ from pydantic import Field
 
 from grpo.envs.base import Episode, MultiTurnEnv
 from grpo.envs.dropped import failure_reason
+from grpo.envs.evaluation import EPISODE_KEY
 from grpo.envs.openai_server import ApiError, ChatRequest, Choice, CompletionRequest, Sampling
 from grpo.envs.options import checked_options
 from grpo.envs.protocol import EngineContext, EpisodeLimits, FailedEpisodes, Prompt
@@ -454,6 +455,7 @@ class AgentEnv(MultiTurnEnv):
             return failed
         for segment in segments:
             segment.messages = [{"role": "assistant", "content": session.last_text}]
+            segment.state[EPISODE_KEY] = name  # the trajectories of one episode (evaluation)
             if rewards is not None:
                 segment.state["agent_rewards"] = rewards
         return segments

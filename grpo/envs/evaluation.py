@@ -19,6 +19,9 @@ from grpo.seeds import mix_seed
 
 TASK_COLUMN = "task"
 """An example's column that names its task: results are also reported per task."""
+EPISODE_KEY = "episode"
+"""A trajectory's ``state`` key naming its episode, where an environment splits one episode
+into several trajectories (`grpo.envs.AgentEnv`): evaluation counts the episode once."""
 SEED_SALT = -1
 """Hashed into evaluation's seeds (training groups hash the run seed and a group id >= 0)."""
 
@@ -84,7 +87,7 @@ def evaluation_episodes(
     ]
     for i, group in zip(fits, groups):
         samples = []
-        for episode in group:
+        for episode in _one_per_episode(group):
             reward = scored.get(id(episode))
             if reward is None:
                 samples.append(dict(failed_sample))
@@ -105,6 +108,16 @@ def evaluation_episodes(
         samples += [dict(failed_sample) for _ in range(samples_per_example - len(samples))]
         results[i]["samples"] = samples
     return results
+
+
+def _one_per_episode(group: Sequence[Any]) -> list[Any]:
+    """The group's trajectories, the last one of each episode split into several (they share
+    its reward): a sample is an episode, not a trajectory."""
+    last: dict[Any, Any] = {}
+    for position, trajectory in enumerate(group):
+        state = getattr(trajectory, "state", None) or {}
+        last[state.get(EPISODE_KEY, ("trajectory", position))] = trajectory
+    return list(last.values())
 
 
 def _task(example: Mapping[str, Any]) -> str | None:
