@@ -477,6 +477,7 @@ def test_evaluation_counts_an_episode_split_in_two_once(scripted):
 
     env, sampler, _ = scripted
     env.agent = agents.rewriting_agent
+    env.batch_metrics()  # counts since the last batch: those of this test only
     [result] = evaluation_episodes(env, sampler, [EXAMPLE], [[]], 2, seed=0)
     assert len(result["samples"]) == 2
     assert all(sample["rewards"] == {"agent": 0.5} for sample in result["samples"])
