@@ -37,9 +37,9 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 from grpo.config import ConfigError, configs_dir, list_configs, repo_root
+from grpo.config.run import has_own_held_out_rows
 from grpo.observability.logs import DriverLog
 from grpo.preflight import load_run_config, used_output_dir_problem
 from grpo.preflight.memory import (
@@ -50,9 +50,6 @@ from grpo.preflight.memory import (
 )
 from grpo.preflight.versions import check_vllm_version
 from grpo.recipe import add_verbose_flag, import_from_launch_folder, run_recipe, split_overrides
-
-if TYPE_CHECKING:
-    from grpo.config import RunConfig
 
 # A config names its recipe in its launch comment: "#   grpo run async_grpo --config ...".
 _LAUNCH_LINE = re.compile(r"^#.*\bgrpo run\s+(\S+)\s+--config\b", re.MULTILINE)
@@ -336,19 +333,6 @@ def _output_to(path: Path) -> Iterator[None]:
         os.close(saved[1])
 
 
-def _has_own_held_out_rows(cfg: RunConfig) -> bool:
-    """Whether the run's environment generates held-out rows of its own (a reasoning-gym
-    environment with ``eval_size`` > 0), which evaluation plays when ``eval_dataset`` is null."""
-    from grpo.envs import build_environment
-
-    environment = build_environment(cfg.environment, cfg.reward_functions, cfg.reward_timeout_s)
-    try:
-        rows = environment.eval_examples()
-        return rows is not None and len(rows) > 0
-    finally:
-        environment.close()
-
-
 def _eval_cmd(args: argparse.Namespace) -> int:
     target = Path(args.config_or_run_dir)
     run_dir = target if target.is_dir() else None
@@ -356,7 +340,7 @@ def _eval_cmd(args: argparse.Namespace) -> int:
     # The run's own resume setting is not this command's business: it trains nothing.
     overrides = ["resume_from_checkpoint=false", *args.overrides]
     cfg = load_run_config(config, overrides, check_components=True)
-    if cfg.eval_dataset is None and not _has_own_held_out_rows(cfg):
+    if cfg.eval_dataset is None and not has_own_held_out_rows(cfg.environment):
         raise ConfigError("eval_dataset: null; grpo eval evaluates on the held-out set")
     checkpoint = args.checkpoint
     if checkpoint is not None and not Path(checkpoint).is_dir():

@@ -10,6 +10,7 @@ folder, the datasets, the run folder) is checked above the config, by `grpo.pref
 
 import inspect
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import Field
@@ -43,6 +44,18 @@ OWN_ROWS_ENVS = (
     "grpo.envs.TextArenaEnv",
     "grpo.envs.textarena_env.TextArenaEnv",
 )
+
+
+def has_own_held_out_rows(environment: Any) -> bool:
+    """Whether an ``environment`` node generates held-out rows of its own (one of
+    `OWN_ROWS_ENVS` with ``eval_size`` above 0): the held-out set of a run whose
+    ``eval_dataset`` is null."""
+    return (
+        isinstance(environment, Mapping)
+        and environment.get("_component_") in OWN_ROWS_ENVS
+        and environment.get("eval_size") != 0
+    )
+
 
 # Top-level keys of older configs that nothing reads any more, with what to do instead. They
 # looked like components but were never built: the actors build the model and load the

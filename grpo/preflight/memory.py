@@ -416,9 +416,7 @@ def activation_bytes(
     }
     per_layer += size * sum(dict(inputs[t] for t in targets).values())
     if lora is not None:
-        per_layer += size * lora.rank * len(targets)  # each adapter's A output
-        if lora.dropout > 0:  # each adapter drops out its own copy of its input
-            per_layer += sum((size + 1) * shape.linear_dims(t)[0] for t in targets)
+        per_layer += size * lora.rank * len(targets)  # each adapter's A output (no dropout)
     head = norm * d + 4 + size * d + 8  # final norm; response rows; token ids
     return tokens * (shape.layers * per_layer + head)
 
