@@ -24,7 +24,11 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_n
 """How per-token losses become the batch loss."""
 
 Level = Literal["token", "sequence"]
-"""Token- or sequence-level importance ratios and TIS weights."""
+"""Token- or sequence-level importance ratios and mismatch corrections."""
+
+Correction = Literal["none", "tis", "mis", "icepop"]
+"""Corrections of the vLLM/trainer logprob mismatch: none, truncated importance sampling, masked
+importance sampling, IcePop (`grpo.objective.loss.GRPOLoss` gives each formula)."""
 
 WeightTransportKind = Literal["collective", "object_store"]
 """How new weights travel from the trainer to the collectors."""
@@ -52,6 +56,7 @@ MASK_KIND_CHOICES: tuple[str, ...] = get_args(MaskKind)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 LEVELS: tuple[str, ...] = get_args(Level)
+CORRECTIONS: tuple[str, ...] = get_args(Correction)
 TRANSPORTS: tuple[str, ...] = get_args(WeightTransportKind)
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 WANDB_MODES: tuple[str, ...] = get_args(WandbMode)

@@ -438,6 +438,19 @@ LOSS_REFUSALS = [
     ({"tis_cap": True}, "tis_cap"),
     ({"tis_level": "seq"}, "tis_level"),
     ({"ratio_level": "tokens"}, "ratio_level"),
+    ({"correction": "is"}, "correction"),
+    ({"correction": "icepop", "correction_level": "sequence"}, "correction_level"),
+    ({"correction_level": "sequence"}, "correction_level"),
+    ({"correction_cap": 2.0}, "correction_cap"),
+    ({"correction": "mis", "correction_cap": 0.5}, "correction_cap"),
+    ({"correction": "tis", "correction_cap": math.inf}, "correction_cap"),
+    ({"correction": "mis", "correction_low": 1.5}, "correction_low"),
+    ({"correction": "mis", "correction_low": -0.5}, "correction_low"),
+    ({"correction": "mis", "correction_low": 1.0, "correction_cap": 1.0}, "correction_low"),
+    ({"correction": "tis", "correction_low": 0.5, "correction_cap": 0.3}, "correction_low"),
+    ({"correction_low": 0.5}, "correction_low"),
+    ({"correction": "tis", "tis_cap": 2.0}, "tis_cap"),
+    ({"correction": "mis", "tis_level": "sequence"}, "tis_level"),
 ]
 
 

@@ -249,7 +249,8 @@ def test_bad_off_policy_values_raise_naming_the_key(kwargs, key):
     "kwargs,needed_by",
     [
         ({"ratio_level": "sequence"}, "ratio_level"),
-        ({"tis_cap": 2.0, "tis_level": "sequence"}, "tis_level"),
+        ({"tis_cap": 2.0, "tis_level": "sequence"}, "correction_level"),
+        ({"correction": "mis", "correction_level": "sequence"}, "correction_level"),
     ],
 )
 def test_sequence_levels_need_response_lens(kwargs, needed_by):

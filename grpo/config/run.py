@@ -512,9 +512,17 @@ def _check_shared_gpu_transport(values: dict, problems: list[str]) -> None:
 
 
 def _check_idle_clip(values: dict, problems: list[str]) -> None:
-    """With ``tis_cap`` and one epoch the clip has nothing to clip: say which keys do nothing."""
+    """With a mismatch correction and one epoch the clip has nothing to clip: say which keys
+    do nothing."""
     loss = value_at(values, "training.loss", (dict,))
-    if not loss or loss.get("tis_cap") in (None, UNRESOLVED):
+    if not loss:
+        return
+    # The key that turned the correction on, and what turns it off.
+    if loss.get("tis_cap") not in (None, UNRESOLVED):
+        key, off = "tis_cap", "null"
+    elif loss.get("correction") not in (None, "none", UNRESOLVED):
+        key, off = "correction", "none"
+    else:
         return
     if (value_at(values, "training.ppo_epochs", (int,)) or 1) != 1:  # unset: the default, 1
         return
@@ -522,19 +530,19 @@ def _check_idle_clip(values: dict, problems: list[str]) -> None:
     # configs list theirs): only one set to something else is said to do nothing.
     defaults = loss_defaults(loss.get("_component_"))
     idle = [
-        key
-        for key in ("epsilon_low", "epsilon_high")
-        if key in loss and (key not in defaults or loss[key] != defaults[key])
+        name
+        for name in ("epsilon_low", "epsilon_high")
+        if name in loss and (name not in defaults or loss[name] != defaults[name])
     ]
     if loss.get("ratio_level") == "sequence":
         idle.append("ratio_level: sequence")
     if idle:
         problems.append(
-            f"training.loss.tis_cap: with training.ppo_epochs 1 the clipped ratio is taken "
+            f"training.loss.{key}: with training.ppo_epochs 1 the clipped ratio is taken "
             f"against the current policy and is always 1, so {', '.join(idle)} "
-            f"{'has' if len(idle) == 1 else 'have'} no effect (the loss is the TIS-weighted "
-            "policy gradient); remove them, set ppo_epochs >= 2 (decoupled PPO) or tis_cap: "
-            "null (the ratio to the behaviour policy is clipped)"
+            f"{'has' if len(idle) == 1 else 'have'} no effect (the loss is the weighted "
+            f"policy gradient); remove them, set ppo_epochs >= 2 (decoupled PPO) or {key}: "
+            f"{off} (the ratio to the behaviour policy is clipped)"
         )
 
 

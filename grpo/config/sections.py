@@ -12,6 +12,7 @@ from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
 from grpo.choices import (
     Aggregation,
+    Correction,
     DType,
     KLEstimator,
     Level,
@@ -262,6 +263,39 @@ class LRSchedulerArgs(ComponentArgs):
 DEFAULT_LOSS = "grpo.objective.loss.GRPOLoss"
 """The ``_component_`` of ``training.loss`` when a config gives none."""
 
+# (lower, upper) bounds of each mismatch correction where ``correction_low`` /
+# ``correction_cap`` are null: those of the method's publication.
+CORRECTION_DEFAULT_BOUNDS: dict[str, tuple[float | None, float]] = {
+    # TIS: C = 2 (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    # Training", 2025); no lower bound.
+    "tis": (None, 2.0),
+    # MIS masks above C only (TRL's vllm_importance_sampling_mode *_mask leaves C_min unset;
+    # Liu et al., "When Speed Kills Stability", 2025); the same C as TIS.
+    "mis": (None, 2.0),
+    # IcePop's band [alpha, beta] = [0.5, 5] (Ling Team, Ring-1T, arXiv:2510.18855).
+    "icepop": (0.5, 5.0),
+}
+
+
+def correction_bounds(
+    correction: str, low: float | None, cap: float | None
+) -> tuple[float | None, float | None]:
+    """The (lower, upper) bounds of a mismatch correction: those set, else its defaults.
+
+    Args:
+        correction (str): One of `grpo.choices.CORRECTIONS`.
+        low (float | None): ``correction_low`` as set; None for the default.
+        cap (float | None): ``correction_cap`` as set; None for the default.
+
+    Returns:
+        tuple[float | None, float | None]: The bounds; None where there is none (both for
+        ``"none"``, the lower one for TIS and MIS unless set).
+    """
+    if correction not in CORRECTION_DEFAULT_BOUNDS:
+        return None, None
+    default_low, default_cap = CORRECTION_DEFAULT_BOUNDS[correction]
+    return (default_low if low is None else low), (default_cap if cap is None else cap)
+
 
 class LossArgs(ComponentArgs):
     """Documented keywords of ``training.loss``, with the defaults of `DEFAULT_LOSS`.
@@ -294,13 +328,28 @@ class LossArgs(ComponentArgs):
     """The constant seq_mean_token_sum_norm divides each sequence's token sum by, and required
     by it: the longest response, e.g. ${inference.max_generated_tokens}. Unused by the other
     aggregations."""
+    correction: Correction = "none"
+    """Correction of the vLLM/trainer logprob mismatch, from r = exp(pi_old - behaviour): tis
+    weights each token's policy term by min(r, correction_cap) (truncated importance sampling);
+    mis by r, and by 0 (masked) where r is outside [correction_low, correction_cap] (masked
+    importance sampling); icepop is mis per token with IcePop's band [0.5, 5]. With any of them
+    the clipped ratio is taken against pi_old, and with ppo_epochs 1 it is always 1 (grpo
+    validate refuses epsilon_low, epsilon_high or ratio_level: sequence beside it). none: the
+    ratio against behaviour, no weight (docs/training.md)."""
+    correction_level: Level = "token"
+    """r per token, or per sequence: the product of its tokens' ratios, one weight (or mask)
+    for all of them. icepop is token-level only."""
+    correction_cap: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Upper bound C of r: tis truncates r at it, mis and icepop mask above it (for them at
+    least 1). null: the correction's default (tis 2, mis 2, icepop 5)."""
+    correction_low: float | None = Field(None, ge=0, validate_default=True)
+    """Lower bound of r, at most 1 and below correction_cap: tis raises r to it, mis and icepop
+    mask below it. null: the correction's default (none for tis and mis, 0.5 for icepop)."""
     tis_cap: float | None = Field(None, gt=0, allow_inf_nan=False)
-    """Truncated importance sampling of the vLLM/trainer mismatch: ratio against the trainer's
-    pre-update logprobs, each token's loss weighted by min(exp(pi_old - behaviour), tis_cap).
-    With ppo_epochs 1 that ratio is always 1 and nothing is clipped (grpo validate refuses
-    epsilon_low, epsilon_high or ratio_level: sequence beside it). null: off."""
+    """Older spelling of correction: tis with this correction_cap (tis_level then its
+    correction_level); refused beside correction. null: off."""
     tis_level: Level = "token"
-    """TIS weight per token, or per sequence (from its summed log-ratio)."""
+    """Older spelling of correction_level, read with tis_cap only."""
     ratio_level: Level = "token"
     """token (PPO/GRPO) or sequence (GSPO: length-normalised sequence ratio, clipped per
     sequence; use tiny epsilons such as 3e-4 / 4e-4)."""
@@ -315,6 +364,74 @@ class LossArgs(ComponentArgs):
                 "ref has zero expected gradient (E_pi[grad log pi] = 0), so it regularises "
                 "nothing; use k3 (the gradient of KL(ref, pi): DeepSeekMath GRPO, verl's "
                 "low_var_kl) or k2 (the gradient of KL(pi, ref))"
+            )
+        return value
+
+    @field_validator("correction_level")
+    @classmethod
+    def _level_of_a_correction(cls, value: str, info: ValidationInfo) -> str:
+        correction = info.data.get("correction")
+        if value == "sequence" and correction == "icepop":
+            raise ValueError(
+                "icepop masks single tokens (IcePop's M(r) is per token, Ring-1T, "
+                "arXiv:2510.18855); to mask whole sequences set correction: mis"
+            )
+        if value == "sequence" and correction == "none":
+            raise ValueError("sequence corrects nothing with correction none; set correction")
+        return value
+
+    @field_validator("correction_cap")
+    @classmethod
+    def _cap_of_a_correction(cls, value: float | None, info: ValidationInfo) -> float | None:
+        correction = info.data.get("correction")
+        if value is not None and correction == "none":
+            raise ValueError(f"{value} bounds nothing with correction none; set correction")
+        if value is not None and correction in ("mis", "icepop") and value < 1:
+            raise ValueError(
+                f"{value} is below 1: {correction} would mask the tokens on which vLLM and the "
+                "trainer agree (r = 1); use a bound >= 1, e.g. 2"
+            )
+        return value
+
+    @field_validator("correction_low")
+    @classmethod
+    def _low_of_a_correction(cls, value: float | None, info: ValidationInfo) -> float | None:
+        correction = info.data.get("correction")
+        if value is not None and correction == "none":
+            raise ValueError(f"{value} bounds nothing with correction none; set correction")
+        if value is not None and value > 1:
+            raise ValueError(
+                f"{value} is above 1: it would mask (mis, icepop) or raise (tis) the weight of "
+                "the tokens on which vLLM and the trainer agree (r = 1); use a bound <= 1, "
+                "e.g. 0.5"
+            )
+        if correction is None or "correction_cap" not in info.data:
+            return value  # refused already
+        low, cap = correction_bounds(correction, value, info.data["correction_cap"])
+        if low is not None and cap is not None and low >= cap:
+            given = f"{low}" if value is not None else f"{low} ({correction}'s default)"
+            raise ValueError(
+                f"{given} is not below correction_cap {cap}: no ratio would keep its own "
+                "weight; lower correction_low or raise correction_cap"
+            )
+        return value
+
+    @field_validator("tis_cap")
+    @classmethod
+    def _old_cap_alone(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and info.data.get("correction", "none") != "none":
+            raise ValueError(
+                "is the older spelling of correction: tis with correction_cap; remove it "
+                "beside correction"
+            )
+        return value
+
+    @field_validator("tis_level")
+    @classmethod
+    def _old_level_alone(cls, value: str, info: ValidationInfo) -> str:
+        if value == "sequence" and info.data.get("correction", "none") != "none":
+            raise ValueError(
+                "is the older spelling of correction_level; remove it beside correction"
             )
         return value
 

@@ -13,21 +13,36 @@ its FSDP root module's forward, so the output projection is unsharded there:
 
 Off-policy correction. The sampler (vLLM) and the trainer compute different logprobs for the
 same weights (other kernels, precisions, batch shapes), so ``behaviour`` (mu) is not the
-trainer's pre-update policy ``pi_old``. With ``tis_cap`` set (truncated importance sampling,
-decoupled PPO) the ratio is taken against ``pi_old`` and each token's policy term is weighted
-by the detached, capped correction of the mismatch:
+trainer's pre-update policy ``pi_old``. With a ``correction`` (decoupled PPO) the ratio is
+taken against ``pi_old`` and each token's policy term is weighted by a detached function of
+the mismatch ratio ``r``, per token or, at ``correction_level: sequence``, per sequence (the
+product of its tokens' ratios; [l, C] are ``correction_low`` and ``correction_cap``):
 
     ratio_t   = exp(pi_t - pi_old_t)
-    w_t       = min(exp(pi_old_t - mu_t), tis_cap)                  tis_level: token
-    w_i       = min(exp(sum_{t in i} (pi_old_t - mu_t)), tis_cap)   tis_level: sequence
+    r_t       = exp(pi_old_t - mu_t)                  token
+    r_i       = exp(sum_{t in i} (pi_old_t - mu_t))   sequence, on every token of i
+    tis:      w = min(max(r, l), C)                   truncated importance sampling
+    mis:      w = r if l <= r <= C else 0             masked importance sampling
+    icepop:   w = r if l <= r <= C else 0             token level, [l, C] = [0.5, 5] by default
     policy_t  = -w * min(ratio_t * A_t, clamp(ratio_t, ...) * A_t)
+
+Sources. TIS: Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+Training" (2025), verl's ``tis_imp_ratio_cap``. MIS: TRL's ``vllm_importance_sampling_mode``
+``token_mask`` / ``sequence_mask`` (huggingface/trl #4530, with the lower bound of #4732), which
+set the ratio outside ``[C_min, C_max]`` to zero and keep it inside; the sequence ratio is the
+product of the token ratios (``exp`` of the summed log-ratios), as there and as the
+sequence-level TIS before it, not their geometric mean. IcePop: the Ling Team's Ring-1T
+(arXiv:2510.18855), ``M(k) = k if alpha <= k <= beta else 0`` on the per-token ratio
+``pi_train(theta_old) / pi_infer(theta_old)``, with ``alpha = 0.5``, ``beta = 5``. A masked
+token keeps its place in the normaliser (as in both) and gets exactly zero policy gradient;
+the KL term, outside ``M`` in IcePop's objective as in TRL's loss, still applies to it.
 
 pi_old is the proximal policy of decoupled PPO: with several epochs the clip bounds how far
 each epoch moves from it. With one epoch (``ppo_epochs: 1``) pi_old is the current policy, the
-ratio is exactly 1 and nothing is clipped: the loss is the TIS-weighted policy gradient
+ratio is exactly 1 and nothing is clipped: the loss is the weighted policy gradient
 ``-w_t * A_t * pi_t``, and the clip settings do nothing (``grpo validate`` refuses them
-beside ``tis_cap`` then). Without ``tis_cap`` the behaviour policy is the proximal one, so the
-clip bounds the update and the mismatch together.
+beside a correction then). Without a correction the behaviour policy is the proximal one, so
+the clip bounds the update and the mismatch together.
 
 Every logprob here is one of the distribution that sampled the tokens: the collectors return
 vLLM's logprobs after temperature, and the trainer and reference divide their logits by the
@@ -57,20 +72,23 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from pydantic import ValidationError
 
-from grpo.choices import AGGREGATIONS, KL_ESTIMATORS, LEVELS
-from grpo.config.sections import LossArgs
+from grpo.choices import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, LEVELS
+from grpo.config.sections import LossArgs, correction_bounds
 from grpo.config.validation import pydantic_problems
 from grpo.types import GRPOStats, count_per_sequence
 
 # Allowed values, declared once in grpo.choices (the config's Literal types); exported here.
-TIS_LEVELS = RATIO_LEVELS = LEVELS
+TIS_LEVELS = RATIO_LEVELS = CORRECTION_LEVELS = LEVELS
 __all__ = [
     "AGGREGATIONS",
+    "CORRECTIONS",
+    "CORRECTION_LEVELS",
     "KL_ESTIMATORS",
     "RATIO_LEVELS",
     "TIS_LEVELS",
@@ -107,18 +125,28 @@ def _checked_response_lens(
     return response_lens
 
 
-def _per_sequence_sum(values: torch.Tensor, response_lens: torch.Tensor) -> torch.Tensor:
-    """Sum of the flat per-token ``values`` over each sequence's tokens, repeated per token.
+def _sequence_index(response_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The sequence of each flat token: ``[0, 0, 1, 1, 1, ...]`` for lens ``[2, 3, ...]``."""
+    return torch.arange(response_lens.numel(), device=response_lens.device).repeat_interleave(
+        response_lens, output_size=num_tokens
+    )
+
+
+def _sequence_sums(values: torch.Tensor, index: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """Sum of the flat per-token ``values`` over each sequence's tokens, ``[N]``.
 
     Callers pass detached ``values``: the sequence-level quantities built from it are
-    constants of the loss (GSPO's ``sg(s_i)``, the TIS weight), so no gradient flows here.
+    constants of the loss (GSPO's ``sg(s_i)``, the correction weight), so no gradient flows
+    here.
     """
-    num_sequences = response_lens.numel()
-    index = torch.arange(num_sequences, device=values.device).repeat_interleave(
-        response_lens, output_size=values.numel()
-    )
     sums = torch.zeros(num_sequences, dtype=values.dtype, device=values.device)
-    return sums.index_add_(0, index, values)[index]
+    return sums.index_add_(0, index.to(values.device), values)
+
+
+def _per_sequence_sum(values: torch.Tensor, response_lens: torch.Tensor) -> torch.Tensor:
+    """`_sequence_sums` repeated on each of the sequence's tokens, ``[T]``."""
+    index = _sequence_index(response_lens, values.numel())
+    return _sequence_sums(values, index, response_lens.numel())[index]
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,14 +176,22 @@ class GRPOLoss:
             (Dr. GRPO: token sum per sequence / ``max_response_len``, then mean over sequences).
         max_response_len (int | None): The Dr. GRPO constant, ``>= 1``; required by, and
             only used by, ``"seq_mean_token_sum_norm"``.
-        tis_cap (float | None): Truncated importance sampling of the sampler/trainer mismatch:
-            the PPO ratio is taken against the trainer's pre-update logprobs ``pi_old``, and
-            each token's policy term is weighted by ``min(exp(pi_old - behaviour), tis_cap)``
-            (detached). ``> 0``; a cap of about 2 is common. None (default): no correction,
-            ratio against the behaviour logprobs. On the first pass over a batch
-            (``old_logprobs`` None) the ratio is 1 and the clip does nothing.
-        tis_level (str): ``"token"`` (a weight per token) or ``"sequence"`` (one weight per
-            sequence, from the summed log-ratio of its tokens; needs ``response_lens``).
+        correction (str): Correction of the sampler/trainer mismatch, ``"none"`` (default: the
+            ratio against the behaviour logprobs), ``"tis"``, ``"mis"`` or ``"icepop"`` (the
+            module docstring gives each weight and its source). With any of them the PPO
+            ratio is taken against the trainer's pre-update logprobs ``pi_old``; on the first
+            pass over a batch (``old_logprobs`` None) that ratio is 1 and the clip does nothing.
+        correction_level (str): ``"token"`` (a weight per token) or ``"sequence"`` (one weight
+            per sequence, from the summed log-ratio of its tokens; needs ``response_lens``).
+            ``"icepop"`` is token-level only.
+        correction_cap (float | None): Upper bound C of the mismatch ratio (TIS truncates at
+            it, MIS and IcePop mask above it); None: the correction's default
+            (`grpo.config.sections.CORRECTION_DEFAULT_BOUNDS`).
+        correction_low (float | None): Lower bound of the ratio, in ``[0, 1]`` and below C
+            (TIS raises the ratio to it, MIS and IcePop mask below it); None: the default.
+        tis_cap (float | None): Older spelling of ``correction="tis"`` with this
+            ``correction_cap``; refused beside ``correction``.
+        tis_level (str): Older spelling of ``correction_level``, read with ``tis_cap``.
         ratio_level (str): ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO: the length-normalised
             sequence ratio, clipped per sequence; needs ``response_lens``). GSPO's ratio stays
             much closer to 1, so it is run with much smaller clip ranges (the paper uses
@@ -176,6 +212,10 @@ class GRPOLoss:
         kl_estimator: str = "k3",
         aggregation: str = "token_mean",
         max_response_len: int | None = None,
+        correction: str = "none",
+        correction_level: str = "token",
+        correction_cap: float | None = None,
+        correction_low: float | None = None,
         tis_cap: float | None = None,
         tis_level: str = "token",
         ratio_level: str = "token",
@@ -189,6 +229,10 @@ class GRPOLoss:
             "kl_estimator": kl_estimator,
             "aggregation": aggregation,
             "max_response_len": max_response_len,
+            "correction": correction,
+            "correction_level": correction_level,
+            "correction_cap": correction_cap,
+            "correction_low": correction_low,
             "tis_cap": tis_cap,
             "tis_level": tis_level,
             "ratio_level": ratio_level,
@@ -203,8 +247,13 @@ class GRPOLoss:
         self.kl_estimator = kl_estimator
         self.aggregation = aggregation
         self.max_response_len = max_response_len
-        self.tis_cap = None if tis_cap is None else float(tis_cap)
-        self.tis_level = tis_level
+        if tis_cap is not None:  # the older spelling (refused beside `correction` above)
+            correction, correction_level, correction_cap = "tis", tis_level, tis_cap
+        self.correction = correction
+        self.correction_level = correction_level
+        low, cap = correction_bounds(correction, correction_low, correction_cap)
+        self.correction_low = None if low is None else float(low)
+        self.correction_cap = None if cap is None else float(cap)
         self.ratio_level = ratio_level
 
     def __repr__(self) -> str:
@@ -213,8 +262,10 @@ class GRPOLoss:
             f"epsilon_low={self.epsilon_low}, epsilon_high={self.epsilon_high}, "
             f"kl_coeff={self.kl_coeff}, kl_estimator={self.kl_estimator!r}, "
             f"aggregation={self.aggregation!r}, "
-            f"max_response_len={self.max_response_len}, tis_cap={self.tis_cap}, "
-            f"tis_level={self.tis_level!r}, ratio_level={self.ratio_level!r})"
+            f"max_response_len={self.max_response_len}, correction={self.correction!r}, "
+            f"correction_level={self.correction_level!r}, "
+            f"correction_cap={self.correction_cap}, correction_low={self.correction_low}, "
+            f"ratio_level={self.ratio_level!r})"
         )
 
     # ---- normalisation ----------------------------------------------------------------------
@@ -298,15 +349,15 @@ class GRPOLoss:
                 and the ratio ``exp(pi - pi.detach())`` when ``old_logprobs`` is None too
                 (value 1, gradient of pi).
             old_logprobs (torch.Tensor | None): The trainer's logprobs of the pre-update policy
-                ``[T]`` (pi_old, computed without gradient). The ratio's reference under
-                ``tis_cap``, and the trainer side of the mismatch metrics. None: this is the
-                first pass over the batch, so pi_old is ``pi_logprobs.detach()``.
+                ``[T]`` (pi_old, computed without gradient). The ratio's reference under a
+                ``correction``, and the trainer side of the mismatch metrics. None: this is
+                the first pass over the batch, so pi_old is ``pi_logprobs.detach()``.
             response_lens (torch.Tensor | None): Tokens per sequence ``[N]`` (summing to ``T``);
                 required by the ``seq_*`` aggregations, ``ratio_level="sequence"`` and
-                ``tis_level="sequence"`` (with ``tis_cap``).
+                ``correction_level="sequence"`` (with a correction).
             loss_mask (torch.Tensor | None): Bool ``[T]``, True on the tokens to train
                 (``PackedTrajectory.loss_mask``: the policy's tokens of a multi-turn episode).
-                The loss, its token and sequence counts, clip fraction, KL, TIS weights,
+                The loss, its token and sequence counts, clip fraction, KL, correction weights,
                 sequence ratios and every metric are then those of the True tokens alone, as
                 if the others were not there; they get exactly zero gradient. None: all.
             loss_normalizer (float | int | torch.Tensor | None): The whole batch's count (see
@@ -317,15 +368,17 @@ class GRPOLoss:
         Returns:
             GRPOStats: ``loss`` (with graph), ``policy_loss``, ``kl_loss``; token means of
             ``ratios`` (the clipped objective's ratio: ``exp(pi - behaviour)`` by default,
-            against pi_old with ``tis_cap``, the sequence ratio on each of its tokens with
+            against pi_old with a correction, the sequence ratio on each of its tokens with
             ``ratio_level="sequence"``), ``clipfrac`` and ``approx_policy_kls``
             (``0.5 * (pi - behaviour)^2``, a second-order estimate of KL(behaviour || pi)).
             ``metadata`` holds ``num_tokens``, ``num_sequences``, ``loss_normalizer``,
             ``normalizer_count`` (this call's share of the normaliser), ``kl_to_ref`` (token
             mean of the KL estimate), ``mismatch_kl`` (token mean of the k3 estimate of
             KL(mu || pi_old): ``r - 1 - log r`` with ``r = exp(pi_old - mu)``),
-            ``mismatch_max_abs`` (max over tokens of ``|pi_old - mu|``) and optionally
-            ``pi_logprobs``; see `combine_stats`.
+            ``mismatch_max_abs`` (max over tokens of ``|pi_old - mu|``), ``masked_tokens``
+            (tokens whose correction weight is a mask, 0) and ``masked_sequences``
+            (sequences masked whole, at ``correction_level="sequence"``), both counts as
+            float tensors, and optionally ``pi_logprobs``; see `combine_stats`.
 
         Raises:
             ValueError: On mismatched shapes or missing inputs.
@@ -396,9 +449,10 @@ class GRPOLoss:
                 per_token = per_token * weights
             return per_token.sum() / normalizer
 
-        # With TIS the clipped ratio measures only this update (pi against pi_old); the
-        # sampler/trainer mismatch is corrected by the weight below instead.
-        ratio_reference = old_logprobs if self.tis_cap is not None else behavior_logprobs
+        # With a correction the clipped ratio measures only this update (pi against pi_old);
+        # the sampler/trainer mismatch is corrected by the weight below instead.
+        corrects = self.correction != "none"
+        ratio_reference = old_logprobs if corrects else behavior_logprobs
         if self.ratio_level == "token":
             log_ratio = (pi_logprobs - ratio_reference).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
             ratio = torch.exp(log_ratio)
@@ -418,10 +472,12 @@ class GRPOLoss:
         # same mask so that clipfrac counts the tokens whose gradient the clip removed.
         is_clipped = clipped < unclipped
         per_token_policy = -torch.where(is_clipped, clipped, unclipped)
-        if self.tis_cap is not None:
-            per_token_policy = per_token_policy * self._tis_weights(
+        masked_tokens = masked_sequences = torch.zeros((), device=device)
+        if corrects:
+            correction_weights, masked_tokens, masked_sequences = self._correction_weights(
                 old_logprobs, behavior_logprobs, response_lens, device
             )
+            per_token_policy = per_token_policy * correction_weights
         policy_loss = aggregate(per_token_policy)
 
         if ref_logprobs is not None:
@@ -456,6 +512,8 @@ class GRPOLoss:
                 "mismatch_max_abs": (
                     mismatch.abs().max() if num_tokens else torch.zeros((), device=device)
                 ),
+                "masked_tokens": masked_tokens,
+                "masked_sequences": masked_sequences,
             }
             if return_pi_logprobs:
                 metadata["pi_logprobs"] = all_pi_logprobs.detach().float()
@@ -469,27 +527,54 @@ class GRPOLoss:
                 metadata=metadata,
             )
 
-    def _tis_weights(
+    def _correction_weights(
         self,
         old_logprobs: torch.Tensor,
         behavior_logprobs: torch.Tensor,
         response_lens: torch.Tensor | None,
         device: torch.device,
-    ) -> torch.Tensor:
-        """Per-token truncated importance weights ``min(exp(pi_old - mu), tis_cap)`` (detached).
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token weights of the configured correction (detached), and what it masked.
 
-        At sequence level the log-ratio is summed over each sequence's tokens and the one
-        weight is shared by all of them.
+        The weights are those of the module docstring: ``min(max(r, low), cap)`` for TIS,
+        ``r`` inside ``[low, cap]`` and 0 outside for MIS and IcePop, with ``r =
+        exp(pi_old - mu)`` per token or, at sequence level, ``exp`` of the summed log-ratio of
+        the sequence, shared by its tokens.
+
+        Returns:
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor]: The weights ``[T]``, the number
+            of masked tokens and the number of sequences masked whole (float scalars).
         """
-        log_weight = old_logprobs - behavior_logprobs
-        if self.tis_level == "sequence":
+        log_ratio = old_logprobs - behavior_logprobs
+        num_tokens = log_ratio.numel()
+        sequence_level = self.correction_level == "sequence"
+        if sequence_level:
             lens = _checked_response_lens(
-                response_lens, log_weight.numel(), device, "tis_level='sequence'"
+                response_lens, num_tokens, device, "correction_level='sequence'"
             )
-            log_weight = _per_sequence_sum(log_weight, lens)
+            index = _sequence_index(lens, num_tokens)
+            sequence_log_ratio = _sequence_sums(log_ratio, index, lens.numel())
+            log_ratio = sequence_log_ratio[index]
         # Clamp before exp so a far-off sequence cannot overflow to inf; the cap then applies
         # to a finite number. No lower clamp: a weight that underflows to 0 is exact enough.
-        return torch.exp(log_weight.clamp(max=_MAX_LOG_RATIO)).clamp(max=self.tis_cap)
+        ratio = torch.exp(log_ratio.clamp(max=_MAX_LOG_RATIO))
+        zero = torch.zeros((), device=device)
+        if self.correction == "tis":
+            return ratio.clamp(min=self.correction_low, max=self.correction_cap), zero, zero
+
+        def outside(log_values: torch.Tensor) -> torch.Tensor:
+            # Compared in log space: exact for ratios that exp() would overflow or underflow.
+            out = log_values > math.log(self.correction_cap)
+            if self.correction_low:  # a lower bound of 0 masks nothing
+                out |= log_values < math.log(self.correction_low)
+            return out
+
+        masked = outside(log_ratio)
+        masked_sequences = outside(sequence_log_ratio).sum().float() if sequence_level else zero
+        # where(), not a product with a 0/1 mask: a masked weight is exactly 0, so is its
+        # token's gradient, whatever the ratio was.
+        weights = torch.where(masked, torch.zeros_like(ratio), ratio)
+        return weights, masked.sum().float(), masked_sequences
 
 
 def combine_stats(stats: Sequence[GRPOStats]) -> GRPOStats:
@@ -497,7 +582,7 @@ def combine_stats(stats: Sequence[GRPOStats]) -> GRPOStats:
 
     Token means (``ratios``, ``clipfrac``, ``approx_policy_kls``, ``kl_to_ref``,
     ``mismatch_kl``) are weighted by each call's ``num_tokens``; ``mismatch_max_abs`` is the
-    max over calls. A loss part is ``sum(part * loss_normalizer) /
+    max over calls, the counts ``masked_tokens`` and ``masked_sequences`` their sum. A loss part is ``sum(part * loss_normalizer) /
     sum(normalizer_count)``: the plain sum when every call used the whole batch's normaliser,
     and the exact batch mean when each call normalised by its own count.
 
@@ -545,5 +630,7 @@ def combine_stats(stats: Sequence[GRPOStats]) -> GRPOStats:
             "mismatch_max_abs": torch.stack(
                 [item.metadata["mismatch_max_abs"].detach().float() for item in stats]
             ).max(),
+            "masked_tokens": sum(item.metadata["masked_tokens"].detach() for item in stats),
+            "masked_sequences": sum(item.metadata["masked_sequences"].detach() for item in stats),
         },
     )

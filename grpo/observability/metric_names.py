@@ -37,6 +37,12 @@ TRAIN_LOSS = "train_actor_training/loss"
 TRAIN_KL_LOSS = "train_actor_training/kl_loss"
 TRAIN_APPROX_POLICY_KLS = "train_actor_training/approx_policy_kls"
 TRAIN_MISMATCH_MAX_ABS = "train_actor_training/mismatch_max_abs"
+# training.loss.correction mis or icepop: the share of response tokens whose weight is a mask
+# (0), and at correction_level sequence the share of sequences masked whole; 0 otherwise.
+TRAIN_CORRECTION_MASKED_FRACTION = "train_actor_training/correction_masked_fraction"
+TRAIN_CORRECTION_MASKED_SEQUENCE_FRACTION = (
+    "train_actor_training/correction_masked_sequence_fraction"
+)
 TRAIN_RESPONSE_LENGTHS = "train_actor_training/response_lengths"
 TRAIN_POLICY_AGE_MEAN = "train_actor_training/policy_age_mean"
 TRAIN_POLICY_AGE_MAX = "train_actor_training/policy_age_max"
@@ -197,6 +203,8 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         # k3 estimate of KL(behaviour || pi_old), and the largest |pi_old - behaviour|.
         "train_actor_training/mismatch_kl",
         TRAIN_MISMATCH_MAX_ABS,
+        TRAIN_CORRECTION_MASKED_FRACTION,
+        TRAIN_CORRECTION_MASKED_SEQUENCE_FRACTION,
         TRAIN_RESPONSE_LENGTHS,
         TRAIN_POLICY_AGE_MEAN,
         TRAIN_POLICY_AGE_MAX,

@@ -412,7 +412,7 @@ class PyTorchActorModel:
 
         With ``ppo_epochs > 1`` each pack first gets one forward without gradient for the
         pre-update logprobs pi_old (see `_old_logprobs`), which every epoch's loss uses for the
-        TIS ratio and the mismatch metrics (``mismatch_kl``, ``mismatch_max_abs``). With
+        correction's ratio and the mismatch metrics (``mismatch_kl``, ``mismatch_max_abs``). With
         ``lora`` and a KL term, each pack also gets a forward of the base model (adapter off)
         for the reference logprobs (see `_reference_logprobs`), and the batch's
         ``ref_logprobs`` are not used.
@@ -568,7 +568,7 @@ class PyTorchActorModel:
         With one epoch the first (and only) forward sees the pre-update weights, so the loss
         takes pi_old from it (None here: no extra forward). With more epochs the weights
         change between epochs, so one forward without gradient per pack fixes pi_old first;
-        the loss uses it for the TIS ratio and the mismatch metrics in every epoch.
+        the loss uses it for the correction's ratio and the mismatch metrics in every epoch.
 
         Args:
             packs (list[PackedTrajectory]): This rank's packs.
@@ -638,7 +638,10 @@ class PyTorchActorModel:
             "approx_policy_kls": float(combined.approx_policy_kls) * tokens,
             "kl_to_ref": float(combined.metadata["kl_to_ref"]) * tokens,
             "mismatch_kl": float(combined.metadata["mismatch_kl"]) * tokens,
+            "masked_tokens": float(combined.metadata["masked_tokens"]),
+            "masked_sequences": float(combined.metadata["masked_sequences"]),
             "num_tokens": tokens,
+            "num_sequences": float(combined.metadata["num_sequences"] or 0),
         }
         summed = self._all_reduce_sum(torch.tensor(list(weighted.values()), dtype=torch.float64))
         total = dict(zip(weighted, summed.tolist()))
@@ -653,6 +656,11 @@ class PyTorchActorModel:
         for name in ("ratios", "clipfrac", "approx_policy_kls", "kl_to_ref", "mismatch_kl"):
             metrics[f"train_actor_training/{name}"] = total[name] / tokens
         metrics[names.TRAIN_MISMATCH_MAX_ABS] = float(mismatch_max_abs)
+        # Counts over every epoch: each sees the same pi_old and mu, so the same masks.
+        metrics[names.TRAIN_CORRECTION_MASKED_FRACTION] = total["masked_tokens"] / tokens
+        metrics[names.TRAIN_CORRECTION_MASKED_SEQUENCE_FRACTION] = total["masked_sequences"] / max(
+            total["num_sequences"], 1.0
+        )
         return metrics
 
     def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
