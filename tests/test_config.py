@@ -1042,6 +1042,22 @@ def test_clip_settings_that_tis_with_one_epoch_ignores_are_named(config_path):
     )
 
 
+@pytest.mark.parametrize("correction", ["tis", "mis", "icepop"])
+def test_every_correction_with_one_epoch_names_the_clip_settings_it_ignores(
+    config_path, correction
+):
+    loss = f"training.loss={{_component_: grpo.objective.loss.GRPOLoss, correction: {correction}"
+    [problem] = problems_of(
+        compose_config(config_path, [f"{loss}, epsilon_high: 0.28}}"]), check_components=False
+    )
+    assert problem.startswith(
+        "training.loss.correction: with training.ppo_epochs 1 the clipped ratio is taken "
+        "against the current policy and is always 1, so epsilon_high has no effect"
+    )
+    assert problem.endswith("or correction: none (the ratio to the behaviour policy is clipped)")
+    validate_run_config(compose_config(config_path, [f"{loss}}}"]), check_components=False)
+
+
 ENVIRONMENT = "environment={_component_: grpo.testing.tools.EchoUserEnv, max_turns: 8"
 
 

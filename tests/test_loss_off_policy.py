@@ -264,3 +264,153 @@ def test_sequence_levels_need_response_lens(kwargs, needed_by):
         )
     with pytest.raises(ValueError, match="old_logprobs"):
         loss_fn.compute_loss_from_logprobs(pi, None, advantages, behaviour, old_logprobs=old[:3])
+
+
+# ---- MIS and IcePop --------------------------------------------------------------------------
+
+# Five sequences; the mismatch log-ratios log r = pi_old - mu are drawn wide enough that every
+# band below has tokens (and, at sequence level, sequences) on both sides of it.
+MASK_LENS = [3, 5, 2, 4, 6]
+
+
+def _mask_case(seed=0):
+    """pi, pi_old, mu and advantages in float64, pi two PPO-sized steps away from pi_old."""
+    generator = torch.Generator().manual_seed(seed)
+    num_tokens = sum(MASK_LENS)
+    behaviour = -torch.rand(num_tokens, generator=generator, dtype=torch.float64) * 3 - 0.1
+    old = behaviour + 1.2 * torch.randn(num_tokens, generator=generator, dtype=torch.float64)
+    pi = old + 0.15 * torch.randn(num_tokens, generator=generator, dtype=torch.float64)
+    sequence_advantages = torch.randn(len(MASK_LENS), generator=generator, dtype=torch.float64)
+    advantages = sequence_advantages.repeat_interleave(torch.tensor(MASK_LENS))
+    return pi, old, behaviour, advantages
+
+
+def _reference(pi, old, behaviour, advantages, correction, level, low, cap, eps=0.2):
+    """The loss of the published formulas, one token at a time, and which tokens it masks.
+
+    TIS: w = min(max(r, low), cap). MIS (TRL's token_mask / sequence_mask) and IcePop (Ring-1T's
+    M(k) = k on [alpha, beta], else 0): w = r inside [low, cap], 0 outside. r = exp(pi_old - mu)
+    per token, or exp of the sum over the sequence at sequence level. The policy term is
+    -w * min(rho * A, clip(rho, 1 - eps, 1 + eps) * A) with rho = exp(pi - pi_old), averaged
+    over every token (masked ones included).
+    """
+    total, masked_tokens, masked_sequences, start = 0.0, [], 0, 0
+    for length in MASK_LENS:
+        tokens = range(start, start + length)
+        sequence_log_r = sum(float(old[t] - behaviour[t]) for t in tokens)
+        sequence_masked = False
+        for t in tokens:
+            r = math.exp(sequence_log_r if level == "sequence" else float(old[t] - behaviour[t]))
+            if correction == "tis":
+                w = min(max(r, low or 0.0), cap)
+            elif (low is not None and r < low) or r > cap:
+                w = 0.0
+                masked_tokens.append(t)
+                sequence_masked = True
+            else:
+                w = r
+            rho = torch.exp(pi[t] - old[t])
+            total = total - w * torch.minimum(
+                rho * advantages[t], rho.clamp(1 - eps, 1 + eps) * advantages[t]
+            )
+        masked_sequences += sequence_masked and level == "sequence"
+        start += length
+    return total / sum(MASK_LENS), masked_tokens, masked_sequences
+
+
+@pytest.mark.parametrize(
+    "options,low,cap",
+    [
+        ({"correction": "mis"}, None, 2.0),
+        ({"correction": "mis", "correction_level": "sequence"}, None, 2.0),
+        ({"correction": "mis", "correction_low": 0.4, "correction_cap": 3.0}, 0.4, 3.0),
+        (
+            {"correction": "mis", "correction_level": "sequence", "correction_low": 0.25},
+            0.25,
+            2.0,
+        ),
+        ({"correction": "icepop"}, 0.5, 5.0),
+        ({"correction": "icepop", "correction_low": 0.7, "correction_cap": 1.5}, 0.7, 1.5),
+        ({"correction": "tis", "correction_level": "sequence"}, None, 2.0),
+        ({"correction": "tis", "correction_low": 0.5, "correction_cap": 1.5}, 0.5, 1.5),
+    ],
+    ids=["mis", "mis_seq", "mis_band", "mis_seq_band", "icepop", "icepop_band", "tis_seq", "tis"],
+)
+def test_corrections_match_the_published_formulas(options, low, cap):
+    pi, old, behaviour, advantages = _mask_case()
+    level = options.get("correction_level", "token")
+    lens = torch.tensor(MASK_LENS)
+    # No ratio within float32 rounding of a bound, so both sides decide every mask alike.
+    log_r = (old - behaviour).tolist()
+    if level == "sequence":
+        log_r = [sum(part) for part in torch.split(old - behaviour, MASK_LENS)]
+    for bound in (low, cap):
+        if bound:
+            assert min(abs(value - math.log(bound)) for value in log_r) > 1e-4
+
+    reference_pi = pi.clone().requires_grad_()
+    expected, masked, masked_sequences = _reference(
+        reference_pi, old, behaviour, advantages, options["correction"], level, low, cap
+    )
+    expected.backward()
+
+    loss_fn = GRPOLoss(**options)
+    assert (loss_fn.correction_low, loss_fn.correction_cap) == (low, cap)
+    test_pi = pi.clone().requires_grad_()
+    stats = loss_fn.compute_loss_from_logprobs(
+        test_pi, None, advantages, behaviour, old_logprobs=old, response_lens=lens
+    )
+    stats.loss.backward()
+
+    assert stats.loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    torch.testing.assert_close(test_pi.grad, reference_pi.grad, rtol=0, atol=1e-6)
+    # The metrics count what the formula masked: tokens, and sequences masked whole.
+    assert stats.metadata["masked_tokens"].item() == len(masked)
+    assert stats.metadata["masked_sequences"].item() == masked_sequences
+    if options["correction"] == "tis":
+        assert masked == []
+    else:
+        assert 0 < len(masked) < sum(MASK_LENS)  # the case tests both sides of the band
+        assert test_pi.grad[masked].eq(0).all()  # exactly zero, not small
+        assert level == "token" or 0 < masked_sequences < len(MASK_LENS)
+
+
+def test_masked_tokens_get_exactly_zero_gradient_whatever_their_ratio():
+    # A token vLLM all but ruled out (log r = 40: r overflows float32) or made certain
+    # (log r = -40) is masked: its gradient is exactly 0 and the loss stays finite, while
+    # the tokens in the band keep theirs.
+    behaviour = _tensor([-1.0, -41.0, -0.5, -0.2])
+    old = _tensor([-1.2, -1.0, -40.5, -0.3])
+    pi = (old + _tensor([0.05, 0.0, 0.0, -0.05])).requires_grad_()
+    advantages = _tensor([1.0, 1.0, -1.0, -1.0])
+    stats = GRPOLoss(correction="icepop").compute_loss_from_logprobs(
+        pi, None, advantages, behaviour, old_logprobs=old
+    )
+    stats.loss.backward()
+    assert math.isfinite(stats.loss.item())
+    assert pi.grad[[1, 2]].tolist() == [0.0, 0.0]
+    assert pi.grad[[0, 3]].ne(0).all()
+    assert stats.metadata["masked_tokens"].item() == 2
+
+
+def test_masked_counts_add_up_over_micro_batches():
+    pi, old, behaviour, advantages = _mask_case()
+    loss_fn = GRPOLoss(correction="mis", correction_level="sequence")
+    whole = loss_fn.compute_loss_from_logprobs(
+        pi, None, advantages, behaviour, old_logprobs=old, response_lens=torch.tensor(MASK_LENS)
+    )
+    split = sum(MASK_LENS[:2])  # whole sequences per micro-batch, as packs hold them
+    parts = [
+        loss_fn.compute_loss_from_logprobs(
+            pi[part],
+            None,
+            advantages[part],
+            behaviour[part],
+            old_logprobs=old[part],
+            response_lens=torch.tensor(lens),
+        )
+        for part, lens in ((slice(0, split), MASK_LENS[:2]), (slice(split, None), MASK_LENS[2:]))
+    ]
+    combined = combine_stats(parts)
+    for name in ("masked_tokens", "masked_sequences"):
+        assert combined.metadata[name].item() == whole.metadata[name].item() > 0, name

@@ -6,6 +6,10 @@ import pytest
 import torch
 
 from grpo.objective.loss import GRPOLoss
+from grpo.observability.metric_names import (
+    TRAIN_CORRECTION_MASKED_FRACTION,
+    TRAIN_CORRECTION_MASKED_SEQUENCE_FRACTION,
+)
 from grpo.testing import assert_same_training_state, gathered_training_state
 from grpo.types import ScoredTrajectory
 from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
@@ -408,6 +412,7 @@ class RecordingLoss(GRPOLoss):
                 "pi": pi_logprobs.detach().clone(),
                 "old": None if old is None else old.detach().clone(),
                 "behaviour": behavior.detach().clone(),
+                "lens": kw["response_lens"].clone(),
             }
         )
         return super().compute_loss_from_logprobs(
@@ -454,6 +459,40 @@ def test_train_step_reports_the_mismatch_of_pi_old_and_behaviour(tiny_model_dir,
     assert metrics["train_actor_training/mismatch_kl"] == pytest.approx(expected_kl, rel=1e-5)
     assert metrics["train_actor_training/mismatch_max_abs"] == pytest.approx(expected_max, rel=1e-6)
     assert expected_kl > 0.1  # make_batch's behaviour logprobs are far from the model's
+
+
+def test_train_step_reports_the_fraction_the_correction_masked(tiny_model_dir):
+    batch = make_batch(8, vocab_size=300)
+    trainer = PyTorchActorModel(**trainer_kwargs(tiny_model_dir, 0, 1, budget=64))
+    trainer.setup()
+    loss_options = {k: v for k, v in LOSS.items() if k != "_component_"}
+    # make_batch's behaviour logprobs are far above the tiny model's (sequence log-ratios from
+    # about -6 to -57): a lower bound of e^-20.7 masks some sequences whole and keeps others.
+    trainer.loss_fn = RecordingLoss(
+        **loss_options, correction="mis", correction_level="sequence", correction_low=1e-9
+    )
+    metrics = trainer.train_step(batch)
+
+    # One epoch: pi_old is each call's pi. A sequence is masked where the product of its
+    # tokens' exp(pi_old - mu) leaves [1e-9, 2], and all its tokens with it.
+    calls = trainer.loss_fn.calls
+    sums = torch.cat(
+        [
+            torch.stack(
+                [gap.sum() for gap in torch.split(c["pi"] - c["behaviour"], c["lens"].tolist())]
+            )
+            for c in calls
+        ]
+    )
+    lens = torch.cat([c["lens"] for c in calls])
+    masked = (sums < math.log(1e-9)) | (sums > math.log(2.0))
+    assert 0 < int(masked.sum()) < len(batch) == len(lens)
+    assert metrics[TRAIN_CORRECTION_MASKED_SEQUENCE_FRACTION] == pytest.approx(
+        int(masked.sum()) / len(batch)
+    )
+    assert metrics[TRAIN_CORRECTION_MASKED_FRACTION] == pytest.approx(
+        int(lens[masked].sum()) / int(lens.sum())
+    )
 
 
 @pytest.mark.slow
