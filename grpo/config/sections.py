@@ -270,7 +270,7 @@ CORRECTION_DEFAULT_BOUNDS: dict[str, tuple[float | None, float]] = {
     # Training", 2025); no lower bound.
     "tis": (None, 2.0),
     # MIS masks above C only (TRL's vllm_importance_sampling_mode *_mask leaves C_min unset;
-    # Liu et al., "When Speed Kills Stability", 2025); the same C as TIS.
+    # Liu et al., "When Speed Kills Stability", 2025); the same C as TIS (TRL's C_max is 3).
     "mis": (None, 2.0),
     # IcePop's band [alpha, beta] = [0.5, 5] (Ling Team, Ring-1T, arXiv:2510.18855).
     "icepop": (0.5, 5.0),
