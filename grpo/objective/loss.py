@@ -582,9 +582,10 @@ def combine_stats(stats: Sequence[GRPOStats]) -> GRPOStats:
 
     Token means (``ratios``, ``clipfrac``, ``approx_policy_kls``, ``kl_to_ref``,
     ``mismatch_kl``) are weighted by each call's ``num_tokens``; ``mismatch_max_abs`` is the
-    max over calls, the counts ``masked_tokens`` and ``masked_sequences`` their sum. A loss part is ``sum(part * loss_normalizer) /
-    sum(normalizer_count)``: the plain sum when every call used the whole batch's normaliser,
-    and the exact batch mean when each call normalised by its own count.
+    max over calls; the counts ``masked_tokens`` and ``masked_sequences`` are summed. A loss
+    part is ``sum(part * loss_normalizer) / sum(normalizer_count)``: the plain sum when every
+    call used the whole batch's normaliser, and the exact batch mean when each call normalised
+    by its own count.
 
     Args:
         stats (Sequence[GRPOStats]): Stats returned by `GRPOLoss`.
