@@ -75,6 +75,24 @@ def turn_seed(first_turn_seed: int, turn: int) -> int:
     return first_turn_seed if turn == 0 else mix_seed(first_turn_seed, turn)
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of answer ``choice`` of a policy turn sampled several times (an agent's call
+    with ``n`` above 1, `grpo.envs.AgentEnv`), whose own seed is ``seed``.
+
+    Choice 0 is the turn's own seed. A later choice hashes a negative tag in, a value no turn
+    number takes: choice ``i`` of an episode's first turn is then not its turn ``i``
+    (`turn_seed` hashes ``(first_turn_seed, i)``), and no choice repeats another turn's seed.
+
+    Args:
+        seed (int): The turn's seed (`turn_seed`).
+        choice (int): The answer's index, from 0.
+
+    Returns:
+        int: The seed, in ``[0, 2**SEED_BITS)``.
+    """
+    return seed if choice == 0 else mix_seed(seed, -1 - choice)
+
+
 def sample_seed(group: int, member: int, turn: int) -> int:
     """The seed of policy turn ``turn`` of episode ``member`` of a group.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -20,10 +21,12 @@ import pytest
 from grpo.envs import AgentEnv, ChatTurnRenderer, EngineContext, Sample
 from grpo.envs.agent_env import AGENT_OVERRIDDEN_SAMPLING, AGENT_SPLITS
 from grpo.envs.preflight import environment_problems
+from grpo.envs.rollout import BatchEngine
 from grpo.models import load_tokenizer
 from grpo.testing import agents
 from grpo.testing.chat_families import build_tiny_chat_family
 
+REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 EXAMPLE = {"question": "What is 3+4?", "answer": "7", "index": 0}
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
@@ -451,8 +454,6 @@ async def _refused_then_answered_agent(client, example: dict) -> float:
 def test_a_request_the_engine_refuses_fails_that_call_not_the_batch(scripted):
     """vLLM refuses some requests when they are submitted (a token id past the vocabulary):
     the agent gets a 400 for that call, the other episodes of the batch go on."""
-    from grpo.envs.rollout import BatchEngine
-
     env, sampler, _ = scripted
 
     class RefusingEngine(BatchEngine):
@@ -482,3 +483,258 @@ def test_evaluation_counts_an_episode_split_in_two_once(scripted):
     assert len(result["samples"]) == 2
     assert all(sample["rewards"] == {"agent": 0.5} for sample in result["samples"])
     assert env.batch_metrics()[AGENT_SPLITS] == 2
+
+
+# ---- tool_choice, seeds, failures and limits -----------------------------------------------
+
+
+class Recorder:
+    """A sampler that keeps each request and what was sampled for it, in order."""
+
+    def __init__(self, sample):
+        self.sample = sample
+        self.calls: list[tuple] = []
+
+    def __call__(self, requests):
+        samples = self.sample(requests)
+        self.calls.extend(zip(requests, samples))
+        return samples
+
+
+def test_tool_choice_none_reads_no_calls_and_one_that_needs_constrained_sampling_is_refused(
+    scripted,
+):
+    """vLLM enforces ``required`` and a named function by constraining sampling; the run
+    samples the policy as it is, so they are a 400 that says so, never ignored. ``none``
+    renders the tools as ``auto`` does and returns the answer as text."""
+    import openai
+
+    env, sampler, tokenizer = scripted
+    seen = {}
+
+    async def agent(client, example):
+        messages = [{"role": "user", "content": example["question"]}]
+        for choice in ("required", {"type": "function", "function": {"name": "calculator"}}):
+            try:
+                await client.chat.completions.create(
+                    model="m", messages=messages, tools=[agents.CALCULATOR], tool_choice=choice
+                )
+            except openai.BadRequestError as refused:
+                seen[json.dumps(choice)] = str(refused)
+        response = await client.chat.completions.create(
+            model="m",
+            messages=messages,
+            tools=[agents.CALCULATOR],
+            tool_choice="none",
+            extra_body=agents.IDS,
+        )
+        seen["none"] = response
+        return 1.0
+
+    [episode], _ = _play(env, sampler, agent)
+    assert episode.error is None and len(episode.turn_lengths) == 1
+    for choice in ('"required"', '{"type": "function", "function": {"name": "calculator"}}'):
+        assert (
+            f"tool_choice {choice} is not supported: it needs constrained sampling" in seen[choice]
+        )
+    response = seen["none"]
+    with_tools = tokenizer.apply_chat_template(
+        [{"role": "user", "content": EXAMPLE["question"]}], tools=[agents.CALCULATOR]
+    )
+    assert response.prompt_token_ids == tokenizer.encode(with_tools, add_bos=True, add_eos=False)
+    [choice] = response.choices
+    assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+    assert choice.message.content == CALL  # the scripted call, as text
+
+
+def test_every_answer_of_an_episode_samples_with_a_seed_of_its_own(scripted):
+    """Two requests with one seed and the same tokens sample the same continuation: every
+    answer of every call of a group's episodes has its own seed (answer 1 of the first call
+    is not the second call's seed)."""
+    env, sampler, _ = scripted
+    recorder = Recorder(sampler)
+
+    async def agent(client, example):
+        messages = [{"role": "user", "content": example["question"]}]
+        for _ in range(3):
+            response = await client.chat.completions.create(
+                model="m", messages=messages, n=3, max_tokens=3
+            )
+            messages += [response.choices[0].message, {"role": "user", "content": "again"}]
+        return 1.0
+
+    group, _ = _play(env, recorder, agent, group_size=2)
+    assert [e.error for e in group] == [None, None]
+    seeds = [request.seed for request, _ in recorder.calls]
+    assert len(seeds) == 2 * 3 * 3 and len(set(seeds)) == len(seeds)
+
+
+def test_a_batch_whose_engine_fails_releases_its_episodes(scripted):
+    """The engine raising ends the batch with its error; the episodes' sessions go with it
+    (none is held for the collector's life), and the next batch plays."""
+    env, sampler, _ = scripted
+    urls = []
+
+    class DyingEngine(BatchEngine):
+        def step(self):
+            raise RuntimeError("the engine died")
+
+    async def agent(client, example):
+        urls.append(str(client.base_url))
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        return 1.0
+
+    env.agent = agent
+    with pytest.raises(RuntimeError, match="the engine died"):
+        env.run_groups([(EXAMPLE, [])], DyingEngine(sampler), 2, [0])
+    assert len(urls) == 2 and env._sessions == {}
+    request = urllib.request.Request(
+        urls[0] + "chat/completions",
+        data=json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=5)
+    assert raised.value.code == 404  # the episode is gone, not merely closed
+    [episode], _ = _play(env, sampler, agents.tool_agent)
+    assert episode.error is None
+
+
+def test_messages_the_chat_template_refuses_are_a_400_naming_its_error(family_dirs):
+    """Llama 3.1's template refuses parallel tool calls (raise_exception): the agent gets a
+    400 that says so, without the conversation echoed back, and its next call is answered."""
+    import openai
+
+    tokenizer = load_tokenizer(family_dirs["llama3_1"])
+    seen = {}
+
+    async def agent(client, example):
+        call = {"type": "function", "function": {"name": "calculator", "arguments": "{}"}}
+        parallel = [
+            {"role": "user", "content": example["question"]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{**call, "id": "a"}, {**call, "id": "b"}],
+            },
+            {"role": "tool", "tool_call_id": "a", "content": "1"},
+        ]
+        try:
+            await client.chat.completions.create(model="m", messages=parallel)
+        except openai.BadRequestError as refused:
+            seen["status"], seen["message"] = refused.status_code, refused.body["message"]
+        response = await client.chat.completions.create(model="m", messages=parallel[:1])
+        return float(bool(response.choices))
+
+    env = AgentEnv(agent=agent, max_turns=3, agent_timeout_s=20)
+    env.start(EngineContext(str(family_dirs["llama3_1"]), tokenizer, 4096, 64))
+    try:
+        group = env.run_groups([(EXAMPLE, [])], ScriptedSampler(tokenizer, 0), 2, [0])[0]
+    finally:
+        env.close()
+    assert seen["status"] == 400
+    assert seen["message"] == (
+        "the chat template cannot render these messages: TemplateError: This model only "
+        "supports single tool-calls at once!"
+    )
+    assert [(e.error, e.state["agent_rewards"]) for e in group] == [(None, {"agent": 1.0})] * 2
+
+
+def _too_long_agent(refusals: list[str], retry: bool):
+    """An agent whose first prompt is longer than the context; it keeps the endpoint's reason
+    and, with ``retry``, then sends a short prompt."""
+    import openai
+
+    async def agent(client, example):
+        try:
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "7 " * 3000}]
+            )
+        except openai.BadRequestError as refused:
+            refusals.append(refused.body["message"])
+        if retry:
+            short = [{"role": "user", "content": example["question"]}]
+            await client.chat.completions.create(model="m", messages=short)
+        return 1.0
+
+    return agent
+
+
+async def _split_too_long_agent(client, example):
+    """One call answered, then a rewritten history too long for the context; it gives up."""
+    question = {"role": "user", "content": example["question"]}
+    await client.chat.completions.create(model="m", messages=[question])
+    await client.chat.completions.create(
+        model="m", messages=[{"role": "system", "content": "7 " * 3000}, question]
+    )
+
+
+def test_a_prompt_longer_than_the_context_is_a_400_the_agent_sees_not_a_missing_call(scripted):
+    """The agent is told the prompt does not fit (as vLLM's server tells it) and may send a
+    shorter one; an episode that never fits is its own kind of error, and one that stops where
+    its context ran out is flagged truncated."""
+    env, sampler, _ = scripted
+    refusals: list[str] = []
+    [episode], metrics = _play(env, sampler, _too_long_agent(refusals, retry=False))
+    [refused] = refusals
+    assert re.fullmatch(
+        r"prompt of \d+ tokens does not fit: the model's maximum context length is 4096 "
+        r"tokens, prompt and answer together; shorten the messages",
+        refused,
+    )
+    assert episode.error == refused
+    assert metrics["inference/agent_errors_prompt_too_long"] == 1
+    assert "inference/agent_errors_no_call" not in metrics
+
+    [episode], metrics = _play(env, sampler, _too_long_agent(refusals, retry=True))
+    assert len(refusals) == 2 and episode.error is None and not episode.truncated
+    assert len(episode.turn_lengths) == 1 and episode.state["agent_rewards"] == {"agent": 1.0}
+
+    [episode], metrics = _play(env, sampler, _split_too_long_agent)
+    assert episode.error is None and episode.truncated and len(episode.turn_lengths) == 1
+    assert episode.state["agent_rewards"] == {"agent": 0.0}  # stopped by a limit
+    assert metrics[AGENT_SPLITS] == 0
+
+
+class Versioned:
+    """Tags each sample with the policy versions that sampled its tokens: ``updates[i]`` is
+    how many tokens of the i-th request the old weights sampled before new ones took over
+    (None: all of them), the version counting up from ``first``."""
+
+    def __init__(self, sample, first: int, updates: list[int | None]):
+        self.sample, self.version, self.updates = sample, first, list(updates)
+
+    def __call__(self, requests):
+        out = []
+        for sample in self.sample(requests):
+            old = self.updates.pop(0)
+            if old is None or old >= len(sample.token_ids):
+                runs = ((self.version, len(sample.token_ids)),)
+            else:
+                runs = ((self.version, old), (self.version + 1, len(sample.token_ids) - old))
+                self.version += 1
+            out.append(sample._replace(version_runs=runs))
+        return out
+
+
+def test_each_trained_token_keeps_the_policy_version_that_sampled_it(scripted):
+    """Weights change while an agent's episode runs: its first call is sampled under version 3
+    and the second from its third token on under version 4. The trajectory records each
+    token's own version (the environment's tokens between the calls have none), and its
+    oldest and newest versions are 3 and 4."""
+    from grpo.envs.rollout import episode_groups
+
+    env, sampler, _ = scripted
+    recorder = Recorder(Versioned(sampler, first=3, updates=[None, 2]))
+    [episode], _ = _play(env, recorder, agents.tool_agent)
+    (_, first), (_, second) = recorder.calls
+    assert episode.version_runs == [(3, len(first.token_ids) + 2), (4, len(second.token_ids) - 2)]
+    per_token = [version for version, count in episode.version_runs for _ in range(count)]
+    assert len(per_token) == sum(episode.response_mask)  # one version per trained token
+    trained = [t for t, m in zip(episode.response_ids, episode.response_mask) if m]
+    assert trained == [*first.token_ids, *second.token_ids]
+    [group] = episode_groups(
+        [[episode]], [{"agent": 1.0}], group_ids=[0], sequence_id=lambda: "s0", policy_version=0
+    )
+    [trajectory] = group.trajectories
+    assert (trajectory.policy_version, trajectory.last_policy_version) == (3, 4)

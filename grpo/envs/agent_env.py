@@ -20,10 +20,17 @@ group, counted as ``inference/agent_splits``. Nothing the model wrote is re-toke
 
 Sampling belongs to the run: a call's own ``temperature``, ``top_p`` or ``seed`` is answered
 with the run's (counted, ``inference/agent_overridden_sampling``, and warned once);
-``max_tokens`` is honoured up to the run's per-turn limit. A call past ``max_turns``, or with
-no room left in ``max_episode_tokens`` (per trajectory) or the context, is HTTP 400 (the
-client raises ``openai.BadRequestError``); the episode ends there, flagged
-(``hit_max_turns`` or ``truncated``), and is scored as it stands.
+``max_tokens`` is honoured up to the run's per-turn limit; a ``tool_choice`` that needs
+constrained sampling (``required``, a named function) is refused
+(`grpo.envs.openai_server.tool_choice_problem`). A call past ``max_turns``, or one that
+continues a trajectory with no room left in ``max_episode_tokens`` (per trajectory) or the
+context, is HTTP 400 (the client raises ``openai.BadRequestError``); the episode ends there,
+flagged (``hit_max_turns`` or ``truncated``), and is scored as it stands. A call that starts
+a trajectory with a prompt longer than the context is HTTP 400 as well, as vLLM's server
+answers it, and the episode goes on (the agent may shorten it); an agent that stops there has
+its last trajectory flagged ``truncated``, or, with none, is an episode with an error
+(``prompt_too_long``). Messages the chat template refuses are HTTP 400 with the template's
+own error.
 
 Agents run on an event loop of their own, in a thread apart from the engine's (the engine's
 thread only samples), ``max_concurrent_episodes`` at a time, so their calls batch on the
@@ -72,15 +79,15 @@ from grpo.envs.options import checked_options
 from grpo.envs.protocol import EngineContext, EpisodeLimits, FailedEpisodes, Prompt
 from grpo.envs.rollout import Sample, Sampler, SampleRequest, TurnEngine, as_turn_engine
 from grpo.observability import metric_names as names
-from grpo.seeds import mix_seed, sample_seed, turn_seed
+from grpo.seeds import choice_seed, sample_seed, turn_seed
 
 log = logging.getLogger(__name__)
 
 AGENT_SPLITS = names.INFERENCE_AGENT_SPLITS
 AGENT_OVERRIDDEN_SAMPLING = names.INFERENCE_AGENT_OVERRIDDEN_SAMPLING
 AGENT_ERRORS_TEMPLATE = names.INFERENCE_AGENT_ERRORS_KIND_TEMPLATE
-# Kinds of agent errors.
-RAISED, TIMEOUT, NO_CALL = "raised", "timeout", "no_call"
+# Kinds of agent errors (prompt_too_long: every prompt it sent was longer than the context).
+RAISED, TIMEOUT, NO_CALL, PROMPT_TOO_LONG = "raised", "timeout", "no_call", "prompt_too_long"
 # The reward of an agent that returns a float.
 AGENT_REWARD = "agent"
 # Seconds past agent_timeout_s the engine's thread waits for an agent that blocks its loop.
@@ -155,6 +162,9 @@ class _Session:
     pending: list[tuple[dict[str, Any], Sample]] = field(default_factory=list)
     calls: int = 0
     ended: str | None = None  # why the episode's limits ended it
+    # Why its last call was refused for a prompt longer than the context (None: the last call
+    # was answered): an agent that stops there ran out of context.
+    too_long: str | None = None
     closed: bool = False  # collected: later calls are refused
     last_text: str = ""
 
@@ -295,7 +305,7 @@ class AgentEnv(MultiTurnEnv):
         if self.server is None or self._loop is None:
             raise RuntimeError("AgentEnv.start must be called before run_groups")
         engine = as_turn_engine(engine)
-        groups: list[list[tuple[str, concurrent.futures.Future]]] = []
+        groups: list[list[tuple[str, _Session, concurrent.futures.Future]]] = []
         for (example, _), seed in zip(prompts, seeds):
             group = []
             for member in range(group_size):
@@ -303,9 +313,9 @@ class AgentEnv(MultiTurnEnv):
                 session = _Session(dict(example), sample_seed(seed, member, 0))
                 self._sessions[name] = session
                 future = asyncio.run_coroutine_threadsafe(self._play(name, session), self._loop)
-                group.append((name, future))
+                group.append((name, session, future))
             groups.append(group)
-        futures = [future for group in groups for _, future in group]
+        futures = [future for group in groups for *_, future in group]
         # Agents wait for a slot: the last ones start after the others' turns.
         rounds = -(-len(futures) // (self.max_concurrent_episodes or len(futures) or 1))
         deadline = time.monotonic() + (self.agent_timeout_s + _GRACE_S) * rounds
@@ -321,11 +331,16 @@ class AgentEnv(MultiTurnEnv):
         finally:
             with self._put_lock:  # no call joins the queue after this
                 for group in groups:
-                    for name, _ in group:
-                        self._sessions[name].closed = True
+                    for name, session, _ in group:
+                        session.closed = True
+                        # Released even when the engine failed: a collector that goes on
+                        # after a failed batch would otherwise hold every session it played.
+                        self._sessions.pop(name, None)
                 self._refuse_queued("the batch is over")
+            for future in futures:  # an agent still running has nothing left to call
+                future.cancel()
         return [
-            [trajectory for name, future in group for trajectory in self._finish(name, future)]
+            [t for name, session, future in group for t in self._finish(name, session, future)]
             for group in groups
         ]
 
@@ -415,35 +430,40 @@ class AgentEnv(MultiTurnEnv):
             finally:
                 await client.close()
 
-    def _finish(self, name: str, future: concurrent.futures.Future) -> list[Episode]:
+    def _finish(
+        self, name: str, session: _Session, future: concurrent.futures.Future
+    ) -> list[Episode]:
         """The episode's trajectories, with its reward (or its error)."""
-        session = self._sessions.pop(name)
         with session.lock:
             self._commit(session)
+        timed_out = f"the agent ran past agent_timeout_s={self.agent_timeout_s}"
         kind, error, result, rewards = None, None, None, None
-        if not future.done():
-            future.cancel()
-            kind, error = TIMEOUT, f"the agent ran past agent_timeout_s={self.agent_timeout_s}"
+        # A future still running when the batch ended was cancelled (`run_groups`).
+        if future.cancelled():
+            kind, error = TIMEOUT, timed_out
         else:
             try:
                 result = future.result()
             except (asyncio.TimeoutError, TimeoutError):
-                kind = TIMEOUT
-                error = f"the agent ran past agent_timeout_s={self.agent_timeout_s}"
+                kind, error = TIMEOUT, timed_out
             except BaseException as raised:  # the agent's own failure, or a limit it hit
-                if session.ended is None:
+                if session.ended is None and session.too_long is None:
                     kind, error = RAISED, failure_reason(raised)
         segments = [s for s in session.segments if s.turn_lengths]
+        if kind is None and not segments and session.too_long is not None:
+            kind, error = PROMPT_TOO_LONG, session.too_long
         if kind is None and not segments:
             kind, error = NO_CALL, "the agent never called the model"
+        if kind is None and session.too_long is not None:
+            segments[-1].truncated = True  # it stopped where its context ran out
         if kind is None:
             try:
                 rewards = _rewards(result)
             except (TypeError, ValueError) as bad:
                 kind, error = RAISED, f"the agent's return value: {bad}"
         if kind is None and rewards is None and not self.reward_functions:
-            if session.ended is not None:  # stopped by a limit, nothing to score it with
-                rewards = {AGENT_REWARD: 0.0}
+            if session.ended is not None or session.too_long is not None:
+                rewards = {AGENT_REWARD: 0.0}  # stopped by a limit, nothing to score it with
         if kind is None and rewards is None and not self.reward_functions:
             kind = RAISED
             error = "the agent returned None and the run has no reward_functions"
@@ -478,16 +498,16 @@ class AgentEnv(MultiTurnEnv):
                     add_generation_prompt=True,
                     **self.renderer.chat_template_kwargs,
                 )
-            except Exception as error:
+            except Exception as error:  # the template's own error (raise_exception), a 400
                 raise ApiError(
-                    f"the chat template cannot render these messages: {error}"
+                    f"the chat template cannot render these messages: {_template_error(error)}"
                 ) from error
             bridge = self._chat_bridge(session, request)
             if bridge is None:
                 prompt = context.tokenizer.encode(text, add_bos=True, add_eos=False)
                 self._new_segment(session, prompt)
             prompt_ids = self._open_turn(session, bridge)
-            choices = self._sample(session, prompt_ids, request.sampling)
+            choices = self._sample(session, prompt_ids, request.sampling, request.read_tool_calls)
             session.messages, session.tools = list(request.messages), request.tools
             return prompt_ids, choices
 
@@ -513,7 +533,7 @@ class AgentEnv(MultiTurnEnv):
             if bridge is None:
                 self._new_segment(session, prompt)
             prompt_ids = self._open_turn(session, bridge)
-            choices = self._sample(session, prompt_ids, request.sampling)
+            choices = self._sample(session, prompt_ids, request.sampling, read_tool_calls=False)
             session.messages, session.tools = None, None
             return prompt_ids, choices
 
@@ -568,6 +588,20 @@ class AgentEnv(MultiTurnEnv):
         return None
 
     def _new_segment(self, session: _Session, prompt: list[int]) -> None:
+        """Start a trajectory from ``prompt``; the episode's other trajectories stay as they are.
+
+        Raises:
+            ApiError: The prompt leaves no room for a token in the context (400, as vLLM's
+                server answers; the episode goes on: the agent may send a shorter one).
+        """
+        context_len = self._started().max_model_len
+        if len(prompt) >= context_len:
+            session.too_long = (
+                f"prompt of {len(prompt)} tokens does not fit: the model's maximum context "
+                f"length is {context_len} tokens, prompt and answer together; shorten the "
+                "messages"
+            )
+            raise ApiError(session.too_long)
         self._commit(session)
         if session.segments:
             self._count(AGENT_SPLITS)
@@ -600,8 +634,15 @@ class AgentEnv(MultiTurnEnv):
             segment.add_env_turn(tokens)
         return segment.prompt_ids + segment.response_ids
 
-    def _sample(self, session: _Session, prompt_ids: list[int], asked: Sampling) -> list[Choice]:
-        """Sample ``asked.n`` answers on the engine's thread; wait for them."""
+    def _sample(
+        self,
+        session: _Session,
+        prompt_ids: list[int],
+        asked: Sampling,
+        read_tool_calls: bool,
+    ) -> list[Choice]:
+        """Sample ``asked.n`` answers on the engine's thread; wait for them; parse their tool
+        calls if ``read_tool_calls``."""
         context = self._started()
         assert self._limits is not None
         segment = session.segments[-1]
@@ -612,9 +653,9 @@ class AgentEnv(MultiTurnEnv):
             self._end(session, "no room left in max_episode_tokens or the context")
         self._check_sampling(asked, context)
         stop = tuple(dict.fromkeys((*asked.stop, *self.stop)))
-        base = turn_seed(session.seed, session.calls)
+        seed = turn_seed(session.seed, session.calls)
         requests = [
-            SampleRequest(list(prompt_ids), limit, base if i == 0 else mix_seed(base, i), stop)
+            SampleRequest(list(prompt_ids), limit, choice_seed(seed, i), stop)
             for i in range(asked.n)
         ]
         call = _Call(requests)
@@ -625,19 +666,24 @@ class AgentEnv(MultiTurnEnv):
         if not call.done.wait(self.agent_timeout_s + _GRACE_S) or call.error is not None:
             raise ApiError(call.error or "no answer from the engine", call.status)
         session.calls += 1
-        choices = [self._choice(sample) for sample in call.samples if sample is not None]
+        session.too_long = None
+        choices = [
+            self._choice(sample, read_tool_calls) for sample in call.samples if sample is not None
+        ]
         session.pending = [
             (_answer_of(choice), sample) for choice, sample in zip(choices, call.samples)
         ]
         session.last_text = choices[0].content or choices[0].text
         return choices
 
-    def _choice(self, sample: Sample) -> Choice:
+    def _choice(self, sample: Sample, read_tool_calls: bool) -> Choice:
         from grpo.envs.tools import parse_tool_calls
 
         tokenizer = self._started().tokenizer
         text = tokenizer.decode(list(sample.token_ids), skip_special_tokens=True)
-        calls = [c for c in parse_tool_calls(text, self.call_format, {}) if c.error is None]
+        calls = []
+        if read_tool_calls:
+            calls = [c for c in parse_tool_calls(text, self.call_format, {}) if c.error is None]
         content: str | None = text
         if calls:
             pattern = _CALL_BLOCKS.get(self.call_format)
@@ -700,6 +746,13 @@ def _rewards(result: Any) -> dict[str, float] | None:
             out[str(name)] = float(value)
         return out
     raise TypeError(f"expected a float, a dict of floats or None, got {type(result).__name__}")
+
+
+def _template_error(error: BaseException) -> str:
+    """The chat template's own error (jinja's, or its ``raise_exception``), without the
+    messages the tokenizer's wrapper repeats."""
+    cause = error.__cause__ or error
+    return f"{type(cause).__name__}: {cause}"
 
 
 def _for_template(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -69,6 +69,8 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None
     sampling: Sampling
     model: str = "policy"
+    # Whether the answers are read for tool calls: tools given, and ``tool_choice`` not none.
+    read_tool_calls: bool = False
 
 
 @dataclass
@@ -218,12 +220,37 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     return out
 
 
+def tool_choice_problem(tool_choice: Any) -> str | None:
+    """Why a request's ``tool_choice`` is not served, or None (``auto``, ``none``, absent).
+
+    ``required`` and a named function (``{"type": "function", "function": {"name": ...}}``)
+    are refused, not ignored: vLLM's server enforces them by constraining sampling to the
+    tools' schemas, and constrained tokens would be trained with logprobs the policy does not
+    give them. The run samples the policy as it is; the agent asks with ``auto`` and handles
+    an answer without a call.
+    """
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        return (
+            f"tool_choice {json.dumps(tool_choice)} is not supported: it needs constrained "
+            "sampling, and a training run samples the policy as it is (the behaviour logprobs "
+            "must be the policy's); use 'auto' (or leave it out) and handle an answer without "
+            "a tool call"
+        )
+    return f"tool_choice must be 'auto', 'none', 'required' or a function, got {tool_choice!r}"
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     """A chat completion body as a `ChatRequest`.
 
+    With ``tool_choice: none`` the tools are still rendered (as vLLM's server does by
+    default: the prompt, and so the trajectory, stays the same across calls), and the answer
+    is not read for calls: it comes back as text.
+
     Raises:
-        ApiError: No messages, a message or tool of the wrong shape, or a field of the wrong
-            type (the reason names it).
+        ApiError: No messages, a message or tool of the wrong shape, a field of the wrong
+            type, or a ``tool_choice`` not served (`tool_choice_problem`; the reason names it).
     """
     if not isinstance(body, dict):
         raise ApiError("the body must be a JSON object")
@@ -236,17 +263,14 @@ def parse_chat_request(body: Any) -> ChatRequest:
             isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools
         ):
             raise ApiError("tools must be a list of {type: function, function: {...}}")
-    if body.get("tool_choice") not in (None, "auto", "none", "required") and not isinstance(
-        body.get("tool_choice"), dict
-    ):
-        raise ApiError(f"tool_choice {body.get('tool_choice')!r} is not served")
-    if body.get("tool_choice") == "none":
-        tools = None
+    if (problem := tool_choice_problem(body.get("tool_choice"))) is not None:
+        raise ApiError(problem)
     return ChatRequest(
         messages=[_message(m, i) for i, m in enumerate(messages)],
         tools=tools or None,
         sampling=parse_sampling(body),
         model=str(body.get("model") or "policy"),
+        read_tool_calls=bool(tools) and body.get("tool_choice") != "none",
     )
 
 
