@@ -9,9 +9,12 @@ not what the model says).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import queue
 import re
+import shutil
+import types
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -738,3 +741,96 @@ def test_each_trained_token_keeps_the_policy_version_that_sampled_it(scripted):
     )
     [trajectory] = group.trajectories
     assert (trajectory.policy_version, trajectory.last_policy_version) == (3, 4)
+
+
+# ---- agents in other languages and frameworks ----------------------------------------------
+
+
+class ToolThenAnswer:
+    """Answers with a calculator call until the conversation holds a tool result (Qwen3's
+    template writes it in <tool_response>), then with the answer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, requests):
+        out = []
+        for request in requests:
+            seen = self.tokenizer.decode(request.token_ids, skip_special_tokens=False)
+            text = "the answer is 7" if "<tool_response>" in seen else CALL
+            ids = [*self.tokenizer.encode(text, add_bos=False, add_eos=False)]
+            ids.append(self.tokenizer.stop_tokens[0])
+            out.append(Sample(ids, [-0.25] * len(ids), "stop"))
+        return out
+
+
+def _example_module(path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _docs_module(name: str) -> types.ModuleType:
+    """The ``# NAME.py`` python block of docs/agents.md, as a module: the page's own code."""
+    page = (REPO / "docs" / "agents.md").read_text()
+    [body] = re.findall(rf"```python\n(# {name}\.py\n.*?)```", page, flags=re.DOTALL)
+    module = types.ModuleType(name)
+    exec(compile(body, f"docs/agents.md ({name}.py)", "exec"), module.__dict__)
+    return module
+
+
+def _assert_trained_as_sampled(episode, recorded) -> list[list[int]]:
+    """The episode is one trajectory: the first call's prompt, then each call's sampled tokens
+    (trained, with their logprobs) and between them the tokens the next call's prompt added
+    (masked). Returns those added tokens."""
+    (first, _), *_ = recorded
+    assert episode.prompt_ids == list(first.token_ids)
+    expected, held, bridges = [], list(first.token_ids), []
+    for index, (request, sample) in enumerate(recorded):
+        if index:
+            assert request.token_ids[: len(held)] == held  # the call extends the trajectory
+            bridges.append(list(request.token_ids[len(held) :]))
+            expected.append((False, bridges[-1]))
+        expected.append((True, list(sample.token_ids)))
+        held = list(request.token_ids) + list(sample.token_ids)
+    assert _runs(episode.response_ids, episode.response_mask) == expected
+    trained = [lp for lp, m in zip(episode.logprobs, episode.response_mask) if m]
+    assert trained == [lp for _, sample in recorded for lp in sample.logprobs]
+    return bridges
+
+
+@pytest.mark.skipif(
+    not all(shutil.which(program) for program in ("bash", "curl", "jq")),
+    reason="the shipped example agent needs bash, curl and jq",
+)
+def test_a_program_in_another_language_trains_on_the_tokens_it_sampled(scripted):
+    """examples/agents/curl_agent.sh, started per episode by examples/agents/subprocess_agent.py
+    with OPENAI_BASE_URL: its two calls are one trajectory, the answer it sends back as the
+    endpoint gave it, the tokens trained those sampled."""
+    env, sampler, tokenizer = scripted
+    solve = _example_module(REPO / "examples" / "agents" / "subprocess_agent.py").solve
+    recorder = Recorder(sampler)
+    [episode], metrics = _play(env, recorder, solve)
+    assert episode.error is None and metrics[AGENT_SPLITS] == 0
+    [bridge] = _assert_trained_as_sampled(episode, recorder.calls)
+    assert "final answer only" in tokenizer.decode(bridge, skip_special_tokens=False)
+    # What the program printed is the second answer's text: the reward is read from it.
+    answer = tokenizer.decode(recorder.calls[1][1].token_ids, skip_special_tokens=True)
+    assert episode.state["agent_rewards"] == {"agent": float("7" in answer)}
+
+
+def test_the_langgraph_agent_of_the_docs_trains_on_the_tokens_it_sampled(scripted):
+    """The LangGraph agent of docs/agents.md (ChatOpenAI on the episode's base_url, a tool
+    node): its tool call, the tool's result and its answer are one trajectory, trained as
+    sampled."""
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    env, _, tokenizer = scripted
+    solve = _docs_module("langgraph_agent").solve
+    recorder = Recorder(ToolThenAnswer(tokenizer))
+    [episode], metrics = _play(env, recorder, solve)
+    assert episode.error is None and metrics[AGENT_SPLITS] == 0
+    assert episode.state["agent_rewards"] == {"agent": 1.0}
+    [bridge] = _assert_trained_as_sampled(episode, recorder.calls)
+    assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(bridge)
