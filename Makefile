@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 EXTRA  ?= cpu
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: setup test test-fast demo demo-tools demo-lora lint clean
+.PHONY: setup test test-fast demo demo-tools demo-agent demo-lora lint clean
 
 setup: $(STAMP)
 
@@ -36,13 +36,17 @@ demo: setup
 demo-tools: setup
 	$(VENV)/bin/grpo run async_grpo --config tiny_calculator_cpu overwrite_output_dir=true
 
+# The agent demo: an agent program written against the openai client learns to use its calculator.
+demo-agent: setup
+	$(VENV)/bin/grpo run async_grpo --config tiny_agent_cpu overwrite_output_dir=true
+
 # The arithmetic demo with LoRA: only adapters are trained and synced to vLLM.
 demo-lora: setup
 	$(VENV)/bin/grpo run async_grpo --config tiny_arithmetic_lora_cpu overwrite_output_dir=true
 
 lint: setup
-	$(VENV)/bin/ruff check grpo tests scripts recipes
-	$(VENV)/bin/ruff format --check grpo tests scripts recipes
+	$(VENV)/bin/ruff check grpo tests scripts recipes examples
+	$(VENV)/bin/ruff format --check grpo tests scripts recipes examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -26,10 +26,19 @@ in the turns of a tool episode (``<calculator>37 * 48</calculator>``, then the e
 (``configs/tiny_calculator_cpu.yaml``), which answers directly when greedy but sometimes calls
 the tool when sampling, and copies a tool's result into its answer.
 
+With ``--chat-tools`` as well, the examples are chat conversations as an agent program holds
+them (the agent demo's model, ``configs/tiny_agent_cpu.yaml``, with
+``grpo/examples/calculator_agent.py``): the model's chat template (`AGENT_CHAT_TEMPLATE`) is
+written into the tokenizer, each prompt is the user's question rendered with the calculator
+tool, a tool call is ``<tool_call>{"name": "calculator", "arguments": {...}}</tool_call>``
+(the ``json`` call format), and the tool's result comes back as a ``tool`` turn, bridged as
+`grpo.envs.AgentEnv` bridges it: the tokens match an agent episode's token for token.
+
 Usage::
 
     python scripts/build_tiny_arithmetic_model.py --out assets/tiny_arithmetic_qwen2
     python scripts/build_tiny_arithmetic_model.py --out assets/tiny_calculator_qwen2 --tool-fraction 0.15 --num-threads 2
+    python scripts/build_tiny_arithmetic_model.py --out assets/tiny_agent_qwen2 --tool-fraction 0.15 --chat-tools --num-threads 2
 
 The held-out questions used for stopping (``--eval-seed``) differ from the demo config's
 ``eval_dataset`` (seed 1), so the demo's start accuracy is not selected on its own eval set.
@@ -38,6 +47,7 @@ The held-out questions used for stopping (``--eval-seed``) differ from the demo 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 import shutil
@@ -95,6 +105,12 @@ def parse_args() -> argparse.Namespace:
         help="share of the training examples answered through the calculator tool (the "
         "tool demo's model: configs/tiny_calculator_cpu.yaml)",
     )
+    parser.add_argument(
+        "--chat-tools",
+        action="store_true",
+        help="chat conversations with a calculator tool, as an agent program holds them (the "
+        "agent demo's model: configs/tiny_agent_cpu.yaml)",
+    )
     parser.add_argument("--num-threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument(
         "--snapshot-dir",
@@ -104,6 +120,27 @@ def parse_args() -> argparse.Namespace:
         "other starting points)",
     )
     return parser.parse_args()
+
+
+# The agent demo model's chat template: ChatML turns, a system line naming the tools, tool
+# calls as <tool_call>{json}</tool_call>. A family's published tool preamble (Qwen2.5's is ~600
+# tokens with this 509-token vocabulary) would make every prompt five times longer than the
+# episode; `tests/test_agent_env.py` runs the published Qwen3 and Llama 3.1 templates.
+AGENT_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for tool in tools %} "
+    "{{ (tool.function or tool).name }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if message.content %}{{ message.content }}{% endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    '<tool_call>{"name": "{{ call.function.name }}", "arguments": '
+    "{% if call.function.arguments is string %}{{ call.function.arguments }}"
+    "{% else %}{{ call.function.arguments | tojson }}{% endif %}}</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 # One training example: prompt ids, response ids, and per response token whether it is trained
@@ -157,6 +194,60 @@ def encode_examples(
         else:
             encoded.append((prompt_ids, answer_ids, [True] * len(answer_ids)))
     return encoded
+
+
+def encode_chat_examples(
+    dataset: PromptDataset,
+    tokenizer,
+    template: AnswerOnlyTemplate,
+    tool_fraction: float = 0.0,
+    rng: random.Random | None = None,
+) -> list[Example]:
+    """`encode_examples` as chat conversations with the calculator tool (``--chat-tools``).
+
+    The prompt is the question rendered by the chat template with the agent's tool, as the
+    endpoint renders an agent's first call; a tool answer is the call and a stop token
+    (trained), the ``tool`` turn as `grpo.envs.ChatTurnRenderer` bridges it (not trained),
+    then ``<answer>1776</answer>`` and a stop token (trained).
+    """
+    from grpo.envs.builtin_tools import calculator
+    from grpo.envs.render import ChatTurnRenderer
+    from grpo.examples.calculator_agent import CALCULATOR_TOOL
+
+    renderer = ChatTurnRenderer(tokenizer)
+    encoded = []
+    for index in range(len(dataset)):
+        example = dataset[index]
+        messages = [{"role": "user", "content": example["question"]}]
+        text = tokenizer.apply_chat_template(
+            messages, tools=[CALCULATOR_TOOL], add_generation_prompt=True
+        )
+        prompt_ids = tokenizer.encode(text, add_bos=True, add_eos=False)
+        answer_ids = tokenizer.encode(template.target(example["answer"]), add_bos=False)
+        if answer_ids[-1] != tokenizer.eos_id:
+            answer_ids.append(tokenizer.eos_id)
+        if tool_fraction and rng is not None and rng.random() < tool_fraction:
+            expression = calculator_expression(example["question"])
+            arguments = json.dumps({"expression": expression})
+            call = f'<tool_call>{{"name": "calculator", "arguments": {arguments}}}</tool_call>'
+            call_ids = tokenizer.encode(call, add_bos=False, add_eos=False) + [tokenizer.eos_id]
+            result_ids = renderer.env_tokens(
+                [{"role": "tool", "content": calculator(expression)}], closed=True, history=messages
+            )
+            response = call_ids + result_ids + answer_ids
+            trained = [True] * len(call_ids) + [False] * len(result_ids) + [True] * len(answer_ids)
+            encoded.append((prompt_ids, response, trained))
+        else:
+            encoded.append((prompt_ids, answer_ids, [True] * len(answer_ids)))
+    return encoded
+
+
+def write_chat_template(model_dir: Path, chat_template: str) -> None:
+    """Set ``chat_template`` in the folder's ``tokenizer_config.json``."""
+    path = model_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = chat_template
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def collate(batch: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,6 +343,8 @@ def main() -> None:
             intermediate_dim=args.intermediate_dim,
             seed=args.seed,
         )
+        if args.chat_tools:
+            write_chat_template(base_dir, AGENT_CHAT_TEMPLATE)
         tokenizer = load_tokenizer(base_dir)
         model = build_model(base_dir)
         num_params = sum(p.numel() for p in model.parameters())
@@ -272,10 +365,11 @@ def main() -> None:
             split="test",
             template=template,
         )
-        train_examples = encode_examples(
+        encode = encode_chat_examples if args.chat_tools else encode_examples
+        train_examples = encode(
             train_set, tokenizer, template, args.tool_fraction, random.Random(args.seed + 1)
         )
-        eval_prompts = [prompt for prompt, _, _ in encode_examples(eval_set, tokenizer, template)]
+        eval_prompts = [prompt for prompt, _, _ in encode(eval_set, tokenizer, template)]
         eval_answers = [eval_set[i]["answer"] for i in range(len(eval_set))]
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -306,7 +400,7 @@ def main() -> None:
             if step % args.eval_every == 0 or step == args.max_steps:
                 completions = greedy_completions(model, eval_prompts, tokenizer)
                 accuracy, format_rate = score(completions, eval_answers, "<|im_end|>")
-                tool_calls = sum(c.startswith("<calculator>") for c in completions)
+                tool_calls = sum(c.startswith(("<calculator>", "<tool_call>")) for c in completions)
                 elapsed = time.perf_counter() - started
                 print(
                     f"step {step:5d}  loss {loss.item():.4f}  held-out accuracy {accuracy:.3f}  "

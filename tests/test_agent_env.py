@@ -117,6 +117,9 @@ def test_tool_calls_are_parsed_and_the_trajectory_continues_token_exact(scripted
         assert prompt2 == prompt1 + sampled1 + bridge
         runs = _runs(episode.response_ids, episode.response_mask)
         assert runs == [(True, sampled1), (False, bridge), (True, sampled2)]
+        # The calls the model made are counted (inference/tool_calls_per_episode).
+        texts = [tokenizer.decode(s, skip_special_tokens=True) for s in (sampled1, sampled2)]
+        assert episode.tool_calls == sum(CALL in text for text in texts) >= 1
 
 
 def test_the_answer_has_tool_calls_as_the_client_parses_them(scripted):

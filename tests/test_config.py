@@ -514,7 +514,7 @@ def test_missing_required_keys_and_bad_nodes(config_path):
     assert len(problems) == 4, problems
     assert "dataset: required" in text
     assert "orchestration.num_steps: required" in text
-    assert "reward_functions: expected a non-empty list" in text
+    assert "reward_functions: empty, but nothing else scores the episodes" in text
     assert "metric_logger: expected a mapping with a _component_ key" in text
 
 

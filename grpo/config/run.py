@@ -135,7 +135,8 @@ class RunConfig(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     reward_functions: ComponentList
-    """Reward functions; each scores every response, the rewards are summed."""
+    """Reward functions; each scores every response, the rewards are summed. Empty ([]) only
+    with grpo.envs.AgentEnv, whose agent returns each episode's reward."""
     dataset: Component() | None = None
     """Training prompts and answers; null with an environment that brings its own tasks
     (grpo.envs.verifiers_env: the taskset's rows are the data), and only then."""
@@ -376,6 +377,13 @@ def _check_relations(values: dict, problems: list[str]) -> None:
             "eval_every_n_steps: set, but environment.eval_size is 0 and eval_dataset is null: "
             "there is no held-out row to evaluate on; give eval_size > 0 (or eval_every_n_steps: "
             "null)"
+        )
+    if values.get("reward_functions") == [] and not (
+        isinstance(environment, dict) and environment.get("_component_") == "grpo.envs.AgentEnv"
+    ):
+        problems.append(
+            "reward_functions: empty, but nothing else scores the episodes; give at least one "
+            "(only grpo.envs.AgentEnv, whose agent returns each episode's reward, runs without)"
         )
     if values.get("dataset") is None and not (plays_verifiers or plays_own_rows):
         problems.append(

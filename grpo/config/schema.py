@@ -100,8 +100,10 @@ def _check_node(node: Any) -> dict[str, Any]:
 
 
 def _check_node_list(nodes: Any) -> list[dict[str, Any]]:
-    if not isinstance(nodes, list) or not nodes:
-        raise PydanticCustomError("component", "expected a non-empty list of _component_ nodes")
+    # Whether a list may be empty is the section's to say (reward_functions: only beside an
+    # environment that scores its episodes itself).
+    if not isinstance(nodes, list):
+        raise PydanticCustomError("component", "expected a list of _component_ nodes")
     return nodes
 
 
@@ -118,7 +120,7 @@ def Component(args: type[ComponentArgs] | None = None) -> Any:  # noqa: N802 (a 
 
 
 ComponentList = Annotated[Any, AfterValidator(_check_node_list), ComponentSpec(many=True)]
-"""The type of a field holding a non-empty list of ``_component_`` nodes."""
+"""The type of a field holding a list of ``_component_`` nodes."""
 
 # --------------------------------------------------------------------------------------------
 # Reading declarations (for loading, overrides, validation and the reference)

@@ -615,10 +615,11 @@ class AgentEnv(MultiTurnEnv):
         """Put an answer of the last call (the one the agent took; else the first) into the
         open trajectory."""
         if session.pending and session.segments:
-            sample = session.pending[index][1]
-            session.segments[-1].add_policy_turn(
-                sample.token_ids, sample.logprobs, sample.version_runs
-            )
+            answer, sample = session.pending[index]
+            segment = session.segments[-1]
+            segment.add_policy_turn(sample.token_ids, sample.logprobs, sample.version_runs)
+            # The agent runs the tools; the calls the model made are what the run can count.
+            segment.tool_calls += len(answer.get("tool_calls") or ())
         session.pending = []
 
     def _open_turn(self, session: _Session, bridge: tuple[int, list[int]] | None) -> list[int]:

@@ -1,0 +1,1 @@
+"""Programs written for this framework's users to read and run: the demos' agents."""
