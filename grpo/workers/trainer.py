@@ -12,9 +12,7 @@ base model: only the adapters have optimizer state, are checkpointed (``adapter/
 the same model's with the adapters switched off.
 
 Packing, logprobs and the loss come from `grpo.packing.packs`, `grpo.packing.logprobs` and `grpo.objective.loss`;
-nothing here re-implements them. The module is over 500 lines on purpose: it is one actor (and
-the ``training:`` options it declares), whose methods all share the model, optimizer and
-process group.
+nothing here re-implements them.
 """
 
 from __future__ import annotations
