@@ -1,12 +1,6 @@
 """The reward contract: `RewardResult`, the `RewardFunction` base class, and `reward_function`.
 
-A reward is a `RewardFunction`: called with ``(completion, answer)`` (and the example's other
-columns it asks for, as keyword arguments) it returns a `RewardResult`, a ``(reward,
-success)`` tuple, a float or a bool; it has a ``name`` (its column in ``func_names`` and the
-metrics) and a ``failure_reward`` (given when a call raises, times out or kills its worker).
-Write one as a subclass with keyword options, as a plain function (per sample, or batched as
-TRL writes them), or wrap a function with `reward_function`; see the package docstring. Which
-functions a config may name, and with which keys, is one rule shared with ``grpo validate``
+Which functions a config may name is one rule shared with ``grpo validate``
 (`grpo.config.reward_forms`).
 """
 
@@ -43,8 +37,7 @@ class RewardResult(NamedTuple):
 
     Args:
         reward (float): The reward.
-        success (bool): Whether the completion achieved what the function checks (e.g. the
-            answer is correct), logged as a success rate next to the mean reward.
+        success (bool): Whether the completion achieved what the function checks.
     """
 
     reward: float
@@ -57,22 +50,12 @@ RewardFn = Callable[..., "RewardResult | tuple[float, bool] | float | bool"]
 class RewardFunction:
     """Base class for reward functions: set ``name``, implement ``__call__``.
 
-    Subclasses take their options as keyword arguments so that a config can build them with
-    ``_component_``, and must live at module level so worker processes can unpickle them.
+    Subclasses take keyword options (a config builds them with ``_component_``) and live at
+    module level (worker processes unpickle them).
 
     Args:
         name (str | None): Overrides the class's default ``name``.
         failure_reward (float | None): Overrides the class's default ``failure_reward``.
-
-    Example:
-        >>> class ShortAnswerReward(RewardFunction):
-        ...     name = "short"
-        ...     def __init__(self, *, max_chars: int = 200, **kwargs):
-        ...         super().__init__(**kwargs)
-        ...         self.max_chars = max_chars
-        ...     def __call__(self, completion: str, answer: str) -> RewardResult:
-        ...         short = len(completion) <= self.max_chars
-        ...         return RewardResult(float(short), short)
     """
 
     name: str = "reward"
@@ -88,17 +71,8 @@ class RewardFunction:
         raise NotImplementedError(f"{type(self).__name__} must implement __call__")
 
     def select_columns(self, columns: Mapping[str, Any]) -> dict[str, Any]:
-        """The example's columns this function takes as keyword arguments when it scores.
-
-        Those ``__call__`` names after ``(completion, answer)``, or all of them when it takes
-        ``**kwargs``; none for a ``__call__(completion, answer)``.
-
-        Args:
-            columns (Mapping[str, Any]): The example's columns but its answer.
-
-        Returns:
-            dict[str, Any]: The columns to pass.
-        """
+        """The example's columns (but its answer) that ``__call__`` names after
+        ``(completion, answer)``, or all of them when it takes ``**kwargs``."""
         parameters = list(inspect.signature(self.__call__).parameters.values())
         return _selected(columns, parameters, "per_sample", set())
 
@@ -113,8 +87,7 @@ def _selected(
     form: Form,
     configured: set[str],
 ) -> dict[str, Any]:
-    """The columns a scoring call with these parameters takes: by name, or all with
-    ``**kwargs``; never one a configured option or the call itself fills."""
+    """The columns these parameters take but those a configured option or the call fills."""
     wanted, takes_any = option_parameters(parameters, form)
     filled = set(configured)
     filled |= BATCHED_FILLED if form == "batched" else {p.name for p in list(parameters)[:2]}
@@ -129,21 +102,11 @@ def _selected(
 class FunctionReward(RewardFunction):
     """A plain function ``fn(completion, answer, **options)`` used as a reward function.
 
-    Made by :func:`reward_function`; see there. Called with ``(completion, answer)`` it scores
-    (with the example's columns the function takes as keyword arguments); called with keyword
-    options only it returns a configured copy, which is what a config's ``_component_`` does.
-    A parameter after ``(completion, answer)`` is filled by the option of that name if the
-    config sets one, else by the example's column of that name if it has one.
-
-    Args:
-        fn (Callable): The scoring function, defined at module level (or a picklable callable
-            object).
-        name (str): Reward name.
-        failure_reward (float): Reward on exception or timeout.
-        options (dict | None): Extra keyword arguments passed to ``fn`` on every call.
+    Called with ``(completion, answer)`` it scores; called with keyword options only it returns
+    a configured copy (what a config's ``_component_`` does). A later parameter is filled by the
+    configured ``options`` entry of that name, else by the example's column.
     """
 
-    # How the function scores (`grpo.config.reward_forms.scoring_form`).
     form: Form = "per_sample"
 
     def __init__(
@@ -157,9 +120,8 @@ class FunctionReward(RewardFunction):
         # Copy the function's name and docstring, but not its __dict__: an attribute of the
         # function must not overwrite this wrapper's name or options.
         functools.update_wrapper(self, fn, updated=())
-        # What `inspect.signature` reports is how a config calls this object (keyword options
-        # only: `instantiate` and `grpo validate` check a `_component_` node's keys against
-        # it), not the scoring call that `__wrapped__` would show.
+        # The signature a config's keys are checked against (keyword options only), not the
+        # scoring call that `__wrapped__` would show.
         del self.__wrapped__
         self.__signature__ = _config_signature(fn, self.form)
         super().__init__(name=name, failure_reward=failure_reward)
@@ -172,8 +134,7 @@ class FunctionReward(RewardFunction):
         return self.fn(*args, **{**self.options, **options})
 
     def select_columns(self, columns: Mapping[str, Any]) -> dict[str, Any]:
-        """The example's columns the function takes, by name or with ``**kwargs``, but those
-        a configured option sets."""
+        """The example's columns the function takes but those a configured option sets."""
         parameters = list(inspect.signature(self.fn).parameters.values())
         return _selected(columns, parameters, self.form, set(self.options))
 
@@ -203,8 +164,7 @@ class FunctionReward(RewardFunction):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The decorator rebinds the module attribute to this wrapper, so the function cannot be
-        # pickled by reference to itself; store where it lives and look it up on load. A
-        # callable object is pickled by value.
+        # pickled by reference to itself: store where it lives and look it up on load.
         target: Any = self.fn
         if inspect.isfunction(self.fn):
             module, qualname = self.fn.__module__, self.fn.__qualname__
@@ -227,17 +187,11 @@ class FunctionReward(RewardFunction):
 
 
 class BatchedFunctionReward(FunctionReward):
-    """A function written as TRL writes reward functions, used as a reward function.
+    """A TRL-style ``fn(completions, prompts=..., **columns) -> list[float]`` as a reward function.
 
-    ``fn(completions, prompts=..., **columns) -> list[float]``: called with lists, it returns
-    one reward per completion. Each call here scores one completion, within the per-call
-    timeout: ``completions`` is a list of that one completion (its text), ``prompts`` a list of
-    its prompt (as the model saw it: the rendered text), ``answer`` and every other column of
-    the example a list of its one value. A reward above 0 counts as a success. ``None`` in the
-    returned list means the function does not apply to that completion (TRL's meaning): it adds
-    nothing, 0, to the total reward, and is no failure. Made by :func:`reward_function`, which
-    a config's plain function whose first parameter is ``completions`` or ``prompts`` goes
-    through.
+    Each call scores one completion: every argument is a list of one value (``prompts`` holds
+    the rendered prompt). A ``None`` reward means the function does not apply (TRL's meaning):
+    it scores 0 and is no failure.
     """
 
     form: Form = "batched"
@@ -264,8 +218,7 @@ class BatchedFunctionReward(FunctionReward):
         return RewardResult(0.0, False) if reward is None else reward
 
     def select_columns(self, columns: Mapping[str, Any]) -> dict[str, Any]:
-        """The columns the function takes (by name or with ``**kwargs``), and the prompt if it
-        takes ``prompts``."""
+        """The columns the function takes, and the prompt if it takes ``prompts``."""
         parameters = list(inspect.signature(self.fn).parameters.values())
         selected = _selected(columns, parameters, self.form, set(self.options) | {"prompt"})
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
@@ -280,9 +233,7 @@ def _described_value(value: Any) -> str:
 
 
 def _config_signature(fn: Callable[..., Any], form: Form) -> inspect.Signature:
-    """Keyword-only ``name``, ``failure_reward`` and the options ``fn`` takes (those a call
-    does not fill, `grpo.config.reward_forms.option_parameters`), or ``**options`` if it takes
-    any keyword."""
+    """The signature a config calls ``fn``'s wrapper with: keyword-only options."""
     keyword = inspect.Parameter.KEYWORD_ONLY
     parameters = [inspect.Parameter(name, keyword, default=None) for name in COMMON_OPTIONS]
     all_parameters = list(inspect.signature(fn).parameters.values())
@@ -328,15 +279,8 @@ def reward_function(
     failure_reward: float | None = None,
 ) -> Any:
     """Make a function a reward function: ``fn(completion, answer, **options)`` per sample, or
-    ``fn(completions, **kwargs) -> list[float]`` batched, as TRL writes them.
-
-    A per-sample function returns a :class:`RewardResult`, a ``(reward, success)`` tuple, a
-    float (success: reward above 0) or a bool (1.0 or 0.0). A function whose first parameter is
-    ``completions`` or ``prompts`` is batched (:class:`BatchedFunctionReward`). The decorated
-    object scores when called with ``(completion, answer)`` and, called with keyword options
-    only, returns a configured copy (how a config's ``_component_`` builds it). A config may
-    also name a plain function without the decorator; :func:`~grpo.rewards.batched_rewards`
-    wraps any plain callable it is given this way too.
+    ``fn(completions, **kwargs) -> list[float]`` batched (first parameter ``completions`` or
+    ``prompts``), as TRL writes them.
 
     Args:
         fn (Callable | None): The function (when used as ``@reward_function``).
@@ -347,14 +291,6 @@ def reward_function(
 
     Returns:
         FunctionReward, or a decorator when called with keyword arguments only.
-
-    Example:
-        >>> @reward_function(name="short")
-        ... def short_reward(completion, answer, max_chars=200):
-        ...     return float(len(completion) <= max_chars), len(completion) <= max_chars
-        >>> short_reward("abc", "1")
-        (1.0, True)
-        >>> strict_short = short_reward(max_chars=2)  # config: {_component_: mod.short_reward, max_chars: 2}
     """
 
     def wrap(function: Callable[..., Any]) -> FunctionReward:
@@ -383,8 +319,7 @@ def as_reward_function(fn: Any) -> RewardFunction:
 
 
 def reward_name(fn: Any) -> str:
-    """The name a reward function scores under: its column in ``func_names`` and the metrics,
-    and its key in ``ref.reward_weights`` (a plain callable is wrapped by `reward_function`)."""
+    """The name a reward function scores under (its key in metrics and ``ref.reward_weights``)."""
     return as_reward_function(fn).name
 
 
@@ -399,17 +334,12 @@ def _configurable(component: Any) -> Any:
 def build_reward_function(node: Mapping[str, Any], key: str) -> Any:
     """Build one ``reward_functions`` node, by the rule ``grpo validate`` checks it with.
 
-    The node names a class (called with its keys), a function decorated with
-    `reward_function`, a plain per-sample or batched function (wrapped by `reward_function`,
-    its keys its options) or a factory (a function that takes the node's keys and returns the
-    reward function); see `grpo.config.reward_forms`.
+    The node names a class, a decorated or plain reward function (its keys are options) or a
+    factory that takes the keys and returns the reward function.
 
     Args:
         node (Mapping[str, Any]): The node (``_component_`` and its keys).
         key (str): Its config key, for messages (``reward_functions[0]``).
-
-    Returns:
-        Any: The reward function.
 
     Raises:
         InstantiationError: Naming the key: a path that does not import, keys the function
@@ -438,8 +368,7 @@ def short_error(error: BaseException) -> str:
 
 
 def reward_failure_reason(error: BaseException) -> str:
-    """Why a reward call failed: the exception and where in the reward function's own code it
-    raised (`grpo.tracebacks.failure_reason`, outside this package's frames)."""
+    """The exception and the line of the reward function's own code that raised it."""
     return failure_reason(error, machinery=(_REWARDS_DIR,))
 
 
@@ -455,16 +384,14 @@ def call_reward(
         reward_fn (RewardFunction): The function.
         completion (str): Model output.
         answer (str): Gold answer.
-        columns (Mapping[str, Any] | None): The example's columns the function takes
-            (`RewardFunction.select_columns`), passed as keyword arguments.
+        columns (Mapping[str, Any] | None): Keyword arguments: the example's columns it takes.
 
     Returns:
         tuple[float, bool]: ``(reward, success)``; a float alone succeeds when above 0, a bool
         is 1.0 or 0.0.
 
     Raises:
-        TypeError: If the result is none of a `RewardResult`, a ``(reward, success)`` pair, a
-            float or a bool.
+        TypeError: If the result is no reward, pair, float or bool.
         ValueError: If the reward is not finite (it would poison the group's advantages).
     """
     result = reward_fn(completion, answer, **columns) if columns else reward_fn(completion, answer)

@@ -24,14 +24,7 @@ logger = logging.getLogger(__name__)
 def total_reward(
     rewards: torch.Tensor, reward_weights: Sequence[float] | None = None
 ) -> torch.Tensor:
-    """Sum of the per-function rewards, optionally weighted.
-
-    Args:
-        rewards (torch.Tensor): Shape ``(N, F)``.
-        reward_weights (Sequence[float] | None): F weights; None means all ones.
-
-    Returns:
-        torch.Tensor: Shape ``(N,)``.
+    """Sum of the per-function rewards ``(N, F)`` -> ``(N,)``, weighted by F weights if given.
 
     Raises:
         ValueError: If the number of weights is not F.
@@ -60,9 +53,8 @@ class RewardBatch:
         func_names (list[str]): Name of each column.
         num_timeouts (dict[str, int]): Calls that overran the timeout, per function.
         num_exceptions (dict[str, int]): Calls that raised (or whose worker died), per function.
-        failure_reasons (dict[str, str]): Per function that failed a call, why: its first
-            exception (type, message and the line of the function's code that raised), else
-            its first timeout.
+        failure_reasons (dict[str, str]): Per function that failed a call, its first exception
+            (with the line that raised), else its first timeout.
     """
 
     rewards: torch.Tensor
@@ -78,7 +70,7 @@ class RewardBatch:
         return int(self.rewards.shape[0])
 
     def calls(self) -> dict[str, RewardCalls]:
-        """Each function's calls, failures and why, by name (for the driver's guard)."""
+        """Each function's calls, failures and why, by name."""
         return {
             name: RewardCalls(
                 self.num_calls,
@@ -93,11 +85,8 @@ class RewardBatch:
         """Total reward per completion, shape ``(N,)``: the weighted sum of its rewards.
 
         Args:
-            reward_weights (Mapping[str, float] | None): Weight by reward name
-                (``ref.reward_weights``); a reward it does not name weighs 1. None: all 1.
-
-        Returns:
-            torch.Tensor: Shape ``(N,)``.
+            reward_weights (Mapping[str, float] | None): Weight by reward name; a reward it
+                does not name weighs 1. None: all 1.
 
         Raises:
             ValueError: A name that is none of ``func_names``, naming it and the rewards.
@@ -116,18 +105,8 @@ class RewardBatch:
 
 
 def env_reward_batch(trajectories: Sequence[Any]) -> RewardBatch:
-    """The rewards environments gave episodes (``env_rewards``), as a `RewardBatch`.
-
-    Successes are the reward functions' flags where the environment kept them
-    (``env_successes``); otherwise a reward above 0 counts as a success. Every trajectory must
-    carry rewards under the same names (one environment scored them all).
-
-    Args:
-        trajectories (Sequence): Trajectories with ``env_rewards`` and ``sequence_id``.
-
-    Returns:
-        RewardBatch: One column per reward name, in the first trajectory's order; no timeouts
-        or exceptions (the environment counted its own).
+    """The rewards environments gave episodes (``env_rewards``), as a `RewardBatch` with one
+    column per name; successes are ``env_successes`` where kept, else a reward above 0.
 
     Raises:
         ValueError: A trajectory without ``env_rewards``, or with other names.
@@ -182,39 +161,26 @@ def batched_rewards(
 ) -> RewardBatch:
     """Score every completion with every reward function.
 
-    Each (function, completion) call gets ``timeout_s`` seconds in a worker process, timed
-    from when a worker takes it; a call that raises, overruns or kills its worker gets the
-    function's ``failure_reward`` and success 0, and is counted in the batch. Failures are
-    also logged, once per function and batch, with the first error message. Works from any
-    thread (no signals).
+    Each (function, completion) call gets ``timeout_s`` seconds in a worker process; a call
+    that raises, overruns or kills its worker gets the function's ``failure_reward`` and
+    success 0, and is counted. Works from any thread (no signals).
 
     Args:
-        reward_fns (Sequence): Reward functions with distinct names; module-level (picklable).
-            A plain callable is wrapped with :func:`~grpo.rewards.reward_function`.
+        reward_fns (Sequence): Picklable reward functions with distinct names (a plain callable
+            is wrapped with `reward_function`).
         completions (Sequence[str]): N completions.
         answers (Sequence[str]): N gold answers.
-        timeout_s (float | None): Per-call limit in seconds. None runs the calls inline in the
-            calling thread with no timeout (for debugging; exceptions are still caught).
-        pool (RewardPool | None): Pool to use; defaults to
-            :func:`~grpo.rewards.default_reward_pool`.
-        columns (Sequence[Mapping] | None): Per completion, its example's other columns (all
-            but the answer; they must pickle). Each function gets those it takes as keyword
-            arguments (`RewardFunction.select_columns`). None: none.
+        timeout_s (float | None): Per-call limit in seconds. None runs the calls inline with
+            no timeout (for debugging).
+        pool (RewardPool | None): Pool to use; defaults to `default_reward_pool`.
+        columns (Sequence[Mapping] | None): Per completion, its example's other columns (they
+            must pickle); each function gets those it takes as keyword arguments.
 
     Returns:
-        RewardBatch: ``rewards`` and ``successes`` of shape ``(N, F)`` (float32) in the order
-        of ``reward_fns``, ``func_names``, per-function timeout and exception counts, and why
-        each function that failed a call failed.
+        RewardBatch: Columns in the order of ``reward_fns``.
 
     Raises:
         ValueError: On mismatched lengths, no reward functions or duplicate names.
-
-    Example:
-        >>> batch = batched_rewards(
-        ...     [MathCorrectnessReward(), FormatReward(think_required=False)],
-        ...     ["<answer>85</answer>"], ["85"])
-        >>> batch.rewards
-        tensor([[1., 1.]])
     """
     if not reward_fns:
         raise ValueError("batched_rewards: reward_fns is empty")

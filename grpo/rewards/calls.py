@@ -1,14 +1,5 @@
-"""How a reward function's calls went in one generation batch, for the driver's guard.
-
-A reward call that raises or times out scores the function's ``failure_reward`` and the run
-goes on (`grpo.rewards.batched_rewards`). A function that fails nearly every call (a typo in
-its body) would leave the run training on failure rewards alone: the environment counts each
-batch's calls per function (`RewardCalls`), the collector hands them to the driver, and the
-driver stops such a run, naming the function, the exception and its line
-(`grpo.orchestrator.reward_failures`).
-
-Pure Python: no torch, Ray or vLLM.
-"""
+"""How a reward function's calls went in one generation batch, for the driver, which stops a
+run whose reward fails nearly every call. Pure Python: no torch, Ray or vLLM."""
 
 from __future__ import annotations
 
@@ -24,10 +15,9 @@ class RewardCalls:
     Args:
         calls (int): Calls made (one per scored episode).
         timeouts (int): Of them, calls that overran ``reward_timeout_s``.
-        exceptions (int): Of them, calls that raised, returned what is no reward, or whose
-            worker died.
-        reason (str | None): Why: the first exception (type, message and the line of the
-            function's code that raised), else the first timeout; None when none failed.
+        exceptions (int): Of them, calls that raised, returned no reward, or whose worker died.
+        reason (str | None): The first exception (with the line that raised), else the first
+            timeout; None when none failed.
     """
 
     calls: int

@@ -16,21 +16,15 @@ _ANSWER_BLOCK = rf"<answer>(?P<answer>{_UNTAGGED})</answer>"
 class FormatReward(RewardFunction):
     """Reward for the ``<think>...</think><answer>...</answer>`` format.
 
-    A completion has the full format when it is (surrounded by optional whitespace) one think
-    block followed by one non-empty answer block, with no tags nested inside either. With
-    ``think_required=False`` the think block is optional, so ``<answer>85</answer>`` passes.
-    With ``strict=False`` the blocks may be surrounded by other text.
-
-    Rewards: ``format_reward`` for the full format (success), else ``answer_tag_reward`` when
-    a non-empty ``<answer>...</answer>`` appears anywhere, else ``0.0``.
+    The full format is one think block then one non-empty answer block, no tags nested, and
+    scores ``format_reward`` (success); a non-empty ``<answer>`` block anywhere else scores
+    ``answer_tag_reward``; else 0.0.
 
     Args:
         think_required (bool): Require the think block.
         strict (bool): Require the blocks to be the whole completion.
         format_reward (float): Reward for the full format.
         answer_tag_reward (float): Partial reward for answer tags alone, e.g. 0.5.
-        name (str): Reward name.
-        failure_reward (float): Reward on exception or timeout.
     """
 
     name = "format"
@@ -72,16 +66,12 @@ class FormatReward(RewardFunction):
 
 
 class TokenPresenceReward(RewardFunction):
-    """``reward`` if the completion contains ``token``, else ``absent_reward``.
-
-    A toy reward with an easy learning signal, for tests and smoke runs.
+    """``reward`` if the completion contains ``token``, else ``absent_reward`` (a toy reward).
 
     Args:
         token (str): Substring to look for.
         reward (float): Reward when present.
         absent_reward (float): Reward when absent.
-        name (str): Reward name.
-        failure_reward (float): Reward on exception or timeout.
 
     Raises:
         ValueError: If ``token`` is empty.

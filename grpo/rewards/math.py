@@ -1,10 +1,5 @@
-"""Math correctness: find the final answer in a completion and compare it with math-verify.
-
-`extract_answer` finds the candidate (``<answer>`` tag, ``\\boxed{}``, or the last number);
-`normalize_gold_answer` strips GSM8K rationales; `MathCorrectnessReward` scores with
-math-verify, whose ``signal.alarm`` timeouts are turned off because callers run it off the main
-thread and bound its time in worker processes instead (see `grpo.rewards.pool`).
-"""
+"""Math correctness: find the final answer in a completion and compare it with math-verify
+(its ``signal.alarm`` timeouts off: it runs off the main thread, in timed worker processes)."""
 
 from __future__ import annotations
 
@@ -41,22 +36,11 @@ def _last_boxed(text: str) -> str | None:
 
 
 def extract_answer(completion: str, allow_last_number: bool = False) -> str | None:
-    """Find the final answer in a completion.
-
-    Tries, in order: the last non-empty ``<answer>...</answer>``, the last ``\\boxed{...}``,
-    and, if allowed, the last number in the text.
-
-    Args:
-        completion (str): Model output.
-        allow_last_number (bool): Fall back to the last number in the text (lenient: a
-            response with no answer format at all can then score).
+    """Find the final answer in a completion: the last non-empty ``<answer>...</answer>``, else
+    the last ``\\boxed{...}``, else (if ``allow_last_number``) the last number.
 
     Returns:
         str | None: The candidate answer, stripped, or None if nothing was found.
-
-    Example:
-        >>> extract_answer("<answer>1</answer> no, <answer>2</answer>")
-        '2'
     """
     tagged = ANSWER_TAG_RE.findall(completion)
     if tagged and tagged[-1].strip():
@@ -72,26 +56,18 @@ def extract_answer(completion: str, allow_last_number: bool = False) -> str | No
 
 
 def normalize_gold_answer(answer: str) -> str:
-    """Strip a GSM8K-style ``"... #### 72"`` rationale down to ``"72"``.
-
-    Thousands separators and LaTeX are left to math-verify, which reads ``"1,234"`` as 1234.
-    """
+    """Strip a GSM8K-style ``"... #### 72"`` rationale down to ``"72"``."""
     if "####" in answer:
         answer = answer.rsplit("####", 1)[1]
     return answer.strip()
 
 
 def _parse_math(text: str) -> list[Any]:
-    """Parse an answer string into math-verify expressions ([] if unparsable).
-
-    LaTeX without delimiters (``\\frac12``, ``10^{3}``) is read as plain text by math-verify
-    (``10^{3}`` -> 10), so such strings are wrapped in ``$...$`` first. ``parsing_timeout=None``
-    turns off math-verify's ``signal.alarm`` timeout, which fails off the main thread; callers
-    bound the time instead (see :func:`~grpo.rewards.batched_rewards`).
-    """
+    """Parse an answer string into math-verify expressions ([] if unparsable)."""
     text = text.replace("\\$", "").strip()
     if not text:
         return []
+    # math-verify reads LaTeX without delimiters as plain text (``10^{3}`` -> 10).
     if "$" not in text and _LATEX_HINT_RE.search(text):
         parsed = math_verify_parse(f"${text}$", fallback_mode="no_fallback", parsing_timeout=None)
         if parsed:
@@ -106,31 +82,17 @@ def _parse_gold(answer: str) -> tuple[Any, ...]:
 
 
 class MathCorrectnessReward(RewardFunction):
-    """1.0 if the completion's final answer equals the gold answer according to math-verify.
-
-    The candidate is found by :func:`extract_answer`. Rewards: ``1.0`` correct,
-    ``partial_credit`` when a candidate was found and parses as math but is wrong, ``0.0``
-    when no candidate was found or it does not parse. ``success`` is correctness.
-
-    Gold answers may be plain (``"72"``, ``"1,234"``, ``"\\frac{1}{2}"``) or GSM8K-style
-    (``"... #### 72"``).
+    """1.0 if the completion's final answer (:func:`extract_answer`) equals the gold answer
+    according to math-verify; ``partial_credit`` if it parses but is wrong; else 0.0.
 
     Args:
         partial_credit (float): Reward for a parsable but wrong answer.
-        allow_last_number (bool): Fall back to the last number in the text when there is no
-            ``<answer>`` tag and no ``\\boxed{}``. Off by default: a reward that pays for a
-            number that merely happens to end an unformatted response teaches the policy to
-            drop the format (a reward hack); turn it on only for data without a format.
-        name (str): Reward name.
-        failure_reward (float): Reward on exception or timeout.
+        allow_last_number (bool): Fall back to the last number in the text. Off by default:
+            paying for a number that ends an unformatted response teaches the policy to drop
+            the format; turn it on only for data without a format.
 
     Raises:
-        ValueError: When called with a gold answer that math-verify cannot parse (a data
-            error; :func:`~grpo.rewards.batched_rewards` counts it and gives ``failure_reward``).
-
-    Example:
-        >>> MathCorrectnessReward(partial_credit=0.1)("<answer>85</answer>", "#### 85")
-        RewardResult(reward=1.0, success=True)
+        ValueError: When called with a gold answer that math-verify cannot parse.
     """
 
     name = "math_correctness"

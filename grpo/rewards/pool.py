@@ -1,26 +1,9 @@
-"""Reward calls on a `grpo.process_pool.TimedProcessPool`, each with a timeout.
+"""Reward calls in worker processes, each with a timeout.
 
-Parsers such as math-verify can hang on adversarial input, and the caller is usually a Ray
-actor method running on a non-main thread, where ``signal.alarm`` timeouts are unavailable. So
-the calls run in worker processes with ``timeout=timeout_s``: the worker of a call that
-overruns is stopped and replaced, and a call whose worker died is reported.
-:func:`~grpo.rewards.batched_rewards` gives such calls the function's ``failure_reward`` and
-counts them.
-
-Calls go to the workers in chunks, one task per chunk (a task per call adds a process round
-trip to each call, as costly as a math-verify check itself: 64 completions x 2 rewards on 2
-workers took 29 ms one task per call, 16 ms in chunks). A chunk must finish
-within one call's timeout; one that does not, or whose worker dies, is run again one call per
-task, so the call that hung or crashed is found and counted exactly as if every call had had its
-own task. Reward functions that are slow but within their timeout would make every chunk overrun;
-the pool notices (a chunk that overran, none of whose calls did on its own) and halves its chunk
-size for later runs.
-
-Reward functions travel to the workers pickled, as bytes that the task itself unpickles: a
-function that cannot load in a worker (a module missing there) fails its own calls, not the
-pool. The workers import the modules of the reward functions the pool has run before taking a
-call, so a worker (a replacement too) does not spend a call's timeout on imports; a batch that
-brings a module the workers have not imported restarts them with it (once per new module).
+math-verify can hang, and callers run off the main thread where ``signal.alarm`` is
+unavailable; so calls run in workers replaced when they overrun or die. Calls travel in chunks
+(docs/benchmarks.md); a chunk that overruns or crashes is rerun call by call to find the
+culprit. A reward function that cannot unpickle in a worker fails its own calls, not the pool.
 """
 
 from __future__ import annotations
@@ -48,15 +31,12 @@ logger = logging.getLogger(__name__)
 
 # One call: (index of the reward function, completion, answer, the example's columns it takes).
 Call = tuple[int, str, str, dict[str, Any]]
-# Outcome of a call: (reward, success, error kind "timeout" | "exception" | None, message). The
-# message of an exception is made where it raised, in the worker: it names the line of the
-# reward function's code (`grpo.rewards.base.reward_failure_reason`).
+# Outcome of a call: (reward, success, error kind "timeout" | "exception" | None, message).
 Outcome = tuple[float, bool, str | None, str | None]
 
 
 def _quiet_math_verify() -> None:
-    """Initializer of a worker: timeouts are ours; silence math-verify's one-time "timeout is
-    disabled" warning."""
+    """Silence math-verify's "timeout is disabled" warning: the pool bounds the time."""
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
@@ -83,7 +63,7 @@ def _score(
 
 
 def _score_chunk(pickled_fns: Sequence[bytes], calls: Sequence[Call]) -> list[Outcome]:
-    """Several reward calls in one worker task, in order (see the module docstring)."""
+    """Several reward calls in one worker task, in order."""
     return [
         _score(pickled_fns[fn_index], completion, answer, columns)
         for fn_index, completion, answer, columns in calls
@@ -98,28 +78,21 @@ def _module_of(reward_fn: RewardFunction) -> str:
 class RewardPool:
     """Worker processes that run reward calls with a per-call timeout.
 
-    Workers are forked from a ``forkserver`` that has imported `grpo.rewards` (and so torch
-    and math-verify), so a replacement for a killed worker starts in milliseconds, plus the
-    time to re-import the parent's main script, which every spawn or forkserver child does (so
-    a script that makes a pool needs the ``if __name__ == "__main__":`` guard). Workers start
-    in the background on first use: start-up never counts against a call's timeout. The pool
-    is safe to use from any thread; calls are serialised.
+    Workers fork from a ``forkserver`` that has imported `grpo.rewards`, and re-import the
+    parent's main script (a script that makes a pool needs the ``if __name__ == "__main__":``
+    guard). Start-up never counts against a call's timeout. Safe from any thread; calls are
+    serialised.
 
     Args:
         num_workers (int | None): Worker processes; defaults to ``min(4, os.cpu_count())``.
         start_method (str | None): ``"forkserver"`` (default where available) or ``"spawn"``.
             Not ``"fork"``: forking a process that runs Ray or torch threads is unsafe.
         startup_timeout_s (float): Allowance for the workers to start and import the reward
-            functions' modules, within the bound on a whole :meth:`run`.
-        max_calls_per_task (int): Most calls sent to a worker as one task. 1 gives every call
-            its own task (no chunks).
+            functions' modules.
+        max_calls_per_task (int): Most calls sent to a worker as one task (1: no chunks).
 
     Raises:
         ValueError: On a bad ``num_workers``, ``start_method`` or ``max_calls_per_task``.
-
-    Example:
-        >>> with RewardPool(num_workers=2) as pool:
-        ...     batch = batched_rewards([FormatReward()], ["<answer>1</answer>"], ["1"], pool=pool)
     """
 
     def __init__(
@@ -164,15 +137,8 @@ class RewardPool:
     def run(
         self, reward_fns: Sequence[RewardFunction], calls: list[Call], timeout_s: float
     ) -> list[Outcome]:
-        """Run calls on the workers; one outcome per call, in call order.
-
-        Args:
-            reward_fns (Sequence[RewardFunction]): The functions the calls index.
-            calls (list[Call]): ``(function index, completion, answer, columns)`` per call.
-            timeout_s (float): Per-call limit in seconds, timed from when a worker takes it.
-
-        Returns:
-            list[Outcome]: ``(reward, success, error kind or None, error message or None)``.
+        """Run calls on the workers; one outcome per call, in call order. Each call has
+        ``timeout_s`` seconds from when a worker takes it.
 
         Raises:
             ValueError: If ``timeout_s`` is not positive.
@@ -195,7 +161,7 @@ class RewardPool:
                     "RewardPool.run: the pool is closed or belongs to another process"
                 )
             try:
-                # The workers import the functions' modules before their first call.
+                # Imported before the first call, so a worker spends no call's timeout on them.
                 self.pool.preload(modules)
                 return self._run_chunked(pickled_fns, calls, timeout_s)
             except BaseException:
@@ -266,9 +232,8 @@ class RewardPool:
 
     def _collect(self, jobs: list[Job], timeout_s: float) -> list[Any]:
         """Each job's result (an outcome, or a chunk's list of them), or an error outcome."""
-        # Bound the wait by the worst case, every call hanging, so that a task the pool loses
-        # (a worker stopped just as it took its next task never reports it) cannot hang the
-        # caller; such a call counts as a timeout and the workers are restarted.
+        # Bound the wait by the worst case (every call hanging), so that a task the pool loses
+        # (a worker stopped just as it took it) cannot hang the caller.
         rounds = math.ceil(len(jobs) / self.num_workers)
         limit_s = self.startup_timeout_s + rounds * (timeout_s + STOP_GRACE_S)
         concurrent.futures.wait([job.future for job in jobs], timeout=limit_s)
@@ -298,8 +263,5 @@ class RewardPool:
 
 
 def default_reward_pool() -> RewardPool:
-    """The process-wide pool used by :func:`~grpo.rewards.batched_rewards` when none is given.
-
-    Started on first use and closed at interpreter exit.
-    """
+    """The process-wide pool, started on first use and closed at interpreter exit."""
     return process_wide("rewards", RewardPool)

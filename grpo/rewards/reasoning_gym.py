@@ -1,8 +1,5 @@
-"""reasoning-gym's own score of a response, as a reward function (`ReasoningGymReward`), run in
-the reward worker pool by `grpo.envs.ReasoningGymEnv`.
-
-reasoning-gym is imported when a call scores (the ``hub`` extra).
-"""
+"""reasoning-gym's own score of a response, as a reward function; reasoning-gym (the ``hub``
+extra) is imported when a call scores."""
 
 from __future__ import annotations
 
@@ -26,18 +23,12 @@ def _scorer(task: str, config_json: str) -> Any:
 
 
 class ReasoningGymReward(RewardFunction):
-    """reasoning-gym's own score of a response: its task's ``score_answer`` on the answer
-    `reasoning_gym.utils.extract_answer` reads (the last ``<answer>...</answer>`` block; none:
-    reasoning-gym scores a missing answer, usually 0).
+    """reasoning-gym's own score of a response: its task's ``score_answer`` on the last
+    ``<answer>...</answer>`` block.
 
     Args:
-        config (Mapping | None): Per task, the reasoning-gym config its scorer is built with
-            (a scorer that reads its options); None: each task's defaults.
-
-    Example:
-        >>> reward = ReasoningGymReward()
-        >>> reward("<answer>6</answer>", "6", question="1 + 5 =", metadata={}, task="chain_sum")
-        RewardResult(reward=1.0, success=True)
+        config (Mapping | None): Per task, the reasoning-gym config its scorer is built with;
+            None: each task's defaults.
     """
 
     name = REWARD_NAME
@@ -57,7 +48,7 @@ class ReasoningGymReward(RewardFunction):
         """Score one response.
 
         Raises:
-            ValueError: If the example names no task (a row not made by `ReasoningGymEnv`).
+            ValueError: If the example names no task.
         """
         if not task:
             raise ValueError("ReasoningGymReward scores rows with a 'task' column")
