@@ -25,12 +25,6 @@ DTYPES = {
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a config dtype name (``fp32``, ``bf16``, ``float32``, ``bfloat16``).
 
-    Args:
-        name (str): A key of `DTYPES`.
-
-    Returns:
-        torch.dtype: The dtype.
-
     Raises:
         ValueError: For any other name, listing the accepted ones.
     """
@@ -48,37 +42,26 @@ def build_model(
     max_seq_len: int | None = None,
     packed_len: int | None = None,
 ) -> TransformerDecoder:
-    """Build a torchtune ``TransformerDecoder`` from a Hugging Face model folder.
-
-    The family (Qwen2, Qwen3, Llama 3.x) and every size come from the folder's
-    ``config.json`` (``model_type``, see `grpo.models.SUPPORTED_MODEL_TYPES`).
+    """Build a torchtune ``TransformerDecoder`` from a Hugging Face model folder; the family and
+    every size come from its ``config.json``.
 
     Args:
-        model_dir (str | os.PathLike): Model folder (``config.json`` + safetensors weights).
-        dtype (torch.dtype): Parameter dtype.
         device (str | torch.device): Device to build on. ``"meta"`` needs
             ``load_weights=False`` (for FSDP, which materialises and loads later).
         load_weights (bool): Load the checkpoint's weights; otherwise keep torchtune's init.
         max_seq_len (int | None): Longest sequence the model will see (sizes the RoPE cache);
             defaults to ``max_position_embeddings``.
         packed_len (int | None): Longest packed input (several sequences in one row, each
-            with positions from 0): the decoder accepts inputs up to this long even when it is
-            more than ``max_seq_len``. No position past ``max_seq_len`` is ever looked up.
+            with positions from 0), accepted even when longer than ``max_seq_len``.
 
     Returns:
         TransformerDecoder: The model, in training mode.
 
     Raises:
         FileNotFoundError: If the folder, config or weights are missing.
-        ValueError: If the config's ``model_type`` is not supported (naming it, the file and
-            the supported types), it uses a feature its family does not implement, or
-            ``device="meta"`` is combined with ``load_weights=True``.
-        RuntimeError: If the checkpoint's tensors do not match the model (missing or
-            unexpected keys, wrong shapes).
-
-    Example:
-        >>> model = build_model("/path/to/Qwen2.5-0.5B", dtype=torch.bfloat16)
-        >>> logits = model(torch.tensor([[1, 2, 3]]))  # [1, 3, vocab_size], float32
+        ValueError: If the config's ``model_type`` is not supported, it uses a feature its
+            family does not implement, or ``device="meta"`` comes with ``load_weights=True``.
+        RuntimeError: If the checkpoint's tensors do not match the model.
     """
     model_dir = model_folder(model_dir)
     hf_config = load_hf_config(model_dir)
@@ -87,9 +70,8 @@ def build_model(
     if max_seq_len is not None:
         builder_args["max_seq_len"] = max_seq_len
     if packed_len is not None:
-        # torchtune's decoder refuses an input longer than max_seq_len, and sizes its RoPE
-        # cache by it; positions restart in every packed sequence, so a longer cache changes
-        # nothing but that check.
+        # torchtune refuses inputs longer than max_seq_len; positions restart in every packed
+        # sequence, so a longer RoPE cache changes nothing but that check.
         builder_args["max_seq_len"] = max(int(builder_args["max_seq_len"]), int(packed_len))
     if torch.device(device).type == "meta" and load_weights:
         raise ValueError("device='meta' builds an empty model; pass load_weights=False")

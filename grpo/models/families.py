@@ -1,11 +1,6 @@
 """The supported model families, keyed by ``config.json``'s ``model_type``, and dispatch on it.
 
-Each family module (`grpo.models.qwen2`, `grpo.models.qwen3`, `grpo.models.llama`) exposes the
-same small interface: builder arguments from ``config.json``, a torchtune builder, HF ->
-torchtune conversion, and the torchtune -> HF conversion of one weight, which the one lazy
-iterator here (`hf_weight_iterator`) applies. `family_of` picks one from a
-config; `hf_to_tune_state_dict`, `hf_weight_iterator` and `tune_to_hf_state_dict` here are
-the family-independent entry points (exported as ``grpo.models.<name>``).
+Each family module exposes a `ModelFamily`; the conversions here are family-independent.
 """
 
 from __future__ import annotations
@@ -28,13 +23,10 @@ class ModelFamily:
     """How to build and convert one architecture.
 
     Args:
-        model_type (str): ``model_type`` of its ``config.json``.
         builder_args (Callable): ``hf_config -> kwargs`` of ``builder``; raises ValueError
             for configs it cannot build.
-        builder (Callable): ``**kwargs -> TransformerDecoder``.
-        hf_to_tune_state_dict (Callable): ``(hf_state_dict, hf_config) -> tune_state_dict``.
         tune_to_hf_converter (Callable): ``hf_config -> ((tune_name, tensor) -> (hf_name,
-            tensor))``, one weight at a time; raises for a name it does not know.
+            tensor))``; raises for a name it does not know.
     """
 
     model_type: str
@@ -80,20 +72,9 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 def family_of(hf_config: dict[str, Any], source: str | None = None) -> ModelFamily:
     """The family of a model config, from its ``model_type``.
 
-    Args:
-        hf_config (dict[str, Any]): Parsed ``config.json``.
-        source (str | None): Path of the ``config.json``, named in the error.
-
-    Returns:
-        ModelFamily: The family.
-
     Raises:
-        ValueError: If ``model_type`` is missing or not supported, naming it, the file and the
-            supported types.
-
-    Example:
-        >>> family_of({"model_type": "qwen3"}).model_type
-        'qwen3'
+        ValueError: If ``model_type`` is missing or not supported, naming it, the file
+            (``source``) and the supported types.
     """
     model_type = hf_config.get("model_type")
     if model_type not in FAMILIES:
@@ -108,15 +89,8 @@ def family_of(hf_config: dict[str, Any], source: str | None = None) -> ModelFami
 def hf_to_tune_state_dict(state_dict: StateDict, hf_config: dict[str, Any]) -> StateDict:
     """Convert an HF state dict to torchtune names, for the config's family.
 
-    Qwen2 and Qwen3 only rename (tensors are not copied); Llama also permutes q/k rows.
-    ``lm_head.weight`` is dropped when the config ties embeddings.
-
-    Args:
-        state_dict (dict[str, torch.Tensor]): Full HF state dict (all shards merged).
-        hf_config (dict[str, Any]): Parsed ``config.json``.
-
-    Returns:
-        dict[str, torch.Tensor]: State dict for the torchtune model `build_model` builds.
+    Tensors are not copied (Llama's q/k rows are permuted); ``lm_head.weight`` is dropped when
+    the config ties embeddings.
 
     Raises:
         ValueError: If the model type is not supported or a key has no torchtune counterpart.
@@ -129,28 +103,12 @@ def hf_weight_iterator(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every weight of a torchtune state dict, lazily.
 
-    This is the one torchtune->HF conversion: `grpo.models.save_hf_checkpoint` and weight
-    sync to vLLM (``model_runner.reload_weights(weights_iterator=...)``) both use it. It
-    converts one tensor at a time, so streaming a large model does not build a second dict.
-    With tied embeddings no ``lm_head.weight`` is yielded (HF and vLLM take it from the
-    embedding). Tensors must be full (gather FSDP ``DTensor`` shards before calling).
-
-    Args:
-        tune_state_dict (dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]): A
-            torchtune ``state_dict()`` or ``(name, tensor)`` pairs.
-        hf_config (dict[str, Any]): Parsed ``config.json`` of the model.
-
-    Yields:
-        tuple[str, torch.Tensor]: HF name and tensor.
+    The one torchtune -> HF conversion (saving and weight sync both use it), one tensor at a
+    time so that streaming a large model builds no second dict. With tied embeddings no
+    ``lm_head.weight`` is yielded. Tensors must be full (gather FSDP shards first).
 
     Raises:
         ValueError: If the model type is not supported or a name has no HF counterpart.
-
-    Example:
-        >>> model = build_model(model_dir)
-        >>> names = [name for name, _ in hf_weight_iterator(model.state_dict(), config)]
-        >>> names[0]
-        'model.embed_tokens.weight'
     """
     # The family and its config are checked now, at the call; the weights convert lazily.
     family = family_of(hf_config)
@@ -176,12 +134,7 @@ def hf_weight_iterator(
 def tune_to_hf_state_dict(state_dict: StateDict, hf_config: dict[str, Any]) -> StateDict:
     """Convert a torchtune state dict to HF names, for the config's family.
 
-    Args:
-        state_dict (dict[str, torch.Tensor]): torchtune ``model.state_dict()``.
-        hf_config (dict[str, Any]): Parsed ``config.json``.
-
-    Returns:
-        dict[str, torch.Tensor]: HF state dict; no ``lm_head.weight`` when embeddings are tied.
+    No ``lm_head.weight`` when embeddings are tied.
 
     Raises:
         ValueError: If the model type is not supported or a name has no HF counterpart.

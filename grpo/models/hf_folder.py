@@ -1,9 +1,5 @@
-"""Reading a Hugging Face model folder: ``config.json``, safetensors weights (single or sharded).
-
-A model folder is a Hugging Face checkpoint: ``config.json``, ``model.safetensors`` (or shards
-listed in ``model.safetensors.index.json``), ``tokenizer.json`` and ``tokenizer_config.json``
-(Qwen folders also carry ``vocab.json`` and ``merges.txt``). Nothing here depends on the model family.
-"""
+"""Reading a Hugging Face model folder: ``config.json``, safetensors weights (single or sharded),
+for any model family."""
 
 from __future__ import annotations
 
@@ -50,19 +46,9 @@ def required_file(model_dir: Path, name: str, what: str) -> Path:
 def load_hf_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     """Read ``config.json`` of a Hugging Face model folder.
 
-    Args:
-        model_dir (str | os.PathLike): Model folder.
-
-    Returns:
-        dict[str, Any]: The parsed config.
-
     Raises:
         FileNotFoundError: If the folder or its ``config.json`` does not exist.
         ValueError: If ``config.json`` is not a JSON object.
-
-    Example:
-        >>> load_hf_config("/path/to/Qwen2.5-0.5B")["model_type"]
-        'qwen2'
     """
     path = required_file(model_folder(model_dir), "config.json", "model config")
     try:
@@ -98,14 +84,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_hf_state_dict(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Load all safetensors weights of a model folder under their HF names.
-
-    Args:
-        model_dir (str | os.PathLike): Model folder with ``model.safetensors`` or a sharded
-            checkpoint with ``model.safetensors.index.json``.
-
-    Returns:
-        dict[str, torch.Tensor]: Merged CPU state dict.
+    """Load all safetensors weights (single or sharded) of a model folder under their HF names,
+    as one CPU state dict.
 
     Raises:
         FileNotFoundError: If the folder, the weights or a listed shard is missing.

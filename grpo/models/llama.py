@@ -1,16 +1,8 @@
 """Llama 3.x through torchtune's llama3 / llama3_1 / llama3_2 builders: config, weight names.
 
-The three torchtune builders differ in RoPE and embeddings: ``llama3`` (Llama 3.0) has plain
-RoPE and an untied output, ``llama3_1`` the Llama 3.1 scaled RoPE, ``llama3_2`` the scaled RoPE
-with optionally tied embeddings (Llama 3.2 1B/3B). Their ``Llama3ScaledRoPE`` takes only
-``scale_factor`` from the builder and keeps the Llama 3.1 defaults for ``low_freq_factor``,
-``high_freq_factor`` and ``old_context_len`` (8192), so `llama` replaces it with one built from
-every parameter of the config's ``rope_scaling`` (``rope_type: llama3``).
-
-torchtune's RoPE rotates interleaved pairs (Meta's layout) while HF rotates halves; HF stores
-q/k projections with their rows permuted to match. Conversion uses torchtune's own
-``convert_weights.hf_to_tune`` / ``tune_to_hf``, which undo and redo that permutation; both are
-pure row reorderings, so the round trip is exact.
+The builders' ``Llama3ScaledRoPE`` takes only ``scale_factor`` and keeps Llama 3.1's other
+defaults, so `llama` rebuilds it from every parameter of the config's ``rope_scaling``. HF
+stores q/k rows permuted for its rotate-half RoPE; conversion undoes and redoes that exactly.
 """
 
 from __future__ import annotations
@@ -54,26 +46,13 @@ def llama(
     """A Llama 3.x decoder from torchtune's builders, with the config's exact RoPE.
 
     Args:
-        vocab_size (int): Rows of the embedding.
-        num_layers (int): Decoder layers.
-        num_heads (int): Query heads.
-        num_kv_heads (int): Key/value heads.
         embed_dim (int): Hidden size; the head dim is ``embed_dim // num_heads``.
-        intermediate_dim (int): Hidden size of the MLP.
-        max_seq_len (int): Length of the RoPE cache.
-        rope_base (float): RoPE base.
-        norm_eps (float): Epsilon of the RMSNorms.
         tie_word_embeddings (bool): Output projection shares the embedding (Llama 3.2 1B/3B).
-        rope_scaling (dict[str, float] | None): ``Llama3ScaledRoPE`` arguments
-            (``scale_factor``, ``low_freq_factor``, ``high_freq_factor``, ``old_context_len``),
-            or None for plain RoPE.
+        rope_scaling (dict[str, float] | None): ``Llama3ScaledRoPE`` arguments, or None for
+            plain RoPE.
 
     Returns:
         TransformerDecoder: The model (torchtune's default initialisation).
-
-    Example:
-        >>> model = llama(vocab_size=512, num_layers=2, num_heads=2, num_kv_heads=1,
-        ...               embed_dim=128, intermediate_dim=256, max_seq_len=256)
     """
     args = {
         "vocab_size": vocab_size,
@@ -110,21 +89,10 @@ def llama(
 def llama_builder_args(hf_config: dict[str, Any]) -> dict[str, Any]:
     """Arguments of `llama`, read from an HF Llama 3.x config.
 
-    Args:
-        hf_config (dict[str, Any]): Parsed ``config.json``.
-
-    Returns:
-        dict[str, Any]: The keyword arguments of `llama`; ``rope_scaling`` holds the
-        ``Llama3ScaledRoPE`` arguments of a ``rope_type: llama3`` scaling, else None.
-
     Raises:
         ValueError: If the config is not a Llama config, lacks a key, or uses a feature not
             implemented here (attention or MLP biases, a ``head_dim`` other than
             ``hidden_size // num_attention_heads``, a RoPE scaling other than ``llama3``).
-
-    Example:
-        >>> llama_builder_args(load_hf_config(model_dir))["rope_scaling"]["scale_factor"]
-        32.0
     """
     model_type = hf_config.get("model_type")
     if model_type != "llama":
@@ -188,16 +156,8 @@ def _conversion_args(hf_config: dict[str, Any]) -> tuple[dict[str, int], bool]:
 def hf_to_tune_state_dict(
     state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """Convert an HF Llama state dict to torchtune's (q/k rows permuted, the rest renamed).
-
-    ``lm_head.weight`` is dropped when the config ties embeddings.
-
-    Args:
-        state_dict (dict[str, torch.Tensor]): Full HF state dict (all shards merged).
-        hf_config (dict[str, Any]): Parsed ``config.json``.
-
-    Returns:
-        dict[str, torch.Tensor]: State dict for `llama`.
+    """Convert an HF Llama state dict to torchtune's (q/k rows permuted, the rest renamed); a
+    tied ``lm_head.weight`` is dropped.
 
     Raises:
         ValueError: If a key has no torchtune counterpart, or the config is not Llama.
@@ -214,17 +174,8 @@ def hf_to_tune_state_dict(
 def tune_to_hf_converter(
     hf_config: dict[str, Any],
 ) -> Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]:
-    """The torchtune -> HF conversion of one Llama weight, for `grpo.models.hf_weight_iterator`.
-
-    q/k projections come out as new tensors with HF's row order (torchtune's own
-    ``tune_to_hf`` permutation); every other weight keeps its tensor object.
-
-    Args:
-        hf_config (dict[str, Any]): Parsed ``config.json``.
-
-    Returns:
-        Callable: ``(tune_name, tensor) -> (hf_name, tensor)``; raises for an unknown name.
-    """
+    """The torchtune -> HF conversion of one Llama weight: ``(tune_name, tensor) -> (hf_name,
+    tensor)``; q/k come out as new tensors in HF's row order, the rest keep their tensor."""
     shape, _ = _conversion_args(hf_config)
 
     def convert(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:

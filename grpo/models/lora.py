@@ -1,29 +1,10 @@
 """Low-rank adapters on a torchtune decoder, and their exchange format (PEFT).
 
-The adapters are torchtune's ``LoRALinear`` modules put in place of a decoder's linear layers,
-not PEFT's wrappers, because:
-
-* our models are torchtune ``TransformerDecoder``s (`grpo.models.build_model`); PEFT wraps
-  transformers models and would need a second model class;
-* FSDP2 shards a decoder with ``LoRALinear`` layers as it shards the plain one (each layer
-  is still one module, its frozen base weight and small trainable matrices side by side);
-* torchtune's ``disable_adapter(model)`` switches every adapter off for a forward pass, so
-  the reference model of the KL term is the same model with the adapter off: no second copy.
-
-The PEFT layout (``adapter_model.safetensors`` + ``adapter_config.json``, tensors named
-``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``) is only the exchange
-format: vLLM's LoRA loader and PEFT read it, and ``grpo export`` writes it.
-
-The weights a wrapped layer computes are ``W x + b + (alpha / rank) * B (A dropout(x))``, with
-``W`` and ``b`` the base layer's (kept under their names, frozen) and ``A`` (``lora_a``,
-kaiming-uniform) and ``B`` (``lora_b``, zeros) the adapter: a fresh adapter changes nothing.
-
-Example:
-    >>> model = build_model(model_dir)
-    >>> apply_lora(model, LoRAConfig(rank=8, target_modules=["q_proj", "v_proj"]))
-    >>> optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-4)
-    >>> with disable_adapter(model):  # torchtune.modules.peft: the base model's logits
-    ...     ref_logits = model(tokens)
+The adapters are torchtune's ``LoRALinear`` modules, not PEFT's wrappers: our models are
+torchtune decoders (PEFT wraps transformers models), FSDP2 shards a ``LoRALinear`` layer as it
+shards a plain one, and torchtune's ``disable_adapter(model)`` makes the KL term's reference
+model the same model with the adapter off. The PEFT layout is only the exchange format (vLLM's
+LoRA loader and ``grpo export``). A fresh adapter (``lora_b`` zeros) changes nothing.
 """
 
 from __future__ import annotations
@@ -65,8 +46,7 @@ __all__ = [
     "tune_adapter_state_dict",
 ]
 
-# HF target name -> attribute path inside a torchtune decoder layer, the same in every family
-# (Qwen2 and Llama from torchtune's builders, Qwen3 from `grpo.models.qwen3`).
+# HF target name -> attribute path inside a torchtune decoder layer, the same in every family.
 LORA_MODULES: dict[str, str] = {
     "q_proj": "attn.q_proj",
     "k_proj": "attn.k_proj",
@@ -99,22 +79,10 @@ def lora_modules(decoder: nn.Module) -> list[tuple[str, LoRALinear]]:
 def apply_lora(decoder: nn.Module, config: LoRAConfig) -> None:
     """Wrap the targeted linear layers of every decoder layer in LoRA adapters, in place.
 
-    Each targeted ``nn.Linear`` becomes a torchtune ``LoRALinear`` that reuses the base
-    layer's weight and bias Parameters (no copy; same dtype and device), so the base keys of
-    ``state_dict()`` keep their names (``layers.0.attn.q_proj.weight``) and the adapter adds
-    ``...q_proj.lora_a.weight`` and ``...q_proj.lora_b.weight``, in the base weight's dtype
-    and device. Every parameter of the model (embeddings, norms, output included) is frozen;
-    only the adapters train.
-
-    The adapters are initialised as torchtune does (``lora_a`` kaiming-uniform, ``lora_b``
-    zeros) from the current torch RNG, in module order (`reset_lora_parameters`), so the same
-    seed gives the same adapter on every rank. On device ``meta`` nothing is drawn: after
-    materialising the model (``to_empty``), call `reset_lora_parameters`; from the same seed
-    it gives the adapter a model wrapped on a real device gets.
-
-    Args:
-        decoder (nn.Module): A torchtune ``TransformerDecoder`` (its ``layers``).
-        config (LoRAConfig): Rank, alpha, dropout and the target modules (HF names).
+    Each targeted ``nn.Linear`` becomes a ``LoRALinear`` on the base layer's own Parameters, so
+    base keys keep their names. Every other parameter is frozen. Adapters are drawn from the
+    current torch RNG in module order, so one seed gives one adapter on every rank; on device
+    ``meta`` nothing is drawn: call `reset_lora_parameters` once the model is materialised.
 
     Raises:
         ValueError: If a target is not an ``nn.Linear`` in some layer (the model has no such
@@ -162,11 +130,8 @@ def _lora_linear(base: nn.Linear, config: LoRAConfig) -> LoRALinear:
 
 
 def reset_lora_parameters(decoder: nn.Module) -> None:
-    """Initialise every adapter of a model again (``lora_a`` kaiming-uniform, ``lora_b`` zeros).
-
-    `apply_lora` ends with it; call it again for a model wrapped on device ``meta`` once it
-    is materialised. Draws from the current torch RNG in module order (on ``meta``: nothing).
-    """
+    """Initialise every adapter of a model again (``lora_a`` kaiming-uniform, ``lora_b`` zeros),
+    from the current torch RNG in module order (on ``meta``: nothing)."""
     for _, module in lora_modules(decoder):
         module.initialize_parameters()
 
@@ -192,12 +157,8 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def _llama_row_permutation(hf_config: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """``target -> (heads, head_dim)`` of the projections whose rows HF stores permuted.
-
-    HF Llama checkpoints store the q/k rows reordered for rotate-half RoPE, torchtune's in
-    Meta's interleaved order (`grpo.models.llama`); ``lora_B``'s rows are output rows of the
-    same projection, so they take the same reordering. Qwen2/Qwen3 use rotate-half in both.
-    """
+    """``target -> (heads, head_dim)`` of the projections whose rows HF stores permuted (Llama's
+    q/k); ``lora_B``'s rows are output rows of the projection, so they take the same order."""
     if family_of(hf_config).model_type != "llama":
         return {}
     num_heads = int(hf_config["num_attention_heads"])
@@ -218,17 +179,8 @@ def peft_adapter_state_dict(
     """Adapter weights under PEFT's names, as PEFT saves them and vLLM loads them.
 
     ``layers.3.attn.q_proj.lora_a.weight`` becomes
-    ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` and
-    ``layers.3.mlp.w1.lora_b.weight`` ``base_model.model.model.layers.3.mlp.gate_proj.lora_B.weight``;
-    Llama's q/k ``lora_B`` rows are reordered as its q/k weights are.
-
-    Args:
-        tune_adapter (Mapping[str, torch.Tensor]): Adapter entries of a torchtune state dict
-            (`adapter_state_dict`); full tensors (gather FSDP shards first).
-        hf_config (dict[str, Any]): Parsed ``config.json`` of the base model.
-
-    Returns:
-        dict[str, torch.Tensor]: PEFT name -> tensor (reordered ones are new tensors).
+    ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``. Tensors must be full
+    (gather FSDP shards first).
 
     Raises:
         ValueError: If a name is not an adapter of a `LORA_MODULES` layer, or the model type
@@ -254,13 +206,9 @@ def tune_adapter_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The inverse of `peft_adapter_state_dict`: PEFT names to torchtune adapter keys.
 
-    Args:
-        peft_tensors (Mapping[str, torch.Tensor]): Tensors of ``adapter_model.safetensors``.
-        hf_config (dict[str, Any]): Parsed ``config.json`` of the base model.
-
     Returns:
-        dict[str, torch.Tensor]: torchtune adapter key -> tensor, loadable into a model
-        `apply_lora` wrapped with the same targets (``load_state_dict(..., strict=False)``).
+        dict[str, torch.Tensor]: torchtune adapter key -> tensor, loadable with
+        ``load_state_dict(..., strict=False)`` into a model wrapped with the same targets.
 
     Raises:
         ValueError: If a tensor is not a LoRA A/B weight of a targetable layer (an adapter
@@ -286,14 +234,8 @@ def tune_adapter_state_dict(
 def peft_adapter_config(config: LoRAConfig, base_model_path: str | os.PathLike) -> dict[str, Any]:
     """The ``adapter_config.json`` of an adapter, with the keys PEFT writes for a LoRA.
 
-    Args:
-        config (LoRAConfig): The adapter's settings.
-        base_model_path (str | os.PathLike): Folder (or hub id) of the base model, as
-            ``base_model_name_or_path``; an existing folder is made absolute, so that
-            ``grpo export`` finds the base to merge into from any working directory.
-
-    Returns:
-        dict[str, Any]: JSON-ready content.
+    An existing ``base_model_path`` folder is made absolute, so ``grpo export`` finds the base
+    from any directory.
     """
     base = os.path.abspath(base_model_path) if os.path.isdir(base_model_path) else base_model_path
     return {
@@ -325,19 +267,8 @@ def save_peft_adapter(
     peft_tensors: Mapping[str, torch.Tensor],
     adapter_config: dict[str, Any],
 ) -> Path:
-    """Write a PEFT adapter folder atomically: ``adapter_model.safetensors`` + config.
-
-    Written to a temporary sibling, fsynced, then renamed to ``out_dir`` (an existing one is
-    replaced only once the new folder is complete), as `grpo.models.save_hf_checkpoint` does.
-
-    Args:
-        out_dir (str | os.PathLike): Folder to write.
-        peft_tensors (Mapping[str, torch.Tensor]): `peft_adapter_state_dict` output; any device.
-        adapter_config (dict[str, Any]): `peft_adapter_config` output.
-
-    Returns:
-        Path: ``out_dir``.
-    """
+    """Write a PEFT adapter folder (``adapter_model.safetensors`` + config) at ``out_dir``; an
+    existing one is replaced only once the new folder is complete."""
     out_dir = Path(out_dir)
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in peft_tensors.items()}
     with atomic_folder(out_dir) as (tmp_dir, written):
@@ -350,15 +281,7 @@ def save_peft_adapter(
 
 
 def load_peft_adapter(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a PEFT adapter folder.
-
-    Args:
-        folder (str | os.PathLike): Holds ``adapter_model.safetensors`` and
-            ``adapter_config.json``.
-
-    Returns:
-        tuple[dict[str, torch.Tensor], dict[str, Any]]: The tensors (PEFT names, on CPU) and
-        the parsed config.
+    """Read a PEFT adapter folder: its tensors (PEFT names, on CPU) and its parsed config.
 
     Raises:
         FileNotFoundError: If the folder or one of the two files is missing, naming it.
@@ -377,15 +300,7 @@ def merge_lora(
     """Fold the adapters into their base weights: the state dict a plain model loads.
 
     Each adapted weight becomes ``W + (alpha / rank) * B @ A`` (computed in float32, stored in
-    ``W``'s dtype); the adapter keys are dropped. The input is not modified.
-
-    Args:
-        tune_state (Mapping[str, torch.Tensor]): A LoRA model's full state dict (base and
-            adapter keys, torchtune names).
-        config (LoRAConfig): The adapter's settings (its ``alpha`` and ``rank``).
-
-    Returns:
-        dict[str, torch.Tensor]: Base keys only; adapted weights are new tensors.
+    ``W``'s dtype); the input is not modified.
 
     Raises:
         ValueError: If an adapter has no base weight or lacks its A or B half.

@@ -1,15 +1,7 @@
 """Qwen2 / Qwen2.5 through torchtune: architecture from ``config.json`` and weight names.
 
-torchtune and vLLM/HF name the same Qwen2 tensors differently (``layers.0.attn.q_proj.weight``
-vs ``model.layers.0.self_attn.q_proj.weight``). Qwen2 needs no permutation of q/k
-(torchtune's Qwen2 RoPE uses the HF rotate-half layout), so conversion is a renaming done by
-torchtune's ``qwen2_hf_to_tune`` / ``qwen2_tune_to_hf``, plus the tied embedding rule: with
-``tie_word_embeddings`` the HF checkpoint stores no ``lm_head.weight`` and the torchtune model
-has no ``output.weight`` (its output is a ``TiedLinear`` on the embedding).
-`tune_to_hf_converter` converts one weight for `grpo.models.hf_weight_iterator`, the single
-tune->HF path of every family, used by `grpo.models.save_hf_checkpoint` and by weight sync to
-vLLM (``reload_weights(weights_iterator=...)``). Everything is read from ``config.json``, so
-the same code serves the tiny test model and Qwen2/Qwen2.5 checkpoints of any size.
+torchtune's Qwen2 RoPE uses the HF rotate-half layout, so conversion is a renaming; with
+``tie_word_embeddings`` neither side stores an output weight.
 """
 
 from __future__ import annotations
@@ -28,8 +20,7 @@ def _config_value(hf_config: dict[str, Any], key: str) -> Any:
 
 
 def _rope_theta(hf_config: dict[str, Any]) -> float:
-    # transformers < 5 writes a top-level `rope_theta`; transformers 5 nests it in
-    # `rope_parameters`. 10000.0 is Qwen2Config's default when neither is present.
+    # 10000.0 is Qwen2Config's default.
     if "rope_theta" in hf_config:
         return float(hf_config["rope_theta"])
     rope_parameters = hf_config.get("rope_parameters") or {}
@@ -38,14 +29,6 @@ def _rope_theta(hf_config: dict[str, Any]) -> float:
 
 def qwen2_builder_args(hf_config: dict[str, Any]) -> dict[str, Any]:
     """Arguments of torchtune's ``qwen2`` component builder, read from an HF Qwen2 config.
-
-    Args:
-        hf_config (dict[str, Any]): Parsed ``config.json``.
-
-    Returns:
-        dict[str, Any]: ``vocab_size``, ``num_layers``, ``num_heads``, ``num_kv_heads``,
-        ``embed_dim``, ``intermediate_dim``, ``max_seq_len``, ``rope_base``, ``norm_eps`` and
-        ``tie_word_embeddings``.
 
     Raises:
         ValueError: If the config is not a Qwen2 config, lacks a key, or uses a feature
@@ -100,17 +83,8 @@ def _conversion_args(hf_config: dict[str, Any]) -> dict[str, Any]:
 def hf_to_tune_state_dict(
     state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """Rename an HF Qwen2 state dict to torchtune names (tensors are not copied).
-
-    ``lm_head.weight`` is dropped when the config ties embeddings, and rotary ``inv_freq``
-    buffers of old checkpoints are dropped.
-
-    Args:
-        state_dict (dict[str, torch.Tensor]): Full HF state dict (all shards merged).
-        hf_config (dict[str, Any]): Parsed ``config.json``.
-
-    Returns:
-        dict[str, torch.Tensor]: State dict for torchtune's ``qwen2`` model.
+    """Rename an HF Qwen2 state dict to torchtune names (tensors are not copied); a tied
+    ``lm_head.weight`` and old checkpoints' rotary ``inv_freq`` buffers are dropped.
 
     Raises:
         ValueError: If a key has no torchtune counterpart, or the config is not Qwen2.
@@ -125,16 +99,8 @@ def hf_to_tune_state_dict(
 def tune_to_hf_converter(
     hf_config: dict[str, Any],
 ) -> Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]:
-    """The torchtune -> HF conversion of one Qwen2 weight, for `grpo.models.hf_weight_iterator`.
-
-    Qwen2 needs no permutation of q/k, so a weight keeps its tensor object and changes name.
-
-    Args:
-        hf_config (dict[str, Any]): Parsed ``config.json``.
-
-    Returns:
-        Callable: ``(tune_name, tensor) -> (hf_name, tensor)``; raises for an unknown name.
-    """
+    """The torchtune -> HF conversion of one Qwen2 weight: ``(tune_name, tensor) -> (hf_name,
+    tensor)``, a renaming that raises for an unknown name."""
     args = _conversion_args(hf_config)
 
     def convert(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:

@@ -1,19 +1,9 @@
 """Qwen3 (dense) through torchtune modules: architecture from ``config.json``, weight names.
 
-Qwen3 is Qwen2 without the q/k/v biases, with an RMSNorm over each query and key head (HF
-``q_norm``/``k_norm``) and an explicit ``head_dim`` that may differ from ``hidden_size //
-num_attention_heads`` (Qwen3-0.6B: 1024 / 16 heads, head_dim 128). torchtune 0.6.1 has no
-Qwen3 builder, so `qwen3` assembles one from torchtune's own modules.
-
-The one subtle point is where the q/k norms sit. HF Qwen3 normalises each head *before* RoPE;
-torchtune 0.6.1's ``MultiHeadAttention`` applies ``q_norm``/``k_norm`` *after* RoPE (after the
-head transpose). The two differ, because the norm's per-channel scale does not commute with
-the RoPE rotation. `Qwen3Attention` is therefore ``MultiHeadAttention`` with the norms moved
-before RoPE; everything else (GQA, KV cache, the attention call that `grpo.packing.attention`
-replaces for packed batches) is torchtune's.
-
-RoPE is torchtune's Qwen2 rotate-half RoPE, the HF layout, so no q/k permutation is needed and
-the weight conversion is a renaming, like Qwen2's.
+Qwen3 is Qwen2 without q/k/v biases, with an RMSNorm over each query and key head and an
+explicit ``head_dim``. torchtune 0.6.1 has no Qwen3 builder, and its ``MultiHeadAttention``
+applies q/k norms after RoPE where HF applies them before (the norm's scale does not commute
+with the rotation), hence `Qwen3Attention`. Weight conversion is a renaming, like Qwen2's.
 """
 
 from __future__ import annotations
@@ -47,12 +37,8 @@ _TO_HF = {tune: hf for hf, tune in _FROM_HF.items() if tune is not None}
 
 
 class Qwen3Attention(MultiHeadAttention):
-    """torchtune's ``MultiHeadAttention`` with ``q_norm``/``k_norm`` applied per head before RoPE.
-
-    Takes the same arguments as ``MultiHeadAttention``; ``q_norm``, ``k_norm`` and
-    ``pos_embeddings`` are required. Only `forward` differs: each query and key head is
-    normalised right after the projection, then rotated, as in HF's ``Qwen3Attention``.
-    """
+    """torchtune's ``MultiHeadAttention`` with ``q_norm``/``k_norm`` applied per head before RoPE,
+    as in HF; ``q_norm``, ``k_norm`` and ``pos_embeddings`` are required."""
 
     def forward(
         self,
@@ -64,15 +50,8 @@ class Qwen3Attention(MultiHeadAttention):
     ) -> torch.Tensor:
         """Self-attention of ``x`` (``y`` is ``x``, or None to read the KV cache).
 
-        Args:
-            x (torch.Tensor): Queries' input ``[b, s_x, embed_dim]``.
-            y (torch.Tensor | None): Keys' and values' input ``[b, s_y, embed_dim]``.
-            mask: As in torchtune (a bool tensor, a ``BlockMask``, or a
-                `grpo.packing.attention.VarlenMask` once `grpo.packing.attention.use_packed_attention` ran).
-            input_pos (torch.Tensor | None): Position ids ``[b, s_x]``.
-
-        Returns:
-            torch.Tensor: ``[b, s_x, embed_dim]``.
+        Arguments and result as torchtune's ``MultiHeadAttention.forward``; ``mask`` may also be
+        a `grpo.packing.attention.VarlenMask`.
 
         Raises:
             ValueError: If ``y`` is None without an enabled KV cache.
@@ -127,24 +106,12 @@ def qwen3(
     """A Qwen3 dense decoder from torchtune modules (`Qwen3Attention`, Qwen2 RoPE and MLP).
 
     Args:
-        vocab_size (int): Rows of the embedding.
-        num_layers (int): Decoder layers.
-        num_heads (int): Query heads.
-        num_kv_heads (int): Key/value heads.
-        embed_dim (int): Hidden size.
         head_dim (int): Size of one head (not necessarily ``embed_dim // num_heads``).
-        intermediate_dim (int): Hidden size of the MLP.
-        max_seq_len (int): Length of the RoPE cache.
-        rope_base (float): RoPE base.
         norm_eps (float): Epsilon of every RMSNorm, the q/k norms included.
         tie_word_embeddings (bool): Output projection shares the embedding.
 
     Returns:
         TransformerDecoder: The model (torchtune's default initialisation).
-
-    Example:
-        >>> model = qwen3(vocab_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
-        ...               embed_dim=128, head_dim=64, intermediate_dim=256, max_seq_len=256)
     """
     rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
     layers = nn.ModuleList()
@@ -190,20 +157,10 @@ def qwen3(
 def qwen3_builder_args(hf_config: dict[str, Any]) -> dict[str, Any]:
     """Arguments of `qwen3`, read from an HF Qwen3 (dense) config.
 
-    Args:
-        hf_config (dict[str, Any]): Parsed ``config.json``.
-
-    Returns:
-        dict[str, Any]: The keyword arguments of `qwen3`.
-
     Raises:
         ValueError: If the config is not a Qwen3 config, lacks a key, or uses a feature not
             implemented here (attention biases, RoPE scaling, sliding-window attention,
             ``num_key_value_heads`` not dividing ``num_attention_heads``).
-
-    Example:
-        >>> qwen3_builder_args(load_hf_config(model_dir))["head_dim"]
-        128
     """
     model_type = hf_config.get("model_type")
     if model_type != "qwen3":
@@ -245,17 +202,8 @@ def _tied(hf_config: dict[str, Any]) -> bool:
 def hf_to_tune_state_dict(
     state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """Rename an HF Qwen3 state dict to torchtune names (tensors are not copied).
-
-    ``lm_head.weight`` is dropped when the config ties embeddings, and rotary ``inv_freq``
-    buffers of old checkpoints are dropped.
-
-    Args:
-        state_dict (dict[str, torch.Tensor]): Full HF state dict (all shards merged).
-        hf_config (dict[str, Any]): Parsed ``config.json``.
-
-    Returns:
-        dict[str, torch.Tensor]: State dict for `qwen3`.
+    """Rename an HF Qwen3 state dict to torchtune names (tensors are not copied); a tied
+    ``lm_head.weight`` and old checkpoints' rotary ``inv_freq`` buffers are dropped.
 
     Raises:
         ValueError: If a key has no torchtune counterpart, or the config is not Qwen3.
@@ -275,14 +223,6 @@ def hf_to_tune_state_dict(
 def tune_to_hf_converter(
     hf_config: dict[str, Any],
 ) -> Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]:
-    """The torchtune -> HF conversion of one Qwen3 weight, for `grpo.models.hf_weight_iterator`.
-
-    A renaming: the tensor object is kept.
-
-    Args:
-        hf_config (dict[str, Any]): Parsed ``config.json`` (Qwen3 names do not depend on it).
-
-    Returns:
-        Callable: ``(tune_name, tensor) -> (hf_name, tensor)``; raises for an unknown name.
-    """
+    """The torchtune -> HF conversion of one Qwen3 weight: ``(tune_name, tensor) -> (hf_name,
+    tensor)``, a renaming that raises for an unknown name."""
     return lambda name, tensor: (get_mapped_key(name, _TO_HF), tensor)

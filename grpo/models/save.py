@@ -77,10 +77,8 @@ def _write_weights(
 def _replace_dir(new_dir: Path, out_dir: Path) -> None:
     """Move the complete `new_dir` to `out_dir`, replacing an existing `out_dir`.
 
-    POSIX has no atomic swap of two non-empty folders, so the old folder is first renamed to a
-    hidden sibling, then the new one takes its name, then the old one is deleted. If the second
-    rename fails the old folder is put back. After a crash between the two renames the previous
-    checkpoint survives as ``.<name>.old-<id>`` next to ``out_dir``.
+    POSIX has no atomic swap of two non-empty folders: the old one is renamed aside first (and
+    put back if the second rename fails; after a crash it survives as ``.<name>.old-<id>``).
     """
     if out_dir.exists():
         old_dir = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
@@ -101,10 +99,8 @@ def atomic_folder(out_dir: Path) -> Iterator[tuple[Path, list[Path]]]:
     """Write a folder atomically: yields a temporary sibling of ``out_dir`` and a list the
     caller appends each file it writes there to.
 
-    On a clean exit every listed file and the folder are fsynced (data on disk before the
-    rename publishes the folder, so a crash never leaves a complete-looking folder with
-    truncated files), then the folder replaces ``out_dir`` (`_replace_dir`); on an error it is
-    deleted and nothing changes.
+    On a clean exit the files are fsynced before the rename publishes the folder (a crash never
+    leaves a complete-looking folder with truncated files); on an error nothing changes.
     """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -130,12 +126,9 @@ def save_hf_checkpoint(
 ) -> Path:
     """Write a torchtune state dict (any supported family) as a Hugging Face checkpoint folder, atomically.
 
-    The folder gets ``config.json`` (the source's, with ``torch_dtype`` set to the saved
-    dtype), the weights under HF names, and a copy of every other top-level file of the source
-    folder (tokenizer files, ``generation_config.json``, ...). It is written to a temporary
-    sibling, fsynced, then renamed to ``out_dir``; an existing ``out_dir`` is replaced only
-    once the new folder is complete, and a failure leaves no partial folder behind. The result
-    loads with `build_model`, `load_tokenizer` and vLLM.
+    The folder gets the source's ``config.json`` (``torch_dtype`` set to the saved dtype), the
+    weights under HF names and a copy of every other top-level file of the source folder. An
+    existing ``out_dir`` is replaced only once the new folder is complete.
 
     Args:
         tune_state_dict (dict[str, torch.Tensor]): Full (not FSDP-sharded) torchtune state
@@ -145,16 +138,10 @@ def save_hf_checkpoint(
         max_shard_bytes (int | None): Split the weights into ``model-0000i-of-0000n``
             safetensors files of at most this size with an index; default one file.
 
-    Returns:
-        Path: ``out_dir``.
-
     Raises:
         FileNotFoundError: If the source folder, its config or weights are missing.
-        ValueError: If the state dict's tensors (after renaming) differ from those stored in
-            the source checkpoint (a missing or unexpected name).
-
-    Example:
-        >>> save_hf_checkpoint(model.state_dict(), "/models/Qwen2.5-0.5B", "/runs/x/step_100")
+        ValueError: If the state dict's tensor names (after renaming) differ from those of the
+            source checkpoint.
     """
     model_dir_src = model_folder(model_dir_src)
     out_dir = Path(out_dir)

@@ -1,13 +1,6 @@
-"""A model folder's own tokenizer, the same one vLLM uses, for every model family.
-
-vLLM tokenizes with ``transformers.AutoTokenizer`` on the model folder (``tokenizer.json``,
-``tokenizer_config.json``). The actors that must agree with it token for token (the collector
-that builds prompts, the reference and training actors that decode and pad) use the same files
-through the same library, so prompt ids, special tokens and chat templates cannot drift apart
-between families or versions. `Tokenizer` adds only what the actors need on top: bos/eos as
-flags of ``encode``, the stop ids vLLM stops on (``generation_config.json``'s
-``eos_token_id``), a pad id, and pickling by path so it can travel to Ray actors.
-"""
+"""A model folder's own tokenizer: ``transformers.AutoTokenizer`` on the same files vLLM reads,
+so the actors agree with vLLM token for token, plus bos/eos flags, stop ids, a pad id and
+pickling by path."""
 
 from __future__ import annotations
 
@@ -43,28 +36,16 @@ def _generation_eos_ids(model_dir: Path) -> list[int]:
 class Tokenizer:
     """The tokenizer of a Hugging Face model folder, with the interface the actors use.
 
-    Args:
-        model_dir (str | os.PathLike): Model folder with ``tokenizer.json`` (and usually
-            ``tokenizer_config.json`` and ``generation_config.json``).
-
     Attributes:
         bos_id (int | None): Begin-of-text id, or None for families without one (Qwen).
-        eos_id (int): The tokenizer's eos token id (``<|im_end|>`` for Qwen instruct models,
-            ``<|eot_id|>`` for Llama 3 instruct).
-        pad_id (int): Pad token id (the eos id when the tokenizer has no pad token, as in
-            Llama 3; padding is masked out everywhere it is used).
+        eos_id (int): The tokenizer's eos token id.
+        pad_id (int): Pad token id (the eos id when the tokenizer has none, as in Llama 3).
         stop_tokens (list[int]): Ids generation stops on: ``generation_config.json``'s
             ``eos_token_id`` (what vLLM stops on), then ``eos_id`` if not among them.
 
     Raises:
         FileNotFoundError: If the folder or its ``tokenizer.json`` is missing.
         ValueError: If the tokenizer has no eos token.
-
-    Example:
-        >>> tokenizer = Tokenizer(model_dir)
-        >>> ids = tokenizer.encode("What is 2 + 3?", add_eos=False)
-        >>> tokenizer.decode(ids)
-        'What is 2 + 3?'
     """
 
     def __init__(self, model_dir: str | os.PathLike) -> None:
@@ -106,19 +87,12 @@ class Tokenizer:
         return self.hf_tokenizer.chat_template
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
-        """Token ids of ``text``.
-
-        Special-token strings in ``text`` (``<|im_start|>``) become their ids, as in vLLM.
+        """Token ids of ``text``; special-token strings become their ids, as in vLLM.
 
         Args:
-            text (str): The text.
-            add_bos (bool): Start with the bos token when the model's tokenizer adds one by
-                default (Llama 3) and ``text`` does not already begin with it (a rendered chat
-                template does); no effect for tokenizers without bos (Qwen).
+            add_bos (bool): Start with the bos token when the tokenizer adds one by default
+                (Llama 3) and ``text`` does not already begin with it.
             add_eos (bool): End with ``eos_id``.
-
-        Returns:
-            list[int]: The ids.
         """
         ids = self.hf_tokenizer.encode(text, add_special_tokens=False)
         if add_bos and self._adds_bos and ids[:1] != [self.bos_id]:
@@ -143,16 +117,14 @@ class Tokenizer:
         Args:
             messages (list[dict[str, str]]): ``{"role", "content"}`` turns.
             add_generation_prompt (bool): End with the opening of the assistant's turn.
-            tools (list[dict] | None): Tool schemas (JSON schema, as `grpo.envs.Tool.schema`
-                writes them) the template lists in the family's own format.
+            tools (list[dict] | None): JSON tool schemas the template lists.
             **chat_template_kwargs: Extra template variables (``enable_thinking=False``).
 
         Returns:
-            str: The prompt text (it may start with the bos token, as Llama 3's does).
+            str: The prompt text (it may start with the bos token).
 
         Raises:
-            ValueError: If the folder has no chat template, or rendering fails (the template's
-                own error is included).
+            ValueError: If the folder has no chat template, or rendering fails.
         """
         if not self.chat_template:
             raise ValueError(
@@ -178,20 +150,10 @@ class Tokenizer:
 
 
 def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
-    """The tokenizer of a Hugging Face model folder (any supported family).
-
-    Args:
-        model_dir (str | os.PathLike): Model folder.
-
-    Returns:
-        Tokenizer: The tokenizer.
+    """The `Tokenizer` of a Hugging Face model folder (any supported family).
 
     Raises:
         FileNotFoundError: If the folder or its ``tokenizer.json`` is missing.
         ValueError: If the tokenizer has no eos token.
-
-    Example:
-        >>> tokenizer = load_tokenizer(model_dir)
-        >>> prompt_ids = tokenizer.encode("What is 2 + 3?", add_eos=False)
     """
     return Tokenizer(model_dir)
