@@ -77,13 +77,19 @@ def test_each_configured_transport_has_one_implementation():
 
     from grpo.choices import TRANSPORTS
     from grpo.config import WeightSyncConfig
-    from grpo.weights.base import WeightTransport
-    from grpo.weights.transports import TRANSPORT_CLASSES, make_transport
+    from grpo.weights.base import ReceivingEnd, SendingEnd
+    from grpo.weights.transports import (
+        RECEIVING_ENDS,
+        SENDING_ENDS,
+        receiving_end,
+        sending_end,
+    )
 
-    assert set(TRANSPORT_CLASSES) == set(TRANSPORTS)
-    for name, cls in TRANSPORT_CLASSES.items():
-        transport = make_transport(WeightSyncConfig(transport=name), lambda refs, what: [])
-        assert type(transport) is cls and isinstance(transport, WeightTransport)
+    assert set(SENDING_ENDS) == set(RECEIVING_ENDS) == set(TRANSPORTS)
+    for name in TRANSPORTS:
+        sender, receiver = sending_end(name, "trainer[0]", "cpu"), receiving_end(name, "c[0]")
+        assert type(sender) is SENDING_ENDS[name] and isinstance(sender, SendingEnd)
+        assert type(receiver) is RECEIVING_ENDS[name] and isinstance(receiver, ReceivingEnd)
     with pytest.raises(ValidationError, match="shared_memory"):
         WeightSyncConfig(transport="shared_memory")
 

@@ -18,22 +18,34 @@ def fail_next_weight_receive(collector: Any) -> None:
     """The collector's next weight transfer fails before it joins its channel (once): the
     trainer's side then times out, as with a collector that never joined."""
     from grpo.weights.channel import WeightChannelError
-    from grpo.weights.collective import CollectiveTransport
 
-    receiver = collector.weights.ends[CollectiveTransport.name]
-    original = receiver.fetch
+    weights = collector.weights
+    original = weights.receive
 
-    def fetch(*args: Any, **kwargs: Any) -> Any:
-        receiver.fetch = original
-        raise WeightChannelError(f"weight channel to {receiver.owner}: did not join (injected)")
+    def receive(*args: Any, **kwargs: Any) -> Any:
+        weights.receive = original
+        raise WeightChannelError(f"weight channel to {weights.owner}: did not join (injected)")
 
-    receiver.fetch = fetch
+    weights.receive = receive
+
+
+def fail_next_batch(collector: Any) -> None:
+    """The collector's next generation batch raises `WeightSyncError` (as after updates that
+    kept failing verification): an error inside the actor, which stops the run."""
+    from grpo.weights.checksum import WeightSyncError
+
+    weights = collector.weights
+
+    def start_batch() -> None:
+        raise WeightSyncError("3 weight updates in a row failed verification (injected)")
+
+    weights.start_batch = start_batch
 
 
 def delay_next_weight_send(trainer: Any, seconds: float = 3.0) -> None:
     """Trainer rank 0's next weight send starts ``seconds`` late (once), as its thread can on a
     busy machine while the next training step runs."""
-    sender = trainer.weight_publisher.channels
+    sender = trainer.weight_sender
     original = sender.send
 
     def send(*args: Any, **kwargs: Any) -> float:

@@ -2,14 +2,11 @@
 
 One package, one module per part:
 
-* `base`: the interfaces of a transport: `WeightTransport` (the driver's: gather, send,
-  finish, forget) and its two ends, `TrainerEnd` and `CollectorEnd`; `transports`: the one
-  place a transport is chosen (``weight_sync.transport``).
-* `object_store` and `collective`: the two transports, each one module with its three parts
-  (trainer end, collector end, driver side); `channel`: the collective transport's two-rank
-  process groups (gloo on CPU, NCCL on GPU).
-* `publisher`: `WeightPublisher`, the trainer's side: each gathered version published through
-  the transport the driver uses.
+* `base`: the two ends of a transport, `SendingEnd` (inside trainer rank 0) and `ReceivingEnd`
+  (inside a collector); `transports`: the one place a transport is chosen
+  (``weight_sync.transport``): each actor builds the end of that transport only.
+* `object_store` and `collective`: the two transports, each one module with its two ends;
+  `channel`: the collective transport's two-rank process groups (gloo on CPU, NCCL on GPU).
 * `receiver`: `EngineWeights`, the collector's side: updates received, loaded between two
   engine steps or batches, verified, rolled back, and the version of every sampled token.
 * `engine`: the vLLM worker extension that reloads weights in place, and `WeightReceiver`,

@@ -1,9 +1,9 @@
 """The concurrency groups of the two actors at the ends of a weight transfer.
 
 The actors declare them (`SyncLLMCollector.as_remote`, `PyTorchActorModel.as_remote`); the
-callers pick them with ``.options(concurrency_group=...)``: the transports (`grpo.weights.sync`,
-`grpo.weights.object_store`, `grpo.weights.collective`) and the driver's heartbeat. This module
-holds names only, so that both sides import them without importing each other.
+callers pick them with ``.options(concurrency_group=...)``: the driver's transfers
+(`grpo.weights.sync`) and its heartbeat. This module holds names only, so that both sides import
+them without importing each other.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ COLLECTOR_WEIGHTS_GROUP = "weights"
 COLLECTOR_HEALTH_GROUP = "health"
 COLLECTOR_CONCURRENCY_GROUPS = {COLLECTOR_WEIGHTS_GROUP: 1, COLLECTOR_HEALTH_GROUP: 1}
 
-# Trainer rank 0 runs the collective transport's channel calls (a rendezvous, a send) here: they
+# Trainer rank 0 runs the transport's calls (connect: a rendezvous; send: a broadcast) here: they
 # wait neither behind a training step nor behind a send to a dead collector that is timing
 # out. Transfers to different collectors may overlap; the driver keeps one per channel at a
 # time.

@@ -2,7 +2,7 @@
 rolled back, and the policy version of every token the engine samples.
 
 `EngineWeights` is the receiving side inside a collector (`SyncLLMCollector` holds one, and its
-actor methods delegate to it). Whichever transport brought an update (its `CollectorEnd`,
+actor methods delegate to it). Whichever transport brought an update (its `ReceivingEnd`,
 `grpo.weights.transports`), the update becomes the pending `WeightUpdate`, loaded:
 
 * between batches (``inference.weight_updates: between_batches``); or
@@ -35,9 +35,10 @@ import torch
 from grpo.choices import WeightUpdateMode
 from grpo.observability import metric_names as names
 from grpo.weights.adapter import EngineAdapters
+from grpo.weights.base import ReceivingEnd
 from grpo.weights.checksum import WeightSyncError
 from grpo.weights.engine import WeightReceiver, WeightUpdate
-from grpo.weights.transports import collector_ends
+from grpo.weights.transports import receiving_end
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class EngineWeights:
         self.owner = owner
         self.model_dir = model_dir
         self.verify = verify
-        self.ends = collector_ends(owner)
+        self.end: ReceivingEnd | None = None  # the transport's, built by the first receive
         self.pending = WeightReceiver()
         # The version of the verified weights the engine holds (what samples are labelled
         # with), and of the weights it samples with right now (the new ones while they are
@@ -146,17 +147,20 @@ class EngineWeights:
         checksum: str | None = None,
         probe: dict[str, Any] | None = None,
         transport: str = "object_store",
+        connection: Any = None,
     ) -> bool:
         """Receive one update through ``transport`` and keep it as the pending one.
 
         Args:
-            weights: What the transport's driver side sent (`CollectorEnd.fetch`): with
+            weights: What the trainer's sending end published (`ReceivingEnd.receive`): with
                 ``object_store``, ``dict[str, Tensor]`` under HF names or a Ray ``ObjectRef``
-                to one; with ``collective``, a `grpo.weights.collective.ChannelTransfer`.
+                to one; with ``collective``, the tensors' specs.
             version (int): Their policy version; must exceed the current one.
             checksum (str | None): `state_dict_checksum` of the weights, checked on load.
             probe (dict | None): Optional logprob check, see `WeightUpdate`.
-            transport (str): The transport that sent them (``weight_sync.transport``).
+            transport (str): The transport that sent them (``weight_sync.transport``); the
+                first receive builds its end, the only one this collector holds.
+            connection: A new connection to the sending end (`SendingEnd.connect`), or None.
 
         Returns:
             bool: False (and ignored) if the version is not newer than both the engine's and
@@ -166,7 +170,9 @@ class EngineWeights:
             WeightChannelError: With ``collective``: no channel, or the rendezvous or a
                 broadcast failed or timed out.
         """
-        received = self.ends[transport].fetch(weights)
+        if self.end is None:
+            self.end = receiving_end(transport, self.owner)
+        received = self.end.receive(weights, connection)
         update = WeightUpdate(
             version=int(version), weights=received, checksum=checksum, probe=probe
         )
@@ -186,9 +192,9 @@ class EngineWeights:
         return self.pending.has_pending
 
     def close(self) -> None:
-        """Close every transport's end (the collective transport's channel)."""
-        for end in self.ends.values():
-            end.close()
+        """Close the transport's end (the collective transport's channel)."""
+        if self.end is not None:
+            self.end.close()
         if self.adapters is not None:
             self.adapters.close()
 

@@ -1,9 +1,11 @@
 """Weight sync, driver side: gather from the trainers, send to the collectors, verify.
 
 This part owns the last gathered payload (its metadata, and with the object store a reference
-to the weights), which is what a replacement collector needs to catch up. How the
-weights travel is the transport's business (`grpo.weights.base.WeightTransport`, chosen once
-by `grpo.weights.transports.make_transport`).
+to the weights), which is what a replacement collector needs to catch up. How the weights
+travel is the business of the transport's two ends (`grpo.weights.base`); the driver makes the
+same calls for every transport: trainer rank 0 connects to a collector once, then each
+transfer is a pair of calls, the trainer's send beside the collector's receive, finished
+before the next on the same connection (which keeps versions in order).
 
 A transfer that fails or times out never stops the run: it is sent again once, on a fresh
 channel; a collector that fails that one too, or does not answer at all, is replaced (the
@@ -20,9 +22,11 @@ from typing import Any
 from grpo.config.sections import WeightSyncConfig
 from grpo.errors import ActorFailedError, TrainerDiedError, WeightTransferError
 from grpo.observability import metric_names as names
-from grpo.weights.base import GetAll
-from grpo.weights.concurrency import COLLECTOR_HEALTH_GROUP
-from grpo.weights.transports import make_transport
+from grpo.weights.concurrency import (
+    COLLECTOR_HEALTH_GROUP,
+    COLLECTOR_WEIGHTS_GROUP,
+    TRAINER_CHANNEL_GROUP,
+)
 
 log = logging.getLogger("grpo")
 
@@ -33,6 +37,8 @@ HEARTBEAT_TIMEOUT_S = 10.0
 # before a transfer to it counts as failed.
 START_UP_LIMIT_S = 600.0
 
+# `ray.get` that names a failed actor (`ActorSupervisor.get_all`).
+GetAll = Callable[[list[Any], str], list[Any]]
 # ``replace_collector(index, collector, error)``: kill a collector that cannot receive, start a
 # new one at its index and catch it up (which sends it the latest weights).
 ReplaceCollector = Callable[[int, Any, Exception], None]
@@ -52,9 +58,9 @@ class WeightSync:
             collector is a threaded actor: without the wait, a batch launched right after a
             sync may start before the weights arrived and generate with the old ones.
             Synchronous runs (on-policy by contract) need it; an asynchronous run labels every
-            trajectory with the version that generated it, so it need not wait. (A transport
-            still finishes a collector's previous transfer before its next one, which keeps
-            versions in order.)
+            trajectory with the version that generated it, so it need not wait. (A collector's
+            previous transfer is still finished before its next one, which keeps versions in
+            order.)
         config (WeightSyncConfig | None): The ``weight_sync:`` options; None: the defaults.
         replace_collector (ReplaceCollector | None): Replaces a collector that cannot receive;
             None: its `WeightTransferError` is raised.
@@ -72,9 +78,13 @@ class WeightSync:
         self.config = config or WeightSyncConfig()
         self.replace_collector = replace_collector or _no_replacement
         self.retries = 0  # transfers sent again on a fresh channel
-        self.transport = make_transport(self.config, get_all)
         self.last_payload: dict[str, Any] | None = None
         self._sender: Any = None  # trainer rank 0, which holds the gathered weights
+        # By collector actor id (a replacement has the name of the collector it replaces): the
+        # name of each collector trainer rank 0 is connected to, and the transfer in flight to
+        # it as (name, send, receive).
+        self._connected: dict[str, str] = {}
+        self._transfers: dict[str, tuple[str, Any, Any]] = {}
 
     def sync(self, trainers: list[Any], collectors: list[Any]) -> tuple[int, dict[str, float]]:
         """Gather the trainers' weights once and send them to every collector.
@@ -98,7 +108,9 @@ class WeightSync:
         for index, collector in enumerate(list(collectors)):
             self._settle(index, collector)
         gather_start = time.perf_counter()
-        gathered = self.transport.gather(trainers)
+        # Collective: every rank takes part; rank 0 publishes through its sending end.
+        transport = self.config.transport
+        gathered = [trainer.publish_weights.remote(transport) for trainer in trainers]
         self._get_all(gathered[1:], "trainer weight gather")
         payload = self._get_all([gathered[0]], "trainer[0] weight gather")[0]
         gather_time = time.perf_counter() - gather_start
@@ -127,7 +139,7 @@ class WeightSync:
         if state is not None:
             # The stream position only: the version is that of the weights it holds.
             self._get_all([collector.load_state_dict.remote(state)], f"{name} restart")
-        self.transport.forget(name)
+        self._forget(name)
         if self.last_payload is not None:
             self._send([(index, collector)], self.last_payload)
             if not self.wait_for_receipt:
@@ -139,10 +151,109 @@ class WeightSync:
         """Send ``payload`` to each ``(index, collector)``, once its previous transfer is done."""
         for index, collector in collectors:
             if not self._settle(index, collector):
-                self.transport.send(self._sender, f"collector[{index}]", collector, payload)
+                self._start(f"collector[{index}]", collector, payload)
         if self.wait_for_receipt:
             for index, collector in collectors:
                 self._settle(index, collector)
+
+    def _start(self, name: str, collector: Any, payload: dict[str, Any]) -> None:
+        """Start sending ``payload`` from trainer rank 0 to ``collector``, connecting them first
+        if they are not; the previous transfer to it must be finished (`_finish`)."""
+        config, key = self.config, collector._actor_id.hex()
+        if key in self._transfers:
+            raise RuntimeError(f"{name}: finish the weight transfer in flight before the next")
+        trainer, connection = self._sender, None
+        if key not in self._connected:
+            connect = trainer.connect_weights.options(concurrency_group=TRAINER_CHANNEL_GROUP)
+            connecting = connect.remote(name, config.timeout_s, config.bucket_bytes)
+            connection = self._get_all([connecting], f"trainer[0] connecting to {name}")[0]
+            self._connected[key] = name
+        version = payload["version"]
+        send = trainer.send_weights.options(concurrency_group=TRAINER_CHANNEL_GROUP)
+        sent = send.remote(name, version)
+        receive = collector.receive_weights.options(concurrency_group=COLLECTOR_WEIGHTS_GROUP)
+        received = receive.remote(
+            payload["weights"],
+            version,
+            payload["checksum"],
+            payload["probe"],
+            config.transport,
+            connection,
+        )
+        self._transfers[key] = (name, sent, received)
+
+    def _finish(self, collector: Any) -> None:
+        """Wait for the transfer in flight to ``collector``, if any, at most `wait_limit_s`.
+
+        A dead collector is left to its generation call, which finds it and has it replaced
+        (the replacement catches up over a new connection; the trainer's send times out and
+        closes the old one). Any other failure drops the connection: the next send connects
+        again.
+
+        Raises:
+            WeightTransferError: The collector did not receive, or trainer[0] did not send,
+                within the wait limit.
+            TrainerDiedError: Trainer rank 0 died sending.
+        """
+        from ray.exceptions import RayActorError
+
+        key = collector._actor_id.hex()
+        transfer = self._transfers.pop(key, None)
+        if transfer is None:
+            return
+        name, sent, received = transfer
+        try:
+            self._wait(name, [received, sent])
+        except RayActorError as error:
+            self._connected.pop(key, None)
+            if _died(received):
+                log.warning("%s died during a weight transfer; it will be replaced", name)
+                return
+            raise TrainerDiedError(f"trainer[0] died sending weights to {name}: {error}") from error
+        except Exception:
+            self._connected.pop(key, None)
+            raise
+
+    def _forget(self, name: str) -> None:
+        """Drop the connection and transfer of a collector that is replaced or sent again (the
+        trainer closes its end of an old channel when the new one opens)."""
+        for key in [key for key, connected in self._connected.items() if connected == name]:
+            del self._connected[key]
+            self._transfers.pop(key, None)
+
+    def wait_limit_s(self) -> float:
+        """How long `_finish` waits: the transfer's own timeout, and time to report it."""
+        return 1.5 * self.config.timeout_s + 10.0
+
+    def _wait(self, name: str, refs: list[Any]) -> None:
+        """Wait for a transfer's calls in order, within `wait_limit_s` in all; a failure or a
+        timeout is a `WeightTransferError` (the first call's failure is seen before the next
+        is waited for: a collector that died does not wait out the trainer's timeout).
+
+        Raises:
+            WeightTransferError: Naming the collector and the cause.
+            RayActorError: The actor of a call died.
+        """
+        import ray
+
+        deadline = time.monotonic() + self.wait_limit_s()
+        for ref in refs:
+            ray.wait([ref], timeout=max(deadline - time.monotonic(), 0.0))
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError as error:
+                raise WeightTransferError(
+                    f"weight transfer to {name} did not finish within {self.wait_limit_s():.0f} s "
+                    f"(weight_sync.timeout_s={self.config.timeout_s:g})"
+                ) from error
+            except ray.exceptions.RayActorError:
+                raise
+            except ray.exceptions.RayError as error:  # the call raised, or its result was lost
+                cause = getattr(error, "cause", None)
+                lines = str(cause if cause is not None else error).splitlines()
+                raise WeightTransferError(
+                    f"weight transfer to {name} failed: {lines[-1] if lines else error}"
+                ) from error
 
     def _settle(self, index: int, collector: Any) -> bool:
         """Wait for the transfer in flight to ``collector``; a failed one is sent again once on
@@ -158,24 +269,24 @@ class WeightSync:
         # transfer waits for it rather than failing (the old way, with no limit of its own).
         self._wait_started(collector)
         try:
-            self.transport.finish(collector)
+            self._finish(collector)
             return False
         except WeightTransferError as error:
             failure: Exception = error
         if self._answers(collector):
             self.retries += 1
             log.warning("%s; sending the weights again on a fresh channel", failure)
-            self.transport.forget(name)  # the next send opens a new channel
+            self._forget(name)  # the next send connects again
             try:
-                self.transport.send(self._sender, name, collector, self.last_payload)
-                self.transport.finish(collector)
+                self._start(name, collector, self.last_payload)
+                self._finish(collector)
                 return True
             except TrainerDiedError:
                 raise
             except (WeightTransferError, ActorFailedError) as error:
                 failure = error
         log.warning("%s; replacing %s", failure, name)
-        self.transport.forget(name)
+        self._forget(name)
         self.replace_collector(index, collector, failure)
         return True
 
@@ -229,3 +340,17 @@ class WeightSync:
         if not in_sync:
             log.error("collector weights differ from the trainer's: %s vs %s", got, expected)
         return in_sync
+
+
+def _died(ref: Any) -> bool:
+    """Whether the call behind ``ref`` failed because its actor died."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get(ref, timeout=0)
+    except RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - failed otherwise, or still running
+        return False
+    return False

@@ -1,8 +1,7 @@
 """The generation actor: a vLLM engine playing the environment's episodes on its shard of the
 prompts. A batch (`generate_batch`), each part in its home:
 
-    pending weights in            grpo.weights.receiver.EngineWeights (in flight, keep-KV,
-                                  rollback, checksum and probe, the version of every token)
+    pending weights in            grpo.weights.receiver.EngineWeights (verified, rolled back)
     the shard's next prompts      grpo.data.stream, Environment.prompt_ids
     episodes on the engine        Environment.run_groups on grpo.workers.vllm_engine
     rewards                       Environment.score (grpo.envs.protocol)
@@ -226,9 +225,10 @@ class SyncLLMCollector(SleepMethods):
         checksum: str | None = None,
         probe: dict[str, Any] | None = None,
         transport: str = "object_store",
+        connection: Any = None,
     ) -> bool:
         """Receive weights; they load between two engine steps or before the next batch."""
-        return self.weights.receive(weights, version, checksum, probe, transport)
+        return self.weights.receive(weights, version, checksum, probe, transport, connection)
 
     def apply_pending_weights(self) -> float:
         """Load pending weights now (a sleeping engine wakes first); the seconds it took."""

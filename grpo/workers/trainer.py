@@ -60,9 +60,10 @@ from grpo.packing.packs import (
     unpack_response_logprobs,
 )
 from grpo.types import GRPOStats, PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
+from grpo.weights.base import SendingEnd
 from grpo.weights.checksum import adapter_checksum, state_dict_checksum
 from grpo.weights.concurrency import TRAINER_CONCURRENCY_GROUPS
-from grpo.weights.publisher import WeightPublisher
+from grpo.weights.transports import sending_end
 from grpo.workers.training_checkpoint import (
     ADAPTER_SUBDIR,
     MODEL_SUBDIR,
@@ -217,14 +218,14 @@ class PyTorchActorModel:
         self.policy_version = 0
         self.num_nonfinite_skipped = 0
         self._nonfinite_in_a_row = 0
-        # Rank 0's side of weight sync: each gathered version, published for the collectors.
-        self.weight_publisher = WeightPublisher(f"trainer[{rank}]", self.device.type)
+        # Rank 0's end of the weight transport the driver uses, built by its first publish.
+        self.weight_sender: SendingEnd | None = None
 
     @classmethod
     def as_remote(cls, **options: Any) -> Any:
         """This class as a Ray actor class.
 
-        The weight channel's calls (`open_weight_channel`, `send_weights`) run in a concurrency
+        The weight transport's calls (`connect_weights`, `send_weights`) run in a concurrency
         group of their own (`grpo.weights.concurrency.TRAINER_CONCURRENCY_GROUPS`), beside
         training steps.
 
@@ -772,23 +773,32 @@ class PyTorchActorModel:
             transport (str): The transport the driver uses (``weight_sync.transport``).
 
         Returns:
-            dict | None: On rank 0, the payload (`WeightPublisher.publish`); None on the
-            others.
+            dict | None: On rank 0, the payload ``{"version", "checksum", "probe",
+            "weights"}``: ``weights`` is what the transport's sending end made of them
+            (`grpo.weights.base.SendingEnd.publish`), the checksum the one both ends compute,
+            the probe the logprobs the collectors reproduce. None on the other ranks.
         """
         weights = self._published_weights()
         probe = self.probe_logprobs()
         self.policy_version = self.steps_run
         if weights is None:  # not rank 0
             return None
-        return self.weight_publisher.publish(transport, self.policy_version, weights, probe)
+        if self.weight_sender is None:
+            self.weight_sender = sending_end(transport, f"trainer[{self.rank}]", self.device.type)
+        return {
+            "version": self.policy_version,
+            "checksum": state_dict_checksum(weights),
+            "probe": probe,
+            "weights": self.weight_sender.publish(self.policy_version, weights),
+        }
 
-    def open_weight_channel(self, collector: str, timeout_s: float) -> dict[str, Any]:
-        """`ChannelSender.open` on rank 0: a new weight channel to ``collector``."""
-        return self.weight_publisher.channels.open(collector, timeout_s)
+    def connect_weights(self, collector: str, timeout_s: float, bucket_bytes: int) -> Any:
+        """`SendingEnd.connect` on rank 0 (after a publish): what ``collector`` joins."""
+        return self.weight_sender.connect(collector, timeout_s, bucket_bytes)
 
-    def send_weights(self, collector: str, version: int, bucket_bytes: int) -> float:
-        """`ChannelSender.send` on rank 0: the published weights over ``collector``'s channel."""
-        return self.weight_publisher.channels.send(collector, version, bucket_bytes)
+    def send_weights(self, collector: str, version: int) -> float:
+        """`SendingEnd.send` on rank 0: the published weights to ``collector``."""
+        return self.weight_sender.send(collector, version)
 
     def weights_checksum(self) -> Any:
         """Checksum of the current weights, in the same definition the collectors use.
@@ -832,6 +842,7 @@ class PyTorchActorModel:
         return f"tcp://{ip}:{port}"
 
     def shutdown(self) -> None:
-        self.weight_publisher.close()
+        if self.weight_sender is not None:
+            self.weight_sender.close()
         if dist.is_initialized():
             dist.destroy_process_group()
