@@ -1,21 +1,4 @@
-"""Datasets, prompt templates and the per-worker prompt stream.
-
-Config usage::
-
-    dataset:
-      _component_: grpo.data.arithmetic_dataset
-      num_examples: 10000
-      template: answer_only            # or {_component_: grpo.data.AnswerOnlyTemplate}
-
-    dataset:                           # your own file, your own column names
-      _component_: grpo.data.prompt_dataset
-      source: /data/train.jsonl
-      prompt_key: messages             # a question string or a list of chat turns
-      answer_key: answer
-      template:
-        _component_: grpo.data.ChatTemplate
-        model_dir: ${base_model_path}
-"""
+"""Datasets, prompt templates and the per-worker prompt stream (docs/data-and-rewards.md)."""
 
 from grpo.data.arithmetic import arithmetic_dataset, question_split
 from grpo.data.dataset import PromptDataset, SkipReport, filter_long_prompts, template_input

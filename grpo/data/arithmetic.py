@@ -1,14 +1,7 @@
 """Seeded synthetic arithmetic problems (``What is 37 + 48?`` -> ``"85"``); no files needed.
 
-Difficulty comes from two independent draws per problem: the operation (``+``, ``-``, ``*``)
-and the number of digits of each operand (by default every digit count in
-``[min_value, max_value]`` is equally likely, so 1-digit operands are not drowned by the far more
-numerous 2-digit ones: with 0..99, a quarter of the problems are 1-digit by 1-digit, half mix
-sizes and a quarter are 2-digit by 2-digit). Multiplication and multi-digit operands leave a small model room to
-improve after it has mastered single-digit sums.
-
-The train/test split is a function of the question text alone (a hash), so the two splits never
-share a question whatever seeds or sizes they were generated with.
+The train/test split is a hash of the question text alone, so the splits never share a
+question whatever seeds or sizes they were generated with.
 """
 
 from __future__ import annotations
@@ -27,10 +20,8 @@ SPLITS = ("train", "test")
 
 
 def question_split(question: str, test_fraction: float) -> str:
-    """The split a question belongs to: ``"test"`` for a ``test_fraction`` share of questions.
-
-    Uses a stable hash (not Python's salted ``hash``) so the answer is the same in every process.
-    """
+    """The split a question belongs to: ``"test"`` for a ``test_fraction`` share of questions
+    (a stable hash, not Python's salted ``hash``)."""
     digest = hashlib.blake2b(question.encode("utf-8"), digest_size=8).digest()
     return "test" if int.from_bytes(digest, "big") / 2**64 < test_fraction else "train"
 
@@ -92,38 +83,23 @@ def arithmetic_dataset(
     """Generate seeded arithmetic problems with integer answers.
 
     Args:
-        num_examples (int): Number of problems.
         seed (int): Seed of the generator; the same arguments always give the same problems.
-        operations (Sequence[str] | Mapping[str, float]): Operations drawn uniformly, or a
-            mapping from operation to weight. Supported: ``+``, ``-``, ``*``.
-        min_value (int): Smallest operand (may be negative; negative operands are written in
-            parentheses, ``What is 3 - (-5)?``).
-        max_value (int): Largest operand.
-        split (str): ``"train"`` or ``"test"``. The splits are disjoint: a question belongs to
-            ``"test"`` when a stable hash of its text falls in the ``test_fraction`` share.
+        operations (Sequence[str] | Mapping[str, float]): Operations (``+``, ``-``, ``*``)
+            drawn uniformly, or a mapping from operation to weight.
+        min_value (int): Smallest operand (negative ones are written in parentheses).
+        split (str): ``"train"`` or ``"test"`` (disjoint).
         test_fraction (float): Share of the question space reserved for ``"test"``, in (0, 1).
-        operand_digits (Mapping[int, float] | None): Weight of each digit count, drawn
-            independently for each operand, e.g. ``{1: 0.3, 2: 0.7}``. ``None`` weighs every
-            digit count present in ``[min_value, max_value]`` equally. Counts with no integer in
-            the range are ignored.
-        unique (bool): Never repeat a question within the dataset. Off by default: problems
-            are then independent draws from the configured mix, whereas with ``unique`` a small
-            level (there are only 100 single-digit sums) runs dry and the mix shifts towards the
-            larger levels.
+        operand_digits (Mapping[int, float] | None): Weight of each digit count, drawn per
+            operand. ``None`` weighs every digit count in range equally, so 1-digit operands are
+            not drowned by the far more numerous 2-digit ones.
+        unique (bool): Never repeat a question. Off by default: a small level (only 100
+            single-digit sums) would run dry and shift the mix towards the larger levels.
         template: Prompt template, a name, a ``_component_`` mapping or a callable; defaults
             to ``"answer_only"``.
-
-    Returns:
-        PromptDataset: Examples ``{"question": "What is 37 + 48?", "answer": "85"}``.
 
     Raises:
         ValueError: On an invalid argument, or when ``unique`` is set and the split holds fewer
             than ``num_examples`` distinct questions.
-
-    Example:
-        >>> ds = arithmetic_dataset(num_examples=2, seed=0, operations=("+",), max_value=9)
-        >>> sorted(ds[0])
-        ['answer', 'prompt', 'question']
     """
     if num_examples < 1:
         raise ValueError(f"num_examples must be >= 1, got {num_examples}")

@@ -1,11 +1,8 @@
 """The prompt dataset container, the skipped-rows report and prompt-length filtering.
 
-An example is a plain dict ``{"question": str, "answer": str}``; ``answer`` is the gold final
-answer as a plain string (``"85"``). An example built from a conversation also carries
-``"messages"``, its chat turns ``[{"role": ..., "content": ...}, ...]``, which the template
-renders instead of the question; its ``"question"`` is then the last user turn's content, for
-logs. A ``PromptDataset`` is a sequence of examples with the prompt template attached:
-``dataset[i]`` also carries the rendered ``"prompt"``.
+An example is a dict ``{"question": str, "answer": str}`` (the gold final answer), plus
+``"messages"`` (chat turns the template renders instead of the question) when it came from a
+conversation; ``PromptDataset[i]`` also carries the rendered ``"prompt"``.
 """
 
 from __future__ import annotations
@@ -19,12 +16,7 @@ from grpo.data.templates import PromptInput, PromptTemplate, chat_turns_problem
 
 
 def template_input(example: dict) -> PromptInput:
-    """What a template renders for ``example``: its chat turns if it has them, else its question.
-
-    Example:
-        >>> template_input({"question": "Hi?", "answer": "1"})
-        'Hi?'
-    """
+    """What a template renders for ``example``: its chat turns if it has them, else its question."""
     messages = example.get("messages")
     return messages if messages is not None else example["question"]
 
@@ -38,12 +30,6 @@ class SkipReport:
     Args:
         source (str): What was read (a path or a hub name), used in the summary.
         max_examples (int): How many ``(row, reason)`` pairs to keep.
-
-    Example:
-        >>> report = SkipReport("data/train.jsonl")
-        >>> report.add(4, "empty question")
-        >>> report.summary()
-        'skipped 1 row of data/train.jsonl: row 4: empty question'
     """
 
     source: str
@@ -76,29 +62,21 @@ class PromptDataset(Sequence):
     """A list of ``{"question", "answer"}`` examples with a prompt template attached.
 
     The first example is rendered at construction, so that a template that cannot render this
-    dataset fails here, in the driver, rather than in an actor.
+    dataset fails in the driver rather than in an actor.
 
     Args:
-        examples (list[dict]): The examples: strings ``question`` and ``answer``, and optional
-            chat turns ``messages`` (rendered instead of the question).
+        examples (list[dict]): The examples.
         template (PromptTemplate): Maps a question (or chat turns) to the prompt text; examples
-            with ``messages`` need a chat template (one with ``chat = True``, e.g.
-            `grpo.data.ChatTemplate`).
+            with ``messages`` need a chat template (``chat = True``).
         name (str): Short description for logs, e.g. ``"gsm8k:data/train.jsonl"``.
-        rows (list[int] | None): Source row number (from 1) of every example, used when a later
-            filter reports what it dropped; defaults to ``1..len(examples)``.
+        rows (list[int] | None): Source row number (from 1) of every example, for the reports
+            of later filters; defaults to ``1..len(examples)``.
         skipped (SkipReport | None): Rows dropped while building the dataset.
 
     Raises:
         ValueError: If an example lacks a string ``question`` or ``answer`` or has malformed
             ``messages``, ``rows`` has the wrong length, an example has chat turns but the
             template is a plain one, or the template fails on the first example.
-
-    Example:
-        >>> from grpo.data.templates import AnswerOnlyTemplate
-        >>> ds = PromptDataset([{"question": "What is 1 + 2?", "answer": "3"}], AnswerOnlyTemplate())
-        >>> ds[0]
-        {'question': 'What is 1 + 2?', 'answer': '3', 'prompt': 'What is 1 + 2?\\n'}
     """
 
     def __init__(
@@ -171,26 +149,18 @@ def filter_long_prompts(
 ) -> PromptDataset:
     """Drop the examples whose rendered prompt is longer than ``max_prompt_tokens`` tokens.
 
-    Dropped examples are counted in the returned dataset's ``skipped`` report (which also keeps
-    everything the input's report counted), by their source row number.
+    Dropped examples are added to the returned dataset's ``skipped`` report; ``dataset`` is not
+    modified.
 
     Args:
-        dataset (PromptDataset): The dataset to filter; it is not modified.
-        tokenizer_encode (Callable[[str], list[int]]): Encodes a prompt into token ids, exactly
-            as the sampler will (same special tokens: no bos for a template whose ``add_bos``
-            is False, such as `grpo.data.ChatTemplate`).
-        max_prompt_tokens (int): Longest prompt kept, in tokens.
+        tokenizer_encode (Callable[[str], list[int]]): Encodes a prompt exactly as the sampler
+            will (the same special tokens).
 
     Returns:
         PromptDataset: The kept examples, same template and name.
 
     Raises:
         ValueError: If ``max_prompt_tokens < 1`` or no prompt fits.
-
-    Example:
-        >>> short = filter_long_prompts(dataset, tokenizer.encode, max_prompt_tokens=512)
-        >>> if short.skipped.count:
-        ...     print(short.skipped.summary())
     """
     if max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")

@@ -1,10 +1,6 @@
 """GSM8K from the dataset hub or from a local ``.parquet`` / ``.jsonl`` / ``.json`` file.
 
-A preset of `grpo.data.prompt_dataset`: rows have GSM8K's columns ``question`` and ``answer``,
-where ``answer`` is a worked solution ending in ``#### 72``. The final number is extracted
-(commas removed) as the gold answer. Rows that cannot be used are skipped and counted in the
-dataset's ``skipped`` report rather than failing a long run at load time; a file with no usable
-row at all is an error.
+A preset of `grpo.data.prompt_dataset` whose gold answer is the number after ``####``.
 """
 
 from __future__ import annotations
@@ -25,18 +21,8 @@ _FINAL_ANSWER = re.compile(r"####\s*([-+]?\$?\s*[\d,]*\.?\d+)")
 
 
 def extract_gsm8k_answer(solution: str) -> str | None:
-    """The number after the last ``####`` of a GSM8K solution, without commas or ``$``.
-
-    Args:
-        solution (str): GSM8K ``answer`` text, e.g. ``"... so she earns 1,234.\\n#### 1,234"``.
-
-    Returns:
-        str | None: The final answer (``"1234"``), or ``None`` when there is no ``#### <number>``.
-
-    Example:
-        >>> extract_gsm8k_answer("She has 3 + 4 = 7 apples.\\n#### 7")
-        '7'
-    """
+    """The number after the last ``####`` of a GSM8K solution, without commas or ``$``
+    (``"...\\n#### 1,234"`` -> ``"1234"``), or None when there is no ``#### <number>``."""
     matches = _FINAL_ANSWER.findall(solution)
     if not matches:
         return None
@@ -56,22 +42,20 @@ def gsm8k_dataset(
     """Load GSM8K problems with their final numeric answers.
 
     Args:
-        source (str | os.PathLike): A hub dataset name (``"openai/gsm8k"``, loaded with
-            ``datasets.load_dataset``) or a local ``.parquet`` / ``.jsonl`` / ``.json`` file
+        source (str | os.PathLike): A hub dataset name (``"openai/gsm8k"``) or a local file
             with columns ``question`` and ``answer``.
-        split (str): Hub split to load; ignored for a local file (the file is the split).
-        config (str | None): Hub configuration name (``"main"`` or ``"socratic"``); ignored for
+        split (str): Hub split to load; ignored for a local file.
+        config (str | None): Hub configuration name (``"main"``, ``"socratic"``); ignored for
             a local file.
         template: Prompt template, a name, a ``_component_`` mapping or a callable; defaults to
-            ``"think_answer"``. For an instruct model, `grpo.data.ChatTemplate`.
+            ``"think_answer"``.
         system_prompt (str | None): System turn before each question; needs a chat template.
         num_examples (int | None): Keep only the first this many usable rows; ``None``: all.
         max_skipped_examples (int): How many skipped rows the report keeps, with their reasons.
 
     Returns:
-        PromptDataset: Examples ``{"question": ..., "answer": "72"}``. Its ``skipped`` report
-        counts rows that were missing a field, empty, or had no ``#### <number>`` answer;
-        rows are numbered from 1 (the line number for ``.jsonl``).
+        PromptDataset: Examples ``{"question": ..., "answer": "72"}``; unusable rows are counted
+        in its ``skipped`` report.
 
     Raises:
         FileNotFoundError: If ``source`` looks like a path and no such file exists.
@@ -79,11 +63,6 @@ def gsm8k_dataset(
             with no usable row.
         ImportError: If a hub name is given and ``datasets`` is not installed.
         RuntimeError: If the hub dataset cannot be loaded (e.g. offline).
-
-    Example:
-        >>> train = gsm8k_dataset("data/gsm8k_train.jsonl")
-        >>> if train.skipped.count:
-        ...     print(train.skipped.summary())
     """
     return load_prompt_dataset(
         source,

@@ -1,23 +1,8 @@
-"""A prompt dataset from any hub dataset or local file, with the column names given in the config.
+"""A prompt dataset from any hub dataset or local file, with the column names given in the config
+(docs/data-and-rewards.md).
 
-``prompt_dataset`` reads a source (see `grpo.data.sources`), takes the prompt from one column
-and the gold answer from another, optionally extracts the final answer from a worked solution,
-and attaches a prompt template. The prompt column holds either a question string or a
-conversation: a list of ``{"role", "content"}`` chat turns, as in many RL datasets. Rows that
-cannot be used are skipped and counted in the dataset's ``skipped`` report, by their row number
-in the source; a problem with the source as a whole (missing file or column) fails at once.
-
-Config usage::
-
-    dataset:
-      _component_: grpo.data.prompt_dataset
-      source: /data/train.jsonl
-      prompt_key: problem
-      answer_key: solution
-      answer_extractor: grpo.data.extract_gsm8k_answer
-      template:
-        _component_: grpo.data.ChatTemplate
-        model_dir: ${base_model_path}
+Rows that cannot be used are skipped and counted by their row number in the source; a problem
+with the source as a whole (missing file or column) fails at once.
 """
 
 from __future__ import annotations
@@ -39,9 +24,8 @@ from grpo.data.templates import (
 
 AnswerExtractor = Callable[[str], str | None]
 
-# Keys an example has for what they mean here (`grpo.data.dataset`, `grpo.data.stream`): a
-# column of one of these names is not passed through, so it cannot change what they mean
-# (a "messages" column beside a question would otherwise be rendered instead of it).
+# An example's own keys: a column of one of these names is not passed through (a "messages"
+# column beside a question would otherwise be rendered instead of it).
 EXAMPLE_KEYS = frozenset({"question", "answer", "messages", "prompt", "index"})
 
 
@@ -56,11 +40,8 @@ class RegexAnswerExtractor:
         ValueError: If ``pattern`` is not a valid regular expression.
 
     Example:
-        >>> extract = RegexAnswerExtractor(r"The answer is (\\S+)\\.", remove=",")
-        >>> extract("First 3, then 4. The answer is 1,024.")
+        >>> RegexAnswerExtractor(r"The answer is (\\S+)\\.", remove=",")("The answer is 1,024.")
         '1024'
-        >>> extract("No idea") is None
-        True
     """
 
     def __init__(self, pattern: str, remove: str = "") -> None:
@@ -89,21 +70,11 @@ class RegexAnswerExtractor:
 
 
 def resolve_answer_extractor(spec: str | AnswerExtractor | None) -> AnswerExtractor | None:
-    """An answer extractor from a config value.
-
-    Args:
-        spec: ``None``, a callable ``str -> str | None`` (e.g. built from a ``_component_``
-            node), or the dotted path of a function (``"grpo.data.extract_gsm8k_answer"``).
-
-    Returns:
-        AnswerExtractor | None: The callable.
+    """An answer extractor from a config value: ``None``, a callable ``str -> str | None``, or a
+    function's dotted path.
 
     Raises:
         ValueError: If a dotted path does not import, or ``spec`` is not callable.
-
-    Example:
-        >>> resolve_answer_extractor("grpo.data.extract_gsm8k_answer")("#### 7")
-        '7'
     """
     if spec is None or callable(spec):
         return spec
@@ -173,8 +144,7 @@ def _row_example(
                 f"{answer!r}; expected a string or None"
             )
         answer = extracted
-    # The row's other columns ride along under their own names, for an environment that
-    # reads them (example["hint"]); the example's own keys keep their meaning.
+    # The row's other columns ride along for an environment that reads them.
     example: dict[str, Any] = {
         column: value
         for column, value in row.items()
@@ -243,8 +213,7 @@ def load_prompt_dataset(
                 "template: template: {_component_: grpo.data.ChatTemplate, model_dir: "
                 "<model folder>}"
             )
-        # Render every prompt once now: a row the template cannot render is skipped here,
-        # in the driver, instead of failing an actor mid-run.
+        # A row the template cannot render is skipped here, not in an actor mid-run.
         try:
             template(template_input(example))
         except (ValueError, TypeError) as error:
@@ -277,48 +246,31 @@ def prompt_dataset(
         source (str | os.PathLike): A hub dataset name (loaded with ``datasets.load_dataset``)
             or a local ``.parquet`` / ``.jsonl`` / ``.json`` file.
         prompt_key (str): Column of the prompt: a question string, or a list of chat turns
-            ``[{"role": "user", "content": "..."}, ...]`` (needs a chat template).
+            (needs a chat template).
         answer_key (str): Column of the gold answer (a string or a number).
-        split (str): Hub split; ignored for a local file (the file is the split).
+        split (str): Hub split; ignored for a local file.
         subset (str | None): Hub configuration name (``"main"``); ignored for a local file.
-        answer_extractor: Maps the answer column to the gold final answer, or returns ``None``
-            for a row to skip: a callable ``str -> str | None``, a function's dotted path
-            (``grpo.data.extract_gsm8k_answer`` for GSM8K's ``#### 72`` solutions), or an
-            object built from a ``_component_`` node (`grpo.data.RegexAnswerExtractor`).
+        answer_extractor: Maps the answer column to the gold final answer, or to ``None`` for a
+            row to skip: a callable, a function's dotted path or a ``_component_`` node.
             ``None`` keeps the column as it is.
-        system_prompt (str | None): System turn put first in every conversation that has none
-            (a question string becomes a user turn after it); needs a chat template.
+        system_prompt (str | None): System turn put first in every conversation that has none;
+            needs a chat template.
         template: Prompt template: a name, a ``_component_`` mapping, or a callable; defaults
-            to ``"think_answer"``. Chat turns and ``system_prompt`` need a chat template
-            (`grpo.data.ChatTemplate`).
+            to ``"think_answer"``.
         num_examples (int | None): Keep only the first this many usable rows; ``None``: all.
         max_skipped_examples (int): How many skipped rows the report keeps, with their reasons.
 
     Returns:
-        PromptDataset: Examples ``{"question", "answer"}``, plus ``"messages"`` for chat turns
-        (``"question"`` is then the last user turn, for logs), plus the row's other columns
-        (all but ``prompt_key`` and ``answer_key``) under their own names, for environments
-        that read them (``example["hint"]``; a column named ``question``, ``answer``,
-        ``messages``, ``prompt`` or ``index`` is not passed through: those keys are the
-        example's own). Its ``skipped`` report counts
-        the rows that were missing a field, empty, malformed, had no answer for the extractor
-        or failed to render; rows are numbered from 1 (the line number for ``.jsonl``).
+        PromptDataset: Examples ``{"question", "answer"}``, plus ``"messages"`` for chat turns,
+        plus the row's other columns under their own names (but an example's own keys).
 
     Raises:
         FileNotFoundError: If ``source`` looks like a path and no such file exists.
         ValueError: On an unsupported extension, a source lacking ``prompt_key`` or
-            ``answer_key`` (naming the columns it has), chat turns or ``system_prompt`` with a
-            plain template, or no usable row (naming the first skipped rows).
+            ``answer_key``, chat turns or ``system_prompt`` with a plain template, or no usable
+            row.
         ImportError: If a hub name is given and ``datasets`` is not installed.
         RuntimeError: If the hub dataset cannot be loaded (e.g. offline).
-
-    Example:
-        >>> train = prompt_dataset(
-        ...     "data/train.jsonl", prompt_key="problem", answer_key="solution",
-        ...     answer_extractor="grpo.data.extract_gsm8k_answer", template="think_answer",
-        ... )
-        >>> if train.skipped.count:
-        ...     print(train.skipped.summary())
     """
     extractor_name = getattr(answer_extractor, "__name__", None) or repr(answer_extractor)
     return load_prompt_dataset(

@@ -1,11 +1,8 @@
 """Cheap checks of a dataset node, for ``grpo validate`` to run before any actor starts.
 
-A wrong path, a misspelt column or chat-turn prompts under a plain template otherwise fail only
-once the run has started, with a long traceback. These checks read no more than a file's header
-or first rows (a parquet schema, the first lines of a ``.jsonl``), never the network and never
-torch, so they can report every such mistake at once, each as ``key: what is wrong``. They are
-a preview of the loader's own errors, not a replacement: anything they cannot tell cheaply or
-safely is left to the loader.
+They read no more than a file's header or first rows, never the network and never torch, and
+report every mistake at once as ``key: what is wrong``: a preview of the loader's own errors,
+which stay the authority.
 """
 
 from __future__ import annotations
@@ -38,26 +35,17 @@ def _chat_advice(key: str) -> str:
 def dataset_problems(key: str, node: dict, base_model_path: str | None) -> list[str]:
     """Cheap checks of one dataset `_component_` node (plain dict, interpolations already resolved).
 
-    Handles `grpo.data.prompt_dataset` and `grpo.data.gsm8k_dataset`; other components give
-    ``[]``. Checks that a local source file exists and has a supported extension, that it has
-    the prompt and answer columns (from its first rows or its parquet schema), that chat-turn
-    prompts or a ``system_prompt`` come with a chat template, that a template name is known, and
-    that a `grpo.data.ChatTemplate` model folder holds a chat template. Hub names are not
-    checked (no network).
+    Checks a local source's file, extension and columns, that chat turns or a ``system_prompt``
+    come with a chat template, and that a template exists; hub names are not checked.
 
     Args:
         key (str): Config key of the node, the prefix of every message (``"dataset"``).
-        node (dict): The node, e.g. ``{"_component_": "grpo.data.prompt_dataset", ...}``.
+        node (dict): The node.
         base_model_path (str | None): The run's model folder: a `ChatTemplate` without
             ``model_dir`` is checked against it.
 
     Returns:
         list[str]: One ``"<key>.<option>: what is wrong"`` line per problem; ``[]`` if none.
-
-    Example:
-        >>> dataset_problems("dataset", {"_component_": "grpo.data.prompt_dataset",
-        ...                              "source": "/x/train.jsonl"}, None)
-        ['dataset.source: file /x/train.jsonl does not exist']
     """
     component = node.get("_component_")
     if component in _PROMPT_DATASETS:

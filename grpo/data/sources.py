@@ -1,18 +1,8 @@
 """Read the rows of a dataset: a hub name (``datasets.load_dataset``) or a local file.
 
-Local files are ``.parquet``, ``.jsonl`` (one JSON object per line) or ``.json`` (a list of
-rows, a mapping of columns, or JSON lines). Every reader yields ``(row number, row)`` with rows
-numbered from 1 in the order of the source (the line number for ``.jsonl``), so that skipped
-rows can be reported by a number the user can find. A ``.jsonl`` line that is not valid JSON is
-yielded as an `InvalidRow`, to be skipped and counted rather than failing the whole file.
-
-Errors about the source as a whole (missing file, unknown extension, a column that no row has)
-are raised before any row is used.
-
-Example:
-    >>> source = open_source("data/train.jsonl", columns=("problem", "solution"))
-    >>> for row_number, row in source.rows:
-    ...     ...
+Rows are numbered from 1 in source order (the line number for ``.jsonl``), so that a skipped row
+is reported by a number the user can find; a ``.jsonl`` line that is not JSON is an `InvalidRow`,
+skipped rather than failing the file.
 """
 
 from __future__ import annotations
@@ -147,30 +137,21 @@ def open_source(
     """Read every row of a hub dataset or a local file, checking that the columns exist.
 
     Args:
-        source (str | os.PathLike): A hub name (``"openai/gsm8k"``) or a local ``.parquet`` /
-            ``.jsonl`` / ``.json`` file. A string is a path when it has a file suffix, starts
-            with ``/``, ``./``, ``../`` or ``~``, or names an existing file.
-        columns (Sequence[str]): Columns the caller needs. A parquet file or hub dataset must
-            have them all; in JSON, where every row has its own keys, at least one row must.
-            The rows hold every column, these and the others.
-        split (str): Hub split; ignored for a local file (the file is the split).
-        subset (str | None): Hub configuration name (``"main"``); ignored for a local file.
+        source (str | os.PathLike): A hub name or a local ``.parquet`` / ``.jsonl`` / ``.json``
+            file. A string is a path when it has a file suffix, starts with ``/``, ``./``,
+            ``../`` or ``~``, or names an existing file.
+        columns (Sequence[str]): Columns the caller needs: all of them in a parquet file or hub
+            dataset, each in at least one row of JSON. The rows hold every column.
+        split (str): Hub split; ignored for a local file.
+        subset (str | None): Hub configuration name; ignored for a local file.
         what (str): What is being loaded, for messages (``"GSM8K"``).
-
-    Returns:
-        Source: The label and the rows.
 
     Raises:
         FileNotFoundError: If ``source`` looks like a path and no such file exists.
         ValueError: On an unsupported extension, a file that is not valid JSON as a whole, or
-            a column that the source lacks (naming the source, the column and the columns it
-            has).
+            a column that the source lacks.
         ImportError: If a hub name is given and ``datasets`` is not installed.
         RuntimeError: If the hub dataset cannot be loaded (e.g. offline).
-
-    Example:
-        >>> open_source("train.jsonl", columns=("question", "answer")).rows[0]
-        (1, {'question': 'What is 1 + 2?', 'answer': '3'})
     """
     source = os.fspath(source)
     if not looks_like_path(source):

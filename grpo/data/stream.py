@@ -1,11 +1,8 @@
 """An endless, sharded, resumable stream of prompts for one inference worker.
 
-Worker ``w`` of ``n`` owns the examples at indices ``w, w + n, w + 2n, ...``: the shards are
-disjoint and together cover the dataset, so no two collectors generate for the same prompt in an
-epoch. The split depends only on the index, never on a seed, so workers configured with different
-seeds still read disjoint shards. Each epoch walks the shard in a fresh order seeded by
-``(seed, worker_id, epoch)``, and ``state_dict`` records ``(epoch, position)`` so that a resumed
-run continues with exactly the prompt an uninterrupted run would have read next.
+Worker ``w`` of ``n`` owns indices ``w, w + n, w + 2n, ...`` (never seed-dependent, so shards
+stay disjoint whatever the workers' seeds). Each epoch walks the shard in an order seeded by
+``(seed, worker_id, epoch)``; a resumed stream continues with exactly the prompt that was due.
 """
 
 from __future__ import annotations
@@ -28,13 +25,6 @@ class PromptStream:
     Raises:
         ValueError: If ``worker_id`` is out of range or the worker's shard would be empty
             (more workers than examples).
-
-    Example:
-        >>> stream = PromptStream(dataset, worker_id=0, num_workers=2, seed=0)
-        >>> batch = stream.next_batch(8)  # [{"question", "answer", "prompt", "index"}, ...]
-        >>> saved = stream.state_dict()
-        >>> resumed = PromptStream(dataset, worker_id=0, num_workers=2, seed=0)
-        >>> resumed.load_state_dict(saved)  # resumed.next_batch(k) == stream.next_batch(k)
     """
 
     def __init__(
@@ -79,13 +69,8 @@ class PromptStream:
         return len(self.shard)
 
     def next_batch(self, batch_size: int) -> list[dict[str, Any]]:
-        """The next ``batch_size`` examples, continuing into the next epoch when needed.
-
-        Args:
-            batch_size (int): Number of examples; may exceed the shard size.
-
-        Returns:
-            list[dict[str, Any]]: Copies of the examples, each with its dataset ``"index"`` added.
+        """The next ``batch_size`` examples (it may exceed the shard), continuing into the next
+        epoch when needed: copies, each with its dataset ``"index"`` added.
 
         Raises:
             ValueError: If ``batch_size`` is negative.
@@ -107,11 +92,6 @@ class PromptStream:
         self, count: int, token_ids: Callable[[dict[str, Any]], list[int]], max_tokens: int
     ) -> tuple[list[tuple[dict[str, Any], list[int]]], int]:
         """The next ``count`` examples whose prompts fit ``max_tokens``, with their token ids.
-
-        Args:
-            count (int): Examples to return.
-            token_ids (Callable): An example's prompt token ids.
-            max_tokens (int): The longest prompt kept.
 
         Returns:
             tuple: ``(example, token ids)`` pairs, and how many examples were skipped.
@@ -159,8 +139,7 @@ class PromptStream:
 
         Raises:
             ValueError: If the state was saved with another worker layout, seed, shuffle setting
-                or dataset size (the continuation would not be the same), or its position is out
-                of range.
+                or dataset size, or its position is out of range.
         """
         for key in ("worker_id", "num_workers", "seed", "shuffle", "dataset_size"):
             current = self.state_dict()[key]

@@ -1,20 +1,9 @@
 """Prompt templates: turn a dataset question, or a list of chat turns, into the prompt text.
 
-A template is any callable ``prompt -> text``. The input is a question string or, for datasets of
-conversations, a list of chat turns ``[{"role": "user", "content": "..."}, ...]``. The classes
-here also carry ``stop`` strings a sampler may stop on once the answer is closed, and the plain
-ones the matching response format (``target``), used to build supervised targets for the demo
-model.
-
-* `AnswerOnlyTemplate` and `ThinkAnswerTemplate` write plain text, for base and tiny models;
-  they render question strings only.
-* `ChatTemplate` renders with the model folder's own chat template (``tokenizer_config.json``),
-  as ``transformers`` does, for instruct models; it renders questions and chat turns.
-
-Templates are chosen in a dataset factory's ``template`` option, either as a string name
-(``"answer_only"``, ``"think_answer"``), as a ``_component_`` mapping
-(``{_component_: grpo.data.ChatTemplate, model_dir: /models/Qwen2.5-1.5B-Instruct}``) or as an
-instance.
+A template is any callable ``prompt -> text``; the classes here also carry the ``stop`` strings
+a sampler may stop on once the answer is closed. Plain templates (for base and tiny models)
+render question strings only; `ChatTemplate` renders questions and chat turns with the model's
+own chat template.
 """
 
 from __future__ import annotations
@@ -41,14 +30,7 @@ THINK_ANSWER_INSTRUCTION = (
 
 
 def chat_turns_problem(turns: Any) -> str:
-    """Why ``turns`` is not a list of ``{"role": str, "content": str}`` chat turns; ``""`` if it is.
-
-    Example:
-        >>> chat_turns_problem([{"role": "user", "content": "Hi"}])
-        ''
-        >>> chat_turns_problem([{"role": "user"}])
-        "turn 1 has no string 'content'"
-    """
+    """Why ``turns`` is not a list of ``{"role": str, "content": str}`` chat turns; ``""`` if it is."""
     if not isinstance(turns, list):
         return f"chat turns must be a list, got {type(turns).__name__}"
     if not turns:
@@ -82,16 +64,8 @@ def _require_question_string(template: Any, question: Any) -> None:
 class AnswerOnlyTemplate:
     """The question on a line of its own; the model answers ``<answer>85</answer>`` directly.
 
-    Used by the tiny arithmetic demo model, which has no room to reason. The prompt ends with a
-    newline rather than a space so that byte-level BPE tokenizers see a clean token boundary
-    before the response.
-
-    Example:
-        >>> template = AnswerOnlyTemplate()
-        >>> template("What is 37 + 48?")
-        'What is 37 + 48?\\n'
-        >>> template.target("85")
-        '<answer>85</answer>'
+    For models with no room to reason. The prompt ends with a newline, not a space, so that
+    byte-level BPE tokenizers see a clean token boundary before the response.
     """
 
     name = "answer_only"
@@ -112,16 +86,8 @@ class AnswerOnlyTemplate:
 class ThinkAnswerTemplate:
     """R1-Zero prompt for base models: reason in ``<think>``, answer in ``<answer>``.
 
-    The prompt is plain text, ``"<instruction>\\nUser: <question>\\nAssistant:"``. For an
-    instruct model use `ChatTemplate` with the instruction as its system prompt: the model's own
-    chat format then wraps the question.
-
-    Args:
-        instruction (str): The instruction; defaults to the R1-Zero wording.
-
-    Example:
-        >>> ThinkAnswerTemplate()("What is 2 + 2?").splitlines()[-1]
-        'Assistant:'
+    The prompt is plain text, ``"<instruction>\\nUser: <question>\\nAssistant:"``; an instruct
+    model takes `ChatTemplate` with the instruction as its system prompt instead.
     """
 
     name = "think_answer"
@@ -147,49 +113,25 @@ class ThinkAnswerTemplate:
 class ChatTemplate:
     """Render prompts with the model folder's own chat template, as ``transformers`` does.
 
-    A question string becomes one user turn; chat turns are rendered as they are. The text is
-    exactly ``AutoTokenizer.from_pretrained(model_dir).apply_chat_template(turns,
-    tokenize=False, add_generation_prompt=True)``: the conversation followed by the opening of
-    the assistant's turn, so the response continues it.
-
-    The rendered text already holds every special token the model expects, a leading bos token
-    included when the template writes one (Llama 3's starts with ``{{ bos_token }}``). Encode it
-    without adding special tokens (``add_bos=False``, as the ``add_bos`` attribute says), the way
-    ``apply_chat_template(tokenize=True)`` and vLLM's chat entry point do, or the prompt starts
-    with two bos tokens.
-
-    Only the folder path is kept and pickled; the tokenizer is loaded on first use in each
-    process, so a dataset holding this template is cheap to send to Ray actors.
+    The text is exactly ``apply_chat_template(turns, tokenize=False,
+    add_generation_prompt=True)`` (a question string is one user turn). It already holds every
+    special token, a leading bos included when the template writes one, so encode it without
+    adding special tokens (``add_bos`` is False) or the prompt starts with two bos tokens.
 
     Args:
-        model_dir (str | os.PathLike): Model folder whose ``tokenizer_config.json`` (or
-            ``chat_template.jinja``) holds the chat template.
-        system_prompt (str | None): System turn put first when a conversation has none, e.g.
-            the R1 instruction (`THINK_ANSWER_INSTRUCTION`). ``None`` leaves that to the chat
-            template (Qwen2.5's writes its own default system turn).
+        model_dir (str | os.PathLike): Model folder holding the chat template.
+        system_prompt (str | None): System turn put first when a conversation has none; ``None``
+            leaves that to the chat template.
         stop (Sequence[str]): Stop strings for the sampler; by default the end of the answer
-            tag, which the R1 instruction asks for. ``[]`` stops at the model's end-of-turn
-            token only.
-        chat_template_kwargs (Mapping[str, Any] | None): Extra variables of the chat template,
-            e.g. ``{"enable_thinking": false}`` for Qwen3 (the prompt then ends with an empty
-            thinking block). Environment turns are rendered with the same ones.
-        tools (Sequence | None): Tools to describe in the prompt, in the model family's own
-            format (the template's ``tools``): functions with type hints or their dotted
-            paths, as a tool environment takes them.
+            tag. ``[]`` stops at the model's end-of-turn token only.
+        chat_template_kwargs (Mapping[str, Any] | None): Extra variables of the chat template
+            (``{"enable_thinking": false}`` for Qwen3), for environment turns too.
+        tools (Sequence | None): Tools to describe in the prompt, as a tool environment takes
+            them (functions with type hints or their dotted paths).
 
     Raises:
         FileNotFoundError: If ``model_dir`` is not a folder.
         ValueError: If the folder has no chat template, or ``system_prompt`` is empty.
-
-    Example:
-        >>> template = ChatTemplate("/models/Qwen2.5-0.5B-Instruct", system_prompt="Be brief.")
-        >>> print(template("What is 2 + 2?"))
-        <|im_start|>system
-        Be brief.<|im_end|>
-        <|im_start|>user
-        What is 2 + 2?<|im_end|>
-        <|im_start|>assistant
-        <BLANKLINE>
     """
 
     chat = True  # renders chat turns as well as question strings
@@ -298,16 +240,9 @@ def resolve_template(
             ``_component_`` dotted path and keyword arguments, or a callable ``prompt -> str``.
         default (str): Registered name used when ``spec`` is ``None``.
 
-    Returns:
-        PromptTemplate: A callable mapping a question (or chat turns) to a prompt.
-
     Raises:
         ValueError: If a name is not registered, or a ``_component_`` cannot be imported.
         TypeError: If ``spec`` is none of the accepted kinds.
-
-    Example:
-        >>> resolve_template({"_component_": "grpo.data.ThinkAnswerTemplate"}, "answer_only")
-        ThinkAnswerTemplate()
     """
     if spec is None:
         spec = default
