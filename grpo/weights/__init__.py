@@ -7,8 +7,10 @@ One package, one module per part:
   (``weight_sync.transport``): each actor builds the end of that transport only.
 * `object_store` and `collective`: the two transports, each one module with its two ends;
   `channel`: the collective transport's two-rank process groups (gloo on CPU, NCCL on GPU).
-* `receiver`: `EngineWeights`, the collector's side: updates received, loaded between two
-  engine steps or batches, verified, rolled back, and the version of every sampled token.
+* `receiver`: `EngineWeights`, the collector's side: updates received and loaded between two
+  engine steps or between batches (the engine's step loop, which records the version of every
+  sampled token, is `grpo.workers.vllm_engine.EngineLoop`).
+* `verify`: the checks of a loaded update (checksum, probe logprobs) and the rollback.
 * `engine`: the vLLM worker extension that reloads weights in place, and `WeightReceiver`,
   the pending update.
 * `checksum`: one definition of "these weights" for both ends.

@@ -15,8 +15,8 @@ and on CPU it repacks every linear weight into a oneDNN handle and leaves an emp
 ``weight`` parameter behind. vLLM's parameters can therefore not be hashed back into HF names.
 The checksum proves the worker received exactly the trainer's tensors and handed them to the
 loader. That the engine then computes with them is a separate, functional check: compare
-`grpo.weights.receiver.EngineWeights.probe_logprobs` with the trainer's own forward (the
-trainer's probe, checked with every update).
+`grpo.weights.verify.probe_logprobs` with the trainer's own forward (the trainer's probe,
+checked with every update).
 
 This module imports neither vLLM nor Ray at import time. The checksum both ends compute is
 `grpo.weights.checksum.state_dict_checksum`.
@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from grpo.weights.checksum import WeightSyncError, state_dict_checksum
+from grpo.weights.checksum import state_dict_checksum
+from grpo.weights.verify import check_checksums
 
 WORKER_EXTENSION_CLS = "grpo.weights.engine.WeightSyncWorkerExtension"
 
@@ -216,10 +217,5 @@ class WeightReceiver:
         # an earlier one would otherwise reuse them.
         llm.reset_prefix_cache(reset_running_requests=recompute_running)
         if compute:
-            for rank, checksum in enumerate(checksums):
-                if checksum != update.checksum:
-                    raise WeightSyncError(
-                        f"weights of version {update.version}: vLLM worker {rank} loaded tensors "
-                        f"with checksum {checksum}, the sender's checksum is {update.checksum}"
-                    )
+            check_checksums(checksums, update.checksum, update.version)
         return update

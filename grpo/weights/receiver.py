@@ -1,9 +1,10 @@
-"""A collector's side of weight sync: updates received, loaded into its vLLM engine, verified,
-rolled back, and the policy version of every token the engine samples.
+"""A collector's side of weight sync: updates received, loaded into its vLLM engine, verified
+(`grpo.weights.verify`), rolled back.
 
-`EngineWeights` is the receiving side inside a collector (`SyncLLMCollector` holds one, and its
-actor methods delegate to it). Whichever transport brought an update (its `ReceivingEnd`,
-`grpo.weights.transports`), the update becomes the pending `WeightUpdate`, loaded:
+`EngineWeights` is the receiving side inside a collector (`SyncLLMCollector` holds one, through
+its `grpo.workers.vllm_engine.EngineLoop`). Whichever transport brought an update (its
+`ReceivingEnd`, `grpo.weights.transports`), the update becomes the pending `WeightUpdate`,
+loaded:
 
 * between batches (``inference.weight_updates: between_batches``); or
 * in flight, between two steps of the engine's scheduler while a batch generates
@@ -14,26 +15,23 @@ actor methods delegate to it). Whichever transport brought an update (its `Recei
 Every update is verified: the checksum of the tensors the worker loaded, and the engine's
 logprobs of the trainer's probe sequence. Between batches, an engine that failed refuses to
 generate until a verified update is applied. In flight, the engine reloads the weights it had
-and samples on; the tokens sampled while the probe ran are labelled `UNVERIFIED_VERSION` and
-their samples are sampled again.
-
-Each running sample's tokens are recorded as runs of ``(version, number of tokens)``, oldest
-first: a finished request comes out of `EngineWeights.step` with the runs of each sample.
+and samples on; the tokens sampled while the probe ran are labelled `UNVERIFIED_VERSION` (the
+engine loop records which weights sampled each token) and their samples are sampled again.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from grpo.choices import WeightUpdateMode
 from grpo.observability import metric_names as names
+from grpo.weights import verify as checks
 from grpo.weights.adapter import EngineAdapters
 from grpo.weights.base import ReceivingEnd
 from grpo.weights.checksum import WeightSyncError
@@ -50,10 +48,17 @@ MAX_REJECTED_UPDATES_IN_A_ROW = 3
 # trained on.
 UNVERIFIED_VERSION = -1
 
-_PROBE_IDS = itertools.count()  # request ids of probes, unique in the process
 
-# ``[(version, number of tokens), ...]`` of each sample of a finished request, oldest first.
-VersionRuns = list[list[tuple[int, int]]]
+class TokenLabels(Protocol):
+    """The engine's record of which weights sampled each token
+    (`grpo.workers.vllm_engine.TokenVersions`)."""
+
+    def mark(self, version: int) -> None:
+        """Every running sample's tokens so far, not yet marked, came from ``version``."""
+
+    def relabel(self, old: int, new: int) -> None:
+        """Samples that finished but were not handed out yet: tokens of ``old`` become
+        ``new``'s."""
 
 
 def in_flight(updates: WeightUpdateMode) -> bool:
@@ -62,7 +67,7 @@ def in_flight(updates: WeightUpdateMode) -> bool:
 
 
 class EngineWeights:
-    """The weights of one collector's vLLM engine and the versions of the tokens it samples.
+    """The weights of one collector's vLLM engine: received, loaded, verified, rolled back.
 
     `receive` may be called from any thread (the actor's ``weights`` thread, beside
     generation); every other method runs under the engine lock, on the thread that steps the
@@ -75,7 +80,8 @@ class EngineWeights:
             thread-safe.
         add_request (Callable): ``add_request(request_id, token_ids, params)``: add a request
             to the engine whose one output comes when it finishes (the probe is one).
-        engine_step (Callable): One step of the engine's scheduler; returns its outputs.
+        engine_step (Callable): One step of the engine's scheduler; returns the requests that
+            finished (the probe finds its own among them; the others are the engine's).
         owner (str): The collector's name (``collector[0]``), in errors and log lines.
         model_dir (str): The model folder the engine was started from: the weights a rollback
             reloads before any update was kept.
@@ -84,6 +90,8 @@ class EngineWeights:
         adapters (EngineAdapters | None): With ``training.lora``: updates are LoRA adapters,
             each version served as an adapter of its own (`grpo.weights.adapter`); None:
             updates are full weights, loaded in place.
+        tokens (TokenLabels | None): The engine's record of which weights sampled each token,
+            told of every in-flight switch; None: nothing records them.
     """
 
     def __init__(
@@ -98,8 +106,10 @@ class EngineWeights:
         policy_version: int,
         verify: bool = True,
         adapters: EngineAdapters | None = None,
+        tokens: TokenLabels | None = None,
     ) -> None:
         self.llm = llm
+        self.tokens = tokens
         self.adapters = adapters
         self._lock = engine_lock
         self._add_request = add_request
@@ -124,11 +134,6 @@ class EngineWeights:
         # while `_can_roll_back`).
         self._loaded_weights: Mapping[str, torch.Tensor] | None = None
         self._can_roll_back = True
-        # For each running sample (request id, sample index), the versions of its tokens so
-        # far, as ``(version, tokens sampled up to then)``; and requests that finished while a
-        # probe stepped the engine, with their runs, for the next `step`.
-        self._token_versions: dict[tuple[str, int], list[tuple[int, int]]] = {}
-        self._held_outputs: list[tuple[Any, VersionRuns]] = []
         self._rejected_in_a_row = 0
         # Prefix-cache blocks the old weights computed, still held by running sequences when
         # new weights came (in_flight_keep_kv): dropped as soon as the engine is idle.
@@ -257,6 +262,21 @@ class EngineWeights:
             self.current_probe = applied.probe
             return time.perf_counter() - start
 
+    def load_between_steps(self, updates: WeightUpdateMode) -> None:
+        """With updates in flight, load pending weights before the engine's next step (hold
+        the engine lock). A LoRA adapter never changes under a running request, so loading
+        one between steps is always safe.
+
+        Raises:
+            WeightSyncError: As `_switch`.
+        """
+        if not in_flight(updates):
+            return
+        if self.adapters is not None:
+            self._switch_adapter()
+        else:
+            self._switch(keep_kv=updates == "in_flight_keep_kv")
+
     def _switch(self, keep_kv: bool) -> float:
         """Load pending weights now, between two steps of the engine (hold the engine lock).
 
@@ -268,8 +288,8 @@ class EngineWeights:
         sampled again (by the collector's generation).
 
         With ``keep_kv`` the running requests keep their KV cache instead; its blocks are then
-        dropped from the prefix cache once the engine is idle (`step`), so no later prompt
-        reuses keys and values of the old weights.
+        dropped from the prefix cache once the engine is idle (`load_between_steps`), so no
+        later prompt reuses keys and values of the old weights.
 
         Returns:
             float: Seconds generation was paused (0.0 if nothing was pending).
@@ -283,7 +303,7 @@ class EngineWeights:
             return 0.0
         start = time.perf_counter()
         running = self.llm.llm_engine.has_unfinished_requests()
-        self._mark_token_versions()  # the tokens so far: the weights being replaced
+        self._mark_tokens(self.sampling_version)  # the tokens so far: the weights replaced
         try:
             applied = self.pending.apply_pending(
                 self.llm, verify=self.verify, recompute_running=not keep_kv
@@ -381,62 +401,36 @@ class EngineWeights:
                 `MAX_REJECTED_UPDATES_IN_A_ROW`-th rejection in a row.
         """
         # The tokens sampled while the probe ran, by samples still running and by those that
-        # finished meanwhile (held for the next `step`), came from the rejected weights.
+        # finished meanwhile (not yet handed out), came from the rejected weights.
         rejected = self.sampling_version
         self.sampling_version = UNVERIFIED_VERSION
-        self._mark_token_versions()
-        if rejected != self.policy_version:
-            self._held_outputs = [
-                (
-                    output,
-                    [
-                        [(UNVERIFIED_VERSION if v == rejected else v, n) for v, n in sample]
-                        for sample in runs
-                    ],
-                )
-                for output, runs in self._held_outputs
-            ]
+        self._mark_tokens(UNVERIFIED_VERSION)
+        if rejected != self.policy_version and self.tokens is not None:
+            self.tokens.relabel(rejected, UNVERIFIED_VERSION)
         if not self._can_roll_back:
             self._error = str(error)
             raise WeightSyncError(
                 f"{self.owner}: {error}; the weights it had were on the GPU and not kept, so it "
                 "cannot roll back"
             ) from error
-        self._restore_weights()
+        checks.roll_back(self.llm, self._loaded_weights, self.model_dir)
+        self.sampling_version = self.policy_version
+        self._stale_prefix_cache = False
         self._count_rejection(error)
+
+    def _mark_tokens(self, version: int) -> None:
+        if self.tokens is not None:
+            self.tokens.mark(version)
 
     def _drop_stale_prefix_cache(self) -> None:
         """Reset the prefix cache if old weights' blocks are in it and the engine is idle."""
         if self._stale_prefix_cache and not self.llm.llm_engine.has_unfinished_requests():
             self._stale_prefix_cache = not self.llm.reset_prefix_cache()
 
-    def _restore_weights(self) -> None:
-        """Reload the weights of ``policy_version`` (after a rejected in-flight update)."""
-        weights = self._loaded_weights
-        if weights is None:  # the engine still ran the model folder's weights
-            from grpo.models import load_hf_state_dict
-
-            weights = load_hf_state_dict(self.model_dir)
-        self.llm.collective_rpc("grpo_update_weights", args=(weights, True))
-        self.llm.reset_prefix_cache(reset_running_requests=True)
-        self.sampling_version = self.policy_version
-        self._stale_prefix_cache = False
-
     # ------------------------------------------------------------------ verification
 
     def _check_probe(self, probe: dict[str, Any], version: int) -> None:
-        got = torch.tensor(self.probe_logprobs(probe["token_ids"]))
-        expected = torch.tensor(probe["logprobs"], dtype=torch.float32)
-        same_shape = got.shape == expected.shape
-        max_diff = float((got - expected).abs().max()) if same_shape and got.numel() else 0.0
-        # "not <=": NaN logprobs (garbage weights, such as memory a wake did not restore) fail
-        # too, where "NaN > atol" is False.
-        if not same_shape or not max_diff <= float(probe.get("atol", 1e-3)):
-            raise WeightSyncError(
-                f"weights of version {version}: the engine's probe logprobs differ from the "
-                f"sender's by {max_diff:.3g} (atol {probe.get('atol', 1e-3)}); the engine does "
-                "not compute with the sent weights"
-            )
+        checks.check_probe(self.probe_logprobs(probe["token_ids"]), probe, version)
         self.probed_version = version
 
     def _probe_current(self) -> None:
@@ -453,122 +447,17 @@ class EngineWeights:
             return self.llm.collective_rpc("grpo_weights_checksum")[0]
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
-        """The engine's logprob of every token of ``token_ids`` after the first.
+        """The engine's logprob of every token of ``token_ids`` after the first
+        (`grpo.weights.verify.probe_logprobs`).
 
         The trainer computes the same numbers with its model to check that the engine really
         computes with the synced weights (a checksum only proves they arrived).
 
-        Args:
-            token_ids (Sequence[int]): At least two token ids.
-
-        Returns:
-            list[float]: ``len(token_ids) - 1`` logprobs, from unscaled logits.
-
         Raises:
             ValueError: With fewer than two token ids.
         """
-        from vllm import SamplingParams
-
-        token_ids = [int(t) for t in token_ids]
-        if len(token_ids) < 2:
-            raise ValueError(f"probe_logprobs needs at least 2 token ids, got {len(token_ids)}")
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        request_id = f"probe-{next(_PROBE_IDS)}"
-        output = None
         with self._lock:
-            # Stepped like any request: during an in-flight update the running samples go on
-            # beside it, and what finishes meanwhile is handed to the next `step`.
-            self._add_request(request_id, token_ids, params)
-            while output is None:
-                for finished, versions in self._versioned_step():
-                    if finished.request_id == request_id:
-                        output = finished
-                    else:
-                        self._held_outputs.append((finished, versions))
-        # prompt_logprobs[0] is None (nothing precedes the first token); entry i maps the
-        # actual token i (and possibly the top candidates) to its logprob.
-        return [
-            float(entry[token].logprob)
-            for token, entry in zip(token_ids[1:], output.prompt_logprobs[1:])
-        ]
-
-    # ------------------------------------------------------------------ stepping the engine
-
-    def step(self, updates: WeightUpdateMode | None) -> list[tuple[Any, VersionRuns]]:
-        """Pending weights in (updates in flight), then one step of the engine's scheduler.
-
-        Hold the engine lock.
-
-        Args:
-            updates (WeightUpdateMode | None): ``inference.weight_updates``: in flight, pending
-                weights are loaded first; None: they stay pending (greedy evaluation keeps the
-                weights it started with).
-
-        Returns:
-            list: The requests that finished, each with the ``(version, tokens)`` runs of its
-            samples' tokens, including any that finished while a probe ran.
-
-        Raises:
-            WeightSyncError: As `_switch`.
-        """
-        if updates is not None and (in_flight(updates) or self.adapters is not None):
-            if self.adapters is not None:
-                # An adapter never changes under a running request: loading one between
-                # steps is always safe, whatever inference.weight_updates says.
-                if in_flight(updates):
-                    self._switch_adapter()
-            else:
-                self._switch(keep_kv=updates == "in_flight_keep_kv")
-        finished, self._held_outputs = self._held_outputs, []
-        return finished + self._versioned_step()
-
-    def _versioned_step(self) -> list[tuple[Any, VersionRuns]]:
-        """One scheduler step; each finished request with its samples' version runs."""
-        if self.adapters is not None:
-            return self._adapter_versioned_step()
-        return [
-            (output, [self._version_runs(output.request_id, c) for c in output.outputs])
-            for output in self._engine_step()
-            if output.finished
-        ]
-
-    def _adapter_versioned_step(self) -> list[tuple[Any, VersionRuns]]:
-        """One scheduler step with LoRA: every token of a request is its adapter's version."""
-        finished = []
-        for output in self._engine_step():
-            if not output.finished:
-                continue
-            version = self.adapters.version_of(output.request_id)
-            self.adapters.request_finished(output.request_id)
-            label = self.policy_version if version is None else version
-            finished.append((output, [[(label, len(c.token_ids))] for c in output.outputs]))
-        return finished
-
-    def _mark_token_versions(self) -> None:
-        """Record that every running sample's tokens so far came from ``sampling_version``.
-
-        Reads vLLM's output processor, which holds the sampled logprobs of each running sample
-        (child ``request_index`` of the request ``external_req_id``) until it finishes.
-        """
-        label = self.sampling_version
-        for state in self.llm.llm_engine.output_processor.request_states.values():
-            count = len(state.logprobs_processor.logprobs or ())
-            marks = self._token_versions.setdefault(
-                (state.external_req_id, state.request_index), []
-            )
-            if count > (marks[-1][1] if marks else 0):
-                marks.append((label, count))
-
-    def _version_runs(self, request_id: str, completion: Any) -> list[tuple[int, int]]:
-        """``[(version, number of tokens), ...]`` of a finished sample, oldest first."""
-        runs, start = [], 0
-        num_tokens = len(completion.token_ids)
-        for version, count in self._token_versions.pop((request_id, completion.index), []):
-            runs.append((version, count - start))
-            start = count
-        if num_tokens > start or not runs:
-            runs.append((self.sampling_version, num_tokens - start))
-        return runs
+            return checks.probe_logprobs(self._add_request, self._engine_step, token_ids)
 
     # ------------------------------------------------------------------ metrics
 
@@ -576,11 +465,11 @@ class EngineWeights:
         """Count the next batch's in-flight updates from zero."""
         self.batch_switches = {"updates": 0.0, "pause_s": 0.0}
 
-    def batch_metrics(self, runs: VersionRuns) -> dict[str, float]:
+    def batch_metrics(self, runs: Sequence[Sequence[tuple[int, int]]]) -> dict[str, float]:
         """Weight updates during the batch and how old the policy of its tokens is.
 
         Args:
-            runs (VersionRuns): The ``(version, tokens)`` runs of each sample of the batch.
+            runs (Sequence): The ``(version, tokens)`` runs of each sample of the batch.
 
         Returns:
             dict[str, float]: ``inference/weight_updates_*``, the engine's pause, the samples
@@ -605,10 +494,3 @@ class EngineWeights:
             names.INFERENCE_TOKENS_VERSION_LAG_1: lags[1],
             names.INFERENCE_TOKENS_VERSION_LAG_2_PLUS: lags[2],
         }
-
-    def forget_requests(self) -> None:
-        """Drop what is recorded of the engine's requests (after they were aborted)."""
-        self._token_versions.clear()
-        self._held_outputs.clear()
-        if self.adapters is not None:
-            self.adapters.forget_requests()

@@ -2,6 +2,7 @@
 prompts. A batch (`generate_batch`), each part in its home:
 
     pending weights in            grpo.weights.receiver.EngineWeights (verified, rolled back)
+    the engine's steps            grpo.workers.vllm_engine.EngineLoop (the version of each token)
     the shard's next prompts      grpo.data.stream, Environment.prompt_ids
     episodes on the engine        Environment.run_groups on grpo.workers.vllm_engine
     rewards                       Environment.score (grpo.envs.protocol)
@@ -44,10 +45,9 @@ from grpo.seeds import group_seed
 from grpo.types import GroupedUnscoredTrajectories
 from grpo.weights.adapter import engine_adapters
 from grpo.weights.concurrency import COLLECTOR_CONCURRENCY_GROUPS
-from grpo.weights.receiver import VersionRuns
 from grpo.workers.engine_sleep import SleepMethods
 from grpo.workers.rollout_queue import put_all
-from grpo.workers.vllm_engine import EngineLoop, Sampling, build_engine
+from grpo.workers.vllm_engine import EngineLoop, Sampling, VersionRuns, build_engine
 
 log = logging.getLogger(__name__)
 

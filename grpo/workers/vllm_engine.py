@@ -5,9 +5,12 @@ in seconds instead of a separate engine-core process (~25 s on CPU), and weight 
 tensors by reference. Its context (``max_model_len``) holds the longest prompt and the longest
 response an environment allows (`grpo.envs.protocol.Environment.response_budget`).
 
-`VLLMTurnEngine` is the engine as the environments see it (`grpo.envs.rollout.TurnEngine`):
-each policy turn is a request of its own, added when its episode is ready, and each step runs
-the scheduler once, so a turn joins the running batch without waiting for the others.
+`EngineLoop` steps the engine: pending weights in between two steps when updates are in flight
+(`grpo.weights.receiver.EngineWeights`), and the version of the weights of every sampled token
+recorded (`TokenVersions`). `VLLMTurnEngine` is the engine as the environments see it
+(`grpo.envs.rollout.TurnEngine`): each policy turn is a request of its own, added when its
+episode is ready, and each step runs the scheduler once, so a turn joins the running batch
+without waiting for the others.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from grpo.choices import WeightUpdateMode
 from grpo.config.sections import InferenceConfig
 from grpo.weights.adapter import EngineAdapters, engine_lora_args
 from grpo.weights.engine import WORKER_EXTENSION_CLS
-from grpo.weights.receiver import UNVERIFIED_VERSION, EngineWeights, VersionRuns, in_flight
+from grpo.weights.receiver import UNVERIFIED_VERSION, EngineWeights, in_flight
+from grpo.weights.verify import PROBE_ID_PREFIX
 from grpo.workers.engine_sleep import EngineSleep, sleep_engine_args, sleep_level
 
 # vLLM settings that make a CPU engine start in seconds and fit beside other processes.
@@ -113,6 +117,10 @@ def check_in_flight_updates(llm_engine: Any) -> None:
             f"running requests (LLMEngine.reset_prefix_cache(reset_running_requests=True)), "
             f"and vLLM {vllm.__version__} cannot; set inference.weight_updates=between_batches"
         )
+
+
+# ``[(version, number of tokens), ...]`` of each sample of a finished request, oldest first.
+VersionRuns = list[list[tuple[int, int]]]
 
 
 class Engine(NamedTuple):
@@ -328,12 +336,81 @@ class VLLMTurnEngine:
         return finished
 
 
+class TokenVersions:
+    """Which weights sampled each token of the engine's samples.
+
+    Weights change between two engine steps while samples run (updates in flight): before a
+    switch every running sample's tokens so far are marked with the version being replaced
+    (`mark`), and a finished request comes out with the ``(version, tokens)`` runs of each of
+    its samples (`runs`). Requests that finish while a probe steps the engine wait here for
+    the next step (`hold`, `take_held`).
+
+    Args:
+        llm: The ``vllm.LLM``; its output processor holds each running sample's tokens.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        # For each running sample (request id, sample index), the versions of its tokens so
+        # far, as ``(version, tokens sampled up to then)``.
+        self._marks: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        self._held: list[tuple[Any, VersionRuns]] = []
+
+    def mark(self, version: int) -> None:
+        """Record that every running sample's tokens so far, not yet marked, came from
+        ``version``.
+
+        Reads vLLM's output processor, which holds the sampled logprobs of each running sample
+        (child ``request_index`` of the request ``external_req_id``) until it finishes.
+        """
+        for state in self.llm.llm_engine.output_processor.request_states.values():
+            count = len(state.logprobs_processor.logprobs or ())
+            marks = self._marks.setdefault((state.external_req_id, state.request_index), [])
+            if count > (marks[-1][1] if marks else 0):
+                marks.append((version, count))
+
+    def runs(self, request_id: str, completion: Any, version: int) -> list[tuple[int, int]]:
+        """``[(version, number of tokens), ...]`` of a finished sample, oldest first; its
+        tokens since the last mark are ``version``'s."""
+        runs, start = [], 0
+        num_tokens = len(completion.token_ids)
+        for marked, count in self._marks.pop((request_id, completion.index), []):
+            runs.append((marked, count - start))
+            start = count
+        if num_tokens > start or not runs:
+            runs.append((version, num_tokens - start))
+        return runs
+
+    def hold(self, finished: list[tuple[Any, VersionRuns]]) -> None:
+        """Keep finished requests for the next step."""
+        self._held.extend(finished)
+
+    def take_held(self) -> list[tuple[Any, VersionRuns]]:
+        """The requests held since the last step (no longer held)."""
+        held, self._held = self._held, []
+        return held
+
+    def relabel(self, old: int, new: int) -> None:
+        """In the held requests' runs, tokens of ``old`` become ``new``'s (weights that
+        failed verification while those requests finished)."""
+        self._held = [
+            (output, [[(new if v == old else v, n) for v, n in sample] for sample in runs])
+            for output, runs in self._held
+        ]
+
+    def clear(self) -> None:
+        """Forget every request (after they were aborted)."""
+        self._marks.clear()
+        self._held.clear()
+
+
 class EngineLoop:
     """A collector's engine with its weights: one lock, and every step timed.
 
     vLLM's engine is not thread-safe; a threaded actor serialises every call on it with
-    ``lock``. Each step loads pending weights first when updates are in flight (`step`), and
-    is timed for the driver's stall watch (`step_running_s`).
+    ``lock``. Each step loads pending weights first when updates are in flight (`step`),
+    records the version of every sampled token (`tokens`), and is timed for the driver's stall
+    watch (`step_running_s`).
 
     Args:
         llm: The ``vllm.LLM`` (`build_engine`).
@@ -366,18 +443,20 @@ class EngineLoop:
         self.sampling = sampling
         self.weight_updates = weight_updates
         self.lock = threading.RLock()
+        self.tokens = TokenVersions(llm)
         # The engine's weights: updates received, loaded (in flight or between batches),
-        # verified, rolled back, and the policy version of every token it samples.
+        # verified, rolled back.
         self.weights = EngineWeights(
             llm,
             self.lock,
             self.add_request,
-            self._timed_step,
+            self._probe_step,
             owner=owner,
             model_dir=model_dir,
             policy_version=policy_version,
             verify=verify,
             adapters=adapters,
+            tokens=self.tokens,
         )
         # Time-sharing the GPU with the trainer (`grpo.workers.engine_sleep`): level 1 keeps a
         # LoRA run's base weights in host memory, level 2 drops full weights (new ones come).
@@ -420,9 +499,42 @@ class EngineLoop:
 
     def step(self, load_pending: bool = True) -> list[tuple[Any, VersionRuns]]:
         """Pending weights in (updates in flight, unless ``load_pending`` is False: greedy
-        evaluation keeps its weights), then one scheduler step; the finished requests with
-        the version runs of their samples (`grpo.weights.receiver.EngineWeights.step`)."""
-        return self.weights.step(self.weight_updates if load_pending else None)
+        evaluation keeps its weights), then one scheduler step (hold the lock).
+
+        Returns:
+            list: The requests that finished, each with the ``(version, tokens)`` runs of its
+            samples' tokens, including any that finished while a probe ran.
+
+        Raises:
+            WeightSyncError: As `EngineWeights.load_between_steps`.
+        """
+        if load_pending:
+            self.weights.load_between_steps(self.weight_updates)
+        return self.tokens.take_held() + self._versioned_step()
+
+    def _probe_step(self) -> list[Any]:
+        """One step while a probe runs; the other requests that finish wait for `step`."""
+        finished = self._versioned_step()
+        probes = [o for o, _ in finished if o.request_id.startswith(PROBE_ID_PREFIX)]
+        self.tokens.hold([(o, runs) for o, runs in finished if o not in probes])
+        return probes
+
+    def _versioned_step(self) -> list[tuple[Any, VersionRuns]]:
+        """One scheduler step; each finished request with its samples' version runs."""
+        weights, finished = self.weights, []
+        for output in self._timed_step():
+            if not output.finished:
+                continue
+            if weights.adapters is None:
+                version = weights.sampling_version
+                runs = [self.tokens.runs(output.request_id, c, version) for c in output.outputs]
+            else:  # every token of a request is its adapter's version
+                version = weights.adapters.version_of(output.request_id)
+                weights.adapters.request_finished(output.request_id)
+                label = weights.policy_version if version is None else version
+                runs = [[(label, len(c.token_ids))] for c in output.outputs]
+            finished.append((output, runs))
+        return finished
 
     def _timed_step(self) -> list[Any]:
         self._step_started = time.monotonic()
@@ -474,7 +586,9 @@ class EngineLoop:
         request_ids = {s.external_req_id for s in engine.output_processor.request_states.values()}
         if request_ids:
             engine.abort_request(sorted(request_ids))
-        self.weights.forget_requests()
+        self.tokens.clear()
+        if self.weights.adapters is not None:
+            self.weights.adapters.forget_requests()
 
     def shutdown(self) -> None:
         """Close the weights' channels and shut the engine down (idempotent)."""

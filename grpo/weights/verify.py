@@ -1,0 +1,125 @@
+"""Proving an engine computes with the weights it was sent, and going back when it does not.
+
+Three checks, each raising `WeightSyncError` naming the version, and the way back:
+
+* `check_checksums`: the tensors each vLLM worker loaded hash to the sender's checksum (they
+  arrived intact and reached the loader; `grpo.weights.engine` says why the hash is over the
+  HF state dict and not over vLLM's parameters);
+* `probe_logprobs` and `check_probe`: the engine's logprobs of the trainer's probe sequence
+  match the trainer's own forward (the engine really computes with them);
+* `roll_back`: reload the weights of the version the engine had, after an update failed.
+
+What to do about a failure (refuse to generate, or roll back and sample on) is the caller's
+(`grpo.weights.receiver.EngineWeights`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from grpo.weights.checksum import WeightSyncError
+
+PROBE_ID_PREFIX = "probe-"  # of a probe's request id, which no episode's request has
+_PROBE_IDS = itertools.count()
+
+
+def check_checksums(checksums: Sequence[str | None], expected: str, version: int) -> None:
+    """Check the checksum each vLLM worker computed of the tensors it loaded.
+
+    Raises:
+        WeightSyncError: If a worker's differs from the sender's ``expected``.
+    """
+    for rank, checksum in enumerate(checksums):
+        if checksum != expected:
+            raise WeightSyncError(
+                f"weights of version {version}: vLLM worker {rank} loaded tensors "
+                f"with checksum {checksum}, the sender's checksum is {expected}"
+            )
+
+
+def probe_logprobs(
+    add_request: Callable[[str, Sequence[int], Any], None],
+    engine_step: Callable[[], list[Any]],
+    token_ids: Sequence[int],
+) -> list[float]:
+    """The engine's logprob of every token of ``token_ids`` after the first.
+
+    The probe is a request like any other (hold the engine lock): during an in-flight update
+    the running samples go on beside it, and what ``engine_step`` does with the requests that
+    finish meanwhile is the engine's business.
+
+    Args:
+        add_request (Callable): ``add_request(request_id, token_ids, params)`` on the engine.
+        engine_step (Callable): One step of the engine; the requests that finished.
+        token_ids (Sequence[int]): At least two token ids.
+
+    Returns:
+        list[float]: ``len(token_ids) - 1`` logprobs, from unscaled logits.
+
+    Raises:
+        ValueError: With fewer than two token ids.
+    """
+    from vllm import SamplingParams
+
+    token_ids = [int(t) for t in token_ids]
+    if len(token_ids) < 2:
+        raise ValueError(f"probe_logprobs needs at least 2 token ids, got {len(token_ids)}")
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    request_id = f"{PROBE_ID_PREFIX}{next(_PROBE_IDS)}"
+    add_request(request_id, token_ids, params)
+    output = None
+    while output is None:
+        output = next((o for o in engine_step() if o.request_id == request_id), None)
+    # prompt_logprobs[0] is None (nothing precedes the first token); entry i maps the
+    # actual token i (and possibly the top candidates) to its logprob.
+    return [
+        float(entry[token].logprob)
+        for token, entry in zip(token_ids[1:], output.prompt_logprobs[1:])
+    ]
+
+
+def check_probe(logprobs: Sequence[float], probe: Mapping[str, Any], version: int) -> None:
+    """Compare the engine's ``logprobs`` of a probe with the sender's.
+
+    Args:
+        logprobs (Sequence[float]): `probe_logprobs` of ``probe["token_ids"]``.
+        probe (Mapping): ``{"token_ids", "logprobs", "atol"}`` (``atol`` 1e-3 if absent), see
+            `grpo.weights.engine.WeightUpdate`.
+        version (int): The version probed, for the error.
+
+    Raises:
+        WeightSyncError: If they differ by more than ``atol``, or are NaN.
+    """
+    got = torch.tensor(logprobs)
+    expected = torch.tensor(probe["logprobs"], dtype=torch.float32)
+    same_shape = got.shape == expected.shape
+    max_diff = float((got - expected).abs().max()) if same_shape and got.numel() else 0.0
+    # "not <=": NaN logprobs (garbage weights, such as memory a wake did not restore) fail
+    # too, where "NaN > atol" is False.
+    if not same_shape or not max_diff <= float(probe.get("atol", 1e-3)):
+        raise WeightSyncError(
+            f"weights of version {version}: the engine's probe logprobs differ from the "
+            f"sender's by {max_diff:.3g} (atol {probe.get('atol', 1e-3)}); the engine does "
+            "not compute with the sent weights"
+        )
+
+
+def roll_back(llm: Any, weights: Mapping[str, torch.Tensor] | None, model_dir: str) -> None:
+    """Reload the weights the engine had before a rejected update, and drop every KV block
+    (the running requests' too) that the rejected weights computed.
+
+    Args:
+        llm: The ``vllm.LLM``, started with ``grpo.weights.engine.WORKER_EXTENSION_CLS``.
+        weights (Mapping | None): Those weights; None: the model folder's.
+        model_dir (str): The model folder the engine was started from.
+    """
+    if weights is None:
+        from grpo.models import load_hf_state_dict
+
+        weights = load_hf_state_dict(model_dir)
+    llm.collective_rpc("grpo_update_weights", args=(weights, True))
+    llm.reset_prefix_cache(reset_running_requests=True)
