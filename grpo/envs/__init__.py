@@ -1,32 +1,7 @@
-"""Environments: every kind of episode, token-exact, behind one protocol.
+"""Environments: every kind of episode, token-exact, behind one protocol (`Environment`).
 
-* `Environment` (`protocol`): what the collector calls to turn prompts into scored episodes
-  (`run_groups`, `score`), and the framework's limits of an episode (`EpisodeLimits`).
-  `build_environment` (`build`) makes the run's from its config.
-* `SingleTurnEnv` (`single_turn`): a dataset with reward functions, one response per episode.
-* `MultiTurnEnv` (`base`): the environment answers each policy turn, ends the episode, scores it.
-  Its options (``max_turns``, ...) are typed and bounded in its constructor's signature
-  (`options`), which the constructor and ``grpo validate`` both check values against.
-* `ToolEnv` (`tool_env`): the answers are results of tools, plain Python functions with type
-  hints (`tools`), run in worker processes with a timeout (`runner`); `builtin_tools` has a
-  calculator and a Python interpreter.
-* `verifiers_env` (`verifiers_adapter`): a verifiers environment (``verifiers.v1``), its episodes
-  played against the collector's engine served on vLLM's token-in, token-out endpoint
-  (`generate_server`), with the harness of `verifiers_harness` by default.
-* `ReasoningGymEnv` (`reasoning_gym`): reasoning-gym's procedural tasks, its rows generated
-  (training and held-out) and each response scored by the task's own scorer (the ``hub``
-  extra).
-* `TextArenaEnv` (`textarena_env`): a single-player TextArena game, one game object per episode,
-  the policy's turns its actions and the game's own reward the episode's (the ``hub`` extra).
-* `AgentEnv` (`agent_env`): an agent program written against an OpenAI client, served the
-  collector's engine on OpenAI's routes (`openai_server`), token-exact, its return its reward.
-* `run_episodes` (`rollout`): drives episodes on an inference engine, batched across episodes;
-  `render` turns the environment's messages into tokens the way the chat template does.
-* `dropped`: episodes the environment failed, scored with the failure rewards in their groups
-  or dropped (`scored_episodes`), why (the exception and the lines of the environment that
-  raised it), and the collector's log that names each reason once.
-
-Importing this package loads no torch (``grpo validate`` reads tools and environments).
+The kinds and how to write one are in docs/environments.md and docs/agents.md. Importing this
+package loads no torch (``grpo validate`` reads tools and environments).
 """
 
 from grpo.envs.agent_env import AgentEnv

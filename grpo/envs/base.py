@@ -1,29 +1,10 @@
 """Multi-turn environments: what answers the policy between its turns, ends an episode and
 scores it.
 
-An episode is a conversation: the policy's turns (the tokens it sampled, with their logprobs:
-trained) interleaved with the environment's turns (tool results, user replies: in the sequence,
-never trained). `grpo.envs.rollout.run_episodes` drives episodes on an inference engine; an
-environment only says, given the conversation so far, what it answers (`MultiTurnEnv.env_response`)
-and, at the end, what the episode scored (`MultiTurnEnv.score`). `MultiTurnEnv` implements the
-collector's protocol (`grpo.envs.protocol.Environment`); a dataset with reward functions is its
-simplest case (`grpo.envs.SingleTurnEnv`: one turn, no answer).
-
-Write your own environment by subclassing `MultiTurnEnv`:
-
-    class GuessTheNumber(MultiTurnEnv):
-        def env_response(self, messages, state, episode):
-            guess = messages[-1]["content"].strip()
-            if guess == state["answer"]:
-                return None  # solved: the episode ends
-            return [{"role": "user", "content": "higher" if guess < state["answer"] else "lower"}]
-
-Options of its own are keyword arguments of its ``__init__`` typed ``Annotated[int,
-Field(ge=1)]`` and the like (`grpo.envs.options`): ``grpo validate`` checks them as it checks
-``max_turns``. The example's other keys are the dataset row's other columns
-(``example["hint"]``; `grpo.data.prompt_dataset`).
-
-Pure Python apart from the reward scoring (``grpo.rewards``); no Ray, no vLLM.
+An episode interleaves the policy's turns (trained) with the environment's (never trained); a
+subclass says what it answers after each policy turn (`MultiTurnEnv.env_response`) and may
+score the episode otherwise (`MultiTurnEnv.score`). How to write one: docs/environments.md.
+No Ray, no vLLM.
 """
 
 from __future__ import annotations
@@ -56,14 +37,13 @@ class Episode:
     """One conversation in progress, token-exact.
 
     Args:
-        example (dict): The dataset example (``question``, ``answer``, ``prompt``, ``index``,
-            and the row's other columns).
+        example (dict): The dataset example, with the row's other columns.
         prompt_ids (list[int]): Token ids of the rendered prompt.
-        messages (list[Message]): The conversation as chat turns: the question, then each
-            assistant turn (decoded, for the environment to read) and environment turn.
+        messages (list[Message]): The conversation as chat turns (assistant turns decoded, for
+            the environment to read).
         state (dict): The environment's own per-episode state (`MultiTurnEnv.reset`).
         seed (int): Sampling seed of the first policy turn; turn ``t`` samples with
-            ``grpo.seeds.turn_seed(seed, t)`` (`grpo.envs.rollout.run_episodes`).
+            ``grpo.seeds.turn_seed(seed, t)``.
     """
 
     example: dict[str, Any]
@@ -81,16 +61,14 @@ class Episode:
     tool_queue_waits: list[float] = field(default_factory=list)
     truncated: bool = False  # ended by the token budget or a turn cut at max tokens
     hit_max_turns: bool = False
-    # The environment raised, and this says why (`failure_reason`): the episode is dropped, or
-    # kept in its group with the failure rewards (``failed_episodes: score``).
+    # Why the environment raised (`failure_reason`).
     error: str | None = None
-    # Failed, and kept in its group with the failure rewards (`grpo.envs.dropped.scored_episodes`).
+    # Failed, and kept in its group with the failure rewards.
     failure_scored: bool = False
     # ``(policy version, tokens)`` runs of the policy's tokens, oldest first: the weights that
     # sampled each (they may change while an episode runs). Empty: the engine does not say.
     version_runs: list[tuple[int, int]] = field(default_factory=list)
-    # Set by `MultiTurnEnv.score`: each reward function's success flag (None: the environment
-    # scores otherwise, and a reward above 0 counts as a success).
+    # Each reward function's success flag (None: a reward above 0 counts as a success).
     successes: dict[str, float] | None = None
 
     def add_policy_turn(
@@ -154,18 +132,17 @@ class Episode:
 class PendingResponse:
     """The environment's answer to one policy turn, possibly still being computed.
 
-    Tool calls run in worker processes; the rollout asks `done` without blocking and takes
-    `result` once it is. An answer computed at once is simply done.
+    The rollout asks `done` without blocking and takes `result` once it is.
 
     Args:
         answer (list[Message] | None): The turns (None: the episode ends); entries that wait on
             a job are filled by ``finish``.
         futures (Sequence): Futures of the jobs the answer waits on.
         finish (Callable | None): Called once all futures are done, or at ``deadline``, to fill
-            ``answer`` from them (it sees unfinished futures too, and must treat them as lost).
+            ``answer`` from them (it must treat unfinished futures as lost).
         deadline (float | Callable[[], float] | None): ``time.monotonic()`` after which the
-            jobs count as lost, or a function that says it when asked (a deadline that moves:
-            a tool call's clock starts when a worker takes it, not when it was queued).
+            jobs count as lost, or a function that says it when asked (a tool call's clock
+            starts when a worker takes it, so the deadline moves).
     """
 
     def __init__(
@@ -212,38 +189,27 @@ class MultiTurnEnv(Environment):
     """Base of multi-turn environments: answer each assistant turn until the episode is done.
 
     Args:
-        reward_functions (Sequence): Reward functions (`grpo.rewards`) that score the episode's
-            last assistant turn against the example's answer; they run in the reward worker
-            pool with ``reward_timeout_s``.
-        max_turns (int): Most policy turns in an episode; an episode that reaches it ends
-            (flagged ``hit_max_turns``) and is scored as it stands.
+        reward_functions (Sequence): Reward functions that score the episode's last assistant
+            turn against the example's answer.
+        max_turns (int): Most policy turns in an episode; one that reaches it ends (flagged
+            ``hit_max_turns``) and is scored as it stands.
         max_episode_tokens (int | None): Most response tokens (policy and environment) in an
-            episode; one that would exceed it ends there, flagged ``truncated``, and is scored
-            as it stands. None: the engine's context length is the only bound.
+            episode; one that would exceed it ends there, flagged ``truncated``. None: the
+            engine's context length is the only bound.
         max_tokens_per_turn (int | None): Most tokens the policy samples in one turn; default
             the collector's ``inference.max_generated_tokens``.
         stop (Sequence[str]): Extra stop strings that end a policy turn (kept in the turn).
         reward_timeout_s (float): Seconds one reward call may take before it scores 0.
-        failed_episodes (str): An episode whose environment raises (in `env_response`, often
-            on output it cannot read): ``"score"`` keeps it in its group, its tokens as the
-            policy sampled them up to the failure, scored with each reward function's
-            ``failure_reward`` (`failure_rewards`), so the behaviour that made it raise is
-            penalised and the group's baseline keeps every member; ``"drop"`` leaves it out.
-            Either way it is logged with its reason and counted
-            (`grpo.envs.dropped.DroppedEpisodeLog`).
-
-    The options' types and bounds are declared in the signature (`grpo.envs.options`): the
-    constructor checks them, and ``grpo validate`` checks an ``environment:`` node against
-    them, for subclasses too.
+        failed_episodes (str): An episode whose environment raises: ``"score"`` keeps it in its
+            group scored with the failure rewards, so the behaviour that made it raise is
+            penalised; ``"drop"`` leaves it out.
 
     Raises:
         ValueError: An option of the wrong type or out of bounds (a limit below 1), or a
             reward function that is not callable.
     """
 
-    # Roles of the turns `env_response` answers with: the chat template is checked, before
-    # the run, on rendering turns of these roles after an assistant turn. A subclass that
-    # answers with tool turns says so (``("user", "tool")``).
+    # Roles of the turns `env_response` answers with, which the chat template is checked on.
     env_roles: tuple[str, ...] = ("user",)
 
     @checked_options
@@ -279,8 +245,6 @@ class MultiTurnEnv(Environment):
         # Rewards of the last `run_groups`' episodes, computed as each ended, by id(episode).
         self._early_rewards: dict[int, dict[str, float]] = {}
 
-    # ---- the collector's protocol ------------------------------------------------------------
-
     def response_budget(self, max_tokens_per_turn: int) -> int | None:
         """Every policy and environment turn of an episode: ``max_episode_tokens`` (at least one
         turn's tokens); None without it (the episode runs until the engine's context)."""
@@ -289,11 +253,8 @@ class MultiTurnEnv(Environment):
         return max(max_tokens_per_turn, self.max_episode_tokens)
 
     def start(self, context: EngineContext) -> None:
-        """Keep the engine's context and build the renderer of the environment's turns.
-
-        Environment turns are written like the prompt: as the chat template renders them after
-        a chat-template prompt, as plain text after a plain one.
-        """
+        """Keep the engine's context and build the renderer of the environment's turns (chat
+        template or plain text, like the prompt)."""
         super().start(context)
         from grpo.envs.render import ChatTurnRenderer, PlainTurnRenderer
 
@@ -318,8 +279,7 @@ class MultiTurnEnv(Environment):
         )
 
     def take_reward_calls(self) -> dict[str, dict[str, Any]] | None:
-        """The reward functions' calls (`score`) since the last time they were taken, by name
-        (`grpo.rewards.calls.RewardCalls.as_dict`)."""
+        """The reward functions' calls since the last time they were taken, by name."""
         calls, self._reward_calls = self._reward_calls, {}
         return {name: made.as_dict() for name, made in calls.items()}
 
@@ -337,12 +297,8 @@ class MultiTurnEnv(Environment):
         group_size: int,
         seeds: Sequence[int],
     ) -> list[list[Episode]]:
-        """Episodes driven by `grpo.envs.rollout.run_episodes` (see `Environment.run_groups`).
-
-        With the default `score`, each episode's rewards are computed in the background as
-        soon as it ends, while the engine runs the others (`score` then only collects them):
-        scoring in worker processes costs the engine no wait but the last episodes'.
-        """
+        """Episodes driven by `grpo.envs.rollout.run_episodes`; with the default `score`, each
+        is scored in the background as soon as it ends, while the engine runs the others."""
         from grpo.envs.rollout import run_episodes
 
         context = self._started()
@@ -365,8 +321,6 @@ class MultiTurnEnv(Environment):
                 self._early_rewards = early.finish()
         return groups
 
-    # ---- what a subclass writes ------------------------------------------------------------
-
     def reset(self, example: Mapping[str, Any]) -> dict[str, Any]:
         """The episode's initial state; by default the example's answer."""
         return {"answer": example.get("answer")}
@@ -379,7 +333,6 @@ class MultiTurnEnv(Environment):
         Args:
             messages (list[Message]): The conversation so far; the last one is the assistant's.
             state (dict): The episode's state, to read and update.
-            episode (Episode): The episode (counters such as ``tool_calls``, ``tool_errors``).
 
         Returns:
             list[Message] | None: Turns to append (``{"role": "tool" | "user", "content"}``),
@@ -390,11 +343,9 @@ class MultiTurnEnv(Environment):
     def start_response(self, episode: Episode) -> PendingResponse:
         """Begin the answer to the episode's last policy turn; it may finish later.
 
-        By default `env_response` runs now. An episode whose environment raises is marked with
-        its ``error`` and ends there (dropped, or scored with the failure rewards:
-        ``failed_episodes``); the others go on. Environments with slow
-        steps (tools in worker processes) override this to return a `PendingResponse` that
-        finishes later, so the rollout goes on with the other episodes meanwhile.
+        By default `env_response` runs now; an episode whose environment raises gets its
+        ``error`` and ends there. Environments with slow steps return a `PendingResponse`, so
+        the rollout goes on with the other episodes meanwhile.
         """
         try:
             return PendingResponse(self.env_response(episode.messages, episode.state, episode))
@@ -405,9 +356,8 @@ class MultiTurnEnv(Environment):
     def reward_names(self) -> list[str] | None:
         """The names `score` gives its rewards, known before any episode runs, or None.
 
-        ``ref.reward_weights`` is checked against them before the actors start. By default
-        the reward functions' names; None for a subclass with its own `score` (override this
-        too to have its names checked early; otherwise they are checked when it scores).
+        By default the reward functions' names; None for a subclass with its own `score`
+        (override this too to have ``ref.reward_weights`` checked before the actors start).
         """
         if type(self).score is not MultiTurnEnv.score:
             return None
@@ -416,9 +366,8 @@ class MultiTurnEnv(Environment):
         return [reward_name(fn) for fn in self.reward_functions]
 
     def failure_rewards(self) -> dict[str, float] | None:
-        """Each reward function's ``failure_reward`` (0 unless it says otherwise), by name: the
-        rewards of a failed episode kept in its group (``failed_episodes: score``). None for a
-        subclass with its own `score`: its names then score 0."""
+        """Each reward function's ``failure_reward``, by name; None for a subclass with its own
+        `score` (its names then score 0)."""
         if type(self).score is not MultiTurnEnv.score:
             return None
         from grpo.rewards import reward_name
@@ -432,9 +381,7 @@ class MultiTurnEnv(Environment):
         """Rewards of finished episodes, by reward name.
 
         By default every reward function scores the last assistant turn against the answer,
-        and each episode keeps the functions' success flags (``successes``); calls that timed
-        out or raised are counted (`batch_metrics`). Rewards computed while the episodes ran
-        (`run_groups`) are taken as they are.
+        and each episode keeps the functions' success flags (``successes``).
         """
         early, self._early_rewards = self._early_rewards, {}
         if all(id(episode) in early for episode in episodes):

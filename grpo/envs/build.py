@@ -15,18 +15,11 @@ def build_environment(
     """The run's environment, built from its ``_component_`` node if need be.
 
     The node gets the run's ``reward_functions`` and ``reward_timeout_s`` unless it names its
-    own. Without a node (None), the environment is a `grpo.envs.SingleTurnEnv` of the run's
-    reward functions. The driver builds it once before any actor starts
-    (`recipes/async_grpo.py`), so that a bad value is one line there, not an error in a
-    collector; each collector then builds its own from the same node.
+    own; without a node the environment is a `grpo.envs.SingleTurnEnv` of the run's rewards.
 
     Args:
         environment: An `Environment`, its ``_component_`` node, or None.
         reward_functions (Sequence): The run's reward functions (built, or their nodes).
-        reward_timeout_s (float): The run's ``reward_timeout_s``.
-
-    Returns:
-        Environment: The environment.
 
     Raises:
         ConfigError: If it cannot be built, naming the key and the reason.
@@ -48,8 +41,8 @@ def build_environment(
         node.setdefault("reward_functions", list(reward_functions))
         node.setdefault("reward_timeout_s", reward_timeout_s)
         if isinstance(node["reward_functions"], Sequence):
-            # Built here, by the rule for reward functions (a plain function scores; it is
-            # not called with the node's keys), before the environment gets them.
+            # By the rule for reward functions: a plain function scores, it is not called with
+            # the node's keys.
             where = "environment.reward_functions" if own else "reward_functions"
             node["reward_functions"] = _built_rewards(node["reward_functions"], where)
         try:

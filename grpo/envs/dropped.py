@@ -1,20 +1,8 @@
 """Episodes the environment failed: scored or dropped, and why, said in full and said once.
 
-An environment that raises ends that episode only, and the run goes on
-(`grpo.envs.rollout.run_episodes`). With ``failed_episodes: score`` the episode stays in its
-group, scored with the failure rewards (`scored_episodes`); with ``drop`` it is left out. The
-episode keeps why (``Episode.error``): `failure_reason`
-names the exception (type and message) and where in the environment's own code it raised, in
-one line. A long reason (a verifiers tool server's traceback) is kept whole and leads with its
-last line, where a traceback states its cause (`cause_first`).
-
-A broken environment fails every episode the same way, thousands of times an hour: the
-collector logs each distinct reason once, with a count, then a line now and then with the
-episodes failed for it since (`DroppedEpisodeLog`), and hands each batch's counts to the driver
-(`BatchDrops`), which stops a run whose environment fails nearly every episode, scored or
-dropped (`grpo.orchestrator.episode_drops`).
-
-Pure Python: no torch, Ray or vLLM.
+An environment that raises ends that episode only. A broken one fails every episode the same
+way, thousands of times an hour, so each distinct reason is logged once and then counted; the
+driver stops a run whose environment fails nearly every episode. Pure Python.
 """
 
 from __future__ import annotations
@@ -43,12 +31,6 @@ _ENVS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def failure_reason(error: BaseException) -> str:
     """Why an episode failed: the exception and where in the environment's code it raised.
 
-    The frames named are the innermost ones outside `grpo.envs` (the environment's code: where
-    it raised, then what called that); see `grpo.tracebacks.failure_reason`.
-
-    Args:
-        error (BaseException): What the environment raised.
-
     Returns:
         str: e.g. ``KeyError: 'anwser' (at /home/me/my_env.py:31 in env_response:
         return state["anwser"])``.
@@ -59,17 +41,9 @@ def failure_reason(error: BaseException) -> str:
 def scored_episodes(env: Any, episodes: Sequence[Any]) -> tuple[list[Any], list[dict[str, float]]]:
     """The episodes of a batch that go into their groups, and their rewards, in order.
 
-    The environment scores the episodes it did not fail (`Environment.score`). Those it failed
-    (``error``) are left out, unless its ``failed_episodes`` is ``"score"``: then each stays,
-    marked ``failure_scored``, with the environment's `failure_rewards` (each reward function's
-    ``failure_reward``; 0 under every name of an environment with its own score) and no
-    success. A failed episode without a policy token, or whose reward names are unknown (an
-    environment with its own score that failed every episode of the batch and declares no
-    `reward_names`), is left out all the same.
-
-    Args:
-        env (Environment): The environment that ran them (`grpo.envs.protocol.Environment`).
-        episodes (Sequence[Episode]): The batch's episodes, group after group.
+    Failed episodes (``error``) are left out unless ``env.failed_episodes`` is ``"score"``:
+    then each stays, marked ``failure_scored``, with `failure_rewards` and no success. A failed
+    episode without a policy token, or whose reward names are unknown, is left out all the same.
 
     Returns:
         tuple: The episodes kept, in order, and one rewards dict per kept episode.
@@ -107,12 +81,11 @@ class BatchDrops:
 
     Args:
         episodes (int): Episodes the batch ran.
-        dropped (int): Of them, episodes the environment failed (left out of their groups, or
-            kept with the failure rewards: ``scored``).
+        dropped (int): Of them, episodes the environment failed (dropped or ``scored``).
         reason (str | None): The most common reason among them (None when none failed).
         reason_count (int): Episodes failed for ``reason``.
         scored (int): Of the failed episodes, those kept in their groups with the failure
-            rewards (``failed_episodes: score``; `scored_episodes`).
+            rewards.
     """
 
     episodes: int
@@ -132,13 +105,9 @@ class BatchDrops:
 class DroppedEpisodeLog:
     """Counts failed episodes by reason; logs each reason once, then its count now and then.
 
-    The first batch that fails episodes for a reason logs it in full (a warning with that
-    batch's count, and whether they were dropped or scored with the failure rewards); later
-    ones for the same reason are counted and reported together, one line per reason, at most
-    every ``every_s`` seconds (and on `flush`): never one line per episode.
-    Past ``max_reasons`` distinct reasons (an environment whose messages name each episode's
-    values), new ones are counted together as `OTHER_REASONS`. Safe to call from several
-    threads (a collector's training batches and its evaluation).
+    A reason is logged in full the first time; later episodes failed for it are reported as one
+    count per reason at most every ``every_s`` seconds (and on `flush`). Past ``max_reasons``
+    distinct reasons, new ones are counted together as `OTHER_REASONS`. Thread-safe.
 
     Args:
         name (str): Who drops them, for the log lines (``"collector 0"``).
@@ -168,18 +137,8 @@ class DroppedEpisodeLog:
         self._lock = threading.Lock()
 
     def record(self, episodes: Iterable[Any], environment: str = "the environment") -> BatchDrops:
-        """Count one batch's failed episodes (``error`` set) and log as the class says.
-
-        A failed episode marked ``failure_scored`` was kept in its group with the failure
-        rewards (`scored_episodes`, called first); the others were dropped.
-
-        Args:
-            episodes (Iterable): The batch's episodes (`grpo.envs.Episode`).
-            environment (str): The environment's name, for the first line of each reason.
-
-        Returns:
-            BatchDrops: The batch's counts and its most common reason.
-        """
+        """Count one batch's failed episodes (``error`` set; ``failure_scored`` ones were kept)
+        and log as the class says; ``environment`` names it in each reason's first line."""
         episodes = list(episodes)
         batch = Counter(e.error for e in episodes if e.error is not None)
         dropped = sum(batch.values())

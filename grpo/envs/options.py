@@ -1,22 +1,9 @@
 """An environment's options: declared once, on its constructor, and checked from there.
 
-An option is a keyword argument of an environment's constructor whose type hint is
-``Annotated[type, Field(...)]`` (pydantic's `Field`, carrying the bounds), alone or
-``| None``:
-
-    class HintEnv(MultiTurnEnv):
-        @checked_options
-        def __init__(self, max_hints: Annotated[int, Field(ge=0)] = 1, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-
-`option_problems` checks values against these declarations, strictly like every config
-section (``2.5`` is no int, ``true`` no number, ``"3"`` no int). The constructor runs it
-(`checked_options`) and so does ``grpo validate`` on the ``environment:`` node
-(`grpo.envs.preflight`), so both refuse the same values with the same words. A subclass
-inherits its bases' options (a keyword it passes on through ``**kwargs``), and its own
-declaration of a name wins.
-
-Imports: pydantic, typing and inspect; no torch.
+An option is a keyword argument of the constructor typed ``Annotated[type, Field(...)]``
+(alone or ``| None``). The constructor (`checked_options`) and ``grpo validate`` check values
+with `option_problems`, strictly like every config section, so both refuse the same values
+with the same words. A subclass inherits its bases' options; its own declaration wins. No torch.
 """
 
 from __future__ import annotations
@@ -43,12 +30,7 @@ _PLURALS = {int: "ints", float: "numbers", str: "strings", bool: "booleans"}
 def option_declarations(component: Any) -> dict[str, Any]:
     """The options of a class (its ``__init__`` and its bases') or of a function, by name.
 
-    Args:
-        component: An environment class, or a function that builds one.
-
-    Returns:
-        dict[str, Any]: Each option's type hint (``Annotated[...]`` or ``Annotated[...] |
-        None``); the first class in the method resolution order that declares a name wins.
+    The first class in the method resolution order that declares a name wins.
     """
     if inspect.isclass(component):
         functions = [
@@ -73,12 +55,11 @@ def option_problems(component: Any, values: Mapping[str, Any]) -> list[str]:
 
     Args:
         component: An environment class, or a function that builds one.
-        values (Mapping[str, Any]): Keyword arguments; those that are no option are ignored
-            (the signature check names unknown keywords).
+        values (Mapping[str, Any]): Keyword arguments; those that are no option are ignored.
 
     Returns:
         list[str]: ``name: expected <type and bounds>, got <value>``, in the order of
-        ``values``; empty when every option's value fits its declaration.
+        ``values``.
     """
     declared = option_declarations(component)
     problems = []
@@ -115,12 +96,7 @@ def checked_options(init: Init) -> Init:
 
 
 def describe(hint: Any) -> str:
-    """An option's type and bounds in words: ``an int >= 1 or null``, ``one of json, tag``.
-
-    Example:
-        >>> describe(Annotated[float, Field(gt=0)])
-        'a number > 0'
-    """
+    """An option's type and bounds in words: ``an int >= 1 or null``, ``one of json, tag``."""
     parts = _union_parts(hint)
     words = [_describe_one(part) for part in parts if part is not type(None)]
     if type(None) in parts:

@@ -1,19 +1,9 @@
 """The one protocol between the collector and every kind of episode.
 
-The collector knows nothing of what an episode is. It starts its environment once with what
-the engine is (`EngineContext`), takes each example's prompt tokens from it (`prompt_ids`),
-hands it a batch of prompts and a continuous engine (`run_groups`), and has it score the
-episodes that finished (`score`). Every kind of episode implements that:
-
-* `grpo.envs.SingleTurnEnv`: a dataset with reward functions, one sampled response per
-  episode (the environment of a run that names none);
-* `grpo.envs.MultiTurnEnv` and `grpo.envs.ToolEnv`: the environment answers each policy turn;
-* `grpo.envs.VerifiersEnv`: a verifiers taskset plays its own episodes against the engine.
-
-The limits of an episode (turns, tokens per turn, tokens per episode, the engine's context)
-are the framework's, in one place (`EpisodeLimits`), read by the rollout of every kind.
-
-Pure Python; no torch, Ray or vLLM (``grpo validate`` reads environments).
+The collector knows nothing of what an episode is: every kind of episode (single-turn,
+multi-turn, tools, verifiers, agents) implements `Environment`, and the limits of an episode
+are the framework's (`EpisodeLimits`). Pure Python; no torch, Ray or vLLM (``grpo validate``
+reads environments).
 """
 
 from __future__ import annotations
@@ -38,15 +28,11 @@ class EngineContext:
     """What an environment is told once, before its first episode, about the engine.
 
     Args:
-        model_dir (str): The model folder the engine serves (its tokenizer files too).
-        tokenizer: The model folder's tokenizer (`grpo.models.load_tokenizer`): ``encode``,
-            ``decode``, ``stop_tokens``.
+        model_dir (str): The model folder the engine serves.
+        tokenizer: The model folder's tokenizer (`grpo.models.load_tokenizer`).
         max_model_len (int): The engine's context: prompt and response never exceed it.
         max_tokens_per_turn (int): ``inference.max_generated_tokens``.
-        temperature (float): The sampling temperature.
-        top_p (float): The sampling nucleus (1: none).
-        prompt_template: The dataset's prompt template (``chat``, ``chat_template_kwargs``,
-            ``add_bos``, ``stop``), or None.
+        prompt_template: The dataset's prompt template, or None.
     """
 
     model_dir: str
@@ -104,18 +90,15 @@ class EpisodeLimits:
 class Environment(ABC):
     """What the collector calls to turn prompts into scored episodes.
 
-    A subclass writes `run_groups` and `score`; the rest has defaults. The collector calls,
-    in this order: `examples` (once, when the run names no dataset), `response_budget`
-    (once, to size the engine's context), `start` (once, the engine built), then per batch
-    `prompt_ids`, `run_groups`, `score`, `batch_metrics` and `take_reward_calls`, and `close`
-    at the end.
+    A subclass writes `run_groups` and `score`; the rest has defaults. The collector calls
+    `examples`, `response_budget` and `start` once, then per batch `prompt_ids`, `run_groups`,
+    `score`, `batch_metrics` and `take_reward_calls`, and `close` at the end.
     """
 
     # Set by `start`; a class attribute, so that subclasses need not call a base __init__.
     context: EngineContext | None = None
-    # What becomes of an episode the environment failed (``Episode.error``): "drop" leaves it
-    # out of its group; "score" keeps it there, scored with `failure_rewards`
-    # (`grpo.envs.dropped.scored_episodes`). `grpo.envs.MultiTurnEnv` takes it as an option.
+    # What becomes of an episode the environment failed: "drop" leaves it out of its group;
+    # "score" keeps it there, scored with `failure_rewards`.
     failed_episodes: FailedEpisodes = "drop"
 
     def examples(self) -> list[dict[str, Any]] | None:
@@ -128,10 +111,8 @@ class Environment(ABC):
         return None
 
     def response_budget(self, max_tokens_per_turn: int) -> int | None:
-        """The most response tokens of one episode, which the engine's context must hold.
-
-        None: only the context bounds it (the collector then keeps the model's context).
-        """
+        """The most response tokens of one episode, which the engine's context must hold; None:
+        only the context bounds it."""
         return max_tokens_per_turn
 
     def start(self, context: EngineContext) -> None:
@@ -151,9 +132,8 @@ class Environment(ABC):
                 f"example {example.get('index')} has no 'prompt' (build the dataset with a "
                 "template)"
             )
-        # add_eos=False: the prompt continues into the response. A plain prompt gets a bos
-        # only for families whose tokenizer adds one (Llama 3); a chat template's text is
-        # encoded as it is, as transformers and vLLM encode it.
+        # A chat template's text already holds its special tokens: encoded as it is, as
+        # transformers and vLLM encode it.
         return context.tokenizer.encode(text, add_bos=context.add_bos, add_eos=False)
 
     @abstractmethod
@@ -169,12 +149,10 @@ class Environment(ABC):
         Args:
             prompts (Sequence[Prompt]): ``(example, prompt_ids)`` per prompt.
             engine (TurnEngine): The collector's engine; a turn joins its running batch.
-            group_size (int): Episodes per prompt.
-            seeds (Sequence[int]): One seed per prompt (`grpo.seeds.group_seed`).
+            seeds (Sequence[int]): One seed per prompt.
 
         Returns:
-            list[list[Episode]]: Per prompt, its finished episodes (one the environment
-            failed has ``error`` set).
+            list[list[Episode]]: Per prompt, its finished episodes (a failed one has ``error``).
         """
 
     @abstractmethod
@@ -192,9 +170,8 @@ class Environment(ABC):
         return None
 
     def take_reward_calls(self) -> dict[str, dict[str, Any]] | None:
-        """Its reward functions' calls since it was last asked, by reward name
-        (`grpo.rewards.calls.RewardCalls.as_dict`: calls, failures, why), for the driver's
-        guard on failing rewards; None: it scores without reward functions of the run's."""
+        """Its reward functions' calls since it was last asked (`RewardCalls.as_dict`), by
+        reward name; None: it scores without reward functions of the run's."""
         return None
 
     def batch_metrics(self) -> dict[str, float]:

@@ -1,16 +1,6 @@
 """reasoning-gym tasks as an environment: its procedural tasks, scored by its own scorers.
 
-`ReasoningGymEnv` generates its training rows (`examples`) and its held-out rows
-(`eval_examples`, from another seed, disjoint from the training rows) with reasoning-gym's
-``create_dataset``, renders each question with the environment's prompt template, and scores
-each response with the task's own ``score_answer`` on the answer reasoning-gym extracts (the
-last ``<answer>...</answer>`` block, ``reasoning_gym.utils.extract_answer``). The scoring is a
-reward function (`grpo.rewards.reasoning_gym.ReasoningGymReward`, named ``reasoning_gym``) run in the reward worker pool
-with the run's ``reward_timeout_s``, like every other reward; the run's ``reward_functions``
-are scored beside it.
-
-reasoning-gym is an extra (``pip install -e ".[hub]"``); this module imports it only when a
-task is checked, generated or scored, so that ``import grpo.envs`` never needs it.
+reasoning-gym (the ``hub`` extra) is imported only when a task is checked, generated or scored.
 """
 
 from __future__ import annotations
@@ -33,9 +23,8 @@ INSTALL_HINT = (
     'grpo.envs.ReasoningGymEnv needs the reasoning-gym package: pip install -e ".[hub]" '
     "(make setup installs it)"
 )
-# The name the reasoning-gym score is logged and weighed under (``ref.reward_weights``); the
-# scorer itself is `grpo.rewards.reasoning_gym.ReasoningGymReward` (imported when an environment
-# is built: importing this module loads no torch).
+# The scorer, `grpo.rewards.reasoning_gym.ReasoningGymReward`, is imported when an environment
+# is built: importing this module loads no torch.
 REWARD_NAME = "reasoning_gym"
 
 
@@ -92,16 +81,8 @@ def _spec_problem(spec: Any) -> str | None:
 def task_problems(tasks: Any, key: str = "tasks") -> list[str]:
     """What is wrong with a ``tasks`` mapping, one line per task, each naming its key.
 
-    Checks that every name is a reasoning-gym task (naming the closest one when it is not),
-    that every weight is above 0, and that every task's config builds its dataset.
-
-    Args:
-        tasks: The ``tasks`` option: ``{name: weight}`` or ``{name: {weight, config}}``.
-        key (str): The option's config key (``environment.tasks``).
-
-    Returns:
-        list[str]: Empty when every task can be generated; a single line naming the extra
-        when reasoning-gym is not installed.
+    Every name must be a task (the closest one is suggested), every weight above 0, and every
+    task's config must build its dataset; ``key`` is the option's config key.
     """
     if not isinstance(tasks, Mapping) or not tasks:
         return [f"{key}: expected a mapping of reasoning-gym task names to weights, got {tasks!r}"]
@@ -164,15 +145,7 @@ class QuestionLine:
 
 class TaskRows(Sequence):
     """Generated rows with the prompt template attached: ``rows[i]`` also carries the
-    ``prompt`` the template renders from its question, and ``template`` is what the collector
-    reads (stop strings, ``add_bos``), as for a `grpo.data.PromptDataset`.
-
-    Args:
-        rows (list[dict]): The rows (``question``, ``answer``, ``task``, ``metadata``,
-            ``index``).
-        template (Callable[[str], str]): Renders a question as the prompt.
-        name (str): For logs (``reasoning_gym:train``).
-    """
+    ``prompt`` the template renders from its question, as for a `grpo.data.PromptDataset`."""
 
     def __init__(self, rows: list[dict[str, Any]], template: Callable[[str], str], name: str):
         self.rows = rows
@@ -225,38 +198,22 @@ def _rows(
 class ReasoningGymEnv(SingleTurnEnv):
     """reasoning-gym tasks: one response per question, scored by the task's own scorer.
 
-    The environment brings its own rows (`examples`, run with ``dataset: null``): ``size``
-    questions drawn from ``tasks`` in proportion to their weights, and ``eval_size`` held-out
-    ones (`eval_examples`) from other seeds, none of them a training question. Every row has
-    ``question``, ``answer``, ``task`` (its task's name), ``metadata`` (reasoning-gym's, which
-    its scorer reads) and the ``prompt`` the template renders.
-
-    Each response is scored by `ReasoningGymReward` (``reasoning_gym``: the task's
-    ``score_answer`` on the last ``<answer>`` block) in the reward worker pool with
-    ``reward_timeout_s``; the ``reward_functions`` given (the run's) are scored beside it. Each
-    batch logs each task's mean score as ``inference/env_<task>_reward``.
+    The environment brings its own rows (run with ``dataset: null``): ``size`` questions drawn
+    from ``tasks`` by weight, and ``eval_size`` held-out ones from other seeds, none of them a
+    training question. Each response is scored by `ReasoningGymReward` (``reasoning_gym``) in
+    the reward worker pool; the ``reward_functions`` given are scored beside it.
 
     Args:
         tasks (Mapping): Task name -> sampling weight, or -> ``{weight, config}`` where
             ``config`` holds the task's reasoning-gym options (``{min_terms: 2}``).
-        size (int): Training rows generated.
         seed (int): Seed of the generation; the same options give the same rows.
         eval_size (int): Held-out rows generated (0: none).
-        template (Callable | None): The prompt template, built from its ``_component_`` node
-            (``grpo.data.ChatTemplate``, ``grpo.data.ThinkAnswerTemplate``, ...); None: the
-            question on a line of its own (`QuestionLine`).
-        reward_functions (Sequence): Reward functions scored beside reasoning-gym's.
-        reward_timeout_s (float): Seconds one reward call may take before it scores 0.
+        template (Callable | None): The prompt template; None: the question on a line of its
+            own (`QuestionLine`).
 
     Raises:
-        ValueError: An unknown task (naming the closest one), a weight that is not above 0, a
-            task config its task refuses, a template that is not callable, or reasoning-gym
-            not installed (naming the extra that installs it).
-
-    Example:
-        >>> env = ReasoningGymEnv({"chain_sum": 1.0}, size=4, eval_size=2)
-        >>> sorted(env.examples()[0])
-        ['answer', 'index', 'metadata', 'prompt', 'question', 'task']
+        ValueError: An unknown task, a weight that is not above 0, a task config its task
+            refuses, a template that is not callable, or reasoning-gym not installed.
     """
 
     @checked_options
@@ -335,8 +292,7 @@ class ReasoningGymEnv(SingleTurnEnv):
         return splits
 
     def _score_now(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
-        """Rewards by name, and each episode's task score as its ``<task>_reward`` metric
-        (`grpo.envs.metrics.episode_metrics` logs the batch's mean per task)."""
+        """Rewards by name, and each episode's task score as its ``<task>_reward`` metric."""
         rewards = super()._score_now(episodes)
         for episode, reward in zip(episodes, rewards):
             task = episode.example.get("task")

@@ -1,30 +1,9 @@
-"""The environment's turns as tokens: token in, token out.
+"""The environment's turns as tokens: token in, token out (docs/environments.md).
 
-An episode's sequence is the prompt, then the tokens the policy sampled, then the
-environment's turn as the model's chat template renders it, then the policy's next sampled
-tokens, and so on. Text the model wrote is never decoded and encoded again, so the trained
-tokens are exactly the sampled ones, and each turn extends the tokens before it.
-
-`ChatTurnRenderer` takes the environment's tokens from the model's own chat template: it
-renders the conversation so far with the policy's last turn replaced by a marker, followed by
-the environment's messages and the opening of the next assistant turn, and keeps the text
-after the marker (the close of the assistant turn, the environment's turns in the family's own
-format, the next turn's opening). Only that suffix is used, never the template's rendering of
-the history, so templates that rewrite earlier turns work as well as those that do not:
-Qwen3's (an empty ``<think></think>`` block on the last assistant turn only,
-``<tool_response>`` inside a user turn), DeepSeek-R1's (earlier thinking dropped, tool outputs
-in its own markers), Llama 3's (today's date in the system header, which moves at midnight).
-The sequence keeps what the model really saw while it sampled, earlier thinking included: the
-sampler and the trainer see the same tokens, which is what makes the logprobs match. What the
-template would render at inference for the whole conversation is not what is trained.
-
-A template that cannot render environment turns after an assistant turn, or that rewrites the
-text of the assistant turn they follow, is refused when the renderer is built, naming the
-model folder (`chat_template_problem`, which ``grpo validate`` runs too).
-
-Runs whose prompts are plain text (no chat template) use `PlainTurnRenderer`: each
-environment message is a text format filled with its content. The collector picks the one that
-matches the dataset's template.
+Text the model wrote is never decoded and encoded again: `ChatTurnRenderer` keeps only what the
+chat template writes after a marker standing for the policy's last turn, never its rendering of
+the history, so templates that rewrite earlier turns still extend the sampled tokens. Plain-text
+prompts use `PlainTurnRenderer`.
 """
 
 from __future__ import annotations
@@ -36,10 +15,8 @@ _MARKER = "\x00grpo-assistant-turn\x00"
 # The shortest conversation an assistant turn follows: what `ChatTurnRenderer.env_tokens`
 # renders after when it is given no history.
 _FIRST_TURN: tuple[dict[str, str], ...] = ({"role": "user", "content": "?"},)
-# Conversations the template is checked on before a run: environment turns must render after
-# an assistant turn that follows each of them (a history the template itself refuses, say a
-# system turn, is skipped). The last has an earlier tool exchange, after which some templates
-# write a later tool result otherwise (DeepSeek-R1's opens its tool outputs only once).
+# Conversations the template is checked on before a run. The last has an earlier tool exchange,
+# after which some templates write a later tool result otherwise (DeepSeek-R1's).
 _HISTORIES: tuple[tuple[dict[str, str], ...], ...] = (
     _FIRST_TURN,
     (
@@ -68,13 +45,11 @@ class ChatTurnRenderer:
     """Environment messages as the model's chat template renders them after an assistant turn.
 
     Args:
-        tokenizer: `grpo.models.Tokenizer` with a chat template (``apply_chat_template``,
-            ``encode``, ``decode``, ``stop_tokens``, ``model_dir``).
+        tokenizer: `grpo.models.Tokenizer` with a chat template.
         chat_template_kwargs (Mapping[str, Any] | None): Extra variables of the template, the
-            same the prompts are rendered with (e.g. ``{"enable_thinking": False}`` for Qwen3:
-            the next turn's opening then holds the empty thinking block).
-        roles (Sequence[str]): Roles of the environment's turns (`MultiTurnEnv.env_roles`):
-            the template is checked on those only.
+            same the prompts are rendered with.
+        roles (Sequence[str]): Roles of the environment's turns: the template is checked on
+            those only.
 
     Attributes:
         history_dependent (bool): Whether the template writes an environment turn otherwise
@@ -82,13 +57,9 @@ class ChatTurnRenderer:
             given the episode's own.
 
     Raises:
-        ValueError: If the tokenizer has no chat template, or the template renders what
-            follows an assistant turn differently depending on the turns before it
-            (`chat_template_problem`).
+        ValueError: If the tokenizer has no chat template, or `chat_template_problem` finds one.
 
     Example:
-        >>> tokenizer = load_tokenizer("/models/Qwen3-0.6B")
-        >>> renderer = ChatTurnRenderer(tokenizer)
         >>> tokenizer.decode(renderer.env_tokens([{"role": "tool", "content": "42"}], True))
         '\\n<|im_start|>user\\n<tool_response>\\n42\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n'
     """
@@ -106,9 +77,8 @@ class ChatTurnRenderer:
         )
         if problem is not None:
             raise ValueError(problem)
-        # The texts of the stop tokens: the template closes an assistant turn with one of them
-        # (<|im_end|>, <|eot_id|>, <｜end▁of▁sentence｜>), which a turn that ended on a stop token
-        # already holds (it may be another one: Llama's <|eom_id|> after a tool call).
+        # The template closes an assistant turn with a stop token, which a turn that ended on
+        # one already holds (maybe another one: Llama's <|eom_id|> after a tool call).
         self._stop_texts = sorted(
             {
                 tokenizer.decode([token_id], skip_special_tokens=False)
@@ -128,14 +98,12 @@ class ChatTurnRenderer:
         """Token ids of ``messages`` (environment turns) following an assistant turn.
 
         Args:
-            messages (Sequence[Mapping[str, str]]): ``{"role", "content"}`` turns, e.g. tool
-                results; the rendering ends with the opening of the next assistant turn.
-            closed (bool): Whether the assistant turn ended with a stop token (``<|im_end|>``):
-                the template's closing of the turn is then already in the sequence. False when
-                it stopped on a stop string: the closing comes from the environment.
-            history (Sequence[Mapping[str, str]]): The conversation before the assistant turn
-                (the episode's messages up to it); templates that number or group turns
-                (DeepSeek-R1's tool outputs) render the environment's turns in its light.
+            messages (Sequence[Mapping[str, str]]): ``{"role", "content"}`` turns; the rendering
+                ends with the opening of the next assistant turn.
+            closed (bool): Whether the assistant turn ended with a stop token (the template's
+                close is then already in the sequence).
+            history (Sequence[Mapping[str, str]]): The conversation before the assistant turn,
+                for templates whose environment turns depend on it.
 
         Returns:
             list[int]: The tokens to append (never trained).
@@ -185,14 +153,8 @@ def chat_template_problem(
 ) -> str | None:
     """Why environment turns cannot extend the sampled tokens with this template, or None.
 
-    The template must render the environment's turns of the given roles (a tool result, two
-    tool results, a user reply) after an assistant turn, after a short and a longer
-    conversation, with the assistant turn's text as it is.
-
-    Args:
-        tokenizer: `grpo.models.Tokenizer`.
-        chat_template_kwargs (Mapping[str, Any] | None): The template's extra variables.
-        roles (Sequence[str]): Roles of the environment's turns (`MultiTurnEnv.env_roles`).
+    The template must render environment turns of the given ``roles`` after an assistant turn,
+    after a short and a longer conversation, leaving the assistant turn's text as it is.
 
     Returns:
         str | None: One line naming the model folder and what to do, or None if it works.
@@ -259,13 +221,8 @@ class PlainTurnRenderer:
     """Environment messages as plain text, for models without a chat template.
 
     Args:
-        tokenizer: `grpo.models.Tokenizer` (``encode``).
         formats (Mapping[str, str] | None): Per role, a format with ``{content}``; by default
             tool results are ``<result>...</result>`` and user replies a line of their own.
-
-    Example:
-        >>> PlainTurnRenderer(tokenizer).env_tokens([{"role": "tool", "content": "42"}], True)
-        # the tokens of "<result>42</result>"
     """
 
     DEFAULT_FORMATS = {"tool": "<result>{content}</result>", "user": "\n{content}\n"}

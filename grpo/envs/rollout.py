@@ -1,23 +1,10 @@
 """Run multi-turn episodes on an inference engine, token-exact, batched across episodes.
 
-Each episode that needs a policy turn asks the engine for one: its whole token sequence so far
-(prompt, policy turns, environment turns) goes in as token ids, and the sampled ids come back
-with their logprobs. With a continuous engine (`TurnEngine`: the collector's vLLM engine), a
-turn joins the running batch at the engine's next step, as soon as its episode is ready; with a
-`Sampler` (a batch call, as tests script it), the turns ready together form one batch. The
-environment starts its answer to each finished turn (tool calls run in worker processes, each
-with its timeout), and the episode is ready again when its answer is in, while the others'
-tools still run: one episode waiting on a tool holds no other. The answer's turns are rendered
-to tokens (`grpo.envs.render`) and appended, masked from the loss.
-
-An episode ends when the environment says so, at ``max_turns`` policy turns (``hit_max_turns``),
-when a policy turn is cut by its token limit, or when the next environment turn would not leave
-room for a policy token within ``max_episode_tokens`` or the engine's context (both
-``truncated``): the limits of `grpo.envs.protocol.EpisodeLimits`. An environment that raises
-ends that episode only (``error`` says why: `grpo.envs.dropped.failure_reason`), and the run
-goes on; the caller scores it with the failure rewards or drops it
-(`grpo.envs.dropped.scored_episodes`) and reports it (the collector logs each reason once, with
-a count: `grpo.envs.dropped.DroppedEpisodeLog`).
+Each policy turn sends the episode's whole token sequence so far and joins the engine's running
+batch as soon as its episode is ready; one episode waiting on a tool holds no other. An episode
+ends when the environment says so, at ``max_turns`` (``hit_max_turns``), when a turn is cut by
+its token limit, or when no policy token would fit after the next environment turn
+(``truncated``). An environment that raises ends that episode only (``error`` says why).
 """
 
 from __future__ import annotations
@@ -62,8 +49,7 @@ class TurnEngine(Protocol):
     """An engine that samples policy turns continuously.
 
     A submitted turn joins the engine's running batch at its next step; each step advances
-    every running turn by a token and returns the turns that finished. vLLM's engine is one
-    (the collector's); `BatchEngine` makes one of a `Sampler`.
+    every running turn by a token and returns the turns that finished.
     """
 
     def submit(self, request: SampleRequest) -> Hashable:
@@ -119,29 +105,23 @@ def run_episodes(
     """Run ``group_size`` episodes per prompt to their end.
 
     Args:
-        env (MultiTurnEnv): The environment.
-        engine (TurnEngine | Sampler): The engine: continuous (a `TurnEngine`: a turn joins
-            the running batch as soon as its episode is ready), or a `Sampler` (one `Sample`
-            per `SampleRequest`, in order; the turns ready together form a batch).
-        tokenizer: Decodes policy turns for the environment (``decode``, ``stop_tokens``).
+        engine (TurnEngine | Sampler): A continuous engine, or a `Sampler` (the turns ready
+            together form a batch).
+        tokenizer: Decodes policy turns for the environment.
         renderer: Turns environment messages into tokens (`grpo.envs.render`).
         prompts (Sequence): ``(example, prompt token ids)`` per prompt.
-        group_size (int): Episodes per prompt.
         max_tokens_per_turn (int): Tokens the policy may sample in one turn (the environment's
             ``max_tokens_per_turn`` wins when set).
         max_model_len (int): The engine's context: prompt plus response never exceed it.
-        seeds (Sequence[int]): One seed per prompt (`grpo.seeds.group_seed`); turn ``t`` of
-            its episode ``j`` samples with ``grpo.seeds.sample_seed(seed, j, t)``, a seed no
-            other turn of the run shares, and a resumed stream samples the same.
+        seeds (Sequence[int]): One seed per prompt; turn ``t`` of its episode ``j`` samples
+            with ``grpo.seeds.sample_seed(seed, j, t)``.
         gather_s (float): When the engine is idle and one episode's answer is in, how long to
             wait for others' (a bigger batch) before sampling its next turn.
-        on_end (Callable | None): Called with each episode as soon as it ends (its reward can
-            be computed while the others still run).
+        on_end (Callable | None): Called with each episode as soon as it ends.
 
     Returns:
-        list[list[Episode]]: Per prompt, its episodes (finished; those whose environment
-        raised have ``error`` set, hold the tokens sampled up to the failure, and are not
-        logged here).
+        list[list[Episode]]: Per prompt, its finished episodes (a failed one has ``error`` set
+        and holds the tokens sampled up to the failure).
     """
     limits = EpisodeLimits(
         max_turns=env.max_turns,
@@ -226,11 +206,8 @@ def _add_turn(
 
 
 def _wait_for_answers(pending: Sequence[PendingResponse], gather_s: float) -> None:
-    """Block until an answer is done, then up to ``gather_s`` more for others to join it.
-
-    The wait for company keeps generation batched when many episodes' tools finish close
-    together, without letting a slow tool hold the episodes whose answers are in.
-    """
+    """Block until an answer is done, then up to ``gather_s`` more for others to join it (a
+    bigger batch), without letting a slow tool hold the episodes whose answers are in."""
     futures = [future for response in pending for future in response.futures]
     while not any(response.done() for response in pending):
         # Short waits: a deadline can pass without any future finishing.
@@ -275,21 +252,16 @@ def episode_groups(
     """Finished episodes as trajectory groups, with their rewards and stats.
 
     Args:
-        groups (Sequence[Sequence[Episode]]): Per prompt, its episodes (`run_episodes`).
         rewards (Sequence[dict[str, float]]): One per episode kept, in order: those without
-            ``error``, and failed ones scored with the failure rewards (``failure_scored``:
-            `grpo.envs.dropped.scored_episodes`).
-        group_ids (Sequence[int]): One per prompt.
+            ``error``, and ``failure_scored`` ones.
         sequence_id (Callable[[], str]): Makes the next unique sequence id.
         policy_version (int): Version of the weights that sampled the oldest policy token of
             an episode whose engine did not say (empty ``version_runs``).
         last_policy_version (int | None): Version that sampled the newest, likewise; None:
-            ``policy_version``. An episode with ``version_runs`` carries its own: the oldest
-            and the newest of its tokens'.
+            ``policy_version``.
 
     Returns:
-        list[GroupedUnscoredTrajectories]: One per prompt that kept at least one episode
-        (episodes whose environment raised are left out, unless ``failure_scored``).
+        list[GroupedUnscoredTrajectories]: One per prompt that kept at least one episode.
     """
     # Imported here: `grpo validate` reads this package without loading torch.
     import torch
@@ -300,9 +272,8 @@ def episode_groups(
     result = []
     for group, group_id in zip(groups, group_ids):
         trajectories = []
-        # Each episode keeps its own prompt: a verifiers episode's is its own (a split trace's
-        # holds its re-rendered history). Episodes of one group that start from the same
-        # tokens share one tensor, and packing lays such a prompt out once.
+        # Each episode keeps its own prompt (a split verifiers trace's holds its re-rendered
+        # history); episodes of a group with the same prompt share one tensor.
         prompt_tensors: dict[tuple[int, ...], torch.Tensor] = {}
         for episode in group:
             if episode.error is not None and not episode.failure_scored:

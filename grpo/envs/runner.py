@@ -1,16 +1,8 @@
-"""Tool calls on a `grpo.process_pool.TimedProcessPool`: a tool that hangs or crashes costs one
-error turn, never the collector.
+"""Tool calls in worker processes: a tool that hangs or crashes costs one error turn, never the
+collector.
 
-Each call's timeout counts from when a worker takes it (a call that waited for a busy worker is
-never answered with a timeout for that; `Job.queue_wait_s` keeps the wait), a call that overruns
-stops its own worker only, and each call may allocate at most ``memory_mb`` of data memory: past
-it an allocation raises ``MemoryError`` in the tool. This module turns a call's `JobOutcome`
-into the text the model reads and the error kind the episode counts.
-
-A tool may be an ``async def`` function: the worker runs the coroutine to its end
-(``asyncio.run``) and its return value is the answer.
-
-Pure Python: no torch, no Ray.
+A call's timeout counts from when a worker takes it, an overrun stops its own worker only, and
+past ``memory_mb`` of data an allocation raises ``MemoryError`` in the tool. Pure Python.
 """
 
 from __future__ import annotations
@@ -43,16 +35,8 @@ def _call(tool: Tool, arguments: Mapping[str, Any]) -> str:
 
 
 def tool_outcome(job: Job) -> ToolOutcome:
-    """The `ToolOutcome` of a submitted call. An unfinished call is lost: it is cancelled
-    (which stops its worker only) and answered with an error.
-
-    Args:
-        job (Job): The call, from `ToolRunner.submit`.
-
-    Returns:
-        ToolOutcome: The tool's text, or an error (timeout, crash of the worker, or an
-        exception the tool raised, with its message) the model can read.
-    """
+    """The `ToolOutcome` of a submitted call: the tool's text, or an error the model can read.
+    An unfinished call is cancelled (which stops its worker only)."""
     outcome = job.outcome()
     if outcome.kind == "value":
         return ToolOutcome(outcome.value)
@@ -74,23 +58,15 @@ def tool_outcome(job: Job) -> ToolOutcome:
 class ToolRunner:
     """Worker processes that run tool calls with a per-call timeout.
 
-    Calls from every episode share the workers; a call waits in a queue while they are busy,
-    and its timeout starts when a worker takes it.
-
     Args:
         num_workers (int): Worker processes (this many calls run at a time).
         start_method (str): ``"forkserver"`` or ``"spawn"``; never ``"fork"`` (the collector
             runs threads and an inference engine).
-        memory_mb (int | None): Data memory one call may allocate (``RLIMIT_DATA`` while it
-            runs); None: no cap.
+        memory_mb (int | None): Data memory one call may allocate (``RLIMIT_DATA``); None: no
+            cap.
 
     Raises:
         ValueError: ``num_workers`` is not an int >= 1.
-
-    Example:
-        >>> runner = ToolRunner()
-        >>> runner.run([(Tool(calculator), {"expression": "2*3"})], timeout_s=5.0)
-        [ToolOutcome(text='6', error=None)]
     """
 
     def __init__(
@@ -114,15 +90,8 @@ class ToolRunner:
         self.pool.stop()
 
     def submit(self, tool: Tool, arguments: Mapping[str, Any], timeout_s: float) -> Job:
-        """Queue one call; `tool_outcome` gives its outcome once its future is done.
-
-        Args:
-            tool (Tool): The tool.
-            arguments (Mapping): Its checked arguments.
-            timeout_s (float): Limit of the call, from when a worker takes it.
-
-        Returns:
-            Job: The call's future, start time and deadline.
+        """Queue one call with its checked arguments; `tool_outcome` gives its outcome once its
+        future is done. ``timeout_s`` counts from when a worker takes it.
 
         Raises:
             RuntimeError: The runner was made by another process.
@@ -137,10 +106,6 @@ class ToolRunner:
         Args:
             calls (Sequence[tuple[Tool, Mapping]]): A tool and its checked arguments, per call.
             timeout_s (float): Limit of each call, from when a worker takes it.
-
-        Returns:
-            list[ToolOutcome]: The tool's text, or an error (timeout, crash of the worker, or an
-            exception the tool raised, with its message).
         """
         jobs = [self.submit(tool, arguments, timeout_s) for tool, arguments in calls]
         wait_for_jobs(jobs)

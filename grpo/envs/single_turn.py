@@ -1,10 +1,5 @@
-"""The single-turn environment: a dataset with reward functions.
-
-Each episode is one response the policy samples for the prompt; the run's reward functions
-score it against the example's answer. It is the environment of a run that names none, and it
-runs on the same path as every other (`grpo.envs.protocol.Environment`): the collector does
-not know it is the simple case.
-"""
+"""The single-turn environment (a run's when it names none): one sampled response per episode,
+scored by the run's reward functions."""
 
 from __future__ import annotations
 
@@ -25,11 +20,6 @@ class SingleTurnEnv(MultiTurnEnv):
 
     Raises:
         ValueError: Without reward functions (nothing would score the episodes).
-
-    Example:
-        >>> env = SingleTurnEnv([math_reward], reward_timeout_s=5.0)
-        >>> env.response_budget(256)
-        256
     """
 
     def __init__(self, reward_functions: Sequence[Any] = (), reward_timeout_s: float = 10.0):

@@ -1,20 +1,9 @@
 """TextArena games as an environment: one single-player game per episode, played turn by turn.
 
-`TextArenaEnv` plays a TextArena game (``GuessTheNumber-v0``, ``TowerOfHanoi-v0``, ...): each
-example is a game seed, the prompt is the game's first observation, each policy turn is the
-action passed to the game's ``step``, and what the game says back (hints, boards, invalid-move
-notices) is the next user turn. When the game ends, its own reward for the player is the
-episode's reward (named ``textarena``) and its win is the episode's success; an episode that
-stops first (``max_turns``, the token budget) scores 0, unfinished.
-
 Games are made from TextArena's unwrapped (``-raw``) registrations, so the policy's text goes
-to the game as written and only the game's new messages come back each turn. Every episode gets
-a game object of its own, made in the collector process. TextArena seeds games through Python's
-global ``random``; each game's random state is kept apart from the process's (and from the
-other games') and its calls are made one at a time.
-
-TextArena is an extra (``pip install -e ".[hub]"``); this module imports it only when a game
-is checked or played, so that ``import grpo.envs`` never needs it.
+to the game as written. TextArena seeds games through Python's global ``random``, so each game
+keeps its own random state and its calls are made one at a time. TextArena (the ``hub`` extra)
+is imported only when a game is checked or played.
 """
 
 from __future__ import annotations
@@ -71,16 +60,8 @@ def game_names() -> list[str]:
 def game_problems(game: Any, key: str = "game") -> list[str]:
     """What is wrong with a ``game`` name, in one line naming its key, or nothing.
 
-    Checks that TextArena has the game (naming the closest one when it does not) and that it
-    starts with one player.
-
-    Args:
-        game: The ``game`` option (``GuessTheNumber-v0``).
-        key (str): The option's config key (``environment.game``).
-
-    Returns:
-        list[str]: Empty when the game can be played; one line otherwise (a single line
-        naming the extra when textarena is not installed).
+    The game must exist (the closest name is suggested) and start with one player; ``key`` is
+    the option's config key (``environment.game``).
     """
     if not isinstance(game, str) or not game:
         return [f"{key}: expected a TextArena game name such as GuessTheNumber-v0, got {game!r}"]
@@ -161,15 +142,8 @@ class _Game:
 
 class GameRows(Sequence):
     """The rows of one split: row ``i`` is the game played with ``seeds[i]``, its ``question``
-    the game's first observation (made when the row is read), its ``prompt`` the template's
-    rendering of it, and ``template`` what the collector reads (stop strings, ``add_bos``).
-
-    Args:
-        game (str): The TextArena game.
-        seeds (Sequence[int]): The games' seeds.
-        template (Callable[[str], str]): Renders a first observation as the prompt.
-        name (str): For logs (``textarena:train``).
-    """
+    the game's first observation (made when the row is read) and its ``prompt`` the
+    template's rendering of it."""
 
     def __init__(
         self, game: str, seeds: Sequence[int], template: Callable[[str], str], name: str
@@ -222,44 +196,24 @@ def _base_seed(seed: int, game: str) -> int:
 class TextArenaEnv(MultiTurnEnv):
     """A single-player TextArena game: the policy plays it, the game scores it.
 
-    The environment brings its own rows (`examples`, run with ``dataset: null``): ``size``
-    games of ``game``, each a seed, and ``eval_size`` held-out games (`eval_examples`) on other
-    seeds. Every row has ``game``, ``seed``, ``question`` (the game's first observation),
-    ``answer`` (empty: the game judges) and the ``prompt`` the template renders.
-
-    Each episode plays its own game: every policy turn is the action given to the game's
-    ``step``, and the game's new messages are the next user turn, until the game ends (or
-    ``max_turns``). The game's reward for the player is the reward ``textarena`` and its win
-    (reward 1 or more) the episode's success; an unfinished game scores 0. The
-    ``reward_functions`` given are scored beside it on the last turn. Each batch logs the
-    fraction of games that finished (``inference/env_textarena_finished``) and of those lost
-    to an invalid move (``inference/env_textarena_invalid_move``).
+    The environment brings its own rows (run with ``dataset: null``): ``size`` games, each a
+    seed, and ``eval_size`` held-out games on other seeds. Each policy turn is an action given
+    to the game's ``step`` and the game's new messages are the next user turn. The game's reward
+    is the reward ``textarena`` and its win (reward 1 or more) the success; an unfinished game
+    scores 0. The ``reward_functions`` given are scored beside it on the last turn.
 
     Args:
         game (str): A single-player TextArena game (``GuessTheNumber-v0``).
-        size (int): Training games (seeds).
         seed (int): Seed of the games' seeds; the same options give the same games.
         eval_size (int): Held-out games, on seeds no training game has (0: none).
-        template (Callable | None): The prompt template, built from its ``_component_`` node;
-            None: the first observation on lines of its own (`ObservationLine`).
-        reward_functions (Sequence): Reward functions scored beside the game's reward.
-        max_turns (int): Most policy turns (actions) in an episode.
-        max_episode_tokens (int | None): Most response tokens of an episode.
-        max_tokens_per_turn (int | None): Most tokens of one action.
+        template (Callable | None): The prompt template; None: the first observation on lines
+            of its own (`ObservationLine`).
         stop (Sequence[str]): Strings that end a policy turn (kept in it); by default ``]``,
             since TextArena's actions are bracketed (``[5]``).
-        reward_timeout_s (float): Seconds one call of a reward function may take.
-        failed_episodes (str): ``"score"`` or ``"drop"`` an episode whose game raised.
 
     Raises:
-        ValueError: An unknown game (naming the closest one), one that does not start with
-            one player, a template that is not callable, or textarena not installed (naming
-            the extra that installs it).
-
-    Example:
-        >>> env = TextArenaEnv("GuessTheNumber-v0", size=4, eval_size=2)
-        >>> sorted(env.examples()[0])
-        ['answer', 'game', 'index', 'prompt', 'question', 'seed']
+        ValueError: An unknown game, one that does not start with one player, a template that
+            is not callable, or textarena not installed.
     """
 
     @checked_options

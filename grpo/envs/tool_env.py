@@ -1,15 +1,8 @@
 """An environment whose answers are tool results: the policy calls tools until it answers.
 
-Each assistant turn is searched for tool calls (`grpo.envs.tools.parse_tool_calls`). A turn
-without one ends the episode (it is the final answer, scored by the reward functions). Every
-call is answered with one ``tool`` turn: the tool's result, or an error the model can read (a
-call that does not parse, a tool that is not declared, arguments of the wrong type, a tool that
-raised, crashed or overran its timeout). Errors are counted by kind in the episode's stats.
-Calls run in worker processes (`ToolRunner`, ``tool_workers`` of them), concurrently across
-episodes; an episode waiting on its calls holds no other (`start_response` returns at once,
-`grpo.envs.rollout` goes on). A call's timeout counts from when a worker takes it: a call that
-waited for a busy worker is never answered with a timeout for that; how long it waited is kept
-in the episode's stats (``tool_queue_wait_s``).
+A turn without a call is the final answer. Every call is answered with one ``tool`` turn: the
+result, or an error the model can read, counted by kind. Calls run in worker processes,
+concurrently across episodes.
 """
 
 from __future__ import annotations
@@ -45,40 +38,24 @@ class ToolEnv(MultiTurnEnv):
         tools (Sequence): Functions with type hints, their dotted paths, or `Tool` objects,
             e.g. ``[grpo.envs.builtin_tools.calculator]``.
         call_format (str): How the model writes its calls, the format its chat template
-            teaches: ``"json"`` (``<tool_call>{"name", "arguments"}</tool_call>``: Qwen2.5,
-            Qwen3), ``"llama3_json"`` (``{"name", "parameters"}``: Llama 3.x),
-            ``"deepseek"`` (DeepSeek-R1 and its distills), or ``"tag"``
-            (``<calculator>2*3</calculator>``: small models and plain prompts).
+            teaches (`grpo.envs.tools.CALL_FORMATS`).
         tool_timeout_s (float): Seconds one call may take from when a worker takes it; a
-            slower call is stopped and answered with an error (the time it waited for a
-            worker does not count).
+            slower call is stopped and answered with an error.
         max_tool_calls_per_turn (int): Calls of one turn beyond this are answered with an
             error without running.
         tool_memory_mb (int | None): Data memory one call may allocate; past it the call
-            fails with ``MemoryError`` (an ``exception`` error turn). None: no cap. Ignored
-            with a ``runner`` of your own.
+            fails with ``MemoryError``. None: no cap. Ignored with a ``runner`` of your own.
         tool_workers (int): Worker processes that run the calls, shared by every episode of
-            this process (the collector): at most this many calls run at a time, the others
-            wait for a worker. Ignored with a ``runner`` of your own.
-        runner (ToolRunner | None): Worker processes for the calls; default a process-wide one
-            with ``tool_workers`` workers and ``tool_memory_mb``.
-        reward_functions, max_turns, max_episode_tokens, max_tokens_per_turn,
-            reward_timeout_s: As `MultiTurnEnv`.
+            the collector. Ignored with a ``runner`` of your own.
+        runner (ToolRunner | None): Worker processes for the calls; default a process-wide one.
         failed_episodes (str): As `MultiTurnEnv`; default ``"score"``: a turn that makes the
-            environment raise (its call parser, on output it cannot read) is the policy's
-            doing, and is penalised with the failure rewards in its group.
-        stop (Sequence[str] | None): Stop strings of a policy turn; default the end of a call
-            (``</tool_call>``, or ``</name>`` of each tool for the tag format), so a turn ends
-            as soon as it has made its call.
+            call parser raise is the policy's doing, and is penalised.
+        stop (Sequence[str] | None): Stop strings of a policy turn; default the end of a call,
+            so a turn ends as soon as it has made its call.
 
     Raises:
-        ValueError: An option of the wrong type or out of bounds (an unknown
-            ``call_format``, ``tool_timeout_s`` not above 0; declared in the signature,
-            `grpo.envs.options`), a tool `Tool` refuses, no tools.
-
-    Example:
-        >>> env = ToolEnv(tools=["grpo.envs.builtin_tools.calculator"], call_format="tag",
-        ...               reward_functions=[MathCorrectnessReward()], max_turns=3)
+        ValueError: An option of the wrong type or out of bounds, a tool `Tool` refuses, no
+            tools.
     """
 
     env_roles = ("tool",)  # every answer is one tool turn per call
@@ -136,11 +113,8 @@ class ToolEnv(MultiTurnEnv):
         return self.start_response(episode).result()
 
     def start_response(self, episode: Episode) -> PendingResponse:
-        """Parse the turn's calls and start the good ones on the workers; answer the rest now.
-
-        The answer is one tool turn per call, in order: a refused call's error at once, a
-        running call's result (or error) when its worker reports. No call: the episode ends.
-        """
+        """Parse the turn's calls and start the good ones on the workers; answer the rest now,
+        one tool turn per call, in order. No call: the episode ends."""
         try:
             calls = parse_tool_calls(episode.last_assistant_text(), self.call_format, self.tools)
         except Exception as error:  # the run goes on; the episode ends here, named

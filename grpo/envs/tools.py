@@ -1,24 +1,10 @@
 """Tools: plain Python functions with type hints, and the parsing of the model's calls to them.
 
-A tool is any module-level function (``def`` or ``async def``) whose parameters have type hints
-(``int``, ``float``, ``str``, ``bool``); its docstring's first line describes it to the model.
-`Tool` checks a call's arguments against the hints before the function runs, so a call with a
-missing, unknown or mistyped argument becomes an error turn for the model, not an exception in
-a worker.
-
-The call formats (`parse_tool_calls`), each the one a model family's chat template teaches:
-
-* ``"json"``: ``<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>``,
-  the Hermes format of Qwen2.5 and Qwen3 templates.
-* ``"llama3_json"``: the whole turn is ``{"name": "calculator", "parameters": {...}}``, after an
-  optional ``<|python_tag|>``: the format of Llama 3.1, 3.2 and 3.3 templates.
-* ``"deepseek"``: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>calculator`` then the arguments in
-  a fenced json block and ``<｜tool▁call▁end｜>``, inside ``<｜tool▁calls▁begin｜>`` ...
-  ``<｜tool▁calls▁end｜>``: the format of DeepSeek-R1 (and its distills') templates.
-* ``"tag"``: ``<calculator>2+3</calculator>``: the tag is the tool's name and the text inside is
-  its first parameter. For small models and plain (non-chat) templates.
-
-Pure Python: no torch, no Ray (tools are unpickled in worker processes).
+A call's arguments are checked against the tool's type hints before it runs, so a bad call is an
+error turn for the model, not an exception in a worker. Each call format is the one a family's
+chat template teaches: ``json`` (Hermes ``<tool_call>``: Qwen), ``llama3_json``, ``deepseek``,
+and ``tag`` (``<calculator>2+3</calculator>``, the text its first parameter: small models).
+Pure Python: tools are unpickled in worker processes.
 """
 
 from __future__ import annotations
@@ -76,22 +62,14 @@ class Tool:
     """A Python function the model may call, checked against its type hints.
 
     Args:
-        fn (Callable | str): A module-level function (or its dotted path) whose parameters
-            all have type hints among ``int``, ``float``, ``str``, ``bool``. It returns
-            something whose ``str()`` is the tool's answer; an ``async def`` function is
-            awaited in its worker (`grpo.envs.runner`).
+        fn (Callable | str): A module-level function (or its dotted path; ``async def`` too)
+            whose parameters all have type hints among ``int``, ``float``, ``str``, ``bool``;
+            ``str()`` of its return is the answer, its docstring's first line its description.
         name (str | None): Name the model calls it by; default the function's name.
 
     Raises:
         ValueError: If the function cannot be imported, is not module-level, or a parameter
             has no supported type hint (named).
-
-    Example:
-        >>> def add(a: int, b: int) -> int:
-        ...     '''Add two integers.'''
-        ...     return a + b
-        >>> Tool(add).check_arguments({"a": 1, "b": "2"})
-        "argument 'b' of add must be an integer, got '2'"
     """
 
     def __init__(self, fn: Callable[..., Any] | str, name: str | None = None) -> None:
@@ -179,19 +157,16 @@ def check_tools(
 ) -> tuple[dict[str, Tool], list[str]]:
     """Tools by name, and every problem of the specs that cannot be tools.
 
-    Specs are functions, dotted paths or `Tool` objects; a ``_component_`` mapping (a config
-    node) is skipped: it is checked when it is built. `grpo validate` reports every problem;
-    `resolve_tools` raises the first.
+    Specs are functions, dotted paths or `Tool` objects; a ``_component_`` mapping is skipped
+    (checked when it is built).
 
     Args:
         tools (Sequence): The specs.
         locate (Callable[[str], Any] | None): Imports a dotted path, raising with a message
-            that names it; `grpo validate` passes `grpo.config.locate`, which adds the close
-            name to a typo (``did you mean 'calculator'?``). None: a plain import.
+            that names it; None: a plain import.
 
     Returns:
-        tuple: ``{name: Tool}`` of the good specs, and problems as ``tools[i]: what is wrong``
-        (a spec `Tool` refuses, or a second tool with a name already taken).
+        tuple: ``{name: Tool}`` of the good specs, and problems as ``tools[i]: what is wrong``.
     """
     by_name: dict[str, Tool] = {}
     index_of: dict[str, int] = {}
@@ -242,12 +217,8 @@ def call_stop_strings(call_format: str, tool_names: Sequence[str]) -> tuple[str,
 def call_format_problem(call_format: str, tool: Tool) -> str | None:
     """Why the model could not call ``tool`` in ``call_format``, or None if it can.
 
-    The ``"tag"`` format passes the text inside ``<name>...</name>`` as the tool's first
-    parameter and nothing else, so a tool that requires another parameter could never be
-    called correctly: every call would be an error turn.
-
-    Returns:
-        str | None: One line naming the tool, its required parameters and the format to use.
+    The ``"tag"`` format passes only the first parameter, so a tool that requires another could
+    never be called correctly.
     """
     if call_format != "tag":
         return None
@@ -283,17 +254,13 @@ def parse_tool_calls(text: str, call_format: str, tools: Mapping[str, Tool]) -> 
 
     Args:
         text (str): The assistant turn, decoded.
-        call_format (str): One of `CALL_FORMATS` (see the module docstring).
+        call_format (str): One of `CALL_FORMATS`.
         tools (Mapping[str, Tool]): The declared tools (the ``"tag"`` format looks for their
             names).
 
     Returns:
-        list[ToolCall]: Empty when the turn calls no tool. A call that does not parse has its
-        ``error`` set (answered with it, counted as a parse error).
-
-    Example:
-        >>> parse_tool_calls("<calculator>2*3</calculator>", "tag", {"calculator": calc})
-        [ToolCall(name='calculator', arguments={'expression': '2*3'}, error=None)]
+        list[ToolCall]: Empty when the turn calls no tool; a call that does not parse has its
+        ``error`` set.
     """
     if call_format == "json":
         calls = []

@@ -1,22 +1,10 @@
 """The renderer a verifiers client uses here: each turn extends the tokens sampled before it.
 
-verifiers' train client renders an episode's first prompt with a ``renderers`` renderer, and
-for every later turn asks the renderer to *bridge*: given the previous turn's prompt and
-sampled ids and the environment's new messages (tool results, a user reply), return the next
-prompt as those ids plus the new turns' tokens. When the renderer cannot (``renderers``'
-``DefaultRenderer``, which wraps an opaque chat template, never can), the client renders the
-whole conversation again from its messages; wherever that re-tokenisation differs from what
-was sampled (a compact JSON tool call written back with spaces, an earlier thinking block
-dropped), verifiers splits the trace and the turns before the split are not trained.
-
-`TemplateBridgeRenderer` is ``DefaultRenderer`` (the model's own chat template for the first
-prompt, the configured tool parser for sampled turns) whose bridge appends the environment's
-turns as the template writes them after an assistant turn (`grpo.envs.render.ChatTurnRenderer`,
-the same tokens the collector's own multi-turn episodes append). A trace then splits only
-where verifiers must re-render: an environment whose next prompt is not the previous one plus
-new tool or user turns (it rewrote or dropped earlier messages).
-
-Selected through ``renderers``' custom-renderer config (`bridge_renderer_config`).
+verifiers' client asks its renderer to *bridge* each later turn: extend the previous prompt and
+sampled ids with the environment's new messages. ``renderers``' ``DefaultRenderer`` never can,
+so the client re-renders the conversation, and wherever that differs from what was sampled the
+trace splits and the turns before the split are not trained. `TemplateBridgeRenderer` bridges
+with `grpo.envs.render.ChatTurnRenderer`, the tokens our own multi-turn episodes append.
 """
 
 from __future__ import annotations
@@ -38,9 +26,6 @@ def bridge_renderer_config(tool_parser: str, **chat_template_kwargs: Any) -> Cus
     Args:
         tool_parser (str): The ``renderers.parsers`` tool parser for sampled turns.
         **chat_template_kwargs: Extra variables of the chat template.
-
-    Returns:
-        CustomRendererConfig: For ``vf.TrainClientConfig(renderer=...)``.
     """
     return CustomRendererConfig(
         import_path=f"{__name__}.{TemplateBridgeRenderer.__name__}",
@@ -52,14 +37,8 @@ def bridge_renderer_config(tool_parser: str, **chat_template_kwargs: Any) -> Cus
 class TemplateBridgeRenderer(DefaultRenderer):
     """``DefaultRenderer`` whose bridge extends the sampled ids with the environment's turns.
 
-    Args:
-        tokenizer: The Hugging Face tokenizer ``renderers`` loaded from the model folder.
-        config (DefaultRendererConfig | None): Tool and reasoning parsers, and the chat
-            template's extra variables (its ``model_extra``).
-
-    A chat template that cannot render environment turns after an assistant turn
-    (`grpo.envs.render.chat_template_problem`) gets no bridge: it is logged once, and the
-    client re-renders every turn as ``DefaultRenderer`` does.
+    A chat template that `grpo.envs.render.chat_template_problem` refuses gets no bridge (logged
+    once): the client re-renders every turn as ``DefaultRenderer`` does.
     """
 
     config_class = DefaultRendererConfig
@@ -92,20 +71,11 @@ class TemplateBridgeRenderer(DefaultRenderer):
     ) -> RenderedTokens | None:
         """The next prompt: the previous prompt and sampled ids, then ``new_messages``' tokens.
 
-        Args:
-            previous_prompt_ids (list[int]): The previous turn's prompt.
-            previous_completion_ids (list[int]): The ids the previous turn sampled.
-            new_messages (list): The environment's turns since then (tool results, a user
-                reply), as chat messages.
-            tools (list | None): The tools offered (the template's rendering of environment
-                turns does not depend on them).
-
         Returns:
             RenderedTokens | None: ``token_ids`` starting with ``previous_prompt_ids +
-            previous_completion_ids``, or None (the client then renders the conversation
-            again) when there is nothing to extend, ``new_messages`` holds an assistant turn
-            (sampled tokens are never re-tokenised), a message's content is not text, or the
-            template gave no bridge or writes environment turns after the history its own way.
+            previous_completion_ids``, or None (the client then re-renders) when there is
+            nothing to extend, ``new_messages`` holds an assistant turn or non-text content, or
+            the template cannot be bridged.
         """
         del tools
         # A template whose environment turns depend on the conversation before them
@@ -137,9 +107,8 @@ class TemplateBridgeRenderer(DefaultRenderer):
             log.warning("verifiers: no bridge for %s turns: %s", [t["role"] for t in turns], error)
             return None
         previous = [*previous_prompt_ids, *previous_completion_ids]
-        # The environment's tokens are one block of the template's text (the close of the
-        # assistant turn, the new turns, the next turn's opening), attributed to no single
-        # message: verifiers keeps them, masked, with the next sampled turn.
+        # One block attributed to no single message: verifiers keeps it, masked, with the next
+        # sampled turn.
         return RenderedTokens(
             token_ids=[*previous, *env_ids],
             message_indices=[-1] * (len(previous) + len(env_ids)),
