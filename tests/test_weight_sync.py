@@ -690,3 +690,64 @@ def test_collective_sync_from_a_trainer_actor_and_a_replacement_joins_a_new_pair
     finally:
         ray.kill(collector)
         ray.kill(trainer)
+
+
+@pytest.mark.slow
+def test_object_store_sync_from_a_trainer_actor_builds_only_its_own_ends(engines, ray_cluster):
+    """The driver makes the same calls for the object store as for the collective transport:
+    the trainer's reference reaches the collector, checksum and probe hold, and each actor
+    holds the end of that transport only."""
+    from ray.util.queue import Queue
+
+    from grpo.config import WeightSyncConfig
+    from grpo.weights.concurrency import TRAINER_CONCURRENCY_GROUPS
+    from grpo.weights.sync import WeightSync
+    from grpo.workers.collector import InferenceConfig, SyncLLMCollector
+    from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
+
+    ray = ray_cluster
+    model_dir, _ = engines["tied"]
+    trainer = ray.remote(num_cpus=0.5, concurrency_groups=TRAINER_CONCURRENCY_GROUPS)(
+        PyTorchActorModel
+    ).remote(
+        rank=0,
+        world_size=1,
+        model_dir=str(model_dir),
+        num_steps=8,
+        target_tokens_per_batch=256,
+        pad_token_id=0,
+        config=TrainingConfig(optimizer={"_component_": "torch.optim.SGD", "lr": 1.0}),
+    )
+    collector = SyncLLMCollector.as_remote(num_cpus=0.5).remote(
+        worker_id=0,
+        num_workers=1,
+        model_dir=str(model_dir),
+        dataset={"_component_": "grpo.data.arithmetic_dataset", "num_examples": 8},
+        rollout_queue=Queue(maxsize=8),
+        config=InferenceConfig(
+            engine_args=ENGINE_ARGS,
+            group_size=GROUP_SIZE,
+            max_generated_tokens=MAX_GENERATED_TOKENS,
+            max_prompt_tokens=64,
+        ),
+        reward_functions=[MathCorrectnessReward()],
+    )
+    config = WeightSyncConfig(transport="object_store")
+    sync = WeightSync(lambda refs, what: ray.get(refs), wait_for_receipt=True, config=config)
+    batch = ray.put(scored_batch())
+    try:
+        ray.get(trainer.setup.remote())
+        ray.get(trainer.train_step.remote(batch))
+        assert sync.sync([trainer], [collector])[0] == 1
+        ray.get(trainer.train_step.remote(batch))
+        assert sync.sync([trainer], [collector])[0] == 2
+        assert sync.verify([trainer], [collector])
+        assert ray.get(collector.get_policy_version.remote()) == 2
+        ends = [
+            ray.get(trainer.__ray_call__.remote(lambda t: type(t.weight_sender).__name__)),
+            ray.get(collector.__ray_call__.remote(lambda c: type(c.weights.end).__name__)),
+        ]
+        assert ends == ["ObjectStoreSender", "ObjectStoreReceiver"]
+    finally:
+        ray.kill(collector)
+        ray.kill(trainer)

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -47,18 +47,6 @@ MAX_REJECTED_UPDATES_IN_A_ROW = 3
 # go on while the probe runs). A sample holding any is sampled again from its start, never
 # trained on.
 UNVERIFIED_VERSION = -1
-
-
-class TokenLabels(Protocol):
-    """The engine's record of which weights sampled each token
-    (`grpo.workers.vllm_engine.TokenVersions`)."""
-
-    def mark(self, version: int) -> None:
-        """Every running sample's tokens so far, not yet marked, came from ``version``."""
-
-    def relabel(self, old: int, new: int) -> None:
-        """Samples that finished but were not handed out yet: tokens of ``old`` become
-        ``new``'s."""
 
 
 def in_flight(updates: WeightUpdateMode) -> bool:
@@ -90,8 +78,9 @@ class EngineWeights:
         adapters (EngineAdapters | None): With ``training.lora``: updates are LoRA adapters,
             each version served as an adapter of its own (`grpo.weights.adapter`); None:
             updates are full weights, loaded in place.
-        tokens (TokenLabels | None): The engine's record of which weights sampled each token,
-            told of every in-flight switch; None: nothing records them.
+        tokens: The engine's record of which weights sampled each token, told of every
+            in-flight switch (`grpo.workers.vllm_engine.TokenVersions`: ``mark(version)``,
+            ``relabel(old, new)``); None: nothing records them.
     """
 
     def __init__(
@@ -106,7 +95,7 @@ class EngineWeights:
         policy_version: int,
         verify: bool = True,
         adapters: EngineAdapters | None = None,
-        tokens: TokenLabels | None = None,
+        tokens: Any = None,
     ) -> None:
         self.llm = llm
         self.tokens = tokens

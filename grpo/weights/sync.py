@@ -8,7 +8,7 @@ transfer is a pair of calls, the trainer's send beside the collector's receive, 
 before the next on the same connection (which keeps versions in order).
 
 A transfer that fails or times out never stops the run: it is sent again once, on a fresh
-channel; a collector that fails that one too, or does not answer at all, is replaced (the
+connection; a collector that fails that one too, or does not answer at all, is replaced (the
 ``replace_collector`` hook: the supervisor kills it, starts a new one and catches it up).
 """
 
@@ -77,7 +77,7 @@ class WeightSync:
         self.wait_for_receipt = wait_for_receipt
         self.config = config or WeightSyncConfig()
         self.replace_collector = replace_collector or _no_replacement
-        self.retries = 0  # transfers sent again on a fresh channel
+        self.retries = 0  # transfers sent again on a fresh connection
         self.last_payload: dict[str, Any] | None = None
         self._sender: Any = None  # trainer rank 0, which holds the gathered weights
         # By collector actor id (a replacement has the name of the collector it replaces): the
@@ -257,7 +257,7 @@ class WeightSync:
 
     def _settle(self, index: int, collector: Any) -> bool:
         """Wait for the transfer in flight to ``collector``; a failed one is sent again once on
-        a fresh channel, and a collector that fails that too, or does not answer, is replaced.
+        a fresh connection, and a collector that fails that too, or does not answer, is replaced.
 
         Returns:
             bool: True when the latest payload was sent meanwhile (the retry, or the
