@@ -1,9 +1,5 @@
-"""Faults a run must survive, injected into live actors for tests and drills.
-
-Each ``hang_*`` / ``fail_*`` function runs inside an actor through ``actor.__ray_call__`` (it
-receives the actor's instance), so it lives in an importable module rather than in a test
-file. `faults_at_steps` injects a list of them as a run reaches given steps.
-"""
+"""Faults a run must survive, injected into live actors for tests and drills (each runs inside
+an actor through ``actor.__ray_call__``, so it lives in an importable module)."""
 
 from __future__ import annotations
 
@@ -79,10 +75,8 @@ def faults_at_steps(run: Any, faults: list[tuple[int, str, Any]]) -> list[str]:
     that step and every earlier fault was handled (a replacement, or a transfer retried).
 
     Args:
-        run (Orchestrator): A started run.
         faults (list): ``(step, name, fault)``: ``fault`` is `freeze` or a function run in
-            the actor (`fail_next_weight_receive`, `hang_engine_step`, `hang_training_step`);
-            the actor is the one of that name then (a replacement after an earlier fault).
+            the actor of that name then (a replacement after an earlier fault).
 
     Returns:
         list[str]: Filled with ``"fault@step"`` as each is injected (or why it failed).

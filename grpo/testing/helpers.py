@@ -1,10 +1,4 @@
-"""Test support around the tiny models: a diverging loss, a full-logits reference, run helpers.
-
-`NonFiniteLoss` injects a diverged step; `response_logprobs_from_logits` is the plain
-full-logits reference the chunked path is checked against; `start_tiny_run` and
-`kill_at_steps` drive a real tiny run and kill its actors (fault tests and the fault drill);
-`read_jsonl` reads a run's logs; `gathered_training_state` compares trainers of any world size.
-"""
+"""Test support around the tiny models: a diverging loss, a full-logits reference, run helpers."""
 
 from __future__ import annotations
 
@@ -23,9 +17,7 @@ from grpo.types import GRPOStats
 class NonFiniteLoss(GRPOLoss):
     """`GRPOLoss` whose loss is NaN: injects a diverged training step.
 
-    For tests of the non-finite guard (``training.loss._component_=grpo.testing.NonFiniteLoss``):
-    the trainer must skip such steps, leave the weights alone and count them, and the run must
-    stop with a checkpoint after ``orchestration.max_nonfinite_steps_in_a_row``.
+    For tests of the non-finite guard (``training.loss._component_=grpo.testing.NonFiniteLoss``).
     """
 
     def compute_loss_from_logprobs(self, *args: Any, **kwargs: Any) -> GRPOStats:
@@ -34,14 +26,7 @@ class NonFiniteLoss(GRPOLoss):
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file a run wrote (``metrics.jsonl``, ``trained.jsonl``, ...).
-
-    Args:
-        path (str | os.PathLike): The file.
-
-    Returns:
-        list[dict[str, Any]]: One dict per non-blank line, in file order.
-    """
+    """The records of a JSON-lines file a run wrote, one dict per non-blank line, in order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
@@ -49,9 +34,6 @@ def response_logprobs_from_logits(
     logits: torch.Tensor, response_mask: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
     """Logprobs of the response tokens from full logits: the plain reference computation.
-
-    The chunked path of `grpo.packing.logprobs` never materialises ``[L, V]`` logits; tests check it
-    against this direct log-softmax of the whole row.
 
     Args:
         logits (torch.Tensor): ``[L, V]`` or ``[1, L, V]`` logits of one packed row.
@@ -70,9 +52,8 @@ def response_logprobs_from_logits(
     return logprobs.gather(1, targets.to(logits.device).long()[:, None]).squeeze(1)
 
 
-# A random tiny model earns (almost) no reward: with dynamic sampling on (the demo config's
-# setting) every group would have equal rewards, be dropped, and no batch would ever fill.
-# Runs of random models therefore keep every group.
+# A random tiny model earns (almost) no reward: with dynamic sampling on, every group would be
+# dropped and no batch would ever fill.
 RANDOM_MODEL_OVERRIDES = ("ref.filter_zero_variance_groups=false",)
 
 
@@ -81,14 +62,10 @@ def start_tiny_run(
 ) -> Any:
     """Start every actor of a ``tiny_arithmetic_cpu`` run, without evaluation.
 
-    For fault tests and drills that drive `Orchestrator.run` themselves and kill actors
-    meanwhile (see `kill_at_steps`). Starts a local Ray cluster if none is running (or joins
-    ``ray.address``), and checks the placement as ``grpo run`` does.
+    Starts a local Ray cluster if none is running (or joins ``ray.address``).
 
     Args:
-        model_dir: HF folder of the model (e.g. `build_tiny_qwen2`'s).
         run_dir: A new folder for the run.
-        num_steps (int): ``orchestration.num_steps``.
         *overrides (str): More ``key=value`` config overrides.
 
     Returns:
@@ -122,7 +99,6 @@ def kill_at_steps(run: Any, victims: list[tuple[int, str]]) -> dict[str, float]:
     """In a background thread, ``ray.kill`` each named actor once the run reaches its step.
 
     Args:
-        run (Orchestrator): A started run.
         victims (list[tuple[int, str]]): ``(step, name)`` in order; names are
             ``collector[i]``, ``ref_actor[i]``, ``replay_buffer``, ``rollout_queue`` and
             ``trainer[i]``.
@@ -160,12 +136,7 @@ def kill_at_steps(run: Any, victims: list[tuple[int, str]]) -> dict[str, float]:
 def gathered_training_state(trainer: Any) -> dict[str, Any]:
     """A trainer's full model and optimizer state, named the same for any number of workers.
 
-    Parameters and optimizer state are gathered (collective under FSDP: call it on every
-    rank, e.g. through ``actor.__ray_call__``) and keyed by parameter name, so the state of
-    one worker and of two FSDP workers compare directly.
-
-    Args:
-        trainer (PyTorchActorModel): A set-up trainer.
+    Collective under FSDP: call it on every rank (e.g. through ``actor.__ray_call__``).
 
     Returns:
         dict[str, Any]: ``{"model", "optimizer", "steps_run"}``, tensors on CPU, copied (an

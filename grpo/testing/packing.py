@@ -1,6 +1,5 @@
-"""Reference and benchmark helpers around `grpo.packing.packs`: logprobs from full logits (the plain
-computation the chunked path is checked against), and packing a whole batch by token budget
-with its padding share (what ``scripts/bench_packing.py`` compares)."""
+"""Reference and benchmark helpers around `grpo.packing.packs`: logprobs from full logits, and
+packing a whole batch by token budget with its padding share."""
 
 from __future__ import annotations
 
@@ -15,10 +14,6 @@ from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
 
 def logprobs_from_logits(logits: torch.Tensor, packed: PackedTrajectory) -> torch.Tensor:
     """Logprobs of the response tokens of a pack, from the model's full logits.
-
-    Each response token is scored by the logits at its ``packed.logit_positions`` row (the
-    previous token of its sequence). Only those rows are kept before the fp32 log-softmax. (Training uses the chunked loss on hidden states instead,
-    which never materialises ``[L, V]`` logits.)
 
     Args:
         logits (torch.Tensor): ``[L, V]`` or ``[1, L, V]``.
@@ -57,19 +52,10 @@ def pack_by_budget(
 
     Args:
         sequences: The batch, all `UnscoredTrajectory` or all `ScoredTrajectory`.
-        device (torch.device | str): Device of the packs.
-        pad_token_id (int): Padding token id.
-        target_tokens_per_batch (int): Token budget of each pack.
         keep_groups_together (bool): Never split a ``group_id`` across packs (unless the group
             alone exceeds the budget).
         pad_to_budget (bool): Pad every pack to exactly the budget (one static shape).
             Otherwise packs are padded only up to ``pad_to_multiple_of``, if given.
-        mask_kind (str): See `pack_sequences`.
-        pad_to_multiple_of (int | None): See `pack_sequences`.
-        share_prompts (bool): Hold each shared prompt once per pack (see `pack_sequences`).
-
-    Returns:
-        list[PackedTrajectory]: The packs, in plan order.
 
     Raises:
         ValueError: As `plan_sequence_packs` and `pack_sequences`.
@@ -104,14 +90,7 @@ def pack_by_budget(
 
 
 def padding_fraction(packs: Sequence[PackedTrajectory]) -> float:
-    """Share of padding tokens over all tokens of some packs (0.0 for no tokens).
-
-    Args:
-        packs (Sequence[PackedTrajectory]): Packs, e.g. the micro-batches of one step.
-
-    Returns:
-        float: ``sum(padding) / sum(packed_seq_len)``.
-    """
+    """Share of padding tokens over all tokens of some packs (0.0 for no tokens)."""
     total = sum(pack.packed_seq_len for pack in packs)
     padding = sum(pack.padding_tokens for pack in packs)
     return padding / total if total else 0.0

@@ -1,8 +1,5 @@
-"""Reward functions as users write them, some broken on purpose, for tests and drills.
-
-They live in the package (not in a test file) because reward functions run in worker
-processes of the collectors' actors, which import them by name.
-"""
+"""Reward functions as users write them, some broken on purpose, for tests and drills (in the
+package because worker processes import them by name)."""
 
 from __future__ import annotations
 

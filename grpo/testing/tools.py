@@ -1,8 +1,5 @@
-"""Tools that misbehave on purpose, and scripted multi-turn environments, for tests and drills.
-
-They live in the package (not in a test file) because tools run in worker processes, which
-import them by name.
-"""
+"""Tools that misbehave on purpose, and scripted multi-turn environments, for tests and drills
+(in the package because worker processes import tools by name)."""
 
 from __future__ import annotations
 
@@ -45,9 +42,9 @@ def fail(message: str) -> str:
 class EchoUserEnv(MultiTurnEnv):
     """A user who answers every assistant turn with ``"again"`` until ``max_turns``.
 
-    Any policy produces multi-turn episodes with it, so an untrained model exercises the whole
-    multi-turn path. ``raise_on_turn`` makes the environment raise at that turn of the episodes
-    of examples with an even ``index`` (an environment that fails on some episodes).
+    Any policy, an untrained one too, then exercises the whole multi-turn path.
+    ``raise_on_turn`` makes the environment raise at that turn of the episodes of examples with
+    an even ``index``.
     """
 
     def __init__(self, raise_on_turn: int | None = None, **kwargs: Any) -> None:
@@ -65,9 +62,8 @@ class EchoUserEnv(MultiTurnEnv):
 class MisspeltStateEnv(MultiTurnEnv):
     """A user who checks each answer against ``state["anwser"]``, a key `reset` never sets.
 
-    Every episode that reaches the environment raises ``KeyError: 'anwser'``; only those whose
-    first turn ends before an answer (cut at its token limit) get through: an environment with
-    a typo, as a run meets it.
+    Every episode that reaches the environment raises ``KeyError: 'anwser'``: an environment
+    with a typo, as a run meets it.
     """
 
     def env_response(

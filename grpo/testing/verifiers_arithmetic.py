@@ -1,11 +1,7 @@
 """A single-turn verifiers taskset for tests: sums of two small numbers.
 
-Two weighted rewards (the answer is right; the reply is brief) and a metric (its length), so
-that each reaches training and the logs under its own name.
-
-A verifiers environment module: ``__all__`` names its ``Taskset``, which verifiers' loader
-takes (``environment: {_component_: grpo.envs.verifiers_env, taskset:
-grpo.testing.verifiers_arithmetic}``). Needs the verifiers extra.
+Two weighted rewards and a metric, so that each reaches training and the logs under its own
+name. ``__all__`` names its ``Taskset`` for verifiers' loader. Needs the verifiers extra.
 """
 
 from __future__ import annotations
