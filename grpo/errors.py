@@ -1,7 +1,5 @@
-"""The ways a run stops on its own: an actor that cannot go on, a diverged loss, an
-environment that fails its episodes, a reward function that fails its calls, and no data left
-to learn from. Shared by the driver and
-the weight transports, so it imports nothing."""
+"""The ways a run stops on its own; shared by the driver and the weight transports, so it
+imports nothing."""
 
 
 class ActorFailedError(RuntimeError):
@@ -18,21 +16,17 @@ class NoInformativeGroupsError(RuntimeError):
 
 
 class EnvironmentFailingError(RuntimeError):
-    """Nearly every episode of several generation batches in a row was dropped because the
-    environment raised (a typo in its code, a tool server that is down): the message names
-    the most common exception, where it raised, and the log that counts every reason."""
+    """Nearly every episode of several generation batches in a row failed because the
+    environment raised; the message names the most common exception and where it raised."""
 
 
 class RewardFailingError(RuntimeError):
     """Nearly every call of one reward function in several generation batches in a row raised
-    or timed out (a typo in its body, a checker that always hangs): the message names the
-    function, the exception, where in its code it raised, and how many calls timed out."""
+    or timed out; the message names the function, the exception and where it raised."""
 
 
 class TrainerDiedError(ActorFailedError):
-    """A trainer died: the driver restarts the trainers, and every actor that depends on their
-    state, from the latest checkpoint (`grpo.orchestrator.Orchestrator`) while its restart
-    budget lasts; past it, the run stops with this error."""
+    """A trainer died and the driver's budget of restarts from the latest checkpoint is spent."""
 
 
 class RunStalledError(ActorFailedError):

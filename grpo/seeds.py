@@ -1,19 +1,11 @@
 """Sampling seeds: one per (group, episode, turn), derived from the run seed.
 
-Every request a collector sends to its engine carries a seed, so that a resumed stream samples
-exactly what the interrupted one would have. The seeds must also be distinct: two requests
-with one seed and the same tokens sample the same continuation, which makes the episodes of a
-group, or the turns of one episode, copies of each other's randomness.
-
-A group's seed is a hash of ``(run seed, group id)`` (`group_seed`). vLLM gives the ``n``
-samples of a request the seeds ``seed, seed + 1, ..., seed + n - 1``, so episode ``j`` of a
-group samples its first turn with ``group_seed + j`` (`sample_seed`), and its later turns
-with a hash of that seed and the turn number (`turn_seed`). Hashing, not spacing seeds by a
-stride, is what keeps them apart: with a stride, turn ``t`` of group ``k`` lands on turn 0 of
-group ``k + t``. Hashed seeds are 62-bit: two runs of ``group_size`` consecutive seeds overlap
-with a probability of about ``group_size / 2**61`` per pair, negligible at any run length.
-
-Pure Python.
+Seeded requests let a resumed stream sample exactly what the interrupted one would have; the
+seeds must also be distinct, or episodes of a group (or turns of an episode) copy each other's
+randomness. vLLM seeds the ``n`` samples of a request ``seed .. seed + n - 1``, so episode ``j``
+of a group starts at ``group_seed + j`` and later turns hash the turn in: with a stride instead,
+turn ``t`` of group ``k`` would land on turn 0 of group ``k + t``. Seeds are 62-bit, so two
+groups' runs overlap with probability about ``group_size / 2**61``. Pure Python.
 """
 
 from __future__ import annotations
@@ -31,14 +23,7 @@ def _splitmix64(value: int) -> int:
 
 
 def mix_seed(*parts: int) -> int:
-    """Hash integers (any sign, any size) into a ``SEED_BITS``-bit seed, order-sensitively.
-
-    Args:
-        *parts (int): The values to hash, e.g. ``(run_seed, group_id)``.
-
-    Returns:
-        int: A seed in ``[0, 2**SEED_BITS)``.
-    """
+    """Hash integers (any sign, any size) into a seed in ``[0, 2**SEED_BITS)``, order-sensitively."""
     state = 0
     for part in parts:
         state = _splitmix64(state ^ (int(part) & _MASK64))
@@ -46,15 +31,8 @@ def mix_seed(*parts: int) -> int:
 
 
 def group_seed(run_seed: int, group_id: int) -> int:
-    """The seed of a group's first request: a hash of the run seed and its group id.
-
-    Args:
-        run_seed (int): The run's ``seed``.
-        group_id (int): The group's id (unique across collectors).
-
-    Returns:
-        int: The seed; episode ``j``'s first turn samples with ``sample_seed(seed, j, 0)``.
-    """
+    """The seed of a group's first request: a hash of the run seed and its group id (unique
+    across collectors); episode ``j``'s first turn samples with ``sample_seed(seed, j, 0)``."""
     return mix_seed(run_seed, group_id)
 
 
@@ -64,13 +42,6 @@ def turn_seed(first_turn_seed: int, turn: int) -> int:
 
     Turn 0 is ``first_turn_seed`` itself; a later turn hashes the turn in, so it repeats no
     seed of this episode, of its group or of any other group.
-
-    Args:
-        first_turn_seed (int): The episode's first turn's seed (`sample_seed` of turn 0).
-        turn (int): The policy turn, from 0.
-
-    Returns:
-        int: The seed, in ``[0, 2**SEED_BITS)``.
     """
     return first_turn_seed if turn == 0 else mix_seed(first_turn_seed, turn)
 
@@ -79,16 +50,8 @@ def choice_seed(seed: int, choice: int) -> int:
     """The seed of answer ``choice`` of a policy turn sampled several times (an agent's call
     with ``n`` above 1, `grpo.envs.AgentEnv`), whose own seed is ``seed``.
 
-    Choice 0 is the turn's own seed. A later choice hashes a negative tag in, a value no turn
-    number takes: choice ``i`` of an episode's first turn is then not its turn ``i``
-    (`turn_seed` hashes ``(first_turn_seed, i)``), and no choice repeats another turn's seed.
-
-    Args:
-        seed (int): The turn's seed (`turn_seed`).
-        choice (int): The answer's index, from 0.
-
-    Returns:
-        int: The seed, in ``[0, 2**SEED_BITS)``.
+    Choice 0 is the turn's own seed. A later choice hashes in a negative tag, which no turn
+    number takes, so choice ``i`` of a first turn is not that episode's turn ``i``.
     """
     return seed if choice == 0 else mix_seed(seed, -1 - choice)
 
@@ -96,16 +59,7 @@ def choice_seed(seed: int, choice: int) -> int:
 def sample_seed(group: int, member: int, turn: int) -> int:
     """The seed of policy turn ``turn`` of episode ``member`` of a group.
 
-    Turn 0 is ``group + member``: what vLLM gives sample ``member`` of one request of ``n``
-    samples seeded with ``group`` (a single-turn group is such a request). Later turns:
-    `turn_seed`.
-
-    Args:
-        group (int): The group's seed (`group_seed`).
-        member (int): The episode's index in the group, ``[0, group_size)``.
-        turn (int): The policy turn, from 0.
-
-    Returns:
-        int: The seed, in ``[0, 2**SEED_BITS)``.
+    Turn 0 is ``group + member``, what vLLM gives sample ``member`` of one request of ``n``
+    samples seeded with ``group``; later turns: `turn_seed`.
     """
     return turn_seed((group + member) % 2**SEED_BITS, turn)

@@ -1,14 +1,8 @@
 """Why user code failed, in one line: the exception and where in the user's own code it raised.
 
-An environment's step and a reward call run user code inside the framework's machinery (the
-rollout, the reward worker processes). When that code raises, what helps is the exception
-(type and message) and the lines of the user's code, not the framework's frames around it:
-`failure_reason` names the innermost frames outside the machinery's folders. A long reason (a
-tool server's traceback) is kept whole and leads with its last line, where a traceback states
-its cause (`cause_first`). `grpo.envs.dropped` names failed episodes with it, the reward pool
-failed reward calls (`grpo.rewards.pool`).
-
-Pure Python: no torch, Ray or vLLM; imports nothing of the framework.
+Environments and reward functions run user code inside the framework's machinery; when it
+raises, what helps is the exception and the user's own lines, not the frames around them.
+Imports nothing of the framework.
 """
 
 from __future__ import annotations
@@ -47,15 +41,13 @@ def frame_text(filename: str, line: int | str, name: str, code: str | None) -> s
 def failure_reason(error: BaseException, machinery: Sequence[str] = ()) -> str:
     """Why user code failed: the exception and where in the user's code it raised.
 
-    The frames named are the innermost ones outside the ``machinery`` folders (the user's
-    code: where it raised, then what called that); an exception raised in the machinery itself
-    names its last frame. The exception it was raised from, if any, follows. A long message is
-    kept whole after the first line (`cause_first`).
+    The frames named are the innermost ones outside ``machinery`` (folders ending in the path
+    separator, or files); an exception raised in the machinery itself names its last frame. The
+    exception it was raised from, if any, follows.
 
     Args:
         error (BaseException): What the user's code raised.
-        machinery (Sequence[str]): Folders (ending in the path separator) or files whose frames
-            are the framework's calling the user's code, not where it raised.
+        machinery (Sequence[str]): Where the framework's frames live.
 
     Returns:
         str: e.g. ``KeyError: 'anwser' (at /home/me/my_env.py:31 in env_response:
@@ -82,11 +74,10 @@ def cause_first(
 ) -> str:
     """A reason kept whole, its cause first: a long or multi-line text leads with its last line.
 
-    A traceback, or an error message that ends with one (a tool server's stderr), states its
-    cause last; a summary that shows the head of the text would show everything but the cause.
+    A traceback states its cause last; a summary that showed the head of the text would show
+    everything but the cause.
 
     Args:
-        text (str): The reason as it came (``"SandboxError: runtime died ... KeyError: 'x'"``).
         name (str | None): The exception's type, kept in front of a long text's last line.
         where (str | None): Where it raised (``"/x/env.py:12 in env_response: ..."``).
         then (str | None): More to say on the first line (the exception it came from).

@@ -1,9 +1,7 @@
 """An agent written against the ``openai`` client: it answers arithmetic with a calculator tool.
 
-Nothing here knows about training. The agent asks the model, runs the calculator for each tool
-call the answer holds, sends the results back as ``tool`` messages, and rewards the episode by
-its final ``<answer>``. Trained with `grpo.envs.AgentEnv` (``make demo-agent``,
-``configs/tiny_agent_cpu.yaml``); pointed at any OpenAI-compatible server it runs as it is::
+Nothing here knows about training: trained with `grpo.envs.AgentEnv` (``make demo-agent``), it
+runs as it is against any OpenAI-compatible server::
 
     import asyncio, openai
     client = openai.AsyncOpenAI(base_url="http://localhost:8000/v1", api_key="none")
