@@ -253,8 +253,8 @@ class EngineWeights:
 
     def load_between_steps(self, updates: WeightUpdateMode) -> None:
         """With updates in flight, load pending weights before the engine's next step (hold
-        the engine lock). A LoRA adapter never changes under a running request, so loading
-        one between steps is always safe.
+        the engine lock): full weights switch under the running requests (`_switch`), a LoRA
+        adapter serves new requests only (`_switch_adapter`).
 
         Raises:
             WeightSyncError: As `_switch`.
