@@ -1,11 +1,7 @@
 """Held-out episodes through the environment protocol, scored by the environment's own rewards.
 
-Evaluation plays and scores episodes exactly as training does (`Environment.run_groups`, then
-`Environment.score`), so a dataset with reward functions, a tool or multi-turn environment and
-any other `grpo.envs.Environment` are evaluated alike. What it returns is plain data (lists and
-dicts) that crosses Ray as it is; `grpo.orchestrator.evaluation` turns it into metrics.
-
-Pure Python; no torch, Ray or vLLM.
+Evaluation plays and scores episodes exactly as training does, so every kind of environment is
+evaluated alike; it returns plain data that crosses Ray as it is. Pure Python.
 """
 
 from __future__ import annotations
@@ -44,12 +40,10 @@ def evaluation_episodes(
         env (Environment): A started environment (not the one training batches use: scoring
             counts reward calls, which the driver's guard reads).
         engine: The turn engine (or a `grpo.envs.rollout.Sampler`) episodes sample on.
-        examples (Sequence[Mapping]): The held-out examples.
         prompt_ids (Sequence[list[int] | None]): Each example's prompt ids, None if it does not
             fit the engine's context.
-        samples_per_example (int): Episodes per example.
-        seed (int): The run's seed: example i's episodes sample with seeds hashed from it and
-            i (`grpo.seeds.mix_seed`), apart from every training group's.
+        seed (int): The run's seed; evaluation seeds are hashed apart from every training
+            group's.
         hold_engine (Callable): A context manager held while the episodes run (the engine's
             lock); scoring runs after it is released.
 
@@ -128,15 +122,12 @@ def _task(example: Mapping[str, Any]) -> str | None:
 class EvaluationEnvironment:
     """The environment evaluation plays on: a second instance of the run's, built on first use.
 
-    Its own instance keeps evaluation out of what training reads of its environment: the
-    reward calls the driver's guard counts, the failed-reward totals of the training metrics,
-    the rewards an environment computes while a training batch runs. An environment given as
-    an object (not a ``_component_`` node) cannot be built again and is shared.
+    Its own instance keeps evaluation out of what training reads of its environment (reward
+    calls, failure totals, rewards computed while a batch runs). An environment given as an
+    object cannot be built again and is shared.
 
     Args:
         spec: The run's ``environment`` (a node, None, or an `Environment`).
-        reward_functions (Sequence): The run's reward functions.
-        reward_timeout_s (float): The run's ``reward_timeout_s``.
         training (Environment): The started environment of training batches.
     """
 

@@ -15,14 +15,9 @@ def episode_metrics(
     """``inference/episode_*`` and ``inference/tool_*`` metrics of one batch of episodes.
 
     Args:
-        episodes (Sequence[Episode]): The batch's episodes that go into their groups: those
-            the environment did not fail, and failed ones scored with the failure rewards
-            (``failure_scored``: `grpo.envs.dropped.scored_episodes`).
-        dropped (int): The batch's episodes it failed and that were left out.
+        episodes (Sequence[Episode]): The batch's episodes that go into their groups.
+        dropped (int): The batch's episodes the environment failed and that were left out.
         dropped_total (float): Those of the run so far.
-
-    Returns:
-        dict[str, float]: The metrics, by name.
     """
     count = max(len(episodes), 1)
     turn_lengths = [n for e in episodes for n in e.turn_lengths]
@@ -69,14 +64,12 @@ def generation_metrics(
 ) -> dict[str, float]:
     """Tokens, speed and response lengths of one batch's groups.
 
+    ``inference/generated_tokens`` counts the policy's tokens only, ``inference/prompt_tokens``
+    each group's prompt once.
+
     Args:
-        groups (Sequence[GroupedUnscoredTrajectories]): The batch's groups.
         generation_s (float): Seconds the batch's episodes took.
         episode_stats (dict[str, float]): Its `episode_metrics` (for the truncated count).
-
-    Returns:
-        dict[str, float]: ``inference/generated_tokens`` (the policy's: environment turns are
-        not), ``inference/prompt_tokens`` (each group's prompt once), speed and lengths.
     """
     trajectories = [t for group in groups for t in group.trajectories]
     response_lens = [t.response_len for t in trajectories] or [0]

@@ -1,9 +1,7 @@
 """Checks of an ``environment:`` config node that `grpo validate` runs before any actor starts.
 
-The environment's options are checked against the declarations its constructor checks them
-against (`grpo.envs.options`), and tools named by dotted path are imported and checked against
-their type hints, so a bad value, a typo or an untyped parameter is one line at validation, not
-an error in a collector. No torch.
+Options are checked against the constructor's own declarations and tools against their type
+hints, so a bad value is one line at validation, not an error in a collector. No torch.
 """
 
 from __future__ import annotations
@@ -25,15 +23,7 @@ def environment_problems(
     Args:
         key (str): The node's config key (``environment``).
         node (dict): The node, interpolations resolved.
-        locate (Callable[[str], Any] | None): Imports a tool's dotted path (`check_tools`);
-            `grpo validate` passes `grpo.config.locate`, whose errors name a close match.
-
-    Returns:
-        list[str]: Empty when the options fit the environment's declarations and the tools
-        import and take typed arguments (for a verifiers environment: when the extra is
-        installed and its modules import; for `grpo.envs.ReasoningGymEnv`: when the extra is
-        installed and reasoning-gym has each task and takes its config; for
-        `grpo.envs.TextArenaEnv`: when the extra is installed and TextArena has the game).
+        locate (Callable[[str], Any] | None): Imports a tool's dotted path (`check_tools`).
     """
     if node.get("_component_") == "grpo.envs.verifiers_env":
         from grpo.envs.verifiers_adapter import verifiers_problems
@@ -91,8 +81,7 @@ def _default(component: Any, name: str) -> Any:
 def _component(path: Any, locate: Callable[[str], Any] | None) -> Any:
     """The environment class (or factory) a node names, or None if it does not import.
 
-    Whether it imports is the component check's to report (`grpo.config.validation`); this
-    only reads the options of what does.
+    Whether it imports is the component check's to report.
     """
     if not isinstance(path, str) or "." not in path:
         return None
@@ -113,18 +102,14 @@ def chat_template_problems(
 ) -> list[str]:
     """Whether environment turns can extend the sampled tokens with a chat prompt template.
 
-    Renders the model folder's chat template the way the collector will, for the roles the
-    environment answers with (`grpo.envs.render.chat_template_problem`); loads its tokenizer
-    (transformers, no torch model). Other templates (plain text) need no check.
+    Loads the model folder's tokenizer (no torch model) and checks its chat template for the
+    roles the environment answers with; plain templates need no check.
 
     Args:
         key (str): The template node's config key (``dataset.template``).
         template (dict): The node; checked when it is a ``grpo.data.ChatTemplate``.
         environment (dict): The ``environment:`` node (its class says its turns' roles).
         base_model_path (str | None): The model folder when the template names none.
-
-    Returns:
-        list[str]: One line naming the model folder and what to do, or nothing.
     """
     component = template.get("_component_")
     if not isinstance(component, str) or component.rpartition(".")[2] != "ChatTemplate":

@@ -1,39 +1,11 @@
 """Train on a verifiers environment (``verifiers.v1``), with the exact tokens its episodes sampled.
 
-A verifiers environment is a taskset (the rows, their tools and their rewards) played by a
-harness (the agent loop). Its client renders every prompt to token ids itself and asks an
-engine for completions on vLLM's token-in, token-out endpoint; the episode's ``Trace`` records
-each message's tokens, which of them were sampled and their logprobs. Here the collector's own
-engine answers on that endpoint (`grpo.envs.generate_server`): the environment's episodes run
-in a background event loop, their requests arrive over HTTP on 127.0.0.1, and the collector
-samples every request waiting at that moment in one batch.
-
-A finished episode becomes one trajectory: the trace's branch (its root-to-leaf token
-sequence) up to the first sampled token is the prompt, the rest the response, with the
-sampled tokens trained (``response_mask`` 1) and everything else (tool results, template
-scaffolding) masked. The sampled tokens are checked against what the engine returned for that
-episode: a trace whose tokens differ is dropped and counted, never trained. Each turn's
-prompt extends the tokens sampled before it (the client's renderer,
-`grpo.envs.verifiers_renderer`, appends the environment's turns as the chat template writes
-them). Where the harness's next prompt is not the conversation so far plus new tool or user
-turns (it compacted or rewrote its history), verifiers renders it again and splits the trace
-into several branches; the last branch (the whole final conversation as context) is the one
-trained, and the splits of each batch are counted (``inference/episode_split_traces``). Each
-trajectory carries its own prompt: a split trace's prompt holds its re-rendered history, so
-the episodes of one group need not share one.
-
-The rewards are the taskset's named reward functions, each weighted as the taskset weights it
-and logged as its own reward; their sum is the trace's ``reward``. The taskset's metrics are
-logged per batch as ``inference/env_<name>`` (never trained on).
-
-Needs the optional extra: ``pip install -e ".[verifiers]"``.
-
-Example config:
-
-    environment:
-      _component_: grpo.envs.verifiers_env
-      taskset: my_package.my_taskset   # a module whose __all__ names one vf.Taskset
-      max_turns: 4
+The environment's client asks the collector's engine for completions on vLLM's token-in,
+token-out endpoint (`grpo.envs.generate_server`). A finished episode's trace becomes one
+trajectory whose sampled tokens are trained and everything else masked; its sampled tokens are
+checked against what the engine returned, and a trace that differs is dropped, never trained.
+Where verifiers splits a trace, the last branch is trained (docs/environments.md). Needs the
+``verifiers`` extra.
 """
 
 from __future__ import annotations
@@ -76,10 +48,7 @@ def verifiers_problems(key: str, node: Mapping[str, Any]) -> list[str]:
         node (Mapping): The node's arguments.
 
     Returns:
-        list[str]: Each problem as ``key: what is wrong`` (the extra not installed, a taskset
-        or harness module that does not import, a taskset whose own ``Env`` has several
-        seats or samples its seat its own way, sampling set in ``harness_args``, a bad
-        ``max_turns``, ``max_concurrent_episodes`` or ``tool_parser``).
+        list[str]: Each problem as ``key: what is wrong``.
     """
     if importlib.util.find_spec("verifiers") is None:
         return [f"{key}: the verifiers extra is not installed; run: {INSTALL_HINT}"]
@@ -126,8 +95,7 @@ def _seat(taskset: str) -> str:
     """The seat the policy plays in the taskset's verifiers environment.
 
     verifiers plays a taskset with the ``Env`` class its module exports, else with its
-    ``SingleAgentEnv`` (one seat, ``agent``); the environment's config declares each seat as
-    an ``AgentConfig`` field. Imports the taskset's module.
+    ``SingleAgentEnv``. Imports the taskset's module.
 
     Raises:
         ValueError: If that environment has more than one seat (or none), or its seat
@@ -204,30 +172,19 @@ def verifiers_env(
     """A verifiers environment to train on (the ``_component_`` of an ``environment:`` node).
 
     Args:
-        taskset (str): Module of the taskset (its ``__all__`` names one ``vf.Taskset``), as
-            verifiers' ``load_environment`` takes a taskset id.
+        taskset (str): Module of the taskset (its ``__all__`` names one ``vf.Taskset``).
         harness (str): Module of the harness; the default runs the chat and tool loop in the
             collector's process (`grpo.envs.verifiers_harness`).
-        max_turns (int): Model turns per episode.
-        tool_parser (str): How the client finds tool calls in sampled tokens (a parser of
-            ``renderers.parsers``; ``qwen3`` reads Hermes ``<tool_call>`` blocks, as Qwen2.5
-            and Qwen3 write them).
-        taskset_args (Mapping | None): More fields of the taskset's config.
-        harness_args (Mapping | None): More fields of the harness's config; not its
-            sampling (the collector's ``inference.temperature`` and ``top_p`` sample every
-            turn).
+        tool_parser (str): A ``renderers.parsers`` parser that finds tool calls in sampled
+            tokens (``qwen3`` reads Hermes ``<tool_call>`` blocks).
+        harness_args (Mapping | None): More fields of the harness's config; not its sampling,
+            which the collector owns.
         episode_timeout_s (float): How long a group of episodes may take.
-        max_tasks (int): Most tasks read from the taskset. A taskset is read up to this many
-            rows, never further: a procedural taskset that never ends is bounded by it.
+        max_tasks (int): Most rows read from the taskset (a procedural one may never end).
         max_concurrent_episodes (int | None): Most episodes of this worker in flight at once
-            (None: every episode of a batch). Each episode of a task with tool servers of its
-            own (``Task.toolsets``) starts their processes, so this bounds how many run.
-        reward_functions (Sequence): Ignored: the taskset's rewards score its episodes (the
-            run's reward functions are passed to every environment node).
+            (None: every episode of a batch); it bounds how many task tool servers run.
+        reward_functions (Sequence): Ignored: the taskset's rewards score its episodes.
         reward_timeout_s (float): Ignored, likewise.
-
-    Returns:
-        VerifiersEnv: The environment, with its tasks loaded.
 
     Raises:
         ValueError: If the extra is missing or an argument is wrong (the message names it).
@@ -263,11 +220,8 @@ def verifiers_env(
 class VerifiersEnv(Environment):
     """A loaded verifiers environment that plays its episodes against the collector's engine.
 
-    Build it with `verifiers_env`. It implements the collector's protocol
-    (`grpo.envs.protocol.Environment`): `examples` are the taskset's rows (the dataset of a
-    run that names none), `start` serves the engine's endpoint, `prompt_ids` is empty (the
-    client renders its own prompts), `run_groups` plays the episodes token-exact, `score` reads
-    the taskset's rewards, `close` stops the servers.
+    Build it with `verifiers_env`. Its `examples` are the taskset's rows and its `prompt_ids`
+    are empty (the client renders its own prompts).
     """
 
     def __init__(
@@ -314,8 +268,7 @@ class VerifiersEnv(Environment):
             raise ValueError(f"verifiers_env: taskset {taskset!r} has no tasks")
         if len(self.tasks) == max_tasks:
             log.info("verifiers_env: read the first %d tasks of %r (max_tasks)", max_tasks, taskset)
-        # Task-scoped tool servers (Task.toolsets) are started anew for every episode, by
-        # verifiers' design (each gets its task); say so, since it is what a batch costs.
+        # Task-scoped tool servers start anew for every episode: say so, it is what a batch costs.
         own_servers = type(self.env.taskset).task_type().toolsets(self.env.taskset.config.task)
         if own_servers:
             log.info(
@@ -341,8 +294,6 @@ class VerifiersEnv(Environment):
             asyncio.Semaphore(max_concurrent_episodes) if max_concurrent_episodes else None
         )
 
-    # ------------------------------------------------------------------ the rows
-
     def examples(self) -> list[dict[str, Any]]:
         """The taskset's rows as dataset examples (``index``, ``question``, ``answer``)."""
         rows = []
@@ -359,8 +310,6 @@ class VerifiersEnv(Environment):
                 }
             )
         return rows
-
-    # ------------------------------------------------------------------ serving
 
     def response_budget(self, max_tokens_per_turn: int) -> int | None:
         """None: an episode runs until the engine's context (or its taskset's own end)."""
@@ -429,8 +378,6 @@ class VerifiersEnv(Environment):
             log.warning("verifiers environment did not close cleanly: %s", error)
         self._server.close()
 
-    # ------------------------------------------------------------------ episodes
-
     def batch_metrics(self) -> dict[str, float]:
         """``inference/episode_split_traces``: traces of the last batch split by the template."""
         return {names.INFERENCE_EPISODE_SPLIT_TRACES: float(self.split_traces)}
@@ -444,18 +391,10 @@ class VerifiersEnv(Environment):
     ) -> list[list[Episode]]:
         """Run ``group_size`` episodes of each example's task to their end.
 
-        The episodes run in the environment's event loop; their model calls arrive at the
-        endpoint and go to the engine as they come (a continuous engine: into its running
-        batch at the next step), until every episode is over.
-
         Args:
-            prompts (Sequence[Prompt]): ``(row, [])`` per task: rows from `examples` (their
-                ``index`` names the task).
-            engine (TurnEngine | Sampler): The engine (`grpo.envs.rollout.run_episodes` has
-                both kinds).
-            group_size (int): Episodes per example.
-            seeds (Sequence[int]): One per prompt (`grpo.seeds.group_seed`); request ``n`` of
-                the batch samples with ``mix_seed(seeds[0], n)``.
+            prompts (Sequence[Prompt]): ``(row, [])`` per task, rows from `examples`.
+            seeds (Sequence[int]): One per prompt; request ``n`` of the batch samples with
+                ``mix_seed(seeds[0], n)``.
 
         Returns:
             list[list[Episode]]: Per example, its episodes; one whose trace failed or whose
