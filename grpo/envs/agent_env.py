@@ -1,54 +1,11 @@
 """Train an agent program written against an OpenAI client: the agent is the environment.
 
-An agent is ``async def solve(client: openai.AsyncOpenAI, example: dict)``. For each episode
-the collector builds it a client whose ``base_url`` names the episode's session on an endpoint
-of its own engine (`grpo.envs.openai_server`: ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models`` on 127.0.0.1), runs it, and trains on the tokens its calls sampled. The agent
-returns the episode's reward: a float (the reward ``agent``), rewards by name (weighed by
-``ref.reward_weights``), or None: the run's ``reward_functions`` score its last answer.
-
-Token-exact. A chat call's messages are rendered with the model's chat template (``tools``
-included). When a call's conversation is the previous call's, then the answer the endpoint
-gave (content and tool calls as returned), then new ``tool`` or ``user`` turns, the call
-continues the episode's trajectory: the sampled tokens stay as sampled (trained), and the new
-turns are bridged as the template writes them after an assistant turn
-(`grpo.envs.render.ChatTurnRenderer`; masked). A completion call continues it when its prompt
-token ids extend the tokens held. Anything else (the agent dropped a turn, edited a message,
-changed the system prompt or the tools) starts a new trajectory from the call's own rendered
-prompt: the episode splits into trajectories that share its reward, each in the episode's
-group, counted as ``inference/agent_splits``. Nothing the model wrote is re-tokenised.
-
-Sampling belongs to the run: a call's own ``temperature``, ``top_p`` or ``seed`` is answered
-with the run's (counted, ``inference/agent_overridden_sampling``, and warned once);
-``max_tokens`` is honoured up to the run's per-turn limit; a ``tool_choice`` that needs
-constrained sampling (``required``, a named function) is refused
-(`grpo.envs.openai_server.tool_choice_problem`). A call past ``max_turns``, or one that
-continues a trajectory with no room left in ``max_episode_tokens`` (per trajectory) or the
-context, is HTTP 400 (the client raises ``openai.BadRequestError``); the episode ends there,
-flagged (``hit_max_turns`` or ``truncated``), and is scored as it stands. A call that starts
-a trajectory with a prompt longer than the context is HTTP 400 as well, as vLLM's server
-answers it, and the episode goes on (the agent may shorten it); an agent that stops there has
-its last trajectory flagged ``truncated``, or, with none, is an episode with an error
-(``prompt_too_long``). Messages the chat template refuses are HTTP 400 with the template's
-own error.
-
-Agents run on an event loop of their own, in a thread apart from the engine's (the engine's
-thread only samples), ``max_concurrent_episodes`` at a time, so their calls batch on the
-engine. An agent that raises, overruns ``agent_timeout_s`` or never calls the model is an
-episode with an error (counted by kind, ``inference/agent_errors_<kind>``; dropped or scored
-with the failure rewards, ``failed_episodes``, and the collector's guard on failing
-environments applies). A loop, not processes: the agent talks to the endpoint over HTTP like
-any client, and its reward comes back in the same process; an agent that blocks its loop
-stalls the other agents, never the engine, and ``agent_timeout_s`` bounds the batch.
-
-Example config:
-
-    environment:
-      _component_: grpo.envs.AgentEnv
-      agent: my_agent.solve
-      max_turns: 4
-      max_episode_tokens: 1024
-      agent_timeout_s: 60
+An agent is ``async def solve(client: openai.AsyncOpenAI, example: dict)`` that returns the
+episode's reward (a float, rewards by name, or None for the run's reward functions). Its client
+talks to the collector's engine (`grpo.envs.openai_server`), and a call that continues the
+conversation continues the trajectory token-exact; anything else splits the episode into
+trajectories that share its reward. Agents run on an event loop apart from the engine's thread,
+so one that blocks stalls the other agents, never the engine. Details: docs/agents.md.
 """
 
 from __future__ import annotations
@@ -176,8 +133,7 @@ class AgentEnv(MultiTurnEnv):
         agent (str | Callable): ``module.function``, an ``async def (client, example)``
             returning a float, rewards by name, or None.
         call_format (str): How tool calls are parsed from the sampled text into
-            ``message.tool_calls`` (`grpo.envs.tools.parse_tool_calls`): ``json`` (Qwen),
-            ``llama3_json`` (Llama 3.x), ``deepseek``.
+            ``message.tool_calls``: ``json`` (Qwen), ``llama3_json`` (Llama 3.x), ``deepseek``.
         max_turns (int): Model calls per episode; the next call is HTTP 400 and the episode
             ends, ``hit_max_turns``.
         max_episode_tokens (int | None): Response tokens (sampled and bridged) of one

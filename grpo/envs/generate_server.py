@@ -1,15 +1,10 @@
 """The collector's engine served on vLLM's token-in, token-out endpoint.
 
-Agents that render their own prompts (a verifiers environment's client renders messages to token
-ids itself) ask for completions over HTTP: ``POST /inference/v1/generate`` with the prompt's token
-ids and sampling parameters, answered with the sampled token ids and their logprobs, in the
-schema of vLLM's ``vllm/entrypoints/scale_out/token_in_token_out/protocol.py``. The server only
-queues requests; the thread that owns the engine takes them (`GenerateServer.take`, every request
-that arrived together in one batch), samples them and answers (`GenerateServer.answer`), so
-generation stays batched across episodes and the engine stays on one thread.
-
-``GET /v1/models`` names the model and its context length, which clients read first.
-Stdlib only (``http.server``): one thread per open connection, bound to 127.0.0.1.
+``POST /inference/v1/generate`` takes prompt token ids and answers with sampled ids and their
+logprobs, in the schema of vLLM's ``token_in_token_out/protocol.py``. The server only queues
+requests: the thread that owns the engine takes every request that arrived together as one
+batch and answers them, so the engine stays on one thread. Stdlib ``http.server``, bound to
+127.0.0.1.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The collector's engine behind OpenAI's routes, one session per episode.
 
-An agent program written against an OpenAI client (`grpo.envs.agent_env.AgentEnv`) talks to
-this endpoint on 127.0.0.1: ``POST /s/<session>/v1/chat/completions``, ``POST
-/s/<session>/v1/completions`` and ``GET /v1/models`` (under a session or not). The session in
-the URL ties an episode's calls together, so an unmodified client with that ``base_url`` works.
-This module is the HTTP side only: it reads a request body into a `ChatRequest` or a
-`CompletionRequest` (a malformed one is HTTP 400 with the reason), hands it to the backend
-(the environment, which renders, samples on the engine and keeps the episode's tokens), and
-writes what the backend answers as the ``openai`` client parses it: a JSON body, or
-server-sent events when the request streams. The ``model`` field is accepted whatever it
-names. Token ids and logprobs come back when asked, under vLLM's names (``return_token_ids``:
-``prompt_token_ids`` and ``choices[].token_ids``).
-
-Stdlib only (``http.server``): one thread per open connection, bound to 127.0.0.1.
+Routes ``/s/<session>/v1/chat/completions``, ``/s/<session>/v1/completions`` and ``/v1/models``:
+the session in the URL ties an episode's calls together, so an unmodified client with that
+``base_url`` works. This is the HTTP side only (a malformed body is HTTP 400 with the reason);
+the backend renders and samples. Stdlib ``http.server``, bound to 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -472,11 +463,6 @@ class OpenAIServer:
         backend (Backend): Serves each parsed request of a session.
         model_name (str): The model's id in ``GET /v1/models``.
         max_model_len (int): The context, in ``GET /v1/models``.
-
-    Example:
-        >>> server = OpenAIServer(env, max_model_len=2048)
-        >>> server.session_url("episode-0")
-        'http://127.0.0.1:40123/s/episode-0/v1'
     """
 
     def __init__(self, backend: Backend, model_name: str = "policy", max_model_len: int = 0):
