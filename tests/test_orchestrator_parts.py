@@ -148,7 +148,7 @@ def test_every_kind_of_call_has_a_handler(tmp_path):
     assert set(run._handlers) == set(CallKind)
     # A replaced collector, reference actor, buffer or rollout queue redoes its call; a dead
     # trainer restarts the run from a checkpoint, so its calls are never redone.
-    assert set(run._redo) == set(CallKind) - {CallKind.TRAIN}
+    assert set(run.scheduler.redo) == set(CallKind) - {CallKind.TRAIN}
 
 
 def test_step_time_breakdown_adds_up_to_the_wall_time():
@@ -230,25 +230,24 @@ def test_the_ledger_read_without_rewound_steps_names_each_trajectory_once(tmp_pa
 
 
 def test_checkpoints_are_due_by_steps_and_by_minutes(tmp_path):
-    import time
-
     from grpo.config import load_config
-    from grpo.orchestrator import Orchestrator
+    from grpo.orchestrator.checkpointer import checkpoint_due
 
-    def orchestrator(*overrides: str) -> Orchestrator:
+    def due(*overrides: str):
         cfg = load_config("tiny_arithmetic_cpu", [f"output_dir={tmp_path}", *overrides])
-        return Orchestrator(cfg, tmp_path)
+        every = cfg.checkpoint
+        return lambda step, since_save=0.0: checkpoint_due(
+            step, every.save_every_n_steps, every.save_every_n_minutes, since_save
+        )
 
-    by_steps = orchestrator(
-        "checkpoint.save_every_n_steps=5", "checkpoint.save_every_n_minutes=null"
-    )
-    assert [s for s in range(1, 16) if by_steps._checkpoint_due(s)] == [5, 10, 15]
-    by_minutes = orchestrator("checkpoint.save_every_n_minutes=1")
-    assert not by_minutes._checkpoint_due(7)
-    by_minutes._saved_at = time.monotonic() - 61
-    assert by_minutes._checkpoint_due(7)
+    by_steps = due("checkpoint.save_every_n_steps=5", "checkpoint.save_every_n_minutes=null")
+    assert [s for s in range(1, 16) if by_steps(s)] == [5, 10, 15]
+    by_minutes = due("checkpoint.save_every_n_minutes=1")
+    assert not by_minutes(7)
+    assert by_minutes(7, since_save=61.0)
     # The demo's interval, and the default for any config that sets none.
-    assert by_minutes.cfg.checkpoint.save_every_n_steps is None
+    cfg = load_config("tiny_arithmetic_cpu", [f"output_dir={tmp_path}"])
+    assert cfg.checkpoint.save_every_n_steps is None
     from grpo.config.sections import CheckpointConfig
 
     assert CheckpointConfig().save_every_n_minutes == 30
@@ -348,11 +347,101 @@ def test_an_actor_whose_constructor_raised_stops_the_run_instead_of_being_replac
     def failed_start(ref):
         raise RayActorError(error_msg="ConfigError: environment: bad", actor_init_failed=True)
 
-    monkeypatch.setattr("grpo.orchestrator.loop.ray.get", failed_start)
-    run._calls["ref"] = Call(CallKind.GENERATE, 0, object())
+    monkeypatch.setattr("grpo.orchestrator.scheduler.ray.get", failed_start)
+    collector = object()
+    run.actors.collectors = [collector]
+    run.scheduler.calls["ref"] = Call(CallKind.GENERATE, 0, collector)
     with pytest.raises(ActorFailedError, match=r"collector\[0\] failed to start.*: ConfigError"):
-        run._process(["ref"], relaunch=True)
+        run.scheduler.finish(["ref"], relaunch=True)
+        run._handle_failures()
     assert not replaced
+
+
+# ---------------------------------------------------------------- the fault policy
+
+
+def policy(max_restarts: int = 1):
+    from grpo.orchestrator.faults import FaultPolicy
+
+    return FaultPolicy(max_restarts, lambda name: f" (its output: logs/{name}.log)", lambda: "ckpt")
+
+
+def test_the_fault_policy_replaces_dead_actors_within_their_budget_then_stops():
+    from grpo.orchestrator.faults import Failure, Replace, Stop
+
+    faults = policy(max_restarts=1)
+    gone = RuntimeError("gone")
+    # (failure, the decision's type, its actor or words in its error); in order, one policy.
+    table = [
+        (Failure("ref_actor[0]", gone), Replace, "ref_actor[0]"),
+        # Each actor has its own budget.
+        (Failure("collector[1]", gone), Replace, "collector[1]"),
+        # An earlier failure replaced it already: its other calls are redone, not counted.
+        (Failure("ref_actor[0]", gone, current=False), Replace, "ref_actor[0]"),
+        # Past the budget: replaced once more (the pipeline stays whole for a checkpoint),
+        # and the decision carries the stop for the end of the step.
+        (Failure("ref_actor[0]", gone), Replace, "ref_actor[0] died 2 times"),
+        # The same actor dying again while the run stops: stop now.
+        (Failure("ref_actor[0]", gone), Stop, "ref_actor[0] died 2 times"),
+        # Raising is never replaced: the root cause, named.
+        (Failure("replay_buffer", ValueError("bad"), died=False), Stop, "replay_buffer failed"),
+        # A constructor that raised would raise again in every replacement.
+        (Failure("collector[0]", gone, init_failed=True), Stop, "collector[0] failed to start"),
+    ]
+    for failure, kind, text in table:
+        decision = faults.decide(failure)
+        assert isinstance(decision, kind), (failure, decision)
+        if isinstance(decision, Replace):
+            assert decision.actor == failure.actor
+            assert (decision.last is not None) == ("died" in text)
+            assert text in str(decision.last or decision.actor)
+        else:
+            assert text in str(decision.error)
+    assert "max_actor_restarts=1" in str(faults.decide(Failure("ref_actor[0]", gone)).error)
+    assert "(its output: logs/ref_actor[0].log); last error: gone" in str(faults.last)
+
+
+def test_a_dead_trainer_restarts_the_run_until_the_budget_is_used_up():
+    from grpo.orchestrator.faults import Failure, Restart, Stop
+
+    faults = policy(max_restarts=1)
+    decision = faults.decide(Failure("trainer[1]", RuntimeError("killed")))
+    assert decision == Restart("trainer[1] died (killed) (its output: logs/trainer[1].log)")
+    # The budget is counted where the restart is carried out: a training call, a weight
+    # gather or a checkpoint that found the trainer dead.
+    assert faults.restart(decision.reason) == Restart(decision.reason)
+    stop = faults.restart("trainer[0] died during trainer weight gather")
+    assert isinstance(stop, Stop)
+    assert str(stop.error) == (
+        "trainer[0] died during trainer weight gather; the trainers died 2 times "
+        "(orchestration.max_actor_restarts=1): resume from ckpt"
+    )
+
+
+def test_a_stop_names_the_root_cause_not_rays_wrapper():
+    """A collector that raised in a remote call: the message names the exception it raised,
+    not Ray's "ray::SyncLLMCollector.generate_batch_with_state() (pid=..., ...)" header."""
+    from ray.exceptions import RayTaskError
+
+    from grpo.orchestrator.faults import Failure, describe, root_cause
+
+    class WeightSyncError(RuntimeError):
+        pass
+
+    cause = WeightSyncError("3 weight updates in a row failed verification")
+    header = "ray::SyncLLMCollector.generate_batch_with_state() (pid=12, ip=10.0.0.1)"
+    wrapped = RayTaskError(
+        "generate_batch_with_state", f"{header}\nTraceback ...\n", cause, pid=12, ip="10.0.0.1"
+    ).as_instanceof_cause()
+    assert str(wrapped).startswith("ray::") or "Traceback" in str(wrapped)
+    # A remote call inside a remote call: the innermost user exception.
+    nested = RayTaskError("score", "ray::RefActor.score()", wrapped)
+    assert root_cause(wrapped) is cause and root_cause(nested) is cause
+    line = "WeightSyncError: 3 weight updates in a row failed verification"
+    assert describe(nested) == line
+    assert describe(KeyError("anwser")) == "KeyError: 'anwser'"
+    stop = policy().decide(Failure("collector[0]", wrapped, died=False))
+    assert str(stop.error) == f"collector[0] failed (its output: logs/collector[0].log): {line}"
 
 
 # ---------------------------------------------------------------- the failing-reward guard

@@ -525,6 +525,40 @@ def test_actor_dying_too_often_stops_the_run_with_a_checkpoint(
     assert (latest / "model" / "model.safetensors").is_file()
 
 
+def test_an_actor_that_raises_stops_the_run_naming_the_root_cause(
+    tiny_model_dir, tmp_path, monkeypatch, caplog, ray_cleanup
+):
+    """A collector whose batch raises (`WeightSyncError`, as after weight updates that kept
+    failing verification) is not replaced: the run stops, and its one line names the exception
+    the collector raised, not Ray's wrapper of it ("ray::SyncLLMCollector.generate_batch_...
+    (pid=..., ip=...)"). Ray logs none of the remote tracebacks of the results the driver let
+    go of unread ("Unhandled error"), which would reach the terminal after the stop line."""
+    import gc
+
+    from grpo.observability.console import stop_reason
+    from grpo.testing.faults import fail_next_batch, faults_at_steps
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run = start_run(tiny_model_dir, tmp_path / "run", 200)
+    faults_at_steps(run, [(1, "collector[0]", fail_next_batch)])
+    try:
+        with pytest.raises(ActorFailedError) as error:
+            run.run()
+    finally:
+        run.shutdown()
+    line = stop_reason(error.value)
+    assert line.startswith("collector[0] failed (its output: "), line
+    assert line.endswith(
+        ": WeightSyncError: 3 weight updates in a row failed verification (injected)"
+    ), line
+    assert "ray::" not in line and "pid=" not in line
+    assert not run.recoveries
+    del run, error
+    gc.collect()
+    ray.shutdown()
+    assert not [r.getMessage() for r in caplog.records if "Unhandled error" in r.getMessage()]
+
+
 def test_non_finite_losses_stop_the_run_with_a_checkpoint(
     tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
 ):

@@ -42,6 +42,7 @@ from grpo.run_folder import (
 __all__ = [
     "Checkpointer",
     "Stateful",
+    "checkpoint_due",
     "checkpoint_policy_version",
     "find_checkpoint",
     "latest_checkpoint_text",
@@ -155,3 +156,18 @@ class Checkpointer:
         except ValueError as error:
             raise ValueError(f"{checkpoint_dir} {error}") from error
         self.run_state.load_state_dict(json.loads((checkpoint_dir / "state.json").read_text()))
+
+
+def checkpoint_due(
+    step: int, every_n_steps: int | None, every_n_minutes: float | None, seconds_since_save: float
+) -> bool:
+    """Whether step ``step`` is checkpointed: every ``checkpoint.save_every_n_steps`` steps, or
+    once ``save_every_n_minutes`` have passed since the last checkpoint (or the start).
+
+    Example:
+        >>> checkpoint_due(10, 5, None, 0.0), checkpoint_due(7, None, 1, 61.0)
+        (True, True)
+    """
+    if every_n_steps and step % every_n_steps == 0:
+        return True
+    return bool(every_n_minutes) and seconds_since_save >= 60 * every_n_minutes

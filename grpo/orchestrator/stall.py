@@ -6,7 +6,7 @@ nothing, a sample that found no batch) say that an actor is alive, not that the 
 Once no step was trained for the timeout, `StallWatch.diagnose` looks at the calls in flight
 and what the collectors report about themselves (`SyncLLMCollector.heartbeat`) and returns a
 `Stall`: the actor, what it is stuck in, and whether replacing it can help. The loop acts on
-it (`Orchestrator._on_stall`): it kills the actor, which the supervisor then replaces like
+it (`Orchestrator._on_stall`): it kills the actor, which the loop then replaces like
 one that died, or it stops the run with the stall's message.
 
 Pure Python: the loop gathers the observations, this module only decides.

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo.orchestrator.ledger import ScoredBatch
 from grpo.orchestrator.supervisor import Role
 
 
@@ -64,9 +65,12 @@ class Call:
     kind: CallKind
     index: int
     actor: Any
-    # GENERATE: (groups ref, the queue the batch puts onto); TAKE: groups ref; SCORE: (groups
-    # ref, scored ref); ADD: ScoredBatch; SAMPLE: batch ref.
-    payload: Any = None
+    # What each kind holds for its handler, or to be redone on a replacement:
+    groups_ref: Any = None  # GENERATE, TAKE, SCORE: the groups generated, taken or scored
+    queue: Any = None  # GENERATE: the rollout queue the batch puts onto
+    scored_ref: Any = None  # SCORE: the scored groups (its second return)
+    scored: ScoredBatch | None = None  # ADD: the scored batch offered to the buffer
+    batch_ref: Any = None  # SAMPLE: the sampled batch (its second return), for the trainers
     started: float = field(default_factory=time.monotonic)  # for the stall watch
 
     @property

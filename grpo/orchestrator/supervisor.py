@@ -1,20 +1,18 @@
 """The actor supervisor: starts every actor of a run, replaces dead ones, ends them all.
 
-It owns the actor handles (always the current ones, replacements included), the restart
-budget (``orchestration.max_actor_restarts`` per actor), the record of recoveries, the state
-each collector reached after its last finished batch, and the names that errors use
-(``collector[0]``, ``ref_actor[1]``, ``replay_buffer``, ``trainer[0]``). A collector,
-reference actor, replay buffer or rollout queue that dies is replaced; what the new one needs
-to catch up is done by the hook given for its role (`on_replaced`: the driver holds copies of
-what the buffer and the queue held). A trainer holds the policy and optimizer state, so its
-death raises `TrainerDiedError`, which the loop answers by restarting the pipeline from the
-latest checkpoint (`restart_pipeline`).
+It owns the actor handles (always the current ones, replacements included), the record of
+recoveries, the state each collector reached after its last finished batch, and the names that
+errors use (``collector[0]``, ``ref_actor[1]``, ``replay_buffer``, ``trainer[0]``). It carries
+out what the loop decided (`grpo.orchestrator.faults`): `replace` starts a new actor in a dead
+one's place, `restart_pipeline` starts every actor but the metric logger again from a
+checkpoint; what a replacement needs to catch up is the loop's to do.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +29,7 @@ from grpo.observability import metric_names as names
 from grpo.observability.logs import actor_log_path, is_verbose, logs_dir, with_output_to
 from grpo.observability.metric_logger import DEFAULT_METRIC_LOGGER
 from grpo.orchestrator.checkpointer import checkpoint_policy_version, latest_checkpoint_text
+from grpo.orchestrator.faults import describe
 from grpo.workers.rollout_queue import RolloutQueue
 from grpo.workers.training_checkpoint import ADAPTER_SUBDIR, MODEL_SUBDIR
 
@@ -42,11 +41,19 @@ def init_ray(cfg: RunConfig) -> None:
 
     Unless ``log_level`` is debug, Ray does not forward the actors' output to this process
     (each actor writes its own log file, see `grpo.observability.logs`) and its own start-up messages go
-    through the root logger (the run's ``driver.log`` under ``grpo run``) instead of stderr.
+    through the root logger (the run's ``driver.log`` under ``grpo run``) instead of stderr,
+    and it does not print the errors of results the driver never fetched.
     """
     if ray.is_initialized():
         return
     verbose = is_verbose(cfg.log_level)
+    if not verbose:
+        # Results the driver lets go of unread (a failed generation call's second return, the
+        # calls in flight when a run stops) would have their errors logged when garbage
+        # collected, after the stop line and with the run's log handlers gone: Python's last
+        # resort would print each remote traceback on the terminal. The failure that matters
+        # was fetched, and stopped the run naming its cause.
+        os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     kwargs: dict[str, Any] = {
         "include_dashboard": False,
         "log_to_driver": verbose,
@@ -272,10 +279,6 @@ class ActorSupervisor:
         current_step (Callable[[], int]): The training step now (recoveries record it).
         dataset: The training dataset, built once by the caller and shared by every
             collector through the object store; None builds it from ``cfg.dataset`` in each.
-
-    Attributes:
-        on_replaced (dict[Role, Callable[[int, Any], None]]): Per role, what a replacement
-            needs before it works: ``hook(index, new_actor)``.
     """
 
     def __init__(
@@ -291,11 +294,9 @@ class ActorSupervisor:
         self.log_metrics = log_metrics
         self.current_step = current_step
         self.dataset = ray.put(dataset) if dataset is not None else cfg.dataset
-        self.max_actor_restarts = cfg.orchestration.max_actor_restarts
         # Unless log_level is debug, each actor's process writes to its own file in
         # <run_dir>/logs (grpo.observability.logs) and Ray forwards nothing to the terminal.
         self.log_files = not is_verbose(cfg.log_level)
-        self.on_replaced: dict[Role, Callable[[int, Any], None]] = {}
         self.collectors: list[Any] = []
         self.ref_actors: list[Any] = []
         self.trainers: list[Any] = []
@@ -312,9 +313,6 @@ class ActorSupervisor:
         self.collector_adapter_dir: str | None = None
         self.recoveries: list[Recovery] = []
         self.recovering: dict[str, Recovery] = {}  # replaced, first call not back yet
-        self.restarts: dict[str, int] = {}
-        # Set once an actor used up its restarts: the loop checkpoints, then raises it.
-        self.gave_up: ActorFailedError | None = None
 
     # ------------------------------------------------------------------ start
 
@@ -543,26 +541,19 @@ class ActorSupervisor:
                 f"{latest_checkpoint_text(self.run_dir)}"
             ) from error
         except RayTaskError as error:
-            raise ActorFailedError(f"{what or 'an actor'} failed: {error}") from error
+            raise ActorFailedError(f"{what or 'an actor'} failed: {describe(error)}") from error
 
-    def ask(self, role: Role, index: int, method: str, *args: Any) -> Any:
-        """Call ``method`` of a replaceable actor and wait; a dead one is replaced and asked.
-
-        For the calls the loop makes between steps (state for a checkpoint),
-        which find an actor that died while it had nothing to do.
+    def save_trainers(self, folder: Path, hf: bool = False) -> None:
+        """Have every trainer write its checkpoint (``model/`` and ``trainer/``) into
+        ``folder``, or with ``hf`` the policy alone as an HF-format folder; returns once all
+        are done.
 
         Raises:
-            ActorFailedError: The actor raised, or see `replace`.
+            TrainerDiedError: A trainer died meanwhile (`get_all`).
         """
-        while True:
-            actor = self.actor(role, index)
-            try:
-                return ray.get(getattr(actor, method).remote(*args))
-            except RayActorError as error:
-                self.replace(role, index, actor, error)
-            except RayTaskError as error:
-                name = actor_name(role, index)
-                raise ActorFailedError(f"{name} failed{self.output_hint(name)}: {error}") from error
+        method = "save_hf_checkpoint" if hf else "save_checkpoint"
+        calls = [getattr(t, method).remote(str(folder)) for t in self.trainers]
+        self.get_all(calls, "trainer checkpoint")
 
     def returned(self, role: Role, index: int, actor: Any) -> None:
         """A call of ``actor`` came back: a replacement's first result ends its recovery."""
@@ -576,49 +567,33 @@ class ActorSupervisor:
 
     # ------------------------------------------------------------------ faults
 
-    def replace(self, role: Role, index: int, dead: Any, error: Exception) -> None:
-        """Replace the ``dead`` actor, unless an earlier failed call already did.
+    def replace(self, role: Role, index: int, dead: Any, error: BaseException) -> Recovery | None:
+        """Start a new actor in place of the ``dead`` one, unless an earlier failure did.
 
-        Raises:
-            ActorFailedError: For a trainer, or an actor that has used up
-                ``max_actor_restarts`` and died again while the run was stopping.
+        The new one starts from the weights new actors load; catching it up (a collector's
+        stream position and weights, a buffer's contents) is the caller's. A trainer is never
+        replaced alone (`restart_pipeline`).
+
+        Returns:
+            Recovery | None: The record of this replacement, for the caller to time and keep
+            (`record_recovery`) once the new actor is caught up; None if replaced already.
         """
-        name = actor_name(role, index)
-        if role is Role.TRAINER:
-            # The policy and optimizer state died with it: the loop rewinds to a checkpoint.
-            raise TrainerDiedError(f"{name} died ({error}){self.output_hint(name)}")
         if dead is not self.actor(role, index):
-            return  # replaced already
+            return None
+        name = actor_name(role, index)
         step = self.current_step()
-        restarts = self.restarts.get(name, 0) + 1
-        if restarts > self.max_actor_restarts:
-            if self.gave_up is not None:
-                raise self.gave_up
-            # Replace it once more so the pipeline can be checkpointed, then stop.
-            self.gave_up = ActorFailedError(
-                f"{name} died {restarts} times (orchestration.max_actor_restarts="
-                f"{self.max_actor_restarts}){self.output_hint(name)}; last error: {error}"
-            )
-        self.restarts[name] = restarts
-        recovery = Recovery(name, step, 0.0, str(error))
         log.warning(
             "%s died at step %d; replacing it%s: %s", name, step, self.output_hint(name), error
         )
         if role is Role.COLLECTOR:
-            new = self.collectors[index] = self._new_collector(index)
+            self.collectors[index] = self._new_collector(index)
         elif role is Role.REF:
-            new = self.ref_actors[index] = self._new_ref_actor(index)
+            self.ref_actors[index] = self._new_ref_actor(index)
         elif role is Role.ROLLOUT_QUEUE:
-            new = self.start_rollout_queue()
+            self.start_rollout_queue()
         else:
-            new = self.start_replay_buffer()
-        hook = self.on_replaced.get(role)
-        try:
-            if hook is not None:
-                hook(index, new)  # may find a dead trainer (catching up a collector's weights)
-        finally:
-            recovery.seconds = time.perf_counter() - recovery.started
-            self.record_recovery(recovery)
+            self.start_replay_buffer()
+        return Recovery(name, step, 0.0, str(error))
 
     def kill(self, name: str, reason: str) -> None:
         """Kill the actor ``name`` because it holds the run up (stuck, frozen, or unable to
@@ -637,6 +612,7 @@ class ActorSupervisor:
 
     def record_recovery(self, recovery: Recovery) -> None:
         """Keep and log a finished replacement; its first result back ends it (`returned`)."""
+        recovery.seconds = time.perf_counter() - recovery.started
         self.recoveries.append(recovery)
         self.recovering[recovery.actor] = recovery
         self.log_metrics(
@@ -659,27 +635,6 @@ class ActorSupervisor:
             except (RayActorError, ray.exceptions.GetTimeoutError):
                 return actor_name(Role.TRAINER, rank)
         return None
-
-    def trainer_died(self, error: TrainerDiedError) -> Recovery:
-        """Count a trainer's death against the restart budget of the trainer group.
-
-        Returns:
-            Recovery: The record of this restart (the caller times it).
-
-        Raises:
-            ActorFailedError: The trainers died more than ``max_actor_restarts`` times; the
-                message names the checkpoint to resume from.
-        """
-        restarts = self.restarts.get("trainers", 0) + 1
-        if restarts > self.max_actor_restarts:
-            raise ActorFailedError(
-                f"{error}; the trainers died {restarts} times (orchestration.max_actor_restarts="
-                f"{self.max_actor_restarts}): resume from {latest_checkpoint_text(self.run_dir)}"
-            ) from error
-        self.restarts["trainers"] = restarts
-        log.warning("%s; restarting the run from its latest checkpoint", error)
-        # Named after rank 0, whose first finished step ends the recovery (`returned`).
-        return Recovery(actor_name(Role.TRAINER, 0), self.current_step(), 0.0, str(error))
 
     def restart_pipeline(self, pad_token_id: int, checkpoint_dir: Path | None) -> None:
         """End every actor but the metric logger and start them again from ``checkpoint_dir``.
@@ -714,13 +669,20 @@ class ActorSupervisor:
     # ------------------------------------------------------------------ Stateful
 
     def state_dict(self) -> dict[str, Any]:
-        """The actors' states: collectors after their last batch, reference actors, buffer."""
+        """The actors' states: collectors after their last batch, reference actors, buffer.
+
+        Raises:
+            ActorFailedError: A reference actor or the buffer died (the loop replaces a dead
+                one before it saves: `Orchestrator.save_checkpoint`).
+        """
+        states = self.get_all(
+            [actor.state_dict.remote() for actor in [*self.ref_actors, self.replay_buffer]],
+            "actor states for a checkpoint",
+        )
         return {
             "collectors": list(self.collector_states),
-            "ref_actors": [
-                self.ask(Role.REF, index, "state_dict") for index in range(len(self.ref_actors))
-            ],
-            "replay_buffer": self.ask(Role.REPLAY_BUFFER, 0, "state_dict"),
+            "ref_actors": states[:-1],
+            "replay_buffer": states[-1],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
