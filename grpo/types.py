@@ -215,7 +215,10 @@ class ScoredTrajectory(_PicklesTensorsAsArrays):
         ref_logprobs (torch.Tensor | None): Reference-model logprobs, shape
             ``(response_len,)``; None when the run has no reference model (``kl_coeff`` 0).
         rewards (torch.Tensor): One reward per reward function, shape ``(num_funcs,)``.
-        advantages (torch.Tensor): Scalar advantage of the sequence.
+        advantages (torch.Tensor): The advantage: a scalar shared by every response token
+            (GRPO), or one per response token, shape ``(response_len,)`` (on-policy
+            distillation adds a per-token teacher signal:
+            `grpo.objective.advantages.distillation_advantages`).
         successes (torch.Tensor): One success flag per reward function, shape ``(num_funcs,)``.
         answer (str): Ground-truth answer.
         sequence_id (str): Unique id of this sequence.
@@ -262,11 +265,14 @@ class ScoredTrajectory(_PicklesTensorsAsArrays):
             _check_1d("ref_logprobs", self.ref_logprobs, self.response_len, owner)
         _check_response_mask(self.response_mask, self.response_len, owner)
         self.advantages = torch.as_tensor(self.advantages, dtype=torch.float32)
-        if self.advantages.numel() != 1:
+        per_token = self.advantages.dim() == 1 and self.advantages.numel() == self.response_len
+        if not per_token and self.advantages.numel() == 1:
+            self.advantages = self.advantages.reshape(())
+        elif not per_token:
             raise ValueError(
-                f"{owner}: advantages must be a scalar, got {tuple(self.advantages.shape)}"
+                f"{owner}: advantages must be a scalar or have shape ({self.response_len},), "
+                f"got {tuple(self.advantages.shape)}"
             )
-        self.advantages = self.advantages.reshape(())
         if self.rewards.dim() != 1 or self.successes.shape != self.rewards.shape:
             raise ValueError(
                 f"{owner}: rewards and successes must both have shape (num_funcs,), got "
@@ -285,6 +291,14 @@ class ScoredTrajectory(_PicklesTensorsAsArrays):
     def policy_len(self) -> int:
         """Response tokens the policy sampled: the ones the loss trains."""
         return _policy_len(self.response_len, self.response_mask)
+
+    @property
+    def token_advantages(self) -> torch.Tensor:
+        """The advantage of each response token, float32 ``(response_len,)``: ``advantages``
+        itself when it is per token, else the scalar repeated."""
+        if self.advantages.dim() == 1:
+            return self.advantages
+        return self.advantages.expand(self.response_len)
 
 
 @dataclass

@@ -117,6 +117,10 @@ def _absolutize_paths(cfg: DictConfig) -> None:
         value = _try_get(cfg, key)
         if isinstance(value, str) and value:
             cfg[key] = str(resolve_path(value, fall_back_to_repo=fall_back))
+    ref = _try_get(cfg, "ref")
+    teacher = _try_get(ref, "teacher_model_path") if isinstance(ref, DictConfig) else None
+    if isinstance(teacher, str) and teacher.strip():
+        ref.teacher_model_path = str(resolve_path(teacher, fall_back_to_repo=True))
     resume = _try_get(cfg, "resume_from_checkpoint")
     if isinstance(resume, str) and resume:
         cfg.resume_from_checkpoint = str(resolve_path(resume))

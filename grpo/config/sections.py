@@ -215,8 +215,24 @@ class RefConfig(Section):
     dtype: DType = "fp32"
     """Reference model dtype."""
     mask_kind: MaskKind = "auto"
-    """Attention of reference packs: auto (flex on CUDA, varlen elsewhere), dense, varlen
-    (fastest on CPU) or flex (FlexAttention BlockMask; best on CUDA)."""
+    """Attention of reference and teacher packs: auto (flex on CUDA, varlen elsewhere), dense,
+    varlen (fastest on CPU) or flex (FlexAttention BlockMask; best on CUDA)."""
+    teacher_model_path: str | None = None
+    """On-policy distillation: a Hugging Face model folder whose tokenizer is the policy's
+    (same vocabulary, special tokens and eos; grpo validate compares them). The reference
+    actor loads it and scores the tokens the policy sampled, and each response token's
+    advantage gets distillation_coeff * (teacher logprob - behaviour logprob), both at the
+    sampling temperature: the reverse KL to the teacher as a per-token reward
+    (docs/training.md). Relative: current directory first, then the repo root. null: no
+    teacher."""
+    teacher_dtype: DType = "fp32"
+    """Teacher model dtype."""
+    distillation_coeff: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Weight of the teacher signal in each token's advantage."""
+    distillation_only: bool = False
+    """true: the advantage is the teacher signal alone (pure on-policy distillation; rewards
+    are still computed and logged, and train nothing); false: it is added to the GRPO
+    advantage of the episode's rewards."""
     num_gpus: float = Field(0, ge=0)
     """GPUs per reference actor."""
     num_cpus: float = Field(1, ge=0)
@@ -225,6 +241,39 @@ class RefConfig(Section):
     """Ray custom resources per reference actor, e.g. {trainer_node: 1}: they start only on
     nodes that have them (``ray start --resources='{"trainer_node": 4}'``), which places the
     role on chosen nodes of a cluster. A resource no node has is refused at start."""
+
+    @field_validator("teacher_model_path")
+    @classmethod
+    def _a_folder(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("is empty; give the teacher's model folder, or null for none")
+        return value
+
+    @field_validator("teacher_dtype", "distillation_coeff", "distillation_only")
+    @classmethod
+    def _distillation_needs_a_teacher(cls, value: Any, info: ValidationInfo) -> Any:
+        # Defaults are filled into a loaded config, so only a value other than the default
+        # can be the user's choice.
+        default = cls.model_fields[info.field_name].default
+        if value != default and info.data.get("teacher_model_path", "") is None:
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            raise ValueError(
+                f"{shown} configures on-policy distillation, but ref.teacher_model_path is "
+                "null: give the teacher's model folder, or remove the setting"
+            )
+        return value
+
+    @field_validator("distillation_only")
+    @classmethod
+    def _every_group_carries_the_teacher_signal(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("filter_zero_variance_groups"):
+            raise ValueError(
+                "true trains on the teacher signal alone, which a group carries whatever its "
+                "rewards, but ref.filter_zero_variance_groups drops the groups whose rewards "
+                "are all equal, and the signal of their tokens with them; set "
+                "ref.filter_zero_variance_groups: false"
+            )
+        return value
 
     @field_validator("reward_weights", mode="before")
     @classmethod

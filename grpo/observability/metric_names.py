@@ -87,6 +87,11 @@ GROUPS_SCORED = "ref_actor_rewards/groups_scored"
 GROUPS_KEPT = "ref_actor_rewards/groups_kept"
 ZERO_VARIANCE_GROUPS = "ref_actor_rewards/zero_variance_groups"
 
+# ref_actor_distillation/: on-policy distillation (ref.teacher_model_path). The scored batch's
+# mean over policy tokens of behaviour - teacher logprob: the sampled estimate of the reverse
+# KL to the teacher per token.
+REF_TEACHER_REVERSE_KL = "ref_actor_distillation/teacher_reverse_kl"
+
 # queues/: the rollout queue and the replay buffer, each logged by the actor it feeds.
 TRAIN_REPLAY_BUFFER_SIZE = "queues/train_replay_buffer_size"
 REPLAY_BUFFER_DROPPED_STALE = "queues/replay_buffer_dropped_stale"
@@ -251,6 +256,7 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         SUCCESSES_MEAN,
         REWARDS_FUNC_MEAN_TEMPLATE,
         SUCCESSES_FUNC_MEAN_TEMPLATE,
+        REF_TEACHER_REVERSE_KL,
         # Counted by the driver over the reference calls that finished since the previous
         # training step, logged once per step (`grpo.orchestrator.group_counts.GroupCounts`):
         # groups scored, passed on to the buffer, and with all-equal rewards (dropped when

@@ -260,7 +260,8 @@ def debug_tables(
             "Prompt": tokenizer.decode(traj.prompt_tokens.tolist(), skip_special_tokens=False),
             "Response": tokenizer.decode(traj.response_tokens.tolist(), skip_special_tokens=False),
             "Answer": traj.answer,
-            "Advantage": float(traj.advantages),
+            # Per-token advantages (distillation): their mean over the trained tokens.
+            "Advantage": _mean_advantage(traj),
             "Response Length": traj.response_len,
             # Below Response Length for multi-turn episodes: the rest is environment turns.
             "Trained Tokens": traj.policy_len,
@@ -275,6 +276,7 @@ def debug_tables(
         sample_columns = list(sample)
         sample_rows.append(list(sample.values()))
         generated = traj.logprobs.tolist()
+        advantages = traj.token_advantages.tolist()
         # No reference model (kl_coeff 0): no reference logprobs.
         ref = traj.ref_logprobs.tolist() if traj.ref_logprobs is not None else None
         trained = (
@@ -291,6 +293,7 @@ def debug_tables(
                 # "policy": sampled and trained; "env": an environment turn, not trained (its
                 # generated logprob is a 0 placeholder).
                 "Source": "policy" if trained[position] else "env",
+                "Advantage": advantages[position],
                 "Generated Logprob": generated[position],
                 "Ref Logprob": ref[position] if ref is not None else None,
                 "Pi Logprob": pi[position],
@@ -306,3 +309,13 @@ def debug_tables(
     if token_rows:
         tables["per_token_debug_table"] = (token_columns, token_rows)
     return tables
+
+
+def _mean_advantage(traj: Any) -> float:
+    """A trajectory's advantage, or the mean of its per-token ones over the trained tokens."""
+    if traj.advantages.dim() == 0:
+        return float(traj.advantages)
+    trained = traj.token_advantages
+    if traj.response_mask is not None:
+        trained = trained[traj.response_mask]
+    return float(trained.mean()) if trained.numel() else 0.0

@@ -275,9 +275,9 @@ def pack_sequences(
         PackedTrajectory: ``targets``, ``logit_positions`` and ``behavior_logprobs`` (the
         sequences' ``logprobs``) are always filled; ``loss_mask`` when a sequence has a
         ``response_mask`` (multi-turn episodes); ``ref_logprobs`` and per-token
-        ``advantages`` (the sequence's scalar advantage repeated over its response) only for
-        `ScoredTrajectory` input; ``shared_prompt_tokens`` counts the prompt tokens not
-        repeated.
+        ``advantages`` (a sequence's scalar advantage repeated over its response, or its
+        per-token advantages as they are) only for `ScoredTrajectory` input;
+        ``shared_prompt_tokens`` counts the prompt tokens not repeated.
 
     Raises:
         ValueError: Empty input; mixed trajectory types; tensors on mixed devices; a tensor
@@ -429,10 +429,10 @@ def pack_sequences(
                 f"(sequence_id={sequences[with_ref.index(False)].sequence_id!r} has none)"
             )
         ref_logprobs = flat("ref_logprobs") if all(with_ref) else None
-        sequence_advantages = torch.stack(
-            [seq.advantages.reshape(()).to(device=device, dtype=torch.float32) for seq in sequences]
-        )
-        advantages = torch.repeat_interleave(sequence_advantages, response_lens)
+        # A scalar advantage (GRPO) covers its whole response; distillation's are per token.
+        advantages = torch.cat(
+            [seq.token_advantages.to(dtype=torch.float32) for seq in sequences]
+        ).to(device)
 
     has_prefix = any(prefix >= 0 for prefix in block_prefix)
     prefix_ids = long_tensor(block_prefix)[block_ids] if has_prefix else None

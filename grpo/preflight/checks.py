@@ -13,6 +13,7 @@ from grpo.config.run import UNRESOLVED, local_cluster_problems
 from grpo.preflight.files import file_problems
 from grpo.preflight.lora import lora_problems
 from grpo.preflight.resume import resume_problems
+from grpo.preflight.teacher import teacher_problems
 
 
 def import_component(path: str) -> Any:
@@ -47,13 +48,15 @@ def preflight_problems(
     Returns:
         list[str]: Each problem as ``key: what is wrong``: the local Ray cluster's size
         (`grpo.config.run.local_cluster_problems`), the model folder, the run folder and the
-        resume target (`file_problems`), the datasets' files, the environment's options, tools
-        and chat template, ``training.lora`` against vLLM and the model
+        resume target (`file_problems`), the distillation teacher's folder and tokenizer
+        (`grpo.preflight.teacher.teacher_problems`), the datasets' files, the environment's
+        options, tools and chat template, ``training.lora`` against vLLM and the model
         (`grpo.preflight.lora.lora_problems`), and what a resume may not change
         (`resume_problems`).
     """
     problems = local_cluster_problems(values, this_machine)
     problems.extend(file_problems(values, this_machine))
+    problems.extend(teacher_problems(values, this_machine))
     if this_machine:
         problems.extend(_dataset_problems(values))
     problems.extend(_environment_problems(values, this_machine))

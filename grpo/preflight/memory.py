@@ -14,9 +14,10 @@ What each role holds on its device:
   gradients and optimizer state exist for the adapters only. With N trainers FSDP2 shards
   weights, gradients and optimizer state N ways and all-gathers the root module and about two
   decoder layers at a time.
-* reference actor (``ref.*``): its weights and the working set of a no-grad forward; nothing
+* reference actor (``ref.*``): its weights, the distillation teacher's
+  (``ref.teacher_model_path``), and the working set of the larger no-grad forward; nothing
   when it loads no model (``kl_coeff`` 0, or ``training.lora``, where the trainer computes the
-  reference logprobs with the adapter off).
+  reference logprobs with the adapter off, and no teacher).
 * collector (``inference.*``): vLLM takes ``gpu_memory_utilization`` (default 0.9) of the
   whole device, whatever else runs there; with ``kv_cache_memory_bytes`` set, its weights plus
   that cache instead.
@@ -430,28 +431,60 @@ def logits_bytes(shape: ModelShape, tokens: int, size: int) -> int:
     return min(tokens, LOGITS_CHUNK_TOKENS) * shape.vocab * (size + 8)
 
 
-def reference_memory(cfg: RunConfig, shape: ModelShape) -> RoleMemory | None:
+def reference_memory(
+    cfg: RunConfig, shape: ModelShape, teacher_shape: ModelShape | None = None
+) -> RoleMemory | None:
     """One reference actor's memory, or None when it loads no model.
 
-    It loads one when the loss has a KL term (``kl_coeff`` above 0) and the run trains every
-    weight; under ``training.lora`` the trainer computes the reference logprobs itself.
+    It loads the reference model when the loss has a KL term (``kl_coeff`` above 0) and the
+    run trains every weight; under ``training.lora`` the trainer computes the reference
+    logprobs itself. It loads the distillation teacher (``ref.teacher_model_path``) whenever
+    one is configured, LoRA or not. The two forwards run one after the other, so the working
+    set is the larger of them.
+
+    Args:
+        cfg (RunConfig): The run config.
+        shape (ModelShape): The policy's (and reference model's) shape.
+        teacher_shape (ModelShape | None): The teacher's, from its ``config.json``; needed
+            when ``ref.teacher_model_path`` is set.
+
+    Raises:
+        ValueError: If a teacher is configured and ``teacher_shape`` is None.
     """
-    if not cfg.uses_reference_model() or cfg.training.lora is not None:
+    loads_reference = cfg.uses_reference_model() and cfg.training.lora is None
+    has_teacher = cfg.ref.teacher_model_path is not None
+    if has_teacher and teacher_shape is None:
+        raise ValueError("reference_memory: ref.teacher_model_path is set: give teacher_shape")
+    if not loads_reference and not has_teacher:
         return None
-    size = dtype_bytes(cfg.ref.dtype)
-    weights = parameter_count(shape).total * size
     tokens = cfg.target_tokens_per_batch
+    weights, forwards, advice = [], [], []
+    for name, model, dtype, key in (
+        ("weights", shape, cfg.ref.dtype, "ref.dtype"),
+        ("teacher weights", teacher_shape, cfg.ref.teacher_dtype, "ref.teacher_dtype"),
+    ):
+        if model is None or (name == "weights" and not loads_reference):
+            continue
+        size = dtype_bytes(dtype)
+        weights.append(Part(name, parameter_count(model).total * size))
+        forwards.append(_no_grad_forward_bytes(model, tokens, size))
+        if size == 4:
+            advice.append(f"{key}=bf16")
+    parts = (
+        *weights,
+        Part("forward", max(forwards), exact=False, resident=False),
+        Part("CUDA context", CUDA_CONTEXT_BYTES, exact=False),
+    )
+    advice_text = "give it a larger GPU" + "".join(f", or {item}" for item in advice)
+    return RoleMemory("reference", "ref.num_gpus", parts, advice=advice_text)
+
+
+def _no_grad_forward_bytes(shape: ModelShape, tokens: int, size: int) -> int:
+    """Estimated working set of a no-grad forward of ``tokens`` tokens (reference, teacher)."""
     # A no-grad forward frees each layer's tensors as it goes: the residual stream and its
     # normed copy, then the larger of attention's tensors and the MLP's.
     widest = max(3 * shape.intermediate, 4 * shape.q_dim + 2 * shape.kv_dim)
-    forward = tokens * size * (2 * shape.hidden + widest) + logits_bytes(shape, tokens, size)
-    parts = (
-        Part("weights", weights),
-        Part("forward", forward, exact=False, resident=False),
-        Part("CUDA context", CUDA_CONTEXT_BYTES, exact=False),
-    )
-    advice = "give it a larger GPU" + (", or ref.dtype=bf16" if size == 4 else "")
-    return RoleMemory("reference", "ref.num_gpus", parts, advice=advice)
+    return tokens * size * (2 * shape.hidden + widest) + logits_bytes(shape, tokens, size)
 
 
 def collector_memory(cfg: RunConfig, shape: ModelShape, hf_config: dict[str, Any]) -> RoleMemory:
@@ -584,6 +617,7 @@ def memory_plan(
     hf_config: dict[str, Any],
     gpu_memory: int | None = None,
     capacity_source: str = "given",
+    teacher_hf_config: dict[str, Any] | None = None,
 ) -> MemoryPlan:
     """Place every actor of a run on GPUs and total what each device needs.
 
@@ -593,16 +627,21 @@ def memory_plan(
         gpu_memory (int | None): Bytes of each GPU; None when unknown (the plan then has no
             capacities, and vLLM's share stays a fraction).
         capacity_source (str): Where ``gpu_memory`` comes from, for the printout.
+        teacher_hf_config (dict[str, Any] | None): The distillation teacher's parsed
+            ``config.json``; needed when ``ref.teacher_model_path`` is set (its weights are
+            on the reference role).
 
     Returns:
         MemoryPlan: The roles' memory and the devices.
 
     Raises:
-        ValueError: If ``config.json`` lacks a size the plan needs.
+        ValueError: If a ``config.json`` lacks a size the plan needs, or a teacher is
+            configured without ``teacher_hf_config``.
     """
     shape = model_shape(hf_config)
+    teacher_shape = None if teacher_hf_config is None else model_shape(teacher_hf_config)
     roles: dict[str, RoleMemory | None] = {
-        "reference": reference_memory(cfg, shape),
+        "reference": reference_memory(cfg, shape, teacher_shape),
         "collector": collector_memory(cfg, shape, hf_config),
         "trainer": trainer_memory(cfg, shape),
     }
@@ -747,7 +786,9 @@ def format_memory_plan(plan: MemoryPlan) -> str:
         if not device.actors:
             lines.append("    (unused: a tensor-parallel slot or an actor's extra GPU)")
     if plan.roles["reference"] is None:
-        lines.append("  reference: no model (no KL term, or LoRA: the trainer computes it)")
+        lines.append(
+            "  reference: no model (no KL term, or LoRA: the trainer computes it; no teacher)"
+        )
     for role in plan.on_cpu:
         lines.append(f"  {role}: on CPU ({_SECTION[role]}.num_gpus 0), not planned")
     return "\n".join(lines)
@@ -848,8 +889,14 @@ def run_memory_plan(cfg: RunConfig, gpu_memory: int | None = None) -> MemoryPlan
     if config_path is None:
         raise ValueError(f"no config.json for {cfg.base_model_path}")
     hf_config = json.loads(config_path.read_text())
+    teacher_hf_config = None
+    if cfg.ref.teacher_model_path is not None:
+        teacher_path = model_config_file(cfg.ref.teacher_model_path)
+        if teacher_path is None:
+            raise ValueError(f"no config.json for {cfg.ref.teacher_model_path}")
+        teacher_hf_config = json.loads(teacher_path.read_text())
     source = "--gpu-memory"
     if gpu_memory is None:
         local = local_gpu_memory()
         gpu_memory, source = local if local is not None else (None, "no GPU here")
-    return memory_plan(cfg, hf_config, gpu_memory, source)
+    return memory_plan(cfg, hf_config, gpu_memory, source, teacher_hf_config)

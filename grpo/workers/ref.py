@@ -1,4 +1,4 @@
-"""The reference actor: reference logprobs and group advantages.
+"""The reference actor: reference logprobs, group advantages and the teacher's signal.
 
 `score` gets whole groups (a group is never split across advantage computations) that the
 driver took from the rollout queue, packs them with `grpo.packing.packs`, runs the frozen
@@ -14,6 +14,13 @@ keeps generating until the buffer has a full batch of informative groups. Such a
 all-zero advantages, so dropping it removes no policy-gradient term; what changes is the
 normaliser of the loss (a batch no longer dilutes the gradient with zero-advantage tokens) and
 the KL term (computed only on kept samples).
+
+On-policy distillation (``ref.teacher_model_path``): the actor also loads a teacher and runs it
+on the same packs as the reference model (frozen, no grad, logits divided by the sampling
+temperature), and each response token's advantage becomes ``A_grpo + coeff * (teacher logprob
+- behaviour logprob)``, or the signal alone with ``ref.distillation_only``
+(`grpo.objective.advantages.distillation_advantages`). The teacher is always a model of its
+own: under ``training.lora`` the reference is the base model in the trainer, not this one.
 """
 
 from __future__ import annotations
@@ -25,7 +32,12 @@ import torch
 
 from grpo.config.sections import RefConfig
 from grpo.models import build_model, load_tokenizer, torch_dtype
-from grpo.objective.advantages import group_advantages, zero_variance_groups
+from grpo.objective.advantages import (
+    distillation_advantages,
+    group_advantages,
+    teacher_signal,
+    zero_variance_groups,
+)
 from grpo.observability import metric_names as names
 from grpo.packing.attention import resolve_mask_kind, use_packed_attention
 from grpo.packing.logprobs import model_response_logprobs
@@ -48,17 +60,19 @@ class RefActor:
         share_prompts (bool): Pack the responses of a prompt after one copy of it
             (`grpo.packing.packs.pack_sequences`).
         config (RefConfig | None): The ``ref:`` options (dynamic sampling, reward weights,
-            advantage normalisation, dtype, attention kind); None: their defaults. With
-            ``filter_zero_variance_groups``, groups whose rewards are all equal are left out
-            of what `score` returns.
+            advantage normalisation, dtype, attention kind, distillation teacher); None: their
+            defaults. With ``filter_zero_variance_groups``, groups whose rewards are all equal
+            are left out of what `score` returns; with ``teacher_model_path`` the teacher is
+            loaded and the advantages are per token.
         load_model (bool): Load the reference model and compute ``ref_logprobs``. False when
             the loss has no KL term (``kl_coeff`` 0), or with ``training.lora``, where the
             trainers compute them from their base model with the adapter off
             (`PyTorchActorModel._reference_logprobs`): the actor then only computes
             advantages, and its trajectories carry ``ref_logprobs=None``.
         temperature (float): The collectors' sampling temperature (``inference.temperature``):
-            reference logprobs are those of its logits divided by it, like the policy's in the
-            loss, so that the KL term compares two distributions at the same temperature.
+            reference and teacher logprobs are those of their logits divided by it, like the
+            policy's in the loss and the behaviour logprobs, so that the KL term and the
+            teacher signal compare distributions at the same temperature.
     """
 
     def __init__(
@@ -75,27 +89,35 @@ class RefActor:
         self.temperature = float(temperature)
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.mask_kind = resolve_mask_kind(config.mask_kind, self.device)
-        self.model = None
-        if load_model:
-            self.model = build_model(
-                model_dir,
-                dtype=torch_dtype(config.dtype),
-                device=self.device,
-                packed_len=target_tokens_per_batch,
-            ).eval()
-            if self.mask_kind != "dense":
-                use_packed_attention(self.model)
-            for parameter in self.model.parameters():
-                parameter.requires_grad_(False)
+        self.target_tokens_per_batch = target_tokens_per_batch
+        self.model = self._frozen_model(model_dir, config.dtype) if load_model else None
+        self.teacher = None
+        if config.teacher_model_path is not None:
+            self.teacher = self._frozen_model(config.teacher_model_path, config.teacher_dtype)
+        self.distillation_coeff = config.distillation_coeff
+        self.distillation_only = config.distillation_only
         self.tokenizer = load_tokenizer(model_dir)
         self.reward_weights = config.reward_weights
-        self.target_tokens_per_batch = target_tokens_per_batch
         self.filter_zero_variance_groups = config.filter_zero_variance_groups
         self.advantage_std_normalization = config.advantage_std_normalization
         self.share_prompts = share_prompts
         self.steps_run = 0
 
-    @torch.no_grad()
+    def _frozen_model(self, model_dir: str, dtype: str) -> torch.nn.Module:
+        """A model folder as a frozen eval-mode model on this actor's device, packed attention
+        set up for ``mask_kind``."""
+        model = build_model(
+            model_dir,
+            dtype=torch_dtype(dtype),
+            device=self.device,
+            packed_len=self.target_tokens_per_batch,
+        ).eval()
+        if self.mask_kind != "dense":
+            use_packed_attention(model)
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        return model
+
     def reference_logprobs(self, trajectories: list[Any]) -> tuple[dict[str, torch.Tensor], float]:
         """Reference logprobs of each trajectory's response, keyed by ``sequence_id``.
 
@@ -106,6 +128,27 @@ class RefActor:
         """
         if self.model is None:
             return {}, 0.0
+        return self._packed_logprobs(self.model, trajectories)
+
+    def teacher_logprobs(self, trajectories: list[Any]) -> tuple[dict[str, torch.Tensor], float]:
+        """The distillation teacher's logprobs of each response, keyed by ``sequence_id``.
+
+        Packed and tempered exactly as `reference_logprobs` (the same packs, the same
+        forward), so a teacher that is the reference model gives the same numbers bit for bit.
+
+        Returns:
+            tuple: As `reference_logprobs`; without a teacher: nothing, 0.
+        """
+        if self.teacher is None:
+            return {}, 0.0
+        return self._packed_logprobs(self.teacher, trajectories)
+
+    @torch.no_grad()
+    def _packed_logprobs(
+        self, model: torch.nn.Module, trajectories: list[Any]
+    ) -> tuple[dict[str, torch.Tensor], float]:
+        """A frozen model's response logprobs at the sampling temperature, by ``sequence_id``,
+        and the share (%) of tokens that shared-prompt packing did not compute."""
         plan = plan_sequence_packs(
             trajectories,
             self.target_tokens_per_batch,
@@ -126,7 +169,7 @@ class RefActor:
             )
             shared_prompt_tokens += packed.shared_prompt_tokens
             computed_tokens += packed.actual_total_tokens
-            logprobs = model_response_logprobs(self.model, packed, temperature=self.temperature)
+            logprobs = model_response_logprobs(model, packed, temperature=self.temperature)
             for traj, lp in zip(members, unpack_response_logprobs(packed, logprobs)):
                 by_id[traj.sequence_id] = lp.float().cpu()
         all_tokens = computed_tokens + shared_prompt_tokens
@@ -145,6 +188,9 @@ class RefActor:
         Args:
             groups (list[GroupedUnscoredTrajectories]): Groups to score.
 
+        With a teacher, each trajectory's advantage is per token (`distillation_advantages`
+        of its `teacher_signal`), and the metrics hold the batch's reverse KL to the teacher.
+
         Returns:
             tuple: The scored groups (in order; without the zero-variance ones when
             filtering), the zero-variance groups (in order), and timing/reward metrics.
@@ -155,8 +201,8 @@ class RefActor:
         total_reward = reward_batch.total(self.reward_weights)
         metadata = {"func_names": list(reward_batch.func_names)}
 
-        # Rewards first: the reference forward then runs only on the groups that are kept
-        # (with dynamic sampling, often less than half of what was generated).
+        # Rewards first: the reference and teacher forwards then run only on the groups that are
+        # kept (with dynamic sampling, often less than half of what was generated).
         kept, zero_variance, offset = [], [], 0
         for group in groups:
             size = len(group.trajectories)
@@ -169,12 +215,14 @@ class RefActor:
             offset += size
 
         model_start = time.perf_counter()
-        ref_logprobs, shared_prompt_saved_pct = self.reference_logprobs(
-            [t for group, _, _ in kept for t in group.trajectories]
-        )
+        kept_trajectories = [t for group, _, _ in kept for t in group.trajectories]
+        ref_logprobs, shared_prompt_saved_pct = self.reference_logprobs(kept_trajectories)
+        teacher_logprobs, teacher_saved_pct = self.teacher_logprobs(kept_trajectories)
         time_model_running = time.perf_counter() - model_start
 
         scored_groups = []
+        # Sums over the batch's policy tokens of behaviour - teacher logprob, and their count.
+        reverse_kl_sum, policy_tokens = 0.0, 0
         for group, offset, group_reward in kept:
             advantages = group_advantages(
                 group_reward, std_normalize=self.advantage_std_normalization
@@ -182,6 +230,18 @@ class RefActor:
             scored = []
             for i, traj in enumerate(group.trajectories):
                 row = offset + i
+                advantage = advantages[i]
+                if self.teacher is not None:
+                    signal = teacher_signal(
+                        teacher_logprobs[traj.sequence_id], traj.logprobs, traj.response_mask
+                    )
+                    advantage = distillation_advantages(
+                        signal,
+                        self.distillation_coeff,
+                        None if self.distillation_only else advantage,
+                    )
+                    reverse_kl_sum -= float(signal.sum())
+                    policy_tokens += traj.policy_len
                 scored.append(
                     ScoredTrajectory(
                         prompt_tokens=traj.prompt_tokens,
@@ -193,7 +253,7 @@ class RefActor:
                             ref_logprobs[traj.sequence_id] if self.model is not None else None
                         ),
                         rewards=rewards[row],
-                        advantages=advantages[i],
+                        advantages=advantage,
                         successes=successes[row],
                         answer=traj.answer,
                         sequence_id=traj.sequence_id,
@@ -213,8 +273,13 @@ class RefActor:
             names.REWARDS_MEAN: float(total_reward.mean()),
             names.SUCCESSES_MEAN: float(successes.mean()),
         }
-        if self.model is not None:
-            metrics[names.REF_PERF_SHARED_PROMPT_TOKENS_SAVED] = shared_prompt_saved_pct
+        if self.model is not None or self.teacher is not None:
+            # Both forwards pack the same trajectories the same way.
+            metrics[names.REF_PERF_SHARED_PROMPT_TOKENS_SAVED] = (
+                shared_prompt_saved_pct if self.model is not None else teacher_saved_pct
+            )
+        if self.teacher is not None and policy_tokens:
+            metrics[names.REF_TEACHER_REVERSE_KL] = reverse_kl_sum / policy_tokens
         for column, name in enumerate(reward_batch.func_names):
             metrics[names.REWARDS_FUNC_MEAN_TEMPLATE.format(name=name)] = float(
                 rewards[:, column].mean()
