@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 EXTRA  ?= cpu
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: setup test test-fast demo demo-tools demo-agent demo-lora lint clean
+.PHONY: setup test test-fast demo demo-tools demo-agent demo-lora demo-distill lint clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,10 @@ demo-agent: setup
 # The arithmetic demo with LoRA: only adapters are trained and synced to vLLM.
 demo-lora: setup
 	$(VENV)/bin/grpo run async_grpo --config tiny_arithmetic_lora_cpu overwrite_output_dir=true
+
+# On-policy distillation: the arithmetic demo's model learns from a teacher supervised longer.
+demo-distill: setup
+	$(VENV)/bin/grpo run async_grpo --config tiny_arithmetic_distill_cpu overwrite_output_dir=true
 
 lint: setup
 	$(VENV)/bin/ruff check grpo tests scripts recipes examples

@@ -613,6 +613,9 @@ def test_shipped_configs_validate_against_the_real_components(name, tmp_path):
     model_dir = make_fake_model_dir(tmp_path / "model", max_position_embeddings=32768)
     (model_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     overrides = [f"base_model_path={model_dir}", f"output_dir={tmp_path / 'run'}"]
+    if compose_config(name).ref.teacher_model_path is not None:
+        # A distillation teacher must have the policy's tokenizer: the stand-in's own.
+        overrides.append(f"ref.teacher_model_path={model_dir}")
     cfg = compose_config(name, [*overrides, "ray.num_cpus=64", "ray.num_gpus=8"])
     validate_run_config(cfg)
     # grpo validate reads the same components from their source, importing none of them.
