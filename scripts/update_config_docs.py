@@ -18,7 +18,7 @@ Every key of a run config, its type, default and range, generated from the typed
 edit by hand). An option is declared once, as one line of its section's pydantic model with its
 docstring below it; its default, its checks in `grpo validate`, the row below and the typed
 object the component receives (`SyncLLMCollector(..., config=InferenceConfig(...))`) all come
-from that line. A key that moved to another section is refused with its new place named.
+from that line. An unknown key is refused with the declared key it most likely means.
 
 """
 

@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig
 from pydantic.fields import FieldInfo
 
-from grpo.config.run import MOVED_KEYS, REMOVED_KEYS, RunConfig
+from grpo.config.run import RunConfig
 from grpo.config.schema import (
     REQUIRED,
     Section,
@@ -109,7 +109,7 @@ def siblings_at(parts: Sequence[str]) -> list[str]:
 
 
 def suggest(prefix: str, key: str, siblings: Sequence[str]) -> str:
-    """A ``; did you mean ...?`` hint for an unknown key (or where it moved), or ``""``.
+    """A ``; did you mean ...?`` hint for an unknown key, or ``""``.
 
     Args:
         prefix (str): The dotted path of the key's parent with a trailing dot (``""`` at top).
@@ -119,11 +119,6 @@ def suggest(prefix: str, key: str, siblings: Sequence[str]) -> str:
     Returns:
         str: The hint, starting with ``; ``, or an empty string.
     """
-    full = prefix + key
-    if full in MOVED_KEYS:
-        return f"; moved to {MOVED_KEYS[full]}"
-    if not prefix and key in REMOVED_KEYS:
-        return f"; {key} is no longer used: {REMOVED_KEYS[key]}"
     same_name = [path for path in all_schema_keys() if path.rsplit(".", 1)[-1] == key]
     # The same name deeper in this section (``training.lr`` -> ``training.optimizer.lr``) is
     # a surer guess than a look-alike beside it (``training.lora``).

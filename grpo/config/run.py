@@ -57,27 +57,6 @@ def has_own_held_out_rows(environment: Any) -> bool:
     )
 
 
-# Top-level keys of older configs that nothing reads any more, with what to do instead. They
-# looked like components but were never built: the actors build the model and load the
-# tokenizer from base_model_path themselves.
-REMOVED_KEYS = {
-    "model": "the model is built from base_model_path (its config.json model_type chooses "
-    "the family); delete this key",
-    "tokenizer": "the tokenizer is loaded from the files in base_model_path; delete this key "
-    "(inference.max_prompt_tokens bounds the prompt length)",
-}
-
-# Options that moved to the section of the component that reads them: old key -> new key.
-MOVED_KEYS = {
-    "training.filter_zero_variance_groups": "ref.filter_zero_variance_groups",
-    "training.save_every_n_steps": "checkpoint.save_every_n_steps",
-    "training.steps_before_weight_sync": "weight_sync.every_n_steps",
-    "training.max_nonfinite_steps_in_a_row": "orchestration.max_nonfinite_steps_in_a_row",
-    "inference.steps_before_weight_sync": "inference.weight_check_every_n_batches",
-    "ref.reward_timeout_s": "reward_timeout_s",
-}
-
-
 class RunConfig(Section):
     """Top level.
 

@@ -23,7 +23,7 @@ from grpo.config.errors import ConfigError, InstantiationError
 from grpo.config.instantiate import keyword_names, locate
 from grpo.config.keys import fill_defaults, siblings_at, suggest
 from grpo.config.reward_forms import function_parameters, is_reward_node_key, reward_node_check
-from grpo.config.run import MOVED_KEYS, REMOVED_KEYS, UNRESOLVED, RunConfig
+from grpo.config.run import UNRESOLVED, RunConfig
 from grpo.config.schema import (
     ComponentSpec,
     Section,
@@ -102,10 +102,6 @@ def check_config(
     unresolved: list[str] = []
     values = _resolve_all(node, "", problems, unresolved)
 
-    for key, instead in REMOVED_KEYS.items():
-        if key in values:  # more useful than "unknown key" for a key that used to exist
-            problems.append(f"{key}: no longer used; {instead}")
-            del values[key]
     run = None
     try:
         run = RunConfig.model_validate(values)
@@ -208,8 +204,6 @@ def _message(item: dict, path: str) -> str:
     if kind == "missing":
         return "required key is missing"
     if kind == "extra_forbidden":
-        if path in MOVED_KEYS:  # more useful than "unknown key" for a key that used to exist
-            return f"moved to {MOVED_KEYS[path]}"
         prefix, _, key = path.rpartition(".")
         parts = prefix.split(".") if prefix else []
         return "unknown key" + suggest(f"{prefix}." if prefix else "", key, siblings_at(parts))
