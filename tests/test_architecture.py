@@ -154,3 +154,18 @@ def test_reading_configs_and_environments_loads_no_torch(package):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_no_module_of_the_config_package_imports_torch_ray_or_vllm_anywhere():
+    """Not even inside a function: a check that needs torch (the machine's GPUs) belongs to
+    `grpo.preflight`, above the config."""
+    heavy = {"torch", "ray", "vllm"}
+    for path in sorted((GRPO / "config").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            assert not {name.split(".")[0] for name in names} & heavy, (path.name, names)

@@ -2,16 +2,16 @@
 
 `RunConfig` is the whole YAML file as one typed object. Each section is the config of the
 component that reads it (`grpo.config.sections`). The checks that involve more than one section
-(token budget vs prompt and response lengths, batch divisibility, buffer size, Ray resources)
-are here, in one place; they read the plain values, so they run (and report) beside the
-per-option checks even when some option is invalid. What a config names on disk (the model
-folder, the datasets, the run folder) is checked above the config, by `grpo.preflight`.
+(token budget vs prompt and response lengths, batch divisibility, buffer size) are here, in one
+place; they read the plain values, so they run (and report) beside the per-option checks even
+when some option is invalid. What a config names on disk (the model folder, the datasets, the
+run folder) and whether its actors fit the machine are checked above the config, by
+`grpo.preflight`, from the one table of placed roles here (`ROLES`).
 """
 
 import inspect
-import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import Field
 
@@ -55,6 +55,25 @@ def has_own_held_out_rows(environment: Any) -> bool:
         and environment.get("_component_") in OWN_ROWS_ENVS
         and environment.get("eval_size") != 0
     )
+
+
+class Role(NamedTuple):
+    """A kind of actor the config places: the memory plan's name for it, the section that
+    holds its ``num_cpus``, ``num_gpus`` and ``resources``, and the ``orchestration`` key of
+    its count."""
+
+    name: str
+    section: str
+    count_key: str
+
+
+# Every placed role, in start order (`grpo.orchestrator.supervisor.ActorSupervisor
+# .start_pipeline`): what the resource checks of `grpo.preflight` add up.
+ROLES = (
+    Role("reference", "ref", "num_ref_workers"),
+    Role("collector", "inference", "num_inference_workers"),
+    Role("trainer", "training", "num_training_workers"),
+)
 
 
 class RunConfig(Section):
@@ -631,56 +650,3 @@ def reward_weights_problem(weights: Any, names: list[str]) -> str | None:
         f"ref.reward_weights: no reward named {', '.join(map(repr, unknown))}; the rewards are "
         f"{', '.join(names)}"
     )
-
-
-def local_cluster_problems(values: dict, this_machine: bool = True) -> list[str]:
-    """A local cluster must have room for every actor, or Ray waits forever to place one.
-
-    Args:
-        values (dict): The config as plain values, interpolations resolved.
-        this_machine (bool): A ``ray.num_cpus`` / ``ray.num_gpus`` left null is this
-            machine's cores and GPUs; False (planning a run on another machine): only a
-            size the config sets is checked.
-
-    Returns:
-        list[str]: One ``ray.<resource>: ...`` line per resource the actors need more of.
-    """
-    problems: list[str] = []
-    ray_section = values.get("ray")
-    if not isinstance(ray_section, dict) or ray_section.get("address") is not None:
-        return problems  # an existing cluster: its size is not known here
-    roles = (
-        ("inference", "num_inference_workers"),
-        ("ref", "num_ref_workers"),
-        ("training", "num_training_workers"),
-    )
-    for resource in ("num_cpus", "num_gpus"):
-        needed, terms = 0.0, []
-        for role, count_key in roles:
-            per_actor = value_at(values, f"{role}.{resource}")
-            count = value_at(values, f"orchestration.{count_key}", (int,))
-            if per_actor is None or count is None:
-                break
-            needed += per_actor * count
-            terms.append(f"{count} x {role}.{resource} ({per_actor})")
-        else:
-            if needed == 0:
-                continue
-            have = value_at(values, f"ray.{resource}")
-            if have is None and not this_machine:
-                continue  # the other machine's size: the memory plan says what it needs
-            if have is None:
-                have = (os.cpu_count() or 1) if resource == "num_cpus" else _visible_gpus()
-            if needed > have + 1e-9:
-                problems.append(
-                    f"ray.{resource}: the actors need {needed:g} ({' + '.join(terms)}) but the "
-                    f"local Ray cluster has {have:g}; raise ray.{resource} or lower the "
-                    "per-actor amounts"
-                )
-    return problems
-
-
-def _visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()

@@ -9,9 +9,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from grpo.config import ConfigError, RunConfig, check_config, compose_config, locate
-from grpo.config.run import UNRESOLVED, local_cluster_problems
+from grpo.config.run import UNRESOLVED
 from grpo.preflight.files import file_problems
 from grpo.preflight.lora import lora_problems
+from grpo.preflight.placement import local_cluster_problems
 from grpo.preflight.resume import resume_problems
 from grpo.preflight.teacher import teacher_problems
 
@@ -47,7 +48,7 @@ def preflight_problems(
 
     Returns:
         list[str]: Each problem as ``key: what is wrong``: the local Ray cluster's size
-        (`grpo.config.run.local_cluster_problems`), the model folder, the run folder and the
+        (`grpo.preflight.placement.local_cluster_problems`), the model folder, the run folder and the
         resume target (`file_problems`), the distillation teacher's folder and tokenizer
         (`grpo.preflight.teacher.teacher_problems`), the datasets' files, the environment's
         options, tools and chat template, ``training.lora`` against vLLM and the model

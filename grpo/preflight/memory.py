@@ -47,6 +47,7 @@ from typing import Any
 
 from grpo.choices import LORA_TARGETS
 from grpo.config import LoRAConfig, RunConfig
+from grpo.config.run import ROLES as PLACED_ROLES
 from grpo.preflight.files import model_config_file
 
 GiB = 2**30
@@ -74,8 +75,10 @@ CUDA_CONTEXT_BYTES = 3 * GiB // 4
 # vLLM's default gpu_memory_utilization.
 VLLM_DEFAULT_UTILIZATION = 0.9
 
-# Start order of the roles (`grpo.orchestrator.supervisor.ActorSupervisor.start_pipeline`).
-ROLES = ("reference", "collector", "trainer")
+# The roles' names in start order, and the section of each, from the one table of placed
+# roles (`grpo.config.run.ROLES`).
+ROLES = tuple(role.name for role in PLACED_ROLES)
+_SECTION = {role.name: role.section for role in PLACED_ROLES}
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -645,17 +648,8 @@ def memory_plan(
         "collector": collector_memory(cfg, shape, hf_config),
         "trainer": trainer_memory(cfg, shape),
     }
-    orchestration = cfg.orchestration
-    counts = {
-        "reference": orchestration.num_ref_workers,
-        "collector": orchestration.num_inference_workers,
-        "trainer": orchestration.num_training_workers,
-    }
-    gpus = {
-        "reference": cfg.ref.num_gpus,
-        "collector": cfg.inference.num_gpus,
-        "trainer": cfg.training.num_gpus,
-    }
+    counts = {role.name: getattr(cfg.orchestration, role.count_key) for role in PLACED_ROLES}
+    gpus = {role.name: getattr(cfg, role.section).num_gpus for role in PLACED_ROLES}
     tp = max(1, int(cfg.inference.engine_args.get("tensor_parallel_size") or 1))
     whole: list[list[Placement]] = []
     shared: list[list[Placement]] = []  # devices of fractional actors
@@ -687,9 +681,6 @@ def memory_plan(
     )
     on_cpu = tuple(role for role in ROLES if gpus[role] == 0)
     return MemoryPlan(roles, on_cpu, devices, capacity_source)
-
-
-_SECTION = {"reference": "ref", "collector": "inference", "trainer": "training"}
 
 
 # --------------------------------------------------------------------------------------------
