@@ -797,6 +797,32 @@ def test_load_config_returns_the_typed_run_config(config_path):
         run.inference.temperature = 2.0  # a loaded config is read, never changed
 
 
+def test_every_environment_takes_the_run_s_reward_timeout_default_and_bound(config_path):
+    """``reward_timeout_s`` is declared once (`grpo.config.sections.RewardTimeout`): the run
+    config and every environment that scores with reward functions share its default and
+    refuse the same values."""
+    import inspect
+
+    from grpo.envs import (
+        AgentEnv,
+        MultiTurnEnv,
+        ReasoningGymEnv,
+        SingleTurnEnv,
+        TextArenaEnv,
+        ToolEnv,
+    )
+    from grpo.envs.options import option_problems
+
+    default = RunConfig.model_fields["reward_timeout_s"].default
+    for env in (MultiTurnEnv, SingleTurnEnv, ToolEnv, AgentEnv, ReasoningGymEnv, TextArenaEnv):
+        parameter = inspect.signature(env).parameters["reward_timeout_s"]
+        assert parameter.default == default, env.__name__
+        (refused,) = option_problems(env, {"reward_timeout_s": 0})
+        assert refused.startswith("reward_timeout_s: ") and "> 0" in refused, env.__name__
+    (refused,) = problems_of(compose_config(config_path, ["reward_timeout_s=0"]))
+    assert refused.startswith("reward_timeout_s: ") and "> 0" in refused
+
+
 def test_loading_a_config_imports_no_torch(config_path):
     import subprocess
 

@@ -20,6 +20,7 @@ from grpo.config.instantiate import locate
 from grpo.config.schema import Component, ComponentList, Section
 from grpo.config.sections import (
     DEFAULT_LOSS,
+    REWARD_TIMEOUT_S,
     CheckpointConfig,
     InferenceConfig,
     LossArgs,
@@ -27,6 +28,7 @@ from grpo.config.sections import (
     OrchestrationConfig,
     RayConfig,
     RefConfig,
+    RewardTimeout,
     TrainingConfig,
     WeightSyncConfig,
 )
@@ -122,7 +124,7 @@ class RunConfig(Section):
     """info: the terminal shows a progress bar and the results; each process's own output
     (vLLM, Ray, W&B) goes to output_dir/logs/. debug (grpo run --verbose): all of it on the
     terminal, with the grpo logger's debug messages."""
-    reward_timeout_s: float = Field(10.0, gt=0)
+    reward_timeout_s: RewardTimeout = REWARD_TIMEOUT_S
     """Seconds one reward call may take before it scores 0 (math parsers can hang); for
     training and held-out evaluation."""
     ray: RayConfig = Field(default_factory=RayConfig)

@@ -40,6 +40,12 @@ ActorResources = Annotated[
 ]
 """Ray custom resources of one actor: it starts only on a node that has them."""
 
+RewardTimeout = Annotated[float, Field(gt=0)]
+"""Seconds one reward call may take before it scores 0: the run's ``reward_timeout_s``, and
+the keyword of every environment that scores with reward functions."""
+REWARD_TIMEOUT_S = 10.0
+"""Its default, for the run config and every environment alike."""
+
 # --------------------------------------------------------------------------------------------
 # ray: and orchestration: (the driver)
 # --------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from grpo.config.sections import REWARD_TIMEOUT_S, RewardTimeout
 from grpo.envs.base import Episode, MultiTurnEnv
 from grpo.envs.dropped import failure_reason
 from grpo.envs.evaluation import EPISODE_KEY
@@ -163,7 +164,7 @@ class AgentEnv(MultiTurnEnv):
         agent_timeout_s: Annotated[float, Field(gt=0)] = 60.0,
         max_concurrent_episodes: Annotated[int, Field(ge=1)] | None = None,
         reward_functions: Sequence[Any] = (),
-        reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0,
+        reward_timeout_s: RewardTimeout = REWARD_TIMEOUT_S,
         failed_episodes: Annotated[FailedEpisodes, Field()] = "drop",
         max_tokens_per_turn: Annotated[int, Field(ge=1)] | None = None,
         stop: Annotated[Sequence[str], Field()] = (),

@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from grpo.config.sections import REWARD_TIMEOUT_S, RewardTimeout
 from grpo.envs.dropped import failure_reason
 from grpo.envs.options import checked_options
 from grpo.envs.protocol import EngineContext, Environment, EpisodeLimits, FailedEpisodes, Prompt
@@ -220,7 +221,7 @@ class MultiTurnEnv(Environment):
         max_episode_tokens: Annotated[int, Field(ge=1)] | None = None,
         max_tokens_per_turn: Annotated[int, Field(ge=1)] | None = None,
         stop: Annotated[Sequence[str], Field()] = (),
-        reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0,
+        reward_timeout_s: RewardTimeout = REWARD_TIMEOUT_S,
         failed_episodes: Annotated[FailedEpisodes, Field()] = "score",
     ) -> None:
         for index, fn in enumerate(reward_functions):

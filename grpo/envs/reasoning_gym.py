@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from grpo.config.sections import REWARD_TIMEOUT_S, RewardTimeout
 from grpo.envs.base import Episode
 from grpo.envs.options import checked_options
 from grpo.envs.single_turn import SingleTurnEnv
@@ -225,7 +226,7 @@ class ReasoningGymEnv(SingleTurnEnv):
         eval_size: Annotated[int, Field(ge=0)] = 512,
         template: Callable[[str], str] | None = None,
         reward_functions: Sequence[Any] = (),
-        reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0,
+        reward_timeout_s: RewardTimeout = REWARD_TIMEOUT_S,
     ) -> None:
         problems = task_problems(tasks)
         if problems:

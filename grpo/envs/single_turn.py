@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from grpo.config.sections import REWARD_TIMEOUT_S
 from grpo.envs.base import Episode, Message, MultiTurnEnv
 from grpo.envs.protocol import EngineContext, Environment
 
@@ -22,7 +23,9 @@ class SingleTurnEnv(MultiTurnEnv):
         ValueError: Without reward functions (nothing would score the episodes).
     """
 
-    def __init__(self, reward_functions: Sequence[Any] = (), reward_timeout_s: float = 10.0):
+    def __init__(
+        self, reward_functions: Sequence[Any] = (), reward_timeout_s: float = REWARD_TIMEOUT_S
+    ):
         if not reward_functions:
             raise ValueError(
                 "reward_functions: a run without an environment scores each response with its "

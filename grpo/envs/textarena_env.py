@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from grpo.config.sections import REWARD_TIMEOUT_S, RewardTimeout
 from grpo.envs.base import Episode, Message, MultiTurnEnv
 from grpo.envs.options import checked_options
 from grpo.envs.protocol import FailedEpisodes
@@ -229,7 +230,7 @@ class TextArenaEnv(MultiTurnEnv):
         max_episode_tokens: Annotated[int, Field(ge=1)] | None = None,
         max_tokens_per_turn: Annotated[int, Field(ge=1)] | None = None,
         stop: Annotated[Sequence[str], Field()] = ("]",),
-        reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0,
+        reward_timeout_s: RewardTimeout = REWARD_TIMEOUT_S,
         failed_episodes: Annotated[FailedEpisodes, Field()] = "score",
     ) -> None:
         problems = game_problems(game)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from grpo.config.sections import REWARD_TIMEOUT_S, RewardTimeout
 from grpo.envs.base import Episode, Message, MultiTurnEnv, PendingResponse
 from grpo.envs.dropped import failure_reason
 from grpo.envs.options import checked_options
@@ -75,7 +76,7 @@ class ToolEnv(MultiTurnEnv):
         max_episode_tokens: Annotated[int, Field(ge=1)] | None = None,
         max_tokens_per_turn: Annotated[int, Field(ge=1)] | None = None,
         stop: Annotated[Sequence[str], Field()] | None = None,
-        reward_timeout_s: Annotated[float, Field(gt=0)] = 10.0,
+        reward_timeout_s: RewardTimeout = REWARD_TIMEOUT_S,
         failed_episodes: Annotated[FailedEpisodes, Field()] = "score",
     ) -> None:
         if not tools:

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+from grpo.config.sections import REWARD_TIMEOUT_S
 from grpo.envs.base import Episode
 from grpo.envs.dropped import cause_first, failure_reason, last_frame
 from grpo.envs.protocol import EngineContext, Environment, EpisodeLimits, Prompt
@@ -167,7 +168,7 @@ def verifiers_env(
     max_tasks: int = DEFAULT_MAX_TASKS,
     max_concurrent_episodes: int | None = None,
     reward_functions: Sequence[Any] = (),
-    reward_timeout_s: float = 10.0,
+    reward_timeout_s: float = REWARD_TIMEOUT_S,
 ) -> VerifiersEnv:
     """A verifiers environment to train on (the ``_component_`` of an ``environment:`` node).
 

@@ -32,7 +32,7 @@ from collections import ChainMap
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
-from grpo.config.sections import InferenceConfig, LoRAConfig
+from grpo.config.sections import REWARD_TIMEOUT_S, InferenceConfig, LoRAConfig
 from grpo.data.dataset import resolve_dataset
 from grpo.envs.build import build_environment
 from grpo.envs.dropped import BatchDrops, DroppedEpisodeLog, scored_episodes
@@ -103,7 +103,7 @@ class SyncLLMCollector(SleepMethods):
         verify_weights: bool = True,
         environment: Any = None,
         reward_functions: Sequence[Any] = (),
-        reward_timeout_s: float = 10.0,
+        reward_timeout_s: float = REWARD_TIMEOUT_S,
         lora: LoRAConfig | None = None,
         adapter_dir: str | None = None,
     ) -> None:
