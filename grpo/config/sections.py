@@ -358,8 +358,9 @@ class LossArgs(ComponentArgs):
     They are declared here, not read from the loss, because the config itself reads some of
     them when a node leaves them unset (``kl_coeff`` decides whether the reference model is
     loaded, the clip range whether `grpo validate` calls a key idle): `run.loss_defaults`. The
-    default loss's signature must say the same (a unit test holds them equal); a loss of your
-    own has its own defaults, read from its signature.
+    default loss (`grpo.objective.loss.GRPOLoss`) takes its keyword defaults from here and
+    checks its arguments with this model, so it refuses what `grpo validate` refuses; a loss of
+    your own has its own defaults, read from its signature.
     """
 
     epsilon_low: float = Field(0.2, ge=0, lt=1)

@@ -100,6 +100,8 @@ __all__ = [
 # clipped objective turns its zero gradient into NaN (0 * inf). Tokens this far off-policy are
 # degenerate anyway, so log-ratios are clamped to +-20 before exp (as in verl).
 _MAX_LOG_RATIO = 20.0
+# The keyword defaults, as `LossArgs` declares them.
+_DEFAULT = LossArgs()
 
 
 def _checked_response_lens(
@@ -206,22 +208,23 @@ class GRPOLoss:
 
     def __init__(
         self,
-        epsilon_low: float = 0.2,
-        epsilon_high: float = 0.2,
-        kl_coeff: float = 0.0,
-        kl_estimator: str = "k3",
-        aggregation: str = "token_mean",
-        max_response_len: int | None = None,
-        correction: str = "none",
-        correction_level: str = "token",
-        correction_cap: float | None = None,
-        correction_low: float | None = None,
-        tis_cap: float | None = None,
-        tis_level: str = "token",
-        ratio_level: str = "token",
+        epsilon_low: float = _DEFAULT.epsilon_low,
+        epsilon_high: float = _DEFAULT.epsilon_high,
+        kl_coeff: float = _DEFAULT.kl_coeff,
+        kl_estimator: str = _DEFAULT.kl_estimator,
+        aggregation: str = _DEFAULT.aggregation,
+        max_response_len: int | None = _DEFAULT.max_response_len,
+        correction: str = _DEFAULT.correction,
+        correction_level: str = _DEFAULT.correction_level,
+        correction_cap: float | None = _DEFAULT.correction_cap,
+        correction_low: float | None = _DEFAULT.correction_low,
+        tis_cap: float | None = _DEFAULT.tis_cap,
+        tis_level: str = _DEFAULT.tis_level,
+        ratio_level: str = _DEFAULT.ratio_level,
     ) -> None:
-        # The bounds are the config's (`LossArgs`): `grpo validate` refuses exactly what the
-        # loss would refuse here, inside the trainer after the actors started.
+        # The defaults and bounds are the config's (`LossArgs`, their one declaration): `grpo
+        # validate` refuses exactly what the loss would refuse here, inside the trainer after
+        # the actors started.
         arguments = {
             "epsilon_low": epsilon_low,
             "epsilon_high": epsilon_high,
