@@ -122,7 +122,8 @@ class WeightChannel:
         host (str): The sender's address (the sender: the interface to listen on).
         port (int): The sender's store port (the sender: 0 for any free one).
         device (str): ``"cpu"`` (gloo) or ``"cuda"`` (NCCL): where the buckets live.
-        timeout_s (float): Limit of the rendezvous and of every broadcast.
+        timeout_s (float): Limit of the rendezvous and of every broadcast: the run's
+            ``weight_sync.timeout_s``, whose default is declared there only.
 
     Raises:
         WeightChannelError: On the receiver, if the rendezvous fails or times out.
@@ -135,7 +136,8 @@ class WeightChannel:
         host: str,
         port: int,
         device: str = "cpu",
-        timeout_s: float = 120.0,
+        *,
+        timeout_s: float,
     ) -> None:
         self.name = name
         self.rank = rank

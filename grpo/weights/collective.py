@@ -71,7 +71,7 @@ class ChannelSender(SendingEnd):
 
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         self.close_channel(collector)
-        channel = WeightChannel(collector, SENDER_RANK, host, 0, self.device, timeout_s)
+        channel = WeightChannel(collector, SENDER_RANK, host, 0, self.device, timeout_s=timeout_s)
         self._channels[collector] = (channel, bucket_bytes)
         return {
             "host": channel.host,
