@@ -1,6 +1,6 @@
 """Held-out evaluation: pass@k, episodes through the environment protocol, and ``grpo eval``.
 
-The engine is scripted here (as in tests/test_envs.py): each policy turn samples the next text
+The engine is scripted here (as in tests/unit/test_envs.py): each policy turn samples the next text
 of a script, so which samples succeed is known. The last test runs ``grpo eval`` for real on
 the tiny demo model.
 """

@@ -29,7 +29,7 @@ from grpo.data import (
     resolve_template,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 QUESTION = re.compile(r"What is (\(-\d+\)|\d+) ([-+*]) (\(-\d+\)|\d+)\?")
 
 

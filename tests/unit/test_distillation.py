@@ -30,7 +30,7 @@ from grpo.testing import build_tiny_qwen2
 from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory, UnscoredTrajectory
 from grpo.workers.ref import RefActor
 
-POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_arithmetic_qwen2"
+POLICY = Path(__file__).resolve().parents[2] / "assets" / "tiny_arithmetic_qwen2"
 TEMPERATURE = 0.7
 
 

@@ -1,7 +1,7 @@
 """Settings that would train a wrong or useless signal are refused by `grpo validate`, in one
 line naming the key, or train what they name: LoRA dropout, a temperature below vLLM's lowest,
 a staleness bound the sync interval cannot meet, and Dr. GRPO's undivided advantages.
-(The loss's own bounds and k1: tests/test_loss.py.)"""
+(The loss's own bounds and k1: tests/unit/test_loss.py.)"""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The test suite: `unit/` starts no Ray cluster and no vLLM engine, `integration/` does."""

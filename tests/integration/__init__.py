@@ -1,0 +1,1 @@
+"""Tests that start a Ray cluster or a vLLM engine: components in actors, and whole runs."""

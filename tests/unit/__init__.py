@@ -1,0 +1,1 @@
+"""Tests that start no Ray cluster and no vLLM engine: seconds on a laptop CPU."""
