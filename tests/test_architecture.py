@@ -144,11 +144,11 @@ def test_one_environment_protocol_and_the_collector_names_no_environment_kind():
         assert "getattr(self.environment" not in source and "getattr(environment" not in source
 
 
-@pytest.mark.parametrize("package", ["grpo.config", "grpo.envs"])
+@pytest.mark.parametrize("package", ["grpo.config", "grpo.envs", "grpo.data"])
 def test_reading_configs_and_environments_loads_no_torch(package):
-    """``grpo validate`` imports these to check a config, its tools and its environment: a
-    torch import there costs every validation seconds (a hub environment's scorer is a
-    reward function, imported only when the environment is built)."""
+    """``grpo validate`` imports these to check a config, its datasets' options, its tools and
+    its environment: a torch import there costs every validation seconds (a hub environment's
+    scorer is a reward function, imported only when the environment is built)."""
     code = f"import sys, {package}; print(sorted(m for m in ('torch', 'ray', 'vllm') if m in sys.modules))"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

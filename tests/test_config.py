@@ -803,6 +803,7 @@ def test_every_environment_takes_the_run_s_reward_timeout_default_and_bound(conf
     refuse the same values."""
     import inspect
 
+    from grpo.config.options import option_problems
     from grpo.envs import (
         AgentEnv,
         MultiTurnEnv,
@@ -811,7 +812,6 @@ def test_every_environment_takes_the_run_s_reward_timeout_default_and_bound(conf
         TextArenaEnv,
         ToolEnv,
     )
-    from grpo.envs.options import option_problems
 
     default = RunConfig.model_fields["reward_timeout_s"].default
     for env in (MultiTurnEnv, SingleTurnEnv, ToolEnv, AgentEnv, ReasoningGymEnv, TextArenaEnv):

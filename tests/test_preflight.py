@@ -285,3 +285,28 @@ def test_import_and_call_do_not_load_torch(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == ""
+
+
+# Values the arithmetic dataset refuses by its options' declarations, and the key each names.
+ARITHMETIC_REFUSALS = [
+    ({"num_examples": 0}, "num_examples"),
+    ({"num_examples": 2.5}, "num_examples"),
+    ({"split": "dev"}, "split"),
+    ({"test_fraction": 1.5}, "test_fraction"),
+    ({"test_fraction": 0}, "test_fraction"),
+]
+
+
+@pytest.mark.parametrize("kwargs,key", ARITHMETIC_REFUSALS, ids=repr)
+def test_validate_refuses_what_the_dataset_refuses(kwargs, key):
+    """A dataset option the factory would refuse in a collector, after Ray started, is
+    refused by `grpo validate` first, from the same declaration."""
+    from grpo.config import ConfigError, compose_config
+    from grpo.data import arithmetic_dataset
+    from grpo.preflight import validate_run_config
+
+    with pytest.raises(ValueError, match=f"arithmetic_dataset: {key}: expected"):
+        arithmetic_dataset(**kwargs)
+    overrides = [f"dataset.{name}={value}" for name, value in kwargs.items()]
+    with pytest.raises(ConfigError, match=f"dataset.{key}: expected"):
+        validate_run_config(compose_config("tiny_arithmetic_cpu", overrides))

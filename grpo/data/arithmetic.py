@@ -10,13 +10,15 @@ import hashlib
 import operator
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import Field
+
+from grpo.config.options import checked_arguments
 from grpo.data.dataset import PromptDataset
 from grpo.data.templates import PromptTemplate, resolve_template
 
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
-SPLITS = ("train", "test")
 
 
 def question_split(question: str, test_fraction: float) -> str:
@@ -68,14 +70,15 @@ def _operand_text(value: int) -> str:
     return f"({value})" if value < 0 else str(value)
 
 
+@checked_arguments
 def arithmetic_dataset(
-    num_examples: int = 10000,
+    num_examples: Annotated[int, Field(ge=1)] = 10000,
     seed: int = 0,
     operations: Sequence[str] | Mapping[str, float] = ("+", "-", "*"),
-    min_value: int = 0,
-    max_value: int = 99,
-    split: str = "train",
-    test_fraction: float = 0.1,
+    min_value: Annotated[int, Field()] = 0,
+    max_value: Annotated[int, Field()] = 99,
+    split: Annotated[Literal["train", "test"], Field()] = "train",
+    test_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1,
     operand_digits: Mapping[int, float] | None = None,
     unique: bool = False,
     template: str | Mapping[str, Any] | PromptTemplate | None = None,
@@ -101,12 +104,7 @@ def arithmetic_dataset(
         ValueError: On an invalid argument, or when ``unique`` is set and the split holds fewer
             than ``num_examples`` distinct questions.
     """
-    if num_examples < 1:
-        raise ValueError(f"num_examples must be >= 1, got {num_examples}")
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    # Each option's bounds are its annotation's (`checked_arguments`, and `grpo validate`).
     if min_value > max_value:
         raise ValueError(f"min_value ({min_value}) must be <= max_value ({max_value})")
     operation_weights = _parse_weights("operations", operations, allowed=list(OPERATIONS))

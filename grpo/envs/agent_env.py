@@ -28,12 +28,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from grpo.config.options import checked_options
 from grpo.config.sections import REWARD_TIMEOUT_S, RewardTimeout
 from grpo.envs.base import Episode, MultiTurnEnv
 from grpo.envs.dropped import failure_reason
 from grpo.envs.evaluation import EPISODE_KEY
 from grpo.envs.openai_server import ApiError, ChatRequest, Choice, CompletionRequest, Sampling
-from grpo.envs.options import checked_options
 from grpo.envs.protocol import EngineContext, EpisodeLimits, FailedEpisodes, Prompt
 from grpo.envs.rollout import Sample, Sampler, SampleRequest, TurnEngine, as_turn_engine
 from grpo.observability import metric_names as names

@@ -20,9 +20,9 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from grpo.config.options import checked_options
 from grpo.config.sections import REWARD_TIMEOUT_S, RewardTimeout
 from grpo.envs.dropped import failure_reason
-from grpo.envs.options import checked_options
 from grpo.envs.protocol import EngineContext, Environment, EpisodeLimits, FailedEpisodes, Prompt
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from grpo.envs.options import option_problems
+from grpo.config.options import option_problems
 from grpo.envs.tools import call_format_problem, check_tools
 
 

@@ -14,9 +14,9 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from grpo.config.options import checked_options
 from grpo.config.sections import REWARD_TIMEOUT_S, RewardTimeout
 from grpo.envs.base import Episode
-from grpo.envs.options import checked_options
 from grpo.envs.single_turn import SingleTurnEnv
 
 EXTRA = "hub"

@@ -19,9 +19,9 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from grpo.config.options import checked_options
 from grpo.config.sections import REWARD_TIMEOUT_S, RewardTimeout
 from grpo.envs.base import Episode, Message, MultiTurnEnv
-from grpo.envs.options import checked_options
 from grpo.envs.protocol import FailedEpisodes
 
 EXTRA = "hub"

@@ -12,10 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from grpo.config.options import checked_options
 from grpo.config.sections import REWARD_TIMEOUT_S, RewardTimeout
 from grpo.envs.base import Episode, Message, MultiTurnEnv, PendingResponse
 from grpo.envs.dropped import failure_reason
-from grpo.envs.options import checked_options
 from grpo.envs.protocol import FailedEpisodes
 from grpo.envs.runner import ToolRunner, default_tool_runner, tool_outcome
 from grpo.envs.tools import (

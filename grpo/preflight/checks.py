@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from grpo.config import ConfigError, RunConfig, check_config, compose_config, locate
+from grpo.config.options import option_problems
 from grpo.config.run import UNRESOLVED
 from grpo.preflight.files import file_problems
 from grpo.preflight.lora import lora_problems
@@ -142,7 +143,8 @@ def load_run_config(
 
 
 def _dataset_problems(values: dict[str, Any]) -> list[str]:
-    """What the dataset nodes' files say: missing files and columns, template mismatches."""
+    """What the dataset nodes say: values their factory refuses, missing files and columns,
+    template mismatches."""
     # The checks of a source's files live beside the loaders that read them; they import
     # neither torch nor the hub.
     from grpo.data.preflight import dataset_problems
@@ -154,10 +156,26 @@ def _dataset_problems(values: dict[str, Any]) -> list[str]:
         if isinstance(node, dict) and isinstance(node.get("_component_"), str):
             unresolved = any(value is UNRESOLVED for value in node.values())
             if not unresolved:
+                problems.extend(_option_problems(key, node))
                 problems.extend(
                     dataset_problems(key, node, model_path if isinstance(model_path, str) else None)
                 )
     return problems
+
+
+def _option_problems(key: str, node: dict[str, Any]) -> list[str]:
+    """The values a dataset factory of `grpo.data` refuses by its options' declarations
+    (`grpo.config.options`), as it would refuse them when a collector builds it. Only those
+    are imported here (`grpo.data` imports no torch); a factory of your own is checked when
+    it is built."""
+    if not str(node["_component_"]).startswith("grpo.data."):
+        return []
+    try:
+        component = locate(node["_component_"])
+    except Exception:  # a missing component is the component check's to report
+        return []
+    arguments = {name: value for name, value in node.items() if name != "_component_"}
+    return [f"{key}.{problem}" for problem in option_problems(component, arguments)]
 
 
 def _environment_problems(values: dict[str, Any], this_machine: bool = True) -> list[str]:
