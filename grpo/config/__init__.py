@@ -14,6 +14,8 @@ resume checkpoint) is checked above it, by `grpo.preflight`. The parts:
 * `validation`: report every problem of a config at once, with did-you-mean hints
   (`validate_config`; `check_config` returns them, for `grpo.preflight` to add its own).
 * `instantiate`: build a ``_component_`` node (`instantiate`).
+* `options`: options a component declares on its own signature (an environment's constructor,
+  a dataset factory), checked by the component and by `grpo.preflight` alike.
 * `reference`: the config reference, ``docs/config.md`` (`config_reference_markdown`).
 
 Example:
