@@ -14,6 +14,7 @@ import pytest
 import torch
 from pydantic import Field
 
+from grpo.config.options import checked_options, option_problems
 from grpo.data import prompt_dataset
 from grpo.data.stream import PromptStream
 from grpo.envs import (
@@ -31,7 +32,6 @@ from grpo.envs import (
 )
 from grpo.envs.builtin_tools import calculator, python
 from grpo.envs.dropped import scored_episodes
-from grpo.envs.options import checked_options, option_problems
 from grpo.envs.tools import CALL_FORMATS
 from grpo.models import load_tokenizer
 from grpo.rewards import MathCorrectnessReward
