@@ -310,3 +310,18 @@ def test_validate_refuses_what_the_dataset_refuses(kwargs, key):
     overrides = [f"dataset.{name}={value}" for name, value in kwargs.items()]
     with pytest.raises(ConfigError, match=f"dataset.{key}: expected"):
         validate_run_config(compose_config("tiny_arithmetic_cpu", overrides))
+
+
+def test_validate_refuses_what_the_file_and_hub_datasets_refuse(tmp_path):
+    from grpo.config import ConfigError, compose_config
+    from grpo.data import gsm8k_dataset, prompt_dataset
+    from grpo.preflight import validate_run_config
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "1 + 1?", "answer": "2"}) + "\n")
+    for factory in (prompt_dataset, gsm8k_dataset):
+        with pytest.raises(ValueError, match="num_examples: expected an int >= 1 or null, got 0"):
+            factory(str(path), num_examples=0)
+        node = f"{{_component_: grpo.data.{factory.__name__}, source: {path}, num_examples: 0}}"
+        with pytest.raises(ConfigError, match="dataset.num_examples: expected an int >= 1"):
+            validate_run_config(compose_config("tiny_arithmetic_cpu", [f"dataset={node}"]))

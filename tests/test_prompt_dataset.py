@@ -249,7 +249,7 @@ def test_prompt_dataset_answers_without_extractor_and_num_examples(tmp_path):
     assert dataset.skipped.examples == [(6, "a is not a string (bool)")]
     first_two = prompt_dataset(path, prompt_key="q", answer_key="a", num_examples=2)
     assert [e["answer"] for e in first_two.examples] == ["1", "2"]
-    with pytest.raises(ValueError, match="num_examples must be >= 1"):
+    with pytest.raises(ValueError, match="num_examples: expected an int >= 1 or null, got 0"):
         prompt_dataset(path, prompt_key="q", answer_key="a", num_examples=0)
 
 

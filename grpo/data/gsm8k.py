@@ -8,8 +8,11 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import Field
+
+from grpo.config.options import checked_arguments
 from grpo.data.dataset import PromptDataset
 from grpo.data.loader import load_prompt_dataset
 from grpo.data.sources import LOCAL_EXTENSIONS
@@ -30,13 +33,14 @@ def extract_gsm8k_answer(solution: str) -> str | None:
     return number.lstrip("+")
 
 
+@checked_arguments
 def gsm8k_dataset(
     source: str | os.PathLike = "openai/gsm8k",
     split: str = "train",
     config: str | None = "main",
     template: str | Mapping[str, Any] | PromptTemplate | None = None,
     system_prompt: str | None = None,
-    num_examples: int | None = None,
+    num_examples: Annotated[int, Field(ge=1)] | None = None,
     max_skipped_examples: int = 5,
 ) -> PromptDataset:
     """Load GSM8K problems with their final numeric answers.

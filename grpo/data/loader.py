@@ -11,8 +11,11 @@ import importlib
 import os
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import Field
+
+from grpo.config.options import checked_arguments
 from grpo.data.dataset import PromptDataset, SkipReport, template_input
 from grpo.data.sources import InvalidRow, open_source
 from grpo.data.templates import (
@@ -177,8 +180,6 @@ def load_prompt_dataset(
     for key, value in (("prompt_key", prompt_key), ("answer_key", answer_key)):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{key} must be a column name, got {value!r}")
-    if num_examples is not None and num_examples < 1:
-        raise ValueError(f"num_examples must be >= 1 or null, got {num_examples}")
     if system_prompt is not None and (not isinstance(system_prompt, str) or not system_prompt):
         raise ValueError(f"system_prompt must be a non-empty string or null, got {system_prompt!r}")
     extractor = resolve_answer_extractor(answer_extractor)
@@ -228,6 +229,7 @@ def load_prompt_dataset(
     )
 
 
+@checked_arguments
 def prompt_dataset(
     source: str | os.PathLike,
     prompt_key: str = "prompt",
@@ -237,7 +239,7 @@ def prompt_dataset(
     answer_extractor: str | AnswerExtractor | None = None,
     system_prompt: str | None = None,
     template: str | Mapping[str, Any] | PromptTemplate | None = None,
-    num_examples: int | None = None,
+    num_examples: Annotated[int, Field(ge=1)] | None = None,
     max_skipped_examples: int = 5,
 ) -> PromptDataset:
     """Load prompts and gold answers from a hub dataset or a local file.
