@@ -791,9 +791,7 @@ def test_the_run_uses_the_logger_class_the_config_names(tmp_path, ray_cluster):
         check_components=True,
     )
     # load_config checked the class's own keywords (tag) against its signature.
-    supervisor = ActorSupervisor(
-        cfg, tmp_path / "run", log_metrics=lambda *_: None, current_step=lambda: 0, dataset=[]
-    )
+    supervisor = ActorSupervisor(cfg, tmp_path / "run", current_step=lambda: 0, dataset=[])
     logger = supervisor.start_metric_logger()
     try:
         ray.get(logger.log_dict.remote({"train/loss": 0.5}, step=1))
@@ -815,8 +813,6 @@ def test_a_logger_that_is_not_a_class_is_named(tmp_path):
         "tiny_arithmetic_cpu",
         [f"output_dir={tmp_path}", "metric_logger._component_=grpo.config.load_config"],
     )
-    supervisor = ActorSupervisor(
-        cfg, tmp_path, log_metrics=lambda *_: None, current_step=lambda: 0, dataset=None
-    )
+    supervisor = ActorSupervisor(cfg, tmp_path, current_step=lambda: 0, dataset=None)
     with pytest.raises(InstantiationError, match=r"metric_logger._component_: .* not a class"):
         supervisor.start_metric_logger()

@@ -141,7 +141,7 @@ class Checkpointer:
         """Load a checkpoint's run state and pipeline state into the parts.
 
         The trainers and collectors were already started from its weights (see
-        `find_checkpoint` and `ActorSupervisor.start_all`).
+        `find_checkpoint` and `ActorSupervisor.start_pipeline`).
 
         Raises:
             ValueError: A part's state does not fit the config (e.g. a different number of

@@ -77,9 +77,7 @@ class Orchestrator:
         self.tokenizer = tokenizer
         self.state = RunState()
         self.run_ledger = RunLedger(self.run_dir)
-        self.actors = ActorSupervisor(
-            cfg, self.run_dir, self._log, lambda: self.state.step, dataset=dataset
-        )
+        self.actors = ActorSupervisor(cfg, self.run_dir, lambda: self.state.step, dataset=dataset)
         self.faults = FaultPolicy(
             cfg.orchestration.max_actor_restarts,
             self.actors.output_hint,
@@ -113,7 +111,7 @@ class Orchestrator:
             inflight,
             self.state,
             self.run_ledger,
-            self._log,
+            self.actors.log_metrics,
             episode_drops,
             reward_failures,
             self.group_counts,
@@ -159,13 +157,9 @@ class Orchestrator:
     rollout_queue = property(lambda self: self.actors.rollout_queue)
     metric_logger = property(lambda self: self.actors.metric_logger)
     inflight = property(lambda self: self.scheduler.inflight)
+    recoveries = property(lambda self: self.actors.recoveries)  # every replacement, in order
     # Each kind of call's handler (tests wrap one to act at a given moment).
     _handlers = property(lambda self: self.scheduler.handlers)
-
-    @property
-    def recoveries(self) -> list[Recovery]:
-        """Every dead actor that was replaced, in order."""
-        return self.actors.recoveries
 
     # ------------------------------------------------------------------ start-up
 
@@ -175,24 +169,21 @@ class Orchestrator:
         Args:
             pad_token_id (int): The tokenizer's pad id (for packing).
             checkpoint_dir (Path | None): A checkpoint to resume from (`find_checkpoint`):
-                trainers and collectors start from its weights; `restore` loads the rest.
+                trainers and collectors start from its weights; `resume` loads the rest.
         """
         self.start_checkpoint, self._pad_token_id = checkpoint_dir, pad_token_id
-        self.actors.start_all(pad_token_id, checkpoint_dir)
-
-    def restore(self, checkpoint_dir: Path) -> None:
-        """Load a checkpoint's run and pipeline state into freshly started actors."""
-        self.checkpointer.load(checkpoint_dir)
-        self.checkpointed_step = self.synced_step = self.state.step
+        self.actors.start_metric_logger()
+        self.actors.start_pipeline(pad_token_id, checkpoint_dir)
 
     def resume(self, checkpoint_dir: Path) -> None:
         """Go on from a checkpoint an earlier run saved (``resume_from_checkpoint``).
 
-        `restore`, and the metric logger goes on in that run's W&B run; what the earlier run
-        logged after this checkpoint is redone, which the logger marks as a rewind
-        (`MetricLogger.resumed`).
+        Its run and pipeline state go into the freshly started actors, and the metric logger
+        goes on in that run's W&B run; what the earlier run logged after this checkpoint is
+        redone, which the logger marks as a rewind (`MetricLogger.resumed`).
         """
-        self.restore(checkpoint_dir)
+        self.checkpointer.load(checkpoint_dir)
+        self.checkpointed_step = self.synced_step = self.state.step
         logger = self.actors.metric_logger
         if logger is not None and hasattr(logger, "resumed"):  # a custom logger may lack it
             logger.resumed.remote(self.state.step)
@@ -206,10 +197,6 @@ class Orchestrator:
         """
         self.stop_requested = True
         self.stop_signal = signum
-
-    def _log(self, metrics: dict[str, float], step: int) -> None:
-        if self.actors.metric_logger is not None and metrics:
-            self.actors.metric_logger.log_dict.remote(metrics, step=step)
 
     # ------------------------------------------------------------------ the loop
 
@@ -409,7 +396,7 @@ class Orchestrator:
             )
         )
         self.state.last_metrics = step_metrics(metrics, stats, queues)
-        self._log(self.state.last_metrics, step)
+        self.actors.log_metrics(self.state.last_metrics, step)
         # The sync (which may have replaced a collector) is the driver's time, not a stall.
         self.stall_watch.progressed(stats.get("dropped_stale"))
         self._handle_failures()  # a dead queue found while reading its size
@@ -420,7 +407,7 @@ class Orchestrator:
         self.state.policy_version, timings = self.weights.sync(self.trainers, self.collectors)
         self.synced_step = self.state.step
         if self.weights.retries != retries:
-            self._log(
+            self.actors.log_metrics(
                 {"faults/weight_transfer_retries": float(self.weights.retries)}, self.state.step
             )
         self.inflight.release_stale(
@@ -450,6 +437,7 @@ class Orchestrator:
         self._handle_failures()
 
     def _handle_failures(self) -> None:
+        """Carry out the fault policy's decision on each failure the scheduler found."""
         while self.scheduler.failed:
             self._carry_out(self.scheduler.failed.pop(0))
 
@@ -457,7 +445,7 @@ class Orchestrator:
         """Do what the fault policy decides about ``failed``.
 
         Replace: start a new actor (unless an earlier failure of the same one did), catch it
-        up from what the driver holds, and redo the failed call. Restart: end the step with
+        up (`_catch_up`), and redo the failed call. Restart: end the step with
         `TrainerDiedError` (`run` restarts). Stop: raise the policy's error.
         """
         failure = failed.failure
@@ -477,39 +465,41 @@ class Orchestrator:
             self.actors.replace(role, index, failed.actor, error) if failure.current else None
         )
         if recovery is not None:
-            new = self.actors.actor(role, index)
             try:
-                if role is Role.COLLECTOR:
-                    # At the state of the old one's last finished batch, with current weights.
-                    state = self.actors.collector_states[index]
-                    self.weights.catch_up(new, state, actor_name(role, index), index)
-                elif role is Role.REPLAY_BUFFER:
-                    # Holding what the old one held: scored groups not yet sampled.
-                    contents = self.inflight.buffer_contents()
-                    calls = [new.add_groups.remote(ref, 0, absent) for ref, absent in contents]
-                    self.actors.get_all(calls, "replay_buffer rebuild")
-                elif role is Role.ROLLOUT_QUEUE:
-                    self._rescue_queued_groups(new)
+                self._catch_up(role, index)
             finally:
                 self.actors.record_recovery(recovery)
         if failed.call is not None:
             self.scheduler.redo[failed.call.kind](failed.call)
 
-    def _rescue_queued_groups(self, queue: Any) -> None:
-        """A new, empty rollout queue: the collectors put onto it from now on, and the groups
-        the dead one may have held are scored from the driver's copies.
+    def _catch_up(self, role: Role, index: int) -> None:
+        """What a replacement needs before it works, from what the driver holds.
 
-        The driver holds every generation batch's groups (`Scheduler.launch_collector`) until
-        each of them has been scored; those not scored yet go to the reference actors as if
-        taken from the queue. Some of them were taken before the queue died and are being
-        scored already: the copy scored second is recognised by its ``group_id`` and skipped
-        (`InFlightLedger.scored`), so each group is trained on once. Logs
-        ``faults/groups_rescued``: the groups not scored yet when the queue died.
+        - A collector: the state of the old one's last finished batch, and the current weights.
+        - A replay buffer: what the old one held (scored groups not yet sampled).
+        - A rollout queue: the collectors put onto the new, empty one from now on, and the
+          groups the dead one may have held are scored from the driver's copies. The driver
+          holds every generation batch's groups (`Scheduler.launch_collector`) until each has
+          been scored; those not scored yet go to the reference actors as if taken from the
+          queue. Some were taken before the queue died and are being scored already: the copy
+          scored second is recognised by its ``group_id`` and skipped (`InFlightLedger.scored`),
+          so each group is trained on once. Logs ``faults/groups_rescued``: the groups not
+          scored yet when the queue died.
+        - A reference actor: nothing (its call is redone).
         """
-        for collector in range(len(self.collectors)):
-            self._ask(Role.COLLECTOR, collector, "set_rollout_queue", queue)
-        rescued = self.inflight.rescue_queued()
-        self._log({"faults/groups_rescued": float(rescued)}, self.state.step)
+        new = self.actors.actor(role, index)
+        if role is Role.COLLECTOR:
+            state = self.actors.collector_states[index]
+            self.weights.catch_up(new, state, actor_name(role, index), index)
+        elif role is Role.REPLAY_BUFFER:
+            contents = self.inflight.buffer_contents()
+            calls = [new.add_groups.remote(ref, 0, absent) for ref, absent in contents]
+            self.actors.get_all(calls, "replay_buffer rebuild")
+        elif role is Role.ROLLOUT_QUEUE:
+            for collector in range(len(self.collectors)):
+                self._ask(Role.COLLECTOR, collector, "set_rollout_queue", new)
+            rescued = self.inflight.rescue_queued()
+            self.actors.log_metrics({"faults/groups_rescued": float(rescued)}, self.state.step)
 
     def _ask(self, role: Role, index: int, method: str, *args: Any) -> Any:
         """Call ``method`` of a replaceable actor and wait; a dead one is replaced and asked.
@@ -562,7 +552,7 @@ class Orchestrator:
             raise RunStalledError(message)
         log.warning("%s; replacing it", message)
         self.stalls += 1
-        self._log({"faults/stalls": float(self.stalls)}, self.state.step)
+        self.actors.log_metrics({"faults/stalls": float(self.stalls)}, self.state.step)
         self.actors.kill(stall.actor, message)
         # Its replacement starts up before it works again: that is not a stall.
         self.stall_watch.progressed(self.scheduler.buffer_stats.get("dropped_stale"))
@@ -599,7 +589,7 @@ class Orchestrator:
                 failure = Failure(actor_name(Role.COLLECTOR, index), error, died=False)
                 self._carry_out(Failed(failure, Role.COLLECTOR, index, collector))  # a Stop
             # The sleep and wake that ended with this step's generation.
-            self._log(metrics, self.state.step)
+            self.actors.log_metrics(metrics, self.state.step)
 
     def _restart_from_checkpoint(self, error: TrainerDiedError) -> None:
         """After a trainer died: start every actor but the metric logger again from the
@@ -633,7 +623,7 @@ class Orchestrator:
             try:
                 self.actors.restart_pipeline(self._pad_token_id, checkpoint)
                 if checkpoint is not None:
-                    self.restore(checkpoint)
+                    self.checkpointer.load(checkpoint)
                 break
             except ActorFailedError as failure:
                 # A new actor placed on a node that was dying (Ray marks a lost node dead
@@ -643,9 +633,10 @@ class Orchestrator:
                 log.warning("restart attempt %d failed (%s); trying again", attempt, failure)
                 time.sleep(2.0 * attempt)
         if checkpoint is None:
-            self.state.step = self.state.policy_version = self.synced_step = 0
+            self.state.step = self.state.policy_version = 0
             self.state.eval_history = [e for e in self.state.eval_history if e[0] == 0]
-            self.checkpointed_step = None
+        self.checkpointed_step = self.state.step if checkpoint is not None else None
+        self.synced_step = self.state.step
         self.steps_redone += died_at - self.state.step
         self.run_ledger.rewound(self.state.step, died_at)
         logger = self.actors.metric_logger
@@ -654,7 +645,7 @@ class Orchestrator:
             # logged first is superseded (`MetricLogger.rewound`).
             logger.rewound.remote(self.state.step, died_at)
         self.actors.record_recovery(recovery)
-        self._log({FAULTS_STEPS_REDONE: float(self.steps_redone)}, self.state.step)
+        self.actors.log_metrics({FAULTS_STEPS_REDONE: float(self.steps_redone)}, self.state.step)
         log.warning(
             "restarted from %s at step %d (%d steps to redo)",
             checkpoint or "the start",
@@ -693,7 +684,9 @@ class Orchestrator:
         final = self.checkpointer.save(self.state.step)
         self.checkpointed_step = self.state.step
         self._saved_at = time.monotonic()
-        self._log({"checkpoint/time (s)": time.perf_counter() - start}, self.state.step)
+        self.actors.log_metrics(
+            {"checkpoint/time (s)": time.perf_counter() - start}, self.state.step
+        )
         log.info("saved checkpoint %s", final)
         return final
 
@@ -706,7 +699,7 @@ class Orchestrator:
             bool: True if every collector's checksum equals the trainer's.
         """
         in_sync = self.weights.verify(self.trainers, self.collectors)
-        self._log({"weight_sync/in_sync": float(in_sync)}, self.state.step)
+        self.actors.log_metrics({"weight_sync/in_sync": float(in_sync)}, self.state.step)
         return in_sync
 
     def save_final_checkpoint(self) -> Path:

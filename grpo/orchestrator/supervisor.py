@@ -275,7 +275,6 @@ class ActorSupervisor:
     Args:
         cfg (RunConfig): The run config.
         run_dir (Path): The run folder (logs; errors name its latest checkpoint).
-        log_metrics (Callable): ``log_metrics(metrics, step)``, for the ``faults/*`` metrics.
         current_step (Callable[[], int]): The training step now (recoveries record it).
         dataset: The training dataset, built once by the caller and shared by every
             collector through the object store; None builds it from ``cfg.dataset`` in each.
@@ -285,13 +284,11 @@ class ActorSupervisor:
         self,
         cfg: RunConfig,
         run_dir: Path,
-        log_metrics: Callable[[dict[str, float], int], None],
         current_step: Callable[[], int],
         dataset: Any = None,
     ) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.log_metrics = log_metrics
         self.current_step = current_step
         self.dataset = ray.put(dataset) if dataset is not None else cfg.dataset
         # Unless log_level is debug, each actor's process writes to its own file in
@@ -322,6 +319,11 @@ class ActorSupervisor:
             return with_output_to(cls, actor_log_path(self.run_dir, name))
         return cls
 
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Send ``metrics`` of ``step`` to the metric logger (none yet: dropped)."""
+        if self.metric_logger is not None and metrics:
+            self.metric_logger.log_dict.remote(metrics, step=step)
+
     def output_hint(self, name: str | None = None) -> str:
         """Where to read what an actor printed, for error messages ("" when on the terminal).
 
@@ -338,20 +340,18 @@ class ActorSupervisor:
             return f" (each actor's output: {logs_dir(self.run_dir)})"
         return f" (its output: {actor_log_path(self.run_dir, name)})"
 
-    def start_all(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> None:
-        """Start every actor, in order; trainers and collectors from ``checkpoint_dir``."""
-        self.start_metric_logger()
-        self.start_pipeline(pad_token_id, checkpoint_dir)
-
     def start_pipeline(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> None:
-        """Start every actor but the metric logger (see `start_all`).
+        """Start every actor but the metric logger; trainers and collectors from
+        ``checkpoint_dir``.
 
         Collectors and reference actors are created first: their start-up (a vLLM engine)
         then runs while the trainers set up, which is the one start that is waited for.
         """
         self.start_rollout_queue()
         self.start_replay_buffer()
-        self.start_ref_actors()
+        self.ref_actors = [
+            self._new_ref_actor(index) for index in range(self.cfg.orchestration.num_ref_workers)
+        ]
         if checkpoint_dir is not None:
             lora = self.cfg.training.lora is not None
             weights = ADAPTER_SUBDIR if lora else MODEL_SUBDIR
@@ -460,12 +460,6 @@ class ActorSupervisor:
             load_model=cfg.uses_reference_model() and cfg.training.lora is None,
             temperature=cfg.inference.temperature,
         )
-
-    def start_ref_actors(self) -> list[Any]:
-        self.ref_actors = [
-            self._new_ref_actor(index) for index in range(self.cfg.orchestration.num_ref_workers)
-        ]
-        return self.ref_actors
 
     def _new_collector(self, worker_id: int) -> Any:
         from grpo.workers.collector import SyncLLMCollector
