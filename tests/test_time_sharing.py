@@ -315,7 +315,7 @@ def test_a_run_that_sleeps_while_training_wakes_loads_and_probes_in_order(
     """Three synchronous steps with the engine asleep while each trains: it sleeps before
     every training step and wakes before every generation as weights, load (or reload),
     KV cache, probe, and trains batches at most one step old (a version counts steps). (That a sleeping run trains exactly what
-    an awake one does is checked by tests/test_lora_runs.py, whose resumed run is awake.)"""
+    an awake one does is checked by tests/integration/lora/test_runs.py, whose resumed run is awake.)"""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     sleeping = tmp_path / "sleeping"
     events, recoveries = run_steps(tiny_model_dir, sleeping, "inference.sleep_while_training=true")

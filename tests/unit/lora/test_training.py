@@ -1,9 +1,9 @@
 """LoRA training in the trainer (``training.lora``): adapters on a frozen base model.
 
 Only the adapters train, keep optimizer state, are checkpointed and published; the reference
-logprobs of the KL term are the trainer's own model with the adapters off; the update does not
-depend on how many FSDP workers share the batch; and a resume from an adapter-only checkpoint
-is exact. Tiny Qwen2, CPU, fp32, varlen attention.
+logprobs of the KL term are the trainer's own model with the adapters off; and a resume from an
+adapter-only checkpoint is exact. Tiny Qwen2, CPU, fp32, varlen attention. That the update does
+not depend on how many FSDP workers share the batch: tests/integration/lora/test_fsdp.py.
 """
 
 import re
@@ -278,68 +278,3 @@ def test_resume_from_an_adapter_only_checkpoint_is_exact(tiny_model_dir, tmp_pat
     assert_same_training_state(gathered_training_state(resumed), expected)
     assert resumed.lr_scheduler.last_epoch == straight.lr_scheduler.last_epoch == 4
     assert resumed.lr_scheduler.get_last_lr() == straight.lr_scheduler.get_last_lr()
-
-
-@pytest.mark.slow
-def test_two_fsdp_workers_match_one_worker(tiny_model_dir, ray_cluster):
-    """Loss, every adapter gradient and the adapters after two SGD steps: the same on one
-    worker and on two FSDP workers (gloo) sharing the batch, reference forwards included."""
-    config = training_config(optimizer=SGD)
-    # Both batches split into 1 pack on one worker and 2 on the other: the first runs a
-    # filler forward and backward (and a filler reference forward) to match FSDP collectives.
-    batches = [make_batch(12, seed=5), make_batch(16, seed=10)]
-
-    def adapter_gradients(trainer) -> dict:
-        # Under FSDP each rank holds a shard of each gradient: gathered, on every rank.
-        grads = {}
-        for name, param in trainer.policy.model.named_parameters():
-            if not param.requires_grad:
-                assert param.grad is None, f"frozen {name} has a gradient"
-                continue
-            grad = param.grad
-            if hasattr(grad, "full_tensor"):
-                grad = grad.full_tensor()
-            grads[name] = grad.detach().cpu().clone()
-        return grads
-
-    single = new_trainer(tiny_model_dir, config=config)
-    single_losses = []
-    for batch in batches:
-        metrics = single.train_step(batch)
-        single_losses.append(metrics["train_actor_training/loss"])
-    assert metrics["train_actor_training/num_micro_batches"] >= 2
-    single_grads = adapter_gradients(single)
-    single_adapter = single.adapter_state_dict()
-
-    ray = ray_cluster
-    remote_cls = ray.remote(num_cpus=1)(PyTorchActorModel)
-    workers = [
-        remote_cls.remote(**trainer_kwargs(tiny_model_dir, rank, 2, config=config))
-        for rank in range(2)
-    ]
-    try:
-        address = ray.get(workers[0].get_dist_address.remote())
-        ray.get([w.setup.remote(address) for w in workers])
-        losses = []
-        for batch in batches:
-            batch_ref = ray.put(batch)
-            metrics = ray.get([w.train_step.remote(batch_ref) for w in workers])
-            losses.append(metrics[0]["train_actor_training/loss"])
-            packs = sorted(m["train_actor_training/num_micro_batches"] for m in metrics)
-            assert packs == [1.0, 2.0]
-        grads = ray.get([w.__ray_call__.remote(adapter_gradients) for w in workers])[0]
-        adapter = ray.get([w.adapter_state_dict.remote() for w in workers])[0]
-        ray.get([w.shutdown.remote() for w in workers])
-    finally:
-        for worker in workers:
-            ray.kill(worker)
-
-    assert losses == pytest.approx(single_losses, rel=1e-4)
-    assert grads.keys() == single_grads.keys()
-    for name, expected in single_grads.items():
-        scale = float(expected.abs().max())
-        assert scale > 0, f"{name} got no gradient"
-        torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-4 * scale)
-    for name, expected in single_adapter.items():
-        scale = float(expected.abs().max())
-        torch.testing.assert_close(adapter[name], expected, rtol=1e-4, atol=1e-4 * scale)

@@ -1,0 +1,1 @@
+"""LoRA adapters served by vLLM, trained by FSDP workers in Ray, and whole LoRA runs."""

@@ -1,0 +1,1 @@
+"""LoRA adapters: the model, the trainer and the preflight checks, without Ray or vLLM."""
