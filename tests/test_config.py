@@ -1130,3 +1130,13 @@ def test_an_episode_must_fit_the_token_budget_and_its_bound_the_context(config_p
         "set environment.max_episode_tokens and inference.max_prompt_tokens, or "
         "inference.engine_args.max_model_len"
     )
+
+
+def test_validate_refuses_the_stdout_interval_the_metric_logger_refuses(tmp_path):
+    from grpo.observability.metric_logger import MetricLogger
+
+    with pytest.raises(ValueError, match="stdout_every_n"):
+        MetricLogger(tmp_path / "logs", stdout_every_n=-1, use_wandb=False)
+    overrides = ["metric_logger.stdout_every_n=-1"]
+    (problem,) = problems_of(compose_config("tiny_arithmetic_cpu", overrides))
+    assert problem == "metric_logger.stdout_every_n: must be >= 0, got -1"

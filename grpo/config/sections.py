@@ -621,3 +621,5 @@ class MetricLoggerArgs(ComponentArgs):
     """W&B project."""
     log_dir: str = COMPONENT_DEFAULT  # type: ignore[assignment]
     """Folder for local logs."""
+    stdout_every_n: int = Field(COMPONENT_DEFAULT, ge=0)  # type: ignore[arg-type]
+    """Print every n-th step of each actor to stdout; 0 prints nothing."""
