@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -295,6 +296,28 @@ ARITHMETIC_REFUSALS = [
     ({"test_fraction": 1.5}, "test_fraction"),
     ({"test_fraction": 0}, "test_fraction"),
 ]
+
+
+# Arguments the arithmetic dataset refuses together (`arithmetic_problem`), and the key named.
+ARITHMETIC_RELATION_REFUSALS = [
+    ({"min_value": 200}, "min_value: 200 is above max_value"),
+    ({"operations": ["/"]}, "operations: unsupported value"),
+    ({"operations": []}, "operations: must not be empty"),
+    ({"operand_digits": {5: 1}}, "operand_digits: {5: 1} has no digit count"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", ARITHMETIC_RELATION_REFUSALS, ids=repr)
+def test_validate_refuses_the_arguments_the_dataset_refuses_together(kwargs, message):
+    from grpo.config import ConfigError, compose_config
+    from grpo.data import arithmetic_dataset
+    from grpo.preflight import validate_run_config
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        arithmetic_dataset(**kwargs)
+    overrides = [f"dataset.{name}={value}" for name, value in kwargs.items()]
+    with pytest.raises(ConfigError, match=re.escape(f"dataset.{message}")):
+        validate_run_config(compose_config("tiny_arithmetic_cpu", overrides))
 
 
 @pytest.mark.parametrize("kwargs,key", ARITHMETIC_REFUSALS, ids=repr)

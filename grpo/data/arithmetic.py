@@ -32,7 +32,7 @@ def _parse_weights(name: str, spec: Sequence | Mapping, allowed: Sequence | None
     """``("+", "-")`` -> ``{"+": 1.0, "-": 1.0}``; a mapping is taken as explicit weights."""
     weights = dict(spec) if isinstance(spec, Mapping) else {key: 1.0 for key in spec}
     if not weights:
-        raise ValueError(f"{name} must not be empty")
+        raise ValueError(f"{name}: must not be empty")
     for key, weight in weights.items():
         if allowed is not None and key not in allowed:
             raise ValueError(f"{name}: unsupported value {key!r}; expected one of {list(allowed)}")
@@ -70,6 +70,63 @@ def _operand_text(value: int) -> str:
     return f"({value})" if value < 0 else str(value)
 
 
+def arithmetic_problem(
+    operations: Sequence[str] | Mapping[str, float] = ("+", "-", "*"),
+    min_value: int = 0,
+    max_value: int = 99,
+    operand_digits: Mapping[int, float] | None = None,
+) -> str | None:
+    """Why `arithmetic_dataset` would refuse these arguments together, or None.
+
+    The relations between them, which their one-option declarations cannot state: `grpo
+    validate` reports the line the dataset would raise.
+
+    Returns:
+        str | None: ``key: what is wrong``.
+    """
+    try:
+        _question_space(operations, min_value, max_value, operand_digits)
+    except (ValueError, TypeError) as error:
+        return str(error)
+    return None
+
+
+def _question_space(
+    operations: Sequence[str] | Mapping[str, float],
+    min_value: int,
+    max_value: int,
+    operand_digits: Mapping[int, float] | None,
+) -> tuple[dict[str, float], dict[int, tuple[float, list[tuple[int, int]]]]]:
+    """The operations' weights, and each digit count's weight and operand intervals.
+
+    Raises:
+        ValueError: ``key: what is wrong`` when the arguments leave nothing to draw.
+    """
+    if min_value > max_value:
+        raise ValueError(f"min_value: {min_value} is above max_value ({max_value})")
+    operation_weights = _parse_weights("operations", operations, allowed=list(OPERATIONS))
+
+    max_digits = len(str(max(abs(min_value), abs(max_value))))
+    if operand_digits is None:
+        operand_digits = {digits: 1.0 for digits in range(1, max_digits + 1)}
+    digit_weights = {
+        int(digits): weight
+        for digits, weight in _parse_weights("operand_digits", operand_digits, None).items()
+    }
+    # Keep only the digit counts that have integers in [min_value, max_value].
+    levels = {
+        digits: (weight, _digit_intervals(digits, min_value, max_value))
+        for digits, weight in digit_weights.items()
+        if digits >= 1 and weight > 0 and _digit_intervals(digits, min_value, max_value)
+    }
+    if not levels:
+        raise ValueError(
+            f"operand_digits: {dict(operand_digits)} has no digit count with integers in "
+            f"[{min_value}, {max_value}]"
+        )
+    return operation_weights, levels
+
+
 @checked_arguments
 def arithmetic_dataset(
     num_examples: Annotated[int, Field(ge=1)] = 10000,
@@ -104,29 +161,9 @@ def arithmetic_dataset(
         ValueError: On an invalid argument, or when ``unique`` is set and the split holds fewer
             than ``num_examples`` distinct questions.
     """
-    # Each option's bounds are its annotation's (`checked_arguments`, and `grpo validate`).
-    if min_value > max_value:
-        raise ValueError(f"min_value ({min_value}) must be <= max_value ({max_value})")
-    operation_weights = _parse_weights("operations", operations, allowed=list(OPERATIONS))
-
-    max_digits = len(str(max(abs(min_value), abs(max_value))))
-    if operand_digits is None:
-        operand_digits = {digits: 1.0 for digits in range(1, max_digits + 1)}
-    digit_weights = {
-        int(digits): weight
-        for digits, weight in _parse_weights("operand_digits", operand_digits, None).items()
-    }
-    # Keep only the digit counts that have integers in [min_value, max_value].
-    levels = {
-        digits: (weight, _digit_intervals(digits, min_value, max_value))
-        for digits, weight in digit_weights.items()
-        if digits >= 1 and weight > 0 and _digit_intervals(digits, min_value, max_value)
-    }
-    if not levels:
-        raise ValueError(
-            f"operand_digits {dict(operand_digits)} has no digit count with integers in "
-            f"[{min_value}, {max_value}]"
-        )
+    # Each option's bounds are its annotation's (`checked_arguments`, and `grpo validate`);
+    # their relations are `_question_space`'s (`arithmetic_problem`, for `grpo validate`).
+    operation_weights, levels = _question_space(operations, min_value, max_value, operand_digits)
 
     rng = random.Random(seed)
     op_names, op_weights = list(operation_weights), list(operation_weights.values())

@@ -17,6 +17,7 @@ from grpo.data.templates import TEMPLATES, chat_turns_problem
 
 _PROMPT_DATASETS = ("grpo.data.prompt_dataset", "grpo.data.loader.prompt_dataset")
 _GSM8K_DATASETS = ("grpo.data.gsm8k_dataset", "grpo.data.gsm8k.gsm8k_dataset")
+_ARITHMETIC_DATASETS = ("grpo.data.arithmetic_dataset", "grpo.data.arithmetic.arithmetic_dataset")
 _PLAIN_TEMPLATE_CLASSES = ("AnswerOnlyTemplate", "ThinkAnswerTemplate")
 _DEFAULT_TEMPLATE = "think_answer"  # the default of both dataset factories
 _PEEK_ROWS = 20
@@ -60,10 +61,11 @@ def dataset_problems(key: str, node: dict, base_model_path: str | None) -> list[
         hint = "; gsm8k_dataset needs columns question and answer"
     else:
         # Another dataset: only its chat template folder, if it names one, is checked here.
+        problems = _arithmetic_problems(key, node) if component in _ARITHMETIC_DATASETS else []
         template = node.get("template")
         if isinstance(template, Mapping):
-            return _chat_template_problems(f"{key}.template", template, base_model_path)
-        return []
+            problems += _chat_template_problems(f"{key}.template", template, base_model_path)
+        return problems
 
     problems: list[str] = []
     template = node.get("template")
@@ -220,3 +222,19 @@ def _has_chat_template(folder: Path) -> bool:
         return False
     config = json.loads(config_path.read_text(encoding="utf-8"))
     return isinstance(config, Mapping) and bool(config.get("chat_template"))
+
+
+def _arithmetic_problems(key: str, node: dict) -> list[str]:
+    """What `arithmetic_dataset` would raise about its arguments together (min above max, no
+    drawable operation or digit count): `grpo.data.arithmetic.arithmetic_problem`. A value of
+    the wrong type is its option check's to report."""
+    from grpo.data.arithmetic import arithmetic_problem
+
+    names = ("operations", "min_value", "max_value", "operand_digits")
+    arguments = {name: node[name] for name in names if name in node}
+    if any(isinstance(arguments.get(name), bool) for name in ("min_value", "max_value")) or not all(
+        isinstance(arguments.get(name, 0), int) for name in ("min_value", "max_value")
+    ):
+        return []
+    problem = arithmetic_problem(**arguments)
+    return [] if problem is None else [f"{key}.{problem}"]
