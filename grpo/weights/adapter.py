@@ -1,23 +1,9 @@
 """A collector's LoRA adapters: each policy version is a vLLM LoRA adapter of its own.
 
-With ``training.lora`` the trainer sends only the adapter tensors (PEFT names). The collector
-writes each version as a PEFT folder and serves it as a ``LoRARequest`` whose name and id are
-the version's, so:
-
-* a request is added with the adapter of the newest verified version and keeps it to its end:
-  an update never changes the weights under a running sequence, and every token of a request
-  is labelled with its adapter's version, exactly;
-* a rejected update costs nothing to roll back: the previous request is still loaded, and new
-  requests go on using it;
-* an adapter no running request uses any more is removed from the engine and its folder
-  deleted.
-
-Version 0 is the base model with no adapter: a fresh adapter's B matrices are zero, so it
-computes exactly the base model (`NO_ADAPTER_CHECKSUM` on both ends).
-
-The checksum is over the tensors read back from the folder vLLM loads, so it proves what the
-engine reads, not only what arrived; the probe (logprobs through the new adapter) proves the
-engine computes with it.
+A request keeps the adapter it was added with to its end, so an update never changes the
+weights under a running sequence and a rejected update costs nothing to roll back. Version 0
+is the base model (a fresh adapter computes it exactly). The checksum is over the tensors read
+back from the folder vLLM loads, so it proves what the engine reads.
 """
 
 from __future__ import annotations
@@ -48,9 +34,8 @@ log = logging.getLogger(__name__)
 def engine_lora_args(rank: int) -> dict[str, Any]:
     """``vllm.LLM`` arguments that serve adapters of ``rank``.
 
-    Two adapters are active at once: the newest version for new requests, and the one before
-    it for the requests still running when it came. The engine is sized for the smallest rank
-    vLLM accepts (`grpo.choices.VLLM_LORA_RANKS`) at or above ``rank``.
+    Two adapters are active at once: the newest for new requests, the previous one for those
+    still running. The engine takes the smallest rank vLLM accepts at or above ``rank``.
 
     Raises:
         ValueError: If ``rank`` is above the largest rank vLLM serves.
@@ -70,10 +55,10 @@ def engine_adapters(
 
     Args:
         llm: The ``vllm.LLM``.
-        lora (LoRAConfig | None): ``training.lora``.
-        model_dir (str): The base model the adapters apply to.
-        adapter_dir (str | None): The PEFT folder of ``policy_version``; None: the base model.
-        policy_version (int): The version the engine starts with.
+        lora: ``training.lora``.
+        model_dir: The base model the adapters apply to.
+        adapter_dir: The PEFT folder of ``policy_version``; None: the base model.
+        policy_version: The version the engine starts with.
     """
     if lora is None:
         return None
@@ -92,15 +77,14 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 class EngineAdapters:
     """The LoRA adapters a collector's engine serves, one per policy version.
 
-    Hold the engine lock around every call (the collector's `EngineWeights` does).
+    Hold the engine lock around every call.
 
     Args:
         llm: The ``vllm.LLM``, started with `engine_lora_args`.
-        adapter_config (dict): ``adapter_config.json`` of every version (the trainer's
-            `grpo.models.lora.peft_adapter_config`).
-        initial_dir (str | None): A PEFT folder to start from (a checkpoint's ``adapter/``),
-            served as ``policy_version``; None: the base model.
-        policy_version (int): The version of the initial adapter (0 without one).
+        adapter_config: ``adapter_config.json`` of every version.
+        initial_dir: A PEFT folder to start from, served as ``policy_version``; None: the base
+            model.
+        policy_version: The version of the initial adapter (0 without one).
     """
 
     def __init__(
@@ -125,13 +109,8 @@ class EngineAdapters:
             self.load(tensors, int(policy_version), checksum=None)
             self.activate(int(policy_version))
 
-    # ------------------------------------------------------------------ requests
-
     def request_added(self, request_id: str) -> Any:
-        """The ``LoRARequest`` of a new request (None: the base model); counts it as running.
-
-        While `probing` a version, that version's (the probe is the only request added then).
-        """
+        """The ``LoRARequest`` of a new request (None: the base model); counts it as running."""
         version = self._current_version if self._probing is None else self._probing
         self._version_of_request[request_id] = version
         self._running[version] += 1
@@ -158,8 +137,7 @@ class EngineAdapters:
         self._running[version] -= 1
         if self._running[version] <= 0:
             del self._running[version]
-            # Only an older version goes: a newer one is being verified (the probe is its
-            # first request) and is activated next.
+            # A newer version is being verified by its probe and is activated next.
             if version < self._current_version:
                 self._remove(version)
 
@@ -170,17 +148,15 @@ class EngineAdapters:
         for version in [v for v in self._requests if v < self._current_version]:
             self._remove(version)
 
-    # ------------------------------------------------------------------ versions
-
     def load(self, tensors: Mapping[str, torch.Tensor], version: int, checksum: str | None) -> str:
         """Write ``tensors`` as the PEFT folder of ``version`` and load it into the engine.
 
         New requests keep the current adapter until `activate`.
 
         Args:
-            tensors (Mapping[str, torch.Tensor]): The adapter under PEFT names.
-            version (int): Its policy version (> 0).
-            checksum (str | None): The sender's `state_dict_checksum`; None: not checked.
+            tensors: The adapter under PEFT names.
+            version: Its policy version (> 0).
+            checksum: The sender's `state_dict_checksum`; None: not checked.
 
         Returns:
             str: The checksum of the tensors read back from the folder the engine loads.

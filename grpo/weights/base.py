@@ -1,17 +1,9 @@
 """The two ends of a weight transport: `SendingEnd` in trainer rank 0, `ReceivingEnd` in a
 collector.
 
-A transport is how the trainer's weights reach the collectors' engines; each is one module
-holding its two ends (`grpo.weights.object_store`, `grpo.weights.collective`), and each actor
-builds only the end of the transport in use (`grpo.weights.transports`). Every transfer has
-the same three calls, which the driver (`grpo.weights.sync.WeightSync`) makes whatever the
-transport:
-
-* ``connect`` (trainer rank 0, once per collector, and again after a failure): what the
-  collector's end needs to reach the sending end (an address to join), or None;
-* ``send`` (trainer rank 0, each version, each collector) beside ``receive`` (the collector):
-  the collector's end turns what ``publish`` made of the version (passed on through Ray) into
-  the weights.
+Per transfer the driver calls ``connect`` (once per collector, again after a failure), then
+``send`` on trainer rank 0 beside ``receive`` on the collector, which turns what ``publish``
+returned for the version into the weights.
 """
 
 from __future__ import annotations
@@ -28,8 +20,8 @@ class SendingEnd(ABC):
     """A transport's end inside trainer rank 0.
 
     Args:
-        owner (str): The trainer's name (``trainer[0]``), for errors.
-        device (str): Where the trainer's tensors live: ``"cpu"`` or ``"cuda"``.
+        owner: The trainer's name (``trainer[0]``), for errors.
+        device: Where the trainer's tensors live: ``"cpu"`` or ``"cuda"``.
     """
 
     name: ClassVar[str]  # the transport's, as ``weight_sync.transport`` names it
@@ -43,12 +35,11 @@ class SendingEnd(ABC):
         """Make ``weights`` the version this end sends, until the next one.
 
         Args:
-            version (int): Their policy version.
-            weights (Mapping[str, torch.Tensor]): The full state dict under HF names.
+            version: Their policy version.
+            weights: The full state dict under HF names.
 
         Returns:
-            What every collector's `ReceivingEnd.receive` is handed for this version (through
-            Ray): the payload's ``weights``.
+            What every collector's `ReceivingEnd.receive` is handed for this version.
         """
 
     def connect(self, collector: str, timeout_s: float, bucket_bytes: int) -> Any:
@@ -71,7 +62,7 @@ class ReceivingEnd(ABC):
     """A transport's end inside a collector.
 
     Args:
-        owner (str): The collector's name (``collector[0]``), for errors.
+        owner: The collector's name (``collector[0]``), for errors.
     """
 
     name: ClassVar[str]
@@ -81,8 +72,7 @@ class ReceivingEnd(ABC):
 
     @abstractmethod
     def receive(self, published: Any, connection: Any = None) -> Any:
-        """The weights of one update. Runs on the collector's ``weights`` thread, beside
-        generation.
+        """The weights of one update (on the collector's ``weights`` thread).
 
         Args:
             published: What the sending end's `SendingEnd.publish` returned.

@@ -1,20 +1,9 @@
 """A two-rank process group that carries weights from trainer rank 0 to one collector.
 
-The ``"collective"`` weight transport. Each (trainer rank 0, collector) pair has its own
-group of size 2, built on its own ``TCPStore``: never the default process group, which the
-trainers use for FSDP. A replaced collector simply opens a new pair; a dead peer tears down
-only its own pair.
-
-Only tensor bytes travel through the group. Names, shapes and dtypes (`TensorSpec`) go once
-through Ray, and both ends derive the same bucket layout from them (`plan_buckets`): tensors
-are packed, each at an aligned offset, into flat ``uint8`` buckets of about ``bucket_bytes``,
-one broadcast per bucket. The receiver's tensors are views into the received buckets (no copy).
-
-The backend follows the tensors' device: gloo for CPU, NCCL for CUDA, with the same code.
-Every step (rendezvous, each broadcast) has a timeout, after which the channel is unusable and
-the error names the channel (the collector).
-
-This module imports neither vLLM nor Ray.
+Each pair has its own group on its own ``TCPStore``, never the default group the trainers use
+for FSDP, so a dead peer tears down only its own pair. Both ends derive the same bucket layout
+from the `TensorSpec` list (`plan_buckets`): one broadcast per bucket. Gloo on CPU, NCCL on
+CUDA; every step has a timeout after which the channel is unusable. Imports neither vLLM nor Ray.
 """
 
 from __future__ import annotations
@@ -40,13 +29,7 @@ class WeightChannelError(RuntimeError):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What a receiver needs to rebuild one tensor: its name, shape and dtype.
-
-    Args:
-        name (str): HF name.
-        shape (tuple[int, ...]): Shape.
-        dtype (str): ``str(torch.dtype)`` without the ``torch.`` prefix, e.g. ``"float32"``.
-    """
+    """What a receiver needs to rebuild one tensor; ``dtype`` as in ``"float32"``."""
 
     name: str
     shape: tuple[int, ...]
@@ -80,14 +63,12 @@ class Bucket:
 def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]:
     """Group ``specs`` into buckets of at most ``bucket_bytes`` (a bigger tensor gets its own).
 
-    Both ends call it with the same arguments and get the same layout.
-
     Args:
-        specs (Sequence[TensorSpec]): Tensors in packing order.
-        bucket_bytes (int): Target bucket size.
+        specs: Tensors in packing order.
+        bucket_bytes: Target bucket size.
 
     Returns:
-        list[Bucket]: The buckets, in broadcast order.
+        list[Bucket]: The buckets, in broadcast order; the same on both ends.
     """
     buckets: list[Bucket] = []
     entries: list[tuple[TensorSpec, int]] = []
@@ -111,19 +92,17 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class WeightChannel:
     """One end of a weight channel: rank 0 (trainer, sends) or rank 1 (collector, receives).
 
-    Construction starts the rendezvous: rank 0 hosts the ``TCPStore`` (``port=0`` picks a free
-    port, read it from `port`) and builds its process group in a background thread, so that it
-    can hand its address to the peer before the peer joins; rank 1 connects and builds its
-    group in the constructor. Both wait at most ``timeout_s``.
+    Construction starts the rendezvous. Rank 0 hosts the store and builds its group in a
+    background thread, so it can hand its address (`port`) to the peer before the peer joins;
+    rank 1 builds its group in the constructor.
 
     Args:
-        name (str): The collector this channel reaches, e.g. ``"collector[0]"``; errors name it.
-        rank (int): `SENDER_RANK` or `RECEIVER_RANK`.
-        host (str): The sender's address (the sender: the interface to listen on).
-        port (int): The sender's store port (the sender: 0 for any free one).
-        device (str): ``"cpu"`` (gloo) or ``"cuda"`` (NCCL): where the buckets live.
-        timeout_s (float): Limit of the rendezvous and of every broadcast: the run's
-            ``weight_sync.timeout_s``, whose default is declared there only.
+        name: The collector this channel reaches; errors name it.
+        rank: `SENDER_RANK` or `RECEIVER_RANK`.
+        host: The sender's address.
+        port: The sender's store port (the sender: 0 for any free one).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL): where the buckets live.
+        timeout_s: Limit of the rendezvous and of every broadcast.
 
     Raises:
         WeightChannelError: On the receiver, if the rendezvous fails or times out.
@@ -210,13 +189,9 @@ class WeightChannel:
     def send(self, tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> None:
         """Broadcast ``tensors`` (in their order) to the receiver, bucket by bucket.
 
-        Buckets of several tensors are packed into a staging buffer that the channel keeps
-        for its next sends (one bucket of memory: allocating and page-faulting a fresh bucket
-        per broadcast costs as much as the copy); a lone tensor is sent as it is.
-
         Args:
-            tensors (Mapping[str, torch.Tensor]): What `tensor_specs` described to the receiver.
-            bucket_bytes (int): The bucket size the receiver was given.
+            tensors: What `tensor_specs` described to the receiver.
+            bucket_bytes: The bucket size the receiver was given.
 
         Raises:
             WeightChannelError: The rendezvous or a broadcast failed or timed out; the channel
@@ -229,6 +204,7 @@ class WeightChannel:
             if len(bucket.entries) == 1 and first.device == self.device:
                 buffer = _as_bytes(first)  # a lone tensor goes as it is, uncopied
             else:
+                # Kept across sends: page-faulting a fresh bucket costs as much as the copy.
                 if self._staging is None or self._staging.numel() < bucket.nbytes:
                     needed = max(bucket.nbytes for bucket in buckets)
                     self._staging = torch.empty(needed, dtype=torch.uint8, device=self.device)
@@ -241,8 +217,8 @@ class WeightChannel:
         """Receive what the sender's `send` broadcasts.
 
         Args:
-            specs (Sequence[TensorSpec]): The sender's `tensor_specs`, in order.
-            bucket_bytes (int): The sender's bucket size.
+            specs: The sender's `tensor_specs`, in order.
+            bucket_bytes: The sender's bucket size.
 
         Returns:
             dict[str, torch.Tensor]: Name to tensor; each a view into its received bucket.

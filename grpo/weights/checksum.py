@@ -1,5 +1,5 @@
-"""One definition of "these weights": the trainer hashes the state dict it sends, the vLLM
-worker the tensors it actually loads, and the two must agree exactly."""
+"""One definition of "these weights": the trainer hashes what it sends, the vLLM worker what it
+loads, and the two must agree exactly."""
 
 from __future__ import annotations
 
@@ -8,15 +8,12 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-# The checksum of "no LoRA adapter": the base model, which a fresh adapter (B = 0) computes
-# exactly. A LoRA run's trainer reports it until its adapter has changed, and a collector
-# until it has loaded one.
+# A fresh adapter (B = 0) computes the base model exactly; both ends report this until it changes.
 NO_ADAPTER_CHECKSUM = "no-adapter"
 
 
 def adapter_checksum(named_tensors: Mapping[str, torch.Tensor]) -> str:
-    """What a LoRA adapter computes, as both ends report it: `NO_ADAPTER_CHECKSUM` while every
-    B (``lora_B``) is zero (the base model), else `state_dict_checksum` of its tensors."""
+    """`NO_ADAPTER_CHECKSUM` while every ``lora_B`` is zero, else `state_dict_checksum`."""
     return (
         NO_ADAPTER_CHECKSUM
         if is_base_adapter(named_tensors)
@@ -39,25 +36,17 @@ def state_dict_checksum(
 ) -> str:
     """SHA-256 of a set of named tensors, independent of their order, device and float width.
 
-    Tensors are visited in sorted-name order; each contributes its name, its shape and the
-    bytes of its values cast to float32 (integer and bool tensors too). Casting bf16 or fp16
-    to float32 is exact, so a bf16 state dict and its float32 upcast hash the same, and the
-    trainer (whatever its dtype) and the vLLM worker agree exactly, with no tolerance.
+    Values are hashed as float32, which bf16 and fp16 cast to exactly, so both ends agree
+    with no tolerance whatever their dtype.
 
     Args:
-        named_tensors (Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]): HF
-            names to tensors, e.g. ``tune_to_hf_state_dict(model.state_dict(), hf_config)``.
+        named_tensors: HF names to tensors.
 
     Returns:
         str: 64 hex digits.
 
     Raises:
         ValueError: If a name appears twice.
-
-    Example:
-        >>> state_dict_checksum({"w": torch.ones(2)}) == state_dict_checksum(
-        ...     {"w": torch.ones(2, dtype=torch.bfloat16)})
-        True
     """
     items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     names = [name for name, _ in items]

@@ -1,14 +1,9 @@
 """The ``collective`` transport: trainer rank 0 broadcasts the weights to each collector over a
-two-rank process group of their own (`grpo.weights.channel`: gloo on CPU, NCCL on GPU).
+two-rank process group of their own (gloo on CPU, NCCL on GPU).
 
-* `ChannelSender`, inside trainer rank 0: holds the gathered weights of the latest version and
-  one open channel per collector (``connect`` opens one: a replacement collector gets a new
-  one), and broadcasts them on request;
-* `ChannelReceiver`, inside a collector: joins a channel and receives one version at a time.
-
-Only tensor bytes cross the channel; names, shapes and dtypes (`TensorSpec`) travel once
-through Ray, as what ``publish`` returns. The driver waits for a transfer before it starts the
-next on the same channel, which keeps versions in order.
+Only tensor bytes cross the channel; names, shapes and dtypes travel through Ray as what
+``publish`` returns. The driver waits for one transfer before the next on the same channel,
+which keeps versions in order.
 """
 
 from __future__ import annotations
@@ -35,8 +30,8 @@ class ChannelSender(SendingEnd):
     """Trainer rank 0's end: the weights of the latest gather and the open channels.
 
     Args:
-        owner (str): The trainer's name, for errors (``trainer[0]``).
-        device (str): Where the buckets live: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+        owner: The trainer's name, for errors.
+        device: Where the buckets live: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
     """
 
     name = "collective"
@@ -47,25 +42,21 @@ class ChannelSender(SendingEnd):
         self._outgoing: tuple[int, Mapping[str, torch.Tensor]] | None = None
 
     def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
-        """Hold ``weights`` as what every channel sends until the next gather (a replacement
-        collector's new channel included).
+        """Hold ``weights`` as what every channel sends until the next gather.
 
         Returns:
-            list[TensorSpec]: The specs of the held tensors, for the collectors to rebuild them
-            (the tensors stay here).
+            list[TensorSpec]: The specs the collectors rebuild the tensors from.
         """
         self._outgoing = (version, weights)
         return tensor_specs(weights)
 
     def connect(self, collector: str, timeout_s: float, bucket_bytes: int) -> dict[str, Any]:
-        """Start the rendezvous of a new channel to ``collector``; an older one is closed.
+        """Start the rendezvous of a new channel to ``collector``, closing any older one.
 
-        Returns at once with the address the collector joins; the group is built in the
-        background and `send` waits for it.
+        Returns at once; the group is built in the background and `send` waits for it.
 
         Returns:
-            dict: ``{"host", "port", "device", "timeout_s", "bucket_bytes"}``, for the
-            collector's `ChannelReceiver.receive`.
+            dict: The address and settings the collector's `ChannelReceiver.receive` joins.
         """
         import ray
 
@@ -97,8 +88,7 @@ class ChannelSender(SendingEnd):
             raise WeightChannelError(f"{self.owner} has no weight channel to {collector}")
         held_version, hf_state = self._outgoing or (None, None)
         if held_version != version:
-            # Closed, so that the collector waiting on the other end fails now rather than at
-            # its timeout; the next send opens a new channel.
+            # Closed so the collector waiting on the other end fails now, not at its timeout.
             self.close_channel(collector)
             raise ValueError(
                 f"send to {collector}: asked for version {version}, {self.owner} holds "
@@ -129,7 +119,7 @@ class ChannelReceiver(ReceivingEnd):
     """A collector's end: one channel, one transfer at a time, in call order.
 
     Args:
-        owner (str): The collector's name (``collector[0]``).
+        owner: The collector's name, for errors.
     """
 
     name = "collective"
@@ -146,9 +136,9 @@ class ChannelReceiver(ReceivingEnd):
         """Join a new channel if asked, then receive one broadcast version.
 
         Args:
-            published (list[TensorSpec]): The tensors' specs, in the sender's order.
-            connection (dict | None): `ChannelSender.connect`'s address of a new channel to
-                join first, replacing any old one; None: the open one.
+            published: The tensors' specs, in the sender's order.
+            connection: `ChannelSender.connect`'s address of a new channel to join first;
+                None: the open one.
 
         Returns:
             dict[str, torch.Tensor]: The received tensors (views into the received buckets).

@@ -1,25 +1,12 @@
-"""The collector's side of weight sync: loading new weights into vLLM and proving they arrived.
+"""The collector's side of weight sync: loading new weights into vLLM in place.
 
-Two pieces:
+`WeightSyncWorkerExtension` adds methods to vLLM's worker (called through
+``LLM.collective_rpc``); `WeightReceiver` keeps the newest update pending and loads it.
 
-* `WeightSyncWorkerExtension`: methods added to vLLM's worker (engine argument
-  ``worker_extension_cls``) and called through ``LLM.collective_rpc``; they reload weights in
-  place and report the checksum.
-* `WeightReceiver` (collector side): keeps the newest update pending and loads it into the
-  engine, whichever transport brought it; `grpo.weights.receiver.EngineWeights` decides when
-  (between two engine steps or generation batches) and verifies it.
-
-Why the checksum is over the sent HF state dict and not over vLLM's parameters: vLLM fuses
-``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``, pads the vocabulary,
-and on CPU it repacks every linear weight into a oneDNN handle and leaves an empty
-``weight`` parameter behind. vLLM's parameters can therefore not be hashed back into HF names.
-The checksum proves the worker received exactly the trainer's tensors and handed them to the
-loader. That the engine then computes with them is a separate, functional check: compare
-`grpo.weights.verify.probe_logprobs` with the trainer's own forward (the trainer's probe,
-checked with every update).
-
-This module imports neither vLLM nor Ray at import time. The checksum both ends compute is
-`grpo.weights.checksum.state_dict_checksum`.
+The checksum is over the HF state dict the worker received, not over vLLM's parameters: vLLM
+fuses projections, pads the vocabulary and on CPU repacks linear weights, so its parameters
+cannot be hashed back into HF names. That the engine computes with the weights is checked
+separately, by the probe logprobs. Imports neither vLLM nor Ray at import time.
 """
 
 from __future__ import annotations
@@ -40,12 +27,8 @@ WORKER_EXTENSION_CLS = "grpo.weights.engine.WeightSyncWorkerExtension"
 class WeightSyncWorkerExtension:
     """Methods mixed into vLLM's worker class; call them with ``LLM.collective_rpc``.
 
-    Enable with ``LLM(..., worker_extension_cls=WORKER_EXTENSION_CLS)``. Method names carry a
-    ``grpo_`` prefix because vLLM refuses extensions that shadow worker attributes (the GPU
-    worker has its own ``update_weights``).
-
-    Example:
-        >>> [checksum] = llm.collective_rpc("grpo_update_weights", args=(hf_state_dict,))
+    Enable with ``LLM(..., worker_extension_cls=WORKER_EXTENSION_CLS)``. The ``grpo_`` prefix:
+    vLLM refuses extensions that shadow worker attributes (the GPU worker has ``update_weights``).
     """
 
     def grpo_update_weights(
@@ -54,9 +37,8 @@ class WeightSyncWorkerExtension:
         """Load HF-named weights into the running model in place.
 
         Args:
-            weights (Mapping[str, torch.Tensor]): Full state dict under HF names (as stored in
-                the model folder's safetensors), on any device.
-            compute_checksum (bool): Hash the received tensors with `state_dict_checksum`.
+            weights: Full state dict under HF names, on any device.
+            compute_checksum: Hash the received tensors with `state_dict_checksum`.
 
         Returns:
             str | None: The checksum of the loaded tensors, or None if not computed.
@@ -75,12 +57,8 @@ class WeightSyncWorkerExtension:
         return checksum
 
     def grpo_weights_checksum(self) -> str | None:
-        """Checksum of the weights the model holds.
-
-        Before any update these are the model folder's safetensors, hashed from the files;
-        after an update, the checksum computed when it was loaded (None if it was loaded with
-        ``compute_checksum=False``).
-        """
+        """Checksum of the weights the model holds: the model folder's before any update, else
+        the one computed at load (None if it was not)."""
         if not getattr(self, "_grpo_weights_checksum_known", False):
             from grpo.models import load_hf_state_dict
 
@@ -91,14 +69,11 @@ class WeightSyncWorkerExtension:
 
 
 def _refresh_vocab_projections(model: torch.nn.Module) -> None:
-    """Rebuild the output projection's matmul kernel after an in-place reload.
+    """Rebuild the output projection's packed kernel after an in-place reload.
 
-    On CPU vLLM turns each linear weight into a packed oneDNN copy when it is loaded. With
-    tied embeddings ``lm_head`` shares ``embed_tokens.weight`` but is never loaded by name, so
-    an in-place reload updates the shared tensor and leaves ``lm_head`` computing logits with
-    a packed copy of the OLD weights: sampling and logprobs then silently use stale output
-    projections. Re-running the (idempotent, weight-keeping) post-load step of the unquantized
-    output projection rebuilds the packed copy; on GPU it is a no-op.
+    On CPU vLLM packs each linear weight into a oneDNN copy at load. A tied ``lm_head`` is never
+    loaded by name, so without this it silently keeps a packed copy of the OLD weights. The
+    post-load step is idempotent; on GPU a no-op.
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
@@ -117,12 +92,11 @@ class WeightUpdate:
     """One published version of the policy weights.
 
     Args:
-        version (int): Policy version the weights belong to.
-        weights (Any): ``dict[str, Tensor]`` under HF names, or a Ray ``ObjectRef`` to one.
-        checksum (str | None): `state_dict_checksum` of the weights, checked after loading.
-        probe (dict | None): Optional functional check, ``{"token_ids": list[int],
-            "logprobs": list[float], "atol": float}``: after loading, the engine's logprobs of
-            ``token_ids[1:]`` must match ``logprobs`` (the trainer's own forward).
+        version: Policy version the weights belong to.
+        weights: ``dict[str, Tensor]`` under HF names, or a Ray ``ObjectRef`` to one.
+        checksum: `state_dict_checksum` of the weights, checked after loading.
+        probe: Optional ``{"token_ids", "logprobs", "atol"}``: after loading, the engine's
+            logprobs of ``token_ids[1:]`` must match the trainer's ``logprobs``.
     """
 
     version: int
@@ -132,16 +106,11 @@ class WeightUpdate:
 
 
 class WeightReceiver:
-    """Collector side: hold the newest pending update and apply it to a vLLM engine.
+    """Hold the newest pending update and apply it to a vLLM engine.
 
-    `offer` may be called from any thread (a Ray actor with ``max_concurrency > 1`` receives
-    weights while it generates); `apply_pending` runs on the thread that owns the engine,
-    between two of its steps or between generation batches. An offered version not newer
-    than both the engine's and the pending one is ignored (a late, older update), and a
-    pending update replaced by a newer one before it was applied is counted in
-    ``num_superseded`` (the newer weights are complete, so nothing is lost).
-
-    Every transport offers its updates here the same way.
+    `offer` may be called from any thread; `apply_pending` on the thread that owns the engine.
+    Older offers are ignored (``num_ignored``); a pending update replaced before it was applied
+    is counted in ``num_superseded``.
     """
 
     def __init__(self) -> None:
@@ -154,8 +123,8 @@ class WeightReceiver:
         """Keep ``update`` as the pending one if it is newer than the engine's and the pending one.
 
         Args:
-            update (WeightUpdate): The update.
-            current_version (int): The version the engine holds now.
+            update: The update.
+            current_version: The version the engine holds now.
 
         Returns:
             bool: Whether it was kept.
@@ -193,19 +162,17 @@ class WeightReceiver:
 
         Args:
             llm: A ``vllm.LLM`` started with ``worker_extension_cls=WORKER_EXTENSION_CLS``.
-            verify (bool): Compute the checksum on the worker and compare it with the sent one.
-            recompute_running (bool): Preempt the engine's running requests (an update in
-                flight): their KV cache was computed with the old weights, so each is prefilled
-                again, prompt and tokens so far, with the new ones before it samples on.
+            verify: Compute the checksum on the worker and compare it with the sent one.
+            recompute_running: Preempt running requests so they are prefilled again with the
+                new weights (an update in flight).
 
         Returns:
             WeightUpdate | None: The update now in the engine (its ``probe`` is the caller's to
             check), or None if nothing was pending.
 
         Raises:
-            WeightSyncError: If a worker's checksum differs from the sent one. The engine then
-                holds the received (unverified) tensors; the caller must not label its
-                samples with the new version.
+            WeightSyncError: If a worker's checksum differs from the sent one; the engine then
+                holds the unverified tensors.
         """
         update = self.take()
         if update is None:
@@ -213,8 +180,7 @@ class WeightReceiver:
         weights = update.weights
         compute = verify and update.checksum is not None
         checksums = llm.collective_rpc("grpo_update_weights", args=(weights, compute))
-        # Cached KV blocks were computed with the old weights; a prompt sharing a prefix with
-        # an earlier one would otherwise reuse them.
+        # Otherwise a prompt sharing a prefix would reuse KV blocks of the old weights.
         llm.reset_prefix_cache(reset_running_requests=recompute_running)
         if compute:
             check_checksums(checksums, update.checksum, update.version)

@@ -1,6 +1,5 @@
-"""The ``object_store`` transport: trainer rank 0 puts the HF state dict into Ray's object store
-once, and the same reference reaches every collector (Ray resolves the reference of a call's
-argument before the call runs). Nothing to connect, nothing to send per collector.
+"""The ``object_store`` transport: trainer rank 0 puts the state dict into Ray's object store
+once and every collector receives the same reference; nothing to connect or send per collector.
 """
 
 from __future__ import annotations
@@ -20,12 +19,7 @@ class ObjectStoreSender(SendingEnd):
     name = "object_store"
 
     def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> Any:
-        """A reference to ``weights`` in the object store (when Ray runs; otherwise they
-        themselves).
-
-        Put once, from here: the driver handles only the reference and every collector reads
-        the same object.
-        """
+        """A reference to ``weights`` in the object store, or ``weights`` without Ray."""
         import ray
 
         return ray.put(weights) if ray.is_initialized() else weights
@@ -37,6 +31,5 @@ class ObjectStoreReceiver(ReceivingEnd):
     name = "object_store"
 
     def receive(self, published: Any, connection: Any = None) -> Any:
-        """``published`` itself: the state dict (Ray resolved the reference the driver passed),
-        or a reference a caller passed inside the process, resolved when the update is applied."""
+        """``published`` itself: the state dict Ray resolved, or a reference resolved later."""
         return published

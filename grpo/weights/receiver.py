@@ -1,22 +1,10 @@
-"""A collector's side of weight sync: updates received, loaded into its vLLM engine, verified
-(`grpo.weights.verify`), rolled back.
+"""A collector's side of weight sync: updates received, loaded into its vLLM engine, verified,
+rolled back.
 
-`EngineWeights` is the receiving side inside a collector (`SyncLLMCollector` holds one, through
-its `grpo.workers.vllm_engine.EngineLoop`). Whichever transport brought an update (its
-`ReceivingEnd`, `grpo.weights.transports`), the update becomes the pending `WeightUpdate`,
-loaded:
-
-* between batches (``inference.weight_updates: between_batches``); or
-* in flight, between two steps of the engine's scheduler while a batch generates
-  (``in_flight``: the running requests are preempted and prefilled again with the new weights,
-  so every later token is the new policy's; ``in_flight_keep_kv``: they keep the KV cache the
-  old weights computed, whose blocks leave the prefix cache once the engine is idle).
-
-Every update is verified: the checksum of the tensors the worker loaded, and the engine's
-logprobs of the trainer's probe sequence. Between batches, an engine that failed refuses to
-generate until a verified update is applied. In flight, the engine reloads the weights it had
-and samples on; the tokens sampled while the probe ran are labelled `UNVERIFIED_VERSION` (the
-engine loop records which weights sampled each token) and their samples are sampled again.
+Updates load between batches or, in flight, between two engine steps. Between batches, an
+engine whose update failed verification refuses to generate until a verified one arrives; in
+flight, it reloads the weights it had, and the tokens sampled meanwhile are labelled
+`UNVERIFIED_VERSION` so that their samples are sampled again (docs/training.md).
 """
 
 from __future__ import annotations
@@ -40,12 +28,9 @@ from grpo.weights.transports import receiving_end
 
 log = logging.getLogger(__name__)
 
-# Consecutive rejected in-flight updates after which the collector stops: weights that never
-# verify are a fault to report, not a reason to keep sampling with ever older ones.
+# Weights that never verify are a fault to report, not a reason to sample with ever older ones.
 MAX_REJECTED_UPDATES_IN_A_ROW = 3
-# The label of tokens sampled with weights that then failed verification (the running samples
-# go on while the probe runs). A sample holding any is sampled again from its start, never
-# trained on.
+# Tokens sampled by weights that then failed verification; their samples are never trained on.
 UNVERIFIED_VERSION = -1
 
 
@@ -57,29 +42,22 @@ def in_flight(updates: WeightUpdateMode) -> bool:
 class EngineWeights:
     """The weights of one collector's vLLM engine: received, loaded, verified, rolled back.
 
-    `receive` may be called from any thread (the actor's ``weights`` thread, beside
-    generation); every other method runs under the engine lock, on the thread that steps the
-    engine.
+    `receive` may be called from any thread; every other method runs under the engine lock.
 
     Args:
         llm: The collector's ``vllm.LLM``, started with
             ``worker_extension_cls=grpo.weights.engine.WORKER_EXTENSION_CLS``.
-        engine_lock (threading.RLock): The collector's lock around its engine, which is not
-            thread-safe.
-        add_request (Callable): ``add_request(request_id, token_ids, params)``: add a request
-            to the engine whose one output comes when it finishes (the probe is one).
-        engine_step (Callable): One step of the engine's scheduler; returns the requests that
-            finished (the probe finds its own among them; the others are the engine's).
-        owner (str): The collector's name (``collector[0]``), in errors and log lines.
-        model_dir (str): The model folder the engine was started from: the weights a rollback
-            reloads before any update was kept.
-        policy_version (int): The policy version of those weights.
-        verify (bool): Check the checksum of every update the engine loads.
-        adapters (EngineAdapters | None): With ``training.lora``: updates are LoRA adapters,
-            each version served as an adapter of its own (`grpo.weights.adapter`); None:
-            updates are full weights, loaded in place.
-        tokens: The engine's record of which weights sampled each token, told of every
-            in-flight switch (`grpo.workers.vllm_engine.TokenVersions`: ``mark(version)``,
+        engine_lock: The collector's lock around its engine, which is not thread-safe.
+        add_request: ``add_request(request_id, token_ids, params)`` on the engine.
+        engine_step: One engine step; returns the requests that finished.
+        owner: The collector's name, for errors and log lines.
+        model_dir: The model folder the engine started from: what a rollback reloads before
+            any update was kept.
+        policy_version: The policy version of those weights.
+        verify: Check the checksum of every update the engine loads.
+        adapters: With ``training.lora``, each version is served as a LoRA adapter of its
+            own; None: full weights, loaded in place.
+        tokens: The record of which version sampled each token (``mark(version)``,
             ``relabel(old, new)``); None: nothing records them.
     """
 
@@ -108,31 +86,21 @@ class EngineWeights:
         self.verify = verify
         self.end: ReceivingEnd | None = None  # the transport's, built by the first receive
         self.pending = WeightReceiver()
-        # The version of the verified weights the engine holds (what samples are labelled
-        # with), and of the weights it samples with right now (the new ones while they are
-        # being verified in flight).
+        # sampling_version differs while new weights are being verified in flight.
         self.policy_version = int(policy_version)
         self.sampling_version = self.policy_version
         self._error: str | None = None  # set while the engine holds unverified weights
-        # The probe of the weights the engine holds (the last verified update's), run again
-        # after the engine woke from sleep (`apply_pending`'s ``before_probe``), and the
-        # version of the last probe that passed.
+        # Re-run after the engine wakes from sleep, to prove it did not wake with stale weights.
         self.current_probe: dict[str, Any] | None = None
         self.probed_version: int | None = None
-        # The weights a rejected in-flight update rolls back to (None: the model folder's,
-        # while `_can_roll_back`).
+        # None: roll back to the model folder's (while `_can_roll_back`).
         self._loaded_weights: Mapping[str, torch.Tensor] | None = None
         self._can_roll_back = True
         self._rejected_in_a_row = 0
-        # Prefix-cache blocks the old weights computed, still held by running sequences when
-        # new weights came (in_flight_keep_kv): dropped as soon as the engine is idle.
+        # in_flight_keep_kv: old weights' prefix-cache blocks, dropped once the engine is idle.
         self._stale_prefix_cache = False
-        # The current batch's in-flight updates and the time generation paused for them (the
-        # collector resets it per batch), and cumulative counts.
         self.batch_switches = {"updates": 0.0, "pause_s": 0.0}
         self.totals = {"weight_updates_in_flight": 0.0, "weight_updates_rejected": 0.0}
-
-    # ------------------------------------------------------------------ receiving
 
     def receive(
         self,
@@ -146,19 +114,16 @@ class EngineWeights:
         """Receive one update through ``transport`` and keep it as the pending one.
 
         Args:
-            weights: What the trainer's sending end published (`ReceivingEnd.receive`): with
-                ``object_store``, ``dict[str, Tensor]`` under HF names or a Ray ``ObjectRef``
-                to one; with ``collective``, the tensors' specs.
-            version (int): Their policy version; must exceed the current one.
-            checksum (str | None): `state_dict_checksum` of the weights, checked on load.
-            probe (dict | None): Optional logprob check, see `WeightUpdate`.
-            transport (str): The transport that sent them (``weight_sync.transport``); the
-                first receive builds its end, the only one this collector holds.
-            connection: A new connection to the sending end (`SendingEnd.connect`), or None.
+            weights: What the trainer's sending end published.
+            version: Their policy version; must exceed the current one.
+            checksum: `state_dict_checksum` of the weights, checked on load.
+            probe: Optional logprob check, see `WeightUpdate`.
+            transport: ``weight_sync.transport``; the first receive builds its end.
+            connection: A new connection to the sending end, or None.
 
         Returns:
-            bool: False (and ignored) if the version is not newer than both the engine's and
-            the pending update's.
+            bool: False (the update is ignored) if the version is not newer than both the
+            engine's and the pending update's.
 
         Raises:
             WeightChannelError: With ``collective``: no channel, or the rendezvous or a
@@ -192,8 +157,6 @@ class EngineWeights:
         if self.adapters is not None:
             self.adapters.close()
 
-    # ------------------------------------------------------------------ applying
-
     def apply_pending(
         self,
         updates: WeightUpdateMode,
@@ -203,24 +166,18 @@ class EngineWeights:
         """Load pending weights, if any, into the engine and bump ``policy_version``.
 
         Args:
-            updates (WeightUpdateMode): ``inference.weight_updates``: in flight, an update
-                that fails verification is rolled back (`_switch`).
-            before_probe (Callable | None): Given, the engine is idle and loads between
-                batches whatever ``updates`` says: the hook is called with the update loaded
-                (None: nothing was pending) before its probe runs, and with nothing pending
-                the weights the engine holds are probed again (`current_probe`). An engine
-                waking from sleep wakes its KV cache there, which the probe needs
-                (`grpo.workers.engine_sleep`), and proves it did not wake with stale weights.
+            updates: ``inference.weight_updates``; in flight, a failed update is rolled back.
+            before_probe: Given, the engine is idle and loads between batches whatever
+                ``updates`` says; the hook runs with the update loaded (or None) before the
+                probe, and with nothing pending the current weights are probed again (an
+                engine waking from sleep wakes its KV cache there).
 
         Returns:
             float: Seconds spent (0.0 if nothing was pending).
 
         Raises:
-            WeightSyncError: Between batches, if the checksum or the probe does not match, or
-                an earlier update failed and no good one has arrived since. The engine then
-                holds weights it cannot vouch for: generation and evaluation refuse to run
-                (rather than label samples with a wrong ``policy_version``) until a verified
-                update is applied. In flight, see `_switch`.
+            WeightSyncError: Between batches, if the checksum or probe does not match, or an
+                earlier update failed and no verified one has arrived since.
         """
         with self._lock:
             if self.adapters is not None:
@@ -252,9 +209,7 @@ class EngineWeights:
             return time.perf_counter() - start
 
     def load_between_steps(self, updates: WeightUpdateMode) -> None:
-        """With updates in flight, load pending weights before the engine's next step (hold
-        the engine lock): full weights switch under the running requests (`_switch`), a LoRA
-        adapter serves new requests only (`_switch_adapter`).
+        """With updates in flight, load pending weights before the next step (hold the lock).
 
         Raises:
             WeightSyncError: As `_switch`.
@@ -267,32 +222,21 @@ class EngineWeights:
             self._switch(keep_kv=updates == "in_flight_keep_kv")
 
     def _switch(self, keep_kv: bool) -> float:
-        """Load pending weights now, between two steps of the engine (hold the engine lock).
+        """Load pending weights between two engine steps; the seconds generation paused.
 
-        The engine's running requests are preempted and prefilled again with the new weights,
-        so each samples on as the new policy; the versions of the tokens each has so far are
-        recorded first. An update whose checksum or probe fails is rolled back: the engine
-        reloads the weights it had, keeps its version and samples on; the tokens sampled while
-        the probe ran are labelled `UNVERIFIED_VERSION`, and the samples holding them are
-        sampled again (by the collector's generation).
-
-        With ``keep_kv`` the running requests keep their KV cache instead; its blocks are then
-        dropped from the prefix cache once the engine is idle (`load_between_steps`), so no
-        later prompt reuses keys and values of the old weights.
-
-        Returns:
-            float: Seconds generation was paused (0.0 if nothing was pending).
+        Running requests are prefilled again with the new weights (``keep_kv``: they keep
+        their KV cache). A failed update is rolled back (`_reject`).
 
         Raises:
-            WeightSyncError: After `MAX_REJECTED_UPDATES_IN_A_ROW` rejected updates in a row,
-                or a rejected update whose previous weights were not kept (on the GPU).
+            WeightSyncError: After `MAX_REJECTED_UPDATES_IN_A_ROW` rejections in a row, or if
+                the previous weights were not kept (on the GPU).
         """
         self._drop_stale_prefix_cache()
         if not self.pending.has_pending:
             return 0.0
         start = time.perf_counter()
         running = self.llm.llm_engine.has_unfinished_requests()
-        self._mark_tokens(self.sampling_version)  # the tokens so far: the weights replaced
+        self._mark_tokens(self.sampling_version)
         try:
             applied = self.pending.apply_pending(
                 self.llm, verify=self.verify, recompute_running=not keep_kv
@@ -306,8 +250,7 @@ class EngineWeights:
         except WeightSyncError as error:
             self._reject(error)
             return time.perf_counter() - start
-        # Kept for a rollback where that costs no accelerator memory (on CPU a reload copies
-        # them into vLLM's own packed weights anyway); a GPU copy would double the weights.
+        # Kept for a rollback only on CPU: a GPU copy would double the weights' memory.
         on_cpu = all(t.device.type == "cpu" for t in applied.weights.values())
         self._loaded_weights = applied.weights if on_cpu else None
         self._can_roll_back = on_cpu
@@ -317,15 +260,9 @@ class EngineWeights:
     def _switch_adapter(
         self, before_probe: Callable[[WeightUpdate | None], None] | None = None
     ) -> float:
-        """Load a pending LoRA adapter and serve it to new requests (hold the engine lock).
+        """Load a pending LoRA adapter for new requests; running ones keep theirs.
 
-        Running requests keep the adapter they started with, so nothing is preempted and no
-        token changes version under a sequence. A version whose checksum or probe fails is
-        discarded: the engine serves the previous one on, as it did during the check.
-        ``before_probe``: as `apply_pending`'s (an engine woken from sleep).
-
-        Returns:
-            float: Seconds the load and the check took (0.0 if nothing was pending).
+        A version that fails its check is discarded. Returns the seconds taken.
 
         Raises:
             WeightSyncError: After `MAX_REJECTED_UPDATES_IN_A_ROW` rejected updates in a row.
@@ -383,14 +320,7 @@ class EngineWeights:
             ) from error
 
     def _reject(self, error: WeightSyncError) -> None:
-        """Roll back an in-flight update that failed verification, and label what it sampled.
-
-        Raises:
-            WeightSyncError: If the weights cannot be rolled back, or this was the
-                `MAX_REJECTED_UPDATES_IN_A_ROW`-th rejection in a row.
-        """
-        # The tokens sampled while the probe ran, by samples still running and by those that
-        # finished meanwhile (not yet handed out), came from the rejected weights.
+        """Roll back a failed in-flight update and label what it sampled (may raise)."""
         rejected = self.sampling_version
         self.sampling_version = UNVERIFIED_VERSION
         self._mark_tokens(UNVERIFIED_VERSION)
@@ -416,8 +346,6 @@ class EngineWeights:
         if self._stale_prefix_cache and not self.llm.llm_engine.has_unfinished_requests():
             self._stale_prefix_cache = not self.llm.reset_prefix_cache()
 
-    # ------------------------------------------------------------------ verification
-
     def _check_probe(self, probe: dict[str, Any], version: int) -> None:
         checks.check_probe(self.probe_logprobs(probe["token_ids"]), probe, version)
         self.probed_version = version
@@ -428,27 +356,20 @@ class EngineWeights:
             self._check_probe(self.current_probe, self.policy_version)
 
     def checksum(self) -> str | None:
-        """`state_dict_checksum` of the weights the engine was last loaded with (with LoRA:
-        of the adapter it serves to new requests)."""
+        """`state_dict_checksum` of the weights (or LoRA adapter) the engine last loaded."""
         with self._lock:
             if self.adapters is not None:
                 return self.adapters.current_checksum
             return self.llm.collective_rpc("grpo_weights_checksum")[0]
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
-        """The engine's logprob of every token of ``token_ids`` after the first
-        (`grpo.weights.verify.probe_logprobs`).
-
-        The trainer computes the same numbers with its model to check that the engine really
-        computes with the synced weights (a checksum only proves they arrived).
+        """The engine's logprob of every token of ``token_ids`` after the first.
 
         Raises:
             ValueError: With fewer than two token ids.
         """
         with self._lock:
             return checks.probe_logprobs(self._add_request, self._engine_step, token_ids)
-
-    # ------------------------------------------------------------------ metrics
 
     def start_batch(self) -> None:
         """Count the next batch's in-flight updates from zero."""
@@ -458,14 +379,11 @@ class EngineWeights:
         """Weight updates during the batch and how old the policy of its tokens is.
 
         Args:
-            runs (Sequence): The ``(version, tokens)`` runs of each sample of the batch.
+            runs: The ``(version, tokens)`` runs of each sample of the batch.
 
         Returns:
-            dict[str, float]: ``inference/weight_updates_*``, the engine's pause, the samples
-            that span versions, and ``inference/tokens_version_lag_K``: the sampled tokens
-            whose weights were K versions (2: two or more) older than the engine's at the end
-            of the batch (a version counts training steps: with
-            ``weight_sync.every_n_steps: N``, two syncs are N versions apart).
+            dict[str, float]: The ``inference/`` update and version-lag metrics
+            (docs/metrics.md).
         """
         lags = [0.0, 0.0, 0.0]
         for sample_runs in runs:

@@ -1,15 +1,9 @@
 """Weight sync, driver side: gather from the trainers, send to the collectors, verify.
 
-This part owns the last gathered payload (its metadata, and with the object store a reference
-to the weights), which is what a replacement collector needs to catch up. How the weights
-travel is the business of the transport's two ends (`grpo.weights.base`); the driver makes the
-same calls for every transport: trainer rank 0 connects to a collector once, then each
-transfer is a pair of calls, the trainer's send beside the collector's receive, finished
-before the next on the same connection (which keeps versions in order).
-
-A transfer that fails or times out never stops the run: it is sent again once, on a fresh
-connection; a collector that fails that one too, or does not answer at all, is replaced (the
-``replace_collector`` hook: the supervisor kills it, starts a new one and catches it up).
+The driver keeps the last gathered payload, which a replacement collector needs to catch up.
+Transfers to one collector run one at a time, which keeps versions in order. A failed transfer
+never stops the run: it is sent again once on a fresh connection, and a collector that fails
+that too, or does not answer, is replaced.
 """
 
 from __future__ import annotations
@@ -30,17 +24,13 @@ from grpo.weights.concurrency import (
 
 log = logging.getLogger("grpo")
 
-# How long a collector has to answer a heartbeat (before a failed transfer is retried, and
-# when the stall watch looks): one that does not answer is frozen, and is replaced.
+# A collector that does not answer a heartbeat within this is frozen, and is replaced.
 HEARTBEAT_TIMEOUT_S = 10.0
-# How long a collector may take to start (its constructor: a vLLM engine loading a model)
-# before a transfer to it counts as failed.
+# A vLLM engine loading a model; a transfer waits this long for a collector to start.
 START_UP_LIMIT_S = 600.0
 
-# `ray.get` that names a failed actor (`ActorSupervisor.get_all`).
 GetAll = Callable[[list[Any], str], list[Any]]
-# ``replace_collector(index, collector, error)``: kill a collector that cannot receive, start a
-# new one at its index and catch it up (which sends it the latest weights).
+# ``replace_collector(index, collector, error)``: start a new collector and catch it up.
 ReplaceCollector = Callable[[int, Any, Exception], None]
 
 
@@ -52,18 +42,13 @@ class WeightSync:
     """Moves the policy from the trainers to the collectors and proves it arrived.
 
     Args:
-        get_all (GetAll): ``get_all(refs, what)``: `ray.get` that names a failed actor
-            (`ActorSupervisor.get_all`).
-        wait_for_receipt (bool): Return only once every collector holds the new weights. A
-            collector is a threaded actor: without the wait, a batch launched right after a
-            sync may start before the weights arrived and generate with the old ones.
-            Synchronous runs (on-policy by contract) need it; an asynchronous run labels every
-            trajectory with the version that generated it, so it need not wait. (A collector's
-            previous transfer is still finished before its next one, which keeps versions in
-            order.)
-        config (WeightSyncConfig | None): The ``weight_sync:`` options; None: the defaults.
-        replace_collector (ReplaceCollector | None): Replaces a collector that cannot receive;
-            None: its `WeightTransferError` is raised.
+        get_all: ``get_all(refs, what)``: `ray.get` that names a failed actor.
+        wait_for_receipt: Return only once every collector holds the new weights, as
+            synchronous (on-policy) runs need; otherwise a batch launched right after a sync
+            may still generate with the old ones, labelled with their version.
+        config: The ``weight_sync:`` options; None: the defaults.
+        replace_collector: Replaces a collector that cannot receive; None: its
+            `WeightTransferError` is raised.
     """
 
     def __init__(
@@ -80,9 +65,7 @@ class WeightSync:
         self.retries = 0  # transfers sent again on a fresh connection
         self.last_payload: dict[str, Any] | None = None
         self._sender: Any = None  # trainer rank 0, which holds the gathered weights
-        # By collector actor id (a replacement has the name of the collector it replaces): the
-        # name of each collector trainer rank 0 is connected to, and the transfer in flight to
-        # it as (name, send, receive).
+        # By actor id, since a replacement keeps the name of the collector it replaces.
         self._connected: dict[str, str] = {}
         self._transfers: dict[str, tuple[str, Any, Any]] = {}
 
@@ -90,25 +73,19 @@ class WeightSync:
         """Gather the trainers' weights once and send them to every collector.
 
         Args:
-            trainers (list): Trainer actors (every rank takes part in the gather).
-            collectors (list): Collector actors; each loads the weights between two engine
-                steps (in flight) or before its next batch.
+            trainers: Trainer actors (every rank takes part in the gather).
+            collectors: Collector actors.
 
         Returns:
-            tuple[int, dict[str, float]]: The new policy version, and timings: the gather,
-            the transfer (launching it, or the whole of it when the sync waits for receipt)
-            and the total.
+            tuple[int, dict[str, float]]: The new policy version, and the gather, transfer and
+            total times.
         """
         start = time.perf_counter()
-        # The previous version's transfers finish before the next gather. Trainer rank 0
-        # holds one version, the last gathered: a send of the previous one that had not
-        # started yet (on a busy machine its thread can lag a whole training step behind)
-        # would find it replaced, and its collector would wait for a broadcast that never
-        # comes.
+        # Trainer rank 0 holds one version: a send of the previous one that had not started
+        # yet would find it replaced, and its collector would wait for a broadcast forever.
         for index, collector in enumerate(list(collectors)):
             self._settle(index, collector)
         gather_start = time.perf_counter()
-        # Collective: every rank takes part; rank 0 publishes through its sending end.
         transport = self.config.transport
         gathered = [trainer.publish_weights.remote(transport) for trainer in trainers]
         self._get_all(gathered[1:], "trainer weight gather")
@@ -130,11 +107,10 @@ class WeightSync:
         """Bring a replacement collector to a finished batch's ``state`` and the latest weights.
 
         Args:
-            collector: The new collector, started from the weights new collectors load (the
-                base model's or the resumed checkpoint's, labelled with their version).
-            state (dict | None): The old collector's state after its last finished batch.
-            name (str): The collector's name, for errors.
-            index (int): Its index among the collectors.
+            collector: The new collector.
+            state: The old collector's state after its last finished batch.
+            name: The collector's name, for errors.
+            index: Its index among the collectors.
         """
         if state is not None:
             # The stream position only: the version is that of the weights it holds.
@@ -143,8 +119,7 @@ class WeightSync:
         if self.last_payload is not None:
             self._send([(index, collector)], self.last_payload)
             if not self.wait_for_receipt:
-                # Received before its first batch: a batch sampled with the weights it started
-                # from would be stale on arrival and dropped.
+                # Else its first batch, sampled with its start-up weights, would be dropped stale.
                 self._settle(index, collector)
 
     def _send(self, collectors: list[tuple[int, Any]], payload: dict[str, Any]) -> None:
@@ -157,8 +132,7 @@ class WeightSync:
                 self._settle(index, collector)
 
     def _start(self, name: str, collector: Any, payload: dict[str, Any]) -> None:
-        """Start sending ``payload`` from trainer rank 0 to ``collector``, connecting them first
-        if they are not; the previous transfer to it must be finished (`_finish`)."""
+        """Start sending ``payload`` to ``collector``, connecting first if needed."""
         config, key = self.config, collector._actor_id.hex()
         if key in self._transfers:
             raise RuntimeError(f"{name}: finish the weight transfer in flight before the next")
@@ -185,10 +159,8 @@ class WeightSync:
     def _finish(self, collector: Any) -> None:
         """Wait for the transfer in flight to ``collector``, if any, at most `wait_limit_s`.
 
-        A dead collector is left to its generation call, which finds it and has it replaced
-        (the replacement catches up over a new connection; the trainer's send times out and
-        closes the old one). Any other failure drops the connection: the next send connects
-        again.
+        A dead collector is left to its generation call, which has it replaced; any other
+        failure drops the connection.
 
         Raises:
             WeightTransferError: The collector did not receive, or trainer[0] did not send,
@@ -215,8 +187,7 @@ class WeightSync:
             raise
 
     def _forget(self, name: str) -> None:
-        """Drop the connection and transfer of a collector that is replaced or sent again (the
-        trainer closes its end of an old channel when the new one opens)."""
+        """Drop the connection and transfer of a collector that is replaced or sent again."""
         for key in [key for key, connected in self._connected.items() if connected == name]:
             del self._connected[key]
             self._transfers.pop(key, None)
@@ -226,9 +197,9 @@ class WeightSync:
         return 1.5 * self.config.timeout_s + 10.0
 
     def _wait(self, name: str, refs: list[Any]) -> None:
-        """Wait for a transfer's calls in order, within `wait_limit_s` in all; a failure or a
-        timeout is a `WeightTransferError` (the first call's failure is seen before the next
-        is waited for: a collector that died does not wait out the trainer's timeout).
+        """Wait for a transfer's calls in order, within `wait_limit_s` in all.
+
+        In order, so that a dead collector does not wait out the trainer's timeout.
 
         Raises:
             WeightTransferError: Naming the collector and the cause.
@@ -256,17 +227,12 @@ class WeightSync:
                 ) from error
 
     def _settle(self, index: int, collector: Any) -> bool:
-        """Wait for the transfer in flight to ``collector``; a failed one is sent again once on
-        a fresh connection, and a collector that fails that too, or does not answer, is replaced.
+        """Finish the transfer to ``collector``: retry once, then replace it.
 
         Returns:
-            bool: True when the latest payload was sent meanwhile (the retry, or the
-            replacement's catch-up), False when nothing was (the transfer had succeeded, or
-            there was none).
+            bool: True when the latest payload was sent meanwhile (retry or replacement).
         """
         name = f"collector[{index}]"
-        # A collector still starting up (a vLLM engine loading) cannot receive yet: its
-        # transfer waits for it rather than failing (the old way, with no limit of its own).
         self._wait_started(collector)
         try:
             self._finish(collector)
@@ -328,7 +294,6 @@ class WeightSync:
         expected = trainer_sums[0]
         for index, collector in enumerate(list(collectors)):
             if self._settle(index, collector):
-                # Sent again, or replaced and caught up: wait for that transfer too.
                 self._settle(index, collectors[index])
         self._get_all(
             [c.apply_pending_weights.remote() for c in collectors], "collector weight update"

@@ -1,8 +1,5 @@
-"""The weight transports by config name: the one place a transport is chosen.
-
-Trainer rank 0 and each collector build the end of the transport the driver's first call names
-(``weight_sync.transport``), and only that one.
-"""
+"""The weight transports by config name (``weight_sync.transport``): the one place a transport
+is chosen; each actor builds only its own end of it."""
 
 from __future__ import annotations
 
@@ -19,21 +16,10 @@ RECEIVING_ENDS: dict[str, type[ReceivingEnd]] = {
 
 
 def sending_end(transport: str, owner: str, device: str) -> SendingEnd:
-    """Trainer rank 0's end of ``transport``.
-
-    Args:
-        transport (str): ``weight_sync.transport``.
-        owner (str): The trainer's name (``trainer[0]``).
-        device (str): Where its tensors live: ``"cpu"`` or ``"cuda"``.
-    """
+    """Trainer rank 0's end of ``transport`` (a `SENDING_ENDS` key)."""
     return SENDING_ENDS[transport](owner, device)
 
 
 def receiving_end(transport: str, owner: str) -> ReceivingEnd:
-    """A collector's end of ``transport``.
-
-    Args:
-        transport (str): ``weight_sync.transport``.
-        owner (str): The collector's name (``collector[0]``).
-    """
+    """A collector's end of ``transport`` (a `RECEIVING_ENDS` key)."""
     return RECEIVING_ENDS[transport](owner)

@@ -1,16 +1,7 @@
 """Proving an engine computes with the weights it was sent, and going back when it does not.
 
-Three checks, each raising `WeightSyncError` naming the version, and the way back:
-
-* `check_checksums`: the tensors each vLLM worker loaded hash to the sender's checksum (they
-  arrived intact and reached the loader; `grpo.weights.engine` says why the hash is over the
-  HF state dict and not over vLLM's parameters);
-* `probe_logprobs` and `check_probe`: the engine's logprobs of the trainer's probe sequence
-  match the trainer's own forward (the engine really computes with them);
-* `roll_back`: reload the weights of the version the engine had, after an update failed.
-
-What to do about a failure (refuse to generate, or roll back and sample on) is the caller's
-(`grpo.weights.receiver.EngineWeights`).
+`check_checksums` and `check_probe` raise `WeightSyncError` naming the version; `roll_back`
+reloads the previous weights. What to do about a failure is the caller's.
 """
 
 from __future__ import annotations
@@ -48,14 +39,12 @@ def probe_logprobs(
 ) -> list[float]:
     """The engine's logprob of every token of ``token_ids`` after the first.
 
-    The probe is a request like any other (hold the engine lock): during an in-flight update
-    the running samples go on beside it, and what ``engine_step`` does with the requests that
-    finish meanwhile is the engine's business.
+    The probe is an ordinary request (hold the engine lock); running samples go on beside it.
 
     Args:
-        add_request (Callable): ``add_request(request_id, token_ids, params)`` on the engine.
-        engine_step (Callable): One step of the engine; the requests that finished.
-        token_ids (Sequence[int]): At least two token ids.
+        add_request: ``add_request(request_id, token_ids, params)`` on the engine.
+        engine_step: One step of the engine; returns the requests that finished.
+        token_ids: At least two token ids.
 
     Returns:
         list[float]: ``len(token_ids) - 1`` logprobs, from unscaled logits.
@@ -74,8 +63,7 @@ def probe_logprobs(
     output = None
     while output is None:
         output = next((o for o in engine_step() if o.request_id == request_id), None)
-    # prompt_logprobs[0] is None (nothing precedes the first token); entry i maps the
-    # actual token i (and possibly the top candidates) to its logprob.
+    # prompt_logprobs[0] is None: nothing precedes the first token.
     return [
         float(entry[token].logprob)
         for token, entry in zip(token_ids[1:], output.prompt_logprobs[1:])
@@ -86,10 +74,9 @@ def check_probe(logprobs: Sequence[float], probe: Mapping[str, Any], version: in
     """Compare the engine's ``logprobs`` of a probe with the sender's.
 
     Args:
-        logprobs (Sequence[float]): `probe_logprobs` of ``probe["token_ids"]``.
-        probe (Mapping): ``{"token_ids", "logprobs", "atol"}`` (``atol`` 1e-3 if absent), see
-            `grpo.weights.engine.WeightUpdate`.
-        version (int): The version probed, for the error.
+        logprobs: `probe_logprobs` of ``probe["token_ids"]``.
+        probe: ``{"token_ids", "logprobs", "atol"}`` (``atol`` 1e-3 if absent).
+        version: The version probed, for the error.
 
     Raises:
         WeightSyncError: If they differ by more than ``atol``, or are NaN.
@@ -98,8 +85,7 @@ def check_probe(logprobs: Sequence[float], probe: Mapping[str, Any], version: in
     expected = torch.tensor(probe["logprobs"], dtype=torch.float32)
     same_shape = got.shape == expected.shape
     max_diff = float((got - expected).abs().max()) if same_shape and got.numel() else 0.0
-    # "not <=": NaN logprobs (garbage weights, such as memory a wake did not restore) fail
-    # too, where "NaN > atol" is False.
+    # "not <=" so NaN logprobs (e.g. memory a wake did not restore) fail too.
     if not same_shape or not max_diff <= float(probe.get("atol", 1e-3)):
         raise WeightSyncError(
             f"weights of version {version}: the engine's probe logprobs differ from the "
@@ -109,13 +95,12 @@ def check_probe(logprobs: Sequence[float], probe: Mapping[str, Any], version: in
 
 
 def roll_back(llm: Any, weights: Mapping[str, torch.Tensor] | None, model_dir: str) -> None:
-    """Reload the weights the engine had before a rejected update, and drop every KV block
-    (the running requests' too) that the rejected weights computed.
+    """Reload the weights from before a rejected update and drop every KV block it computed.
 
     Args:
         llm: The ``vllm.LLM``, started with ``grpo.weights.engine.WORKER_EXTENSION_CLS``.
-        weights (Mapping | None): Those weights; None: the model folder's.
-        model_dir (str): The model folder the engine was started from.
+        weights: Those weights; None: the model folder's.
+        model_dir: The model folder the engine was started from.
     """
     if weights is None:
         from grpo.models import load_hf_state_dict
