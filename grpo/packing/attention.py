@@ -1,37 +1,14 @@
 """Attention for packed sequences in torchtune models, on CPU and GPU.
 
-A pack ``[P1 R1 P2 R2 ... PAD]`` needs block-causal attention: a token sees earlier tokens of its
-own sequence only. `grpo.packing.packs.pack_sequences` describes that mask in one of three forms:
+A pack's block-causal mask (plus, for shared prompts, a response block seeing its whole prompt
+block) comes in three forms: ``"dense"`` (bool ``[L, L]``), ``"flex"`` (FlexAttention
+``BlockMask``, O(L) memory) and ``"varlen"`` (`VarlenMask`: each block attends alone, blocks of
+similar length batched into one SDPA call).
 
-- ``"dense"``: a bool ``[L, L]`` tensor (True = may attend). Works with stock torchtune on any
-  device, but costs O(L^2) memory and SDPA computes every masked-out block anyway.
-- ``"flex"``: a FlexAttention ``BlockMask``, O(L) memory, and fully masked blocks are skipped.
-- ``"varlen"``: a `VarlenMask` holding the block lengths; attention runs on each block alone,
-  blocks of similar length batched into one SDPA call, so compute is about ``sum(len_i^2)``
-  instead of ``L^2``.
-
-Shared-prompt packs (``[P R1 R2 ... RG]``, see `grpo.packing.packs`) add one rule to the block-causal
-one: a response block also sees every token of its prompt block. All three forms express it:
-the dense mask and the flex ``mask_mod`` from per-token block ids, and `VarlenMask` through
-``prefix_blocks``.
-
-Why this module exists: torchtune 0.6.1 chooses its attention function once, when each
-``MultiHeadAttention`` is built (``_sdpa_or_flex_attention``), and uses FlexAttention only when
-``torchtune.utils._import_guard._SUPPORTS_FLEX_ATTENTION`` holds, which requires CUDA with compute
-capability >= 7.5. On CPU it sends every mask to SDPA as ``mask[:, None, :, :]``, which a
-``BlockMask`` or a `VarlenMask` cannot serve. `use_packed_attention` replaces that function on
-each attention module of a model with `packed_attention`, which understands all three forms on
-every device and otherwise behaves exactly like torchtune's (SDPA for tensors and ``None``).
-
-FlexAttention on CPU: torch 2.13 runs it forward only (it raises "FlexAttention does not support
-backward on CPU" when an input requires grad), and compiles it once per pack length (see
-`_get_compiled_flex_attention`), so pad flex packs to a bucket. Use ``"flex"`` on CPU for no-grad
-forwards such as the reference model, and ``"varlen"`` (or ``"dense"``) to train on CPU.
-FlexAttention is always run compiled: uncompiled it materialises the full score matrix, which
-defeats its purpose.
-
-Which to use: on CUDA, ``"flex"``; on CPU, ``"varlen"`` (fastest there, and the only one of the
-two block-sparse forms with a backward); ``"dense"`` anywhere as the simple reference.
+torchtune 0.6.1 picks FlexAttention only on CUDA with compute capability >= 7.5 and otherwise
+sends every mask to SDPA, which cannot serve a ``BlockMask`` or `VarlenMask`;
+`use_packed_attention` swaps in `packed_attention`, which serves all three on every device.
+On CPU FlexAttention has no backward (torch 2.13), so train there with ``"varlen"``.
 """
 
 from __future__ import annotations
@@ -59,26 +36,17 @@ __all__ = [
 class VarlenMask:
     """Block-causal mask given by the lengths of consecutive blocks of one packed row.
 
-    Token ``i`` may attend to token ``j`` iff both lie in the same block and ``j <= i``, or
-    ``j`` lies in the prefix block of ``i``'s block (``prefix_blocks``): a shared prompt that a
-    response block sees in full. The lengths are Python ints: attention splits on them in
-    every layer, and ints avoid a device-to-host sync per layer.
+    Token ``i`` sees ``j`` iff both lie in the same block and ``j <= i``, or ``j`` lies in the
+    prefix block of ``i``'s block. Lengths are Python ints to avoid a device sync per layer.
 
     Args:
-        block_lens (tuple[int, ...]): Length of each block, in order; they sum to the packed
-            length. A tail padding block is one more block.
-        prefix_blocks (tuple[int, ...]): Empty (no block has a prefix), or one entry per block:
-            the index of an earlier block that the block sees in full, or -1. A prefix block
-            has no prefix of its own.
+        block_lens: Length of each block, in order (a tail padding block is one more).
+        prefix_blocks: Empty, or per block the index of an earlier prefix-free block that it
+            sees in full, or -1.
 
     Raises:
         ValueError: If there is no block, a length is not a positive int, or ``prefix_blocks``
             has the wrong length or names a block that is not an earlier prefix-free block.
-
-    Example:
-        >>> VarlenMask((3, 2)).seq_len  # tokens 0-2 see each other causally, tokens 3-4 too
-        5
-        >>> shared = VarlenMask((3, 2, 4), prefix_blocks=(-1, 0, 0))  # [P R1 R2]
     """
 
     block_lens: tuple[int, ...]
@@ -119,40 +87,25 @@ class VarlenMask:
         return sum(self.block_lens)
 
     def sdpa_plan(self, device: torch.device) -> tuple[list[_VarlenBucket], torch.Tensor]:
-        """The gather indices and masks `packed_attention` runs this mask with, on ``device``.
-
-        Built on first use and kept: every layer, forward and backward, uses the same plan.
-        """
+        """The batched-SDPA plan of this mask on ``device``, built once for every layer."""
         plans = self.__dict__.setdefault("_sdpa_plans", {})  # not a field: eq and hash ignore it
         if device not in plans:
             plans[device] = _varlen_buckets(self, device)
         return plans[device]
 
 
-# What a config may ask for: a concrete form, or "auto" for the fastest one on the device.
-
-
 def resolve_mask_kind(mask_kind: str, device: torch.device | str) -> str:
-    """The mask form to pack with: ``"auto"`` becomes the fastest form on ``device``.
-
-    ``"auto"`` is ``"flex"`` on CUDA (block-sparse kernel, O(L) memory) and ``"varlen"``
-    elsewhere: on CPU a dense ``[L, L]`` mask makes SDPA compute every cross-sequence block
-    (work and memory grow with the square of the pack), and FlexAttention has no backward
-    there.
+    """The mask form to pack with: ``"auto"`` is ``"flex"`` on CUDA, ``"varlen"`` elsewhere.
 
     Args:
-        mask_kind (str): One of `MASK_KIND_CHOICES`.
-        device (torch.device | str): Where the model runs.
+        mask_kind: One of `MASK_KIND_CHOICES`.
+        device: Where the model runs.
 
     Returns:
         str: ``"dense"``, ``"varlen"`` or ``"flex"``.
 
     Raises:
         ValueError: If ``mask_kind`` is not one of `MASK_KIND_CHOICES`.
-
-    Example:
-        >>> resolve_mask_kind("auto", "cpu")
-        'varlen'
     """
     if mask_kind not in MASK_KIND_CHOICES:
         raise ValueError(f"mask_kind must be one of {MASK_KIND_CHOICES}, got {mask_kind!r}")
@@ -165,19 +118,11 @@ _compiled_flex_attention: dict[str, Callable] = {}
 
 
 def _get_compiled_flex_attention(device_type: str) -> Callable:
-    """Compile FlexAttention once per process and device type, on first use.
+    """Compile FlexAttention once per process and device type (uncompiled it builds the scores).
 
-    CPU: ``dynamic=False``, one static compile per distinct pack length (a few seconds each on
-    a small CPU). Dynamic-shape kernels are not an option there in torch 2.13: after a change
-    in the number of 128-token mask blocks, inductor's CPU FlexAttention template generates
-    C++ that does not build ("'cur_qSplitSize8' was not declared"), both with ``dynamic=True``
-    and with the default automatic-dynamic recompile. After
-    ``torch._dynamo.config.recompile_limit`` (8) distinct lengths, dynamo runs FlexAttention
-    uncompiled (correct, but it materialises the score matrix and warns), so keep the number
-    of lengths small: pad flex packs to a bucket (``pad_to_multiple_of``) or to the budget.
-
-    Other devices: torch.compile's default, i.e. static first and one dynamic-shape recompile
-    when a second length appears.
+    CPU compiles statically, once per pack length: in torch 2.13 inductor's dynamic-shape CPU
+    template emits C++ that does not build ("'cur_qSplitSize8' was not declared"). After 8
+    lengths dynamo falls back to the uncompiled path, hence the padding of flex packs.
     """
     if device_type not in _compiled_flex_attention:
         dynamic = False if device_type == "cpu" else None
@@ -198,13 +143,8 @@ def _flex_attention(
 class _VarlenBucket:
     """Blocks of similar length, run as one batched SDPA call.
 
-    ``query_index`` ``[n, q]`` and ``key_index`` ``[n, p + q]`` pick each block's query rows
-    and its keys (prefix rows, then its own rows) out of the packed row; padding slots point
-    at row ``seq_len``, an extra zero row. ``attn_mask`` ``[n, 1, q, p + q]`` lets query ``i``
-    see its prefix and its own keys ``0..i``; a padding query (``i`` past the block's end)
-    sees all of the block's keys, so no row is fully masked (its softmax would be NaN, and
-    so would the backward). ``token_rows`` are the flat positions in ``query_index`` of the
-    real tokens, in the order `VarlenMask.sdpa_plan`'s inverse permutation expects.
+    Padding slots index row ``seq_len``, a zero row. A padding query sees all of the block's
+    keys: a fully masked row's softmax, and its backward, would be NaN.
     """
 
     query_index: torch.Tensor
@@ -221,9 +161,7 @@ def _bucket_of(length: int) -> int:
 def _varlen_buckets(
     mask: VarlenMask, device: torch.device
 ) -> tuple[list[_VarlenBucket], torch.Tensor]:
-    """The batched-SDPA plan of ``mask`` on ``device`` (built on CPU, then moved), and the
-    permutation that puts the buckets' output rows (bucket by bucket, block by block) back in
-    packed order."""
+    """The buckets of ``mask`` on ``device`` and the permutation back to packed order."""
     lens = torch.tensor(mask.block_lens)
     starts = lens.cumsum(0) - lens
     prefixes = torch.tensor(mask.prefix_blocks or (-1,) * len(mask.block_lens))
@@ -258,21 +196,15 @@ def _varlen_buckets(
     return buckets, inverse.to(device)
 
 
-# The block lengths differ in every pack: traced by dynamo they would be baked into the graph
-# and recompile it for each pack. A compiled layer (training.compile) breaks its graph here.
+# Traced, the block lengths (new in every pack) would be baked in and recompile each pack.
 @torch.compiler.disable(recursive=False)
 def _varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, dropout_p: float
 ) -> torch.Tensor:
-    """Block-causal attention with one batched SDPA call per bucket of similar-length blocks.
+    """Block-causal attention, one batched SDPA call per bucket of similar-length blocks.
 
-    A pack of 64 short sequences has 64 blocks or more; an SDPA call per block (and its
-    backward) costs more in per-call overhead than in arithmetic. Blocks whose lengths round up
-    to the same power of two are padded to the longest of them and run together, so a layer
-    makes a handful of calls, and padding at most doubles the ``sum(len_i^2)`` work. A block
-    with a prefix block (a response after its shared prompt) has the prefix's rows then its
-    own as keys: query ``i`` sees the whole prefix and its own keys ``0..i``, exactly the keys
-    it has when the prompt and the response run alone as one sequence.
+    A call per block would cost more in overhead than arithmetic; power-of-two buckets at most
+    double the ``sum(len_i^2)`` work.
     """
     batch, heads, seq_len, head_dim = q.shape
     if seq_len != mask.seq_len or k.shape[2] != mask.seq_len:
@@ -281,8 +213,7 @@ def _varlen_attention(
             f"{k.shape[2]}; pass the mask built for this pack"
         )
     buckets, inverse = mask.sdpa_plan(q.device)
-    # Rows [s + 1, b * h, d]: one index picks a token's vectors in every head (batch and heads
-    # folded, so the [n, 1, q, k] masks broadcast over both); padding slots read the zero row.
+    # Batch and heads folded into one dim, so the [n, 1, q, k] masks broadcast over both.
     q_rows, k_rows, v_rows = (_token_rows(x) for x in (q, k, v))
     outputs = []
     for bucket in buckets:
@@ -316,18 +247,16 @@ def packed_attention(
 ) -> torch.Tensor:
     """Attention that honours every mask form `pack_sequences` builds, on any device.
 
-    Same signature as the function torchtune's ``MultiHeadAttention`` stores in
-    ``_attention_call``; q, k and v arrive as ``[b, n_heads, s, head_dim]`` (k and v already
-    expanded for grouped-query attention).
+    The signature of torchtune's ``MultiHeadAttention._attention_call``.
 
     Args:
-        q (torch.Tensor): Queries.
-        k (torch.Tensor): Keys.
-        v (torch.Tensor): Values.
+        q: Queries ``[b, n_heads, s, head_dim]``.
+        k: Keys, expanded for grouped-query attention.
+        v: Values, likewise.
         mask: ``None`` (causal if ``is_causal``), a bool ``[b, s, s]`` tensor (True = may
-            attend), a FlexAttention ``BlockMask`` or a `VarlenMask`.
-        dropout_p (float): Attention dropout; FlexAttention supports none.
-        is_causal (bool): Causal masking when ``mask`` is ``None``.
+            attend), a ``BlockMask`` or a `VarlenMask`.
+        dropout_p: Attention dropout; FlexAttention supports none.
+        is_causal: Causal masking when ``mask`` is ``None``.
 
     Returns:
         torch.Tensor: ``[b, n_heads, s, head_dim]``.
@@ -361,22 +290,16 @@ def packed_attention(
 def use_packed_attention(model: nn.Module) -> nn.Module:
     """Make every torchtune attention module of ``model`` use `packed_attention`.
 
-    Needed for ``"varlen"`` masks on every device and for ``"flex"`` masks on CPU (stock
-    torchtune 0.6.1 handles ``BlockMask`` on CUDA only); harmless for dense masks, whose path is
-    unchanged. Idempotent; modifies ``model`` in place.
+    Idempotent, in place; dense masks take the same path as before.
 
     Args:
-        model (nn.Module): A model containing torchtune ``MultiHeadAttention`` modules.
+        model: A model containing torchtune ``MultiHeadAttention`` modules.
 
     Returns:
         nn.Module: ``model`` itself.
 
     Raises:
         ValueError: If the model has no torchtune ``MultiHeadAttention``.
-
-    Example:
-        >>> model = use_packed_attention(qwen2(...))
-        >>> logits = model(**packed_forward_inputs(pack_sequences(seqs, "cpu", 0, mask_kind="varlen")))
     """
     from torchtune.modules import MultiHeadAttention
 

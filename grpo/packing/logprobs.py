@@ -1,20 +1,9 @@
 """Hidden states to response-token logprobs, a chunk of tokens at a time.
 
-Only response tokens are scored, so the output projection is applied to the hidden states at
-response positions only, a chunk of tokens at a time: the full ``[L, V]`` logits of a pack are
-never built. The projection and log-softmax of a chunk are recomputed in the backward pass
-instead of being kept, so the memory of the vocabulary projection is ``O(chunk_size * V)``
-whatever the number of response tokens. The reference actor scores with it
-(`model_response_logprobs`), the trainer and `grpo.objective.loss` differentiate through it. Which hidden row predicts which
-token is the pack's ``logit_positions`` (`grpo.types.PackedTrajectory`): the previous token of
-the same sequence, and for the first token of each response that shares a prompt, the prompt's
-last token (one row predicting several targets; its gradients add up in backward). The logits
-are divided by the sampling temperature before the log-softmax, as the engine's sampler divides
-them, so the logprobs are those of the distribution that sampled the tokens. Pure torch.
-
-Example:
-    >>> hidden = model_hidden_states(model, packed)
-    >>> logprobs = packed_logprobs_from_hidden(hidden, output_projection_weight(model), packed)
+Only the hidden rows at a pack's ``logit_positions`` are projected to the vocabulary, a chunk
+at a time, and each chunk is recomputed in backward: the pack's ``[L, V]`` logits are never
+built, so the projection's memory is ``O(chunk_size * V)``. Logits are divided by the sampling
+temperature, as the engine's sampler divides them. Pure torch.
 """
 
 from __future__ import annotations
@@ -82,21 +71,14 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
 def _scaled_logits(
     hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, temperature: float
 ) -> torch.Tensor:
-    """``hidden @ weight.T`` in ``dtype``, divided by the sampling temperature.
-
-    Divided in fp32 after the projection, as vLLM's sampler divides its logits, so that the
-    logprobs are those of the distribution the engine sampled from.
-    """
+    """``hidden @ weight.T`` in ``dtype``, divided by the temperature after upcasting, as vLLM's
+    sampler does."""
     logits = (hidden @ weight.t()).to(dtype)
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
 def check_temperature(temperature: float) -> float:
-    """``temperature`` as a float, checked to be a finite number > 0.
-
-    Raises:
-        ValueError: Otherwise.
-    """
+    """``temperature`` as a float; ValueError unless it is a finite number > 0."""
     if (
         isinstance(temperature, bool)
         or not isinstance(temperature, (int, float))
@@ -122,7 +104,6 @@ def _response_positions(
         )
     if targets.dim() != 1:
         raise ValueError(f"targets must be 1-D, got shape {tuple(targets.shape)}")
-    # Contiguous sequences: the logits at t-1 predict the token at t.
     positions = response_mask[1:].bool().nonzero().squeeze(-1).to(device)
     if positions.numel() != targets.numel():
         raise ValueError(
@@ -161,21 +142,16 @@ def target_logprobs_from_hidden(
 ) -> torch.Tensor:
     """Logprob of each target under the hidden row that predicts it, projecting in chunks.
 
-    Gathers ``hidden_states[logit_positions]`` (a row may appear several times: the last
-    prompt token of a shared prompt predicts the first token of every response), projects
-    ``chunk_size`` rows at a time with ``output_weight`` and takes the fp32 log-softmax at
-    ``targets``. The chunk logits are recomputed in backward, never stored; the gradient of a
-    row gathered several times is the sum over its targets.
+    A row may predict several targets (a shared prompt's last token); its gradient is then the
+    sum over them.
 
     Args:
-        hidden_states (torch.Tensor): Final (post-norm) hidden states of one packed row,
-            ``[L, D]`` or ``[1, L, D]``.
-        output_weight (torch.Tensor): Output projection weight ``[V, D]`` (no bias).
-        logit_positions (torch.Tensor): Row index of each target, ``[T]``, values in ``[0, L)``.
-        targets (torch.Tensor): Token ids, ``[T]``.
-        chunk_size (int): Targets projected at once.
-        temperature (float): The logits are divided by it before the log-softmax: the
-            logprobs are those of the distribution that samples at this temperature.
+        hidden_states: Post-norm hidden states of one packed row, ``[L, D]`` or ``[1, L, D]``.
+        output_weight: Output projection weight ``[V, D]`` (no bias).
+        logit_positions: Row index of each target, ``[T]``.
+        targets: Token ids, ``[T]``.
+        chunk_size: Targets projected at once.
+        temperature: Sampling temperature the logits are divided by.
 
     Returns:
         torch.Tensor: Logprobs ``[T]`` in fp32 (float64 for float64 inputs), differentiable
@@ -183,12 +159,6 @@ def target_logprobs_from_hidden(
 
     Raises:
         ValueError: On mismatched shapes, or a temperature that is not a number > 0.
-
-    Example:
-        >>> hidden, weight = torch.randn(6, 16), torch.randn(32, 16)
-        >>> positions = torch.tensor([2, 3, 2, 4])  # row 2 predicts two targets
-        >>> target_logprobs_from_hidden(hidden, weight, positions, torch.tensor([1, 5, 7, 9])).shape
-        torch.Size([4])
     """
     check_chunk_size(chunk_size)
     temperature = check_temperature(temperature)
@@ -216,16 +186,14 @@ def response_logprobs_from_hidden(
 ) -> torch.Tensor:
     """Logprobs of the response tokens of a row of contiguous sequences, chunk by chunk.
 
-    `target_logprobs_from_hidden` at ``logit_positions = response_mask[1:].nonzero()``: the
-    hidden state before each response token, for packs without shared prompts.
+    For packs without shared prompts: each token is predicted by the row before it.
 
     Args:
-        hidden_states (torch.Tensor): Final (post-norm) hidden states of one packed row,
-            ``[L, D]`` or ``[1, L, D]``.
-        output_weight (torch.Tensor): Output projection weight ``[V, D]`` (no bias).
-        response_mask (torch.Tensor): Bool ``[L]``, True on response tokens.
-        targets (torch.Tensor): Response token ids in pack order, ``[T]``.
-        chunk_size (int): Response tokens projected at once.
+        hidden_states: Post-norm hidden states of one packed row, ``[L, D]`` or ``[1, L, D]``.
+        output_weight: Output projection weight ``[V, D]`` (no bias).
+        response_mask: Bool ``[L]``, True on response tokens.
+        targets: Response token ids in pack order, ``[T]``.
+        chunk_size: Response tokens projected at once.
 
     Returns:
         torch.Tensor: Logprobs ``[T]`` in fp32 (float64 for float64 inputs), differentiable
@@ -233,14 +201,6 @@ def response_logprobs_from_hidden(
 
     Raises:
         ValueError: On mismatched shapes, or if ``response_mask`` and ``targets`` disagree.
-
-    Example:
-        >>> hidden = torch.randn(10, 16)
-        >>> weight = torch.randn(32, 16)
-        >>> response_mask = torch.tensor([0, 0, 0, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
-        >>> targets = torch.randint(0, 32, (5,))
-        >>> response_logprobs_from_hidden(hidden, weight, response_mask, targets, 2).shape
-        torch.Size([5])
     """
     check_chunk_size(chunk_size)
     hidden_states = _as_packed_row(hidden_states, output_weight)
@@ -260,12 +220,11 @@ def packed_logprobs_from_hidden(
     """Logprobs of a pack's ``targets``, read at its ``logit_positions`` (any layout).
 
     Args:
-        hidden_states (torch.Tensor): Post-norm hidden states of the pack, ``[L, D]`` or
-            ``[1, L, D]``.
-        output_weight (torch.Tensor): Output projection weight ``[V, D]`` (no bias).
-        packed (PackedTrajectory): The pack.
-        chunk_size (int): Response tokens projected at once.
-        temperature (float): Sampling temperature the logits are divided by.
+        hidden_states: Post-norm hidden states of the pack, ``[L, D]`` or ``[1, L, D]``.
+        output_weight: Output projection weight ``[V, D]`` (no bias).
+        packed: The pack.
+        chunk_size: Response tokens projected at once.
+        temperature: Sampling temperature the logits are divided by.
 
     Returns:
         torch.Tensor: fp32 logprobs ``[packed.num_response_tokens]`` aligned with
@@ -294,11 +253,8 @@ def output_projection_weight(
 ) -> torch.Tensor:
     """The ``[V, D]`` weight of a torchtune model's output projection.
 
-    Accepts a ``TransformerDecoder`` (its ``output`` is used), an ``nn.Linear`` without bias,
-    or a ``TiedLinear`` (tied embeddings: the embedding weight).
-
-    Under FSDP2 read it after the model's forward: the output projection then belongs to the
-    root group, whose parameters stay unsharded until backward.
+    Accepts a ``TransformerDecoder``, a bias-free ``nn.Linear`` or a ``TiedLinear``. Under
+    FSDP2 read it after the forward, while the root group's parameters are unsharded.
 
     Raises:
         TypeError: For a projection that is not a bias-free linear map.
@@ -330,9 +286,8 @@ def _skip_output_projection(model: nn.Module) -> Iterator[None]:
         finally:
             model.skip_output_layer = previous
         return
-    # torchtune 0.6.1: forward ends with `self.unembed(h)` = norm then output. An instance
-    # attribute shadows the method for this call only; the norm module (and any hooks on it)
-    # still runs. A lambda, not the module itself, so nn.Module does not register a submodule.
+    # torchtune 0.6.1 ends forward with `self.unembed(h)`; an instance attribute shadows it.
+    # A lambda, not the norm module, so nn.Module does not register a submodule.
     previous = model.__dict__.get("unembed")  # an override set by someone else stays
     model.unembed = lambda hidden: model.norm(hidden)
     try:
@@ -348,9 +303,8 @@ def model_hidden_states(model: nn.Module, packed: PackedTrajectory) -> torch.Ten
     """Run a torchtune ``TransformerDecoder`` on a pack and return post-norm hidden states.
 
     Args:
-        model (nn.Module): A torchtune ``TransformerDecoder``.
-        packed (PackedTrajectory): The pack; `grpo.packing.packs.packed_forward_inputs` turns its
-            block-causal mask and restarting position ids into ``mask`` and ``input_pos``.
+        model: A torchtune ``TransformerDecoder``.
+        packed: The pack.
 
     Returns:
         torch.Tensor: ``[L, D]`` hidden states after the final norm.
@@ -371,12 +325,10 @@ def model_response_logprobs(
     """Response logprobs of a pack under a torchtune model, through the chunked projection.
 
     Args:
-        model (nn.Module): A torchtune ``TransformerDecoder``.
-        packed (PackedTrajectory): The pack.
-        chunk_size (int): Response tokens projected at once.
-        temperature (float): Sampling temperature the logits are divided by: the logprobs of
-            the policy as the engine samples it (``inference.temperature``), which the loss
-            compares with the engine's (processed) behaviour logprobs.
+        model: A torchtune ``TransformerDecoder``.
+        packed: The pack.
+        chunk_size: Response tokens projected at once.
+        temperature: ``inference.temperature``, so the logprobs match the engine's.
 
     Returns:
         torch.Tensor: fp32 logprobs ``[packed.num_response_tokens]`` aligned with

@@ -1,29 +1,15 @@
 """Sequence packing: many unpadded sequences in one block-causal row.
 
-``[P1 R1 P2 R2 ... Pn Rn PAD...]``: prompts and responses are concatenated without padding
-between them; padding, when asked for, is one extra block at the tail. Position ids restart at 0
-for every sequence and the attention mask is block-causal, so each sequence sees exactly what it
-would see alone: its logprobs do not depend on what it is packed with.
+``[P1 R1 P2 R2 ... Pn Rn PAD...]``: position ids restart at 0 for every sequence and the mask
+is block-causal, so each sequence's logprobs do not depend on what it is packed with.
 
-Shared prompts (``share_prompts=True``): the G responses of one GRPO group answer the same
-prompt, so a pack can hold it once, ``[P R1 R2 ... RG]``. Response ``Rj`` attends to all of
-``P`` and causally to its own tokens (never to another response), with position ids
-``prompt_len + k`` as if it ran alone; the logprob of its first token is read from ``P``'s last
-token, shared by the G responses. Every response's logprobs, and the gradients of a loss, are
-the same as without sharing up to fp32 rounding. Sequences share a prompt only when they have
-the same ``group_id`` AND identical prompt tokens (`prompt_groups`); a prompt group that does
-not fit the budget is split into sub-groups, each with its own copy of the prompt
-(`shared_prompt_units`). Sharing is planned and laid out here only: `plan_sequence_packs`,
-`shard_batch` and `pack_sequences` take the same ``share_prompts`` flag.
+With ``share_prompts`` the responses of one group that share identical prompt tokens are laid
+out as ``[P R1 ... RG]``: each response attends to all of ``P`` and causally to itself, with
+the positions it would have alone, so logprobs and gradients match the unshared layout up to
+fp32 rounding. `plan_sequence_packs`, `shard_batch` and `pack_sequences` take the same flag.
 
-The logprob of a response token is read from the hidden row at the pack's ``logit_positions``
-(the previous token of its sequence); ``targets`` are the response tokens in sequence order,
-so ``hidden[logit_positions]`` lines up with them. `grpo.packing.logprobs` does the gather.
-
-Every per-token tensor is built with vectorised ops (``repeat_interleave``, ``cumsum``,
-comparisons of block ids); Python loops run over sequences, never over tokens.
-
-Pure torch: no Ray, no vLLM.
+``targets`` are the response tokens in sequence order; ``hidden[logit_positions]`` lines up
+with them. Pure torch.
 """
 
 from __future__ import annotations
@@ -53,10 +39,8 @@ __all__ = [
 
 MASK_KINDS = ("dense", "flex", "varlen")
 
-# What the actors pad flex packs to a multiple of (``pad_to_multiple_of``). FlexAttention is
-# compiled once per pack length (on CPU a static compile each, and after 8 lengths dynamo falls
-# back to the slow uncompiled path; see `grpo.packing.attention`), so flex packs must take few distinct
-# lengths. 128 is FlexAttention's block size: the padding never adds a mask block.
+# FlexAttention compiles once per pack length (after 8, dynamo falls back to the slow path), so
+# flex packs are padded to a multiple of its block size, 128, which never adds a mask block.
 FLEX_BUCKET = 128
 
 
@@ -143,25 +127,16 @@ def _block_causal_block_mask(
 
 
 def prompt_groups(sequences: Sequence[Any]) -> list[list[int]]:
-    """Indices of the sequences that can share one prompt: same ``group_id``, same prompt.
-
-    Prompt tokens are compared, not only group ids: two sequences of one group with different
-    prompts (e.g. a dataset that reuses ids) never share.
+    """Indices of the sequences that can share one prompt: same ``group_id`` and prompt tokens.
 
     Args:
-        sequences (Sequence): Trajectories with ``group_id``, ``prompt_len`` and
-            ``prompt_tokens`` (one device).
+        sequences: Trajectories with ``group_id``, ``prompt_len`` and ``prompt_tokens``.
 
     Returns:
         list[list[int]]: One list per distinct (group_id, prompt), in order of first
-        appearance; each in input order. Every index appears exactly once.
-
-    Example:
-        >>> prompt_groups(batch)  # two groups of 3 responses, interleaved
-        [[0, 2, 4], [1, 3, 5]]
+        appearance, each in input order; every index exactly once.
     """
     groups: list[list[int]] = []
-    # (group_id, prompt_len) -> indices into `groups` of the prompts seen with that key.
     candidates: dict[tuple[Any, int], list[int]] = {}
     for index, seq in enumerate(sequences):
         seen = candidates.setdefault((seq.group_id, seq.prompt_len), [])
@@ -196,19 +171,15 @@ def _check_fits(sequences: Sequence[Any], target_tokens_per_batch: int, caller: 
 
 
 def shared_prompt_units(sequences: Sequence[Any], target_tokens_per_batch: int) -> list[list[int]]:
-    """Prompt groups (`prompt_groups`), each split to fit the budget with its prompt once.
-
-    A prompt group whose prompt plus responses exceed ``target_tokens_per_batch`` is split
-    into sub-groups (first-fit decreasing of the responses into ``budget - prompt_len``), each
-    of which gets its own copy of the prompt.
+    """`prompt_groups`, each split (with its own copy of the prompt) to fit the budget.
 
     Args:
-        sequences (Sequence): Trajectories (see `prompt_groups`).
-        target_tokens_per_batch (int): Token budget of a pack.
+        sequences: Trajectories (see `prompt_groups`).
+        target_tokens_per_batch: Token budget of a pack.
 
     Returns:
-        list[list[int]]: Units of sequence indices (each in input order) that fit the budget
-        when packed with their prompt once; every index exactly once.
+        list[list[int]]: Units of sequence indices that fit the budget with their prompt once;
+        every index exactly once.
 
     Raises:
         ValueError: A budget < 1, or a sequence longer than the budget.
@@ -219,7 +190,6 @@ def shared_prompt_units(sequences: Sequence[Any], target_tokens_per_batch: int) 
         if _unit_tokens(sequences, group) <= target_tokens_per_batch:
             units.append(group)
             continue
-        # Splitting only happens when some response is non-empty, so the room is >= 1.
         room = target_tokens_per_batch - sequences[group[0]].prompt_len
         parts = plan_packs([sequences[i].response_len for i in group], room)
         units.extend(sorted(group[j] for j in part) for part in parts)
@@ -238,55 +208,30 @@ def pack_sequences(
 ) -> PackedTrajectory:
     """Concatenate sequences into one block-causal row ``[P1 R1 ... Pn Rn PAD...]``.
 
-    With ``share_prompts``, the sequences of each `prompt_groups` group with more than one
-    member are laid out as ``[P R1 R2 ... RG]`` instead (see the module docstring), at the
-    place of the group's first sequence; ``targets`` and every per-sequence field stay in
-    input order.
-
-    Padding, if any, is one extra block at the tail (``sequence_mask == -1``, its own position
-    ids from 0, attending only within itself so no attention row is empty). Sequences are never
-    padded inside. Tail padding rules:
-
-    - ``target_tokens_per_batch`` alone: pad to exactly that many tokens (a static shape).
-    - ``pad_to_multiple_of`` alone: pad up to the next multiple (few distinct shapes, little
-      padding).
-    - both: the next multiple, capped at ``target_tokens_per_batch``.
-    - neither: no padding.
-
-    ``target_tokens_per_batch`` is also the budget: a pack longer than it is an error (split the
-    batch with `plan_sequence_packs` first).
+    Padding, if any, is one block at the tail (``sequence_mask == -1``) attending only within
+    itself, so no attention row is empty: to exactly ``target_tokens_per_batch``, or up to the
+    next ``pad_to_multiple_of`` (capped at the target when both are given), or none.
 
     Args:
-        sequences: Sequences to pack, all `UnscoredTrajectory` or all `ScoredTrajectory`.
-        device (torch.device | str): Device of the packed tensors (and of the mask).
-        pad_token_id (int): Token id used for tail padding.
-        ignore_index (int): Accepted for callers that pass a loss ignore index; ``targets``
-            hold response tokens only, so no position is filled with it.
-        target_tokens_per_batch (int | None): Token budget of the pack; see above.
-        mask_kind (str): ``"dense"`` (bool ``[L, L]``, True = may attend), ``"flex"``
-            (FlexAttention ``BlockMask``) or ``"varlen"`` (`grpo.packing.attention.VarlenMask`).
-            ``"flex"`` and ``"varlen"`` need `grpo.packing.attention.use_packed_attention` on the model
-            on CPU (``"varlen"`` on every device). On CPU FlexAttention has no backward and
-            compiles once per pack length: give flex packs a ``pad_to_multiple_of``.
-        pad_to_multiple_of (int | None): Bucket size for tail padding; see above.
-        share_prompts (bool): Hold each shared prompt once (see above).
+        sequences: All `UnscoredTrajectory` or all `ScoredTrajectory`.
+        device: Device of the packed tensors and mask.
+        pad_token_id: Token id used for tail padding.
+        ignore_index: Unused; ``targets`` hold response tokens only.
+        target_tokens_per_batch: Token budget of the pack (split with `plan_sequence_packs`).
+        mask_kind: ``"dense"`` (bool ``[L, L]``), ``"flex"`` (``BlockMask``) or ``"varlen"``
+            (`VarlenMask`); the last two need `use_packed_attention` on the model.
+        pad_to_multiple_of: Bucket size for tail padding.
+        share_prompts: Hold each shared prompt once; per-sequence fields stay in input order.
 
     Returns:
-        PackedTrajectory: ``targets``, ``logit_positions`` and ``behavior_logprobs`` (the
-        sequences' ``logprobs``) are always filled; ``loss_mask`` when a sequence has a
-        ``response_mask`` (multi-turn episodes); ``ref_logprobs`` and per-token
-        ``advantages`` (a sequence's scalar advantage repeated over its response, or its
-        per-token advantages as they are) only for `ScoredTrajectory` input;
-        ``shared_prompt_tokens`` counts the prompt tokens not repeated.
+        PackedTrajectory: ``targets``, ``logit_positions`` and ``behavior_logprobs`` always;
+        ``loss_mask`` when a sequence has a ``response_mask``; ``ref_logprobs`` and per-token
+        ``advantages`` for `ScoredTrajectory` input.
 
     Raises:
-        ValueError: Empty input; mixed trajectory types; tensors on mixed devices; a tensor
-            whose length disagrees with its ``*_len``; ``prompt_len`` 0; a sequence, or the
-            whole pack, longer than ``target_tokens_per_batch``; an unknown ``mask_kind``.
-
-    Example:
-        >>> packed = pack_sequences(trajectories, "cpu", pad_token_id=0, pad_to_multiple_of=64)
-        >>> logits = model(**packed_forward_inputs(packed))
+        ValueError: Empty input, mixed types or devices, a tensor whose length disagrees with
+            its ``*_len``, ``prompt_len`` 0, a sequence or pack over the budget, or an
+            unknown ``mask_kind``.
     """
     if mask_kind not in MASK_KINDS:
         raise ValueError(
@@ -299,18 +244,14 @@ def pack_sequences(
     num_sequences = len(sequences)
     groups = prompt_groups(sequences) if share_prompts else [[i] for i in range(num_sequences)]
 
-    # The layout, block by block. A block is a whole sequence ``P R``, a shared prompt ``P``,
-    # or one response after a shared prompt. Per block: its length, the block it also sees in
-    # full (-1: none), the position id of its first token, and the position id from which its
-    # tokens are response tokens.
+    # A block is a whole sequence ``P R``, a shared prompt ``P``, or one response after it;
+    # block_prefix is the block it also sees in full (-1: none).
     block_lens_list: list[int] = []
     block_prefix: list[int] = []
     block_first_position: list[int] = []
     block_response_from: list[int] = []
     block_sequence: list[int] = []
     pieces: list[torch.Tensor] = []
-    # Per sequence: where its response starts, the row that predicts its first response token,
-    # and the [start, end) of its own tokens.
     response_starts = [0] * num_sequences
     first_logit_rows = [0] * num_sequences
     spans = [(0, 0)] * num_sequences
@@ -361,7 +302,6 @@ def pack_sequences(
     packed_seq_len = _padded_length(total_tokens, target_tokens_per_batch, pad_to_multiple_of)
     num_padding = packed_seq_len - total_tokens
 
-    # Tokens: one cat where the sequences live, then a single move to the device.
     source_device = sequences[0].prompt_tokens.device
     if num_padding:
         pieces.append(torch.full((num_padding,), pad_token_id, device=source_device))
@@ -387,8 +327,7 @@ def pack_sequences(
     response_mask = position_ids >= long_tensor(block_response_from)[block_ids]
     sequence_map = long_tensor([list(span) for span in spans]).reshape(num_sequences, 2)
 
-    # The row predicting response token k of a sequence: the previous token of its response,
-    # and for k = 0 the last prompt token (shared by every response of a shared prompt).
+    # Response token k is predicted by the row before it; k = 0 by the (shared) last prompt token.
     num_response_tokens = int(sum(seq.response_len for seq in sequences))
     sequence_of_token = torch.repeat_interleave(
         torch.arange(num_sequences, device=device), response_lens
@@ -407,8 +346,7 @@ def pack_sequences(
 
     targets = torch.cat([seq.response_tokens.long() for seq in sequences]).to(device)
     behavior_logprobs = flat("logprobs")
-    # Environment tokens of multi-turn episodes stay in the sequence (the policy's later turns
-    # attend to them) but are not trained: the loss reads this mask.
+    # Environment tokens stay in the sequence (later turns attend to them) but are not trained.
     loss_mask = None
     if any(seq.response_mask is not None for seq in sequences):
         loss_mask = torch.cat(
@@ -429,7 +367,6 @@ def pack_sequences(
                 f"(sequence_id={sequences[with_ref.index(False)].sequence_id!r} has none)"
             )
         ref_logprobs = flat("ref_logprobs") if all(with_ref) else None
-        # A scalar advantage (GRPO) covers its whole response; distillation's are per token.
         advantages = torch.cat(
             [seq.token_advantages.to(dtype=torch.float32) for seq in sequences]
         ).to(device)
@@ -477,9 +414,8 @@ def unpack_response_logprobs(
     """Split per-response-token values of a pack back into one tensor per sequence.
 
     Args:
-        packed (PackedTrajectory): The pack the values were computed on.
-        packed_logprobs (torch.Tensor): Shape ``(packed.num_response_tokens,)``, aligned with
-            ``packed.targets`` (e.g. from `grpo.packing.logprobs.model_response_logprobs`).
+        packed: The pack the values were computed on.
+        packed_logprobs: Shape ``(packed.num_response_tokens,)``, aligned with ``targets``.
 
     Returns:
         list[torch.Tensor]: ``packed.num_sequences`` views; entry i has ``response_lens[i]``
@@ -500,20 +436,9 @@ def unpack_response_logprobs(
 def packed_forward_inputs(packed: PackedTrajectory) -> dict[str, Any]:
     """Keyword arguments for a torchtune ``TransformerDecoder`` forward over a pack.
 
-    torchtune 0.6.1 takes ``model(tokens, mask=..., input_pos=...)``: ``mask`` is a bool
-    ``[b, s, s]`` tensor or a ``BlockMask``; ``input_pos`` ``[b, s]`` selects the RoPE rows, so
-    restarting position ids make each sequence see positions 0, 1, ... as if alone.
-
-    Args:
-        packed (PackedTrajectory): The pack.
-
     Returns:
-        dict: ``tokens`` ``[1, L]``, ``mask`` (``[1, L, L]`` for a dense mask; a ``BlockMask``
-        or `VarlenMask` as is, they already describe the single row) and ``input_pos``
-        ``[1, L]``.
-
-    Example:
-        >>> logits = model(**packed_forward_inputs(packed))  # [1, L, V]
+        dict: ``tokens`` ``[1, L]``, ``mask`` (dense ``[1, L, L]``, or the pack's
+        ``BlockMask``/`VarlenMask` as is) and ``input_pos`` ``[1, L]`` (the RoPE rows).
     """
     mask = packed.attention_mask
     if isinstance(mask, torch.Tensor):
@@ -528,18 +453,13 @@ def plan_packs(
 ) -> list[list[int]]:
     """Assign items to packs of at most ``target_tokens_per_batch`` tokens (first-fit decreasing).
 
-    Items are placed longest first (ties: lower index first) into the first pack with room,
-    which keeps the number of packs close to ``ceil(sum(lengths) / budget)`` for typical RL
-    batches (many items, each well under the budget). Deterministic.
-
-    With ``groups``, the items of one group are placed as a single unit (its total length), so
-    a group is never split across packs, unless the group alone exceeds the budget: its items
-    are then placed one by one, and only that group is split.
+    Deterministic (ties: lower index first).
 
     Args:
-        lengths (Sequence[int]): Token count of each item (prompt plus response).
-        target_tokens_per_batch (int): Token budget of a pack.
-        groups (Sequence | None): One hashable group id per item.
+        lengths: Token count of each item.
+        target_tokens_per_batch: Token budget of a pack.
+        groups: One hashable group id per item; a group is never split across packs unless
+            it alone exceeds the budget.
 
     Returns:
         list[list[int]]: Item indices of each pack, every index exactly once; within a pack
@@ -569,7 +489,6 @@ def plan_packs(
     if groups is not None and len(groups) != len(lengths):
         raise ValueError(f"plan_packs: {len(groups)} group ids for {len(lengths)} lengths")
 
-    # Units are placed atomically: a whole group when it fits, otherwise single items.
     if groups is None:
         units = [[index] for index in range(len(lengths))]
     else:
@@ -584,7 +503,6 @@ def plan_packs(
                 units.extend([i] for i in indices)
     unit_lens = [sum(lengths[i] for i in unit) for unit in units]
 
-    # First-fit decreasing; O(units * packs), a few thousand steps for a training batch.
     order = sorted(range(len(units)), key=lambda u: (-unit_lens[u], units[u][0]))
     packs: list[list[int]] = []
     room: list[int] = []
@@ -610,16 +528,11 @@ def plan_sequence_packs(
 ) -> list[list[int]]:
     """Assign trajectories to packs of at most ``target_tokens_per_batch`` tokens.
 
-    Without ``share_prompts``: `plan_packs` on ``total_len`` (and ``group_id`` with
-    ``keep_groups_together``). With it, the units placed are `shared_prompt_units`, each
-    costing its prompt once plus its responses, so the packs `pack_sequences` builds with
-    ``share_prompts=True`` fit the budget.
-
     Args:
-        sequences (Sequence): Trajectories (`UnscoredTrajectory` or `ScoredTrajectory`).
-        target_tokens_per_batch (int): Token budget of a pack.
-        share_prompts (bool): Plan for packs that hold each shared prompt once.
-        keep_groups_together (bool): Never split a ``group_id`` across packs unless it alone
+        sequences: `UnscoredTrajectory` or `ScoredTrajectory` items.
+        target_tokens_per_batch: Token budget of a pack.
+        share_prompts: Plan for packs that hold each shared prompt once.
+        keep_groups_together: Never split a ``group_id`` across packs unless it alone
             exceeds the budget.
 
     Returns:
@@ -627,10 +540,6 @@ def plan_sequence_packs(
 
     Raises:
         ValueError: A budget < 1, or a sequence longer than the budget.
-
-    Example:
-        >>> plan = plan_sequence_packs(batch, 2048, share_prompts=True)
-        >>> packs = [pack_sequences([batch[i] for i in p], "cpu", 0, share_prompts=True) for p in plan]
     """
     _check_fits(sequences, target_tokens_per_batch, "plan_sequence_packs")
     if not share_prompts:
@@ -657,19 +566,15 @@ def shard_batch(
 ) -> list[list[int]]:
     """Split a batch over ``world_size`` data-parallel ranks; the same answer on every rank.
 
-    Without ``share_prompts``: round robin, ``indices[rank::world_size]``. With it, whole
-    `shared_prompt_units` go to one rank (a prompt is useless to a rank without its responses),
-    largest first to the rank with the fewest tokens so far, which balances tokens. While
-    there are fewer units than ranks, the largest unit of several sequences is halved (each
-    half with its own prompt), so that every rank gets work when the batch has at least
-    ``world_size`` sequences. Deterministic: each rank computes every rank's shard from the
-    whole batch, so all agree on the number of micro-batches without communicating.
+    Without ``share_prompts``: round robin. With it, whole `shared_prompt_units` go to the
+    rank with the fewest tokens so far, halving units while there are fewer than ranks.
+    Deterministic, so ranks agree on the micro-batch count without communicating.
 
     Args:
-        sequences (Sequence): The whole batch.
-        world_size (int): Number of ranks.
-        target_tokens_per_batch (int): Token budget of a pack (units are split to fit it).
-        share_prompts (bool): Keep shared prompts with their responses.
+        sequences: The whole batch.
+        world_size: Number of ranks.
+        target_tokens_per_batch: Token budget of a pack.
+        share_prompts: Keep shared prompts with their responses.
 
     Returns:
         list[list[int]]: Per rank, the indices of its sequences, in input order.
