@@ -1,23 +1,9 @@
 """Where a run's output goes: the terminal gets progress and results, log files get the rest.
 
-A run starts many processes that all print: vLLM reports its engine start and every weight
-reload, Ray its cluster start, W&B its run folder, torch and torchao their import warnings.
-With ``log_level: info`` (the default) the terminal shows what the recipe prints (a few lines at
-the start, one progress bar, a summary), the ``grpo`` logger's warnings and errors, and nothing
-else; the rest goes to ``<output_dir>/logs/``:
-
-- ``driver.log``: the launching process's Python logging (Ray's start-up, library warnings,
-  the ``grpo`` logger from INFO up).
-- ``<actor>.log`` (``collector_0.log``, ``ref_actor_0.log``, ``trainer_0.log``,
-  ``replay_buffer.log``, ``metric_logger.log``): everything the actor's process writes to its
-  stdout and stderr from its constructor on: Python logging, vLLM, W&B, C++ warnings. A
-  replaced actor appends to the file of the one it replaces; one whose constructor raised is
-  not replaced (the run stops), so its file holds that traceback once.
-
-``log_level: debug`` (``grpo run --verbose``) leaves every process's output on the terminal, as
-Ray forwards it, and shows the ``grpo`` logger's debug messages as well.
-
-This module imports neither torch nor Ray: the command line imports it before either.
+With ``log_level: info`` the terminal shows what the recipe prints and the ``grpo`` logger's
+warnings and errors; the driver's logging goes to ``<output_dir>/logs/driver.log`` and each
+actor's stdout and stderr to ``<output_dir>/logs/<actor>.log`` (docs/metrics.md). With
+``debug`` every process's output stays on the terminal. Imports neither torch nor Ray.
 """
 
 from __future__ import annotations
@@ -29,24 +15,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# The driver's log file, in `logs_dir`.
 DRIVER_LOG = "driver.log"
 # A record with this attribute true goes to the log file only, never to the terminal.
 FILE_ONLY = "file_only"
-# Terminal colour codes: Ray colours the header of the remote tracebacks its errors carry.
+# Ray colours the header of the remote tracebacks its errors carry.
 ANSI_CODE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def is_verbose(log_level: str) -> bool:
-    """Whether a run's ``log_level`` asks for every process's output on the terminal.
-
-    Args:
-        log_level (str): The run config's ``log_level``.
-
-    Returns:
-        bool: True for ``debug``.
-    """
+    """Whether ``log_level`` asks for every process's output on the terminal (``debug``)."""
     return log_level == "debug"
 
 
@@ -58,12 +36,7 @@ def logs_dir(run_dir: str | os.PathLike) -> Path:
 def actor_log_path(run_dir: str | os.PathLike, name: str) -> Path:
     """The log file of an actor: ``collector[0]`` -> ``<run_dir>/logs/collector_0.log``.
 
-    Args:
-        run_dir (str | os.PathLike): The run folder.
-        name (str): The actor's name in messages (`grpo.orchestrator.supervisor.actor_name`).
-
-    Returns:
-        Path: The file (brackets are replaced: they need quoting in a shell).
+    Brackets are replaced: they need quoting in a shell.
     """
     return logs_dir(run_dir) / f"{re.sub(r'[^0-9A-Za-z_.-]+', '_', name).strip('_')}.log"
 
@@ -71,13 +44,11 @@ def actor_log_path(run_dir: str | os.PathLike, name: str) -> Path:
 def redirect_output(path: str | os.PathLike) -> None:
     """Send this process's stdout, stderr and Python logging to ``path`` (appended).
 
-    The file descriptors themselves are redirected, so output from C++ (torch, gloo), from
-    child processes, and from loggers that hold on to ``sys.stdout`` (vLLM's handler does) lands
-    there too. The root logger gets a handler at INFO if it has none. Logged messages lose
-    their terminal colour codes (Ray's error headers have them), here and in Ray's own handler.
+    The file descriptors are redirected, so C++ output, child processes and loggers holding
+    ``sys.stdout`` (vLLM's) land there too. Logged messages lose their colour codes.
 
     Args:
-        path (str | os.PathLike): The log file; its folder is created if missing.
+        path: The log file; its folder is created if missing.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,14 +72,13 @@ def redirect_output(path: str | os.PathLike) -> None:
         handler.addFilter(_PlainText())
         root.addHandler(handler)
     root.setLevel(logging.INFO)
-    # Ray logs through its own handler (its logger does not propagate), e.g. a constructor's
-    # error with its traceback, whose header it colours for a terminal.
+    # Ray's logger does not propagate: its own handler needs the filter too.
     for handler in logging.getLogger("ray").handlers:
         handler.addFilter(_PlainText())
 
 
 class _PlainText(logging.Filter):
-    """Drops terminal colour codes from a record's message: a log file is read as text."""
+    """Drops terminal colour codes from a record's message."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -120,12 +90,11 @@ class _PlainText(logging.Filter):
 def with_output_to(cls: type, path: str | os.PathLike) -> type:
     """A subclass of ``cls`` whose instances first send their process's output to ``path``.
 
-    For classes that run as Ray actors: each actor has a process of its own, and the
-    redirection happens before the class's own constructor runs (vLLM is imported there).
+    For Ray actor classes: the redirection happens before the constructor imports vLLM.
 
     Args:
-        cls (type): The actor class.
-        path (str | os.PathLike): Its log file (see `redirect_output`).
+        cls: The actor class.
+        path: Its log file (see `redirect_output`).
 
     Returns:
         type: A subclass with the same name, methods and documentation.
@@ -149,12 +118,9 @@ def with_output_to(cls: type, path: str | os.PathLike) -> type:
 def log_traceback(error: BaseException, message: str) -> None:
     """Log ``message`` and ``error``'s traceback to the driver's log file, not the terminal.
 
-    For a run that stopped on an error: the terminal says what stopped it in a line, the
-    file keeps the whole traceback (`grpo.observability.console.print_stopped`).
-
     Args:
-        error (BaseException): The error that stopped the run.
-        message (str): The line the traceback follows.
+        error: The error that stopped the run.
+        message: The line the traceback follows.
     """
     logging.getLogger("grpo").error(message, exc_info=error, extra={FILE_ONLY: True})
 
@@ -193,24 +159,9 @@ def _is_grpo(record: logging.LogRecord) -> bool:
 class DriverLog:
     """The launching process's logging for one run, undone when the run ends.
 
-    Entered before the config is loaded (imports during validation already log: torchao warns
-    about its C++ extensions), it holds records until `start` knows the run's mode and folder,
-    then sends them, and every later one, where that mode says:
-
-    - info: everything from INFO up to ``<output_dir>/logs/driver.log``; the ``grpo`` logger's
-      warnings and errors to the terminal as well.
-    - debug: the same file; on the terminal, warnings and errors of every logger plus every
-      record of the ``grpo`` logger, debug included.
-
-    In both, a record logged with `FILE_ONLY` (`log_traceback`) goes to the file alone.
-
-    Python warnings go through logging (`logging.captureWarnings`) while it is active.
-
-    Example:
-        >>> with DriverLog() as driver_log:
-        ...     cfg = load_config("tiny_arithmetic_cpu")
-        ...     driver_log.start(cfg.output_dir, cfg.log_level)
-        ...     recipe_main(cfg)
+    Entered before the config is loaded (validation's imports already log), it holds records
+    until `start` knows the run's folder and ``log_level``, then routes them and every later one.
+    A `FILE_ONLY` record goes to the file alone. Python warnings are captured while active.
     """
 
     def __init__(self) -> None:
@@ -235,8 +186,8 @@ class DriverLog:
         """Route the held records and every later one as the config's ``log_level`` says.
 
         Args:
-            output_dir (str | Path): The run folder (``output_dir``).
-            log_level (str): The run config's ``log_level``.
+            output_dir: The run folder.
+            log_level: The run config's ``log_level``.
 
         Returns:
             Path: The driver's log file.

@@ -1,37 +1,12 @@
 """The metric logger: one sink for every actor's metrics, on disk and on W&B.
 
-Every actor sends its metrics to one `MetricLogger` (a Ray actor made by the orchestrator with
-``ray.remote(num_cpus=0)(MetricLogger)``). The logger writes them to ``metrics.jsonl`` in the run
-folder, one JSON object per line, flushed at every write so that a killed run keeps its log, and,
-when asked, to Weights & Biases.
+Every actor sends its metrics to one `MetricLogger` (a Ray actor), which appends them to
+``metrics.jsonl`` (flushed at every write) and, when asked, to W&B.
 
-Steps. The actors do not share a clock: the trainer counts optimizer steps, the reference actor
-counts scored batches, each collector counts generation rounds, and their calls reach the logger
-in any order. The JSONL keeps each call's step as given (plus the ``actor`` that sent it). W&B
-drops a ``log(..., step=s)`` whose ``s`` is lower than a step already logged, so the logger never
-passes ``step=`` to W&B. It declares one step metric per namespace with ``define_metric``
-instead (``train_actor_*`` and ``eval/*`` on ``train_step``, ``ref_actor_*`` on ``ref_step``,
-``inference/*`` on ``inference_step``, see `grpo.observability.metric_names.STEP_METRIC_RULES`) and sends that step metric's
-value with every ``log`` call. W&B's own ``_step`` then just counts calls (always increasing),
-and each chart uses its namespace's step as x axis, so an actor running behind loses nothing.
-
-Resumes. A run resumed from its checkpoint logs to the W&B run it logged to before: the logger
-keeps that run's id in its folder (`grpo.run_folder.WANDB_RUN_FILE`) and passes it to
-``wandb.init(id=..., resume="allow")``, so one run and its resumes are one W&B run.
-
-Rewinds. A trainer that dies sends the run back to its latest checkpoint, and the steps after
-it are redone (`rewound`); so does a resume when the run it resumes had logged steps after that
-checkpoint (`resumed`). What was logged for those steps is superseded: ``metrics.jsonl``
-keeps it, followed by a rewind line, and its readers show the standing values only
-(`grpo.observability.metrics.records_after_rewinds`). A W&B run's history can only grow, so
-the logger forks it instead: it finishes the W&B run that holds the superseded values and
-starts a new one that gets the standing history again, then the redone steps; a later resume
-goes on in that one.
-
-Example:
-    >>> logger = MetricLogger(log_dir="runs/demo", project="grpo", use_wandb=False)
-    >>> logger.log_dict({"train_actor_training/loss": 0.25}, step=1, actor="train")
-    >>> logger.close()
+The actors do not share a clock, and W&B drops a ``log(step=s)`` below a step already logged,
+so the logger never passes ``step=``: each namespace gets its own step metric
+(``define_metric``), sent with every call. A resume logs to the same W&B run (its id is kept
+in the run folder); a rewind forks it, since a W&B history can only grow (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -119,8 +94,8 @@ def saved_wandb_run(log_dir: str | Path, project: str) -> dict[str, Any] | None:
     """The W&B run an earlier logger of ``log_dir`` logged to, which a new one resumes.
 
     Args:
-        log_dir (str | Path): The logger's folder (`grpo.run_folder.WANDB_RUN_FILE` in it).
-        project (str): The W&B project: a run of another project cannot go on in this one.
+        log_dir: The logger's folder.
+        project: The W&B project; a saved run of another project is ignored.
 
     Returns:
         dict[str, Any] | None: ``id``, ``name``, ``project`` and ``first_record_offset``
@@ -144,43 +119,24 @@ DEFAULT_METRIC_LOGGER = "grpo.observability.metric_logger.MetricLogger"
 class MetricLogger:
     """Writes metrics to ``metrics.jsonl`` (always), W&B (optional) and stdout (a few keys).
 
-    Use it directly, or as a Ray actor: ``ray.remote(num_cpus=0)(MetricLogger).remote(...)``.
-
-    Files in `log_dir`:
-        ``metrics.jsonl``: one ``{"step", "time", "actor"?, **metrics}`` object per call,
-        appended (a resumed run continues its file). Non-finite values are written as ``null``
-        (JSON has no NaN) and counted (`get_nonfinite_counts`). A rewind adds a line with
-        ``rewound_to`` (`rewound`).
-        ``tables/{table_name}.jsonl``: one ``{"step", "time", "columns", "rows"}`` per call.
-        ``summary.json``: what `log_summary` received, merged.
-        ``config.yaml`` / ``config.json``: the run config.
-        ``wandb/``: the W&B run folder, when W&B is on.
-        ``wandb_run.json``: the id, name and project of the W&B run, which a logger made for
-        the same folder (a resumed run) goes on logging to.
+    Writes to `log_dir`: ``metrics.jsonl`` (one ``{"step", "time", "actor"?, **metrics}``
+    per call, non-finite values as ``null``), ``tables/*.jsonl``, ``summary.json``, the run
+    config (``config.yaml``, ``config.json``) and the W&B run's id (``wandb_run.json``).
 
     Args:
-        log_dir (str | Path): The run folder (created if missing).
-        project (str): W&B project.
-        run_name (str | None): W&B run name (W&B picks one if None).
-        mode (str): W&B mode, ``"online"``, ``"offline"`` or ``"disabled"``. A ``WANDB_MODE``
-            environment variable overrides it, so ``WANDB_MODE=offline`` works without network.
-        config (Mapping | None): Run config: stored as the W&B run config and written to
-            ``config.yaml`` and ``config.json``. An OmegaConf config is resolved first.
-        stdout_every_n (int): Print every n-th step of each actor to stdout; 0 prints nothing.
-        stdout_keys (Collection[str] | None): Metric names or globs printed to stdout
-            (`DEFAULT_STDOUT_KEYS` if None).
-        use_wandb (bool): Log to W&B too. wandb is imported only then. A W&B failure (import,
-            init, or later a log call) is reported once; logging goes on to JSONL and stdout
-            and W&B stays off for the rest of the run. Online mode without an API key or
-            network fails at init (after W&B's own init timeout) and is handled the same way.
+        log_dir: The run folder (created if missing).
+        project: W&B project.
+        run_name: W&B run name (W&B picks one if None).
+        mode: W&B mode, ``"online"``, ``"offline"`` or ``"disabled"``; ``WANDB_MODE``
+            overrides it.
+        config: Run config, for W&B and the config files (an OmegaConf config is resolved).
+        stdout_every_n: Print every n-th step of each actor to stdout; 0 prints nothing.
+        stdout_keys: Metric names or globs printed to stdout (`DEFAULT_STDOUT_KEYS` if None).
+        use_wandb: Log to W&B too. A W&B failure is reported once, then W&B stays off and
+            logging goes on to JSONL and stdout.
 
     Raises:
         ValueError: On an unknown W&B mode or a negative `stdout_every_n`.
-
-    Example:
-        >>> logger = MetricLogger("runs/demo", project="grpo", mode="offline", use_wandb=True)
-        >>> logger.log_dict({"ref_actor_rewards/rewards_mean": 0.5}, step=3, actor="ref")
-        >>> logger.close()
     """
 
     def __init__(
@@ -206,12 +162,9 @@ class MetricLogger:
         self._log_path = self.log_dir / "metrics.jsonl"
         # Line-buffered append; `_write_line` flushes explicitly as well.
         self._file = open(self._log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
-        # Where the records of the W&B run begin in the file: what a W&B run forked at a
-        # rewind gets again (`_fork_wandb_run`). A resumed run appends to the file and, when
-        # it goes on in the W&B run it had, that run's records begin where they began then.
+        # What a W&B run forked at a rewind gets again; a resumed W&B run keeps its saved one.
         self._first_record_offset = self._log_path.stat().st_size
         self._table_files: dict[str, Any] = {}
-        # A resumed run keeps the summary it had.
         summary_path = self.log_dir / "summary.json"
         self._summary: dict[str, Any] = (
             json.loads(summary_path.read_text()) if summary_path.is_file() else {}
@@ -229,18 +182,14 @@ class MetricLogger:
         if self.mode != "disabled":
             self._init_wandb(project, run_name, resume=saved_wandb_run(self.log_dir, project))
 
-    # ---------------------------------------------------------------- public API
-
     def log_dict(self, metrics: Mapping[str, Any], step: int, actor: str | None = None) -> None:
         """Log one step's metrics.
 
         Args:
-            metrics (Mapping[str, Any]): Metric name -> number (int, float, bool, a one-element
-                tensor or numpy scalar), string or None.
-            step (int): The calling actor's step.
-            actor (str | None): Who logs (``"train"``, ``"ref"``, ``"inference"``, ``"eval"``
-                or any other name): written to the JSONL and used to pick the W&B step metric
-                of keys outside `STEP_METRIC_RULES`.
+            metrics: Metric name -> number (or one-element tensor), string or None.
+            step: The calling actor's step.
+            actor: Who logs (``"train"``, ``"ref"``, ``"inference"``, ``"eval"``, ...); picks
+                the W&B step metric of keys outside `STEP_METRIC_RULES`.
 
         Raises:
             RuntimeError: If the logger is closed.
@@ -279,11 +228,11 @@ class MetricLogger:
         """Log a table (e.g. per-sample debug rows): W&B table + ``tables/{table_name}.jsonl``.
 
         Args:
-            rows (Sequence[Sequence[Any]]): One list of cell values per row.
-            columns (Sequence[str]): Column names; every row has this many cells.
-            table_name (str): Name of the table (letters, digits, ``_``, ``.``, ``-``).
-            step (int): The calling actor's step.
-            actor (str | None): Who logs (see `log_dict`).
+            rows: One list of cell values per row.
+            columns: Column names; every row has this many cells.
+            table_name: Name of the table (letters, digits, ``_``, ``.``, ``-``).
+            step: The calling actor's step.
+            actor: Who logs (see `log_dict`).
 
         Raises:
             RuntimeError: If the logger is closed.
@@ -330,7 +279,7 @@ class MetricLogger:
         """Record run-level results (final accuracy, totals): ``summary.json`` and W&B summary.
 
         Args:
-            summary (Mapping[str, Any]): Name -> JSON-able value; merged with earlier calls.
+            summary: Name -> JSON-able value; merged with earlier calls.
 
         Raises:
             RuntimeError: If the logger is closed.
@@ -348,16 +297,12 @@ class MetricLogger:
     def rewound(self, step: int, from_step: int) -> None:
         """Mark that the run went back to its checkpoint of ``step``; steps after it are redone.
 
-        A trainer died in step ``from_step``. Everything logged so far for the steps after
-        ``step`` is superseded by what the redone steps log. ``metrics.jsonl`` keeps it and
-        gets the line ``{"step": step, "time": ..., "rewound_to": step, "from_step":
-        from_step}``; `grpo.observability.metrics.records_after_rewinds` (which the plots
-        use) reads the file without the superseded records. On W&B, whose history only grows
-        and whose step only increases, the run is forked (`_fork_wandb_run`).
+        ``metrics.jsonl`` gets a ``rewound_to`` line (superseded records stay, and
+        `records_after_rewinds` skips them); the W&B run is forked.
 
         Args:
-            step (int): The step of the checkpoint the run went back to (0: the start).
-            from_step (int): The step the trainer died in.
+            step: The step of the checkpoint the run went back to (0: the start).
+            from_step: The step the trainer died in.
 
         Raises:
             RuntimeError: If the logger is closed.
@@ -372,13 +317,10 @@ class MetricLogger:
     def resumed(self, step: int) -> None:
         """Mark that a resumed run goes on from its checkpoint of ``step``.
 
-        A run that stopped after its checkpoint (a crash, a kill) logged steps that the
-        resumed run redoes: that is a rewind (`rewound`), to ``step`` from the last step
-        logged. A run that stopped at its checkpoint logged nothing after it, and its W&B run
-        simply goes on.
+        Steps logged after that checkpoint are redone: a rewind (`rewound`).
 
         Args:
-            step (int): The step of the checkpoint the run resumed from.
+            step: The step of the checkpoint the run resumed from.
 
         Raises:
             RuntimeError: If the logger is closed.
@@ -422,16 +364,13 @@ class MetricLogger:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- files
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"MetricLogger for {self._log_path} is closed")
 
     @staticmethod
     def _write_line(file: Any, record: dict[str, Any]) -> None:
-        # allow_nan=False: a non-finite value that slipped past the sanitiser fails loudly
-        # here instead of writing `NaN`, which is not JSON.
+        # allow_nan=False: a NaN that slipped past the sanitiser fails here, not in a reader.
         file.write(json.dumps(record, allow_nan=False) + "\n")
         file.flush()
 
@@ -472,8 +411,6 @@ class MetricLogger:
             return value
         return str(value)
 
-    # ---------------------------------------------------------------- stdout
-
     def _print(self, record: dict[str, Any], step: int, actor: str | None) -> None:
         if self.stdout_every_n == 0 or step % self.stdout_every_n != 0:
             return
@@ -485,11 +422,8 @@ class MetricLogger:
         ]
         if not shown:
             return
-        # Last path component only: "train_actor_training/loss" -> "loss".
         parts = [f"{key.rsplit('/', 1)[-1]}={_format_number(value)}" for key, value in shown]
         print(f"[{actor or 'step'} {step}] " + " ".join(parts), flush=True)
-
-    # ---------------------------------------------------------------- W&B
 
     def _init_wandb(
         self,
@@ -566,22 +500,15 @@ class MetricLogger:
                 if rule_for(key) is None and key not in self._wandb_defined:
                     self._wandb_run.define_metric(key, step_metric=step_metric)
                     self._wandb_defined.add(key)
-            # No `step=`: W&B's own step just counts calls, see the module docstring.
             self._wandb_run.log(payload)
         except Exception as error:  # noqa: BLE001
             self._wandb_failed(f"logging step {step}", error)
 
     def _fork_wandb_run(self, step: int, from_step: int) -> None:
-        """Go on in a new W&B run that holds only the standing values (see `rewound`).
+        """Finish the W&B run and go on in a new one given the standing records again.
 
-        W&B's own rewind (``wandb.init(resume_from="<id>?_step=N")``) needs its server and
-        does not take the per-namespace step metrics this logger plots against, so the fork
-        is made here: the W&B run that holds the superseded values is finished (its summary
-        says ``rewound_to_step`` and which run goes on), and a new one, named after it with
-        ``(from step N)``, is given this logger's standing records of ``metrics.jsonl`` again,
-        in order, then everything logged from now on. Its ``_step`` and every step metric only
-        increase. Tables logged before the rewind stay in the first run (and under
-        ``tables/``).
+        W&B's own rewind (``resume_from``) needs its server and does not take the
+        per-namespace step metrics. Tables logged before the rewind stay in the first run.
         """
         old = self._wandb_run
         old_id = getattr(old, "id", None)

@@ -1,9 +1,6 @@
 """Metric post-processing on the driver: the run ledger, step metrics and debug tables.
 
-Owns nothing the run needs to continue: `RunLedger` writes which sequences were scored and
-trained (the proof that each was trained once), `step_metrics` adds the driver's queue
-numbers and time shares to a trainer's step metrics, `step_time_breakdown` splits a step's
-wall time into its parts, `debug_tables` decodes trained samples.
+Owns nothing the run needs to continue.
 """
 
 from __future__ import annotations
@@ -42,9 +39,9 @@ def step_metrics(
     """A trainer's step metrics with the driver's queue sizes and each phase's share of time.
 
     Args:
-        metrics (dict[str, Any]): The trainer's step metrics (weight sync timings included).
-        buffer_stats (dict[str, Any]): `ReplayBuffer.stats()`.
-        queues (dict[str, float]): More ``queues/*`` and driver values to log as they are.
+        metrics: The trainer's step metrics (weight sync timings included).
+        buffer_stats: `ReplayBuffer.stats()`.
+        queues: More ``queues/*`` and driver values to log as they are.
 
     Returns:
         dict[str, Any]: A new dict with the queue numbers and ``pct_*`` shares added.
@@ -93,36 +90,18 @@ def step_time_breakdown(
 ) -> dict[str, float]:
     """Split one training step's wall time into parts that add up to it.
 
-    The wall time runs from the moment the driver starts waiting for the step's batch to the
-    moment its metrics are ready (evaluation and checkpoints are not part of it). It is the
-    sum of `WALL_PARTS`, which do not overlap:
-
-    - buffer wait: the driver waited for the buffer to hand out a full batch (this includes
-      the sample call's round trip). In an asynchronous run, generation and scoring run
-      meanwhile; in a synchronous one, all of this step's generation and scoring happen in it.
-    - train compute: rank 0's time inside ``train_step`` (packing, forward, backward,
-      optimizer), measured in the trainer.
-    - weight gather, weight transfer, engine reload: the weight sync after the step, as
-      `WeightSync.sync` reports them (0 on steps without a sync). A sync that reports no
-      transfer time gets the rest of the sync's wall time as transfer; one that reports no
-      reload time reloads in the collectors after the sync returns (between their batches),
-      off the step's wall time: its reload is 0 here and shows in the collectors'
-      ``inference/time_weight_update (s)``.
-    - driver overhead: the rest: launching the training call and getting its result back,
-      the driver's bookkeeping, and logging.
-
-    Generation and scoring busy times are reported beside them and are NOT parts of the wall
-    time: they are the seconds collectors generated and reference actors scored in calls that
-    finished during the step, summed over actors, and overlap training in an asynchronous run.
+    The parts (`WALL_PARTS`) do not overlap; driver overhead is the remainder. A sync that
+    reports no transfer time gets the rest of its wall time as transfer. Generation and
+    scoring busy times overlap training and are reported beside the parts, not in them.
 
     Args:
-        wall_s (float): The step's wall time.
-        buffer_wait_s (float): Seconds waited for the batch.
-        train_compute_s (float): Seconds the trainer computed.
-        sync_timings (dict[str, float]): What `WeightSync.sync` returned (empty if no sync).
-        sync_wall_s (float): The sync's wall time seen by the driver (0 if no sync).
-        generation_busy_s (float): Collectors' generation seconds finished during the step.
-        scoring_busy_s (float): Reference actors' scoring seconds finished during the step.
+        wall_s: From waiting for the step's batch to its metrics being ready.
+        buffer_wait_s: Seconds waited for the batch.
+        train_compute_s: Seconds rank 0 spent in ``train_step``.
+        sync_timings: What `WeightSync.sync` returned (empty if no sync).
+        sync_wall_s: The sync's wall time seen by the driver (0 if no sync).
+        generation_busy_s: Collectors' generation seconds finished during the step.
+        scoring_busy_s: Reference actors' scoring seconds finished during the step.
 
     Returns:
         dict[str, float]: `TRAIN_PERF_STEP_WALL_TIME`, every `WALL_PARTS` key,
@@ -150,13 +129,11 @@ def step_time_breakdown(
 class RunLedger:
     """Which sequences were scored and which were trained on, one JSON line per event.
 
-    It is how a run proves that every trajectory was generated, scored and trained on
-    exactly once, and it survives a crash (each line is flushed).
+    The proof that every trajectory was scored and trained on exactly once; each line is
+    flushed, so it survives a crash.
 
     Args:
-        run_dir (Path): The run folder; writes ``scored.jsonl`` (``sequence_ids``: every
-            scored sequence; ``dropped_sequence_ids``: those dropped for equal rewards) and
-            ``trained.jsonl``.
+        run_dir: The run folder; writes ``scored.jsonl`` and ``trained.jsonl``.
     """
 
     def __init__(self, run_dir: Path) -> None:
@@ -172,10 +149,10 @@ class RunLedger:
         """Record a reference call's sequences.
 
         Args:
-            step (int): The training step in progress.
-            sequence_ids (list[str]): Every sequence it scored, dropped ones included (so a
-                gap in the ids still means a lost group).
-            dropped (list[str]): Those of them dropped for equal rewards: never trained on.
+            step: The training step in progress.
+            sequence_ids: Every sequence it scored, dropped ones included (so a gap in the ids
+                still means a lost group).
+            dropped: Those dropped for equal rewards: never trained on.
         """
         self._write(
             self.scored_file,
@@ -195,9 +172,7 @@ class RunLedger:
         )
 
     def rewound(self, step: int, from_step: int) -> None:
-        """Record that the run went back to the checkpoint of ``step`` (a trainer died at
-        ``from_step``): the steps after it are redone, and their earlier records no longer
-        describe the weights that go on (`records_after_rewinds` leaves them out)."""
+        """Record that the run went back from ``from_step`` to the checkpoint of ``step``."""
         record = {"rewound_to": step, "from_step": from_step}
         self._write(self.scored_file, record)
         self._write(self.trained_file, record)
@@ -210,14 +185,11 @@ class RunLedger:
 def records_after_rewinds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of ``trained.jsonl`` (or ``metrics.jsonl``) that the final weights stand on.
 
-    A rewind marker (`RunLedger.rewound`, `MetricLogger.rewound`: a record with
-    ``rewound_to``) drops the records of every step after the one it went back to that came
-    before it: those steps were redone. What remains of ``trained.jsonl`` names each trained
-    trajectory once in a run that went well; what remains of ``metrics.jsonl`` is the standing
-    value of each metric, the superseded ones left out.
+    A record with ``rewound_to`` drops the earlier records of every later step: those steps
+    were redone.
 
     Args:
-        records (list[dict]): The file's records in order (`grpo.testing.read_jsonl`).
+        records: The file's records in order.
 
     Returns:
         list[dict]: The step records that stand, in order, markers left out.
@@ -241,10 +213,10 @@ def debug_tables(
     """Per-sample and per-token debug tables of the sequences in ``pi_logprobs``.
 
     Args:
-        batch (list[ScoredTrajectory]): The trained batch.
-        pi_logprobs (dict[str, list[float]]): Policy logprobs by ``sequence_id``.
+        batch: The trained batch of `ScoredTrajectory`.
+        pi_logprobs: Policy logprobs by ``sequence_id``.
         tokenizer: Tokenizer with ``decode(ids, skip_special_tokens=...)``.
-        step (int): Training step.
+        step: Training step.
 
     Returns:
         dict: ``{table_name: (columns, rows)}``.
@@ -260,7 +232,6 @@ def debug_tables(
             "Prompt": tokenizer.decode(traj.prompt_tokens.tolist(), skip_special_tokens=False),
             "Response": tokenizer.decode(traj.response_tokens.tolist(), skip_special_tokens=False),
             "Answer": traj.answer,
-            # Per-token advantages (distillation): their mean over the trained tokens.
             "Advantage": _mean_advantage(traj),
             "Response Length": traj.response_len,
             # Below Response Length for multi-turn episodes: the rest is environment turns.
@@ -277,7 +248,6 @@ def debug_tables(
         sample_rows.append(list(sample.values()))
         generated = traj.logprobs.tolist()
         advantages = traj.token_advantages.tolist()
-        # No reference model (kl_coeff 0): no reference logprobs.
         ref = traj.ref_logprobs.tolist() if traj.ref_logprobs is not None else None
         trained = (
             traj.response_mask.tolist()
@@ -290,8 +260,7 @@ def debug_tables(
                 "Token Position": position,
                 "Token ID": token_id,
                 "Decoded Token": tokenizer.decode([token_id], skip_special_tokens=False),
-                # "policy": sampled and trained; "env": an environment turn, not trained (its
-                # generated logprob is a 0 placeholder).
+                # An "env" token's generated logprob is a 0 placeholder.
                 "Source": "policy" if trained[position] else "env",
                 "Advantage": advantages[position],
                 "Generated Logprob": generated[position],

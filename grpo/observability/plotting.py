@@ -1,20 +1,9 @@
 """Plots of a run from its ``metrics.jsonl``, no W&B needed.
 
-`read_metrics` turns the log written by `grpo.observability.metric_logger.MetricLogger` into one
-``(step, value)`` series per metric; `plot_run` draws the curves one looks at first in a GRPO run
-(reward per function, held-out accuracy, KL, response length, throughput, multi-turn
-episodes, policy age) into
-``RUN_DIR/plots/*.png``. Each series is drawn raw (faint) with a light moving average on top.
-The x axis of each series is its actor's own step (``train_step``, ``ref_step``,
-``inference_step``): the actors count steps independently. Only standing values are drawn:
-after a trainer restart redid some steps, their first values are left out
-(`grpo.observability.metrics.records_after_rewinds`).
-
-Rendering uses matplotlib's Agg canvas through `matplotlib.figure.Figure`, without pyplot, so it
-needs no display and leaves the process's matplotlib backend alone.
-
-Example:
-    >>> paths = plot_run("runs/demo")  # runs/demo/plots/rewards_per_function.png, ...
+`plot_run` draws the first curves one looks at in a GRPO run into ``RUN_DIR/plots/*.png``, each
+series raw (faint) with a moving average, against its actor's own step, standing values only
+(after a rewind). Uses matplotlib's Agg canvas without pyplot, so it needs no display and
+leaves the process's backend alone.
 """
 
 from __future__ import annotations
