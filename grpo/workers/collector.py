@@ -1,26 +1,11 @@
 """The generation actor: a vLLM engine playing the environment's episodes on its shard of the
-prompts. A batch (`generate_batch`), each part in its home:
+prompts, scoring them and queueing the groups (blocking and bounded: a group is never dropped).
 
-    pending weights in            grpo.weights.receiver.EngineWeights (verified, rolled back)
-    the engine's steps            grpo.workers.vllm_engine.EngineLoop (the version of each token)
-    the shard's next prompts      grpo.data.stream, Environment.prompt_ids
-    episodes on the engine        Environment.run_groups on grpo.workers.vllm_engine
-    rewards                       Environment.score (grpo.envs.protocol)
-    groups -> rollout queue       blocking and bounded: a group is never dropped
-
-Choices other actors rely on: prompt ids come from the model folder's tokenizer (the one the
-reference and training actors use) and reach vLLM as token ids; what the policy sampled is
-never re-tokenised. A response keeps the token that ended it (the policy is trained on
-stopping). Behaviour logprobs are vLLM's ``processed_logprobs`` (after temperature), as the
-trainer computes its own (`grpo.packing.logprobs`). ``sequence_id`` is ``w{worker_id}-{n}`` and
-``group_id`` is ``worker_id + num_workers * k`` for the k-th prompt: unique with no
-coordination. A group's seed hashes the run seed and its ``group_id`` (`grpo.seeds`): a resumed
-stream samples exactly the same. A trajectory carries the versions of the weights of its
-oldest and newest tokens (``policy_version``, ``last_policy_version``).
-
-The orchestrator makes it a threaded Ray actor (`SyncLLMCollector.as_remote`) and drives it
-one batch at a time with `generate_batch_with_state`; `receive_weights`, `heartbeat` and
-`evaluate` reach it while a batch runs or waits on a full rollout queue.
+Contracts other actors rely on: prompts reach vLLM as token ids of the model folder's tokenizer
+and what the policy sampled is never re-tokenised; a response keeps the token that ended it;
+behaviour logprobs are after temperature. ``sequence_id`` (``w{worker_id}-{n}``) and
+``group_id`` (``worker_id + num_workers * k``) are unique with no coordination, and a group's
+seed hashes the run seed and its ``group_id``, so a resumed stream samples exactly the same.
 """
 
 from __future__ import annotations
@@ -56,37 +41,27 @@ class SyncLLMCollector(SleepMethods):
     """Plays the environment's episodes with vLLM on one shard of a prompt dataset.
 
     Args:
-        worker_id (int): Index of this collector, in ``[0, num_workers)``.
-        num_workers (int): Number of collectors sharing the dataset.
-        model_dir (str): Hugging Face model folder (weights, config, tokenizer files).
-        dataset: A sequence of examples (``PromptDataset``), a ``_component_`` config node, or
-            None when the environment brings its own (`Environment.examples`).
-        rollout_queue: Where groups go: anything with ``put(item, block=True, timeout=...)``
-            raising ``queue.Full`` on timeout (``ray.util.queue.Queue``, ``queue.Queue``).
-        config (InferenceConfig | None): The ``inference:`` options; None: their defaults.
-            Prompts longer than ``max_prompt_tokens`` are skipped and counted.
-        seed (int): Seeds the prompt order and every request's sampler.
-        policy_version (int): The version of the weights in ``model_dir`` (a checkpoint's
-            on resume): samples are labelled with it until new weights are applied.
-        verify_weights (bool): Check the checksum of every received update.
-        environment: An `grpo.envs.Environment` or its ``_component_`` node; None: the
-            single-turn environment of ``reward_functions`` (`grpo.envs.build_environment`).
-        reward_functions (Sequence): The run's reward functions (nodes or objects).
-        reward_timeout_s (float): Timeout of one reward call.
-        lora (LoRAConfig | None): ``training.lora``: updates are adapters, served by vLLM as
-            LoRA adapters on the base model in ``model_dir`` (`grpo.weights.adapter`).
-        adapter_dir (str | None): With ``lora``, the adapter of ``policy_version`` (a
-            checkpoint's ``adapter/``); None: the base model.
+        worker_id: Index of this collector, in ``[0, num_workers)``.
+        num_workers: Number of collectors sharing the dataset.
+        model_dir: Hugging Face model folder (weights, config, tokenizer files).
+        dataset: A sequence of examples, a ``_component_`` node, or None when the environment
+            brings its own.
+        rollout_queue: Anything with ``put(item, block=True, timeout=...)`` raising
+            ``queue.Full`` on timeout.
+        config: The ``inference:`` options; None: their defaults.
+        seed: Seeds the prompt order and every request's sampler.
+        policy_version: The version of the weights in ``model_dir``.
+        verify_weights: Check the checksum of every received update.
+        environment: An `grpo.envs.Environment` or its node; None: the single-turn
+            environment of ``reward_functions``.
+        reward_functions: The run's reward functions (nodes or objects).
+        reward_timeout_s: Timeout of one reward call.
+        lora: ``training.lora``: updates are LoRA adapters on the base model.
+        adapter_dir: With ``lora``, the adapter of ``policy_version``; None: the base model.
 
     Raises:
-        ValueError: On inconsistent sizes (worker id out of range, a shard that is empty, no
-            room for a prompt in ``max_model_len``).
-
-    Example:
-        >>> collector = SyncLLMCollector(0, 1, "tiny", dataset, q, InferenceConfig(group_size=4),
-        ...                              reward_functions=[MathCorrectnessReward()])
-        >>> collector.generate_batch(8)["inference/num_groups"]
-        8.0
+        ValueError: On inconsistent sizes (worker id out of range, an empty shard, no room
+            for a prompt in ``max_model_len``).
     """
 
     def __init__(
@@ -127,8 +102,6 @@ class SyncLLMCollector(SleepMethods):
         self.dataset = resolve_dataset(dataset)
         self.stream = PromptStream(self.dataset, worker_id, num_workers, seed=seed)
         self.tokenizer = load_tokenizer(self.model_dir)
-        # Each example's "prompt" is rendered by the dataset's template, whose stop strings
-        # end a response (the tokens that complete one are kept).
         prompt_template = getattr(self.dataset, "template", None)
         self.sampling = Sampling(
             temperature=float(config.temperature),
@@ -136,7 +109,6 @@ class SyncLLMCollector(SleepMethods):
             stop=tuple(getattr(prompt_template, "stop", ())),
             stop_token_ids=tuple(self.tokenizer.stop_tokens),
         )
-        # The engine's context holds the longest prompt and the environment's longest episode.
         response_tokens = self.environment.response_budget(self.max_generated_tokens)
         llm, self.max_model_len, self.max_prompt_tokens = build_engine(
             self.model_dir, config, seed, response_tokens, lora.rank if lora else None
@@ -170,35 +142,24 @@ class SyncLLMCollector(SleepMethods):
         self.sequence_counter = 0
         self.group_counter = 0
         self.batch_counter = 0
-        # Cumulative counters, readable while a batch runs (the weights count their updates).
         self.totals: MutableMapping[str, float] = ChainMap(
             {"queue_put_waits": 0.0, "skipped_long_prompts": 0.0, "episodes_dropped": 0.0},
             self.weights.totals,
         )
-        # Episodes the environment failed: each reason logged once with a count, and the last
-        # batch's counts, for the driver (`generate_batch_with_state`).
         self.dropped_episodes = DroppedEpisodeLog(f"collector {worker_id}")
         self._batch_drops: BatchDrops | None = None
-        # The last batch's groups, for `generate_batch_with_state` to return.
         self._batch_groups: list[GroupedUnscoredTrajectories] = []
-        # For `heartbeat`: since when a batch waits for room on the rollout queue.
         self._put_waiting_since: float | None = None
 
     @classmethod
     def as_remote(cls, **options: Any) -> Any:
         """This class as a threaded Ray actor class.
 
-        Threads let `evaluate` through while a generation batch waits on a full rollout
-        queue. Weight transfers run in the ``weights`` concurrency group and `heartbeat` in
-        ``health`` (`grpo.weights.concurrency.COLLECTOR_CONCURRENCY_GROUPS`; callers pick them
-        with ``.options(concurrency_group=...)``), each on a thread of its own.
+        Threads let `evaluate` through while a batch waits on a full rollout queue; weight
+        transfers and `heartbeat` run in their own concurrency groups.
 
         Args:
-            **options: ``ray.remote`` options (``num_cpus``, ``num_gpus``, ...);
-                ``max_concurrency`` (of the default group) defaults to 4.
-
-        Returns:
-            The Ray actor class; call ``.remote(...)`` with the constructor's arguments.
+            **options: ``ray.remote`` options; ``max_concurrency`` defaults to 4.
         """
         import ray
 
@@ -215,8 +176,6 @@ class SyncLLMCollector(SleepMethods):
             "engine_steps": float(self.engine.steps),
             "queue_wait_s": now - waiting if waiting is not None else 0.0,
         }
-
-    # ------------------------------------ weights (grpo.weights.receiver.EngineWeights)
 
     def receive_weights(
         self,
@@ -252,8 +211,6 @@ class SyncLLMCollector(SleepMethods):
     def llm(self) -> Any:
         """The ``vllm.LLM`` (None once shut down)."""
         return self.engine.llm
-
-    # ------------------------------------------------------------------ generation
 
     def _next_sequence_id(self) -> str:
         """``w{worker_id}-{n}``: unique across workers, in generation order."""
@@ -311,21 +268,18 @@ class SyncLLMCollector(SleepMethods):
     ) -> dict[str, float]:
         """Apply pending weights, play ``group_size`` episodes of the next prompts, queue them.
 
-        A put that fails (the queue died) ends the batch with its error, after its metrics
-        (``inference/groups_not_queued``); with ``caller_holds_groups`` a dead queue is no
-        error: the caller holds the groups (`generate_batch_with_state`) and rescues them.
-
         Args:
-            num_prompts (int): Prompts to take from the shard (one group each).
-            caller_holds_groups (bool): The caller keeps this batch's groups (see above).
+            num_prompts: Prompts to take from the shard (one group each).
+            caller_holds_groups: The caller keeps this batch's groups, so a dead queue is no
+                error.
 
         Returns:
-            dict[str, float]: This batch's metrics: ``inference/*`` and
-            ``queues/rollout_queue_put_*``.
+            dict[str, float]: This batch's ``inference/*`` and ``queues/*`` metrics.
 
         Raises:
             ValueError: If ``num_prompts`` is below 1.
             WeightSyncError: If pending weights fail verification.
+            RayActorError: The queue died (after the metrics count the groups not queued).
         """
         if num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
@@ -380,20 +334,14 @@ class SyncLLMCollector(SleepMethods):
     ) -> tuple[dict[str, Any], list[GroupedUnscoredTrajectories]]:
         """`generate_batch`, then `state_dict` as it stands right after that batch.
 
-        The orchestrator keeps each collector's state after its last batch (a replacement of
-        one that died mid-batch generates that batch again; groups that reached the queue are
-        scored once, by ``group_id``) and holds the second return, the groups, unfetched until
-        each is scored (a queue that dies with groups in it is replaced and they are rescued),
-        so a dead queue is no error here.
+        The caller holds the second return, the groups, unfetched until each is scored, so a
+        dead queue is no error here.
 
         Returns:
-            tuple: ``{"metrics": generate_batch's metrics, "state": state_dict(),
-            "group_ids": the batch's group ids, "dropped_episodes": the batch's episodes and
-            those the environment failed (`grpo.envs.dropped.BatchDrops.as_dict`),
-            "reward_calls": `Environment.take_reward_calls`}``, and the batch's groups.
+            tuple: ``{"metrics", "state", "group_ids", "dropped_episodes", "reward_calls"}``
+            and the batch's groups.
         """
-        # No lock: only generation batches move the stream, one at a time (holding the engine
-        # lock here would block `evaluate` for as long as the batch waits on a full queue).
+        # No engine lock: it would block `evaluate` while the batch waits on a full queue.
         self._batch_drops = None
         metrics = self.generate_batch(num_prompts, caller_holds_groups=True)
         drops, groups = self._batch_drops, self._batch_groups
@@ -413,22 +361,18 @@ class SyncLLMCollector(SleepMethods):
     def shutdown(self) -> None:
         """Close the environment and shut the engine down now (idempotent).
 
-        In-process engines share vLLM's global distributed state, which an engine shut down by
-        the garbage collector tears down under the others: close several in one process
-        explicitly, last created first.
+        In-process engines share vLLM's global state, which one collected by the garbage
+        collector tears down under the others: close several explicitly, last created first.
         """
         self.evaluation_env.close()
         self.environment.close()
         self.engine.shutdown()
 
-    # ------------------------------------------------------------------ evaluation
-
     def evaluate(
         self, dataset_items: Sequence[Mapping[str, Any]], max_generated_tokens: int | None = None
     ) -> list[str]:
-        """Per example, the last policy turn of its greedy episode, decoded (special tokens
-        dropped; ``""`` for a prompt that does not fit or a failed episode): `evaluate_episodes`
-        with one greedy sample each."""
+        """Per example, the last policy turn of its greedy episode, decoded (``""`` for a prompt
+        that does not fit or a failed episode)."""
         results = self.evaluate_episodes(dataset_items, 1, 0.0, max_generated_tokens)
         return [result["samples"][0]["text"] for result in results]
 
@@ -439,19 +383,20 @@ class SyncLLMCollector(SleepMethods):
         temperature: float = 0.0,
         max_generated_tokens: int | None = None,
     ) -> list[dict[str, Any]]:
-        """Held-out episodes on the current weights (pending ones applied first, then kept),
-        scored by the environment's own rewards on an instance of their own
-        (`grpo.envs.evaluation`): training's counts, metrics and stream are untouched.
+        """Held-out episodes on the current weights, scored on an environment instance of their
+        own: training's counts, metrics and stream are untouched.
 
         Args:
-            dataset_items (Sequence[Mapping[str, Any]]): Examples with ``"prompt"``.
-            samples_per_example (int): Episodes per example.
-            temperature (float): Sampling temperature (0: greedy).
-            max_generated_tokens (int | None): Most tokens of one turn (default the run's).
+            dataset_items: Examples with ``"prompt"``.
+            samples_per_example: Episodes per example.
+            temperature: Sampling temperature (0: greedy).
+            max_generated_tokens: Most tokens of one turn (default the run's).
 
         Returns:
-            list[dict]: Per example, its samples (`grpo.envs.evaluation.evaluation_episodes`;
-            a ValueError for an environment with its own tasks, a verifiers taskset).
+            list[dict]: Per example, its samples.
+
+        Raises:
+            ValueError: For an environment with its own tasks (a verifiers taskset).
         """
         env = self.evaluation_env.get()
         self.apply_pending_weights()
@@ -463,8 +408,6 @@ class SyncLLMCollector(SleepMethods):
         return evaluation_episodes(
             env, engine, dataset_items, fitting, samples_per_example, self.seed, self.engine.batch
         )
-
-    # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
         """Stream position, id counters and policy version, for an exact resume."""
@@ -481,9 +424,7 @@ class SyncLLMCollector(SleepMethods):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (from `state_dict`): stream position and id counters.
 
-        ``policy_version`` is not restored: it belongs to the weights, not to the stream. The
-        engine holds the weights this collector was started from (``policy_version`` of the
-        constructor) until new ones are applied, and that is the version its samples carry.
+        ``policy_version`` is not restored: it belongs to the weights the engine holds.
 
         Raises:
             ValueError: If the state belongs to another worker layout.

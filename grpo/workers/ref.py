@@ -1,26 +1,10 @@
 """The reference actor: reference logprobs, group advantages and the teacher's signal.
 
-`score` gets whole groups (a group is never split across advantage computations) that the
-driver took from the rollout queue, packs them with `grpo.packing.packs`, runs the frozen
-reference model once per pack, turns the rewards the environment gave each episode (scored in
-the collector, `grpo.envs.protocol.Environment.score`) into group advantages, and returns the
-`ScoredTrajectory`s grouped as they came. The driver owns both the groups it passes in and the
-scored groups that come back (it hands them on to the replay buffer), so the actor holds no
-trajectory between calls and a crash loses nothing: its replacement scores the same groups.
-
-Dynamic sampling (``ref.filter_zero_variance_groups``): a group whose rewards are all
-equal is left out of what `score` returns, so it never reaches the buffer, and the driver
-keeps generating until the buffer has a full batch of informative groups. Such a group has
-all-zero advantages, so dropping it removes no policy-gradient term; what changes is the
-normaliser of the loss (a batch no longer dilutes the gradient with zero-advantage tokens) and
-the KL term (computed only on kept samples).
-
-On-policy distillation (``ref.teacher_model_path``): the actor also loads a teacher and runs it
-on the same packs as the reference model (frozen, no grad, logits divided by the sampling
-temperature), and each response token's advantage becomes ``A_grpo + coeff * (teacher logprob
-- behaviour logprob)``, or the signal alone with ``ref.distillation_only``
-(`grpo.objective.advantages.distillation_advantages`). The teacher is always a model of its
-own: under ``training.lora`` the reference is the base model in the trainer, not this one.
+`score` gets whole groups from the driver and returns them scored, grouped as they came. The
+driver owns both, so the actor holds no trajectory between calls and its replacement after a
+crash scores the same groups. With ``ref.filter_zero_variance_groups`` groups whose rewards
+are all equal are left out (docs/data-and-rewards.md); with ``ref.teacher_model_path`` each
+token's advantage adds the teacher's signal (docs/training.md).
 """
 
 from __future__ import annotations
@@ -55,24 +39,14 @@ class RefActor:
     """Scores generated groups. Wrap with ``ray.remote`` to run it as an actor.
 
     Args:
-        model_dir (str): HF-format folder of the frozen reference model.
-        target_tokens_per_batch (int): Token budget of one reference forward.
-        share_prompts (bool): Pack the responses of a prompt after one copy of it
-            (`grpo.packing.packs.pack_sequences`).
-        config (RefConfig | None): The ``ref:`` options (dynamic sampling, reward weights,
-            advantage normalisation, dtype, attention kind, distillation teacher); None: their
-            defaults. With ``filter_zero_variance_groups``, groups whose rewards are all equal
-            are left out of what `score` returns; with ``teacher_model_path`` the teacher is
-            loaded and the advantages are per token.
-        load_model (bool): Load the reference model and compute ``ref_logprobs``. False when
-            the loss has no KL term (``kl_coeff`` 0), or with ``training.lora``, where the
-            trainers compute them from their base model with the adapter off
-            (`PyTorchActorModel._reference_logprobs`): the actor then only computes
-            advantages, and its trajectories carry ``ref_logprobs=None``.
-        temperature (float): The collectors' sampling temperature (``inference.temperature``):
-            reference and teacher logprobs are those of their logits divided by it, like the
-            policy's in the loss and the behaviour logprobs, so that the KL term and the
-            teacher signal compare distributions at the same temperature.
+        model_dir: HF-format folder of the frozen reference model.
+        target_tokens_per_batch: Token budget of one reference forward.
+        share_prompts: Pack a prompt's responses after one copy of it.
+        config: The ``ref:`` options; None: their defaults.
+        load_model: Load the reference model; False (no KL term, or LoRA, where the trainer
+            computes them) leaves ``ref_logprobs`` None.
+        temperature: ``inference.temperature``, so the KL term and the teacher signal compare
+            distributions at the sampling temperature.
     """
 
     def __init__(
@@ -104,8 +78,7 @@ class RefActor:
         self.steps_run = 0
 
     def _frozen_model(self, model_dir: str, dtype: str) -> torch.nn.Module:
-        """A model folder as a frozen eval-mode model on this actor's device, packed attention
-        set up for ``mask_kind``."""
+        """A model folder as a frozen eval-mode model on this actor's device."""
         model = build_model(
             model_dir,
             dtype=torch_dtype(dtype),
@@ -122,9 +95,8 @@ class RefActor:
         """Reference logprobs of each trajectory's response, keyed by ``sequence_id``.
 
         Returns:
-            tuple: The logprobs by ``sequence_id``, and the share (%) of the tokens that
-            shared-prompt packing did not compute (0 without ``share_prompts``). Without a
-            reference model: nothing, 0.
+            tuple: The logprobs by ``sequence_id``, and the share (%) of tokens that shared
+            prompts saved; without a reference model ``({}, 0.0)``.
         """
         if self.model is None:
             return {}, 0.0
@@ -133,11 +105,11 @@ class RefActor:
     def teacher_logprobs(self, trajectories: list[Any]) -> tuple[dict[str, torch.Tensor], float]:
         """The distillation teacher's logprobs of each response, keyed by ``sequence_id``.
 
-        Packed and tempered exactly as `reference_logprobs` (the same packs, the same
-        forward), so a teacher that is the reference model gives the same numbers bit for bit.
+        Packed exactly as `reference_logprobs`, so a teacher that is the reference model gives
+        the same numbers bit for bit.
 
         Returns:
-            tuple: As `reference_logprobs`; without a teacher: nothing, 0.
+            tuple: As `reference_logprobs`; without a teacher ``({}, 0.0)``.
         """
         if self.teacher is None:
             return {}, 0.0
@@ -180,16 +152,8 @@ class RefActor:
     ) -> tuple[list[list[ScoredTrajectory]], list[GroupedUnscoredTrajectories], dict[str, float]]:
         """Reference logprobs and advantages of whole groups, from the environment's rewards.
 
-        A group whose total rewards are all equal (`zero_variance_groups`; a group of one
-        sample counts) has all-zero advantages. With ``filter_zero_variance_groups`` it is
-        left out of the scored groups; without, it is scored like any other. Either way it is
-        among the zero-variance groups returned, and the reward metrics cover every group.
-
         Args:
-            groups (list[GroupedUnscoredTrajectories]): Groups to score.
-
-        With a teacher, each trajectory's advantage is per token (`distillation_advantages`
-        of its `teacher_signal`), and the metrics hold the batch's reverse KL to the teacher.
+            groups: Groups to score.
 
         Returns:
             tuple: The scored groups (in order; without the zero-variance ones when
@@ -201,8 +165,7 @@ class RefActor:
         total_reward = reward_batch.total(self.reward_weights)
         metadata = {"func_names": list(reward_batch.func_names)}
 
-        # Rewards first: the reference and teacher forwards then run only on the groups that are
-        # kept (with dynamic sampling, often less than half of what was generated).
+        # Rewards first: the forwards then run only on the kept groups (often under half).
         kept, zero_variance, offset = [], [], 0
         for group in groups:
             size = len(group.trajectories)
@@ -221,7 +184,6 @@ class RefActor:
         time_model_running = time.perf_counter() - model_start
 
         scored_groups = []
-        # Sums over the batch's policy tokens of behaviour - teacher logprob, and their count.
         reverse_kl_sum, policy_tokens = 0.0, 0
         for group, offset, group_reward in kept:
             advantages = group_advantages(
@@ -294,21 +256,16 @@ class RefActor:
     ) -> tuple[dict[str, Any], list[list[ScoredTrajectory]]]:
         """Score groups the driver took from the rollout queue.
 
-        Called with ``num_returns=2``: the driver reads the small first return and passes the
-        second, the scored groups, straight on to the replay buffer. The actor keeps nothing
-        between calls, so a replacement started after a crash scores the same groups again.
+        Called with ``num_returns=2``: the driver reads the small summary and passes the scored
+        groups straight on to the replay buffer.
 
         Args:
-            groups (list[GroupedUnscoredTrajectories]): Whole groups.
+            groups: Whole groups.
 
         Returns:
-            tuple: ``{"metrics", "group_ids", "sequence_ids" (one list per returned group),
-            "num_zero_variance_groups" (groups whose rewards were all equal),
-            "dropped_group_ids", "dropped_sequence_ids" (those of them left out by
-            ``filter_zero_variance_groups``; empty without it), "policy_version" (the newest
-            of all the groups), "group_rewards" (each group's total rewards, in the order
-            given: the driver reports the first episodes' reward distribution)}`` and the
-            returned scored groups, in order (possibly none).
+            tuple: ``{"metrics", "group_ids", "sequence_ids", "num_zero_variance_groups",
+            "dropped_group_ids", "dropped_sequence_ids", "policy_version", "group_rewards"}``
+            and the returned scored groups, in order (possibly none).
         """
         start = time.perf_counter()
         scored_groups, zero_variance, metrics = self.score_groups(groups)

@@ -1,19 +1,9 @@
 """The replay buffer between the reference actor and the trainer.
 
-It holds unpacked `ScoredTrajectory`s. Two flaws of earlier designs shape it:
-sampling is without replacement (each trajectory is trained on exactly once by default), and
-staleness is bounded: a trajectory whose oldest token was sampled by weights more than
-`max_policy_lag` training steps older than the trainer's is dropped, and counted, instead of
-being trained on. A policy version is the number of training steps its weights have taken
-(`grpo.workers.trainer.PyTorchActorModel.publish_weights`), so the lag is counted in steps
-however often the weights are synced.
-
-Groups are added atomically: `add` takes a whole group or nothing, so the caller can apply
-back-pressure (wait and retry) when the buffer is full rather than lose data.
-
-`ReplayBufferActor` is the buffer as the run's Ray actor: its `sample_batch` waits inside the
-actor until enough trajectories are there (an add wakes it), returns the batch as its own
-object for the trainers and a small summary for the driver, so the driver neither polls nor
+It samples without replacement (each trajectory is trained on once by default), drops and
+counts trajectories more than `max_policy_lag` training steps stale, and adds whole groups or
+nothing, so a caller facing a full buffer waits and retries rather than losing data.
+`ReplayBufferActor` waits for a batch inside the actor, so the driver neither polls nor
 fetches the data.
 """
 
@@ -31,26 +21,17 @@ from grpo.types import ScoredTrajectory
 class ReplayBuffer:
     """A bounded buffer of scored trajectories, sampled without replacement.
 
-    Run it as a Ray actor (``ray.remote(num_cpus=0)(ReplayBuffer)``) or use it directly.
-
     Args:
-        capacity (int): Most trajectories held at once.
-        max_policy_lag (int): A trajectory whose ``policy_version`` is more than this many
-            training steps behind the trainer's current version (its step count) is dropped
-            at sampling time.
-        sampling (str): ``"fifo"`` (oldest first: lowest policy lag, deterministic) or
-            ``"random"`` (uniform without replacement, seeded).
-        seed (int): Seed of the ``"random"`` sampler.
-        reuse_count (int): How many times each trajectory is trained on (1 = exactly once).
+        capacity: Most trajectories held at once.
+        max_policy_lag: Trajectories more than this many training steps behind the
+            trainer's version are dropped at sampling time.
+        sampling: ``"fifo"`` (oldest first, deterministic) or ``"random"`` (seeded).
+        seed: Seed of the ``"random"`` sampler.
+        reuse_count: How many times each trajectory is trained on.
 
     Raises:
-        ValueError: On a non-positive capacity, a negative lag or an unknown sampling mode.
-
-    Example:
-        >>> buffer = ReplayBuffer(capacity=256, max_policy_lag=2)
-        >>> buffer.add(group)  # list of ScoredTrajectory
-        True
-        >>> batch = buffer.sample(8, current_policy_version=0)
+        ValueError: On a non-positive capacity or reuse count, a negative lag or an unknown
+            sampling mode.
     """
 
     def __init__(
@@ -88,12 +69,8 @@ class ReplayBuffer:
     def add(self, trajectories: list[ScoredTrajectory]) -> bool:
         """Add a whole group, or nothing if it does not fit.
 
-        Args:
-            trajectories (list[ScoredTrajectory]): The group to add.
-
         Returns:
-            bool: True if added; False if the buffer had no room (nothing was added, the
-            caller keeps the group and retries later).
+            bool: False if the buffer had no room (nothing was added).
 
         Raises:
             ValueError: If the group alone is larger than the capacity (it could never fit).
@@ -119,15 +96,10 @@ class ReplayBuffer:
     ) -> int:
         """Add ``groups[first:]`` in order, whole groups, until one does not fit.
 
-        The driver calls it with the scored groups a reference actor returned. Trajectories
-        in ``skip_sequence_ids`` are left out: duplicates of groups already added (a restarted
-        collector regenerates its last batch) and, when a restarted buffer is rebuilt,
-        trajectories already trained on.
-
         Args:
-            groups (list[list[ScoredTrajectory]]): Scored groups, oldest first.
-            first (int): Index of the first group not yet added by an earlier call.
-            skip_sequence_ids (set[str]): Sequence ids to leave out.
+            groups: Scored groups, oldest first.
+            first: Index of the first group not yet added by an earlier call.
+            skip_sequence_ids: Sequence ids to leave out (duplicates, or already trained).
 
         Returns:
             int: How many groups, from ``first`` on, were taken (added or skipped); fewer
@@ -151,13 +123,15 @@ class ReplayBuffer:
         """Take ``n`` trajectories without replacement, after dropping stale ones.
 
         Args:
-            n (int): Number of trajectories wanted.
-            current_policy_version (int): The trainer's current policy version: the
-                training steps its weights have taken, synced to the collectors or not.
+            n: Number of trajectories wanted.
+            current_policy_version: The training steps the trainer's weights have taken.
 
         Returns:
             list[ScoredTrajectory] | None: ``n`` trajectories, or None if fewer are available
             (nothing is removed then).
+
+        Raises:
+            ValueError: If ``n`` < 1.
         """
         if n < 1:
             raise ValueError(f"sample size must be >= 1, got {n}")
@@ -220,15 +194,9 @@ class ReplayBuffer:
 class ReplayBufferActor(ReplayBuffer):
     """`ReplayBuffer` as an async Ray actor whose sampling waits for data inside the actor.
 
-    Start it with ``ray.remote(num_cpus=0)(ReplayBufferActor)`` and call `sample_batch` with
-    ``.options(num_returns=2)``: the first object is a small summary for the driver, the
-    second the batch, which the driver hands to the trainers without fetching it.
-
-    Every method the driver calls is a coroutine, so all of them run on the actor's one event
-    loop and never interleave with each other except at `sample_batch`'s wait.
-
-    Args:
-        Same as `ReplayBuffer`.
+    Call `sample_batch` with ``.options(num_returns=2)``: a small summary for the driver, and
+    the batch, which the driver hands to the trainers without fetching it. Every method is a
+    coroutine on one event loop, so none interleave except at `sample_batch`'s wait.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -265,20 +233,15 @@ class ReplayBufferActor(ReplayBuffer):
     ) -> tuple[dict[str, Any], list[ScoredTrajectory] | None]:
         """Wait up to ``timeout_s`` for ``n`` fresh trajectories, then take them.
 
-        Stale trajectories are dropped (as in `ReplayBuffer.sample`) each time it looks.
-
         Args:
-            n (int): Number of trajectories wanted.
-            current_policy_version (int): The trainer's current policy version: the
-                training steps its weights have taken, synced to the collectors or not.
-            timeout_s (float): Most seconds to wait; 0 looks once.
+            n: Number of trajectories wanted.
+            current_policy_version: The training steps the trainer's weights have taken.
+            timeout_s: Most seconds to wait; 0 looks once.
 
         Returns:
-            tuple[dict, list | None]: The summary (``sequence_ids``, ``group_ids``,
-            ``policy_versions`` of the batch, or None each when there is no batch;
-            ``stats``: `ReplayBuffer.stats` after sampling; ``wait_s``: seconds waited) and
-            the batch, or None when the time ran out or `release_waiters` was called
-            (nothing is removed then).
+            tuple[dict, list | None]: The summary (the batch's ``sequence_ids``,
+            ``group_ids``, ``policy_versions``, or None each; ``stats``; ``wait_s``) and the
+            batch, or None when the time ran out or `release_waiters` was called.
         """
         start = time.perf_counter()
         release_count = self._release_count

@@ -1,13 +1,9 @@
 """The bounded queue between the collectors and the reference actors.
 
-It is ``ray.util.queue.Queue`` (collectors ``put`` with a timeout and feel back-pressure when it
-is full) with two additions. `put_all` queues a collector's whole generation batch in one round
-trip (a ``put`` per group costs ~10 ms of a busy collector's time each, as much as a third of
-generating the batch on a small model). `take` is called by the driver with ``num_returns=2``:
-the first return is how many groups were taken (a few bytes the driver reads), the second the
-groups themselves, an object the driver owns but never fetches. The driver hands that object to
-a reference actor; if the actor dies while scoring, the driver still holds the groups and hands
-them to its replacement, so nothing taken from the queue is ever lost with an actor.
+A ``ray.util.queue.Queue`` (collectors feel back-pressure when it is full) plus `put_all`, one
+round trip for a whole generation batch, and `take`, whose second return (the groups) the
+driver owns but never fetches: it hands it to a reference actor, and to its replacement if
+that actor dies, so nothing taken from the queue is lost with an actor.
 """
 
 from __future__ import annotations
@@ -54,14 +50,8 @@ class RolloutQueue(Queue):
     """A ``ray.util.queue.Queue`` whose actor also has `take` (see the module docstring).
 
     Args:
-        maxsize (int): Capacity in groups; ``put`` blocks (or times out) when full.
-        actor_options (dict | None): ``ray.remote`` options of the queue's actor.
-
-    Example:
-        >>> rollout_queue = RolloutQueue(maxsize=64)
-        >>> count_ref, groups_ref = rollout_queue.take(max_items=4, timeout_s=0.5)
-        >>> if ray.get(count_ref):
-        ...     scored = ref_actor.score.remote(groups_ref)  # groups never reach the driver
+        maxsize: Capacity in groups; ``put`` blocks (or times out) when full.
+        actor_options: ``ray.remote`` options of the queue's actor.
     """
 
     def __init__(self, maxsize: int = 0, actor_options: dict[str, Any] | None = None) -> None:
@@ -79,9 +69,6 @@ class RolloutQueue(Queue):
 
 def put_all(rollout_queue: Any, items: list[Any], timeout_s: float) -> int:
     """Queue ``items`` in order on any queue, each waiting up to ``timeout_s`` for room.
-
-    A `RolloutQueue` takes them in one round trip (`RolloutQueue.put_all`); any other queue
-    (``ray.util.queue.Queue``, ``queue.Queue``) one ``put`` at a time.
 
     Returns:
         int: How many were queued: all of them, or the count before the one that timed out.

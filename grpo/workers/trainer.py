@@ -1,18 +1,10 @@
 """The trainer: `PyTorchActorModel`, one per training worker.
 
-Each step it gets a whole batch of `ScoredTrajectory`s (the same Ray object for every
-worker), takes its share, packs it into micro-batches of at most `target_tokens_per_batch`
-tokens, and accumulates gradients normalised by the whole batch's count (tokens or
-sequences), so the update does not depend on how the batch was split into packs or across
-workers. With several workers the model is sharded with FSDP2 (gloo on CPU, NCCL on GPU).
-
-With ``training.lora`` the trainer trains LoRA adapters (`grpo.models.lora`) on the frozen
-base model: only the adapters have optimizer state, are checkpointed (``adapter/`` and
-``trainer/``) and published to the collectors, and the reference logprobs of the KL term are
-the same model's with the adapters switched off.
-
-Packing, logprobs and the loss come from `grpo.packing.packs`, `grpo.packing.logprobs` and `grpo.objective.loss`;
-nothing here re-implements them.
+Each step every worker gets the whole batch, takes its share, packs it into micro-batches and
+accumulates gradients normalised by the whole batch's count, so the update does not depend on
+how the batch was split. Several workers shard the model with FSDP2. With ``training.lora``
+only the adapters are trained, checkpointed and published, and the reference logprobs are the
+same model's with the adapters off.
 """
 
 from __future__ import annotations
@@ -77,12 +69,8 @@ from grpo.workers.training_checkpoint import (
 class ResponseLogprobModel(nn.Module):
     """Wraps a torchtune decoder so one forward returns response-token logprobs.
 
-    FSDP2 unshards the root module's own parameters (embeddings, final norm, output
-    projection) only inside the root's forward; doing the chunked output projection inside
-    this forward keeps it correct when the wrapper is the FSDP root.
-
-    Args:
-        model (nn.Module): A torchtune ``TransformerDecoder``.
+    FSDP2 unshards the root's own parameters (output projection included) only inside the
+    root's forward, so the chunked projection must run in this forward.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -108,19 +96,9 @@ def _select_logprobs(
 def compile_layers(decoder: nn.Module) -> nn.Module:
     """``torch.compile`` each decoder layer in place, as torchtune's ``compile_model`` does.
 
-    Per layer rather than the whole model: every layer has the same code, so dynamo traces it
-    once and reuses the graph for all of them, and the chunked output projection
-    (`grpo.packing.logprobs`), a custom autograd function, stays out of the graph. ``Module.compile``
-    keeps the parameter names, so checkpoints and weight sync see the same state dict.
-    Pack lengths vary: the second length recompiles once with dynamic shapes, and later
-    lengths reuse that graph.
-
-    The attention of varlen and flex packs runs outside the compiled graphs
-    (`grpo.packing.attention`): varlen splits on Python ints that differ in every pack, which would
-    recompile each time, and FlexAttention is compiled on its own.
-
-    Args:
-        decoder (nn.Module): A torchtune ``TransformerDecoder``.
+    Per layer: dynamo traces the shared layer code once, and the chunked output projection
+    (a custom autograd function) stays out of the graph. ``Module.compile`` keeps the
+    parameter names, so checkpoints and weight sync see the same state dict.
 
     Returns:
         nn.Module: ``decoder`` itself.
@@ -136,11 +114,7 @@ def _set_seed(seed: int) -> None:
 
 
 def _loss_uses_reference(loss_fn: Any) -> bool:
-    """Whether the loss has a KL term to the reference model (``kl_coeff`` above 0).
-
-    The same rule as `RunConfig.uses_reference_model`, on the built loss: a loss class of
-    your own without a ``kl_coeff`` is taken to use the reference logprobs.
-    """
+    """Whether the loss has a KL term (``kl_coeff`` > 0; a loss without one is assumed to)."""
     kl_coeff = getattr(loss_fn, "kl_coeff", None)
     return kl_coeff is None or float(kl_coeff) > 0.0
 
@@ -149,27 +123,18 @@ class PyTorchActorModel:
     """One training worker; `as_remote` makes it a Ray actor class.
 
     Args:
-        rank (int): This worker's rank.
-        world_size (int): Number of training workers.
-        model_dir (str): HF-format checkpoint folder of the starting policy.
-        num_steps (int): Training steps of the run (sizes the LR schedule).
-        target_tokens_per_batch (int): Token budget of one packed micro-batch.
-        pad_token_id (int): Padding token id.
-        share_prompts (bool): Pack the responses of a prompt after one copy of it, and shard
-            the batch over workers by whole prompts (`grpo.packing.packs.shard_batch`).
-        config (TrainingConfig | None): The ``training:`` options this actor uses: the
-            ``optimizer`` node (the parameters are passed in), the ``lr_scheduler`` node (it
-            receives ``optimizer`` and ``num_training_steps``), the ``loss`` node,
-            ``ppo_epochs``, ``clip_grad_norm`` (null: no clipping), ``dtype``, ``mask_kind``
-            (see `grpo.packing.attention`; flex has no backward on CPU), ``compile`` (see
-            `compile_layers`) and ``lora`` (train low-rank adapters on the frozen base model:
-            see `setup`, `adapter_state_dict` and `publish_weights`). None: their defaults.
-        seed (int): Seed of model-independent randomness.
-        temperature (float): The collectors' sampling temperature (``inference.temperature``):
-            the policy's logprobs are those of its logits divided by it, the distribution the
-            engine sampled from and whose logprobs it returned as the behaviour logprobs.
-        empty_cache_after_step (bool): Give the allocator's cached GPU memory back after each
-            step (``inference.sleep_while_training``: vLLM wakes on the same GPU next).
+        rank: This worker's rank.
+        world_size: Number of training workers.
+        model_dir: HF-format checkpoint folder of the starting policy.
+        num_steps: Training steps of the run (sizes the LR schedule).
+        target_tokens_per_batch: Token budget of one packed micro-batch.
+        pad_token_id: Padding token id.
+        share_prompts: Pack a prompt's responses after one copy of it, and shard by prompts.
+        config: The ``training:`` options; None: their defaults.
+        seed: Seed of model-independent randomness.
+        temperature: ``inference.temperature``, so the policy's logprobs match the engine's.
+        empty_cache_after_step: Give cached GPU memory back after each step (vLLM wakes on
+            the same GPU next).
     """
 
     def __init__(
@@ -201,8 +166,7 @@ class PyTorchActorModel:
         self.clip_grad_norm = config.clip_grad_norm
         self.compile = config.compile
         self.lora = config.lora
-        # Set in `setup` once the loss is built: LoRA with a KL term computes the reference
-        # logprobs here (the base model is the adapter switched off; no reference model).
+        # LoRA with a KL term: the reference is this model with the adapter off (set in setup).
         self.computes_reference = False
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.mask_kind = resolve_mask_kind(config.mask_kind, self.device)
@@ -218,22 +182,14 @@ class PyTorchActorModel:
         self.policy_version = 0
         self.num_nonfinite_skipped = 0
         self._nonfinite_in_a_row = 0
-        # Rank 0's end of the weight transport the driver uses, built by its first publish.
         self.weight_sender: SendingEnd | None = None
 
     @classmethod
     def as_remote(cls, **options: Any) -> Any:
-        """This class as a Ray actor class.
-
-        The weight transport's calls (`connect_weights`, `send_weights`) run in a concurrency
-        group of their own (`grpo.weights.concurrency.TRAINER_CONCURRENCY_GROUPS`), beside
-        training steps.
+        """This class as a Ray actor class, weight transfers in their own concurrency group.
 
         Args:
             **options: ``ray.remote`` options (``num_cpus``, ``num_gpus``, ...).
-
-        Returns:
-            The Ray actor class; call ``.remote(...)`` with the constructor's arguments.
         """
         return ray.remote(**{"concurrency_groups": TRAINER_CONCURRENCY_GROUPS, **options})(cls)
 
@@ -243,19 +199,13 @@ class PyTorchActorModel:
         Separate from ``__init__`` because rank 0's address is known only once it exists.
 
         Args:
-            dist_init_method (str | None): ``tcp://host:port`` of rank 0; required when
-                ``world_size > 1``.
-            checkpoint_dir (str | None): Resume from this checkpoint: weights from its
-                ``model/`` folder, then the sharded model and optimizer state, LR schedule,
-                counters and RNG from ``trainer/`` (saved by any number of workers). The
-                config's optimizer settings and ``num_steps`` apply from there
-                (`carry_over_hyperparameters`). With ``lora`` the checkpoint has no
-                ``model/``: the base model is built from ``model_dir`` and ``trainer/`` brings
-                back the adapters with their optimizer state.
+            dist_init_method: ``tcp://host:port`` of rank 0; required when ``world_size > 1``.
+            checkpoint_dir: Resume from this checkpoint (``model/`` or, with ``lora``, the
+                base model, then ``trainer/``); the config's optimizer settings and
+                ``num_steps`` apply from there.
 
-        With ``lora``, the adapters wrap the base model before sharding and after the seed, so
-        every rank starts from the same adapter initialisation; the base weights are frozen
-        and the optimizer sees only the adapters.
+        Raises:
+            ValueError: Several workers and no ``dist_init_method``.
         """
         world_size, rank = self.world_size, self.rank
         if world_size > 1:
@@ -280,8 +230,7 @@ class PyTorchActorModel:
             packed_len=self.target_tokens_per_batch,
         )
         if self.lora is not None:
-            # Draws the adapters' initial values from the RNG seeded above: identical on
-            # every rank before FSDP shards them (a resume overwrites them from trainer/).
+            # After the seed: every rank draws the same initial adapters before sharding.
             apply_lora(decoder, self.lora)
         if self.mask_kind != "dense":
             use_packed_attention(decoder)
@@ -299,7 +248,6 @@ class PyTorchActorModel:
         nodes = self._component_nodes
         self.loss_fn = instantiate(nodes["loss"], _key_="training.loss")
         self.computes_reference = self.lora is not None and _loss_uses_reference(self.loss_fn)
-        # Only the adapters under LoRA: the optimizer then keeps no state for the frozen base.
         parameters = (
             trainable_parameters(self.policy) if self.lora is not None else self.policy.parameters()
         )
@@ -317,23 +265,15 @@ class PyTorchActorModel:
         if checkpoint_dir:
             self._load_training_state(Path(checkpoint_dir) / TRAINER_SUBDIR)
 
-    # ------------------------------------------------------------------ checkpoints
-
     def save_checkpoint(self, checkpoint_dir: str) -> None:
         """Write ``model/`` (HF format, from rank 0) and ``trainer/`` into ``checkpoint_dir``.
 
-        ``trainer/`` holds the sharded model and optimizer state, each rank writing its own
-        shards (`grpo.workers.training_checkpoint`), plus the LR schedule, counters and RNG.
-        The caller makes the folder and renames it into place once complete, so every rank
-        must see the same ``checkpoint_dir`` (a shared filesystem across nodes). Collective.
-
-        With ``lora`` it writes ``adapter/`` (a PEFT adapter folder of the base model,
-        `grpo.models.lora.save_peft_adapter`) instead of ``model/``, and ``trainer/`` holds
-        only the adapters and their optimizer state: the frozen base is never rewritten.
+        ``trainer/`` holds each rank's shards of model and optimizer state, the LR schedule,
+        counters and RNG. With ``lora``, ``adapter/`` (a PEFT folder) replaces ``model/``.
+        Collective: every rank must see the same ``checkpoint_dir``.
         """
         checkpoint_dir = Path(checkpoint_dir)
         if self.lora is not None:
-            # Collectors start from the base model and this adapter.
             adapter = self.adapter_state_dict()
             if self.rank == 0:
                 save_peft_adapter(
@@ -343,9 +283,7 @@ class PyTorchActorModel:
                 )
             del adapter
         else:
-            # The exported model (collectors start from it) needs the full weights: gathered
-            # (an all-gather), written by rank 0, freed before the sharded save. The optimizer
-            # state is never gathered.
+            # Freed before the sharded save, to hold one full copy at a time.
             tune_state = self.full_state_dict()
             if self.rank == 0:
                 save_hf_checkpoint(tune_state, self.model_dir, checkpoint_dir / MODEL_SUBDIR)
@@ -369,7 +307,6 @@ class PyTorchActorModel:
         state = load_training_state(self.policy, self.optimizer, folder)
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        # The config's optimizer settings run (a resume may change them, or num_steps).
         carry_over_hyperparameters(self.optimizer, self.lr_scheduler, state.get("optimizer_lr"))
         self.steps_run = state["steps_run"]
         self.policy_version = state["policy_version"]
@@ -378,16 +315,12 @@ class PyTorchActorModel:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
 
-    # ------------------------------------------------------------------ training
-
     def _plan_micro_batches(
         self, batch: list[ScoredTrajectory]
     ) -> tuple[list[list[ScoredTrajectory]], int]:
         """This rank's packs, and how many micro-batches every rank must run.
 
-        Each rank plans every rank's share (they all see the whole batch), so they agree on
-        the number of forward/backward passes without communicating. With shared prompts the
-        shares are whole prompt groups, balanced by tokens (`grpo.packing.packs.shard_batch`).
+        Each rank plans every rank's share, so all agree without communicating.
         """
         budget, share = self.target_tokens_per_batch, self.share_prompts
         shards = [
@@ -409,18 +342,13 @@ class PyTorchActorModel:
     ) -> dict[str, Any]:
         """Run ``ppo_epochs`` optimizer steps on one batch.
 
-        With ``ppo_epochs > 1`` each pack first gets one forward without gradient for the
-        pre-update logprobs pi_old (see `_old_logprobs`), which every epoch's loss uses for the
-        correction's ratio and the mismatch metrics (``mismatch_kl``, ``mismatch_max_abs``). With
-        ``lora`` and a KL term, each pack also gets a forward of the base model (adapter off)
-        for the reference logprobs (see `_reference_logprobs`), and the batch's
-        ``ref_logprobs`` are not used.
+        A step whose loss or gradient norm is not finite is skipped and counted.
 
         Args:
-            batch (list[ScoredTrajectory]): The whole batch (identical on every worker).
-            time_waiting_buffer (float): Seconds the orchestrator waited for this batch.
-            debug_sequence_ids (list[str] | None): Sequences whose policy logprobs (from the
-                first epoch) to return under ``"debug_pi_logprobs"``, for debug tables.
+            batch: The whole batch (identical on every worker).
+            time_waiting_buffer: Seconds the orchestrator waited for this batch.
+            debug_sequence_ids: Sequences whose first-epoch policy logprobs to return under
+                ``"debug_pi_logprobs"``.
 
         Returns:
             dict[str, float]: Metrics of the step (``train_actor_*`` names), summed over
@@ -439,10 +367,7 @@ class PyTorchActorModel:
             )
             for mb in micro_batches
         ]
-        # Normalise by the WHOLE batch's count (tokens or sequences), so gradients do not
-        # depend on how the batch is split into packs or across workers.
         normalizer = self.loss_fn.batch_loss_normalizer([t.policy_len for t in batch])
-        # Every real micro-batch's stats over all epochs, combined by the loss's own rule.
         step_stats: list[GRPOStats] = []
         wanted = set(debug_sequence_ids or ())
         debug_pi_logprobs: dict[str, list[float]] = {}
@@ -499,8 +424,7 @@ class PyTorchActorModel:
         time_grpo_steps = time.perf_counter() - grpo_start
         loss_metrics = self._combined_loss_metrics(step_stats)
 
-        # A skipped step leaves weights and optimizer untouched; the driver decides when too
-        # many in a row mean the run has diverged (it can then still save a checkpoint).
+        # The driver decides when too many skips in a row mean the run has diverged.
         if skipped:
             self.num_nonfinite_skipped += 1
             self._nonfinite_in_a_row += 1
@@ -520,7 +444,6 @@ class PyTorchActorModel:
             names.TRAIN_GRAD_NORM: float(grad_norm),
             names.TRAIN_LR: self.optimizer.param_groups[0]["lr"],
             names.TRAIN_RESPONSE_LENGTHS: response_tokens / len(batch),
-            # Below 1 only with multi-turn episodes: environment tokens are not trained.
             "train_actor_training/trained_token_fraction": (
                 policy_tokens / response_tokens if response_tokens else 1.0
             ),
@@ -533,8 +456,6 @@ class PyTorchActorModel:
                 time.perf_counter() - step_start + time_waiting_buffer
             ),
             names.TRAIN_PERF_TIME_GRPO_STEPS: time_grpo_steps,
-            # Everything this call computed (packing, forward, backward, optimizer, the
-            # metric reduction); the driver's step breakdown subtracts it from its wall time.
             names.TRAIN_PERF_TIME_TRAIN_COMPUTE: time.perf_counter() - step_start,
             names.TRAIN_PERF_TIME_WAITING_BUFFER: time_waiting_buffer,
             names.TRAIN_PERF_TOKENS_PER_SECOND: (
@@ -543,14 +464,11 @@ class PyTorchActorModel:
             names.TRAIN_PERF_PADDED_TOKENS_PERCENTAGE: (
                 100.0 * (packed_tokens - real_tokens) / packed_tokens if packed_tokens else 0.0
             ),
-            # Share of this worker's sequence tokens (prompts repeated) that shared prompts
-            # left out of the forward and backward passes.
             names.TRAIN_PERF_SHARED_PROMPT_TOKENS_SAVED: (
                 100.0 * shared_tokens / (real_tokens + shared_tokens) if real_tokens else 0.0
             ),
         }
         if self.computes_reference:
-            # Part of time_grpo_steps: the base model's forwards (adapter off) in this trainer.
             metrics["train_actor_performance/time_reference_forward"] = time_reference
         if wanted:
             metrics["debug_pi_logprobs"] = debug_pi_logprobs
@@ -562,20 +480,9 @@ class PyTorchActorModel:
     def _old_logprobs(
         self, packs: list[PackedTrajectory], num_micro_batches: int
     ) -> list[torch.Tensor | None]:
-        """pi_old of each pack: the trainer's logprobs before this step's first update.
+        """pi_old of each pack, or Nones with one epoch (the loss then takes it from its forward).
 
-        With one epoch the first (and only) forward sees the pre-update weights, so the loss
-        takes pi_old from it (None here: no extra forward). With more epochs the weights
-        change between epochs, so one forward without gradient per pack fixes pi_old first;
-        the loss uses it for the correction's ratio and the mismatch metrics in every epoch.
-
-        Args:
-            packs (list[PackedTrajectory]): This rank's packs.
-            num_micro_batches (int): Micro-batches every rank runs; a rank with fewer packs
-                runs filler forwards so that FSDP's collectives line up across ranks.
-
-        Returns:
-            list[torch.Tensor | None]: One entry per pack.
+        Runs ``num_micro_batches`` forwards, fillers included, so FSDP's collectives line up.
         """
         if self.ppo_epochs == 1 or not packs:
             return [None] * len(packs)
@@ -590,22 +497,9 @@ class PyTorchActorModel:
     def _reference_logprobs(
         self, packs: list[PackedTrajectory], num_micro_batches: int
     ) -> list[torch.Tensor | None]:
-        """The reference logprobs of each pack: the batch's, or the base model's under LoRA.
+        """Each pack's reference logprobs: its own, or under LoRA this model's with the adapter off.
 
-        With ``lora`` and a loss with a KL term, the reference model is the base model this
-        trainer already holds: the same forward as the policy's (temperature applied), without
-        gradient and with every adapter switched off (torchtune's ``disable_adapter``). Under
-        FSDP each forward gathers parameters, so every rank runs ``num_micro_batches`` of them
-        (a rank with fewer packs repeats one). They are computed in the training dtype.
-        Otherwise each pack's own ``ref_logprobs`` (from the reference actor; None without a
-        KL term).
-
-        Args:
-            packs (list[PackedTrajectory]): This rank's packs.
-            num_micro_batches (int): Micro-batches every rank runs.
-
-        Returns:
-            list[torch.Tensor | None]: One entry per pack.
+        Runs ``num_micro_batches`` forwards, fillers included, so FSDP's collectives line up.
         """
         if not self.computes_reference or not packs:
             return [packed.ref_logprobs for packed in packs]
@@ -618,12 +512,7 @@ class PyTorchActorModel:
         return ref_logprobs
 
     def _combined_loss_metrics(self, step_stats: list[GRPOStats]) -> dict[str, float]:
-        """The step's loss metrics over every micro-batch, epoch and rank.
-
-        `combine_stats` gives this rank's exact values; across ranks, loss parts are weighted
-        by each rank's share of the normaliser and token means by its tokens, so the result is
-        the same however the batch was split.
-        """
+        """The step's loss metrics over every micro-batch, epoch and rank, exact however split."""
         combined = combine_stats(step_stats)
         count = float(combined.metadata["normalizer_count"])
         tokens = float(combined.metadata["num_tokens"])
@@ -681,21 +570,12 @@ class PyTorchActorModel:
             norm = norm.full_tensor()
         return norm.detach().float().cpu()
 
-    # ------------------------------------------------------------------ weights
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights in torchtune names, on CPU.
-
-        Collective: with several workers every rank must call it. With ``lora``, the base
-        weights and the adapters (``lora_a`` / ``lora_b``), unmerged.
-        """
+        """Full (unsharded) weights in torchtune names, on CPU (``lora``: unmerged). Collective."""
         return self._gathered(lambda name: True)
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) LoRA adapter tensors in torchtune names, on CPU.
-
-        Only the adapters are gathered, never the base. Collective: with several workers
-        every rank must call it.
+        """Full (unsharded) LoRA adapter tensors in torchtune names, on CPU. Collective.
 
         Raises:
             RuntimeError: Without ``lora`` (there is no adapter).
@@ -717,11 +597,7 @@ class PyTorchActorModel:
         return state
 
     def _published_weights(self) -> dict[str, torch.Tensor] | None:
-        """What the collectors receive, under the names they load: the full weights in HF
-        names, or with ``lora`` only the adapter tensors in PEFT names.
-
-        Collective (the gather); renamed on rank 0 only, None on the other ranks.
-        """
+        """Full weights in HF names (``lora``: adapters in PEFT names) on rank 0, else None."""
         if self.lora is not None:
             adapter = self.adapter_state_dict()
             return peft_adapter_state_dict(adapter, self.hf_config) if self.rank == 0 else None
@@ -732,8 +608,7 @@ class PyTorchActorModel:
     def probe_logprobs(self) -> dict[str, Any]:
         """Logprobs of a fixed token sequence under the current weights.
 
-        A collector that loaded the same weights must reproduce them, which proves that the
-        engine computes with what was sent, not only that the bytes arrived. Collective.
+        A collector that loaded the same weights must reproduce them. Collective.
         """
         vocab_size = int(self.hf_config["vocab_size"])
         token_ids = [(7 * i + 3) % min(vocab_size, 256) for i in range(16)]
@@ -759,24 +634,16 @@ class PyTorchActorModel:
     def publish_weights(self, transport: str) -> dict[str, Any] | None:
         """Gather the full weights and publish them (rank 0), as version ``steps_run``.
 
-        A policy version is the number of training steps the weights have taken (0: the base
-        model), so the staleness of a trajectory, its version against the trainer's step
-        count, is counted in steps whatever ``weight_sync.every_n_steps`` is.
-
-        With ``lora`` only the adapter tensors are gathered and published, in PEFT names
-        (`grpo.models.lora.peft_adapter_state_dict`); the payload is otherwise the same, its
-        probe that of the model with the adapter on (what the collectors serve).
-
-        Collective: every rank must call it (the gather and the probe forward are).
+        A version counts training steps (0: the base model), so staleness is in steps
+        whatever ``weight_sync.every_n_steps`` is. With ``lora`` only the adapters are
+        published. Collective.
 
         Args:
-            transport (str): The transport the driver uses (``weight_sync.transport``).
+            transport: ``weight_sync.transport``.
 
         Returns:
-            dict | None: On rank 0, the payload ``{"version", "checksum", "probe",
-            "weights"}``: ``weights`` is what the transport's sending end made of them
-            (`grpo.weights.base.SendingEnd.publish`), the checksum the one both ends compute,
-            the probe the logprobs the collectors reproduce. None on the other ranks.
+            dict | None: On rank 0 ``{"version", "checksum", "probe", "weights"}``, with
+            ``weights`` what the sending end published; None on the other ranks.
         """
         weights = self._published_weights()
         probe = self.probe_logprobs()
@@ -801,12 +668,7 @@ class PyTorchActorModel:
         return self.weight_sender.send(collector, version)
 
     def weights_checksum(self) -> Any:
-        """Checksum of the current weights, in the same definition the collectors use.
-
-        With ``lora``, that of the PEFT-named adapter tensors (what `publish_weights` sends),
-        or `NO_ADAPTER_CHECKSUM` while every B is zero: such an adapter is the base model, which
-        is what a collector serves before its first adapter. Collective.
-        """
+        """Checksum of what `publish_weights` sends, as the collectors compute it. Collective."""
         weights = self._published_weights()
         if weights is None:
             return None
@@ -815,8 +677,7 @@ class PyTorchActorModel:
     def save_hf_checkpoint(self, out_dir: str) -> str | None:
         """Write the current policy as an HF-format folder (atomically; rank 0 writes).
 
-        With ``lora``, the base model with the adapters merged into its weights
-        (`grpo.models.lora.merge_lora`): a plain model folder, served without LoRA. Collective.
+        With ``lora``, the adapters are merged into the weights. Collective.
         """
         tune_state = self.full_state_dict()
         if self.rank != 0:

@@ -1,27 +1,9 @@
 """Sharded training state: model and optimizer saved and loaded per rank with DCP.
 
-The trainers write their part of a checkpoint into its ``trainer/`` folder with
-``torch.distributed.checkpoint`` (DCP): every rank writes only the shards it owns (one
-``__<rank>_0.distcp`` file each) and rank 0 adds DCP's ``.metadata``, so no rank ever holds
-the whole optimizer state (AdamW's two moments are twice the model). Rank 0 also writes the
-small, world-size independent rest (LR schedule, counters, RNG) as ``extra.pt``. Only the
-trainable parameters are saved: with LoRA (``training.lora``) the adapters and their optimizer
-state, not the frozen base, which a resume builds from the base model again.
-
-Loading goes the other way on every rank: DCP reads the slices of the saved tensors that
-cover each rank's own shards, so a checkpoint saved by N workers loads into M workers
-(1 <-> 2 is tested).
-
-Atomicity is the caller's: the folder passed in is inside the temporary checkpoint folder
-that `grpo.orchestrator.checkpointer.Checkpointer` renames into place once every part is
-written. Every rank writes into that same folder, so with trainers on several nodes it must
-be on a filesystem they all share (NFS, Lustre, ...), like the rest of the checkpoint.
-
-Single worker: there is no process group; DCP then runs in one process (``no_dist``), and
-the state dict helpers work on the plain module and optimizer, so the same files result.
-
-A resume may change the optimizer's settings and the run's length: `carry_over_hyperparameters`
-makes the restored optimizer and LR schedule run the config's values, with no jump in the lr.
+Every rank writes only its own shards of the trainable parameters (LoRA: the adapters) and
+their optimizer state, so no rank holds the whole optimizer state; rank 0 adds the small
+rank-independent rest as ``extra.pt``. A checkpoint saved by N workers loads into M. Atomicity
+is the caller's, and with trainers on several nodes the folder must be on a shared filesystem.
 """
 
 from __future__ import annotations
@@ -48,24 +30,17 @@ TRAINER_SUBDIR = "trainer"
 """The folder of a checkpoint that holds the trainers' sharded state."""
 
 MODEL_SUBDIR = "model"
-"""The folder of a checkpoint that holds the policy as a Hugging Face model folder (full
-fine-tuning; collectors start from it)."""
+"""The folder of a checkpoint that holds the policy as a Hugging Face model (full fine-tuning)."""
 
 ADAPTER_SUBDIR = "adapter"
-"""The folder of a checkpoint that holds the policy's LoRA adapter as a PEFT adapter folder
-(``training.lora``; collectors start from the base model and it). Such a checkpoint has no
-`MODEL_SUBDIR`."""
+"""The folder of a LoRA checkpoint that holds the adapter (PEFT), instead of `MODEL_SUBDIR`."""
 
 EXTRA_STATE_FILE = "extra.pt"
 METADATA_FILE = ".metadata"  # written by DCP's coordinator (rank 0) once every shard is written
 
-# Sharded, not gathered: each rank keeps its own shards of parameters and optimizer state.
-# Frozen parameters (a LoRA model's base) are left out: they come from the base model, and
-# rewriting the unchanged base at every checkpoint would cost time and disk for nothing.
-# Full fine-tuning has none, so its files are unchanged.
+# Frozen parameters (a LoRA model's base) are left out: a resume rebuilds them from the base model.
 _SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False, ignore_frozen_params=True)
-# Loading into a model whose frozen parameters are already in place: they are "missing" from
-# what was saved, which `load_training_state` checks itself (nothing else may be).
+# Frozen parameters are "missing" from what was saved; `load_training_state` checks the rest.
 _SHARDED_LOAD = StateDictOptions(
     full_state_dict=False, cpu_offload=False, ignore_frozen_params=True, strict=False
 )
@@ -93,18 +68,13 @@ def save_training_state(
 ) -> None:
     """Write the model and optimizer shards of this rank, and ``extra`` from rank 0.
 
-    Only the trainable parameters are written (all of them in full fine-tuning, the adapters
-    under LoRA), with the optimizer state, which covers exactly those.
-
     Collective: every rank must call it with the same ``folder``.
 
     Args:
-        model (nn.Module): The (possibly FSDP2-sharded) model the optimizer updates.
-        optimizer (torch.optim.Optimizer): Its optimizer.
-        folder (str | Path): The checkpoint's ``trainer/`` folder, inside the temporary
-            checkpoint folder; created if missing.
-        extra (dict[str, Any]): Small, rank-independent state (``torch.save``-able), written
-            by rank 0 only.
+        model: The (possibly FSDP2-sharded) model the optimizer updates.
+        optimizer: Its optimizer.
+        folder: The checkpoint's ``trainer/`` folder; created if missing.
+        extra: Small, rank-independent, ``torch.save``-able state.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -123,14 +93,12 @@ def load_training_state(
 ) -> dict[str, Any]:
     """Load this rank's model and optimizer shards in place; return the ``extra`` state.
 
-    Collective: every rank must call it. The optimizer may be fresh (no step taken yet):
-    its state is initialised first so that DCP knows every tensor's shape and sharding.
-    Frozen parameters are not loaded (they were not saved): the model must already hold them.
+    Collective. Frozen parameters were not saved: the model must already hold them.
 
     Args:
-        model (nn.Module): The model, already sharded as it will be trained.
-        optimizer (torch.optim.Optimizer): Its optimizer.
-        folder (str | Path): A checkpoint's ``trainer/`` folder.
+        model: The model, already sharded as it will be trained.
+        optimizer: Its optimizer (may be fresh).
+        folder: A checkpoint's ``trainer/`` folder.
 
     Returns:
         dict[str, Any]: What `save_training_state` got as ``extra``.
@@ -147,8 +115,7 @@ def load_training_state(
             f"{folder} is not a saved training state (missing {', '.join(missing)}); a "
             "checkpoint's trainer/ folder holds the sharded model and optimizer state"
         )
-    # The current (sharded) state dicts are the templates DCP loads into: it reads, for each
-    # tensor, the saved slices that overlap this rank's shard, whatever the saving world size.
+    # The current sharded state dicts are DCP's templates, whatever the saving world size.
     model_state, optimizer_state = get_state_dict(model, optimizer, options=_SHARDED)
     state = {"model": model_state, "optimizer": optimizer_state}
     _dcp_call(dcp.load, state, checkpoint_id=str(folder))
@@ -174,32 +141,16 @@ def carry_over_hyperparameters(
 ) -> None:
     """Make a restored optimizer run the config's settings, its LR schedule going on smoothly.
 
-    Loading a checkpoint puts back the param groups' hyperparameters and the schedule's base
-    lrs as they were saved, so a resume with another ``training.optimizer.lr`` (or betas,
-    weight decay, ...) would keep the old values, and a schedule rebuilt for a longer
-    ``orchestration.num_steps`` would make the lr jump. Here, after loading:
-
-    - every hyperparameter the optimizer was built with (``optimizer.defaults``, from the
-      config) is set in each param group, the lr aside;
-    - without a schedule the lr is the config's;
-    - with one, the lr at the checkpoint's step is the one the run had there, times
-      (configured lr / ``saved_lr``), and it goes on from there along the schedule built for
-      this run (its ``num_training_steps`` and the config's scheduler settings): the
-      schedule's base lrs are scaled so that it passes through that value at that step. A
-      longer run thus continues the decay from where it was, stretched over the new length
-      (it ends lower than the configured end fraction of the peak when the old schedule had
-      already decayed further than the new one at that step). A schedule that is not a
-      ``LambdaLR`` (whose lr is not base lr times a function of the step) starts from that
-      value with its base lrs scaled by the lr ratio.
-
-    A resume that changes nothing leaves every value as loaded, bit for bit.
+    Loading restores the saved hyperparameters and base lrs. Here the config's values are
+    set again, and the lr at the checkpoint's step becomes the saved one times (configured lr
+    / ``saved_lr``), going on along this run's schedule (a ``LambdaLR``'s base lrs are
+    rescaled to pass through it), so nothing jumps. A resume that changes nothing leaves every
+    value as loaded, bit for bit.
 
     Args:
-        optimizer (torch.optim.Optimizer): Built from the config, its state loaded.
+        optimizer: Built from the config, its state loaded.
         lr_scheduler: Its schedule, built for this run and its state loaded; None if none.
-        saved_lr (float | None): The configured lr of the run that saved the checkpoint (its
-            ``extra`` state's ``optimizer_lr``); None for a checkpoint that did not record it,
-            whose lr and schedule are then left as loaded.
+        saved_lr: The saving run's configured lr; None leaves lr and schedule as loaded.
     """
     for group in optimizer.param_groups:
         for key, value in optimizer.defaults.items():

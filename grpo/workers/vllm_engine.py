@@ -1,16 +1,10 @@
 """The collector's vLLM engine: how it is built and sized, and how episodes sample on it.
 
-The engine runs inside the collector's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): start-up
-in seconds instead of a separate engine-core process (~25 s on CPU), and weight updates pass
-tensors by reference. Its context (``max_model_len``) holds the longest prompt and the longest
-response an environment allows (`grpo.envs.protocol.Environment.response_budget`).
-
-`EngineLoop` steps the engine: pending weights in between two steps when updates are in flight
-(`grpo.weights.receiver.EngineWeights`), and the version of the weights of every sampled token
-recorded (`TokenVersions`). `VLLMTurnEngine` is the engine as the environments see it
-(`grpo.envs.rollout.TurnEngine`): each policy turn is a request of its own, added when its
-episode is ready, and each step runs the scheduler once, so a turn joins the running batch
-without waiting for the others.
+The engine runs inside the collector's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so it
+starts without a separate engine-core process and weight updates pass tensors by reference.
+`EngineLoop` steps it, loading in-flight weights between steps and recording which weights
+sampled each token; `VLLMTurnEngine` adds each policy turn as its own request, so a turn joins
+the running batch without waiting for the others.
 """
 
 from __future__ import annotations
@@ -36,19 +30,16 @@ from grpo.workers.engine_sleep import EngineSleep, sleep_engine_args, sleep_leve
 
 # vLLM settings that make a CPU engine start in seconds and fit beside other processes.
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
-    # No CUDA graphs or torch.compile on CPU: compilation takes minutes, eager is fast enough.
+    # Compilation takes minutes on CPU; eager is fast enough.
     "enforce_eager": True,
-    # float32: the behaviour logprobs then match an fp32 trainer's forward to ~1e-6. bfloat16
-    # is faster on CPUs with bf16 units; pass dtype in engine_args to choose it.
+    # float32: behaviour logprobs then match an fp32 trainer's forward; bf16 via engine_args.
     "dtype": "float32",
-    # An explicit KV cache size. The default sizes it as a fraction of the NUMA node's memory
-    # minus this process's RSS, which fails as soon as other processes hold memory.
+    # vLLM's default (a share of the NUMA node's free memory) fails when others hold memory.
     "kv_cache_memory_bytes": 512 * 2**20,
 }
 ENGINE_DEFAULTS: dict[str, Any] = {
     "worker_extension_cls": WORKER_EXTENSION_CLS,
-    # The logprobs of the distribution that sampled (after temperature), not of the raw
-    # logits: the importance ratio and TIS weights compare the trainer's against them.
+    # After temperature: the loss's ratio compares the trainer's logprobs with these.
     "logprobs_mode": "processed_logprobs",
 }
 
@@ -59,9 +50,9 @@ def engine_kwargs(
     """The keyword arguments for ``vllm.LLM``: defaults, then ``engine_args`` on top.
 
     Args:
-        engine_args (Mapping[str, Any] | None): User settings; they win over every default.
-        seed (int): Engine seed (per-request seeds make sampling reproducible anyway).
-        on_cpu (bool | None): Apply `CPU_ENGINE_DEFAULTS`; default: when CUDA is unavailable.
+        engine_args: User settings; they win over every default.
+        seed: Engine seed.
+        on_cpu: Apply `CPU_ENGINE_DEFAULTS`; default: when CUDA is unavailable.
 
     Returns:
         dict[str, Any]: Arguments for ``vllm.LLM(model=..., **kwargs)``.
@@ -78,11 +69,9 @@ def engine_kwargs(
 def whole_prefills(kwargs: Mapping[str, Any], model_dir: str) -> dict[str, Any]:
     """Engine arguments that never split a prompt's prefill across steps (the CPU default).
 
-    vLLM 0.32 rewinds the sampling generator of a seeded request whose prefill was split
-    (chunked prefill), and the CPU generator has no offset to rewind: ``RuntimeError: CPU
-    Generator does not use offset`` as soon as a batch's prompts exceed one step's token budget
-    (64 samples of a 100-token prompt). Without chunked prefill a prompt that does not fit the
-    step waits for the next one, whole; the budget must then hold the longest sequence.
+    vLLM 0.32 rewinds the generator of a seeded request whose prefill was split, and the CPU
+    generator cannot (``RuntimeError: CPU Generator does not use offset``). The step budget
+    must then hold the longest sequence.
 
     Returns:
         dict[str, Any]: ``enable_chunked_prefill`` False and ``max_num_batched_tokens`` at
@@ -98,10 +87,7 @@ def whole_prefills(kwargs: Mapping[str, Any], model_dir: str) -> dict[str, Any]:
 
 
 def check_in_flight_updates(llm_engine: Any) -> None:
-    """Refuse an engine that cannot take weights while it generates.
-
-    An in-flight update preempts the running requests so that they are prefilled again with
-    the new weights (``reset_prefix_cache(reset_running_requests=True)``, vLLM >= 0.11).
+    """Refuse an engine that cannot preempt its running requests (vLLM < 0.11).
 
     Raises:
         ValueError: Naming ``inference.weight_updates`` and the setting that works.
@@ -141,17 +127,16 @@ def build_engine(
     """Start a vLLM engine for ``model_dir`` with the ``inference:`` options.
 
     Without ``max_model_len`` in ``engine_args`` the context is ``max_prompt_tokens`` +
-    ``response_tokens`` when both are set (the model's context otherwise); a null
-    ``max_prompt_tokens`` becomes the context minus the response budget.
+    ``response_tokens`` when both are set; a null ``max_prompt_tokens`` becomes the context
+    minus the response budget.
 
     Args:
-        model_dir (str): The model folder.
-        config (InferenceConfig): The ``inference:`` options.
-        seed (int): The engine seed.
-        response_tokens (int | None): The longest response (one turn, or a whole episode);
-            None: only the context bounds it.
-        lora_rank (int | None): Serve LoRA adapters of this rank (``training.lora.rank``);
-            None: full weights only.
+        model_dir: The model folder.
+        config: The ``inference:`` options.
+        seed: The engine seed.
+        response_tokens: The longest response (one turn, or a whole episode); None: only the
+            context bounds it.
+        lora_rank: Serve LoRA adapters of this rank; None: full weights only.
 
     Returns:
         Engine: The engine, its ``max_model_len`` and ``max_prompt_tokens``.
@@ -194,12 +179,11 @@ class Sampling(NamedTuple):
     """How the run samples: the settings every policy turn shares.
 
     Args:
-        temperature (float): ``inference.temperature``.
-        top_p (float): ``inference.top_p``.
-        stop (tuple[str, ...]): The prompt template's stop strings (the tokens that complete
-            one are kept in the turn).
-        stop_token_ids (tuple[int, ...]): The tokenizer's stop tokens (<|im_end|>,
-            <|endoftext|>), in case the model folder's generation_config names only one.
+        temperature: ``inference.temperature``.
+        top_p: ``inference.top_p``.
+        stop: The prompt template's stop strings (kept in the turn).
+        stop_token_ids: The tokenizer's stop tokens, in case the model folder's
+            generation_config names only one.
     """
 
     temperature: float
@@ -271,15 +255,12 @@ class VLLMTurnEngine:
     ``generate`` call in between would run these requests to completion as its own.
 
     Args:
-        add_request (Callable): ``add_request(request_id, token_ids, params)`` on the engine.
-        step (Callable): One step of the engine (pending weights loaded first unless
-            ``greedy``): the finished requests with their samples' version runs.
-        sampling (Sampling): The run's sampling settings.
-        greedy (bool): Greedy turns (evaluation): temperature 0, and the weights stay those the
-            episodes started with.
-        max_tokens (int | None): A cap on every turn (evaluation's budget), or None.
-        hold_weights (bool | None): Keep the weights the episodes started with (evaluation);
-            None: as ``greedy``.
+        add_request: ``add_request(request_id, token_ids, params)`` on the engine.
+        step: ``step(load_pending)``: the finished requests with their version runs.
+        sampling: The run's sampling settings.
+        greedy: Temperature 0 (evaluation).
+        max_tokens: A cap on every turn, or None.
+        hold_weights: Keep the weights the episodes started with; None: as ``greedy``.
     """
 
     def __init__(
@@ -297,8 +278,7 @@ class VLLMTurnEngine:
         self.greedy = greedy
         self.max_tokens = max_tokens
         self.hold_weights = greedy if hold_weights is None else hold_weights
-        # vLLM request id -> (the key `submit` returned, the request): a turn sampled partly
-        # with weights that failed verification is sampled again under a new id.
+        # A turn sampled partly by weights that failed verification is resubmitted under a new id.
         self._running: dict[str, tuple[str, Any]] = {}
 
     def submit(self, request: Any, key: str | None = None) -> str:
@@ -339,30 +319,18 @@ class VLLMTurnEngine:
 class TokenVersions:
     """Which weights sampled each token of the engine's samples.
 
-    Weights change between two engine steps while samples run (updates in flight): before a
-    switch every running sample's tokens so far are marked with the version being replaced
-    (`mark`), and a finished request comes out with the ``(version, tokens)`` runs of each of
-    its samples (`runs`). Requests that finish while a probe steps the engine wait here for
-    the next step (`hold`, `take_held`).
-
-    Args:
-        llm: The ``vllm.LLM``; its output processor holds each running sample's tokens.
+    Before an in-flight switch every running sample's tokens so far are marked with the
+    version being replaced; requests that finish while a probe steps the engine are held for
+    the next step.
     """
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
-        # For each running sample (request id, sample index), the versions of its tokens so
-        # far, as ``(version, tokens sampled up to then)``.
         self._marks: dict[tuple[str, int], list[tuple[int, int]]] = {}
         self._held: list[tuple[Any, VersionRuns]] = []
 
     def mark(self, version: int) -> None:
-        """Record that every running sample's tokens so far, not yet marked, came from
-        ``version``.
-
-        Reads vLLM's output processor, which holds the sampled logprobs of each running sample
-        (child ``request_index`` of the request ``external_req_id``) until it finishes.
-        """
+        """Record that every running sample's unmarked tokens so far came from ``version``."""
         for state in self.llm.llm_engine.output_processor.request_states.values():
             count = len(state.logprobs_processor.logprobs or ())
             marks = self._marks.setdefault((state.external_req_id, state.request_index), [])
@@ -391,8 +359,7 @@ class TokenVersions:
         return held
 
     def relabel(self, old: int, new: int) -> None:
-        """In the held requests' runs, tokens of ``old`` become ``new``'s (weights that
-        failed verification while those requests finished)."""
+        """In the held requests' runs, tokens of ``old`` become ``new``'s."""
         self._held = [
             (output, [[(new if v == old else v, n) for v, n in sample] for sample in runs])
             for output, runs in self._held
@@ -407,23 +374,19 @@ class TokenVersions:
 class EngineLoop:
     """A collector's engine with its weights: one lock, and every step timed.
 
-    vLLM's engine is not thread-safe; a threaded actor serialises every call on it with
-    ``lock``. Each step loads pending weights first when updates are in flight (`step`),
-    records the version of every sampled token (`tokens`), and is timed for the driver's stall
-    watch (`step_running_s`).
+    vLLM's engine is not thread-safe: every call on it holds ``lock``. Steps are timed for
+    the driver's stall watch (`step_running_s`).
 
     Args:
         llm: The ``vllm.LLM`` (`build_engine`).
-        sampling (Sampling): The run's sampling settings.
-        weight_updates (WeightUpdateMode): ``inference.weight_updates``.
-        owner (str): The collector's name (``collector[0]``).
-        model_dir (str): The folder the engine was started from (what a rollback reloads).
-        policy_version (int): The version of those weights.
-        verify (bool): Check the checksum of every update.
-        adapters (EngineAdapters | None): With ``training.lora``: the engine's adapters, one
-            per policy version; every request gets the newest verified one.
-        sleep_while_training (bool): ``inference.sleep_while_training``: the engine sleeps
-            while the trainer steps (`sleep`) and wakes for the next batch or weight check.
+        sampling: The run's sampling settings.
+        weight_updates: ``inference.weight_updates``.
+        owner: The collector's name.
+        model_dir: The folder the engine was started from (what a rollback reloads).
+        policy_version: The version of those weights.
+        verify: Check the checksum of every update.
+        adapters: With ``training.lora``, one adapter per policy version.
+        sleep_while_training: The engine sleeps while the trainer steps.
     """
 
     def __init__(
@@ -444,8 +407,6 @@ class EngineLoop:
         self.weight_updates = weight_updates
         self.lock = threading.RLock()
         self.tokens = TokenVersions(llm)
-        # The engine's weights: updates received, loaded (in flight or between batches),
-        # verified, rolled back.
         self.weights = EngineWeights(
             llm,
             self.lock,
@@ -458,8 +419,6 @@ class EngineLoop:
             adapters=adapters,
             tokens=self.tokens,
         )
-        # Time-sharing the GPU with the trainer (`grpo.workers.engine_sleep`): level 1 keeps a
-        # LoRA run's base weights in host memory, level 2 drops full weights (new ones come).
         self.sleeper = (
             EngineSleep(llm, self.weights, self.lock, sleep_level(adapters is not None), owner)
             if sleep_while_training
@@ -469,8 +428,7 @@ class EngineLoop:
         self.steps = 0
 
     def apply_pending(self) -> float:
-        """Load pending weights now (`EngineWeights.apply_pending`); a sleeping engine wakes
-        first (`EngineSleep.apply_pending`). The seconds it took."""
+        """Load pending weights now, waking a sleeping engine first; the seconds it took."""
         if self.sleeper is not None:
             load = functools.partial(self.weights.apply_pending, self.weight_updates)
             return self.sleeper.apply_pending(load)
@@ -498,8 +456,7 @@ class EngineLoop:
         add_request(self.llm, request_id, token_ids, params, lora_request)
 
     def step(self, load_pending: bool = True) -> list[tuple[Any, VersionRuns]]:
-        """Pending weights in (updates in flight, unless ``load_pending`` is False: greedy
-        evaluation keeps its weights), then one scheduler step (hold the lock).
+        """Pending in-flight weights in (if ``load_pending``), then one step (hold the lock).
 
         Returns:
             list: The requests that finished, each with the ``(version, tokens)`` runs of its
@@ -555,10 +512,10 @@ class EngineLoop:
         """The engine as the environments drive it (hold the lock while it runs).
 
         Args:
-            greedy (bool): Greedy turns, on the weights the episodes started with.
-            max_tokens (int | None): A cap on every turn, or None.
-            temperature (float | None): Evaluation's temperature (0: greedy), on the weights
-                the episodes started with; None: the run's sampling (or ``greedy``).
+            greedy: Greedy turns, on the weights the episodes started with.
+            max_tokens: A cap on every turn, or None.
+            temperature: Evaluation's temperature (0: greedy), on the weights the episodes
+                started with; None: the run's sampling.
         """
         sampling, hold_weights = self.sampling, greedy
         if temperature is not None:
@@ -570,8 +527,8 @@ class EngineLoop:
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Hold the engine for a batch; a batch that fails leaves no request behind (the next
-        batch would otherwise step them as its own)."""
+        """Hold the engine for a batch; a failed batch aborts its requests, or the next would
+        step them as its own."""
         with self.lock:
             if self.sleeper is not None and self.sleeper.asleep:
                 self.apply_pending()  # a batch with no weight check wakes the engine too
