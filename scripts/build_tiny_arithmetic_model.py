@@ -125,7 +125,7 @@ def parse_args() -> argparse.Namespace:
 # The agent demo model's chat template: ChatML turns, a system line naming the tools, tool
 # calls as <tool_call>{json}</tool_call>. A family's published tool preamble (Qwen2.5's is ~600
 # tokens with this 509-token vocabulary) would make every prompt five times longer than the
-# episode; `tests/test_agent_env.py` runs the published Qwen3 and Llama 3.1 templates.
+# episode; `tests/unit/test_agent_env.py` runs the published Qwen3 and Llama 3.1 templates.
 AGENT_CHAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:{% for tool in tools %} "
     "{{ (tool.function or tool).name }}{% endfor %}<|im_end|>\n{% endif %}"

@@ -1,7 +1,7 @@
 """One protocol for every kind of episode: the single-turn case is an environment like any other.
 
 The engine is scripted (a unit test of the logic around it); the real engine runs the same
-path in tests/test_collector.py and the run-level tests.
+path in tests/integration/test_collector.py and the run-level tests.
 """
 
 import pytest

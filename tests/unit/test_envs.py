@@ -3,7 +3,7 @@
 The engine is scripted here (a unit test of the rollout logic around it): each policy turn
 returns the canonical tokens of a scripted text, so the expected sequence is known exactly.
 Tools run for real in worker processes; the tokenizer and chat template are the tiny Qwen2's
-(ChatML). The real engine runs the same path in tests/test_collector.py.
+(ChatML). The real engine runs the same path in tests/integration/test_collector.py.
 """
 
 import json

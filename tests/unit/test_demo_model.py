@@ -4,11 +4,12 @@ The CPU demo needs a starting policy that writes ``<answer>N</answer>`` and stop
 some answers right, so that GRPO has visible headroom. These tests pin that down on the demo
 config's own held-out set: greedy accuracy inside `ACCURACY_RANGE`, format nearly always right,
 in torchtune and (slow) in vLLM, which is what the demo's evaluator runs.
+
+The tests that start a Ray cluster or a vLLM engine: tests/integration/test_demo_model.py.
 """
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import random
 import re
@@ -21,7 +22,6 @@ import torch
 from grpo.config import instantiate, load_config, repo_root
 from grpo.models import build_model, load_hf_config, load_tokenizer
 from grpo.rewards import FormatReward, MathCorrectnessReward
-from grpo.testing import set_vllm_cpu_env, tiny_vllm_engine_kwargs
 
 MODEL_DIR = repo_root() / "assets" / "tiny_arithmetic_qwen2"
 BUILD_SCRIPT = repo_root() / "scripts" / "build_tiny_arithmetic_model.py"
@@ -94,48 +94,6 @@ def test_torchtune_greedy_accuracy_in_range(eval_items: list[dict[str, str]]) ->
     # ... and the response ends right after the answer, with the EOS token.
     closed = [re.fullmatch(r"<answer>[^<]*</answer><\|im_end\|>", c) for c in completions]
     assert sum(match is not None for match in closed) >= 0.95 * len(completions)
-
-
-@pytest.mark.slow
-def test_vllm_greedy_accuracy_in_range(eval_items: list[dict[str, str]]) -> None:
-    set_vllm_cpu_env()
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    tokenizer = load_tokenizer(MODEL_DIR)
-    prompts = [tokenizer.encode(item["prompt"], add_bos=True, add_eos=False) for item in eval_items]
-    llm = LLM(model=str(MODEL_DIR), **tiny_vllm_engine_kwargs(max_model_len=128))
-    try:
-        # The demo evaluator's sampling: greedy, stop after "</answer>" or a stop token.
-        params = SamplingParams(
-            n=1,
-            max_tokens=24,
-            temperature=0.0,
-            stop=["</answer>"],
-            include_stop_str_in_output=True,
-            stop_token_ids=list(tokenizer.stop_tokens),
-        )
-        outputs = llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False
-        )
-        completions = [
-            tokenizer.decode(list(out.outputs[0].token_ids), skip_special_tokens=True)
-            for out in outputs
-        ]
-    finally:
-        del llm
-        gc.collect()
-
-    accuracy, format_rate = accuracy_and_format(completions, eval_items)
-    assert ACCURACY_RANGE[0] <= accuracy <= ACCURACY_RANGE[1], accuracy
-    assert format_rate >= 0.95, format_rate
-    # vLLM and torchtune compute the same model: greedy answers agree on almost every prompt.
-    model = build_model(MODEL_DIR).eval()
-    with torch.no_grad():
-        tune_completions = load_build_script().greedy_completions(model, prompts, tokenizer)
-    tune_answers = [c.replace("<|im_end|>", "") for c in tune_completions]
-    agree = sum(a == b for a, b in zip(completions, tune_answers))
-    assert agree >= 0.95 * len(prompts), agree
 
 
 # ------------------------------------------------------------------ the tool demo's model

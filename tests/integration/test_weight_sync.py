@@ -1,4 +1,8 @@
-"""Weight sync: the checksum definition, the transport, and in-place updates of a vLLM engine."""
+"""Weight sync into vLLM engines and collector actors: the tests that start a Ray cluster or a vLLM
+engine.
+
+The tests without either: tests/unit/test_weight_sync.py.
+"""
 
 from __future__ import annotations
 
@@ -11,104 +15,12 @@ import torch
 
 from grpo.rewards import MathCorrectnessReward
 from grpo.weights.checksum import WeightSyncError, state_dict_checksum
-from grpo.weights.engine import WeightReceiver, WeightUpdate
-
-ENGINE_ARGS = {"kv_cache_memory_bytes": 64 * 2**20}
-GROUP_SIZE = 2
-MAX_GENERATED_TOKENS = 8
-
-
-def random_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        "model.embed_tokens.weight": torch.randn(16, 8, generator=generator),
-        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=generator),
-        "model.layers.0.self_attn.q_proj.bias": torch.randn(8, generator=generator),
-        "model.norm.weight": torch.randn(8, generator=generator),
-    }
-
-
-# ---------------------------------------------------------------------- checksum and transport
-
-
-def test_checksum_ignores_order_device_and_float_width():
-    state = random_state_dict()
-    reference = state_dict_checksum(state)
-    assert len(reference) == 64
-    assert state_dict_checksum(dict(reversed(list(state.items())))) == reference
-    assert state_dict_checksum(list(state.items())) == reference
-    bf16 = {name: t.to(torch.bfloat16) for name, t in state.items()}
-    # bf16 -> fp32 is exact, so a bf16 state dict and its upcast hash the same...
-    upcast = {name: t.float() for name, t in bf16.items()}
-    assert state_dict_checksum(bf16) == state_dict_checksum(upcast)
-    # ...and rounding to bf16 changes values, hence the checksum.
-    assert state_dict_checksum(bf16) != reference
-    # Non-contiguous views hash by value.
-    transposed = {**state, "model.norm.weight": state["model.norm.weight"].clone()}
-    square = state["model.layers.0.self_attn.q_proj.weight"]
-    transposed["model.layers.0.self_attn.q_proj.weight"] = square.t().contiguous().t()
-    assert state_dict_checksum(transposed) == reference
-
-
-def test_checksum_sees_every_value_name_and_shape():
-    state = random_state_dict()
-    reference = state_dict_checksum(state)
-    for name, tensor in state.items():
-        changed = tensor.clone()
-        changed.view(-1)[-1] += 1e-6 * max(1.0, float(changed.view(-1)[-1].abs()))
-        assert state_dict_checksum({**state, name: changed}) != reference, name
-    renamed = dict(state)
-    renamed["model.final_norm.weight"] = renamed.pop("model.norm.weight")
-    assert state_dict_checksum(renamed) != reference
-    reshaped = {
-        **state,
-        "model.embed_tokens.weight": state["model.embed_tokens.weight"].view(8, 16),
-    }
-    assert state_dict_checksum(reshaped) != reference
-    missing = dict(state)
-    missing.pop("model.norm.weight")
-    assert state_dict_checksum(missing) != reference
-    with pytest.raises(ValueError, match="duplicate"):
-        state_dict_checksum([("a", torch.ones(1)), ("a", torch.ones(1))])
-
-
-def test_each_configured_transport_has_one_implementation():
-    from pydantic import ValidationError
-
-    from grpo.choices import TRANSPORTS
-    from grpo.config import WeightSyncConfig
-    from grpo.weights.base import ReceivingEnd, SendingEnd
-    from grpo.weights.transports import (
-        RECEIVING_ENDS,
-        SENDING_ENDS,
-        receiving_end,
-        sending_end,
-    )
-
-    assert set(SENDING_ENDS) == set(RECEIVING_ENDS) == set(TRANSPORTS)
-    for name in TRANSPORTS:
-        sender, receiver = sending_end(name, "trainer[0]", "cpu"), receiving_end(name, "c[0]")
-        assert type(sender) is SENDING_ENDS[name] and isinstance(sender, SendingEnd)
-        assert type(receiver) is RECEIVING_ENDS[name] and isinstance(receiver, ReceivingEnd)
-    with pytest.raises(ValidationError, match="shared_memory"):
-        WeightSyncConfig(transport="shared_memory")
-
-
-def test_receiver_keeps_only_the_newest_update():
-    receiver = WeightReceiver()
-    assert not receiver.has_pending
-    assert receiver.offer(WeightUpdate(version=2, weights={}), current_version=0)
-    assert receiver.offer(WeightUpdate(version=3, weights={}), current_version=0)
-    assert receiver.num_superseded == 1
-    # Older than the pending one, or not newer than what the engine holds: ignored.
-    assert not receiver.offer(WeightUpdate(version=1, weights={}), current_version=0)
-    assert not receiver.offer(WeightUpdate(version=3, weights={}), current_version=0)
-    assert not WeightReceiver().offer(WeightUpdate(version=4, weights={}), current_version=4)
-    assert receiver.num_ignored == 2
-    assert receiver.has_pending
-
-
-# ---------------------------------------------------------------------- a real vLLM engine
+from tests.unit.test_weight_sync import (
+    ENGINE_ARGS,
+    GROUP_SIZE,
+    MAX_GENERATED_TOKENS,
+    SWITCH_STEP,
+)
 
 
 def long_prompt_dataset():
@@ -291,9 +203,6 @@ def probe_of(model, seed: int = 0) -> dict:
     return {"token_ids": tokens.tolist(), "logprobs": forward_logprobs(model, tokens).tolist()}
 
 
-SWITCH_STEP = 3  # the in-flight tests load new weights after this many tokens of each sample
-
-
 def base_and_new_weights(collector, model_dir, seed: int):
     """Put the checkpoint's weights in the engine (as a new version); return the torchtune
     model of those, a perturbed one, and the perturbed one's HF weights."""
@@ -431,17 +340,6 @@ def test_in_flight_update_that_fails_verification_is_rolled_back(engines):
         (version + 1, version + 1)
     }
     assert max_logprob_error(new_model, trajectories) < 1e-3
-
-
-def test_an_engine_that_cannot_preempt_is_refused_naming_the_option():
-    from grpo.workers.vllm_engine import check_in_flight_updates
-
-    class OldEngine:
-        def reset_prefix_cache(self) -> bool:
-            return True
-
-    with pytest.raises(ValueError, match="inference.weight_updates=between_batches"):
-        check_in_flight_updates(OldEngine())
 
 
 @pytest.mark.slow

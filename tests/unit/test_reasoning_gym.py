@@ -1,6 +1,9 @@
 """reasoning-gym as an environment: its tasks checked before the run, its rows generated
 (deterministic, train and held-out disjoint), its scorer on the responses, per-task rewards,
-and a short run on two tasks."""
+and a short run on two tasks.
+
+The tests that start a Ray cluster or a vLLM engine: tests/integration/test_reasoning_gym.py.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ from grpo.envs.metrics import episode_metrics  # noqa: E402
 from grpo.envs.preflight import environment_problems  # noqa: E402
 from grpo.envs.reasoning_gym import INSTALL_HINT, task_problems  # noqa: E402
 from grpo.rewards.reasoning_gym import ReasoningGymReward  # noqa: E402
-from grpo.testing import RANDOM_MODEL_OVERRIDES, read_jsonl  # noqa: E402
 
 SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 TASKS = {"chain_sum": 1.0, "basic_arithmetic": {"weight": 3.0, "config": SMALL}}
@@ -168,49 +170,3 @@ def test_the_scorer_is_the_tasks_own():
     assert reward("<answer>x6</answer>", "6", task="chain_sum").reward == 0.5
     with pytest.raises(ValueError, match="'task' column"):
         reward("<answer>6</answer>", "6")
-
-
-# ---------------------------------------------------------------------------------- a run
-
-
-@pytest.mark.slow
-def test_a_short_run_on_two_tasks_logs_each_tasks_reward(
-    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
-):
-    from grpo.cli import main as grpo_main
-
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    run_dir = tmp_path / "run"
-    status = grpo_main(
-        [
-            *("run", "async_grpo", "--config", "tiny_reasoning_gym_cpu"),
-            f"base_model_path={tiny_model_dir}",
-            *RANDOM_MODEL_OVERRIDES,
-            f"output_dir={run_dir}",
-            "orchestration.num_steps=2",
-            "environment.size=64",
-            # Held-out rows of its own: evaluated through the environment, per task.
-            "environment.eval_size=8",
-            "eval_every_n_steps=2",
-            "eval_samples_per_example=2",
-            "eval_temperature=1.0",
-            "inference.batch_size=2",
-            "inference.group_size=4",
-            "inference.max_generated_tokens=8",
-            "training.batch_size=8",
-            "orchestration.replay_buffer_size=64",
-            # The random model never writes an <answer> block: a token it does write gives the
-            # groups rewards that differ.
-            "reward_functions=[{_component_: grpo.rewards.TokenPresenceReward, token: '7'}]",
-        ]
-    )
-    assert status == 0
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    for task in ("chain_sum", "basic_arithmetic"):
-        values = [r[f"inference/env_{task}_reward"] for r in records if f"inference/env_{task}_reward" in r]  # fmt: skip
-        assert values and all(0.0 <= value <= 1.0 for value in values)
-    evaluations = [r for r in records if "eval/pass@2" in r]
-    assert evaluations and all(r["eval/num_examples"] == 8 for r in evaluations)
-    assert all(r["eval/pass@2"] >= r["eval/avg@2"] for r in evaluations)
-    tasks = {key.split("/")[1] for r in evaluations for key in r if key.startswith("eval/task_")}
-    assert tasks <= {"task_chain_sum", "task_basic_arithmetic"} and tasks, tasks

@@ -1,0 +1,191 @@
+"""The tiny models in vLLM (generation, tokenizer, logprobs, weight loading, saved checkpoints):
+the tests that start a Ray cluster or a vLLM engine.
+
+The tests without either: tests/unit/test_models.py.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from grpo import models
+from grpo.testing import (
+    set_vllm_cpu_env,
+    tiny_vllm_engine_kwargs,
+)
+from tests.unit.test_models import (
+    TEXTS,
+    perturbed_state_dict,
+)
+
+
+def torchtune_logprobs(model: nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """Logprob of token t given tokens < t, for t = 1..len-1 (fp32)."""
+    tokens = torch.tensor([token_ids])
+    with torch.no_grad():
+        logits = model(tokens)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)[0, :-1]
+    return logprobs.gather(-1, tokens[0, 1:, None])[:, 0]
+
+
+def make_llm(model_dir: Path):
+    set_vllm_cpu_env()
+    from vllm import LLM
+
+    return LLM(model=str(model_dir), **tiny_vllm_engine_kwargs())
+
+
+def vllm_prompt_logprobs(llm, sequences: list[list[int]]) -> list[torch.Tensor]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids) for ids in sequences],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )
+    return [
+        torch.tensor(
+            [position[token].logprob for position, token in zip(out.prompt_logprobs[1:], ids[1:])]
+        )
+        for out, ids in zip(outputs, sequences)
+    ]
+
+
+def random_sequences(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (3, 64, 400)]
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def engine(request, tiny_model_dir: Path, tiny_untied_model_dir: Path):
+    model_dir = tiny_model_dir if request.param == "tied" else tiny_untied_model_dir
+    llm = make_llm(model_dir)
+    yield llm, model_dir
+    del llm
+    gc.collect()
+
+
+@pytest.mark.slow
+def test_vllm_generates_from_built_folder(engine) -> None:
+    from vllm import SamplingParams
+
+    llm, model_dir = engine
+    tune_tok = models.load_tokenizer(model_dir)
+    prompt = "What is 37 + 48?"
+    outputs = llm.generate(
+        [prompt], SamplingParams(n=4, max_tokens=16, temperature=1.0, seed=0), use_tqdm=False
+    )
+    # vLLM tokenizes the prompt exactly like torchtune does.
+    assert outputs[0].prompt_token_ids == tune_tok.encode(prompt, add_bos=False, add_eos=False)
+    samples = outputs[0].outputs
+    assert len(samples) == 4
+    for sample in samples:
+        assert 1 <= len(sample.token_ids) <= 16
+        assert all(
+            0 <= t < models.load_hf_config(model_dir)["vocab_size"] for t in sample.token_ids
+        )
+    assert len({tuple(s.token_ids) for s in samples}) > 1  # sampling explores
+
+
+@pytest.mark.slow
+def test_vllm_tokenizer_matches_torchtune(engine) -> None:
+    llm, model_dir = engine
+    tune_tok = models.load_tokenizer(model_dir)
+    vllm_tok = llm.get_tokenizer()
+    for text in TEXTS:
+        ids = tune_tok.encode(text, add_bos=False, add_eos=False)
+        assert vllm_tok.encode(text, add_special_tokens=False) == ids, text
+        assert vllm_tok.decode(ids) == tune_tok.decode(ids)
+
+
+@pytest.mark.slow
+def test_vllm_prompt_logprobs_match_torchtune(engine) -> None:
+    llm, model_dir = engine
+    model = models.build_model(model_dir).eval()
+    sequences = random_sequences(models.load_hf_config(model_dir)["vocab_size"])
+    all_logprobs = []
+    for ids, vllm_lp in zip(sequences, vllm_prompt_logprobs(llm, sequences)):
+        tune_lp = torchtune_logprobs(model, ids)
+        torch.testing.assert_close(vllm_lp, tune_lp, rtol=0, atol=1e-3)
+        all_logprobs.append(tune_lp)
+    # Logprobs spread over several nats, so a misplaced weight could not hide in the tolerance.
+    assert torch.cat(all_logprobs).std() > 0.5
+
+
+@pytest.mark.slow
+def test_vllm_sampled_logprobs_match_torchtune(engine) -> None:
+    from vllm import SamplingParams
+
+    llm, model_dir = engine
+    model = models.build_model(model_dir).eval()
+    tune_tok = models.load_tokenizer(model_dir)
+    prompt_ids = tune_tok.encode(
+        "<|im_start|>user\nWhat is 37 + 48?<|im_end|>\n", add_bos=False, add_eos=False
+    )
+    from vllm.inputs import TokensPrompt
+
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt_ids)],
+        SamplingParams(n=3, max_tokens=24, temperature=1.0, logprobs=0, seed=1),
+        use_tqdm=False,
+    )
+    for sample in outputs[0].outputs:
+        response = list(sample.token_ids)
+        vllm_lp = torch.tensor([lp[t].logprob for lp, t in zip(sample.logprobs, response)])
+        tune_lp = torchtune_logprobs(model, prompt_ids + response)[len(prompt_ids) - 1 :]
+        torch.testing.assert_close(vllm_lp, tune_lp, rtol=0, atol=1e-3)
+
+
+def _reload_weights_in_worker(worker, hf_pairs: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside vLLM's worker: in-place reload under HF names, as weight sync does."""
+    worker.model_runner.reload_weights(weights_iterator=iter(hf_pairs))
+    # On CPU, a tied lm_head keeps a packed copy of the old embedding unless re-processed.
+    lm_head = worker.model_runner.get_model().lm_head
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+@pytest.mark.slow
+def test_vllm_accepts_hf_weight_iterator(engine) -> None:
+    llm, model_dir = engine
+    config = models.load_hf_config(model_dir)
+    model = models.build_model(model_dir).eval()
+    sequences = random_sequences(config["vocab_size"])
+    before = vllm_prompt_logprobs(llm, sequences)
+
+    new_state = perturbed_state_dict(model, seed=5)
+    model.load_state_dict(new_state)
+    llm.collective_rpc(
+        _reload_weights_in_worker, args=(list(models.hf_weight_iterator(new_state, config)),)
+    )
+    llm.reset_prefix_cache()  # cached KV was computed with the old weights
+    after = vllm_prompt_logprobs(llm, sequences)
+    for ids, old_lp, new_lp in zip(sequences, before, after):
+        tune_lp = torchtune_logprobs(model, ids)
+        torch.testing.assert_close(new_lp, tune_lp, rtol=0, atol=1e-3)
+        assert (old_lp - new_lp).abs().max() > 0.05  # the update changed the engine
+
+    # Restore the engine for the other tests of the module.
+    original = models.load_hf_state_dict(model_dir)
+    llm.collective_rpc(_reload_weights_in_worker, args=(list(original.items()),))
+    llm.reset_prefix_cache()
+
+
+@pytest.mark.slow
+def test_saved_checkpoint_loads_in_vllm(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = models.build_model(tiny_model_dir).eval()
+    model.load_state_dict(perturbed_state_dict(model, seed=6))
+    out = models.save_hf_checkpoint(model.state_dict(), tiny_model_dir, tmp_path / "step_6")
+    llm = make_llm(out)
+    try:
+        sequences = random_sequences(models.load_hf_config(out)["vocab_size"])
+        for ids, vllm_lp in zip(sequences, vllm_prompt_logprobs(llm, sequences)):
+            torch.testing.assert_close(vllm_lp, torchtune_logprobs(model, ids), rtol=0, atol=1e-3)
+    finally:
+        del llm
+        gc.collect()
