@@ -4,8 +4,10 @@ Tests and the CPU demo cannot download a model, so they build one (`tiny_models`
 or Llama 3 architecture): a small
 randomly initialised decoder with a byte-level BPE tokenizer, written in the same Hugging Face
 layout as a real checkpoint, so the same loading code (``grpo.models``, vLLM) serves both.
-`helpers` holds what tests and drills need around it: a diverging loss, the full-logits
-reference of the chunked logprobs, and helpers that run a tiny run and kill its actors.
+`helpers` holds what tests and drills need around it: a diverging loss, and helpers that run a
+tiny run and kill its actors. Everything here is imported by scripts or inside Ray workers (fault
+injectors, tools, rewards, agents and tasksets named by configs); helpers only the tests use live
+in ``tests/helpers``.
 
 Example:
     >>> from grpo.testing import build_tiny_qwen2, tiny_vllm_engine_kwargs
@@ -21,7 +23,6 @@ from grpo.testing.helpers import (
     gathered_training_state,
     kill_at_steps,
     read_jsonl,
-    response_logprobs_from_logits,
     start_tiny_run,
 )
 from grpo.testing.tiny_models import (
@@ -77,7 +78,6 @@ __all__ = [
     "kill_at_steps",
     "make_fake_model_dir",
     "read_jsonl",
-    "response_logprobs_from_logits",
     "set_vllm_cpu_env",
     "start_tiny_run",
     "tiny_corpus",

@@ -28,7 +28,7 @@ from grpo.envs.preflight import environment_problems
 from grpo.envs.rollout import BatchEngine
 from grpo.models import load_tokenizer
 from grpo.testing import agents
-from grpo.testing.chat_families import build_tiny_chat_family
+from tests.helpers.chat_families import build_tiny_chat_family
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATES = Path(__file__).parents[1] / "fixtures" / "chat_templates"

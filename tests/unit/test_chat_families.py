@@ -2,7 +2,7 @@
 
 The templates are the ones each model's ``tokenizer_config.json`` carries (fixtures under
 ``tests/fixtures/chat_templates``, sources in SOURCES.md there), on tiny models whose tokenizers
-hold the family's special tokens (`grpo.testing.chat_families`). For each: a 3-turn tool episode
+hold the family's special tokens (`tests.helpers.chat_families`). For each: a 3-turn tool episode
 with calls in the family's own format and a 2-turn user-reply episode, where the trained tokens
 must be exactly the sampled ones and the rest exactly what the template writes for the
 environment's turns; then the collector's real vLLM engine plays episodes on the family model.
@@ -22,8 +22,8 @@ from grpo.envs.preflight import chat_template_problems
 from grpo.envs.rollout import Sample
 from grpo.models import load_tokenizer
 from grpo.rewards import MathCorrectnessReward
-from grpo.testing.chat_families import build_tiny_chat_family
 from grpo.testing.tools import EchoUserEnv
+from tests.helpers.chat_families import build_tiny_chat_family
 
 TEMPLATES = Path(__file__).parents[1] / "fixtures" / "chat_templates"
 QWEN3 = (TEMPLATES / "qwen3.jinja").read_text()

@@ -14,8 +14,8 @@ from grpo.packing.logprobs import (
     response_logprobs_from_hidden,
     target_logprobs_from_hidden,
 )
-from grpo.testing import response_logprobs_from_logits
 from grpo.types import PackedTrajectory
+from tests.helpers.logprobs import response_logprobs_from_logits
 
 # A hand-checked case, eps_low = eps_high = 0.2. Per token: ratio r = exp(pi - behaviour),
 # advantage A, and the policy loss -min(r*A, clamp(r, 0.8, 1.2)*A) worked out by hand.
