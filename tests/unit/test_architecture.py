@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-GRPO = Path(__file__).resolve().parents[1] / "grpo"
+GRPO = Path(__file__).resolve().parents[2] / "grpo"
 COMPUTE_MODULES = ("types.py", "packing", "objective")
 
 

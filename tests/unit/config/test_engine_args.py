@@ -4,7 +4,7 @@ Every other key of a shipped config is an attribute of a typed section (a key no
 is refused when the config loads, and the sections are read as attributes, so an option no code
 reads is an attribute no code mentions), or a keyword of a ``_component_`` node, which
 `validate_config` checks against the component's signature
-(``test_config.py::test_shipped_configs_validate_against_the_real_components``).
+(``tests/unit/config/test_shipped_configs.py::test_shipped_configs_validate_against_the_real_components``).
 ``inference.engine_args`` is a free-form mapping handed to ``vllm.LLM``: its keys must be
 ``vllm.EngineArgs`` fields.
 """

@@ -1,0 +1,2 @@
+"""The run config: loading, overrides, validation, instantiation, the shipped configs and the
+reference."""
