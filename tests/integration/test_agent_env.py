@@ -13,9 +13,7 @@ from grpo.envs import AgentEnv, ChatTurnRenderer
 from grpo.envs.agent_env import AGENT_OVERRIDDEN_SAMPLING, AGENT_SPLITS
 from grpo.testing import agents
 from tests.unit import test_agent_env as fast
-from tests.unit.test_agent_env import (
-    _runs,
-)
+from tests.unit.test_agent_env import _runs
 
 # Fixtures shared with the tests without Ray or vLLM.
 family_dirs = fast.family_dirs

@@ -12,9 +12,7 @@ import pytest
 import torch
 
 from grpo import models
-from grpo.testing import (
-    RANDOM_MODEL_OVERRIDES,
-)
+from grpo.testing import RANDOM_MODEL_OVERRIDES
 from tests.unit import test_model_families as fast
 from tests.unit.test_model_families import (
     FAMILIES,

@@ -17,9 +17,7 @@ from grpo.cli import main as grpo_main
 from grpo.observability.metrics import records_after_rewinds
 from grpo.orchestrator import Role
 from grpo.testing import RANDOM_MODEL_OVERRIDES, read_jsonl, start_tiny_run
-from tests.unit.test_multi_node import (
-    PLACED,
-)
+from tests.unit.test_multi_node import PLACED
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,7 @@ from __future__ import annotations
 import pytest
 
 from grpo.workers.replay_buffer import ReplayBufferActor
-from tests.unit.test_replay_buffer import (
-    group,
-)
+from tests.unit.test_replay_buffer import group
 
 
 @pytest.mark.slow

@@ -16,9 +16,7 @@ import pytest
 
 from grpo.config import repo_root
 from grpo.observability.logs import with_output_to
-from tests.unit.test_terminal_output import (
-    VLLM_LINE,
-)
+from tests.unit.test_terminal_output import VLLM_LINE
 
 
 @pytest.mark.slow

@@ -16,9 +16,7 @@ from grpo.observability.metric_names import (
     INFERENCE_TIME_TO_WAKE,
     TRAIN_LOSS,
 )
-from tests.unit.test_time_sharing import (
-    SYNCHRONOUS,
-)
+from tests.unit.test_time_sharing import SYNCHRONOUS
 
 
 def run_steps(model_dir: Path, run_dir: Path, *overrides: str) -> tuple[list[list[str]], list]:

@@ -7,9 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo.config import (
-    ConfigError,
-)
+from grpo.config import ConfigError
 from grpo.preflight import validate_run_config
 
 # Small stand-ins for the real components, so these tests import nothing heavy.
