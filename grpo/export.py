@@ -1,16 +1,8 @@
 """Export a LoRA checkpoint: its PEFT adapter folder, or a plain model with the adapter merged.
 
-A LoRA run's checkpoint holds the adapter as a PEFT folder (``adapter/``:
-``adapter_model.safetensors`` and ``adapter_config.json``, whose ``base_model_name_or_path``
-names the base model folder). ``grpo export CHECKPOINT_DIR --peft OUT`` copies that folder
-(PEFT and vLLM load it on top of the base model); ``--merged OUT`` writes a Hugging Face model
-folder with ``W + (alpha / r) B A`` in place of each adapted weight, which loads anywhere
-without LoRA support (transformers, vLLM, `grpo.models.build_model`). ``CHECKPOINT_DIR`` may
-also be a bare PEFT folder, a run folder or its ``checkpoints/latest`` (the newest checkpoint).
-
-Example:
-    >>> export_checkpoint("runs/x/checkpoints/step_100", merged_dir="exports/step_100")
-    [PosixPath('exports/step_100')]
+``grpo export CHECKPOINT_DIR --peft OUT`` copies the checkpoint's ``adapter/`` folder;
+``--merged OUT`` writes a Hugging Face folder with ``W + (alpha / r) B A`` in place of each
+adapted weight, which loads without LoRA support (docs/training.md).
 """
 
 from __future__ import annotations
@@ -85,17 +77,15 @@ def export_checkpoint(
 ) -> list[Path]:
     """Write a checkpoint's adapter as a PEFT folder and/or merged into its base model.
 
-    Every output folder is checked before anything is written, and each is written
-    atomically (`grpo.models.lora.save_peft_adapter`, `grpo.models.save_hf_checkpoint`).
+    Every output folder is checked before anything is written, and each is written atomically.
 
     Args:
-        checkpoint_dir (str | os.PathLike): A LoRA checkpoint folder (with ``adapter/``), a
-            PEFT adapter folder, or a run folder or its ``checkpoints/latest`` (the newest
-            checkpoint).
-        peft_dir (str | os.PathLike | None): Where to write the PEFT folder.
-        merged_dir (str | os.PathLike | None): Where to write the merged Hugging Face folder
-            (base weights from ``base_model_name_or_path``, its tokenizer files copied).
-        overwrite (bool): Replace an existing non-empty output folder.
+        checkpoint_dir: A LoRA checkpoint folder, a PEFT adapter folder, or a run folder or
+            its ``checkpoints/latest`` (the newest checkpoint).
+        peft_dir: Where to write the PEFT folder.
+        merged_dir: Where to write the merged Hugging Face folder (base weights from the
+            adapter's ``base_model_name_or_path``).
+        overwrite: Replace an existing non-empty output folder.
 
     Returns:
         list[Path]: The folders written (PEFT first).
@@ -132,8 +122,7 @@ def _check_output(out: Path, adapter_dir: Path, overwrite: bool) -> None:
         raise ExportError(f"output {out} is a file, not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"output folder {out} exists and is not empty; pass --overwrite")
-    # The folder is written as a sibling and renamed, so its parent (or the nearest existing
-    # ancestor, created on the way) must take new entries.
+    # Written as a sibling and renamed: the nearest existing ancestor must take new entries.
     parent = out.resolve().parent
     while not parent.exists():
         parent = parent.parent

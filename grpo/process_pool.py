@@ -1,23 +1,12 @@
 """Worker processes that run calls, each with a timeout: a call that hangs or crashes costs its
-own outcome, never the caller. Reward functions (`grpo.rewards.pool`) and tools
-(`grpo.envs.runner`) run on it.
+own outcome, never the caller. Reward functions and tools run on it.
 
-Each call is one pebble task with ``timeout=timeout_s``. The timeout counts from when a worker
-takes the call, not from when it was submitted: a call that waits in the queue behind others
-waits as long as it must and then gets its full time. pebble stops the worker of a call that
-overruns (that worker only: the other calls go on) and starts a replacement, and reports a
-worker that died (a segfault, an ``os._exit``, the kernel's OOM killer) as ``ProcessExpired``.
-How long each call waited for a worker is kept (`Job.queue_wait_s`): a pool too small for the
-load shows there, not as timeouts. With ``memory_mb`` a call may allocate at most that much data
-memory: past it an allocation fails inside the call (``MemoryError`` in Python). Workers never
-outlive their parent, even from inside a call that hangs.
-
-Workers are forked from a ``forkserver`` (or spawned; never forked from the caller, which runs
-Ray or torch threads), so a script that makes a pool needs the ``if __name__ == "__main__":``
-guard. Workers start in the background on first use: start-up never counts against a call's
-timeout.
-
-Pure Python: no torch, no Ray, no vLLM (``grpo validate`` and the environments import it).
+A call's timeout counts from when a worker takes it, so queueing never eats it; the queue wait
+is kept (`Job.queue_wait_s`). An overrunning call's worker alone is stopped and replaced. With
+``memory_mb`` an allocation past the cap fails inside the call. Workers come from a
+``forkserver`` (or are spawned; never forked from a caller running Ray or torch threads), so a
+script that makes a pool needs the ``__main__`` guard, and never outlive their parent. Pure
+Python: ``grpo validate`` and the environments import it.
 """
 
 from __future__ import annotations
@@ -35,17 +24,14 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 import pebble
 
-# What this process's one forkserver imports before it forks any worker. The server is shared
-# by every pool of the process (reward workers, tool workers) and only the first pool to start
-# it decides what it preloads, so every pool asks for the same list: the reward package (torch,
-# math-verify), which a reward worker would otherwise import anew after each restart.
+# The one forkserver is shared by every pool and only the first to start it decides what it
+# preloads, so every pool asks for this list (else each restarted reward worker reimports torch).
 FORKSERVER_PRELOAD = ["grpo.rewards"]
 # Beyond a call's timeout, for pebble to notice the overrun (it checks every 0.1 s) and stop
 # the worker (SIGTERM, SIGKILL after 3 s).
 STOP_GRACE_S = 5.0
-# A call still queued this long after every call ahead of it could have run to its timeout
-# was lost by the pool (it never happens with a healthy pebble pool; the bound keeps a caller
-# from waiting forever if it does).
+# Beyond the time every call ahead could take: a call still queued then was lost by the pool
+# (never with a healthy pebble pool; the bound keeps a caller from waiting forever).
 _QUEUE_SLACK_S = 30.0
 # How often a wait re-reads deadlines that move (a call's deadline is set when it starts).
 _POLL_S = 0.1
@@ -118,10 +104,8 @@ def _start_worker(initializer: Callable[[], None] | None, modules: Sequence[str]
     """Initializer of a worker process: exit with the parent, run the pool's initializer and
     import its modules before taking any call.
 
-    A daemon thread waits on the parent, so a call that never returns cannot keep the worker
-    alive once the process that started the pool is gone. Never raises: pebble would restart a
-    worker whose initializer fails, forever; a module that does not import here makes the calls
-    that need it fail, and their outcomes say so.
+    Never raises: pebble would restart a worker whose initializer fails, forever; a module
+    that does not import makes the calls that need it fail instead.
     """
     parent = multiprocessing.parent_process()
     if parent is not None:
@@ -154,14 +138,11 @@ def _data_bytes() -> int | None:
 def memory_cap(memory_mb: int | None) -> Iterator[None]:
     """Within the block, this process may allocate at most ``memory_mb`` more data memory.
 
-    ``RLIMIT_DATA`` (heap and anonymous mappings) is lowered to what the process holds now
-    plus ``memory_mb``, and restored after: an allocation past it fails inside the process
-    (``MemoryError`` in Python) instead of taking memory from the actors beside it, and the
-    libraries the worker loaded before stay usable. The address space is left alone:
-    libraries map far more of it than they use. A no-op where ``VmData`` cannot be read.
+    Lowers ``RLIMIT_DATA``, not the address space, which libraries map far more of than they
+    use. A no-op where ``VmData`` cannot be read.
 
     Args:
-        memory_mb (int | None): The allowance; None: no cap.
+        memory_mb: The allowance; None: no cap.
     """
     held = _data_bytes() if memory_mb is not None else None
     if held is None:
@@ -197,9 +178,9 @@ class Job:
     """One submitted call: its future, and when it was submitted and taken by a worker.
 
     Args:
-        future (pebble.ProcessFuture): The call's future.
-        timeout_s (float): The call's limit, from when a worker takes it.
-        queue_bound_s (float): How long it may wait for a worker before it counts as lost.
+        future: The call's pebble future.
+        timeout_s: The call's limit, from when a worker takes it.
+        queue_bound_s: How long it may wait for a worker before it counts as lost.
     """
 
     def __init__(self, future: Any, timeout_s: float, queue_bound_s: float) -> None:
@@ -208,9 +189,8 @@ class Job:
         self.submitted_at = time.monotonic()
         self.started_at: float | None = None  # time.monotonic() when a worker took it
         self._queue_bound_s = queue_bound_s
-        # pebble marks a future running (`set_running_or_notify_cancel`, as every Executor
-        # does when work starts) when a worker acknowledges the task: the moment its timeout
-        # starts counting. Hooking it gives the call's start without polling.
+        # pebble marks a future running when a worker takes the task, the moment its timeout
+        # starts: hooking it gives the start without polling.
         mark_running = future.set_running_or_notify_cancel
 
         def started() -> bool:
@@ -283,20 +263,15 @@ def wait_for_jobs(jobs: Sequence[Job]) -> None:
 
 
 class TimedProcessPool:
-    """Worker processes that run calls with a per-call timeout (see the module docstring).
-
-    Safe to use from any thread. Calls from every caller share the workers; a call waits in a
-    queue while they are busy, and its timeout starts when a worker takes it.
+    """Worker processes that run calls with a per-call timeout; safe to use from any thread.
 
     Args:
-        num_workers (int): Worker processes (this many calls run at a time).
-        name (str): The pool's name, for errors.
-        start_method (str | None): ``"forkserver"`` (default where available) or ``"spawn"``.
-        memory_mb (int | None): Data memory one call may allocate (``RLIMIT_DATA`` while it
-            runs); None: no cap.
-        initializer (Callable | None): Module-level function each worker runs once before its
-            first call (its exceptions are ignored). Modules for the workers to import first
-            are named with `preload`.
+        num_workers: Worker processes (this many calls run at a time).
+        name: The pool's name, for errors.
+        start_method: ``"forkserver"`` (default where available) or ``"spawn"``.
+        memory_mb: Data memory one call may allocate; None: no cap.
+        initializer: Module-level function each worker runs once before its first call (its
+            exceptions are ignored).
 
     Raises:
         ValueError: ``num_workers`` is not an int >= 1, or a bad ``start_method``.
@@ -345,14 +320,8 @@ class TimedProcessPool:
         return not self._closed and os.getpid() == self._pid
 
     def preload(self, modules: Iterable[str]) -> None:
-        """Have every worker import ``modules`` before it takes a call, so that a call (on a
-        replacement worker too) does not spend its timeout on imports. Running workers that
-        have not imported one of them are stopped (their calls cancelled); the next `submit`
-        starts workers that import them.
-
-        Args:
-            modules (Iterable[str]): Module names; one that does not import in a worker makes
-                the calls that need it fail, not the worker.
+        """Have every worker import ``modules`` before it takes a call, so no call spends its
+        timeout on imports. Running workers without them are stopped (their calls cancelled).
         """
         with self._lock:
             modules = frozenset(modules)
@@ -366,9 +335,9 @@ class TimedProcessPool:
         """Queue the call ``fn(*args)``; its `Job` gives the outcome once its future is done.
 
         Args:
-            fn (Callable): A module-level function (it and ``args`` travel pickled).
+            fn: A module-level function (it and ``args`` travel pickled).
             *args: Its arguments.
-            timeout_s (float): Limit of the call, from when a worker takes it.
+            timeout_s: Limit of the call, from when a worker takes it.
 
         Returns:
             Job: The call's future, start time and deadline.
@@ -377,8 +346,6 @@ class TimedProcessPool:
             RuntimeError: The pool is closed or belongs to another process.
         """
         with self._in_flight_lock:
-            # Every call ahead of this one, run one after another to its timeout: past that
-            # (and a slack for starting workers) a call still queued was lost by the pool.
             ahead = sum(job.timeout_s + STOP_GRACE_S for job in self._in_flight)
         with self._lock:
             if not self.usable:
@@ -458,11 +425,8 @@ def process_wide(key: Hashable, make: Callable[[], Front]) -> Front:
     process; built anew once its pool is no longer `TimedProcessPool.usable`. Closed at exit.
 
     Args:
-        key (Hashable): What tells fronts apart (their kind and options).
-        make (Callable): Builds the front.
-
-    Returns:
-        The front.
+        key: What tells fronts apart (their kind and options).
+        make: Builds the front.
     """
     with _process_wide_lock:
         front = _process_wide.get(key)

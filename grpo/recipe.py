@@ -20,14 +20,11 @@ Recipe = Callable[[RunConfig], Any]
 
 
 def import_from_launch_folder() -> None:
-    """Make the modules of the folder the run is launched from importable, as ``python -m``
-    does.
+    """Make the launch folder's modules importable, as ``python -m`` does.
 
-    A config names the user's own tools, environments and reward functions by dotted path
-    (``my_tools.convert`` for ``./my_tools.py``), but a console script's ``sys.path`` starts at
-    the script's folder, not the working folder. Ray puts the driver's working folder on every
-    actor's ``sys.path`` (on each node, at the same path), so the collectors and their tool
-    workers import the same module. Appended: a local file never shadows an installed package.
+    A config names the user's own components by dotted path, but a console script's
+    ``sys.path`` starts at the script's folder. Appended, so a local file never shadows an
+    installed package; Ray puts the same folder on every actor's path.
     """
     folder = os.getcwd()
     if "" not in sys.path and folder not in sys.path:
@@ -43,29 +40,20 @@ def run_recipe(
 ) -> int:
     """Load and validate a config, then call ``recipe_main(cfg)``.
 
-    Config problems are printed to stderr without a traceback. An error inside the recipe
-    stops the run with three lines on stderr (what stopped it, the log file that holds the
-    traceback, the checkpoint to resume from: `grpo.observability.console.print_stopped`) and
-    status 1; Ctrl-C before the recipe handles signals itself (while Ray starts) ends it with
-    status 130 and no traceback. With ``overwrite_output_dir`` a run already in ``output_dir``
-    is moved aside first (`grpo.run_folder.move_run_aside`). While it runs, this process's
-    logging goes where the config's ``log_level`` says (`grpo.observability.logs.DriverLog`):
-    ``<output_dir>/logs/driver.log``, and the terminal for the ``grpo`` logger's warnings
-    (every logger's with ``log_level: debug``).
+    Config problems and recipe errors are printed without a traceback (the latter's goes
+    to the log file). With ``overwrite_output_dir`` an earlier run is moved aside first.
 
     Args:
-        recipe_main (Recipe): The recipe's entry point.
-        config (str | Path): Config name or path.
-        overrides (Sequence[str]): ``key=value`` / ``~key`` overrides.
-        prog (str): Program name used in error messages.
-        driver_log (DriverLog | None): One the caller entered already (``grpo run`` does,
-            before it imports the recipe, whose imports log); None enters one here.
+        recipe_main: The recipe's entry point.
+        config: Config name or path.
+        overrides: ``key=value`` / ``~key`` overrides.
+        prog: Program name used in error messages.
+        driver_log: One the caller entered already; None enters one here.
 
     Returns:
         int: 0 on success, 2 on a config error, 1 when the recipe raised, 130 after Ctrl-C
-        before the recipe handled signals, or the recipe's own status: its int return value,
-        or the ``exit_code`` of the summary dict it returns (``128 + signal`` after Ctrl-C or
-        SIGTERM stopped the run, 1 after it stopped on an error).
+        before the recipe handled signals, or the recipe's own status (its int return, or
+        its summary's ``exit_code``).
     """
     with nullcontext(driver_log) if driver_log else DriverLog() as driver_log:
         cfg = None
@@ -83,8 +71,7 @@ def run_recipe(
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
-            # Ctrl-C before the recipe set its own handlers (while Ray starts, say): nothing
-            # to save yet, and a traceback through Ray's start-up would explain nothing.
+            # Before the recipe's handlers: nothing to save; Ray's traceback explains nothing.
             print(f"{prog}: interrupted", file=sys.stderr)
             return 130
         except Exception as error:
@@ -102,18 +89,12 @@ def run_recipe(
 def run_recipe_cli(recipe_main: Recipe, argv: Sequence[str] | None = None) -> NoReturn:
     """Command line of a recipe file: ``python recipes/x.py --config NAME key=value ...``.
 
-    Loads, validates and runs like ``grpo run``, then exits the process with the status.
-
     Args:
-        recipe_main (Recipe): The recipe's entry point.
-        argv (Sequence[str] | None): Arguments; None reads ``sys.argv[1:]``.
+        recipe_main: The recipe's entry point.
+        argv: Arguments; None reads ``sys.argv[1:]``.
 
     Raises:
-        SystemExit: Always, with the status of `run_recipe` (2 on a config error).
-
-    Example:
-        >>> if __name__ == "__main__":
-        ...     run_recipe_cli(recipe_main)
+        SystemExit: Always, with the status of `run_recipe`.
     """
     parser = argparse.ArgumentParser(
         description=recipe_main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -147,10 +128,10 @@ def split_overrides(
     """Overrides after ``--config`` land in argparse's leftovers; accept those, reject flags.
 
     Args:
-        parser (argparse.ArgumentParser): Reports a flag it does not know.
-        overrides (Sequence[str]): The parsed ``overrides`` positionals.
-        extra (Sequence[str]): argparse's leftovers.
-        verbose (bool): ``--verbose`` was given: ``log_level=debug`` goes last, so it wins.
+        parser: Reports a flag it does not know.
+        overrides: The parsed ``overrides`` positionals.
+        extra: argparse's leftovers.
+        verbose: ``--verbose`` was given: ``log_level=debug`` goes last, so it wins.
 
     Returns:
         list[str]: Every override, in order.
@@ -164,22 +145,8 @@ def split_overrides(
 def parse(recipe_main: Recipe) -> Callable[..., Any]:
     """Decorator giving a recipe's main function the config command line, torchtune style.
 
-    Called with no arguments (``recipe_main()`` in ``if __name__ == "__main__":``) it parses
-    ``--config NAME key=value ...`` from ``sys.argv`` and exits with the status; called with a
-    config (as ``grpo run`` does) it simply runs the recipe.
-
-    Args:
-        recipe_main (Recipe): The recipe's entry point, taking the config.
-
-    Returns:
-        Callable[..., Any]: The wrapped entry point.
-
-    Example:
-        >>> @parse
-        ... def recipe_main(cfg: RunConfig) -> None:
-        ...     ...
-        >>> if __name__ == "__main__":
-        ...     recipe_main()
+    Called with no arguments it parses ``--config NAME key=value ...`` from ``sys.argv`` and
+    exits with the status; called with a config it runs the recipe.
     """
 
     @functools.wraps(recipe_main)

@@ -1,10 +1,7 @@
 """The layout of a run folder (``output_dir``): where checkpoints live, what marks a run.
 
-A run writes its checkpoints to ``output_dir/checkpoints/step_NNNNNN``, and ``latest`` in that
-folder names the newest. Each checkpoint holds its run state (``state.json``) and the config
-its run ran with (``config.yaml``). The checkpointer writes this layout, a resume and ``grpo
-validate`` read it, the terminal names the checkpoint to resume from; this module is the one
-place that spells it out. It imports nothing of grpo.
+The one place that spells it out for the checkpointer, resumes, ``grpo validate`` and the
+terminal. Imports nothing of grpo.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ STATE_FILE = "state.json"
 CONFIG_FILE = "config.yaml"
 """The config a checkpoint's run ran with, in the checkpoint folder."""
 WANDB_RUN_FILE = "wandb_run.json"
-"""The W&B run a run logs to (its id, name and project), in the metric logger's folder: a
-resume goes on logging to it (`grpo.observability.metric_logger.MetricLogger`)."""
+"""The W&B run a run logs to (id, name, project), which a resume goes on logging to."""
 
 # What a run leaves in its folder; a folder holding any of them holds a run.
 RUN_RECORDS = ("metrics.jsonl", "trained.jsonl", "scored.jsonl", CHECKPOINTS_DIR, "final")
@@ -32,8 +28,8 @@ def find_checkpoint(run_dir: Path, resume: bool | str) -> Path | None:
     """The checkpoint to resume from: ``true`` means the latest in ``run_dir``.
 
     Args:
-        run_dir (Path): The run folder.
-        resume (bool | str): ``resume_from_checkpoint``: false or None, true, or a folder.
+        run_dir: The run folder.
+        resume: ``resume_from_checkpoint``: false or None, true, or a folder.
 
     Returns:
         Path | None: The checkpoint folder; None when ``resume`` is false.

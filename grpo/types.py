@@ -1,9 +1,7 @@
 """Data passed between the actors of the pipeline.
 
-One instance is one sequence, except `GroupedUnscoredTrajectories` (all samples of one prompt)
-and `PackedTrajectory` (many sequences concatenated into one block-causal row). Constructors
-check shapes and lengths so that a malformed trajectory fails where it is made, not three
-actors later inside a forward pass.
+Constructors check shapes and lengths, so a malformed trajectory fails where it is made, not
+three actors later inside a forward pass.
 """
 
 from __future__ import annotations
@@ -37,12 +35,7 @@ def _policy_len(response_len: int, mask: torch.Tensor | None) -> int:
 
 
 def count_per_sequence(mask: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """True entries of the flat ``mask`` within each sequence, whose lengths are ``lens``.
-
-    Example:
-        >>> count_per_sequence(torch.tensor([1, 0, 1, 1], dtype=torch.bool), torch.tensor([3, 1]))
-        tensor([2, 1])
-    """
+    """True entries of the flat ``mask`` within each sequence, whose lengths are ``lens``."""
     index = torch.arange(lens.numel(), device=mask.device).repeat_interleave(
         lens, output_size=mask.numel()
     )
@@ -50,14 +43,8 @@ def count_per_sequence(mask: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
 
 
 class _PicklesTensorsAsArrays:
-    """Pickles tensor attributes as numpy arrays: 6-10x faster through Ray for small tensors.
-
-    Trajectories cross Ray several times a step (collector, reference actor, replay buffer,
-    trainer), and torch pickles each tensor through its own storage protocol, about 0.3 ms
-    apiece; a batch of 64 trajectories took 30-45 ms per ``ray.put`` or ``ray.get``. A numpy
-    array pickles as its bytes. The tensors come back as tensors (copies when the array's
-    buffer is read-only, as Ray's zero-copy reads are), so nothing else changes.
-    """
+    """Pickles tensor attributes as numpy arrays, much faster through Ray than torch's own
+    storage protocol (docs/benchmarks.md); they come back as tensors."""
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -90,32 +77,23 @@ class UnscoredTrajectory(_PicklesTensorsAsArrays):
     """One generated sequence: an unpadded prompt, its response and the sampler's logprobs.
 
     Args:
-        prompt_tokens (torch.Tensor): Unpadded prompt token ids, shape ``(prompt_len,)``.
-        response_tokens (torch.Tensor): Unpadded response token ids, shape ``(response_len,)``.
-        prompt_len (int): Number of prompt tokens (at least 1).
-        response_len (int): Number of response tokens.
-        logprobs (torch.Tensor): Behaviour (vLLM) logprobs of the response tokens,
-            shape ``(response_len,)``.
-        answer (str): Ground-truth answer of the prompt.
-        sequence_id (str): Unique id of this sequence.
-        policy_version (int): Version of the weights that generated its oldest token: the
-            training steps those weights had taken (the replay buffer's ``max_policy_lag``
-            counts from it).
-        group_id (int): Id of the prompt group it belongs to.
-        response_mask (torch.Tensor | None): Bool ``(response_len,)``: True on the tokens the
-            policy sampled (trained), False on the environment's tokens of a multi-turn
-            episode (tool results, user replies: in the sequence, never trained; their
-            ``logprobs`` entries are 0). None: every response token is the policy's.
-        env_rewards (dict[str, float] | None): Rewards the environment gave the episode, by
-            name (`grpo.envs.protocol.Environment.score`); the reference actor turns them
-            into advantages.
-        env_successes (dict[str, float] | None): The reward functions' success flags, by
-            name; None: a reward above 0 counts as a success.
-        episode_stats (dict[str, float] | None): Counts of a multi-turn episode (turns, tool
-            calls, tool errors, environment tokens, truncation), for metrics.
-        last_policy_version (int | None): Version of the weights that generated its newest
-            token, newer than ``policy_version`` when weights changed while it was sampled
-            (an in-flight update); None: the same as ``policy_version``.
+        prompt_tokens: Unpadded prompt token ids, shape ``(prompt_len,)``.
+        response_tokens: Unpadded response token ids, shape ``(response_len,)``.
+        prompt_len: Number of prompt tokens (at least 1).
+        response_len: Number of response tokens.
+        logprobs: Behaviour (vLLM) logprobs of the response tokens, ``(response_len,)``.
+        answer: Ground-truth answer of the prompt.
+        sequence_id: Unique id of this sequence.
+        policy_version: Training steps taken by the weights that generated its oldest token.
+        group_id: Id of the prompt group it belongs to.
+        response_mask: Bool ``(response_len,)``: False on a multi-turn episode's environment
+            tokens (never trained; their ``logprobs`` are 0). None: all are the policy's.
+        env_rewards: Rewards the environment gave the episode, by name.
+        env_successes: The reward functions' success flags, by name; None: a reward above 0
+            counts as a success.
+        episode_stats: Counts of a multi-turn episode, for metrics.
+        last_policy_version: Version of the weights that generated its newest token (newer
+            after an in-flight update); None: ``policy_version``.
 
     Raises:
         ValueError: If a length does not match its tensor.
@@ -163,9 +141,9 @@ class GroupedUnscoredTrajectories:
     """All samples generated for one prompt; the unit the reference actor scores.
 
     Args:
-        trajectories (list[UnscoredTrajectory]): The group's samples.
-        group_id (int): Id shared by every trajectory in the group.
-        total_tokens (int): Sum of ``prompt_len + response_len`` over the group.
+        trajectories: The group's samples.
+        group_id: Id shared by every trajectory in the group.
+        total_tokens: Sum of ``prompt_len + response_len`` over the group.
 
     Raises:
         ValueError: If the group is empty, ids disagree or ``total_tokens`` is wrong.
@@ -206,29 +184,16 @@ class GroupedUnscoredTrajectories:
 class ScoredTrajectory(_PicklesTensorsAsArrays):
     """A trajectory with reference logprobs, rewards and its group-relative advantage.
 
+    The fields shared with `UnscoredTrajectory` mean the same.
+
     Args:
-        prompt_tokens (torch.Tensor): Shape ``(prompt_len,)``.
-        response_tokens (torch.Tensor): Shape ``(response_len,)``.
-        prompt_len (int): Number of prompt tokens.
-        response_len (int): Number of response tokens.
-        logprobs (torch.Tensor): Behaviour (vLLM) logprobs, shape ``(response_len,)``.
-        ref_logprobs (torch.Tensor | None): Reference-model logprobs, shape
-            ``(response_len,)``; None when the run has no reference model (``kl_coeff`` 0).
-        rewards (torch.Tensor): One reward per reward function, shape ``(num_funcs,)``.
-        advantages (torch.Tensor): The advantage: a scalar shared by every response token
-            (GRPO), or one per response token, shape ``(response_len,)`` (on-policy
-            distillation adds a per-token teacher signal:
-            `grpo.objective.advantages.distillation_advantages`).
-        successes (torch.Tensor): One success flag per reward function, shape ``(num_funcs,)``.
-        answer (str): Ground-truth answer.
-        sequence_id (str): Unique id of this sequence.
-        group_id (int): Prompt group id.
-        reward_metadata (dict): At least ``func_names``, one per reward function.
-        policy_version (int): Version of the weights that generated its oldest token.
-        response_mask (torch.Tensor | None): Bool ``(response_len,)``, True on policy tokens
-            (see `UnscoredTrajectory`); None: all of them.
-        episode_stats (dict[str, float] | None): See `UnscoredTrajectory`.
-        last_policy_version (int | None): See `UnscoredTrajectory`.
+        ref_logprobs: Reference-model logprobs, ``(response_len,)``; None without a reference
+            model.
+        rewards: One reward per reward function, ``(num_funcs,)``.
+        advantages: A scalar shared by every response token (GRPO), or one per response token
+            (on-policy distillation).
+        successes: One success flag per reward function, ``(num_funcs,)``.
+        reward_metadata: At least ``func_names``, one per reward function.
 
     Raises:
         ValueError: If a shape does not match.
@@ -294,8 +259,7 @@ class ScoredTrajectory(_PicklesTensorsAsArrays):
 
     @property
     def token_advantages(self) -> torch.Tensor:
-        """The advantage of each response token, float32 ``(response_len,)``: ``advantages``
-        itself when it is per token, else the scalar repeated."""
+        """The advantage of each response token, float32 ``(response_len,)``."""
         if self.advantages.dim() == 1:
             return self.advantages
         return self.advantages.expand(self.response_len)
@@ -305,50 +269,33 @@ class ScoredTrajectory(_PicklesTensorsAsArrays):
 class PackedTrajectory:
     """Many sequences concatenated into one row ``[P1 R1 P2 R2 ... Pn Rn PAD...]``.
 
-    The model sees ``tokens[None]`` with ``attention_mask`` (block-causal: a token attends only
-    to earlier tokens of its own sequence) and ``position_ids`` that restart at 0 per sequence.
-    Padding, if any, is one extra block at the tail with ``sequence_mask == -1``.
-
-    With shared prompts (`grpo.packing.packs.pack_sequences` with ``share_prompts``), sequences of
-    one group with the same prompt are laid out as ``[P R1 R2 ... RG]``: the prompt once, each
-    response after it with position ids continuing from ``prompt_len`` and attending to the
-    whole prompt and to its own earlier tokens only.
-
-    The logprob of a response token is read from the hidden state at ``logit_positions``: the
-    token before it in its sequence (for the first response token, the prompt's last token,
-    one row shared by every response of that prompt). ``targets`` holds the response tokens,
-    sequence after sequence in the order of ``sequence_ids``, so ``hidden[logit_positions]``
-    lines up with ``targets`` one to one.
+    Built by `grpo.packing.packs.pack_sequences`. ``targets`` holds the response tokens in the
+    order of ``sequence_ids``, and ``hidden[logit_positions]`` lines up with it one to one.
 
     Args:
-        tokens (torch.Tensor): Shape ``(packed_seq_len,)``.
-        attention_mask (torch.Tensor | BlockMask | VarlenMask): Dense bool ``(L, L)`` (True =
-            may attend), a FlexAttention ``BlockMask`` or a `grpo.packing.attention.VarlenMask`.
-        position_ids (torch.Tensor): Shape ``(packed_seq_len,)``, restarting at 0 per sequence.
-        response_mask (torch.Tensor): Bool, True on response tokens, shape ``(packed_seq_len,)``.
-        sequence_mask (torch.Tensor): Index of the sequence each token belongs to (a shared
-            prompt: the first sequence sharing it), -1 on padding, shape ``(packed_seq_len,)``.
-        prompt_lens (torch.Tensor): Shape ``(num_sequences,)``.
-        response_lens (torch.Tensor): Shape ``(num_sequences,)``.
-        sequence_map (torch.Tensor): ``[start, end)`` of each sequence's own tokens,
-            ``(num_sequences, 2)``: its whole block, or its response when it shares its prompt.
-        packed_seq_len (int): Length of ``tokens`` including padding.
-        targets (torch.Tensor): Response tokens in sequence order, ``(total_response_tokens,)``.
-        ref_logprobs (torch.Tensor | None): Reference logprobs, ``(total_response_tokens,)``.
-        advantages (torch.Tensor | None): Per-token advantages, ``(total_response_tokens,)``.
-        behavior_logprobs (torch.Tensor | None): vLLM logprobs, ``(total_response_tokens,)``.
-        sequence_ids (list[str]): Ids of the packed sequences, in order.
-        group_ids (list[int]): Group ids of the packed sequences, in order.
-        actual_total_tokens (int): Real (non-padding) tokens.
-        logit_positions (torch.Tensor | None): Row of the hidden states that predicts each
-            target, ``(total_response_tokens,)``. None: ``response_mask[1:].nonzero()``, the
-            layout without shared prompts, where every sequence is one contiguous block.
-        shared_prompt_tokens (int): Prompt tokens the pack does not repeat thanks to shared
-            prompts (its sequences' total length minus ``actual_total_tokens``).
-        loss_mask (torch.Tensor | None): Bool ``(total_response_tokens,)`` aligned with
-            ``targets``: the sequences' ``response_mask`` concatenated (True = policy token,
-            trained; False = an environment token, which the loss skips). None: every target
-            is trained.
+        tokens: Shape ``(packed_seq_len,)``.
+        attention_mask: Dense bool ``(L, L)`` (True = may attend), a ``BlockMask`` or a
+            `VarlenMask`.
+        position_ids: Shape ``(packed_seq_len,)``, restarting at 0 per sequence.
+        response_mask: Bool, True on response tokens, ``(packed_seq_len,)``.
+        sequence_mask: Index of each token's sequence (a shared prompt: the first sharing it),
+            -1 on padding.
+        prompt_lens: Shape ``(num_sequences,)``.
+        response_lens: Shape ``(num_sequences,)``.
+        sequence_map: ``[start, end)`` of each sequence's own tokens, ``(num_sequences, 2)``.
+        packed_seq_len: Length of ``tokens`` including padding.
+        targets: Response tokens in sequence order, ``(total_response_tokens,)``.
+        ref_logprobs: Reference logprobs, aligned with ``targets``.
+        advantages: Per-token advantages, aligned with ``targets``.
+        behavior_logprobs: vLLM logprobs, aligned with ``targets``.
+        sequence_ids: Ids of the packed sequences, in order.
+        group_ids: Group ids of the packed sequences, in order.
+        actual_total_tokens: Real (non-padding) tokens.
+        logit_positions: Hidden row predicting each target; None: ``response_mask[1:]``'s
+            positions (every sequence one contiguous block).
+        shared_prompt_tokens: Prompt tokens not repeated thanks to shared prompts.
+        loss_mask: Bool, aligned with ``targets``: False on environment tokens, which the
+            loss skips. None: every target is trained.
 
     Raises:
         ValueError: If a shape does not match, or ``logit_positions`` is None and
@@ -437,15 +384,13 @@ class GRPOStats:
     """Scalars describing one GRPO loss computation.
 
     Args:
-        loss (torch.Tensor): Total loss (policy + kl).
-        policy_loss (torch.Tensor): Clipped surrogate part.
-        kl_loss (torch.Tensor): ``kl_coeff`` times the KL estimate.
-        ratios (torch.Tensor): Mean over response tokens of the clipped objective's ratio:
-            ``exp(pi - behaviour)`` by default (see `grpo.objective.loss.GRPOLoss` for
-            the TIS and sequence-level variants).
-        clipfrac (torch.Tensor): Fraction of response tokens whose ratio was clipped.
-        approx_policy_kls (torch.Tensor): Mean of ``0.5 * (pi - behaviour)^2``.
-        metadata (dict | None): Optional debug data, e.g. ``pi_logprobs``.
+        loss: Total loss (policy + kl).
+        policy_loss: Clipped surrogate part.
+        kl_loss: ``kl_coeff`` times the KL estimate.
+        ratios: Token mean of the clipped objective's ratio.
+        clipfrac: Fraction of response tokens whose ratio was clipped.
+        approx_policy_kls: Token mean of ``0.5 * (pi - behaviour)^2``.
+        metadata: Counts and debug data (`grpo.objective.loss.combine_stats` reads them).
     """
 
     loss: torch.Tensor
