@@ -15,6 +15,8 @@ from grpo.config import InferenceConfig, LoRAConfig
 from grpo.rewards import MathCorrectnessReward
 from grpo.weights.checksum import NO_ADAPTER_CHECKSUM, state_dict_checksum
 
+pytestmark = pytest.mark.slow  # a real vLLM engine
+
 LORA = LoRAConfig(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
 
 

@@ -49,7 +49,7 @@ from grpo.testing import (
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
