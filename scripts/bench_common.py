@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the machine's load and a plain-text table.
+"""What the benchmark scripts share: the machine's load, a plain-text table, a logged child run.
 
 The scripts run as ``python scripts/NAME.py``, so this folder is on ``sys.path`` and they
 import it as ``bench_common``.
@@ -7,6 +7,9 @@ import it as ``bench_common``.
 from __future__ import annotations
 
 import os
+import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
 
@@ -28,3 +31,31 @@ def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
         print(f"  {line}")
         if index == 0:
             print(f"  {'  '.join('-' * w for w in widths)}")
+
+
+def run_child(command: list[str], log_path: Path, timeout_s: float, env: dict[str, str]) -> float:
+    """Run ``command`` from the repo root with output to ``log_path``; return its wall seconds.
+
+    Raises:
+        RuntimeError: If it fails or times out (with the log's tail).
+    """
+    from grpo.config import repo_root
+
+    start = time.perf_counter()
+    with open(log_path, "w") as log_file:
+        try:
+            returncode = subprocess.run(
+                command,
+                cwd=repo_root(),
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            returncode = None
+    if returncode != 0:
+        tail = log_path.read_text(errors="replace")[-4000:]
+        status = f"timed out after {timeout_s:.0f} s" if returncode is None else f"rc={returncode}"
+        raise RuntimeError(f"{command[:6]}... failed ({status}); end of {log_path}:\n{tail}")
+    return time.perf_counter() - start

@@ -30,16 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import load_average, print_table
+from bench_common import load_average, print_table, run_child
 
-from grpo.config import repo_root
 from grpo.observability.metric_names import EVAL_ACCURACY, REF_TEACHER_REVERSE_KL
 
 RUNS = {"grpo": "tiny_arithmetic_cpu", "distill": "tiny_arithmetic_distill_cpu"}
@@ -69,30 +66,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def run(command: list[str], log_path: Path, timeout_s: float) -> float:
-    """Run a ``grpo`` command in a child process, its output to ``log_path``; wall seconds.
-
-    Raises:
-        RuntimeError: If it fails or times out (the log's tail is in the message).
-    """
+    """Run ``grpo COMMAND...`` with output to ``log_path`` and W&B off; return its wall seconds."""
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    start = time.perf_counter()
-    with open(log_path, "w") as log_file:
-        try:
-            returncode = subprocess.run(
-                [sys.executable, "-c", CLI, *command],
-                cwd=repo_root(),
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                timeout=timeout_s,
-            ).returncode
-        except subprocess.TimeoutExpired:
-            returncode = None
-    if returncode != 0:
-        tail = log_path.read_text(errors="replace")[-3000:]
-        status = f"timed out after {timeout_s:.0f} s" if returncode is None else f"rc={returncode}"
-        raise RuntimeError(f"{' '.join(command[:4])} failed ({status}); end of {log_path}:\n{tail}")
-    return time.perf_counter() - start
+    return run_child([sys.executable, "-c", CLI, *command], log_path, timeout_s, env)
 
 
 def train(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:

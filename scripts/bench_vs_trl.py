@@ -93,7 +93,6 @@ import random
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -101,7 +100,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_common import load_average, print_table
+from bench_common import load_average, print_table, run_child
 
 CONFIG = "tiny_arithmetic_cpu"
 # The demo workload, where the demo config has moved on: 8 prompts x 8 samples per step, every
@@ -353,38 +352,6 @@ class RunResult:
         if metric == "steps/s":
             return 1 / self.state.seconds_per_step
         return self.state.tokens_per_s
-
-
-def run_child(command: list[str], log_path: Path, timeout_s: float, env: dict[str, str]) -> float:
-    """Run ``command`` with output to ``log_path``; return its wall seconds.
-
-    Raises:
-        RuntimeError: If it fails or times out (with the log's tail).
-    """
-    start = time.perf_counter()
-    with open(log_path, "w") as log_file:
-        try:
-            returncode = subprocess.run(
-                command,
-                cwd=_repo_root(),
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                timeout=timeout_s,
-            ).returncode
-        except subprocess.TimeoutExpired:
-            returncode = None
-    if returncode != 0:
-        tail = log_path.read_text(errors="replace")[-4000:]
-        status = f"timed out after {timeout_s:.0f} s" if returncode is None else f"rc={returncode}"
-        raise RuntimeError(f"{command[:6]}... failed ({status}); end of {log_path}:\n{tail}")
-    return time.perf_counter() - start
-
-
-def _repo_root() -> Path:
-    from grpo.config import repo_root
-
-    return repo_root()
 
 
 def run_ours(
