@@ -55,10 +55,10 @@ from grpo.testing import read_jsonl
 
 # The actor classes a kill picks from, by the name the run gives their actors.
 ACTORS = {
-    "collector": "SyncLLMCollector",
-    "ref_actor": "RefActor",
+    "inference": "SyncLLMCollector",
+    "ref": "RefActor",
     "replay_buffer": "ReplayBufferActor",
-    "trainer": "PyTorchActorModel",
+    "training": "PyTorchActorModel",
 }
 ROLLOUT_NODE = {"num_cpus": 1, "resources": {"rollout_node": 1}}
 LEARNER_NODE = {"num_cpus": 2, "resources": {"learner_node": 2}}

@@ -36,7 +36,7 @@ from grpo.config import repo_root
 from grpo.orchestrator import ActorFailedError
 from grpo.testing import kill_at_steps, start_tiny_run
 
-VICTIMS = ["collector[0]", "ref_actor[0]", "replay_buffer", "rollout_queue", "trainer[0]"]
+VICTIMS = ["inference[0]", "ref[0]", "replay_buffer", "rollout_queue", "training[0]"]
 
 
 def read_jsonl(path: Path) -> list[dict]:

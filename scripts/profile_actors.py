@@ -34,10 +34,10 @@ from bench_vs_trl import CONFIG, DEMO_OVERRIDES
 
 # Ray names an actor's process after its class; the driver runs the recipe.
 ROLES = {
-    "collector": "ray::SyncLLMCollector",
-    "reference": "ray::RefActor",
-    "trainer": "ray::PyTorchActorModel",
-    "replay buffer": "ray::ReplayBuffer",
+    "inference": "ray::SyncLLMCollector",
+    "ref": "ray::RefActor",
+    "training": "ray::PyTorchActorModel",
+    "replay_buffer": "ray::ReplayBuffer",
 }
 # Frames where a thread only waits: left out of the self-time table unless --idle.
 IDLE_FRAMES = ("epoll_wait", "select", "poll", "sleep", "wait", "_wait_for_tstate_lock", "get")

@@ -60,21 +60,21 @@ def has_own_held_out_rows(environment: Any) -> bool:
 
 
 class Role(NamedTuple):
-    """A kind of actor the config places: the memory plan's name for it, the section that
-    holds its ``num_cpus``, ``num_gpus`` and ``resources``, and the ``orchestration`` key of
-    its count."""
+    """A kind of actor the config places: its name, which is also the section that holds its
+    ``num_cpus``, ``num_gpus`` and ``resources`` (and the name of its actors, ``ref[0]``),
+    and the ``orchestration`` key of its count."""
 
     name: str
-    section: str
     count_key: str
 
 
 # Every placed role, in start order (`grpo.orchestrator.supervisor.ActorSupervisor
-# .start_pipeline`): what the resource checks of `grpo.preflight` add up.
+# .start_pipeline`): what the resource checks of `grpo.preflight`, the memory plan and the
+# supervisor's placement check add up.
 ROLES = (
-    Role("reference", "ref", "num_ref_workers"),
-    Role("collector", "inference", "num_inference_workers"),
-    Role("trainer", "training", "num_training_workers"),
+    Role("ref", "num_ref_workers"),
+    Role("inference", "num_inference_workers"),
+    Role("training", "num_training_workers"),
 )
 
 

@@ -34,7 +34,7 @@ def logs_dir(run_dir: str | os.PathLike) -> Path:
 
 
 def actor_log_path(run_dir: str | os.PathLike, name: str) -> Path:
-    """The log file of an actor: ``collector[0]`` -> ``<run_dir>/logs/collector_0.log``.
+    """The log file of an actor: ``inference[0]`` -> ``<run_dir>/logs/inference_0.log``.
 
     Brackets are replaced: they need quoting in a shell.
     """

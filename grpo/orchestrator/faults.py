@@ -24,9 +24,6 @@ from pathlib import Path
 
 from grpo.errors import ActorFailedError, TrainingDivergedError
 
-# Roles whose death the run survives by replacing the actor (`Role` values).
-REPLACEABLE = ("collector", "ref_actor", "replay_buffer", "rollout_queue")
-
 
 def root_cause(error: BaseException) -> BaseException:
     """The user's exception inside Ray's wrappers: a remote call's ``RayTaskError`` holds the
@@ -59,7 +56,7 @@ class Failure:
     """A call that failed: whose, and how.
 
     Args:
-        actor (str): The actor's name (``collector[0]``, ``replay_buffer``, ``trainer[1]``).
+        actor (str): The actor's name (``inference[0]``, ``replay_buffer``, ``training[1]``).
         error (BaseException): What the call raised (Ray's error, as caught).
         died (bool): The actor died (``RayActorError``); False: it raised (``RayTaskError``).
         init_failed (bool): It died because its constructor raised.
@@ -118,8 +115,8 @@ class FaultPolicy:
 
     Example:
         >>> policy = FaultPolicy(1, lambda name: "", lambda: "the start")
-        >>> policy.decide(Failure("ref_actor[0]", RuntimeError("gone")))
-        Replace(actor='ref_actor[0]', error=RuntimeError('gone'), last=None)
+        >>> policy.decide(Failure("ref[0]", RuntimeError("gone")))
+        Replace(actor='ref[0]', error=RuntimeError('gone'), last=None)
     """
 
     def __init__(
@@ -131,7 +128,7 @@ class FaultPolicy:
         self.max_restarts = max_restarts
         self.output_hint = output_hint
         self.resume_hint = resume_hint
-        self.restarts: dict[str, int] = {}  # per actor name, and "trainers" for the group
+        self.restarts: dict[str, int] = {}  # per actor name, and "training" for the group
         self.last: ActorFailedError | None = None  # an actor past its budget, replaced once more
 
     def decide(self, failure: Failure) -> Decision:
@@ -144,7 +141,7 @@ class FaultPolicy:
             # Its constructor raised: each replacement would raise the same way (and add the
             # same traceback to the actor's log file). Ray keeps only the text of the cause.
             return Stop(ActorFailedError(f"{name} failed to start{hint}: {error}"))
-        if name.startswith("trainer"):
+        if name.startswith("training["):
             return Restart(f"{name} died ({error}){hint}")
         if not failure.current:
             return Replace(name, error)  # replaced already: the call is redone on the new one
@@ -162,11 +159,11 @@ class FaultPolicy:
         """Whether the trainers may restart once more after one died (``reason``, e.g. a
         `TrainerDiedError`'s message, found in a training call, a weight gather or a
         checkpoint); counts the restart."""
-        restarts = self.restarts["trainers"] = self.restarts.get("trainers", 0) + 1
+        restarts = self.restarts["training"] = self.restarts.get("training", 0) + 1
         if restarts > self.max_restarts:
             return Stop(
                 ActorFailedError(
-                    f"{reason}; the trainers died {restarts} times (orchestration."
+                    f"{reason}; the training actors died {restarts} times (orchestration."
                     f"max_actor_restarts={self.max_restarts}): resume from {self.resume_hint()}"
                 )
             )

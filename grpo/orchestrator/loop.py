@@ -96,7 +96,7 @@ class Orchestrator:
         # the guards that stop a run whose environment fails nearly every episode, or whose
         # reward function fails nearly every call (checked as each batch comes back: failure
         # rewards still fill batches, so the run would train on).
-        hint = lambda index: self.actors.output_hint(actor_name(Role.COLLECTOR, index))  # noqa: E731
+        hint = lambda index: self.actors.output_hint(actor_name(Role.INFERENCE, index))  # noqa: E731
         episode_drops, reward_failures = EpisodeDrops(hint), RewardFailures(hint)
         # Groups scored and dropped for equal rewards per step, and the guard that stops a run
         # whose groups all have equal rewards (ref.filter_zero_variance_groups).
@@ -138,9 +138,9 @@ class Orchestrator:
     def _new_weight_sync(self) -> WeightSync:
         # A collector that cannot receive weights is killed and replaced like a dead one.
         def replace_collector(index: int, collector: Any, error: Exception) -> None:
-            self.actors.kill(actor_name(Role.COLLECTOR, index), str(error))
-            failure = Failure(actor_name(Role.COLLECTOR, index), error)
-            self._carry_out(Failed(failure, Role.COLLECTOR, index, collector))
+            self.actors.kill(actor_name(Role.INFERENCE, index), str(error))
+            failure = Failure(actor_name(Role.INFERENCE, index), error)
+            self._carry_out(Failed(failure, Role.INFERENCE, index, collector))
 
         return WeightSync(
             self.actors.get_all,
@@ -488,7 +488,7 @@ class Orchestrator:
         - A reference actor: nothing (its call is redone).
         """
         new = self.actors.actor(role, index)
-        if role is Role.COLLECTOR:
+        if role is Role.INFERENCE:
             state = self.actors.collector_states[index]
             self.weights.catch_up(new, state, actor_name(role, index), index)
         elif role is Role.REPLAY_BUFFER:
@@ -497,7 +497,7 @@ class Orchestrator:
             self.actors.get_all(calls, "replay_buffer rebuild")
         elif role is Role.ROLLOUT_QUEUE:
             for collector in range(len(self.collectors)):
-                self._ask(Role.COLLECTOR, collector, "set_rollout_queue", new)
+                self._ask(Role.INFERENCE, collector, "set_rollout_queue", new)
             rescued = self.inflight.rescue_queued()
             self.actors.log_metrics({"faults/groups_rescued": float(rescued)}, self.state.step)
 
@@ -584,10 +584,10 @@ class Orchestrator:
             try:
                 metrics = ray.get(ref)
             except RayActorError:
-                metrics = self._ask(Role.COLLECTOR, index, "sleep_engine")  # replaced first
+                metrics = self._ask(Role.INFERENCE, index, "sleep_engine")  # replaced first
             except RayTaskError as error:
-                failure = Failure(actor_name(Role.COLLECTOR, index), error, died=False)
-                self._carry_out(Failed(failure, Role.COLLECTOR, index, collector))  # a Stop
+                failure = Failure(actor_name(Role.INFERENCE, index), error, died=False)
+                self._carry_out(Failed(failure, Role.INFERENCE, index, collector))  # a Stop
             # The sleep and wake that ended with this step's generation.
             self.actors.log_metrics(metrics, self.state.step)
 
@@ -609,7 +609,7 @@ class Orchestrator:
         """
         log.warning("%s; restarting the run from its latest checkpoint", error)
         # Named after rank 0, whose first finished step ends the recovery (`returned`).
-        recovery = Recovery(actor_name(Role.TRAINER, 0), self.state.step, 0.0, str(error))
+        recovery = Recovery(actor_name(Role.TRAINING, 0), self.state.step, 0.0, str(error))
         died_at = self.state.step
         saved_one = (self.run_dir / CHECKPOINTS_DIR / LATEST_FILE).is_file()
         checkpoint = find_checkpoint(self.run_dir, True) if saved_one else self.start_checkpoint

@@ -262,7 +262,7 @@ class Scheduler:
             and queue is self.actors.rollout_queue
         ):
             # The collector found the queue dead before the loop did.
-            name = actor_name(Role.COLLECTOR, call.index)
+            name = actor_name(Role.INFERENCE, call.index)
             self._queue_died(queue, RuntimeError(f"{name} could not put groups on it"))
         # A batch that began before the queue was replaced may have lost groups with it.
         lost = queue is not self.actors.rollout_queue or any(
@@ -379,7 +379,7 @@ class Scheduler:
 
         pending = [call for ref, call in self.calls.items() if ref not in finished]
         generating = {
-            actor_name(Role.COLLECTOR, c.index): c for c in pending if c.kind is CallKind.GENERATE
+            actor_name(Role.INFERENCE, c.index): c for c in pending if c.kind is CallKind.GENERATE
         }
         beats = {
             name: call.actor.heartbeat.options(concurrency_group=COLLECTOR_HEALTH_GROUP).remote()

@@ -41,7 +41,7 @@ class Stall:
     """Who holds the run up.
 
     Args:
-        actor (str): Its name (``collector[0]``, ``trainer[0]``, ``replay_buffer``, ...).
+        actor (str): Its name (``inference[0]``, ``training[0]``, ``replay_buffer``, ...).
         reason (str): What it is stuck in, for the log and the error.
         replaceable (bool): Whether replacing the actor can help (a frozen or hung actor), or
             the run must stop (every sample dropped as stale, nothing stuck).

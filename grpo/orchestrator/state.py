@@ -46,12 +46,12 @@ class RunState:
 class CallKind(enum.Enum):
     """A call the loop keeps in flight, by the role of the actor that runs it."""
 
-    GENERATE = Role.COLLECTOR
+    GENERATE = Role.INFERENCE
     TAKE = Role.ROLLOUT_QUEUE
     SCORE = Role.REF
     ADD = (Role.REPLAY_BUFFER, "add")
     SAMPLE = (Role.REPLAY_BUFFER, "sample")
-    TRAIN = Role.TRAINER
+    TRAIN = Role.TRAINING
 
     @property
     def role(self) -> Role:

@@ -2,7 +2,7 @@
 
 It owns the actor handles (always the current ones, replacements included), the record of
 recoveries, the state each collector reached after its last finished batch, and the names that
-errors use (``collector[0]``, ``ref_actor[1]``, ``replay_buffer``, ``trainer[0]``). It carries
+errors use (``inference[0]``, ``ref[1]``, ``replay_buffer``, ``training[0]``). It carries
 out what the loop decided (`grpo.orchestrator.faults`): `replace` starts a new actor in a dead
 one's place, `restart_pipeline` starts every actor but the metric logger again from a
 checkpoint; what a replacement needs to catch up is the loop's to do.
@@ -24,6 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from grpo.config import ConfigError, InstantiationError, RunConfig, locate
 from grpo.config.instantiate import keyword_names
+from grpo.config.run import ROLES
 from grpo.errors import ActorFailedError, TrainerDiedError
 from grpo.observability import metric_names as names
 from grpo.observability.logs import actor_log_path, is_verbose, logs_dir, with_output_to
@@ -96,14 +97,6 @@ def _on_driver_node() -> dict[str, Any]:
         "num_cpus": 0,
         "scheduling_strategy": NodeAffinitySchedulingStrategy(driver_node, soft=False),
     }
-
-
-# The roles whose actors the config places, with the key of their count.
-PLACED_ROLES = (
-    ("inference", "num_inference_workers"),
-    ("ref", "num_ref_workers"),
-    ("training", "num_training_workers"),
-)
 
 
 def actor_demand(section: Any) -> dict[str, float]:
@@ -186,12 +179,12 @@ def check_placement(cfg: RunConfig) -> None:
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     demands = [
         (
-            section,
-            count_key,
-            getattr(cfg.orchestration, count_key),
-            actor_demand(getattr(cfg, section)),
+            role.name,
+            role.count_key,
+            getattr(cfg.orchestration, role.count_key),
+            actor_demand(getattr(cfg, role.name)),
         )
-        for section, count_key in PLACED_ROLES
+        for role in ROLES
     ]
     problems = placement_problems(nodes, demands)
     if problems:
@@ -199,25 +192,27 @@ def check_placement(cfg: RunConfig) -> None:
 
 
 class Role(enum.Enum):
-    """What an actor does in the run; its value is the actor's name in messages."""
+    """What an actor does in the run. Its value is the actor's name in messages and log files,
+    and, for the placed roles, the config section that configures it."""
 
-    COLLECTOR = "collector"
+    INFERENCE = "inference"
     ROLLOUT_QUEUE = "rollout_queue"
-    REF = "ref_actor"
+    REF = "ref"
     REPLAY_BUFFER = "replay_buffer"
-    TRAINER = "trainer"
+    TRAINING = "training"
+    METRIC_LOGGER = "metric_logger"
 
 
-_INDEXED = {Role.COLLECTOR, Role.REF, Role.TRAINER}
+_INDEXED = {Role.INFERENCE, Role.REF, Role.TRAINING}
 
 
 def actor_name(role: Role, index: int = 0) -> str:
-    """``collector[0]``, ``ref_actor[1]``, ``trainer[0]``, ``replay_buffer``, ..."""
+    """``inference[0]``, ``ref[1]``, ``training[0]``, ``replay_buffer``, ..."""
     return f"{role.value}[{index}]" if role in _INDEXED else role.value
 
 
 def role_and_index(name: str) -> tuple[Role, int]:
-    """The inverse of `actor_name`: ``"collector[1]"`` -> ``(Role.COLLECTOR, 1)``."""
+    """The inverse of `actor_name`: ``"inference[1]"`` -> ``(Role.INFERENCE, 1)``."""
     role, _, index = name.partition("[")
     return Role(role), int(index.rstrip("]") or 0)
 
@@ -389,7 +384,7 @@ class ActorSupervisor:
         for name, value in defaults.items():
             if accepted is None or name in accepted:
                 node.setdefault(name, value)
-        logger_cls = self._actor_class(logger_cls, "metric_logger")
+        logger_cls = self._actor_class(logger_cls, actor_name(Role.METRIC_LOGGER))
         self.metric_logger = ray.remote(**_on_driver_node())(logger_cls).remote(**node)
         return self.metric_logger
 
@@ -418,7 +413,7 @@ class ActorSupervisor:
         world_size = cfg.orchestration.num_training_workers
 
         def trainer_class(rank: int) -> Any:
-            trainer_cls = self._actor_class(PyTorchActorModel, actor_name(Role.TRAINER, rank))
+            trainer_cls = self._actor_class(PyTorchActorModel, actor_name(Role.TRAINING, rank))
             return trainer_cls.as_remote(**_resources(training))
 
         self.trainers = [
@@ -467,7 +462,7 @@ class ActorSupervisor:
         cfg, inference = self.cfg, self.cfg.inference
         # Threaded actor (max_concurrency 4): evaluate and receive_weights must get through
         # while generate_batch waits on a full rollout queue, or evaluation deadlocks.
-        collector_cls = self._actor_class(SyncLLMCollector, actor_name(Role.COLLECTOR, worker_id))
+        collector_cls = self._actor_class(SyncLLMCollector, actor_name(Role.INFERENCE, worker_id))
         actor_cls = collector_cls.as_remote(**_resources(inference))
         return actor_cls.remote(
             worker_id=worker_id,
@@ -511,7 +506,9 @@ class ActorSupervisor:
             return self.rollout_queue
         if role is Role.REPLAY_BUFFER:
             return self.replay_buffer
-        return {Role.COLLECTOR: self.collectors, Role.REF: self.ref_actors}.get(
+        if role is Role.METRIC_LOGGER:
+            return self.metric_logger
+        return {Role.INFERENCE: self.collectors, Role.REF: self.ref_actors}.get(
             role, self.trainers
         )[index]
 
@@ -547,7 +544,7 @@ class ActorSupervisor:
         """
         method = "save_hf_checkpoint" if hf else "save_checkpoint"
         calls = [getattr(t, method).remote(str(folder)) for t in self.trainers]
-        self.get_all(calls, "trainer checkpoint")
+        self.get_all(calls, "training checkpoint")
 
     def returned(self, role: Role, index: int, actor: Any) -> None:
         """A call of ``actor`` came back: a replacement's first result ends its recovery."""
@@ -579,7 +576,7 @@ class ActorSupervisor:
         log.warning(
             "%s died at step %d; replacing it%s: %s", name, step, self.output_hint(name), error
         )
-        if role is Role.COLLECTOR:
+        if role is Role.INFERENCE:
             self.collectors[index] = self._new_collector(index)
         elif role is Role.REF:
             self.ref_actors[index] = self._new_ref_actor(index)
@@ -627,7 +624,7 @@ class ActorSupervisor:
             try:
                 ray.get(trainer.__ray_ready__.remote(), timeout=30)
             except (RayActorError, ray.exceptions.GetTimeoutError):
-                return actor_name(Role.TRAINER, rank)
+                return actor_name(Role.TRAINING, rank)
         return None
 
     def restart_pipeline(self, pad_token_id: int, checkpoint_dir: Path | None) -> None:

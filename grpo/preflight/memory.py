@@ -6,24 +6,25 @@ is imported only to ask for the local GPUs' size (`local_gpu_memory`).
 
 What each role holds on its device:
 
-* trainer (``training.*``): the weights, gradients and optimizer state (exact), the
-  activations autograd saves for one micro-batch of ``target_tokens_per_batch`` tokens and
-  the chunked logits of the logprob computation (estimates), a CUDA context (estimate).
+* training (the trainers, ``training.*``): the weights, gradients and optimizer state
+  (exact), the activations autograd saves for one micro-batch of ``target_tokens_per_batch``
+  tokens and the chunked logits of the logprob computation (estimates), a CUDA context
+  (estimate).
   Gradients and AdamW's two moments are in the parameter dtype (torch keeps them so), plus a
   4-byte ``step`` per parameter tensor. With ``training.lora`` the base weights are frozen:
   gradients and optimizer state exist for the adapters only. With N trainers FSDP2 shards
   weights, gradients and optimizer state N ways and all-gathers the root module and about two
   decoder layers at a time.
-* reference actor (``ref.*``): its weights, the distillation teacher's
+* ref (the reference actors, ``ref.*``): its weights, the distillation teacher's
   (``ref.teacher_model_path``), and the working set of the larger no-grad forward; nothing
   when it loads no model (``kl_coeff`` 0, or ``training.lora``, where the trainer computes the
   reference logprobs with the adapter off, and no teacher).
-* collector (``inference.*``): vLLM takes ``gpu_memory_utilization`` (default 0.9) of the
-  whole device, whatever else runs there; with ``kv_cache_memory_bytes`` set, its weights plus
-  that cache instead.
+* inference (the collectors, ``inference.*``): vLLM takes ``gpu_memory_utilization``
+  (default 0.9) of the whole device, whatever else runs there; with ``kv_cache_memory_bytes``
+  set, its weights plus that cache instead.
 
-Placement follows Ray's: actors start in the order reference actors, collectors, trainers; one
-asking for a GPU or more gets whole devices of its own, fractional ones are packed first-fit
+Placement follows Ray's: actors start in the order ref, inference, training; one asking for a
+GPU or more gets whole devices of its own, fractional ones are packed first-fit
 onto shared devices. The roles on one device add up. With ``inference.sleep_while_training``
 vLLM sleeps while the trainer steps, freeing its weights and KV cache (sleep level 1 with
 LoRA moves the weights to CPU memory, level 2 drops them): a shared device then needs the
@@ -75,10 +76,9 @@ CUDA_CONTEXT_BYTES = 3 * GiB // 4
 # vLLM's default gpu_memory_utilization.
 VLLM_DEFAULT_UTILIZATION = 0.9
 
-# The roles' names in start order, and the section of each, from the one table of placed
-# roles (`grpo.config.run.ROLES`).
+# The roles' names (each the config section that places it) in start order, from the one
+# table of placed roles (`grpo.config.run.ROLES`).
 ROLES = tuple(role.name for role in PLACED_ROLES)
-_SECTION = {role.name: role.section for role in PLACED_ROLES}
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -263,7 +263,7 @@ class RoleMemory:
     """What one actor of a role needs on one device.
 
     Attributes:
-        role (str): ``"collector"``, ``"reference"`` or ``"trainer"``.
+        role (str): ``"inference"``, ``"ref"`` or ``"training"`` (its config section).
         key (str): The key that sizes it most, named in a refusal (see `memory_problems`).
         parts (tuple[Part, ...]): Its memory, part by part.
         device_fraction (float): vLLM's ``gpu_memory_utilization``: this fraction of the whole
@@ -333,7 +333,7 @@ def trainer_memory(cfg: RunConfig, shape: ModelShape) -> RoleMemory:
         advice += ", or set training.lora"
     if cfg.training.dtype in ("fp32", "float32"):
         advice += ", or training.dtype=bf16"
-    return RoleMemory("trainer", key, parts, advice=advice)
+    return RoleMemory("training", key, parts, advice=advice)
 
 
 def trainer_parts(cfg: RunConfig, shape: ModelShape) -> tuple[Part, ...]:
@@ -479,7 +479,7 @@ def reference_memory(
         Part("CUDA context", CUDA_CONTEXT_BYTES, exact=False),
     )
     advice_text = "give it a larger GPU" + "".join(f", or {item}" for item in advice)
-    return RoleMemory("reference", "ref.num_gpus", parts, advice=advice_text)
+    return RoleMemory("ref", "ref.num_gpus", parts, advice=advice_text)
 
 
 def _no_grad_forward_bytes(shape: ModelShape, tokens: int, size: int) -> int:
@@ -516,13 +516,13 @@ def collector_memory(cfg: RunConfig, shape: ModelShape, hf_config: dict[str, Any
         )
         key = "inference.engine_args.kv_cache_memory_bytes"
         return RoleMemory(
-            "collector", key, parts, asleep_bytes=asleep, min_bytes=weights, advice="lower it"
+            "inference", key, parts, asleep_bytes=asleep, min_bytes=weights, advice="lower it"
         )
     utilization = float(engine.get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION))
     parts = (Part("weights", weights), Part("KV cache of one longest sequence", one_sequence))
     key = "inference.engine_args.gpu_memory_utilization"
     return RoleMemory(
-        "collector",
+        "inference",
         key,
         parts,
         device_fraction=utilization,
@@ -547,7 +547,8 @@ def _engine_dtype_bytes(name: Any, auto: int = 2) -> int:
 
 @dataclass(frozen=True)
 class Placement:
-    """One actor on one device: ``label`` (``"collector 1"``), its memory, its GPU share."""
+    """One actor on one device: ``label`` (its name, ``"inference[1]"``), its memory, its GPU
+    share."""
 
     label: str
     memory: RoleMemory
@@ -578,11 +579,11 @@ class DeviceMemory:
         awake = [self.actors_total(p, resident=False) for p in self.actors]
         if None in awake:
             return None
-        if not sleeping or not any(p.memory.role == "trainer" for p in self.actors):
+        if not sleeping or not any(p.memory.role == "training" for p in self.actors):
             return sum(awake)
         # Generation: vLLM awake beside the trainer's resident state. Training: vLLM asleep.
         generating = sum(
-            self.actors_total(p, resident=p.memory.role == "trainer") for p in self.actors
+            self.actors_total(p, resident=p.memory.role == "training") for p in self.actors
         )
         training = sum(
             p.memory.asleep_bytes if p in sleeping else self.actors_total(p, resident=False)
@@ -644,12 +645,12 @@ def memory_plan(
     shape = model_shape(hf_config)
     teacher_shape = None if teacher_hf_config is None else model_shape(teacher_hf_config)
     roles: dict[str, RoleMemory | None] = {
-        "reference": reference_memory(cfg, shape, teacher_shape),
-        "collector": collector_memory(cfg, shape, hf_config),
-        "trainer": trainer_memory(cfg, shape),
+        "ref": reference_memory(cfg, shape, teacher_shape),
+        "inference": collector_memory(cfg, shape, hf_config),
+        "training": trainer_memory(cfg, shape),
     }
     counts = {role.name: getattr(cfg.orchestration, role.count_key) for role in PLACED_ROLES}
-    gpus = {role.name: getattr(cfg, role.section).num_gpus for role in PLACED_ROLES}
+    gpus = {role.name: getattr(cfg, role.name).num_gpus for role in PLACED_ROLES}
     tp = max(1, int(cfg.inference.engine_args.get("tensor_parallel_size") or 1))
     whole: list[list[Placement]] = []
     shared: list[list[Placement]] = []  # devices of fractional actors
@@ -658,13 +659,13 @@ def memory_plan(
         if share == 0:
             continue
         for index in range(counts[role]):
-            label = f"{role} {index}"
+            label = f"{role}[{index}]"
             if memory is None:  # a reference actor without a model still takes its GPU share
-                memory = RoleMemory(role, f"{_SECTION[role]}.num_gpus", ())
+                memory = RoleMemory(role, f"{role}.num_gpus", ())
             if share >= 1:
                 devices = math.ceil(share)
                 # vLLM spreads over its tensor-parallel ranks; the others use one device.
-                used = min(devices, tp) if role == "collector" else 1
+                used = min(devices, tp) if role == "inference" else 1
                 for device in range(devices):
                     on_it = [Placement(label, memory, 1.0)] if device < used else []
                     whole.append(on_it)
@@ -721,10 +722,10 @@ def memory_problems(plan: MemoryPlan) -> list[str]:
                 for other in device.actors
                 if other.label != placement.label
             )
-            key = memory.key if memory.device_fraction else f"{_SECTION[memory.role]}.num_gpus"
+            key = memory.key if memory.device_fraction else f"{memory.role}.num_gpus"
             found.setdefault(
                 memory.role,
-                f"{key}: GPU {device.index} cannot hold the {memory.role} "
+                f"{key}: GPU {device.index} cannot hold the {memory.role} actor "
                 f"({_size(memory.total(device.capacity))}) beside {others}: {_size(need)} in "
                 f"all, and it has {_size(device.capacity)}; give the roles GPUs of their own, "
                 f"or lower inference.engine_args.gpu_memory_utilization{sleep_advice}",
@@ -741,7 +742,7 @@ def _alone_problem(memory: RoleMemory, device: DeviceMemory) -> str | None:
         if memory.min_bytes <= share:
             return None
         return (
-            f"{memory.key}: the {memory.role}'s vLLM share of GPU {device.index} "
+            f"{memory.key}: the {memory.role} actor's vLLM share of GPU {device.index} "
             f"({memory.device_fraction:g} x {_size(capacity)} = {_size(share)}) cannot hold its "
             f"{_parts_text(memory.parts)}; {memory.advice}"
         )
@@ -749,7 +750,7 @@ def _alone_problem(memory: RoleMemory, device: DeviceMemory) -> str | None:
     if need <= capacity:
         return None
     return (
-        f"{memory.key}: the {memory.role} needs {_size(need)} on GPU {device.index} "
+        f"{memory.key}: the {memory.role} actor needs {_size(need)} on GPU {device.index} "
         f"({_parts_text(memory.parts)}) but it has {_size(capacity)}"
         f"{'; ' + memory.advice if memory.advice else ''}"
     )
@@ -776,12 +777,12 @@ def format_memory_plan(plan: MemoryPlan) -> str:
             lines += _wrapped(f"    {placement.label:<12} ", text, indent=17)
         if not device.actors:
             lines.append("    (unused: a tensor-parallel slot or an actor's extra GPU)")
-    if plan.roles["reference"] is None:
+    if plan.roles["ref"] is None:
         lines.append(
-            "  reference: no model (no KL term, or LoRA: the trainer computes it; no teacher)"
+            "  ref: no model (no KL term, or LoRA: the training actor computes it; no teacher)"
         )
     for role in plan.on_cpu:
-        lines.append(f"  {role}: on CPU ({_SECTION[role]}.num_gpus 0), not planned")
+        lines.append(f"  {role}: on CPU ({role}.num_gpus 0), not planned")
     return "\n".join(lines)
 
 

@@ -30,12 +30,12 @@ def local_cluster_problems(values: dict, this_machine: bool = True) -> list[str]
     for resource in ("num_cpus", "num_gpus"):
         needed, terms = 0.0, []
         for role in ROLES:
-            per_actor = value_at(values, f"{role.section}.{resource}")
+            per_actor = value_at(values, f"{role.name}.{resource}")
             count = value_at(values, f"orchestration.{role.count_key}", (int,))
             if per_actor is None or count is None:
                 break
             needed += per_actor * count
-            terms.append(f"{count} x {role.section}.{resource} ({per_actor})")
+            terms.append(f"{count} x {role.name}.{resource} ({per_actor})")
         else:
             if needed == 0:
                 continue

@@ -78,8 +78,8 @@ def kill_at_steps(run: Any, victims: list[tuple[int, str]]) -> dict[str, float]:
 
     Args:
         victims (list[tuple[int, str]]): ``(step, name)`` in order; names are
-            ``collector[i]``, ``ref_actor[i]``, ``replay_buffer``, ``rollout_queue`` and
-            ``trainer[i]``.
+            ``inference[i]``, ``ref[i]``, ``replay_buffer``, ``rollout_queue`` and
+            ``training[i]``.
 
     Returns:
         dict[str, float]: Filled with ``{name: time.monotonic() of the kill}`` as it goes.

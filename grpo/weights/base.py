@@ -20,7 +20,7 @@ class SendingEnd(ABC):
     """A transport's end inside trainer rank 0.
 
     Args:
-        owner: The trainer's name (``trainer[0]``), for errors.
+        owner: The trainer's name (``training[0]``), for errors.
         device: Where the trainer's tensors live: ``"cpu"`` or ``"cuda"``.
     """
 
@@ -62,7 +62,7 @@ class ReceivingEnd(ABC):
     """A transport's end inside a collector.
 
     Args:
-        owner: The collector's name (``collector[0]``), for errors.
+        owner: The collector's name (``inference[0]``), for errors.
     """
 
     name: ClassVar[str]

@@ -88,8 +88,8 @@ class WeightSync:
         gather_start = time.perf_counter()
         transport = self.config.transport
         gathered = [trainer.publish_weights.remote(transport) for trainer in trainers]
-        self._get_all(gathered[1:], "trainer weight gather")
-        payload = self._get_all([gathered[0]], "trainer[0] weight gather")[0]
+        self._get_all(gathered[1:], "the weight gather")
+        payload = self._get_all([gathered[0]], "training[0] weight gather")[0]
         gather_time = time.perf_counter() - gather_start
         self._sender = trainers[0]
         self.last_payload = payload
@@ -126,7 +126,7 @@ class WeightSync:
         """Send ``payload`` to each ``(index, collector)``, once its previous transfer is done."""
         for index, collector in collectors:
             if not self._settle(index, collector):
-                self._start(f"collector[{index}]", collector, payload)
+                self._start(f"inference[{index}]", collector, payload)
         if self.wait_for_receipt:
             for index, collector in collectors:
                 self._settle(index, collector)
@@ -140,7 +140,7 @@ class WeightSync:
         if key not in self._connected:
             connect = trainer.connect_weights.options(concurrency_group=TRAINER_CHANNEL_GROUP)
             connecting = connect.remote(name, config.timeout_s, config.bucket_bytes)
-            connection = self._get_all([connecting], f"trainer[0] connecting to {name}")[0]
+            connection = self._get_all([connecting], f"training[0] connecting to {name}")[0]
             self._connected[key] = name
         version = payload["version"]
         send = trainer.send_weights.options(concurrency_group=TRAINER_CHANNEL_GROUP)
@@ -163,7 +163,7 @@ class WeightSync:
         failure drops the connection.
 
         Raises:
-            WeightTransferError: The collector did not receive, or trainer[0] did not send,
+            WeightTransferError: The collector did not receive, or training[0] did not send,
                 within the wait limit.
             TrainerDiedError: Trainer rank 0 died sending.
         """
@@ -181,7 +181,9 @@ class WeightSync:
             if _died(received):
                 log.warning("%s died during a weight transfer; it will be replaced", name)
                 return
-            raise TrainerDiedError(f"trainer[0] died sending weights to {name}: {error}") from error
+            raise TrainerDiedError(
+                f"training[0] died sending weights to {name}: {error}"
+            ) from error
         except Exception:
             self._connected.pop(key, None)
             raise
@@ -232,7 +234,7 @@ class WeightSync:
         Returns:
             bool: True when the latest payload was sent meanwhile (retry or replacement).
         """
-        name = f"collector[{index}]"
+        name = f"inference[{index}]"
         self._wait_started(collector)
         try:
             self._finish(collector)

@@ -117,7 +117,7 @@ class SyncLLMCollector(SleepMethods):
             llm,
             self.sampling,
             config.weight_updates,
-            owner=f"collector[{worker_id}]",
+            owner=f"inference[{worker_id}]",
             model_dir=self.model_dir,
             policy_version=policy_version,
             verify=verify_weights,

@@ -388,7 +388,7 @@ class PyTorchActorModel:
                 packed = packs[index % len(packs)] if packs else None
                 if packed is None:
                     raise RuntimeError(
-                        f"trainer[{self.rank}] got no sequences: training.batch_size must be "
+                        f"training[{self.rank}] got no sequences: training.batch_size must be "
                         f">= num_training_workers"
                     )
                 pi_logprobs = self.policy(packed, self.temperature)
@@ -651,7 +651,7 @@ class PyTorchActorModel:
         if weights is None:  # not rank 0
             return None
         if self.weight_sender is None:
-            self.weight_sender = sending_end(transport, f"trainer[{self.rank}]", self.device.type)
+            self.weight_sender = sending_end(transport, f"training[{self.rank}]", self.device.type)
         return {
             "version": self.policy_version,
             "checksum": state_dict_checksum(weights),

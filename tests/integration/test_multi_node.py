@@ -102,12 +102,12 @@ def test_roles_run_on_their_nodes_and_lost_nodes_lose_nothing(
     )
     removed = []
     try:
-        first = node_of(run.actors.actor(Role.COLLECTOR))
+        first = node_of(run.actors.actor(Role.INFERENCE))
         (doomed,) = [node for node in rollout_nodes if node.node_id == first]
         survivor = next(node.node_id for node in rollout_nodes if node is not doomed)
         learner_ids = {node.node_id for node in learners}
         assert node_of(run.actors.actor(Role.REF)) in learner_ids
-        assert node_of(run.actors.actor(Role.TRAINER)) in learner_ids
+        assert node_of(run.actors.actor(Role.TRAINING)) in learner_ids
         # The coordination actors stay on the driver's node, so no other node takes them along.
         driver_node = ray.get_runtime_context().get_node_id()
         for role in (Role.ROLLOUT_QUEUE, Role.REPLAY_BUFFER):
@@ -124,22 +124,22 @@ def test_roles_run_on_their_nodes_and_lost_nodes_lose_nothing(
                 # everything else, leaving no recovery of its own to check.
                 while (
                     step == 6
-                    and not any(r.actor == "collector[0]" for r in run.recoveries)
+                    and not any(r.actor == "inference[0]" for r in run.recoveries)
                     and time.monotonic() < deadline
                 ):
                     time.sleep(0.05)
                 if step == 3:
                     node = doomed
                 else:  # the trainer's node now (a restart may have moved it)
-                    trainer_node = node_of(run.actors.actor(Role.TRAINER))
+                    trainer_node = node_of(run.actors.actor(Role.TRAINING))
                     (node,) = [n for n in learners if n.node_id == trainer_node]
                 cluster.remove_node(node, allow_graceful=False)
                 removed.append(node)
 
         threading.Thread(target=remove_nodes, daemon=True).start()
         state = run.run()
-        replacement = node_of(run.actors.actor(Role.COLLECTOR))
-        new_trainer_node = node_of(run.actors.actor(Role.TRAINER))
+        replacement = node_of(run.actors.actor(Role.INFERENCE))
+        new_trainer_node = node_of(run.actors.actor(Role.TRAINING))
         saved = run.save_checkpoint()
     finally:
         run.shutdown()
@@ -147,8 +147,8 @@ def test_roles_run_on_their_nodes_and_lost_nodes_lose_nothing(
     assert len(removed) == 2 and state.step == num_steps
     # The reference actor may have shared the trainer's node and been replaced first.
     recovered = [r.actor for r in run.recoveries]
-    assert recovered[0] == "collector[0]" and recovered[-1] == "trainer[0]", recovered
-    assert set(recovered) <= {"collector[0]", "ref_actor[0]", "trainer[0]"}
+    assert recovered[0] == "inference[0]" and recovered[-1] == "training[0]", recovered
+    assert set(recovered) <= {"inference[0]", "ref[0]", "training[0]"}
     assert replacement == survivor
     assert new_trainer_node != removed[1].node_id and new_trainer_node in learner_ids
     scored = [

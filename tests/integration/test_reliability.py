@@ -183,8 +183,11 @@ def ctrl_c_once_trained(trained: Path, records: int, finished: threading.Event) 
     return sent
 
 
-def grpo_run(model_dir: Path, run_dir: Path, num_steps: int, *more: str, workers: int = 1) -> int:
-    """``grpo run`` of a deterministic run in this process; Ray is shut down after it."""
+def grpo_run(
+    model_dir: Path, run_dir: Path, num_steps: int, *more: str, workers: int = 1, keep_ray=False
+) -> int:
+    """``grpo run`` of a deterministic run in this process; Ray is shut down after it, unless
+    ``keep_ray`` (the next run of the same test joins it: one start-up less)."""
     try:
         return grpo_main(
             [
@@ -196,7 +199,8 @@ def grpo_run(model_dir: Path, run_dir: Path, num_steps: int, *more: str, workers
             ]
         )
     finally:
-        ray.shutdown()
+        if not keep_ray:
+            ray.shutdown()
 
 
 def weights_at(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -310,7 +314,7 @@ def test_resume_with_two_fsdp_trainers_continues_exactly(
     run saves one and that ``latest`` names the newest."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert grpo_run(tiny_model_dir, straight, 4, workers=2) == 0
+    assert grpo_run(tiny_model_dir, straight, 4, workers=2, keep_ray=True) == 0
     from_checkpoint = straight / "checkpoints" / "step_000002"
     resume = (f"resume_from_checkpoint={from_checkpoint}", "checkpoint.save_every_n_steps=null")
     assert grpo_run(tiny_model_dir, resumed, 4, *resume, workers=2) == 0
@@ -368,7 +372,7 @@ def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
     and the replacements compute."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "run"
-    victims = [(2, "collector[0]"), (5, "ref_actor[0]"), (8, "replay_buffer")]
+    victims = [(2, "inference[0]"), (5, "ref[0]"), (8, "replay_buffer")]
     # Generation batches of 8 groups, of which a reference call takes 4: the other 4 wait in
     # the queue while the first are scored, so the queue holds groups when it is killed.
     run = start_run(tiny_model_dir, run_dir, 14, "inference.batch_size=8")
@@ -430,7 +434,7 @@ def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
         restored.append({"step": run.state.step, **training_state(run)})
 
     run._restart_from_checkpoint = restart_and_look
-    kill_at_steps(run, [(3, "trainer[0]")])
+    kill_at_steps(run, [(3, "training[0]")])
     try:
         state = run.run()
         run.save_final_checkpoint()
@@ -438,7 +442,7 @@ def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
         run.shutdown()
 
     assert state.step == 4
-    assert [r.actor for r in run.recoveries] == ["trainer[0]"]
+    assert [r.actor for r in run.recoveries] == ["training[0]"]
     assert run.recoveries[0].seconds_to_work is not None
     # Back at step 2 with exactly the checkpoint's weights, AdamW moments and step counts.
     assert [r["step"] for r in restored] == [2]
@@ -483,16 +487,16 @@ def test_dead_trainer_past_the_restart_budget_stops_the_run_naming_it(
 ):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run = start_run(tiny_model_dir, tmp_path / "run", 200, "orchestration.max_actor_restarts=0")
-    killed = kill_at_steps(run, [(1, "trainer[0]")])
+    killed = kill_at_steps(run, [(1, "training[0]")])
     try:
         with pytest.raises(ActorFailedError) as error:
             run.run()
-        stopped_after = time.monotonic() - killed["trainer[0]"]
+        stopped_after = time.monotonic() - killed["training[0]"]
     finally:
         run.shutdown()
-    # Noticed in a training step ("trainer[0] died") or in the weight gather after one
-    # ("trainer[0] died during trainer weight gather").
-    assert "trainer[0] died" in str(error.value)
+    # Noticed in a training step ("training[0] died") or in the weight gather after one
+    # ("training[0] died during the weight gather").
+    assert "training[0] died" in str(error.value)
     assert "max_actor_restarts=0" in str(error.value)
     assert "resume from the start (no checkpoint saved yet)" in str(error.value)
     # It names where the actors' own output is (their files in the run's logs folder).
@@ -508,14 +512,14 @@ def test_actor_dying_too_often_stops_the_run_with_a_checkpoint(
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "run"
     run = start_run(tiny_model_dir, run_dir, 200, "orchestration.max_actor_restarts=0")
-    killed = kill_at_steps(run, [(1, "ref_actor[0]")])
+    killed = kill_at_steps(run, [(1, "ref[0]")])
     try:
         with pytest.raises(ActorFailedError) as error:
             run.run()
-        stopped_after = time.monotonic() - killed["ref_actor[0]"]
+        stopped_after = time.monotonic() - killed["ref[0]"]
     finally:
         run.shutdown()
-    assert "ref_actor[0] died 1 times" in str(error.value)
+    assert "ref[0] died 1 times" in str(error.value)
     assert "max_actor_restarts=0" in str(error.value)
     assert stopped_after < 60, f"took {stopped_after:.1f} s to stop"
     # A checkpoint of the step the run stopped at, with every trained step in it.
@@ -540,14 +544,14 @@ def test_an_actor_that_raises_stops_the_run_naming_the_root_cause(
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run = start_run(tiny_model_dir, tmp_path / "run", 200)
-    faults_at_steps(run, [(1, "collector[0]", fail_next_batch)])
+    faults_at_steps(run, [(1, "inference[0]", fail_next_batch)])
     try:
         with pytest.raises(ActorFailedError) as error:
             run.run()
     finally:
         run.shutdown()
     line = stop_reason(error.value)
-    assert line.startswith("collector[0] failed (its output: "), line
+    assert line.startswith("inference[0] failed (its output: "), line
     assert line.endswith(
         ": WeightSyncError: 3 weight updates in a row failed verification (injected)"
     ), line
@@ -602,7 +606,7 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(
     for name, tensor in base.items():
         assert torch.equal(saved[name], tensor), f"{name} moved in a skipped step"
 
-    assert sorted(r.actor for r in run.recoveries) == ["ref_actor[0]", "replay_buffer"]
+    assert sorted(r.actor for r in run.recoveries) == ["ref[0]", "replay_buffer"]
     pipeline = torch.load(after_kills / "pipeline.pt", weights_only=False)
     in_buffer = [t.sequence_id for t, _ in pipeline["replay_buffer"]["items"]]
     waiting = [t.sequence_id for group in pipeline["unbuffered_groups"] for t in group]

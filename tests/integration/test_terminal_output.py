@@ -91,11 +91,11 @@ def test_a_run_prints_progress_and_results_and_nothing_else(tmp_path):
 
     # What the terminal did not show is in the run folder's logs.
     logs = run_dir / "logs"
-    collector_log = (logs / "collector_0.log").read_text()
+    collector_log = (logs / "inference_0.log").read_text()
     assert [line for line in collector_log.splitlines() if VLLM_LINE.search(line)]
     assert "wandb" in (logs / "metric_logger.log").read_text()
     assert "ray" in (logs / "driver.log").read_text()
-    for name in ("trainer_0", "ref_actor_0", "replay_buffer"):
+    for name in ("training_0", "ref_0", "replay_buffer"):
         assert (logs / f"{name}.log").is_file()
     assert (run_dir / "metrics.jsonl").stat().st_size > 0
 

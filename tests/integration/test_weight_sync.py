@@ -577,7 +577,7 @@ def test_collective_sync_from_a_trainer_actor_and_a_replacement_joins_a_new_pair
         # A dead collector's replacement joins a new pair, catches up, then takes the next sync.
         ray.kill(collector, no_restart=True)
         collector = new_collector()
-        sync.catch_up(collector, None, "collector[0]")
+        sync.catch_up(collector, None, "inference[0]")
         assert sync.verify([trainer], [collector])
         assert ray.get(collector.get_policy_version.remote()) == 6
         ray.get(trainer.train_step.remote(batch))

@@ -93,7 +93,7 @@ def recipe_main(cfg):
         (out / "checkpoints" / "step_000002").mkdir(parents=True)
         (out / "checkpoints" / "latest").write_text("step_000002")
     raise ActorFailedError(
-        "collector[0] failed: \\x1b[36mray::SyncLLMCollector.generate_batch_with_state()"
+        "inference[0] failed: \\x1b[36mray::SyncLLMCollector.generate_batch_with_state()"
         "\\x1b[39m (pid=12)\\n  File \\"/x/env.py\\", line 3, in env_response\\n"
         "KeyError: 'anwser'"
     )
@@ -298,13 +298,13 @@ def test_a_run_stopped_by_an_error_says_why_in_a_line_and_keeps_the_traceback(wo
     assert main(["run", "failing", "--config", "small", "seed=1"]) == 1
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        "Run stopped: collector[0] failed: ray::SyncLLMCollector.generate_batch_with_state() "
+        "Run stopped: inference[0] failed: ray::SyncLLMCollector.generate_batch_with_state() "
         "(pid=12) ... KeyError: 'anwser'",
         f"Traceback: {out / 'logs' / 'driver.log'} (each process's output: {out / 'logs'}/)",
         "Resume from: the start (no checkpoint saved yet)",
     ]
     driver_log = (out / "logs" / "driver.log").read_text()
-    assert "run stopped: collector[0] failed" in driver_log
+    assert "run stopped: inference[0] failed" in driver_log
     assert "Traceback (most recent call last)" in driver_log and "ActorFailedError" in driver_log
 
     # With a checkpoint saved, the last line names it.

@@ -197,7 +197,7 @@ def batch(episodes: int, dropped: int, reason: str = "KeyError: 'anwser'") -> di
 
 
 def test_guard_stops_once_nearly_every_episode_of_three_batches_was_dropped():
-    guard = EpisodeDrops(lambda index: f" (its output: logs/collector_{index}.log)")
+    guard = EpisodeDrops(lambda index: f" (its output: logs/inference_{index}.log)")
     guard.batch(0, None)  # a batch without an environment says nothing
     guard.batch(0, batch(8, 8))
     guard.batch(1, batch(8, 7))
@@ -210,7 +210,7 @@ def test_guard_stops_once_nearly_every_episode_of_three_batches_was_dropped():
         "the environment failed nearly every episode: 23 of the 24 episodes of the last 3 "
         "generation batches were dropped because it raised (23 of them: KeyError: 'anwser')"
     )
-    assert "(its output: logs/collector_1.log)" in message  # the collector that saw it most
+    assert "(its output: logs/inference_1.log)" in message  # the collector that saw it most
 
     # An environment failing a third of its episodes goes on; so do too few episodes.
     flaky = EpisodeDrops()
@@ -246,7 +246,7 @@ def test_a_long_reason_is_whole_in_the_error_and_its_cause_in_the_first_line():
 def test_equal_rewards_of_mostly_dropped_episodes_blame_the_environment(monkeypatch):
     now = [100.0]
     monkeypatch.setattr("grpo.orchestrator.group_counts.time.monotonic", lambda: now[0])
-    drops = EpisodeDrops(lambda index: f" (its output: logs/collector_{index}.log)")
+    drops = EpisodeDrops(lambda index: f" (its output: logs/inference_{index}.log)")
     counts = GroupCounts(filtering=True, timeout_s=10.0, causes=[drops])
     drops.batch(0, batch(8, 6))
     counts.scored(2, num_zero_variance=2, num_dropped=2)
@@ -255,7 +255,7 @@ def test_equal_rewards_of_mostly_dropped_episodes_blame_the_environment(monkeypa
         counts.check(waiting_since=100.0)
     message = str(error.value)
     assert "6 of the last 8 episodes were dropped because the environment raised" in message
-    assert "KeyError: 'anwser'" in message and "logs/collector_0.log" in message
+    assert "KeyError: 'anwser'" in message and "logs/inference_0.log" in message
     assert "temperature" not in message
     # Few dropped episodes: the rewards are the cause, as before.
     drops.batch(0, batch(32, 1))

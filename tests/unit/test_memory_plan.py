@@ -314,7 +314,7 @@ def test_roles_sharing_one_gpu_add_up_and_a_sleeping_vllm_makes_room():
     }
     plan = memory_plan(run_config("unused", **shared), QWEN2_5_1_5B, 80 * GiB)
     (device,) = plan.devices
-    assert [p.label for p in device.actors] == ["reference 0", "collector 0", "trainer 0"]
+    assert [p.label for p in device.actors] == ["ref[0]", "inference[0]", "training[0]"]
     totals = [p.memory.total(80 * GiB) for p in device.actors]
     assert device.need() == sum(totals) <= 80 * GiB
     assert memory_problems(plan) == []
@@ -344,11 +344,11 @@ def test_whole_gpus_are_one_device_per_actor_and_cpu_roles_are_not_planned():
     )
     plan = memory_plan(cfg, QWEN2_5_1_5B)
     assert [[p.label for p in d.actors] for d in plan.devices] == [
-        ["collector 0"],
-        ["collector 1"],
-        ["trainer 0"],
+        ["inference[0]"],
+        ["inference[1]"],
+        ["training[0]"],
     ]
-    assert plan.on_cpu == ("reference",)
+    assert plan.on_cpu == ("ref",)
     assert memory_problems(plan) == []  # no capacity: nothing checked
     text = format_memory_plan(plan)
     assert "size unknown" in text and "0.9 of the GPU" in text
@@ -392,15 +392,15 @@ def test_validate_refuses_a_placement_that_cannot_fit(qwen_1_5b_overrides, capsy
         "  - inference.engine_args.gpu_memory_utilization",
         "  - target_tokens_per_batch",
     ]
-    for line, role in zip(lines, ("reference", "collector", "trainer")):
-        assert f"the {role}" in line
+    for line, role in zip(lines, ("ref", "inference", "training")):
+        assert f"the {role} actor" in line
 
 
 def test_validate_passes_a_placement_that_fits(qwen_1_5b_overrides, capsys):
     args = ["validate", "qwen2_5_1_5b_gsm8k", *qwen_1_5b_overrides, "--gpu-memory", "80GiB"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "trainer 0" in out and "collector 1" in out and "reference 0" in out
+    assert "training[0]" in out and "inference[1]" in out and "ref[0]" in out
     assert out.strip().endswith("Config is well-formed!")
 
 
@@ -422,8 +422,8 @@ def test_a_gpu_run_is_planned_from_a_laptop_with_only_its_config_json(tmp_path, 
     assert main([*args, f"base_model_path={model_dir}", "--gpu-memory", "80GiB"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("GPU memory plan (4 GPUs, 80.0 GiB each, --gpu-memory;"), out
-    assert "  GPU 3: 64.0 GiB of 80.0 GiB\n    trainer 0    64.0 GiB: weights 2.88 GiB" in out
-    assert "reference 0  5.26 GiB" in out and out.count("68.0 GiB = 0.85 of the GPU") == 2
+    assert "  GPU 3: 64.0 GiB of 80.0 GiB\n    training[0]  64.0 GiB: weights 2.88 GiB" in out
+    assert "ref[0]       5.26 GiB" in out and out.count("68.0 GiB = 0.85 of the GPU") == 2
     assert "Not checked with --gpu-memory: this machine's Ray cluster, the model's weights" in out
     assert out.strip().endswith("Config is well-formed!")
 

@@ -282,48 +282,48 @@ def test_stall_watch_names_who_holds_the_run_up():
     watch.progressed(dropped_stale=10)
     clock.now += 61
     now = clock.now
-    generating = CallInFlight("GENERATE", "collector[0]", now - 61)
+    generating = CallInFlight("GENERATE", "inference[0]", now - 61)
     take = CallInFlight("TAKE", "rollout_queue", now - 0.2)
     sample = CallInFlight("SAMPLE", "replay_buffer", now - 3)
     moving = {"in_engine_step_s": 0.01, "queue_wait_s": 0.0}
 
     # A collector that does not answer its heartbeat is frozen: replace it.
-    stall = watch.diagnose([generating, take, sample], {"collector[0]": None})
-    assert (stall.actor, stall.replaceable) == ("collector[0]", True)
+    stall = watch.diagnose([generating, take, sample], {"inference[0]": None})
+    assert (stall.actor, stall.replaceable) == ("inference[0]", True)
     assert "does not answer" in stall.reason
     # One stuck inside an engine step.
     stuck = {"in_engine_step_s": ENGINE_STEP_STUCK_S + 1, "queue_wait_s": 0.0}
-    stall = watch.diagnose([generating], {"collector[0]": stuck})
-    assert stall.actor == "collector[0]" and "engine step" in stall.reason
+    stall = watch.diagnose([generating], {"inference[0]": stuck})
+    assert stall.actor == "inference[0]" and "engine step" in stall.reason
     # A trainer in one step for most of the timeout, while the collector waits on a full
     # queue behind it: the trainer.
-    training = CallInFlight("TRAIN", "trainer[0]", now - 60)
+    training = CallInFlight("TRAIN", "training[0]", now - 60)
     waiting = {"in_engine_step_s": 0.0, "queue_wait_s": 55.0}
-    stall = watch.diagnose([generating, training, take], {"collector[0]": waiting})
-    assert (stall.actor, stall.replaceable) == ("trainer[0]", True)
+    stall = watch.diagnose([generating, training, take], {"inference[0]": waiting})
+    assert (stall.actor, stall.replaceable) == ("training[0]", True)
     assert "one training step for 60 s" in stall.reason
     # The oldest of several stuck calls; calls that come back on their own are not stuck.
-    scoring = CallInFlight("SCORE", "ref_actor[1]", now - 61)
+    scoring = CallInFlight("SCORE", "ref[1]", now - 61)
     stall = watch.diagnose([training, scoring, take, sample], {})
-    assert stall.actor == "ref_actor[1]"
+    assert stall.actor == "ref[1]"
     # Nothing stuck, but samples dropped as stale since the last step, and again since the
     # previous look: the buffer, for good.
-    assert watch.diagnose([take], {"collector[0]": moving}, {"dropped_stale": 30}, 0) is None
+    assert watch.diagnose([take], {"inference[0]": moving}, {"dropped_stale": 30}, 0) is None
     stall = watch.diagnose(
-        [generating, take, sample], {"collector[0]": moving}, {"dropped_stale": 42}, 0
+        [generating, take, sample], {"inference[0]": moving}, {"dropped_stale": 42}, 0
     )
     assert (stall.actor, stall.replaceable) == ("replay_buffer", False)
     assert "dropped 32 trajectories as stale" in stall.reason
     assert "orchestration.max_policy_lag=0" in stall.reason
     # While a replacement catches up, its first samples are stale: that waits.
     stale = {"dropped_stale": 42}
-    assert watch.diagnose([take], {"collector[0]": moving}, stale, 0, recovering=True) is None
+    assert watch.diagnose([take], {"inference[0]": moving}, stale, 0, recovering=True) is None
     # A replaced buffer counts its drops from 0.
-    stall = watch.diagnose([take], {"collector[0]": moving}, {"dropped_stale": 5}, 0)
+    stall = watch.diagnose([take], {"inference[0]": moving}, {"dropped_stale": 5}, 0)
     assert stall.actor == "replay_buffer" and "dropped 5 trajectories" in stall.reason
     # Everyone working, nothing dropped: a slow run, not a stalled one.
     assert (
-        watch.diagnose([generating, take, sample], {"collector[0]": moving}, {"dropped_stale": 10})
+        watch.diagnose([generating, take, sample], {"inference[0]": moving}, {"dropped_stale": 10})
         is None
     )
 
@@ -351,7 +351,7 @@ def test_an_actor_whose_constructor_raised_stops_the_run_instead_of_being_replac
     collector = object()
     run.actors.collectors = [collector]
     run.scheduler.calls["ref"] = Call(CallKind.GENERATE, 0, collector)
-    with pytest.raises(ActorFailedError, match=r"collector\[0\] failed to start.*: ConfigError"):
+    with pytest.raises(ActorFailedError, match=r"inference\[0\] failed to start.*: ConfigError"):
         run.scheduler.finish(["ref"], relaunch=True)
         run._handle_failures()
     assert not replaced
@@ -373,20 +373,20 @@ def test_the_fault_policy_replaces_dead_actors_within_their_budget_then_stops():
     gone = RuntimeError("gone")
     # (failure, the decision's type, its actor or words in its error); in order, one policy.
     table = [
-        (Failure("ref_actor[0]", gone), Replace, "ref_actor[0]"),
+        (Failure("ref[0]", gone), Replace, "ref[0]"),
         # Each actor has its own budget.
-        (Failure("collector[1]", gone), Replace, "collector[1]"),
+        (Failure("inference[1]", gone), Replace, "inference[1]"),
         # An earlier failure replaced it already: its other calls are redone, not counted.
-        (Failure("ref_actor[0]", gone, current=False), Replace, "ref_actor[0]"),
+        (Failure("ref[0]", gone, current=False), Replace, "ref[0]"),
         # Past the budget: replaced once more (the pipeline stays whole for a checkpoint),
         # and the decision carries the stop for the end of the step.
-        (Failure("ref_actor[0]", gone), Replace, "ref_actor[0] died 2 times"),
+        (Failure("ref[0]", gone), Replace, "ref[0] died 2 times"),
         # The same actor dying again while the run stops: stop now.
-        (Failure("ref_actor[0]", gone), Stop, "ref_actor[0] died 2 times"),
+        (Failure("ref[0]", gone), Stop, "ref[0] died 2 times"),
         # Raising is never replaced: the root cause, named.
         (Failure("replay_buffer", ValueError("bad"), died=False), Stop, "replay_buffer failed"),
         # A constructor that raised would raise again in every replacement.
-        (Failure("collector[0]", gone, init_failed=True), Stop, "collector[0] failed to start"),
+        (Failure("inference[0]", gone, init_failed=True), Stop, "inference[0] failed to start"),
     ]
     for failure, kind, text in table:
         decision = faults.decide(failure)
@@ -397,23 +397,23 @@ def test_the_fault_policy_replaces_dead_actors_within_their_budget_then_stops():
             assert text in str(decision.last or decision.actor)
         else:
             assert text in str(decision.error)
-    assert "max_actor_restarts=1" in str(faults.decide(Failure("ref_actor[0]", gone)).error)
-    assert "(its output: logs/ref_actor[0].log); last error: gone" in str(faults.last)
+    assert "max_actor_restarts=1" in str(faults.decide(Failure("ref[0]", gone)).error)
+    assert "(its output: logs/ref[0].log); last error: gone" in str(faults.last)
 
 
 def test_a_dead_trainer_restarts_the_run_until_the_budget_is_used_up():
     from grpo.orchestrator.faults import Failure, Restart, Stop
 
     faults = policy(max_restarts=1)
-    decision = faults.decide(Failure("trainer[1]", RuntimeError("killed")))
-    assert decision == Restart("trainer[1] died (killed) (its output: logs/trainer[1].log)")
+    decision = faults.decide(Failure("training[1]", RuntimeError("killed")))
+    assert decision == Restart("training[1] died (killed) (its output: logs/training[1].log)")
     # The budget is counted where the restart is carried out: a training call, a weight
     # gather or a checkpoint that found the trainer dead.
     assert faults.restart(decision.reason) == Restart(decision.reason)
-    stop = faults.restart("trainer[0] died during trainer weight gather")
+    stop = faults.restart("training[0] died during the weight gather")
     assert isinstance(stop, Stop)
     assert str(stop.error) == (
-        "trainer[0] died during trainer weight gather; the trainers died 2 times "
+        "training[0] died during the weight gather; the training actors died 2 times "
         "(orchestration.max_actor_restarts=1): resume from ckpt"
     )
 
@@ -440,8 +440,8 @@ def test_a_stop_names_the_root_cause_not_rays_wrapper():
     line = "WeightSyncError: 3 weight updates in a row failed verification"
     assert describe(nested) == line
     assert describe(KeyError("anwser")) == "KeyError: 'anwser'"
-    stop = policy().decide(Failure("collector[0]", wrapped, died=False))
-    assert str(stop.error) == f"collector[0] failed (its output: logs/collector[0].log): {line}"
+    stop = policy().decide(Failure("inference[0]", wrapped, died=False))
+    assert str(stop.error) == f"inference[0] failed (its output: logs/inference[0].log): {line}"
 
 
 # ---------------------------------------------------------------- the failing-reward guard
@@ -485,7 +485,7 @@ def test_the_reward_guard_stops_a_run_whose_reward_fails_nearly_every_call(batch
     from grpo.errors import RewardFailingError
     from grpo.orchestrator.reward_failures import RewardFailures
 
-    guard = RewardFailures(lambda index: f" (its output: logs/collector_{index}.log)")
+    guard = RewardFailures(lambda index: f" (its output: logs/inference_{index}.log)")
     guard.batch(0, None)  # a batch that called no reward function says nothing
     guard.batch(0, {})
     for collector, calls, exceptions, timeouts in batches:
@@ -502,7 +502,7 @@ def test_the_reward_guard_stops_a_run_whose_reward_fails_nearly_every_call(batch
     if "raised" in message:
         assert TYPO in message
     if batches[0][0] != batches[-1][0]:
-        assert "(its output: logs/collector_1.log)" in message  # the collector that saw it most
+        assert "(its output: logs/inference_1.log)" in message  # the collector that saw it most
 
 
 def test_equal_rewards_from_a_failing_reward_blame_the_reward_not_the_task(caplog):
@@ -514,14 +514,14 @@ def test_equal_rewards_from_a_failing_reward_blame_the_reward_not_the_task(caplo
     from grpo.orchestrator.group_counts import GroupCounts
     from grpo.orchestrator.reward_failures import RewardFailures
 
-    guard = RewardFailures(lambda index: f" (its output: logs/collector_{index}.log)")
+    guard = RewardFailures(lambda index: f" (its output: logs/inference_{index}.log)")
     counts = GroupCounts(filtering=True, timeout_s=120.0, causes=[guard])
     guard.batch(0, reward_calls(64, exceptions=64))
     with caplog.at_level(logging.WARNING, logger="grpo"):
         counts.scored(8, num_zero_variance=8, num_dropped=8, group_rewards=[[0.0] * 8] * 8)
     [record] = caplog.records
     assert "64 of the last 64 calls of reward function 'short' failed" in record.message
-    assert TYPO.split(" (at")[0] in record.message and "logs/collector_0.log" in record.message
+    assert TYPO.split(" (at")[0] in record.message and "logs/inference_0.log" in record.message
     assert "group_size" not in record.message
     # A function that fails now and then is no cause: the task is.
     assert RewardFailures().note() is None

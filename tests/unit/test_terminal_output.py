@@ -25,7 +25,7 @@ VLLM_LINE = re.compile(r"\b(DEBUG|INFO|WARNING)\b.*\[[\w.]+\.py:\d+\]")
 
 
 def test_actor_log_names_need_no_quoting(tmp_path):
-    assert actor_log_path(tmp_path, "collector[0]") == tmp_path / "logs" / "collector_0.log"
+    assert actor_log_path(tmp_path, "inference[0]") == tmp_path / "logs" / "inference_0.log"
     assert actor_log_path(tmp_path, "replay_buffer") == tmp_path / "logs" / "replay_buffer.log"
 
 

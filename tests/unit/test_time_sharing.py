@@ -121,10 +121,10 @@ def sleeping_engine(llm: FakeLLM, level: int, model_dir: Path) -> tuple[EngineWe
     save_file(weights_of(llm.scale), str(model_dir / "model.safetensors"))
     lock = threading.RLock()
     weights = EngineWeights(
-        llm, lock, llm.add_request, llm.step, owner="collector[0]", model_dir=str(model_dir),
+        llm, lock, llm.add_request, llm.step, owner="inference[0]", model_dir=str(model_dir),
         policy_version=0,
     )  # fmt: skip
-    return weights, EngineSleep(llm, weights, lock, level, "collector[0]")
+    return weights, EngineSleep(llm, weights, lock, level, "inference[0]")
 
 
 def receive(weights: EngineWeights, version: int, scale: float) -> None:

@@ -55,7 +55,7 @@ def test_buckets_are_aligned_and_cover_every_tensor():
 
 def test_tensors_arrive_exactly_as_views_into_the_buckets():
     weights = mixed_state_dict()
-    sender, receiver = open_pair("collector[0]", timeout_s=30)
+    sender, receiver = open_pair("inference[0]", timeout_s=30)
     received: list[dict[str, torch.Tensor]] = []
     thread = threading.Thread(
         target=lambda: received.extend(
@@ -87,25 +87,25 @@ def test_tensors_arrive_exactly_as_views_into_the_buckets():
 
 
 def test_a_peer_that_never_joins_times_out_naming_the_collector():
-    sender = WeightChannel("collector[3]", SENDER_RANK, HOST, 0, timeout_s=1.0)
+    sender = WeightChannel("inference[3]", SENDER_RANK, HOST, 0, timeout_s=1.0)
     start = time.monotonic()
-    with pytest.raises(WeightChannelError, match=r"collector\[3\].*rendezvous"):
+    with pytest.raises(WeightChannelError, match=r"inference\[3\].*rendezvous"):
         sender.send(mixed_state_dict(), 1024)
     assert time.monotonic() - start < 15
 
 
 def test_a_peer_that_stops_receiving_times_out_and_closes_the_channel():
-    sender, receiver = open_pair("collector[1]", timeout_s=1.0)
+    sender, receiver = open_pair("inference[1]", timeout_s=1.0)
     start = time.monotonic()
-    with pytest.raises(WeightChannelError, match=r"collector\[1\].*broadcast of bucket 0"):
+    with pytest.raises(WeightChannelError, match=r"inference\[1\].*broadcast of bucket 0"):
         sender.send(mixed_state_dict(), 1024)
     assert time.monotonic() - start < 15
     # The pair is torn down: a new transfer needs a new channel.
-    with pytest.raises(WeightChannelError, match=r"collector\[1\]"):
+    with pytest.raises(WeightChannelError, match=r"inference\[1\]"):
         sender.send(mixed_state_dict(), 1024)
     receiver.close()
 
 
 def test_joining_a_store_that_is_not_there_names_the_collector():
-    with pytest.raises(WeightChannelError, match=r"collector\[2\]"):
-        WeightChannel("collector[2]", RECEIVER_RANK, HOST, 1, timeout_s=1.0)
+    with pytest.raises(WeightChannelError, match=r"inference\[2\]"):
+        WeightChannel("inference[2]", RECEIVER_RANK, HOST, 1, timeout_s=1.0)

@@ -85,7 +85,7 @@ def test_each_configured_transport_has_one_implementation():
 
     assert set(SENDING_ENDS) == set(RECEIVING_ENDS) == set(TRANSPORTS)
     for name in TRANSPORTS:
-        sender, receiver = sending_end(name, "trainer[0]", "cpu"), receiving_end(name, "c[0]")
+        sender, receiver = sending_end(name, "training[0]", "cpu"), receiving_end(name, "c[0]")
         assert type(sender) is SENDING_ENDS[name] and isinstance(sender, SendingEnd)
         assert type(receiver) is RECEIVING_ENDS[name] and isinstance(receiver, ReceivingEnd)
     with pytest.raises(ValidationError, match="shared_memory"):
