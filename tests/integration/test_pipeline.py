@@ -3,6 +3,7 @@
 Each run goes through the `grpo` command line, exactly as a user launches it.
 """
 
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from grpo.cli import main as grpo_main
 from grpo.config import compose_config
 from grpo.observability.metric_names import (
     EVAL_ACCURACY,
+    GROUPS_KEPT,
+    GROUPS_SCORED,
     INFERENCE_POLICY_VERSION,
     INFERENCE_TOKENS_PER_SECOND,
     METRIC_NAMES,
@@ -39,6 +42,7 @@ from grpo.observability.metric_names import (
     TRAIN_PERF_TOTAL_STEP_TIME,
     TRAIN_REPLAY_BUFFER_SIZE,
     TRAIN_RESPONSE_LENGTHS,
+    ZERO_VARIANCE_GROUPS,
 )
 from grpo.observability.metrics import WALL_PARTS
 from grpo.testing import RANDOM_MODEL_OVERRIDES, read_jsonl
@@ -55,9 +59,13 @@ def run_cli(config: str, overrides: list[str]) -> None:
 
 
 def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
+    """A whole asynchronous run, with evaluation, a KL term, debug tables and dynamic sampling
+    (ref.filter_zero_variance_groups): every step trains on ``batch_size`` unique trajectories
+    from groups with differing rewards, and the counts add up. (One run serves both: the filter
+    run of tests/integration/test_dynamic_sampling.py would pay another start-up.)"""
     monkeypatch.setenv("WANDB_MODE", "offline")
     run_dir = tmp_path / "run"
-    num_steps = 4
+    num_steps, batch_size, group_size = 4, 32, 4
     run_cli(
         "tiny_arithmetic_cpu",
         [
@@ -67,10 +75,19 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
             f"orchestration.num_steps={num_steps}",
             "eval_every_n_steps=2",
             "eval_num_examples=8",
+            # Every trained sample is in the debug tables: the filter's checks below read them.
             "debug_logging_enabled=true",
-            "debug_num_samples_per_step=2",
-            "inference.batch_size=4",
-            "training.batch_size=32",
+            f"debug_num_samples_per_step={batch_size}",
+            "inference.batch_size=8",
+            f"inference.group_size={group_size}",
+            "inference.max_generated_tokens=8",
+            f"training.batch_size={batch_size}",
+            # Dynamic sampling. The random tiny model emits a '7' sometimes: some groups' rewards
+            # vary, many do not; it earns neither of the task's rewards, whose metrics are logged.
+            "ref.filter_zero_variance_groups=true",
+            "reward_functions=[{_component_: grpo.rewards.MathCorrectnessReward}, "
+            "{_component_: grpo.rewards.FormatReward, think_required: false}, "
+            "{_component_: grpo.rewards.TokenPresenceReward, token: '7'}]",
             # A KL term: the reference model is loaded and its logprobs reach the loss.
             "training.loss.kl_coeff=0.01",
         ],
@@ -87,6 +104,35 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     assert len(trained_ids) == num_steps * cfg.training.batch_size
     assert len(set(trained_ids)) == len(trained_ids), "a trajectory was trained on twice"
     assert set(trained_ids) <= scored, "trained on a sequence that was never generated"
+
+    # Dynamic sampling: full batches, from scored groups the filter kept (it dropped some).
+    scored_records = read_jsonl(run_dir / "scored.jsonl")
+    dropped = {sid for r in scored_records for sid in r["dropped_sequence_ids"]}
+    assert [len(r["sequence_ids"]) for r in trained] == [batch_size] * num_steps
+    assert set(trained_ids) <= scored - dropped
+    assert dropped, "no group had equal rewards: the filter was not exercised"
+    # Every trained group is whole and its rewards differ (from the debug table's rows; the
+    # reward is the sum of the functions', weights null).
+    group_of = {sid: g for r in trained for sid, g in zip(r["sequence_ids"], r["group_ids"])}
+    group_rewards: dict[int, list[float]] = defaultdict(list)
+    for table in read_jsonl(run_dir / "tables" / "per_sample_debug_table.jsonl"):
+        columns = table["columns"]
+        reward_columns = [i for i, name in enumerate(columns) if name.startswith("Reward_")]
+        assert len(reward_columns) == 3, columns
+        for row in table["rows"]:
+            sid = row[columns.index("Sequence ID")]
+            group_rewards[group_of[sid]].append(sum(row[i] for i in reward_columns))
+    assert sum(len(r) for r in group_rewards.values()) == num_steps * batch_size
+    for group_id, values in group_rewards.items():
+        assert len(values) == group_size and len(set(values)) > 1, (group_id, values)
+    # The per-step counts add up to what scored.jsonl holds, up to the calls that finished
+    # after the last step.
+    counts = [r for r in read_jsonl(run_dir / "metrics.jsonl") if ZERO_VARIANCE_GROUPS in r]
+    assert [r["step"] for r in counts] == list(range(1, num_steps + 1))
+    assert all(r[GROUPS_KEPT] == r[GROUPS_SCORED] - r[ZERO_VARIANCE_GROUPS] for r in counts)
+    logged_dropped = sum(r[ZERO_VARIANCE_GROUPS] for r in counts)
+    assert 0 < logged_dropped <= len(dropped) // group_size
+    assert sum(r[GROUPS_SCORED] for r in counts) <= len(scored) // group_size
 
     # Policy versions advance (one weight sync per step) and collectors pick them up.
     versions = metric_series(run_dir, "train_actor_training/policy_version")
