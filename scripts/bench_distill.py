@@ -13,7 +13,7 @@ Each run goes through `grpo.cli.main` in a child process (``WANDB_MODE=disabled`
 temporary ``output_dir``; its output in ``<out>/<name>.log``), and its ``metrics.jsonl`` gives
 the held-out greedy accuracy (``eval/accuracy``, 512 test-split questions: about +-2 points of
 noise) at every evaluation, and the mean reverse KL to the teacher of the steps since the last
-one (``ref_actor_distillation/teacher_reverse_kl``). Printed: both curves side by side, each
+one (``ref_distillation/teacher_reverse_kl``). Printed: both curves side by side, each
 run's gain and wall time (start-up and evaluations included), and the ratio of the gains.
 ``--teacher`` also evaluates the teacher itself (``grpo eval``), the ceiling of distillation.
 

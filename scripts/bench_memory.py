@@ -56,9 +56,9 @@ from bench_common import load_average, print_table
 
 from grpo.config import repo_root
 from grpo.observability.metric_names import (
+    REPLAY_BUFFER_SIZE,
     ROLLOUT_QUEUE_SIZE,
     TRAIN_PERF_TOTAL_STEP_TIME,
-    TRAIN_REPLAY_BUFFER_SIZE,
 )
 
 CONFIG = "tiny_arithmetic_cpu"
@@ -483,11 +483,11 @@ def report_queues(train_rows: list[dict[str, Any]], run_dir: Path, warmup_steps:
 
         cfg = OmegaConf.load(config_path)
         capacities = {
-            TRAIN_REPLAY_BUFFER_SIZE: cfg.orchestration.replay_buffer_size,
+            REPLAY_BUFFER_SIZE: cfg.orchestration.replay_buffer_size,
             ROLLOUT_QUEUE_SIZE: cfg.inference.queue_maxsize,
         }
     rows = []
-    for key in (TRAIN_REPLAY_BUFFER_SIZE, ROLLOUT_QUEUE_SIZE):
+    for key in (REPLAY_BUFFER_SIZE, ROLLOUT_QUEUE_SIZE):
         values = [(r["step"], r[key]) for r in train_rows if r.get(key) is not None]
         if not values:
             rows.append([key, "-", "-", "-", "-", "-", capacities.get(key, "?")])

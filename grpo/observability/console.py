@@ -42,12 +42,8 @@ from grpo.run_folder import CHECKPOINTS_DIR, LATEST_FILE, latest_checkpoint_text
 def progress_fields(state: Any) -> dict[str, str]:
     """What the progress line shows after a step: policy version, reward, loss, accuracy.
 
-    Args:
-        state: The run's `grpo.orchestrator.RunState`.
-
-    The reward is that of the groups scored most recently, the loss the last step's, the
-    accuracy the last held-out evaluation's. When dynamic sampling dropped groups during the
-    step, ``kept`` shows how many of the groups scored reached the buffer.
+    ``state`` is the run's `grpo.orchestrator.RunState`. When dynamic sampling dropped groups
+    during the step, ``kept`` shows how many of the groups scored reached the buffer.
     """
     fields = {"v": str(state.policy_version)}
     reward = state.last_scored_metrics.get(REWARDS_MEAN)
@@ -153,9 +149,8 @@ def print_start(cfg: RunConfig, run_dir: Path, datasets: dict[str, Any]) -> None
     orchestration = cfg.orchestration
     print(
         f"GRPO: {cfg.base_model_path}, {orchestration.num_steps} steps, "
-        f"{orchestration.num_inference_workers} collector(s), "
-        f"{orchestration.num_ref_workers} reference actor(s), "
-        f"{orchestration.num_training_workers} trainer(s)"
+        f"actors: {orchestration.num_inference_workers} inference, "
+        f"{orchestration.num_ref_workers} ref, {orchestration.num_training_workers} training"
     )
     for key, dataset in datasets.items():
         node = getattr(cfg, key) or cfg.environment  # no dataset: the environment's tasks
@@ -232,13 +227,8 @@ def stop_reason(error: BaseException) -> str:
     A stop the run decided on (`grpo.errors`: an actor that failed, a diverged loss, an
     environment failing its episodes) is its message; any other error is named by its type.
     A message of several lines (an actor's remote traceback) gives its first line and, where
-    the first does not already hold it, its last: a traceback states its cause last.
-
-    Args:
-        error (BaseException): The error that stopped the run.
-
-    Returns:
-        str: The line, without colour codes.
+    the first does not already hold it, its last: a traceback states its cause last. No colour
+    codes.
     """
     lines = [line.strip() for line in ANSI_CODE.sub("", str(error)).splitlines() if line.strip()]
     text = lines[0] if lines else ""
@@ -259,8 +249,6 @@ def print_stopped(error: BaseException, run_dir: str | Path, log_level: str = "i
     traceback (and the folder of each process's output), and the checkpoint to resume from.
 
     Args:
-        error (BaseException): The error that stopped the run.
-        run_dir (str | Path): The run folder (``output_dir``).
         log_level (str): The run's ``log_level`` (with debug, the processes' output is on the
             terminal, not in files).
 

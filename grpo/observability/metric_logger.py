@@ -38,7 +38,7 @@ from grpo.observability.metric_names import (
     TRAIN_LOSS,
     TRAIN_PERF_TOKENS_PER_SECOND,
     TRAIN_POLICY_AGE_MEAN,
-    TRAIN_STEP,
+    TRAINING_STEP,
     rule_for,
     step_metric_for,
 )
@@ -94,7 +94,6 @@ def saved_wandb_run(log_dir: str | Path, project: str) -> dict[str, Any] | None:
     """The W&B run an earlier logger of ``log_dir`` logged to, which a new one resumes.
 
     Args:
-        log_dir: The logger's folder.
         project: The W&B project; a saved run of another project is ignored.
 
     Returns:
@@ -124,9 +123,6 @@ class MetricLogger:
     config (``config.yaml``, ``config.json``) and the W&B run's id (``wandb_run.json``).
 
     Args:
-        log_dir: The run folder (created if missing).
-        project: W&B project.
-        run_name: W&B run name (W&B picks one if None).
         mode: W&B mode, ``"online"``, ``"offline"`` or ``"disabled"``; ``WANDB_MODE``
             overrides it.
         config: Run config, for W&B and the config files (an OmegaConf config is resolved).
@@ -187,8 +183,7 @@ class MetricLogger:
 
         Args:
             metrics: Metric name -> number (or one-element tensor), string or None.
-            step: The calling actor's step.
-            actor: Who logs (``"train"``, ``"ref"``, ``"inference"``, ``"eval"``, ...); picks
+            actor: Who logs (``"training"``, ``"ref"``, ``"inference"``, ``"eval"``, ...); picks
                 the W&B step metric of keys outside `STEP_METRIC_RULES`.
 
         Raises:
@@ -228,11 +223,8 @@ class MetricLogger:
         """Log a table (e.g. per-sample debug rows): W&B table + ``tables/{table_name}.jsonl``.
 
         Args:
-            rows: One list of cell values per row.
             columns: Column names; every row has this many cells.
-            table_name: Name of the table (letters, digits, ``_``, ``.``, ``-``).
-            step: The calling actor's step.
-            actor: Who logs (see `log_dict`).
+            table_name: Letters, digits, ``_``, ``.``, ``-``.
 
         Raises:
             RuntimeError: If the logger is closed.
@@ -278,8 +270,7 @@ class MetricLogger:
     def log_summary(self, summary: Mapping[str, Any]) -> None:
         """Record run-level results (final accuracy, totals): ``summary.json`` and W&B summary.
 
-        Args:
-            summary: Name -> JSON-able value; merged with earlier calls.
+        ``summary`` maps names to JSON-able values, merged with earlier calls.
 
         Raises:
             RuntimeError: If the logger is closed.
@@ -302,7 +293,6 @@ class MetricLogger:
 
         Args:
             step: The step of the checkpoint the run went back to (0: the start).
-            from_step: The step the trainer died in.
 
         Raises:
             RuntimeError: If the logger is closed.
@@ -318,9 +308,6 @@ class MetricLogger:
         """Mark that a resumed run goes on from its checkpoint of ``step``.
 
         Steps logged after that checkpoint are redone: a rewind (`rewound`).
-
-        Args:
-            step: The step of the checkpoint the run resumed from.
 
         Raises:
             RuntimeError: If the logger is closed.
@@ -456,7 +443,7 @@ class MetricLogger:
                 reinit="create_new",
                 **options,
             )
-            for step_metric in (TRAIN_STEP, REF_STEP, INFERENCE_STEP, GLOBAL_STEP):
+            for step_metric in (TRAINING_STEP, REF_STEP, INFERENCE_STEP, GLOBAL_STEP):
                 run.define_metric(step_metric, hidden=True)
             for pattern, step_metric in STEP_METRIC_RULES:
                 run.define_metric(pattern, step_metric=step_metric)
@@ -495,7 +482,7 @@ class MetricLogger:
             for key in metrics:
                 step_metric = step_metric_for(key, actor)
                 # W&B needs the x value in the same call; a call can carry two step metrics
-                # (e.g. a key routed to train_step logged by the ref actor), both = `step`.
+                # (e.g. a key routed to training_step logged by the ref actor), both = `step`.
                 payload.setdefault(step_metric, step)
                 if rule_for(key) is None and key not in self._wandb_defined:
                     self._wandb_run.define_metric(key, step_metric=step_metric)

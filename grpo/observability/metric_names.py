@@ -11,65 +11,63 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 
-TRAIN_STEP = "train_step"
+TRAINING_STEP = "training_step"
 REF_STEP = "ref_step"
 INFERENCE_STEP = "inference_step"
 # Step metric of a key that no rule covers and whose call named no known actor.
 GLOBAL_STEP = "global_step"
 
-TRAIN_PERF_NAMESPACE = "train_actor_performance"
-REF_PERF_NAMESPACE = "ref_actor_performance"
+TRAIN_PERF_NAMESPACE = "training_perf"
+REF_PERF_NAMESPACE = "ref_perf"
 
-TRAIN_LOSS = "train_actor_training/loss"
-TRAIN_KL_LOSS = "train_actor_training/kl_loss"
-TRAIN_APPROX_POLICY_KLS = "train_actor_training/approx_policy_kls"
-TRAIN_MISMATCH_MAX_ABS = "train_actor_training/mismatch_max_abs"
-TRAIN_CORRECTION_MASKED_FRACTION = "train_actor_training/correction_masked_fraction"
-TRAIN_CORRECTION_MASKED_SEQUENCE_FRACTION = (
-    "train_actor_training/correction_masked_sequence_fraction"
-)
-TRAIN_RESPONSE_LENGTHS = "train_actor_training/response_lengths"
-TRAIN_POLICY_AGE_MEAN = "train_actor_training/policy_age_mean"
-TRAIN_POLICY_AGE_MAX = "train_actor_training/policy_age_max"
-TRAIN_GRAD_NORM = "train_actor_training/grad_norm"
-TRAIN_LR = "train_actor_training/lr"
+TRAIN_LOSS = "training/loss"
+TRAIN_KL_LOSS = "training/kl_loss"
+TRAIN_APPROX_POLICY_KLS = "training/approx_policy_kls"
+TRAIN_MISMATCH_MAX_ABS = "training/mismatch_max_abs"
+TRAIN_CORRECTION_MASKED_FRACTION = "training/correction_masked_fraction"
+TRAIN_CORRECTION_MASKED_SEQUENCE_FRACTION = "training/correction_masked_sequence_fraction"
+TRAIN_RESPONSE_LENGTHS = "training/response_lengths"
+TRAIN_POLICY_AGE_MEAN = "training/policy_age_mean"
+TRAIN_POLICY_AGE_MAX = "training/policy_age_max"
+TRAIN_GRAD_NORM = "training/grad_norm"
+TRAIN_LR = "training/lr"
 # Steps skipped in a row for a non-finite loss or gradient norm; the driver stops the run on it.
-TRAIN_NONFINITE_STEPS_IN_A_ROW = "train_actor_training/nonfinite_steps_in_a_row"
+TRAIN_NONFINITE_STEPS_IN_A_ROW = "training/nonfinite_steps_in_a_row"
 
-TRAIN_PERF_TOTAL_STEP_TIME = "train_actor_performance/total_step_time (s)"
-TRAIN_PERF_TIME_GRPO_STEPS = "train_actor_performance/time_grpo_steps (s)"
-TRAIN_PERF_TOKENS_PER_SECOND = "train_actor_performance/tokens_per_second"
-TRAIN_PERF_TIME_WEIGHT_SYNC = "train_actor_performance/time_weight_sync (s)"
-TRAIN_PERF_PADDED_TOKENS_PERCENTAGE = "train_actor_performance/padded_tokens_percentage (%)"
-TRAIN_PERF_SHARED_PROMPT_TOKENS_SAVED = "train_actor_performance/shared_prompt_tokens_saved (%)"
-TRAIN_PERF_STEP_WALL_TIME = "train_actor_performance/step_wall_time (s)"
-TRAIN_PERF_TIME_WAITING_BUFFER = "train_actor_performance/time_waiting_buffer (s)"
-TRAIN_PERF_TIME_TRAIN_COMPUTE = "train_actor_performance/time_train_compute (s)"
-TRAIN_PERF_TIME_WEIGHT_GATHER = "train_actor_performance/time_weight_gather (s)"
-TRAIN_PERF_TIME_WEIGHT_TRANSFER = "train_actor_performance/time_weight_transfer (s)"
-TRAIN_PERF_TIME_ENGINE_RELOAD = "train_actor_performance/time_engine_reload (s)"
-TRAIN_PERF_TIME_DRIVER_OVERHEAD = "train_actor_performance/time_driver_overhead (s)"
-TRAIN_PERF_TIME_GENERATION_BUSY = "train_actor_performance/time_generation_busy (s)"
-TRAIN_PERF_TIME_SCORING_BUSY = "train_actor_performance/time_scoring_busy (s)"
+TRAIN_PERF_TOTAL_STEP_TIME = "training_perf/total_step_time (s)"
+TRAIN_PERF_TIME_GRPO_STEPS = "training_perf/time_grpo_steps (s)"
+TRAIN_PERF_TOKENS_PER_SECOND = "training_perf/tokens_per_second"
+TRAIN_PERF_TIME_WEIGHT_SYNC = "training_perf/time_weight_sync (s)"
+TRAIN_PERF_PADDED_TOKENS_PERCENTAGE = "training_perf/padded_tokens_percentage (%)"
+TRAIN_PERF_SHARED_PROMPT_TOKENS_SAVED = "training_perf/shared_prompt_tokens_saved (%)"
+TRAIN_PERF_STEP_WALL_TIME = "training_perf/step_wall_time (s)"
+TRAIN_PERF_TIME_WAITING_BUFFER = "training_perf/time_waiting_buffer (s)"
+TRAIN_PERF_TIME_TRAIN_COMPUTE = "training_perf/time_train_compute (s)"
+TRAIN_PERF_TIME_WEIGHT_GATHER = "training_perf/time_weight_gather (s)"
+TRAIN_PERF_TIME_WEIGHT_TRANSFER = "training_perf/time_weight_transfer (s)"
+TRAIN_PERF_TIME_ENGINE_RELOAD = "training_perf/time_engine_reload (s)"
+TRAIN_PERF_TIME_DRIVER_OVERHEAD = "training_perf/time_driver_overhead (s)"
+TRAIN_PERF_TIME_GENERATION_BUSY = "training_perf/time_generation_busy (s)"
+TRAIN_PERF_TIME_SCORING_BUSY = "training_perf/time_scoring_busy (s)"
 
-REF_PERF_TOTAL_ROLLOUT_TIME = "ref_actor_performance/total_rollout_time (s)"
-REF_PERF_TIME_MODEL_RUNNING = "ref_actor_performance/time_model_running (s)"
-REF_PERF_PCT_TIME_MODEL_RUNNING = "ref_actor_performance/pct_time_model_running (%)"
-REF_PERF_TIME_WAITING_BUFFER = "ref_actor_performance/time_waiting_buffer (s)"
-REF_PERF_TOTAL_TOKENS_PROCESSED = "ref_actor_performance/total_tokens_processed"
-REF_PERF_SHARED_PROMPT_TOKENS_SAVED = "ref_actor_performance/shared_prompt_tokens_saved (%)"
+REF_PERF_TOTAL_ROLLOUT_TIME = "ref_perf/total_rollout_time (s)"
+REF_PERF_TIME_MODEL_RUNNING = "ref_perf/time_model_running (s)"
+REF_PERF_PCT_TIME_MODEL_RUNNING = "ref_perf/pct_time_model_running (%)"
+REF_PERF_TIME_WAITING_BUFFER = "ref_perf/time_waiting_buffer (s)"
+REF_PERF_TOTAL_TOKENS_PROCESSED = "ref_perf/total_tokens_processed"
+REF_PERF_SHARED_PROMPT_TOKENS_SAVED = "ref_perf/shared_prompt_tokens_saved (%)"
 
-REWARDS_MEAN = "ref_actor_rewards/rewards_mean"
-SUCCESSES_MEAN = "ref_actor_rewards/successes_mean"
-REWARDS_FUNC_MEAN_TEMPLATE = "ref_actor_rewards/rewards_func_{name}_mean"
-SUCCESSES_FUNC_MEAN_TEMPLATE = "ref_actor_rewards/successes_func_{name}_mean"
-GROUPS_SCORED = "ref_actor_rewards/groups_scored"
-GROUPS_KEPT = "ref_actor_rewards/groups_kept"
-ZERO_VARIANCE_GROUPS = "ref_actor_rewards/zero_variance_groups"
+REWARDS_MEAN = "ref_rewards/rewards_mean"
+SUCCESSES_MEAN = "ref_rewards/successes_mean"
+REWARDS_FUNC_MEAN_TEMPLATE = "ref_rewards/rewards_func_{name}_mean"
+SUCCESSES_FUNC_MEAN_TEMPLATE = "ref_rewards/successes_func_{name}_mean"
+GROUPS_SCORED = "ref_rewards/groups_scored"
+GROUPS_KEPT = "ref_rewards/groups_kept"
+ZERO_VARIANCE_GROUPS = "ref_rewards/zero_variance_groups"
 
-REF_TEACHER_REVERSE_KL = "ref_actor_distillation/teacher_reverse_kl"
+REF_TEACHER_REVERSE_KL = "ref_distillation/teacher_reverse_kl"
 
-TRAIN_REPLAY_BUFFER_SIZE = "queues/train_replay_buffer_size"
+REPLAY_BUFFER_SIZE = "queues/replay_buffer_size"
 REPLAY_BUFFER_DROPPED_STALE = "queues/replay_buffer_dropped_stale"
 ROLLOUT_QUEUE_SIZE = "queues/rollout_queue_size"
 ROLLOUT_QUEUE_PUT_WAIT_S = "queues/rollout_queue_put_wait_s"
@@ -131,36 +129,36 @@ FAULTS_STEPS_REDONE = "faults/steps_redone"
 # Checked in order: exact names before the globs that would claim them (the `queues/` keys
 # come from different actors).
 STEP_METRIC_RULES: tuple[tuple[str, str], ...] = (
-    (TRAIN_REPLAY_BUFFER_SIZE, TRAIN_STEP),
-    ("queues/replay_buffer_*", TRAIN_STEP),
+    ("queues/replay_buffer_*", TRAINING_STEP),
     (ROLLOUT_QUEUE_SIZE, REF_STEP),
-    ("train_actor_*", TRAIN_STEP),
-    ("ref_actor_*", REF_STEP),
+    ("training/*", TRAINING_STEP),
+    ("training_*", TRAINING_STEP),
+    ("ref_*", REF_STEP),
     ("inference/*", INFERENCE_STEP),
-    ("eval/*", TRAIN_STEP),
-    ("faults/*", TRAIN_STEP),
+    ("eval/*", TRAINING_STEP),
+    ("faults/*", TRAINING_STEP),
 )
 
 # The ``actor`` argument of `MetricLogger.log_dict` -> the step metric of keys no rule covers.
 ACTOR_STEP_METRIC: dict[str, str] = {
-    "train": TRAIN_STEP,
+    "training": TRAINING_STEP,
     "ref": REF_STEP,
     "inference": INFERENCE_STEP,
-    "eval": TRAIN_STEP,
+    "eval": TRAINING_STEP,
 }
 
 # The names other code relies on; actors may log more. ``{name}``: a reward function's name.
 METRIC_NAMES: dict[str, tuple[str, ...]] = {
-    # PyTorchActorModel, keyed on the optimizer step (`train_step`).
-    "train": (
+    # PyTorchActorModel, keyed on the optimizer step (`training_step`).
+    "training": (
         TRAIN_LOSS,
-        "train_actor_training/policy_loss",
+        "training/policy_loss",
         TRAIN_KL_LOSS,
-        "train_actor_training/ratios",
-        "train_actor_training/clipfrac",
+        "training/ratios",
+        "training/clipfrac",
         TRAIN_APPROX_POLICY_KLS,
-        "train_actor_training/kl_to_ref",
-        "train_actor_training/mismatch_kl",
+        "training/kl_to_ref",
+        "training/mismatch_kl",
         TRAIN_MISMATCH_MAX_ABS,
         TRAIN_CORRECTION_MASKED_FRACTION,
         TRAIN_CORRECTION_MASKED_SEQUENCE_FRACTION,
@@ -171,16 +169,16 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         TRAIN_LR,
         TRAIN_PERF_TOTAL_STEP_TIME,
         TRAIN_PERF_TIME_GRPO_STEPS,
-        "train_actor_performance/pct_time_grpo_steps (%)",
+        "training_perf/pct_time_grpo_steps (%)",
         TRAIN_PERF_TOKENS_PER_SECOND,
         TRAIN_PERF_TIME_WEIGHT_SYNC,
-        "train_actor_performance/pct_time_weight_sync (%)",
+        "training_perf/pct_time_weight_sync (%)",
         TRAIN_PERF_PADDED_TOKENS_PERCENTAGE,
         TRAIN_PERF_SHARED_PROMPT_TOKENS_SAVED,
         TRAIN_PERF_TIME_WAITING_BUFFER,
-        "train_actor_performance/pct_time_waiting_buffer (%)",
+        "training_perf/pct_time_waiting_buffer (%)",
         TRAIN_PERF_TIME_WEIGHT_GATHER,
-        "train_actor_performance/pct_time_weight_gather (%)",
+        "training_perf/pct_time_weight_gather (%)",
         TRAIN_PERF_STEP_WALL_TIME,
         TRAIN_PERF_TIME_TRAIN_COMPUTE,
         TRAIN_PERF_TIME_WEIGHT_TRANSFER,
@@ -188,7 +186,7 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         TRAIN_PERF_TIME_DRIVER_OVERHEAD,
         TRAIN_PERF_TIME_GENERATION_BUSY,
         TRAIN_PERF_TIME_SCORING_BUSY,
-        TRAIN_REPLAY_BUFFER_SIZE,
+        REPLAY_BUFFER_SIZE,
         REPLAY_BUFFER_DROPPED_STALE,
     ),
     # RefActor, keyed on its own step (`ref_step`).
@@ -197,7 +195,7 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
         REF_PERF_TIME_MODEL_RUNNING,
         REF_PERF_PCT_TIME_MODEL_RUNNING,
         REF_PERF_TIME_WAITING_BUFFER,
-        "ref_actor_performance/pct_time_waiting_buffer (%)",
+        "ref_perf/pct_time_waiting_buffer (%)",
         REF_PERF_TOTAL_TOKENS_PROCESSED,
         REF_PERF_SHARED_PROMPT_TOKENS_SAVED,
         ROLLOUT_QUEUE_SIZE,
@@ -278,12 +276,11 @@ def step_metric_for(key: str, actor: str | None = None) -> str:
     """The W&B step metric (x axis) that metric `key` is plotted against.
 
     Args:
-        key: A metric name.
         actor: The actor that logged it (a key of `ACTOR_STEP_METRIC`); decides for keys
             that no rule of `STEP_METRIC_RULES` covers.
 
     Returns:
-        str: ``"train_step"``, ``"ref_step"``, ``"inference_step"`` or ``"global_step"``.
+        str: ``"training_step"``, ``"ref_step"``, ``"inference_step"`` or ``"global_step"``.
     """
     rule = rule_for(key)
     if rule is not None:
@@ -302,17 +299,9 @@ def ratio_metrics(prefix: str, durations: Mapping[str, float], total: float) -> 
     """Percent-of-total entries for a set of timings, named like ``{prefix}/pct_{name} (%)``.
 
     Args:
-        prefix: Metric namespace, e.g. `TRAIN_PERF_NAMESPACE`.
         durations: Seconds per timing, keyed by name, with or without the namespace and the
             ``" (s)"`` suffix.
         total: Seconds of the whole step; 0 gives 0 %.
-
-    Returns:
-        dict[str, float]: ``{f"{prefix}/pct_{name} (%)": 100 * seconds / total}``.
-
-    Example:
-        >>> ratio_metrics("ref_actor_performance", {"time_model_running": 1.5}, total=2.0)
-        {'ref_actor_performance/pct_time_model_running (%)': 75.0}
     """
     metrics = {}
     for name, seconds in durations.items():

@@ -13,6 +13,7 @@ from typing import Any
 
 from grpo.observability.metric_names import (
     REPLAY_BUFFER_DROPPED_STALE,
+    REPLAY_BUFFER_SIZE,
     TRAIN_PERF_NAMESPACE,
     TRAIN_PERF_STEP_WALL_TIME,
     TRAIN_PERF_TIME_DRIVER_OVERHEAD,
@@ -26,7 +27,6 @@ from grpo.observability.metric_names import (
     TRAIN_PERF_TIME_WEIGHT_SYNC,
     TRAIN_PERF_TIME_WEIGHT_TRANSFER,
     TRAIN_PERF_TOTAL_STEP_TIME,
-    TRAIN_REPLAY_BUFFER_SIZE,
     ratio_metrics,
 )
 
@@ -39,8 +39,6 @@ def step_metrics(
     """A trainer's step metrics with the driver's queue sizes and each phase's share of time.
 
     Args:
-        metrics: The trainer's step metrics (weight sync timings included).
-        buffer_stats: `ReplayBuffer.stats()`.
         queues: More ``queues/*`` and driver values to log as they are.
 
     Returns:
@@ -48,7 +46,7 @@ def step_metrics(
     """
     metrics = {
         **metrics,
-        TRAIN_REPLAY_BUFFER_SIZE: float(buffer_stats["size"]),
+        REPLAY_BUFFER_SIZE: float(buffer_stats["size"]),
         REPLAY_BUFFER_DROPPED_STALE: float(buffer_stats["dropped_stale"]),
         **queues,
     }
@@ -96,12 +94,10 @@ def step_time_breakdown(
 
     Args:
         wall_s: From waiting for the step's batch to its metrics being ready.
-        buffer_wait_s: Seconds waited for the batch.
         train_compute_s: Seconds rank 0 spent in ``train_step``.
         sync_timings: What `WeightSync.sync` returned (empty if no sync).
-        sync_wall_s: The sync's wall time seen by the driver (0 if no sync).
-        generation_busy_s: Collectors' generation seconds finished during the step.
-        scoring_busy_s: Reference actors' scoring seconds finished during the step.
+        generation_busy_s, scoring_busy_s: Collectors' and reference actors' busy seconds
+            finished during the step.
 
     Returns:
         dict[str, float]: `TRAIN_PERF_STEP_WALL_TIME`, every `WALL_PARTS` key,
@@ -132,8 +128,7 @@ class RunLedger:
     The proof that every trajectory was scored and trained on exactly once; each line is
     flushed, so it survives a crash.
 
-    Args:
-        run_dir: The run folder; writes ``scored.jsonl`` and ``trained.jsonl``.
+    Writes ``scored.jsonl`` and ``trained.jsonl`` in ``run_dir``.
     """
 
     def __init__(self, run_dir: Path) -> None:
@@ -149,7 +144,6 @@ class RunLedger:
         """Record a reference call's sequences.
 
         Args:
-            step: The training step in progress.
             sequence_ids: Every sequence it scored, dropped ones included (so a gap in the ids
                 still means a lost group).
             dropped: Those dropped for equal rewards: never trained on.
@@ -188,15 +182,8 @@ def records_after_rewinds(records: list[dict[str, Any]]) -> list[dict[str, Any]]
     A record with ``rewound_to`` drops the earlier records of every later step: those steps
     were redone.
 
-    Args:
-        records: The file's records in order.
-
     Returns:
         list[dict]: The step records that stand, in order, markers left out.
-
-    Example:
-        >>> records_after_rewinds([{"step": 1}, {"step": 2}, {"rewound_to": 1}, {"step": 2}])
-        [{'step': 1}, {'step': 2}]
     """
     kept: list[dict[str, Any]] = []
     for record in records:
@@ -213,10 +200,7 @@ def debug_tables(
     """Per-sample and per-token debug tables of the sequences in ``pi_logprobs``.
 
     Args:
-        batch: The trained batch of `ScoredTrajectory`.
         pi_logprobs: Policy logprobs by ``sequence_id``.
-        tokenizer: Tokenizer with ``decode(ids, skip_special_tokens=...)``.
-        step: Training step.
 
     Returns:
         dict: ``{table_name: (columns, rows)}``.

@@ -374,7 +374,7 @@ class Orchestrator:
             ROLLOUT_QUEUE_SIZE: float(self.scheduler.queue_size()),
             "queues/replay_buffer_batches_waiting": float(len(self.inflight.to_buffer)),
             "queues/replay_buffer_duplicate_groups": float(self.inflight.num_duplicate_groups),
-            "train_actor_training/policy_version": float(self.state.policy_version),
+            "training/policy_version": float(self.state.policy_version),
             **self.group_counts.step_metrics(),
         }
         sync_timings: dict[str, float] = {}

@@ -48,7 +48,7 @@ from typing import Any
 
 from grpo.choices import LORA_TARGETS
 from grpo.config import LoRAConfig, RunConfig
-from grpo.config.run import ROLES as PLACED_ROLES
+from grpo.config.run import ROLES
 from grpo.preflight.files import model_config_file
 
 GiB = 2**30
@@ -78,7 +78,7 @@ VLLM_DEFAULT_UTILIZATION = 0.9
 
 # The roles' names (each the config section that places it) in start order, from the one
 # table of placed roles (`grpo.config.run.ROLES`).
-ROLES = tuple(role.name for role in PLACED_ROLES)
+ROLE_NAMES = tuple(role.name for role in ROLES)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -649,12 +649,12 @@ def memory_plan(
         "inference": collector_memory(cfg, shape, hf_config),
         "training": trainer_memory(cfg, shape),
     }
-    counts = {role.name: getattr(cfg.orchestration, role.count_key) for role in PLACED_ROLES}
-    gpus = {role.name: getattr(cfg, role.name).num_gpus for role in PLACED_ROLES}
+    counts = {role.name: getattr(cfg.orchestration, role.count_key) for role in ROLES}
+    gpus = {role.name: getattr(cfg, role.name).num_gpus for role in ROLES}
     tp = max(1, int(cfg.inference.engine_args.get("tensor_parallel_size") or 1))
     whole: list[list[Placement]] = []
     shared: list[list[Placement]] = []  # devices of fractional actors
-    for role in ROLES:
+    for role in ROLE_NAMES:
         memory, share = roles[role], gpus[role]
         if share == 0:
             continue
@@ -680,7 +680,7 @@ def memory_plan(
     devices = tuple(
         DeviceMemory(index, gpu_memory, tuple(actors)) for index, actors in enumerate(placed)
     )
-    on_cpu = tuple(role for role in ROLES if gpus[role] == 0)
+    on_cpu = tuple(role for role in ROLE_NAMES if gpus[role] == 0)
     return MemoryPlan(roles, on_cpu, devices, capacity_source)
 
 
@@ -730,7 +730,7 @@ def memory_problems(plan: MemoryPlan) -> list[str]:
                 f"all, and it has {_size(device.capacity)}; give the roles GPUs of their own, "
                 f"or lower inference.engine_args.gpu_memory_utilization{sleep_advice}",
             )
-    return [found[role] for role in ROLES if role in found]
+    return [found[role] for role in ROLE_NAMES if role in found]
 
 
 def _alone_problem(memory: RoleMemory, device: DeviceMemory) -> str | None:

@@ -39,9 +39,6 @@ class RefActor:
     """Scores generated groups. Wrap with ``ray.remote`` to run it as an actor.
 
     Args:
-        model_dir: HF-format folder of the frozen reference model.
-        target_tokens_per_batch: Token budget of one reference forward.
-        share_prompts: Pack a prompt's responses after one copy of it.
         config: The ``ref:`` options; None: their defaults.
         load_model: Load the reference model; False (no KL term, or LoRA, where the trainer
             computes them) leaves ``ref_logprobs`` None.
@@ -152,9 +149,6 @@ class RefActor:
     ) -> tuple[list[list[ScoredTrajectory]], list[GroupedUnscoredTrajectories], dict[str, float]]:
         """Reference logprobs and advantages of whole groups, from the environment's rewards.
 
-        Args:
-            groups: Groups to score.
-
         Returns:
             tuple: The scored groups (in order; without the zero-variance ones when
             filtering), the zero-variance groups (in order), and timing/reward metrics.
@@ -259,9 +253,6 @@ class RefActor:
         Called with ``num_returns=2``: the driver reads the small summary and passes the scored
         groups straight on to the replay buffer.
 
-        Args:
-            groups: Whole groups.
-
         Returns:
             tuple: ``{"metrics", "group_ids", "sequence_ids", "num_zero_variance_groups",
             "dropped_group_ids", "dropped_sequence_ids", "policy_version", "group_rewards"}``
@@ -278,7 +269,7 @@ class RefActor:
                 names.REF_PERF_PCT_TIME_MODEL_RUNNING: 100.0
                 * metrics[names.REF_PERF_TIME_MODEL_RUNNING]
                 / max(total, 1e-9),
-                "ref_actor_performance/groups_scored": float(len(groups)),
+                "ref_perf/groups_scored": float(len(groups)),
             }
         )
         info = {

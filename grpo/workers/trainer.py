@@ -351,8 +351,8 @@ class PyTorchActorModel:
                 ``"debug_pi_logprobs"``.
 
         Returns:
-            dict[str, float]: Metrics of the step (``train_actor_*`` names), summed over
-            workers.
+            dict[str, float]: Metrics of the step (``training/`` and ``training_perf/``), summed
+            over workers.
         """
         step_start = time.perf_counter()
         micro_batches, num_micro_batches = self._plan_micro_batches(batch)
@@ -444,13 +444,13 @@ class PyTorchActorModel:
             names.TRAIN_GRAD_NORM: float(grad_norm),
             names.TRAIN_LR: self.optimizer.param_groups[0]["lr"],
             names.TRAIN_RESPONSE_LENGTHS: response_tokens / len(batch),
-            "train_actor_training/trained_token_fraction": (
+            "training/trained_token_fraction": (
                 policy_tokens / response_tokens if response_tokens else 1.0
             ),
             names.TRAIN_POLICY_AGE_MEAN: sum(ages) / len(ages),
             names.TRAIN_POLICY_AGE_MAX: float(max(ages)),
-            "train_actor_training/num_micro_batches": float(len(packs)),
-            "train_actor_training/nonfinite_steps_skipped": float(self.num_nonfinite_skipped),
+            "training/num_micro_batches": float(len(packs)),
+            "training/nonfinite_steps_skipped": float(self.num_nonfinite_skipped),
             names.TRAIN_NONFINITE_STEPS_IN_A_ROW: float(self._nonfinite_in_a_row),
             names.TRAIN_PERF_TOTAL_STEP_TIME: (
                 time.perf_counter() - step_start + time_waiting_buffer
@@ -469,7 +469,7 @@ class PyTorchActorModel:
             ),
         }
         if self.computes_reference:
-            metrics["train_actor_performance/time_reference_forward"] = time_reference
+            metrics["training_perf/time_reference_forward"] = time_reference
         if wanted:
             metrics["debug_pi_logprobs"] = debug_pi_logprobs
         if self.empty_cache_after_step and self.device.type == "cuda":
@@ -538,11 +538,10 @@ class PyTorchActorModel:
         )
         count, tokens = max(total["normalizer_count"], 1.0), max(total["num_tokens"], 1.0)
         metrics = {
-            f"train_actor_training/{name}": total[name] / count
-            for name in ("loss", "policy_loss", "kl_loss")
+            f"training/{name}": total[name] / count for name in ("loss", "policy_loss", "kl_loss")
         }
         for name in ("ratios", "clipfrac", "approx_policy_kls", "kl_to_ref", "mismatch_kl"):
-            metrics[f"train_actor_training/{name}"] = total[name] / tokens
+            metrics[f"training/{name}"] = total[name] / tokens
         metrics[names.TRAIN_MISMATCH_MAX_ABS] = float(mismatch_max_abs)
         # Counts over every epoch: each sees the same pi_old and mu, so the same masks.
         metrics[names.TRAIN_CORRECTION_MASKED_FRACTION] = total["masked_tokens"] / tokens

@@ -393,7 +393,7 @@ def test_behaviour_and_trainer_logprobs_are_those_of_the_sampling_temperature(
             )
             for t in trajectories
         ]
-        return trainer.train_step(batch)["train_actor_training/mismatch_kl"]
+        return trainer.train_step(batch)["training/mismatch_kl"]
 
     kl = {}
     sampling = collector.engine.sampling

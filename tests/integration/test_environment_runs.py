@@ -115,7 +115,7 @@ def test_multi_turn_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypat
     # The episodes were multi-turn, and the environment's tokens were not trained.
     assert max(metric(straight, INFERENCE_EPISODE_TURNS_MEAN)) > 1.5
     assert max(metric(straight, INFERENCE_EPISODE_ENV_TOKEN_FRACTION)) > 0.05
-    assert min(metric(straight, "train_actor_training/trained_token_fraction")) < 0.95
+    assert min(metric(straight, "training/trained_token_fraction")) < 0.95
 
 
 # Reads state["anwser"] when it answers: every episode whose first turn ends on a stop string

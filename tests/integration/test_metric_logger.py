@@ -19,7 +19,8 @@ def test_logger_works_as_a_ray_actor(tmp_path, ray_cluster):
     logger = RemoteLogger.remote(log_dir=str(tmp_path / "run"), use_wandb=False, stdout_every_n=0)
     # Two "actors" writing, one behind the other; fire-and-forget then a barrier.
     refs = [
-        logger.log_dict.remote({TRAIN_LOSS: 1.0 / (s + 1)}, step=s, actor="train") for s in range(5)
+        logger.log_dict.remote({TRAIN_LOSS: 1.0 / (s + 1)}, step=s, actor="training")
+        for s in range(5)
     ]
     refs += [logger.log_dict.remote({REWARDS_MEAN: float("nan")}, step=0, actor="ref")]
     ray.get(refs)
@@ -28,7 +29,7 @@ def test_logger_works_as_a_ray_actor(tmp_path, ray_cluster):
     ray.get(logger.close.remote())
     records = _strict_json_lines(Path(path))
     assert Path(path) == (tmp_path / "run" / "metrics.jsonl").resolve()
-    assert [(r["actor"], r["step"]) for r in records] == [("train", s) for s in range(5)] + [
+    assert [(r["actor"], r["step"]) for r in records] == [("training", s) for s in range(5)] + [
         ("ref", 0)
     ]
     assert records[-1][REWARDS_MEAN] is None

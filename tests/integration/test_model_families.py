@@ -148,11 +148,7 @@ def test_short_grpo_run(family: str, family_dirs, tmp_path, monkeypatch, ray_cle
     trained = read_jsonl(run_dir / "trained.jsonl")
     assert [record["step"] for record in trained] == list(range(1, num_steps + 1))
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    versions = [
-        r["train_actor_training/policy_version"]
-        for r in metrics
-        if "train_actor_training/policy_version" in r
-    ]
+    versions = [r["training/policy_version"] for r in metrics if "training/policy_version" in r]
     assert versions == [float(step) for step in range(num_steps)]
     # The collector computes with exactly the trainer's weights after the last sync.
     in_sync = [(r["step"], r["weight_sync/in_sync"]) for r in metrics if "weight_sync/in_sync" in r]

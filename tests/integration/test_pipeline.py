@@ -23,6 +23,7 @@ from grpo.observability.metric_names import (
     REF_PERF_TIME_WAITING_BUFFER,
     REF_PERF_TOTAL_ROLLOUT_TIME,
     REF_PERF_TOTAL_TOKENS_PROCESSED,
+    REPLAY_BUFFER_SIZE,
     REWARDS_FUNC_MEAN_TEMPLATE,
     REWARDS_MEAN,
     ROLLOUT_QUEUE_SIZE,
@@ -40,7 +41,6 @@ from grpo.observability.metric_names import (
     TRAIN_PERF_TIME_WEIGHT_SYNC,
     TRAIN_PERF_TOKENS_PER_SECOND,
     TRAIN_PERF_TOTAL_STEP_TIME,
-    TRAIN_REPLAY_BUFFER_SIZE,
     TRAIN_RESPONSE_LENGTHS,
     ZERO_VARIANCE_GROUPS,
 )
@@ -135,7 +135,7 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     assert sum(r[GROUPS_SCORED] for r in counts) <= len(scored) // group_size
 
     # Policy versions advance (one weight sync per step) and collectors pick them up.
-    versions = metric_series(run_dir, "train_actor_training/policy_version")
+    versions = metric_series(run_dir, "training/policy_version")
     assert [v for _, v in versions] == [float(s) for s in range(num_steps)]
     assert max(v for _, v in metric_series(run_dir, INFERENCE_POLICY_VERSION)) >= 1
     assert max(max(r["policy_versions"]) for r in trained) >= 1
@@ -147,10 +147,10 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     logged = set().union(*(r.keys() for r in read_jsonl(run_dir / "metrics.jsonl")))
     expected = [
         TRAIN_LOSS,
-        "train_actor_training/policy_loss",
+        "training/policy_loss",
         TRAIN_KL_LOSS,
-        "train_actor_training/ratios",
-        "train_actor_training/clipfrac",
+        "training/ratios",
+        "training/clipfrac",
         TRAIN_APPROX_POLICY_KLS,
         TRAIN_RESPONSE_LENGTHS,
         TRAIN_PERF_TOTAL_STEP_TIME,
@@ -159,9 +159,9 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
         TRAIN_PERF_TIME_WEIGHT_SYNC,
         TRAIN_PERF_PADDED_TOKENS_PERCENTAGE,
         TRAIN_PERF_TIME_WAITING_BUFFER,
-        "train_actor_performance/pct_time_waiting_buffer (%)",
+        "training_perf/pct_time_waiting_buffer (%)",
         TRAIN_PERF_TIME_WEIGHT_GATHER,
-        TRAIN_REPLAY_BUFFER_SIZE,
+        REPLAY_BUFFER_SIZE,
         ROLLOUT_QUEUE_SIZE,
         REF_PERF_TOTAL_ROLLOUT_TIME,
         REF_PERF_TIME_MODEL_RUNNING,
@@ -176,7 +176,7 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     ]
     missing = [key for key in expected if key not in logged]
     assert not missing, f"metrics.jsonl lacks {missing}"
-    assert all(key in logged for key in METRIC_NAMES["train"][:6])
+    assert all(key in logged for key in METRIC_NAMES["training"][:6])
 
     # Every step's wall time is split into parts that add up to it.
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if TRAIN_PERF_STEP_WALL_TIME in r]
@@ -205,7 +205,7 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
         values = [row[token_columns.index(name)] for row in tokens[0]["rows"]]
         assert values and all(v <= 0.0 for v in values)
     # (The random model earns no reward here, so the policy never moves from the reference.)
-    kl_to_ref = [v for _, v in metric_series(run_dir, "train_actor_training/kl_to_ref")]
+    kl_to_ref = [v for _, v in metric_series(run_dir, "training/kl_to_ref")]
     assert len(kl_to_ref) == num_steps and all(v >= 0.0 for v in kl_to_ref)
 
     # Plots were written.

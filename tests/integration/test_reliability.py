@@ -596,9 +596,9 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(
     assert "orchestration.max_nonfinite_steps_in_a_row=2" in str(error.value)
     assert run.state.step == 2
     skipped = [
-        r["train_actor_training/nonfinite_steps_skipped"]
+        r["training/nonfinite_steps_skipped"]
         for r in read_jsonl(run_dir / "metrics.jsonl")
-        if "train_actor_training/nonfinite_steps_skipped" in r
+        if "training/nonfinite_steps_skipped" in r
     ]
     assert skipped == [1.0, 2.0]
     assert state["step"] == 2

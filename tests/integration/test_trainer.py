@@ -50,9 +50,7 @@ def test_two_fsdp_workers_match_one_worker(tiny_model_dir, ray_cluster):
         ray_cluster, [trainer_kwargs(tiny_model_dir, r, 2, 256) for r in range(2)], batch
     )
 
-    assert metrics[0]["train_actor_training/loss"] == pytest.approx(
-        single_metrics["train_actor_training/loss"], rel=1e-4
-    )
+    assert metrics[0]["training/loss"] == pytest.approx(single_metrics["training/loss"], rel=1e-4)
     assert_same_update(before, single_weights, weights[0])
 
 
@@ -75,13 +73,9 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(tiny_model_dir, mask_
         # A second batch packs to other lengths: dynamic shapes, no recompile per length.
         trainer.train_step(make_batch(10, vocab_size=300, seed=1))
     (eager, weights_eager), (compiled, weights_compiled) = results
-    assert eager["train_actor_training/num_micro_batches"] >= 2
-    assert compiled["train_actor_training/loss"] == pytest.approx(
-        eager["train_actor_training/loss"], rel=1e-5
-    )
-    assert compiled["train_actor_training/grad_norm"] == pytest.approx(
-        eager["train_actor_training/grad_norm"], rel=1e-5
-    )
+    assert eager["training/num_micro_batches"] >= 2
+    assert compiled["training/loss"] == pytest.approx(eager["training/loss"], rel=1e-5)
+    assert compiled["training/grad_norm"] == pytest.approx(eager["training/grad_norm"], rel=1e-5)
     assert_same_update(before, weights_eager, weights_compiled, rtol=1e-5)
 
 
@@ -159,7 +153,7 @@ def test_two_fsdp_workers_match_one_worker_with_tis_over_two_epochs(tiny_model_d
     metrics, weights = train_on_two_workers(ray_cluster, [kwargs(r, 2) for r in range(2)], batch)
 
     for name in ("loss", "mismatch_kl", "mismatch_max_abs"):
-        key = f"train_actor_training/{name}"
+        key = f"training/{name}"
         assert metrics[0][key] == pytest.approx(single_metrics[key], rel=1e-4), key
         assert metrics[1][key] == metrics[0][key], key
     assert_same_update(before, single_weights, weights[0])

@@ -71,6 +71,6 @@ def test_two_steps_on_a_verifiers_environment(
     prompt_tokens = batches[0]["inference/prompt_tokens"] / 4
     assert prompt_tokens > (100 if taskset.endswith("add_tool") else 10)
     # The trainer's logprobs of the trained tokens are the engine's: the tokens are the same.
-    mismatch = [r["train_actor_training/mismatch_kl"] for r in metrics if "train_actor_training/mismatch_kl" in r]  # fmt: skip
+    mismatch = [r["training/mismatch_kl"] for r in metrics if "training/mismatch_kl" in r]  # fmt: skip
     assert mismatch and max(mismatch) < 1e-3
     assert (run_dir / "final" / "model.safetensors").exists()

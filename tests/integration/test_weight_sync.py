@@ -545,7 +545,7 @@ def test_collective_sync_from_a_trainer_actor_and_a_replacement_joins_a_new_pair
         base_checksum = ray.get(trainer.weights_checksum.remote())
         ray.get(trainer.train_step.remote(batch))
         version, timings = sync.sync([trainer], [collector])
-        assert version == 1 and timings["train_actor_performance/time_weight_transfer (s)"] > 0
+        assert version == 1 and timings["training_perf/time_weight_transfer (s)"] > 0
         # Applying checks the worker's checksum and the trainer's probe logprobs.
         assert ray.get(collector.apply_pending_weights.remote()) > 0
         expected = ray.get(trainer.weights_checksum.remote())

@@ -27,13 +27,13 @@ from grpo.observability.metric_names import (
     REF_PERF_PCT_TIME_MODEL_RUNNING,
     REF_PERF_TIME_WAITING_BUFFER,
     REF_STEP,
+    REPLAY_BUFFER_SIZE,
     REWARDS_MEAN,
     ROLLOUT_QUEUE_SIZE,
     STEP_METRIC_RULES,
     TRAIN_LOSS,
     TRAIN_LR,
-    TRAIN_REPLAY_BUFFER_SIZE,
-    TRAIN_STEP,
+    TRAINING_STEP,
     is_known_metric,
     ratio_metrics,
     reward_metric_names,
@@ -64,9 +64,9 @@ def test_log_dict_writes_one_record_per_call_with_steps_as_given(tmp_path):
     logger = _logger(tmp_path)
     before = time.time()
     logger.log_dict(
-        {TRAIN_LOSS: 0.25, TRAIN_REPLAY_BUFFER_SIZE: 12},
+        {TRAIN_LOSS: 0.25, REPLAY_BUFFER_SIZE: 12},
         step=5,
-        actor="train",
+        actor="training",
     )
     # The ref actor runs behind the trainer: its lower step is kept as given.
     logger.log_dict({REWARDS_MEAN: 0.5}, step=2, actor="ref")
@@ -77,10 +77,10 @@ def test_log_dict_writes_one_record_per_call_with_steps_as_given(tmp_path):
     records = _strict_json_lines(logger.get_log_path())
     assert logger.get_log_path() == (tmp_path / "run" / "metrics.jsonl").resolve()
     assert [r["step"] for r in records] == [5, 2, 7]
-    assert [r.get("actor") for r in records] == ["train", "ref", None]
+    assert [r.get("actor") for r in records] == ["training", "ref", None]
     assert "actor" not in records[2]
     assert records[0][TRAIN_LOSS] == 0.25
-    assert records[0][TRAIN_REPLAY_BUFFER_SIZE] == 12
+    assert records[0][REPLAY_BUFFER_SIZE] == 12
     assert records[1][REWARDS_MEAN] == 0.5
     assert records[2] == {
         **records[2],
@@ -97,7 +97,7 @@ def test_every_write_is_on_disk_before_close(tmp_path):
     # A killed run keeps its log: each record is flushed when written.
     logger = _logger(tmp_path)
     for step in range(3):
-        logger.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="train")
+        logger.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="training")
         on_disk = _strict_json_lines(logger.get_log_path())
         assert [r["step"] for r in on_disk] == list(range(step + 1))
     logger.close()
@@ -147,8 +147,8 @@ def test_tensors_and_numpy_scalars_become_numbers(tmp_path):
 
 def test_bad_inputs_are_rejected_with_their_name(tmp_path):
     logger = _logger(tmp_path)
-    with pytest.raises(TypeError, match="'train_actor_training/ratios'"):
-        logger.log_dict({"train_actor_training/ratios": torch.ones(3)}, step=0)
+    with pytest.raises(TypeError, match="'training/ratios'"):
+        logger.log_dict({"training/ratios": torch.ones(3)}, step=0)
     with pytest.raises(ValueError, match="'step'"):
         logger.log_dict({"step": 1}, step=0)
     with pytest.raises(TypeError, match="step must be an int"):
@@ -166,7 +166,7 @@ def test_log_table_writes_rows_per_step(tmp_path):
         columns,
         "per_sample_debug_table",
         step=3,
-        actor="train",
+        actor="training",
     )
     logger.log_table(
         [["s2", "7", 0.0, torch.tensor([-0.5, -0.25])]], columns, "per_sample_debug_table", step=4
@@ -179,7 +179,7 @@ def test_log_table_writes_rows_per_step(tmp_path):
 
     records = _strict_json_lines(tmp_path / "run" / "tables" / "per_sample_debug_table.jsonl")
     assert [r["step"] for r in records] == [3, 4]
-    assert records[0]["actor"] == "train"
+    assert records[0]["actor"] == "training"
     assert records[0]["columns"] == columns
     assert records[0]["rows"] == [["s0", "42", 1.0, -0.5], ["s1", "41", -1.0, None]]
     assert records[1]["rows"] == [["s2", "7", 0.0, [-0.5, -0.25]]]
@@ -231,23 +231,23 @@ def test_stdout_prints_selected_keys_every_n_steps(tmp_path, capsys):
     logger = _logger(
         tmp_path,
         stdout_every_n=2,
-        stdout_keys=[TRAIN_LOSS, "ref_actor_rewards/rewards_func_*"],
+        stdout_keys=[TRAIN_LOSS, "ref_rewards/rewards_func_*"],
     )
     logger.log_dict(
         {TRAIN_LOSS: 0.123456, TRAIN_LR: 1e-5},
         step=1,
-        actor="train",
+        actor="training",
     )
-    logger.log_dict({TRAIN_LOSS: 0.5, TRAIN_LR: 1e-5}, step=2, actor="train")
+    logger.log_dict({TRAIN_LOSS: 0.5, TRAIN_LR: 1e-5}, step=2, actor="training")
     logger.log_dict(
-        {"ref_actor_rewards/rewards_func_math_mean": 0.25, REWARDS_MEAN: 0.3},
+        {"ref_rewards/rewards_func_math_mean": 0.25, REWARDS_MEAN: 0.3},
         step=4,
         actor="ref",
     )
     logger.log_dict({INFERENCE_TOKENS_PER_SECOND: 100.0}, step=4, actor="inference")
     logger.close()
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["[train 2] loss=0.5", "[ref 4] rewards_func_math_mean=0.25"]
+    assert lines == ["[training 2] loss=0.5", "[ref 4] rewards_func_math_mean=0.25"]
 
 
 def test_bad_constructor_arguments(tmp_path):
@@ -262,73 +262,73 @@ def test_bad_constructor_arguments(tmp_path):
 
 def test_ratio_metrics_matches_seed_names_and_guards_zero_total():
     metrics = ratio_metrics(
-        "train_actor_performance",
+        "training_perf",
         {"time_grpo_steps": 1.5, "time_weight_sync (s)": 0.25, "time_waiting_buffer": 0.0},
         total=2.0,
     )
     assert metrics == {
-        "train_actor_performance/pct_time_grpo_steps (%)": 75.0,
-        "train_actor_performance/pct_time_weight_sync (%)": 12.5,
-        "train_actor_performance/pct_time_waiting_buffer (%)": 0.0,
+        "training_perf/pct_time_grpo_steps (%)": 75.0,
+        "training_perf/pct_time_weight_sync (%)": 12.5,
+        "training_perf/pct_time_waiting_buffer (%)": 0.0,
     }
-    assert all(key in METRIC_NAMES["train"] for key in metrics)
-    ref = ratio_metrics("ref_actor_performance", {"time_model_running": 1.0}, total=0.0)
+    assert all(key in METRIC_NAMES["training"] for key in metrics)
+    ref = ratio_metrics("ref_perf", {"time_model_running": 1.0}, total=0.0)
     assert ref == {REF_PERF_PCT_TIME_MODEL_RUNNING: 0.0}
     assert set(ref) <= set(METRIC_NAMES["ref"])
     nan_total = ratio_metrics("p", {"time_x": 1.0}, total=float("nan"))
     assert nan_total == {"p/pct_time_x (%)": 0.0}
     # A timing may be keyed by its full metric name: the namespace goes with the unit.
     full = ratio_metrics(REF_PERF_NAMESPACE, {REF_PERF_TIME_WAITING_BUFFER: 1.0}, total=4.0)
-    assert full == {"ref_actor_performance/pct_time_waiting_buffer (%)": 25.0}
+    assert full == {"ref_perf/pct_time_waiting_buffer (%)": 25.0}
 
 
 def test_metric_names_hold_the_seed_contract():
     # Spelled out rather than named by their constants: dashboards read these very strings, so
     # this pins the values that a constant's rename must not change.
     seed_train = [
-        "train_actor_training/loss",
-        "train_actor_training/policy_loss",
-        "train_actor_training/kl_loss",
-        "train_actor_training/ratios",
-        "train_actor_training/clipfrac",
-        "train_actor_training/approx_policy_kls",
-        "train_actor_training/response_lengths",
-        "train_actor_performance/total_step_time (s)",
-        "train_actor_performance/time_grpo_steps (s)",
-        "train_actor_performance/tokens_per_second",
-        "train_actor_performance/time_weight_sync (s)",
-        "train_actor_performance/padded_tokens_percentage (%)",
-        "train_actor_performance/time_waiting_buffer (s)",
-        "train_actor_performance/pct_time_waiting_buffer (%)",
-        "train_actor_performance/time_weight_gather (s)",
-        "queues/train_replay_buffer_size",
+        "training/loss",
+        "training/policy_loss",
+        "training/kl_loss",
+        "training/ratios",
+        "training/clipfrac",
+        "training/approx_policy_kls",
+        "training/response_lengths",
+        "training_perf/total_step_time (s)",
+        "training_perf/time_grpo_steps (s)",
+        "training_perf/tokens_per_second",
+        "training_perf/time_weight_sync (s)",
+        "training_perf/padded_tokens_percentage (%)",
+        "training_perf/time_waiting_buffer (s)",
+        "training_perf/pct_time_waiting_buffer (%)",
+        "training_perf/time_weight_gather (s)",
+        "queues/replay_buffer_size",
     ]
     seed_ref = [
-        "ref_actor_performance/total_rollout_time (s)",
-        "ref_actor_performance/time_model_running (s)",
-        "ref_actor_performance/time_waiting_buffer (s)",
-        "ref_actor_performance/total_tokens_processed",
+        "ref_perf/total_rollout_time (s)",
+        "ref_perf/time_model_running (s)",
+        "ref_perf/time_waiting_buffer (s)",
+        "ref_perf/total_tokens_processed",
         "queues/rollout_queue_size",
-        "ref_actor_rewards/rewards_mean",
-        "ref_actor_rewards/successes_mean",
+        "ref_rewards/rewards_mean",
+        "ref_rewards/successes_mean",
     ]
-    assert set(seed_train) <= set(METRIC_NAMES["train"])
+    assert set(seed_train) <= set(METRIC_NAMES["training"])
     assert set(seed_ref) <= set(METRIC_NAMES["ref"])
     for extra in [
-        "train_actor_training/policy_age_mean",
-        "train_actor_training/grad_norm",
-        "train_actor_training/lr",
+        "training/policy_age_mean",
+        "training/grad_norm",
+        "training/lr",
         "queues/replay_buffer_dropped_stale",
     ]:
-        assert extra in METRIC_NAMES["train"]
+        assert extra in METRIC_NAMES["training"]
     assert "eval/accuracy" in METRIC_NAMES["eval"]
     assert "inference/tokens_per_second" in METRIC_NAMES["inference"]
     rewards_key, successes_key = reward_metric_names("math_correct")
-    assert rewards_key == "ref_actor_rewards/rewards_func_math_correct_mean"
-    assert successes_key == "ref_actor_rewards/successes_func_math_correct_mean"
+    assert rewards_key == "ref_rewards/rewards_func_math_correct_mean"
+    assert successes_key == "ref_rewards/successes_func_math_correct_mean"
     assert is_known_metric(rewards_key) and is_known_metric(successes_key)
-    assert not is_known_metric("ref_actor_rewards/rewards_func_math_correct")
-    assert not is_known_metric("train_actor_training/typo")
+    assert not is_known_metric("ref_rewards/rewards_func_math_correct")
+    assert not is_known_metric("training/typo")
     # No name appears under two actors.
     all_names = [name for names in METRIC_NAMES.values() for name in names]
     assert len(all_names) == len(set(all_names))
@@ -336,10 +336,10 @@ def test_metric_names_hold_the_seed_contract():
 
 def test_every_listed_metric_has_its_actors_step():
     expected = {
-        "train": TRAIN_STEP,
+        "training": TRAINING_STEP,
         "ref": REF_STEP,
         "inference": INFERENCE_STEP,
-        "eval": TRAIN_STEP,
+        "eval": TRAINING_STEP,
     }
     for actor, names in METRIC_NAMES.items():
         for name in names:
@@ -348,14 +348,14 @@ def test_every_listed_metric_has_its_actors_step():
 
 def test_step_metric_for_rules_and_fallbacks():
     assert step_metric_for(ROLLOUT_QUEUE_SIZE) == REF_STEP
-    assert step_metric_for(TRAIN_REPLAY_BUFFER_SIZE) == TRAIN_STEP
-    assert step_metric_for("train_actor_performance/memory/peak_alloc") == TRAIN_STEP
-    assert step_metric_for("per_sample_debug_table", actor="train") == TRAIN_STEP
-    assert step_metric_for("collector/restarts", actor="inference") == INFERENCE_STEP
-    assert step_metric_for("collector/restarts") == GLOBAL_STEP
-    assert step_metric_for("collector/restarts", actor="somebody") == GLOBAL_STEP
-    # A rule beats the caller's actor: the ref actor reporting a train key keeps train_step.
-    assert step_metric_for(TRAIN_LOSS, actor="ref") == TRAIN_STEP
+    assert step_metric_for(REPLAY_BUFFER_SIZE) == TRAINING_STEP
+    assert step_metric_for("training_perf/memory/peak_alloc") == TRAINING_STEP
+    assert step_metric_for("per_sample_debug_table", actor="training") == TRAINING_STEP
+    assert step_metric_for("custom/restarts", actor="inference") == INFERENCE_STEP
+    assert step_metric_for("custom/restarts") == GLOBAL_STEP
+    assert step_metric_for("custom/restarts", actor="somebody") == GLOBAL_STEP
+    # A rule beats the caller's actor: the ref actor reporting a training key keeps training_step.
+    assert step_metric_for(TRAIN_LOSS, actor="ref") == TRAINING_STEP
 
 
 # ---------------------------------------------------------------- W&B (fake module)
@@ -418,17 +418,17 @@ def test_wandb_gets_per_namespace_step_metrics(tmp_path, fake_wandb):
         assert run.defined[pattern] == step_metric
 
     logger.log_dict(
-        {TRAIN_LOSS: 1.0, TRAIN_REPLAY_BUFFER_SIZE: 3},
+        {TRAIN_LOSS: 1.0, REPLAY_BUFFER_SIZE: 3},
         step=10,
-        actor="train",
+        actor="training",
     )
     logger.log_dict(
         {REWARDS_MEAN: float("nan"), ROLLOUT_QUEUE_SIZE: 2},
         step=4,
         actor="ref",
     )
-    logger.log_dict({"collector/restarts": 1}, step=3, actor="inference")
-    logger.log_table([[1, "a"]], ["id", "text"], "per_token_debug_table", step=10, actor="train")
+    logger.log_dict({"custom/restarts": 1}, step=3, actor="inference")
+    logger.log_table([[1, "a"]], ["id", "text"], "per_token_debug_table", step=10, actor="training")
     logger.log_summary({"final/accuracy": 0.5})
     logger.close()
     logger.close()
@@ -436,18 +436,18 @@ def test_wandb_gets_per_namespace_step_metrics(tmp_path, fake_wandb):
     train_call, ref_call, collector_call, table_call = run.logged
     assert train_call == {
         TRAIN_LOSS: 1.0,
-        TRAIN_REPLAY_BUFFER_SIZE: 3,
-        TRAIN_STEP: 10,
+        REPLAY_BUFFER_SIZE: 3,
+        TRAINING_STEP: 10,
     }
     # An earlier step after a later one: carried by ref_step, so W&B keeps it. NaN goes to W&B
     # as NaN (W&B accepts it); only the JSONL needs null.
-    assert ref_call[REF_STEP] == 4 and TRAIN_STEP not in ref_call
+    assert ref_call[REF_STEP] == 4 and TRAINING_STEP not in ref_call
     assert math.isnan(ref_call[REWARDS_MEAN])
-    assert collector_call == {"collector/restarts": 1, INFERENCE_STEP: 3}
-    assert run.defined["collector/restarts"] == INFERENCE_STEP
+    assert collector_call == {"custom/restarts": 1, INFERENCE_STEP: 3}
+    assert run.defined["custom/restarts"] == INFERENCE_STEP
     assert table_call == {
         "per_token_debug_table": ("table", ("id", "text"), ((1, "a"),)),
-        TRAIN_STEP: 10,
+        TRAINING_STEP: 10,
     }
     assert run.summary == {"final/accuracy": 0.5}
     assert run.finished == 1
@@ -483,7 +483,7 @@ def test_wandb_init_failure_is_reported_once_and_logging_continues(tmp_path, fak
     with caplog.at_level(logging.WARNING, logger="grpo.observability.metric_logger"):
         logger = _logger(tmp_path, use_wandb=True, mode="online")
         for step in range(3):
-            logger.log_dict({TRAIN_LOSS: 0.1 * step}, step=step, actor="train")
+            logger.log_dict({TRAIN_LOSS: 0.1 * step}, step=step, actor="training")
         logger.close()
     failures = [r.getMessage() for r in caplog.records if "W&B failed" in r.getMessage()]
     assert len(failures) == 1
@@ -518,7 +518,7 @@ def test_wandb_log_failure_turns_wandb_off_once(tmp_path, fake_wandb, caplog):
 def _log_three_steps_then_rewind(logger: MetricLogger) -> None:
     """Steps 1-3 logged (train and ref), then a trainer restart goes back to step 1."""
     for step in (1, 2, 3):
-        logger.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="train")
+        logger.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="training")
         logger.log_dict({REWARDS_MEAN: step / 10}, step=step - 1, actor="ref")
     logger.rewound(1, from_step=3)
 
@@ -529,7 +529,7 @@ def test_a_rewind_is_marked_and_forks_the_wandb_run_with_the_standing_values(tmp
     logger = _logger(tmp_path, use_wandb=True, mode="offline", run_name="r")
     logger.log_summary({"final/accuracy": 0.5})
     _log_three_steps_then_rewind(logger)
-    logger.log_dict({TRAIN_LOSS: 20.0}, step=2, actor="train")
+    logger.log_dict({TRAIN_LOSS: 20.0}, step=2, actor="training")
     logger.close()
 
     records = _strict_json_lines(logger.get_log_path())
@@ -546,8 +546,8 @@ def test_a_rewind_is_marked_and_forks_the_wandb_run_with_the_standing_values(tmp
     assert first.finished == 1 and len(first.logged) == 6
     assert first.summary["rewound_to_step"] == 1 and first.summary["from_step"] == 3
     assert second.init_kwargs["name"] == "r (from step 1)"
-    assert second.defined[TRAIN_STEP] is None  # the step metrics are declared again
-    train = [(c[TRAIN_STEP], c[TRAIN_LOSS]) for c in second.logged if TRAIN_STEP in c]
+    assert second.defined[TRAINING_STEP] is None  # the step metrics are declared again
+    train = [(c[TRAINING_STEP], c[TRAIN_LOSS]) for c in second.logged if TRAINING_STEP in c]
     ref = [(c[REF_STEP], c[REWARDS_MEAN]) for c in second.logged if REF_STEP in c]
     assert train == [(1, 1.0), (2, 20.0)]
     assert ref == [(0, 0.1), (1, 0.2)]
@@ -560,7 +560,7 @@ def test_a_resume_goes_on_in_the_same_wandb_run(tmp_path, fake_wandb):
     next resume goes on in the fork."""
     first = _logger(tmp_path, use_wandb=True, mode="offline", project="p")
     for step in (1, 2):
-        first.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="train")
+        first.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="training")
     first.close()
     saved = json.loads((tmp_path / "run" / "wandb_run.json").read_text())
     assert saved == {"id": fake_wandb.runs[0].id, "name": "fake-run", "project": "p",
@@ -569,25 +569,25 @@ def test_a_resume_goes_on_in_the_same_wandb_run(tmp_path, fake_wandb):
     # Stopped at its checkpoint of step 2 (Ctrl-C): the resume goes on in the same run.
     second = _logger(tmp_path, use_wandb=True, mode="offline", project="p")
     second.resumed(2)
-    second.log_dict({TRAIN_LOSS: 3.0}, step=3, actor="train")
+    second.log_dict({TRAIN_LOSS: 3.0}, step=3, actor="training")
     second.close()
     assert len(fake_wandb.runs) == 2
     resumed = fake_wandb.runs[1]
     assert resumed.init_kwargs["id"] == fake_wandb.runs[0].id
     assert resumed.init_kwargs["resume"] == "allow" and resumed.finished == 1
-    assert [c[TRAIN_STEP] for c in resumed.logged] == [3]
+    assert [c[TRAINING_STEP] for c in resumed.logged] == [3]
 
     # Killed after step 3 with its last checkpoint at step 2: step 3 is redone, a rewind.
     third = _logger(tmp_path, use_wandb=True, mode="offline", project="p")
     third.resumed(2)
-    third.log_dict({TRAIN_LOSS: 30.0}, step=3, actor="train")
+    third.log_dict({TRAIN_LOSS: 30.0}, step=3, actor="training")
     third.close()
     going_on, forked = fake_wandb.runs[2:]
     assert going_on.init_kwargs["id"] == fake_wandb.runs[0].id
     assert going_on.summary == {"rewound_to_step": 2, "from_step": 3}
     assert "id" not in forked.init_kwargs and forked.name == "fake-run (from step 2)"
     # The fork holds the standing history of all three loggers, each step once.
-    assert [(c[TRAIN_STEP], c[TRAIN_LOSS]) for c in forked.logged] == [(1, 1.0), (2, 2.0),
+    assert [(c[TRAINING_STEP], c[TRAIN_LOSS]) for c in forked.logged] == [(1, 1.0), (2, 2.0),
                                                                        (3, 30.0)]  # fmt: skip
     records = _strict_json_lines(tmp_path / "run" / "metrics.jsonl")
     assert [(r["step"], r.get(TRAIN_LOSS)) for r in records_after_rewinds(records)] == [
@@ -650,7 +650,7 @@ def test_a_rewind_forks_the_offline_wandb_run(tmp_path, monkeypatch):
         tmp_path / "run", project="grpo-test", run_name="rewound", stdout_every_n=0
     )
     _log_three_steps_then_rewind(logger)
-    logger.log_dict({TRAIN_LOSS: 20.0}, step=2, actor="train")
+    logger.log_dict({TRAIN_LOSS: 20.0}, step=2, actor="training")
     logger.close()
 
     wandb_dir = tmp_path / "run" / "wandb"
@@ -658,9 +658,9 @@ def test_a_rewind_forks_the_offline_wandb_run(tmp_path, monkeypatch):
     [first] = [run for run in wandb_dir.glob("offline-run-*") if run.resolve() != second]
     rows = _wandb_history(second)
     assert [r["_step"] for r in rows] == list(range(len(rows)))
-    train = [(r[TRAIN_STEP], r[TRAIN_LOSS]) for r in rows if TRAIN_STEP in r]
+    train = [(r[TRAINING_STEP], r[TRAIN_LOSS]) for r in rows if TRAINING_STEP in r]
     assert train == [(1, 1.0), (2, 20.0)]
-    superseded = [r[TRAIN_LOSS] for r in _wandb_history(first) if TRAIN_STEP in r]
+    superseded = [r[TRAIN_LOSS] for r in _wandb_history(first) if TRAINING_STEP in r]
     assert superseded == [1.0, 2.0, 3.0]
 
 
@@ -674,7 +674,7 @@ def test_a_resumed_run_logs_to_the_same_offline_wandb_run(tmp_path, monkeypatch)
         logger = MetricLogger(tmp_path / "run", project="grpo-test", stdout_every_n=0)
         logger.resumed(steps[0] - 1)
         for step in steps:
-            logger.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="train")
+            logger.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="training")
         ids.append(logger._wandb_run.id)
         logger.close()
     assert ids[0] == ids[1]
@@ -699,14 +699,14 @@ def test_wandb_offline_run_lands_in_the_log_dir(tmp_path, monkeypatch):
         use_wandb=True,
     )
     assert logger.mode == "offline"
-    logger.log_dict({TRAIN_LOSS: 0.5}, step=3, actor="train")
+    logger.log_dict({TRAIN_LOSS: 0.5}, step=3, actor="training")
     logger.log_dict({REWARDS_MEAN: float("nan")}, step=1, actor="ref")
     logger.log_table(
         [["s0", 1.0]],
         ["Sequence ID", "Advantages"],
         "per_sample_debug_table",
         step=3,
-        actor="train",
+        actor="training",
     )
     logger.close()
     logger.close()

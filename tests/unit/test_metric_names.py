@@ -78,7 +78,7 @@ def metric_name_literals(source: str, declared: Declared) -> list[tuple[int, str
 
     A plain string counts when it equals a declared name or template; an f-string when one of
     its constant parts is a declared name, or when its shape (fields as ``{}``) is that of a
-    declared template (``f"ref_actor_rewards/rewards_func_{fn}_mean"``). Names built from
+    declared template (``f"ref_rewards/rewards_func_{fn}_mean"``). Names built from
     variables (``f"{prefix}/loss"``) are out of its reach.
 
     Args:
@@ -103,11 +103,11 @@ def metric_name_literals(source: str, declared: Declared) -> list[tuple[int, str
 
 def test_metric_names_declare_names_and_templates():
     declared = declared_metric_names()
-    assert "train_actor_training/loss" in declared.names
-    assert declared.constants["train_actor_training/loss"] == "TRAIN_LOSS"
-    assert "ref_actor_rewards/rewards_func_{name}_mean" in declared.templates
-    assert declared.shapes["ref_actor_rewards/rewards_func_{}_mean"] == (
-        "ref_actor_rewards/rewards_func_{name}_mean"
+    assert "training/loss" in declared.names
+    assert declared.constants["training/loss"] == "TRAIN_LOSS"
+    assert "ref_rewards/rewards_func_{name}_mean" in declared.templates
+    assert declared.shapes["ref_rewards/rewards_func_{}_mean"] == (
+        "ref_rewards/rewards_func_{name}_mean"
     )
     # One constant per name: two constants holding one name would make either one a literal.
     holders: dict[str, list[str]] = {}
@@ -119,17 +119,17 @@ def test_metric_names_declare_names_and_templates():
 
 def test_the_literal_finder_sees_strings_and_fstrings():
     source = '''
-"""Logs ``train_actor_training/loss``: a docstring naming a metric is no literal."""
-LOSS = "train_actor_training/loss"
-metrics = {f"ref_actor_rewards/rewards_func_{fn}_mean": 1.0, f"{prefix}/loss": 2.0}
-joined = f"train_actor_training/loss{suffix}"
-other = "train_actor_training/loss_typo"
+"""Logs ``training/loss``: a docstring naming a metric is no literal."""
+LOSS = "training/loss"
+metrics = {f"ref_rewards/rewards_func_{fn}_mean": 1.0, f"{prefix}/loss": 2.0}
+joined = f"training/loss{suffix}"
+other = "training/loss_typo"
 '''
     found = metric_name_literals(source, declared_metric_names())
-    loss, rewards_func = "train_actor_training/loss", "ref_actor_rewards/rewards_func_{name}_mean"
+    loss, rewards_func = "training/loss", "ref_rewards/rewards_func_{name}_mean"
     assert found == [
         (3, repr(loss), loss),
-        (4, "f'ref_actor_rewards/rewards_func_{fn}_mean'", rewards_func),
+        (4, "f'ref_rewards/rewards_func_{fn}_mean'", rewards_func),
         (5, repr(loss), loss),
     ]
 

@@ -12,6 +12,7 @@ from grpo.observability.metric_names import (
     EVAL_ACCURACY,
     METRIC_NAMES,
     REPLAY_BUFFER_DROPPED_STALE,
+    REPLAY_BUFFER_SIZE,
     ROLLOUT_QUEUE_SIZE,
     TRAIN_PERF_STEP_WALL_TIME,
     TRAIN_PERF_TIME_DRIVER_OVERHEAD,
@@ -24,7 +25,6 @@ from grpo.observability.metric_names import (
     TRAIN_PERF_TIME_WEIGHT_SYNC,
     TRAIN_PERF_TIME_WEIGHT_TRANSFER,
     TRAIN_PERF_TOTAL_STEP_TIME,
-    TRAIN_REPLAY_BUFFER_SIZE,
 )
 from grpo.observability.metrics import (
     WALL_PARTS,
@@ -121,14 +121,14 @@ def test_step_metrics_adds_queue_sizes_and_time_shares():
         {"size": 12, "dropped_stale": 2},
         {ROLLOUT_QUEUE_SIZE: 3.0},
     )
-    assert metrics[TRAIN_REPLAY_BUFFER_SIZE] == 12.0
+    assert metrics[REPLAY_BUFFER_SIZE] == 12.0
     assert metrics[REPLAY_BUFFER_DROPPED_STALE] == 2.0
     assert metrics[ROLLOUT_QUEUE_SIZE] == 3.0
-    assert metrics["train_actor_performance/pct_time_grpo_steps (%)"] == pytest.approx(75.0)
-    assert metrics["train_actor_performance/pct_time_waiting_buffer (%)"] == pytest.approx(12.5)
-    assert metrics["train_actor_performance/pct_time_weight_sync (%)"] == pytest.approx(6.25)
+    assert metrics["training_perf/pct_time_grpo_steps (%)"] == pytest.approx(75.0)
+    assert metrics["training_perf/pct_time_waiting_buffer (%)"] == pytest.approx(12.5)
+    assert metrics["training_perf/pct_time_weight_sync (%)"] == pytest.approx(6.25)
     # A timing the step did not report gets no share.
-    assert "train_actor_performance/pct_time_weight_gather (%)" not in metrics
+    assert "training_perf/pct_time_weight_gather (%)" not in metrics
 
 
 def test_run_state_round_trips():
@@ -171,7 +171,7 @@ def test_step_time_breakdown_adds_up_to_the_wall_time():
     assert (
         parts[TRAIN_PERF_TIME_GENERATION_BUSY] == 0.7 and parts[TRAIN_PERF_TIME_SCORING_BUSY] == 0.3
     )
-    assert set(parts) <= set(METRIC_NAMES["train"])
+    assert set(parts) <= set(METRIC_NAMES["training"])
 
 
 def test_step_time_breakdown_uses_what_the_weight_sync_reports():

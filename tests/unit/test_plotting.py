@@ -72,12 +72,12 @@ def _write_synthetic_run(
             for ref_step in (2 * step, 2 * step + 1):
                 logger.log_dict(
                     {
-                        "ref_actor_rewards/rewards_func_math_mean": min(1, ref_step / 120)
+                        "ref_rewards/rewards_func_math_mean": min(1, ref_step / 120)
                         + rng.gauss(0, 0.1),
-                        "ref_actor_rewards/rewards_func_format_mean": 0.5 + rng.gauss(0, 0.1),
-                        "ref_actor_rewards/successes_func_math_mean": rng.random(),
+                        "ref_rewards/rewards_func_format_mean": 0.5 + rng.gauss(0, 0.1),
+                        "ref_rewards/successes_func_math_mean": rng.random(),
                         # A non-finite value (null in the file) must not break the plot.
-                        "ref_actor_rewards/successes_func_format_mean": (
+                        "ref_rewards/successes_func_format_mean": (
                             float("nan") if ref_step == 7 else rng.random()
                         ),
                     },
@@ -176,7 +176,7 @@ def test_read_metrics_reads_only_the_standing_values_after_a_rewind(tmp_path):
     }
     # The file keeps the superseded values, then the rewind line.
     text = (tmp_path / "metrics.jsonl").read_text()
-    assert text.count('"train_actor_training/loss"') == 6 and '"rewound_to": 1' in text
+    assert text.count('"training/loss"') == 6 and '"rewound_to": 1' in text
 
 
 def test_read_metrics_tolerates_only_a_truncated_last_line(tmp_path):

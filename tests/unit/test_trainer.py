@@ -101,11 +101,9 @@ def test_micro_batch_split_does_not_change_the_update(tiny_model_dir):
         metrics = trainer.train_step(batch)
         results.append((metrics, trainer.full_state_dict()))
     (one_pack, weights_one), (many_packs, weights_many) = results
-    assert one_pack["train_actor_training/num_micro_batches"] == 1
-    assert many_packs["train_actor_training/num_micro_batches"] >= 3
-    assert many_packs["train_actor_training/loss"] == pytest.approx(
-        one_pack["train_actor_training/loss"], rel=1e-5
-    )
+    assert one_pack["training/num_micro_batches"] == 1
+    assert many_packs["training/num_micro_batches"] >= 3
+    assert many_packs["training/loss"] == pytest.approx(one_pack["training/loss"], rel=1e-5)
     assert_same_update(before, weights_one, weights_many)
 
 
@@ -124,11 +122,11 @@ def test_shared_prompts_give_the_unshared_loss_and_update(tiny_model_dir):
             metrics = trainer.train_step(batch)
             results.append((metrics, trainer.full_state_dict()))
         (plain, weights_plain), (shared, weights_shared) = results
-        assert plain["train_actor_performance/shared_prompt_tokens_saved (%)"] == 0.0
-        saved = shared["train_actor_performance/shared_prompt_tokens_saved (%)"]
+        assert plain["training_perf/shared_prompt_tokens_saved (%)"] == 0.0
+        saved = shared["training_perf/shared_prompt_tokens_saved (%)"]
         assert 10.0 < saved < 100.0, saved
         for name in ("loss", "policy_loss", "kl_loss", "ratios", "clipfrac"):
-            key = f"train_actor_training/{name}"
+            key = f"training/{name}"
             assert shared[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
         assert_same_update(before, weights_plain, weights_shared, rtol=1e-5)
 
@@ -144,16 +142,16 @@ def test_non_finite_steps_are_skipped_counted_and_leave_the_weights(tiny_model_d
     before = trainer.full_state_dict()
     for expected_in_a_row in (1, 2):
         metrics = trainer.train_step(batch)
-        assert metrics["train_actor_training/nonfinite_steps_skipped"] == expected_in_a_row
-        assert metrics["train_actor_training/nonfinite_steps_in_a_row"] == expected_in_a_row
+        assert metrics["training/nonfinite_steps_skipped"] == expected_in_a_row
+        assert metrics["training/nonfinite_steps_in_a_row"] == expected_in_a_row
     for name, tensor in trainer.full_state_dict().items():
         assert torch.equal(tensor, before[name]), f"{name} changed in a skipped step"
 
     # A finite step ends the streak and updates the weights; the skip count stays.
     trainer.loss_fn = GRPOLoss(**{k: v for k, v in LOSS.items() if k != "_component_"})
     metrics = trainer.train_step(batch)
-    assert metrics["train_actor_training/nonfinite_steps_in_a_row"] == 0
-    assert metrics["train_actor_training/nonfinite_steps_skipped"] == 2
+    assert metrics["training/nonfinite_steps_in_a_row"] == 0
+    assert metrics["training/nonfinite_steps_skipped"] == 2
     after = trainer.full_state_dict()
     assert any(not torch.equal(after[name], before[name]) for name in before)
 
@@ -166,7 +164,7 @@ def test_a_policy_version_counts_training_steps(tiny_model_dir):
     trainer = PyTorchActorModel(**trainer_kwargs(tiny_model_dir, 0, 1, 1024))
     trainer.setup()
     assert {t.policy_version for t in batch} == {0}
-    ages = [trainer.train_step(batch)["train_actor_training/policy_age_max"] for _ in range(2)]
+    ages = [trainer.train_step(batch)["training/policy_age_max"] for _ in range(2)]
     assert ages == [0.0, 1.0]  # the base model's samples, trained by weights 0 then 1 step old
     assert trainer.publish_weights("object_store")["version"] == trainer.policy_version == 2
     trainer.train_step(batch)
@@ -252,7 +250,7 @@ def test_a_resumed_trainer_runs_the_configured_lr_and_its_schedule_goes_on(
     def logged_lrs(model: PyTorchActorModel, steps: int) -> list[float]:
         # The lr metric is read after the schedule's step: the lr of the next update.
         batch = make_batch(6, vocab_size=300)
-        return [model.train_step(batch)["train_actor_training/lr"] for _ in range(steps)]
+        return [model.train_step(batch)["training/lr"] for _ in range(steps)]
 
     checkpoint = tmp_path / "step_2"
     first = trainer(num_steps=3, lr=3e-4)
@@ -322,7 +320,7 @@ def test_train_step_reports_the_mismatch_of_pi_old_and_behaviour(tiny_model_dir,
     trainer.loss_fn = RecordingLoss(**loss_options, tis_cap=2.0)
     metrics = trainer.train_step(batch)
 
-    num_packs = int(metrics["train_actor_training/num_micro_batches"])
+    num_packs = int(metrics["training/num_micro_batches"])
     assert num_packs >= 2
     calls = trainer.loss_fn.calls
     assert len(calls) == ppo_epochs * num_packs
@@ -340,8 +338,8 @@ def test_train_step_reports_the_mismatch_of_pi_old_and_behaviour(tiny_model_dir,
     # Every epoch sees the same pi_old, so the metrics are those of one epoch's calls.
     expected_kl, expected_max = _expected_mismatch(calls[:num_packs])
     assert _expected_mismatch(calls) == pytest.approx((expected_kl, expected_max))
-    assert metrics["train_actor_training/mismatch_kl"] == pytest.approx(expected_kl, rel=1e-5)
-    assert metrics["train_actor_training/mismatch_max_abs"] == pytest.approx(expected_max, rel=1e-6)
+    assert metrics["training/mismatch_kl"] == pytest.approx(expected_kl, rel=1e-5)
+    assert metrics["training/mismatch_max_abs"] == pytest.approx(expected_max, rel=1e-6)
     assert expected_kl > 0.1  # make_batch's behaviour logprobs are far from the model's
 
 

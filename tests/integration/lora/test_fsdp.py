@@ -43,8 +43,8 @@ def test_two_fsdp_workers_match_one_worker(tiny_model_dir, ray_cluster):
     single_losses = []
     for batch in batches:
         metrics = single.train_step(batch)
-        single_losses.append(metrics["train_actor_training/loss"])
-    assert metrics["train_actor_training/num_micro_batches"] >= 2
+        single_losses.append(metrics["training/loss"])
+    assert metrics["training/num_micro_batches"] >= 2
     single_grads = adapter_gradients(single)
     single_adapter = single.adapter_state_dict()
 
@@ -61,8 +61,8 @@ def test_two_fsdp_workers_match_one_worker(tiny_model_dir, ray_cluster):
         for batch in batches:
             batch_ref = ray.put(batch)
             metrics = ray.get([w.train_step.remote(batch_ref) for w in workers])
-            losses.append(metrics[0]["train_actor_training/loss"])
-            packs = sorted(m["train_actor_training/num_micro_batches"] for m in metrics)
+            losses.append(metrics[0]["training/loss"])
+            packs = sorted(m["training/num_micro_batches"] for m in metrics)
             assert packs == [1.0, 2.0]
         grads = ray.get([w.__ray_call__.remote(adapter_gradients) for w in workers])[0]
         adapter = ray.get([w.adapter_state_dict.remote() for w in workers])[0]
