@@ -29,10 +29,6 @@ def group_advantages(
 
     Raises:
         ValueError: If ``rewards`` is not 1-D or 2-D, or a group is empty.
-
-    Example:
-        >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]))
-        tensor([ 0.8659, -0.8659, -0.8659,  0.8659])
     """
     if rewards.dim() not in (1, 2) or rewards.shape[-1] == 0:
         raise ValueError(
@@ -50,9 +46,7 @@ def group_advantages(
 
 
 def zero_variance_groups(rewards: torch.Tensor) -> torch.Tensor:
-    """Whether each group's total rewards are all exactly equal (no learning signal).
-
-    A group of one sample counts as zero-variance.
+    """Whether each group's total rewards are all exactly equal (a group of one sample is).
 
     Args:
         rewards: Total rewards, shape ``(G,)`` or ``(num_groups, G)``.
@@ -82,8 +76,7 @@ def teacher_signal(
     Both logprobs are of the sampled tokens at the sampling temperature.
 
     Args:
-        teacher_logprobs: The teacher's logprobs, shape ``(T,)``.
-        behaviour_logprobs: The sampler's logprobs, shape ``(T,)``.
+        teacher_logprobs, behaviour_logprobs: The teacher's and the sampler's, shape ``(T,)``.
         response_mask: Bool ``(T,)``, False on environment tokens, which get exactly 0.
             None: every token is the policy's.
 
@@ -118,7 +111,6 @@ def distillation_advantages(
 
     Args:
         signal: `teacher_signal` of one response, shape ``(T,)``.
-        coeff: Weight of the signal.
         grpo_advantage: The response's scalar GRPO advantage, added to every token; None:
             the signal alone.
 

@@ -219,7 +219,6 @@ class GRPOLoss:
         Args:
             pi_logprobs: Current policy logprobs ``[T]`` (carries the graph).
             ref_logprobs: Reference logprobs ``[T]``; may be None only when ``kl_coeff == 0``.
-            advantages: Per-token advantages ``[T]``.
             behavior_logprobs: Logprobs of the sampler (mu) ``[T]``; None: on-policy.
             old_logprobs: The trainer's pre-update logprobs (pi_old) ``[T]``: the ratio's
                 reference under a correction. None: first pass, pi_old is ``pi_logprobs``.
@@ -424,9 +423,6 @@ def combine_stats(stats: Sequence[GRPOStats]) -> GRPOStats:
 
     Token means are weighted by each call's ``num_tokens``, counts summed, maxima maxed; loss
     parts are exact whether the calls shared the batch normaliser or each used its own.
-
-    Args:
-        stats: Stats returned by `GRPOLoss.compute_loss_from_logprobs`.
 
     Returns:
         GRPOStats: Combined stats; ``metadata`` holds the summed counts.

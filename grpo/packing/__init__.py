@@ -1,3 +1,1 @@
-"""Packed-sequence compute in pure torch: packing (`packs`), the pack's attention (`attention`)
-and the response tokens' logprobs (`logprobs`), shared by the reference actor and the trainer.
-"""
+"""Packed-sequence compute in pure torch, shared by the reference actor and the trainer."""

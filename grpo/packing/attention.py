@@ -5,10 +5,9 @@ block) comes in three forms: ``"dense"`` (bool ``[L, L]``), ``"flex"`` (FlexAtte
 ``BlockMask``, O(L) memory) and ``"varlen"`` (`VarlenMask`: each block attends alone, blocks of
 similar length batched into one SDPA call).
 
-torchtune 0.6.1 picks FlexAttention only on CUDA with compute capability >= 7.5 and otherwise
-sends every mask to SDPA, which cannot serve a ``BlockMask`` or `VarlenMask`;
-`use_packed_attention` swaps in `packed_attention`, which serves all three on every device.
-On CPU FlexAttention has no backward (torch 2.13), so train there with ``"varlen"``.
+torchtune sends a mask to SDPA, which cannot serve a ``BlockMask`` or `VarlenMask`, except on
+recent CUDA GPUs; `use_packed_attention` swaps in `packed_attention`, which serves all three on
+every device. On CPU FlexAttention has no backward (torch 2.13): train there with ``"varlen"``.
 """
 
 from __future__ import annotations
@@ -96,13 +95,6 @@ class VarlenMask:
 
 def resolve_mask_kind(mask_kind: str, device: torch.device | str) -> str:
     """The mask form to pack with: ``"auto"`` is ``"flex"`` on CUDA, ``"varlen"`` elsewhere.
-
-    Args:
-        mask_kind: One of `MASK_KIND_CHOICES`.
-        device: Where the model runs.
-
-    Returns:
-        str: ``"dense"``, ``"varlen"`` or ``"flex"``.
 
     Raises:
         ValueError: If ``mask_kind`` is not one of `MASK_KIND_CHOICES`.
@@ -251,12 +243,10 @@ def packed_attention(
 
     Args:
         q: Queries ``[b, n_heads, s, head_dim]``.
-        k: Keys, expanded for grouped-query attention.
-        v: Values, likewise.
+        k, v: Keys and values, expanded for grouped-query attention.
         mask: ``None`` (causal if ``is_causal``), a bool ``[b, s, s]`` tensor (True = may
             attend), a ``BlockMask`` or a `VarlenMask`.
         dropout_p: Attention dropout; FlexAttention supports none.
-        is_causal: Causal masking when ``mask`` is ``None``.
 
     Returns:
         torch.Tensor: ``[b, n_heads, s, head_dim]``.
@@ -290,13 +280,7 @@ def packed_attention(
 def use_packed_attention(model: nn.Module) -> nn.Module:
     """Make every torchtune attention module of ``model`` use `packed_attention`.
 
-    Idempotent, in place; dense masks take the same path as before.
-
-    Args:
-        model: A model containing torchtune ``MultiHeadAttention`` modules.
-
-    Returns:
-        nn.Module: ``model`` itself.
+    Idempotent, in place; returns ``model``. Dense masks take the same path as before.
 
     Raises:
         ValueError: If the model has no torchtune ``MultiHeadAttention``.

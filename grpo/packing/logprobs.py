@@ -3,7 +3,7 @@
 Only the hidden rows at a pack's ``logit_positions`` are projected to the vocabulary, a chunk
 at a time, and each chunk is recomputed in backward: the pack's ``[L, V]`` logits are never
 built, so the projection's memory is ``O(chunk_size * V)``. Logits are divided by the sampling
-temperature, as the engine's sampler divides them. Pure torch.
+temperature, as the engine's sampler divides them.
 """
 
 from __future__ import annotations
@@ -150,8 +150,6 @@ def target_logprobs_from_hidden(
         output_weight: Output projection weight ``[V, D]`` (no bias).
         logit_positions: Row index of each target, ``[T]``.
         targets: Token ids, ``[T]``.
-        chunk_size: Targets projected at once.
-        temperature: Sampling temperature the logits are divided by.
 
     Returns:
         torch.Tensor: Logprobs ``[T]`` in fp32 (float64 for float64 inputs), differentiable
@@ -193,7 +191,6 @@ def response_logprobs_from_hidden(
         output_weight: Output projection weight ``[V, D]`` (no bias).
         response_mask: Bool ``[L]``, True on response tokens.
         targets: Response token ids in pack order, ``[T]``.
-        chunk_size: Response tokens projected at once.
 
     Returns:
         torch.Tensor: Logprobs ``[T]`` in fp32 (float64 for float64 inputs), differentiable
@@ -222,9 +219,6 @@ def packed_logprobs_from_hidden(
     Args:
         hidden_states: Post-norm hidden states of the pack, ``[L, D]`` or ``[1, L, D]``.
         output_weight: Output projection weight ``[V, D]`` (no bias).
-        packed: The pack.
-        chunk_size: Response tokens projected at once.
-        temperature: Sampling temperature the logits are divided by.
 
     Returns:
         torch.Tensor: fp32 logprobs ``[packed.num_response_tokens]`` aligned with
@@ -300,15 +294,7 @@ def _skip_output_projection(model: nn.Module) -> Iterator[None]:
 
 
 def model_hidden_states(model: nn.Module, packed: PackedTrajectory) -> torch.Tensor:
-    """Run a torchtune ``TransformerDecoder`` on a pack and return post-norm hidden states.
-
-    Args:
-        model: A torchtune ``TransformerDecoder``.
-        packed: The pack.
-
-    Returns:
-        torch.Tensor: ``[L, D]`` hidden states after the final norm.
-    """
+    """The ``[L, D]`` post-norm hidden states of a torchtune ``TransformerDecoder`` on a pack."""
     with _skip_output_projection(model):
         hidden = model(**packed_forward_inputs(packed))
     if isinstance(hidden, list):  # output_hidden_states set: the final output is last
@@ -325,9 +311,6 @@ def model_response_logprobs(
     """Response logprobs of a pack under a torchtune model, through the chunked projection.
 
     Args:
-        model: A torchtune ``TransformerDecoder``.
-        packed: The pack.
-        chunk_size: Response tokens projected at once.
         temperature: ``inference.temperature``, so the logprobs match the engine's.
 
     Returns:

@@ -6,10 +6,8 @@ is block-causal, so each sequence's logprobs do not depend on what it is packed 
 With ``share_prompts`` the responses of one group that share identical prompt tokens are laid
 out as ``[P R1 ... RG]``: each response attends to all of ``P`` and causally to itself, with
 the positions it would have alone, so logprobs and gradients match the unshared layout up to
-fp32 rounding. `plan_sequence_packs`, `shard_batch` and `pack_sequences` take the same flag.
-
-``targets`` are the response tokens in sequence order; ``hidden[logit_positions]`` lines up
-with them. Pure torch.
+fp32 rounding. ``targets`` are the response tokens in sequence order;
+``hidden[logit_positions]`` lines up with them.
 """
 
 from __future__ import annotations
@@ -129,9 +127,6 @@ def _block_causal_block_mask(
 def prompt_groups(sequences: Sequence[Any]) -> list[list[int]]:
     """Indices of the sequences that can share one prompt: same ``group_id`` and prompt tokens.
 
-    Args:
-        sequences: Trajectories with ``group_id``, ``prompt_len`` and ``prompt_tokens``.
-
     Returns:
         list[list[int]]: One list per distinct (group_id, prompt), in order of first
         appearance, each in input order; every index exactly once.
@@ -173,10 +168,6 @@ def _check_fits(sequences: Sequence[Any], target_tokens_per_batch: int, caller: 
 def shared_prompt_units(sequences: Sequence[Any], target_tokens_per_batch: int) -> list[list[int]]:
     """`prompt_groups`, each split (with its own copy of the prompt) to fit the budget.
 
-    Args:
-        sequences: Trajectories (see `prompt_groups`).
-        target_tokens_per_batch: Token budget of a pack.
-
     Returns:
         list[list[int]]: Units of sequence indices that fit the budget with their prompt once;
         every index exactly once.
@@ -214,13 +205,9 @@ def pack_sequences(
 
     Args:
         sequences: All `UnscoredTrajectory` or all `ScoredTrajectory`.
-        device: Device of the packed tensors and mask.
-        pad_token_id: Token id used for tail padding.
         ignore_index: Unused; ``targets`` hold response tokens only.
-        target_tokens_per_batch: Token budget of the pack (split with `plan_sequence_packs`).
         mask_kind: ``"dense"`` (bool ``[L, L]``), ``"flex"`` (``BlockMask``) or ``"varlen"``
             (`VarlenMask`); the last two need `use_packed_attention` on the model.
-        pad_to_multiple_of: Bucket size for tail padding.
         share_prompts: Hold each shared prompt once; per-sequence fields stay in input order.
 
     Returns:
@@ -414,7 +401,6 @@ def unpack_response_logprobs(
     """Split per-response-token values of a pack back into one tensor per sequence.
 
     Args:
-        packed: The pack the values were computed on.
         packed_logprobs: Shape ``(packed.num_response_tokens,)``, aligned with ``targets``.
 
     Returns:
@@ -456,8 +442,6 @@ def plan_packs(
     Deterministic (ties: lower index first).
 
     Args:
-        lengths: Token count of each item.
-        target_tokens_per_batch: Token budget of a pack.
         groups: One hashable group id per item; a group is never split across packs unless
             it alone exceeds the budget.
 
@@ -468,10 +452,6 @@ def plan_packs(
     Raises:
         ValueError: Budget < 1, a negative length, ``groups`` of another length, or an item
             longer than the budget (named by index and length).
-
-    Example:
-        >>> plan_packs([300, 200, 250, 100], 500)
-        [[0, 1], [2, 3]]
     """
     if target_tokens_per_batch < 1:
         raise ValueError(
@@ -529,9 +509,6 @@ def plan_sequence_packs(
     """Assign trajectories to packs of at most ``target_tokens_per_batch`` tokens.
 
     Args:
-        sequences: `UnscoredTrajectory` or `ScoredTrajectory` items.
-        target_tokens_per_batch: Token budget of a pack.
-        share_prompts: Plan for packs that hold each shared prompt once.
         keep_groups_together: Never split a ``group_id`` across packs unless it alone
             exceeds the budget.
 
@@ -569,12 +546,6 @@ def shard_batch(
     Without ``share_prompts``: round robin. With it, whole `shared_prompt_units` go to the
     rank with the fewest tokens so far, halving units while there are fewer than ranks.
     Deterministic, so ranks agree on the micro-batch count without communicating.
-
-    Args:
-        sequences: The whole batch.
-        world_size: Number of ranks.
-        target_tokens_per_batch: Token budget of a pack.
-        share_prompts: Keep shared prompts with their responses.
 
     Returns:
         list[list[int]]: Per rank, the indices of its sequences, in input order.

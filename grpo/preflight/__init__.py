@@ -1,13 +1,8 @@
 """Checks of a config for a run about to start: the config, and what it names.
 
-`grpo.config` checks a config alone: its keys, types, relations and component signatures. A
-run also needs what the config names to be there and to fit: the model folder, the dataset
-files, the environment's tools and chat template, a writable run folder, the checkpoint a
-resume starts from and what that checkpoint was made for. Those checks read files and import
-the components' own check modules (`grpo.data.preflight`, `grpo.envs.preflight`), so they live
-here, above the config, which then knows no component. ``grpo validate`` and a recipe's
-start-up (`grpo.recipe.run_recipe`) call `load_run_config`, which reports every problem of
-both kinds at once, each as ``key: what is wrong``.
+`grpo.config` checks a config alone; what the config names (model folder, dataset files, tools,
+run folder, resume checkpoint) is checked here, above the config, which then knows no
+component. `load_run_config` reports every problem of both kinds at once.
 
 Example:
     >>> cfg = load_run_config("tiny_arithmetic_cpu", ["inference.group_size=4"])

@@ -21,9 +21,8 @@ from grpo.preflight.teacher import teacher_problems
 def import_component(path: str) -> Any:
     """Import the object at a dotted path, as `grpo.config.locate` does.
 
-    torchtune 0.6.1's ``torchtune.training`` imports names that torchao 0.16 dropped;
-    importing `grpo.models` first installs its compatibility aliases, so a torchtune component
-    (the shipped configs' LR schedule) imports here as it does in the trainer.
+    `grpo.models` is imported first for a torchtune path: its compatibility aliases for torchao
+    let ``torchtune.training`` import.
 
     Raises:
         InstantiationError: Naming the path, what could not be found, and a close name if any.
@@ -48,13 +47,7 @@ def preflight_problems(
             read, only the model's ``config.json`` (`grpo.preflight.files.model_config_file`).
 
     Returns:
-        list[str]: Each problem as ``key: what is wrong``: the local Ray cluster's size
-        (`grpo.preflight.placement.local_cluster_problems`), the model folder, the run folder and the
-        resume target (`file_problems`), the distillation teacher's folder and tokenizer
-        (`grpo.preflight.teacher.teacher_problems`), the datasets' files, the environment's
-        options, tools and chat template, ``training.lora`` against vLLM and the model
-        (`grpo.preflight.lora.lora_problems`), and what a resume may not change
-        (`resume_problems`).
+        list[str]: Each problem as ``key: what is wrong``.
     """
     problems = local_cluster_problems(values, this_machine)
     problems.extend(file_problems(values, this_machine))
@@ -77,11 +70,7 @@ def validate_run_config(
 ) -> RunConfig:
     """Check a config and what it names; return it typed, or report every problem at once.
 
-    The config's own checks (`grpo.config.check_config`: keys, types, relations, components)
-    and those of the files it names (`preflight_problems`), in one message.
-
     Args:
-        cfg (DictConfig | Mapping[str, Any]): The config, e.g. from `compose_config`.
         check_components (bool): Check that every ``_component_`` exists and takes the keyword
             arguments its node gives.
         import_components (bool): Check by importing the components (exact; loads torch and
@@ -121,12 +110,7 @@ def load_run_config(
     Args:
         name_or_path (str | Path): Config name (``configs/NAME.yaml``) or path to a YAML file.
         overrides (Sequence[str]): ``key.sub=value`` (value parsed as YAML) or ``~key``.
-        check_components (bool): Check that every ``_component_`` exists and takes its
-            node's keywords.
-        import_components (bool): Check them by importing them (exact, slow: torch and the
-            like) rather than by reading their source.
-        this_machine (bool): The run starts on this machine; False checks, of what the run
-            will read, only the model's ``config.json`` (see `preflight_problems`).
+        check_components, import_components, this_machine: As `validate_run_config`.
 
     Returns:
         RunConfig: The typed config, interpolations resolved.
@@ -164,10 +148,8 @@ def _dataset_problems(values: dict[str, Any]) -> list[str]:
 
 
 def _option_problems(key: str, node: dict[str, Any]) -> list[str]:
-    """The values a dataset factory of `grpo.data` refuses by its options' declarations
-    (`grpo.config.options`), as it would refuse them when a collector builds it. Only those
-    are imported here (`grpo.data` imports no torch); a factory of your own is checked when
-    it is built."""
+    """The values a `grpo.data` dataset factory refuses by its options' declarations; only
+    those are imported here (no torch); a factory of your own is checked when built."""
     if not str(node["_component_"]).startswith("grpo.data."):
         return []
     try:

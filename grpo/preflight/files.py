@@ -29,11 +29,7 @@ MODEL_FILES = ("config.json", "tokenizer.json")
 def model_config_file(model_path: str) -> Path | None:
     """A model folder's ``config.json``, or None where the folder or the file is missing.
 
-    The memory plan reads nothing else, so a folder holding only ``config.json`` (the file
-    from the model's hub page) will do. Nothing is downloaded.
-
-    Args:
-        model_path (str): ``base_model_path``.
+    The memory plan reads nothing else, so a folder holding only ``config.json`` will do.
     """
     path = resolve_path(model_path, fall_back_to_repo=True) / "config.json"
     return path if path.is_file() else None
@@ -43,8 +39,6 @@ def file_problems(values: dict, this_machine: bool = True) -> list[str]:
     """Problems of the model folder, the run folder and the resume target a config names.
 
     Args:
-        values (dict): The config as plain values, interpolations resolved (failed ones are
-            `UNRESOLVED`); each check skips a value of the wrong type (reported on its own).
         this_machine (bool): The run starts here: its model folder must hold the weights and
             the tokenizer. False (planning a run elsewhere): only the model's ``config.json``
             is read (`model_config_file`).
@@ -178,8 +172,7 @@ def used_output_dir_problem(cfg: RunConfig) -> str | None:
 
     A fresh run into a folder that holds a run (`grpo.run_folder.RUN_RECORDS`) would append
     to its metrics, ledger and W&B history; it must resume that run or move it aside
-    (``overwrite_output_dir``). Checked when a run starts and by ``grpo validate``, not when a
-    config is only read.
+    (``overwrite_output_dir``).
     """
     if cfg.resume_from_checkpoint or cfg.overwrite_output_dir:
         return None

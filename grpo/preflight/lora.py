@@ -1,10 +1,7 @@
 """Checks of ``training.lora`` against vLLM's LoRA support and the model it adapts.
 
-The collectors serve the adapter through vLLM's LoRA support, which takes a ``max_lora_rank``
-from a fixed set (`VLLM_MAX_LORA_RANKS`, vLLM's ``MaxLoRARanks``) and needs ``enable_lora``.
-The model folder must hold every targeted layer. Like the other preflight checks these read
-files only (the safetensors header, not the weights) and import neither torch nor vLLM, so
-``grpo validate`` stays fast.
+These read files only (the safetensors header, not the weights) and import neither torch nor
+vLLM, so ``grpo validate`` stays fast.
 """
 
 from __future__ import annotations
@@ -22,10 +19,7 @@ from grpo.config.run import UNRESOLVED, value_at
 def lora_problems(values: dict) -> list[str]:
     """Problems of ``training.lora``, or none when the run trains every weight.
 
-    Args:
-        values (dict): The config as plain values, interpolations resolved (failed ones are
-            `grpo.config.run.UNRESOLVED`); values of the wrong type are skipped (reported by
-            the config's own checks).
+    Values of the wrong type are skipped (the config's own checks report them).
 
     Returns:
         list[str]: Each problem as ``key: what is wrong``: a rank vLLM cannot serve, an

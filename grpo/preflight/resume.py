@@ -1,15 +1,8 @@
 """What a resume may change: the config a checkpoint ran with, compared with the new one.
 
-Every checkpoint holds the config its run ran with (``config.yaml``, written by the
-checkpointer) and its step (``state.json``), as `grpo.run_folder` lays them out. A resume
-(``resume_from_checkpoint``) runs the new config; most settings simply apply from the
-checkpoint's step on (the optimizer's hyperparameters and the LR schedule's length included:
-the trainer carries them over, see
-`grpo.workers.training_checkpoint.carry_over_hyperparameters`). The settings in
-`FIXED_ON_RESUME` are those the checkpoint's state was made for, and a resume that changes
-one is refused before anything starts, as is one that would train nothing
-(``orchestration.num_steps`` at or below the checkpoint's step). ``grpo run`` and ``grpo
-validate`` both check it (`grpo.preflight.validate_run_config`).
+A resume runs the new config; most settings simply apply from the checkpoint's step on. The
+settings in `FIXED_ON_RESUME` are those the checkpoint's state was made for, and a resume that
+changes one is refused before anything starts, as is one that would train nothing.
 """
 
 from __future__ import annotations
@@ -55,9 +48,6 @@ def _at(config: dict[str, Any], key: str) -> Any:
 
 def resume_problems(config: dict[str, Any]) -> list[str]:
     """Why a resume of ``config`` cannot go on from its checkpoint, one ``key: ...`` line each.
-
-    Args:
-        config (dict[str, Any]): The new run's config (``RunConfig.model_dump()``).
 
     Returns:
         list[str]: Empty when ``config`` resumes nothing, its checkpoint cannot be found (the

@@ -2,10 +2,9 @@
 
 The teacher scores the token ids the policy sampled, so the two tokenizers must map every id
 to the same token: the same vocabulary, the same added (special) tokens at the same ids, and
-the same eos. Only the tokenizer files are compared (``tokenizer.json``,
-``tokenizer_config.json``), not ``config.json``'s ``vocab_size``: checkpoints of one family
-pad their embeddings to different sizes (Qwen2.5-0.5B has 151936 rows, Qwen2.5-7B 152064)
-and the rows past the tokenizer's are never sampled. JSON only; no torch.
+the same eos. Only the tokenizer files are compared, not ``config.json``'s ``vocab_size``:
+checkpoints of one family pad their embeddings to different sizes, and the rows past the
+tokenizer's are never sampled.
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ def teacher_problems(values: dict, this_machine: bool = True) -> list[str]:
     """Problems of the teacher folder: missing, incomplete, or a tokenizer not the policy's.
 
     Args:
-        values (dict): The config as plain values, interpolations resolved; a value of the
-            wrong type is skipped (reported on its own).
         this_machine (bool): The run starts here: the folder must hold the weights and a
             tokenizer like the policy's. False (planning a run elsewhere): only its
             ``config.json``, which the memory plan reads.
@@ -82,10 +79,6 @@ def tokenizer_difference(policy_dir: Path, teacher_dir: Path) -> str | None:
 
     Compared, in order: the vocabulary's size (regular plus added tokens), the added tokens
     and whether each is special, the eos token, then the regular vocabulary token by token.
-
-    Args:
-        policy_dir (Path): The policy's model folder.
-        teacher_dir (Path): The teacher's model folder.
 
     Returns:
         str | None: What differs, naming a token and both values; None when they agree.

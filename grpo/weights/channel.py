@@ -2,8 +2,7 @@
 
 Each pair has its own group on its own ``TCPStore``, never the default group the trainers use
 for FSDP, so a dead peer tears down only its own pair. Both ends derive the same bucket layout
-from the `TensorSpec` list (`plan_buckets`): one broadcast per bucket. Gloo on CPU, NCCL on
-CUDA; every step has a timeout after which the channel is unusable. Imports neither vLLM nor Ray.
+from the `TensorSpec` list; every step has a timeout after which the channel is unusable.
 """
 
 from __future__ import annotations
@@ -98,8 +97,6 @@ class WeightChannel:
 
     Args:
         name: The collector this channel reaches; errors name it.
-        rank: `SENDER_RANK` or `RECEIVER_RANK`.
-        host: The sender's address.
         port: The sender's store port (the sender: 0 for any free one).
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL): where the buckets live.
         timeout_s: Limit of the rendezvous and of every broadcast.

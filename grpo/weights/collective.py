@@ -1,9 +1,7 @@
 """The ``collective`` transport: trainer rank 0 broadcasts the weights to each collector over a
 two-rank process group of their own (gloo on CPU, NCCL on GPU).
 
-Only tensor bytes cross the channel; names, shapes and dtypes travel through Ray as what
-``publish`` returns. The driver waits for one transfer before the next on the same channel,
-which keeps versions in order.
+Only tensor bytes cross the channel; names, shapes and dtypes travel through Ray.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ class ChannelSender(SendingEnd):
     """Trainer rank 0's end: the weights of the latest gather and the open channels.
 
     Args:
-        owner: The trainer's name, for errors.
         device: Where the buckets live: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
     """
 
@@ -116,11 +113,7 @@ class ChannelSender(SendingEnd):
 
 
 class ChannelReceiver(ReceivingEnd):
-    """A collector's end: one channel, one transfer at a time, in call order.
-
-    Args:
-        owner: The collector's name, for errors.
-    """
+    """A collector's end: one channel, one transfer at a time, in call order."""
 
     name = "collective"
 
@@ -136,7 +129,6 @@ class ChannelReceiver(ReceivingEnd):
         """Join a new channel if asked, then receive one broadcast version.
 
         Args:
-            published: The tensors' specs, in the sender's order.
             connection: `ChannelSender.connect`'s address of a new channel to join first;
                 None: the open one.
 

@@ -1,12 +1,7 @@
 """The collector's side of weight sync: loading new weights into vLLM in place.
 
-`WeightSyncWorkerExtension` adds methods to vLLM's worker (called through
-``LLM.collective_rpc``); `WeightReceiver` keeps the newest update pending and loads it.
-
-The checksum is over the HF state dict the worker received, not over vLLM's parameters: vLLM
-fuses projections, pads the vocabulary and on CPU repacks linear weights, so its parameters
-cannot be hashed back into HF names. That the engine computes with the weights is checked
-separately, by the probe logprobs. Imports neither vLLM nor Ray at import time.
+The checksum is over the HF state dict the worker received, not over vLLM's parameters (fused,
+padded, repacked); the probe logprobs check that the engine computes with them.
 """
 
 from __future__ import annotations
@@ -34,15 +29,7 @@ class WeightSyncWorkerExtension:
     def grpo_update_weights(
         self, weights: Mapping[str, torch.Tensor], compute_checksum: bool = True
     ) -> str | None:
-        """Load HF-named weights into the running model in place.
-
-        Args:
-            weights: Full state dict under HF names, on any device.
-            compute_checksum: Hash the received tensors with `state_dict_checksum`.
-
-        Returns:
-            str | None: The checksum of the loaded tensors, or None if not computed.
-        """
+        """Load a full HF-named state dict in place; its checksum, or None if not computed."""
         checksum = state_dict_checksum(weights) if compute_checksum else None
         runner = self.model_runner
         if hasattr(runner, "reload_weights"):
@@ -92,9 +79,7 @@ class WeightUpdate:
     """One published version of the policy weights.
 
     Args:
-        version: Policy version the weights belong to.
         weights: ``dict[str, Tensor]`` under HF names, or a Ray ``ObjectRef`` to one.
-        checksum: `state_dict_checksum` of the weights, checked after loading.
         probe: Optional ``{"token_ids", "logprobs", "atol"}``: after loading, the engine's
             logprobs of ``token_ids[1:]`` must match the trainer's ``logprobs``.
     """
@@ -120,11 +105,7 @@ class WeightReceiver:
         self.num_ignored = 0
 
     def offer(self, update: WeightUpdate, current_version: int) -> bool:
-        """Keep ``update`` as the pending one if it is newer than the engine's and the pending one.
-
-        Args:
-            update: The update.
-            current_version: The version the engine holds now.
+        """Keep ``update`` if newer than the engine's ``current_version`` and the pending one.
 
         Returns:
             bool: Whether it was kept.
@@ -162,7 +143,6 @@ class WeightReceiver:
 
         Args:
             llm: A ``vllm.LLM`` started with ``worker_extension_cls=WORKER_EXTENSION_CLS``.
-            verify: Compute the checksum on the worker and compare it with the sent one.
             recompute_running: Preempt running requests so they are prefilled again with the
                 new weights (an update in flight).
 

@@ -1,8 +1,4 @@
-"""Proving an engine computes with the weights it was sent, and going back when it does not.
-
-`check_checksums` and `check_probe` raise `WeightSyncError` naming the version; `roll_back`
-reloads the previous weights. What to do about a failure is the caller's.
-"""
+"""Proving an engine computes with the weights it was sent, and going back when it does not."""
 
 from __future__ import annotations
 
@@ -44,7 +40,6 @@ def probe_logprobs(
     Args:
         add_request: ``add_request(request_id, token_ids, params)`` on the engine.
         engine_step: One step of the engine; returns the requests that finished.
-        token_ids: At least two token ids.
 
     Returns:
         list[float]: ``len(token_ids) - 1`` logprobs, from unscaled logits.
@@ -98,9 +93,7 @@ def roll_back(llm: Any, weights: Mapping[str, torch.Tensor] | None, model_dir: s
     """Reload the weights from before a rejected update and drop every KV block it computed.
 
     Args:
-        llm: The ``vllm.LLM``, started with ``grpo.weights.engine.WORKER_EXTENSION_CLS``.
-        weights: Those weights; None: the model folder's.
-        model_dir: The model folder the engine was started from.
+        weights: Those weights; None: those of ``model_dir``, the engine's model folder.
     """
     if weights is None:
         from grpo.models import load_hf_state_dict
