@@ -4,8 +4,7 @@ steps and wakes for generation (``inference.sleep_while_training``; docs/gpus-an
 A wake brings the weights' memory back, loads the pending update (level 2 with nothing
 pending: the weights it had, kept in host memory), wakes the KV cache, then always probes:
 an engine can wake serving stale or garbage weights (TRL issue 5313) that no checksum of the
-bytes sent sees. On CPU vLLM's sleep and wake do nothing but keep their bookkeeping, so the
-whole sequence runs, and is tested, there.
+bytes sent sees.
 """
 
 from __future__ import annotations
@@ -45,13 +44,9 @@ def sleep_level(lora: bool) -> int:
 
 
 def sleep_engine_args(on_cpu: bool | None = None) -> dict[str, Any]:
-    """``vllm.LLM`` arguments of an engine that sleeps.
+    """``vllm.LLM`` arguments of an engine that sleeps: none on CPU, where vLLM refuses them.
 
-    Args:
-        on_cpu: Whether the engine runs on CPU; default: when CUDA is unavailable.
-
-    Returns:
-        dict[str, Any]: ``enable_sleep_mode`` on a GPU; nothing on CPU, where vLLM refuses it.
+    ``on_cpu`` defaults to whether CUDA is unavailable.
     """
     if on_cpu is None:
         on_cpu = not torch.cuda.is_available()
@@ -64,11 +59,8 @@ class EngineSleep:
     Every method takes the engine lock: no batch runs while the engine sleeps or wakes.
 
     Args:
-        llm: The collector's ``vllm.LLM``.
         weights: The engine's weights (pending update, probe, version).
-        lock: The collector's engine lock.
         level: vLLM's sleep level (`sleep_level`).
-        owner: The collector's name, in errors and log lines.
     """
 
     def __init__(
@@ -122,9 +114,6 @@ class EngineSleep:
             load_and_verify: `EngineWeights.apply_pending` of the collector's
                 ``inference.weight_updates``.
 
-        Returns:
-            float: The seconds it took.
-
         Raises:
             WeightSyncError: As `wake`, or as `EngineWeights.apply_pending`.
         """
@@ -139,9 +128,6 @@ class EngineSleep:
 
     def wake(self, load_and_verify: LoadAndVerify) -> float:
         """Wake the engine: weights, the new weights (or the ones it had), KV cache, probe.
-
-        Args:
-            load_and_verify: `EngineWeights.apply_pending`.
 
         Returns:
             float: Seconds the wake took, loads and probe included.

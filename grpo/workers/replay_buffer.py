@@ -3,8 +3,6 @@
 It samples without replacement (each trajectory is trained on once by default), drops and
 counts trajectories more than `max_policy_lag` training steps stale, and adds whole groups or
 nothing, so a caller facing a full buffer waits and retries rather than losing data.
-`ReplayBufferActor` waits for a batch inside the actor, so the driver neither polls nor
-fetches the data.
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ class ReplayBuffer:
         max_policy_lag: Trajectories more than this many training steps behind the
             trainer's version are dropped at sampling time.
         sampling: ``"fifo"`` (oldest first, deterministic) or ``"random"`` (seeded).
-        seed: Seed of the ``"random"`` sampler.
-        reuse_count: How many times each trajectory is trained on.
 
     Raises:
         ValueError: On a non-positive capacity or reuse count, a negative lag or an unknown
@@ -97,7 +93,6 @@ class ReplayBuffer:
         """Add ``groups[first:]`` in order, whole groups, until one does not fit.
 
         Args:
-            groups: Scored groups, oldest first.
             first: Index of the first group not yet added by an earlier call.
             skip_sequence_ids: Sequence ids to leave out (duplicates, or already trained).
 
@@ -121,10 +116,6 @@ class ReplayBuffer:
 
     def sample(self, n: int, current_policy_version: int) -> list[ScoredTrajectory] | None:
         """Take ``n`` trajectories without replacement, after dropping stale ones.
-
-        Args:
-            n: Number of trajectories wanted.
-            current_policy_version: The training steps the trainer's weights have taken.
 
         Returns:
             list[ScoredTrajectory] | None: ``n`` trajectories, or None if fewer are available
@@ -234,8 +225,6 @@ class ReplayBufferActor(ReplayBuffer):
         """Wait up to ``timeout_s`` for ``n`` fresh trajectories, then take them.
 
         Args:
-            n: Number of trajectories wanted.
-            current_policy_version: The training steps the trainer's weights have taken.
             timeout_s: Most seconds to wait; 0 looks once.
 
         Returns:

@@ -51,7 +51,6 @@ class RolloutQueue(Queue):
 
     Args:
         maxsize: Capacity in groups; ``put`` blocks (or times out) when full.
-        actor_options: ``ray.remote`` options of the queue's actor.
     """
 
     def __init__(self, maxsize: int = 0, actor_options: dict[str, Any] | None = None) -> None:

@@ -71,8 +71,6 @@ def save_training_state(
     Collective: every rank must call it with the same ``folder``.
 
     Args:
-        model: The (possibly FSDP2-sharded) model the optimizer updates.
-        optimizer: Its optimizer.
         folder: The checkpoint's ``trainer/`` folder; created if missing.
         extra: Small, rank-independent, ``torch.save``-able state.
     """
@@ -97,8 +95,6 @@ def load_training_state(
 
     Args:
         model: The model, already sharded as it will be trained.
-        optimizer: Its optimizer (may be fresh).
-        folder: A checkpoint's ``trainer/`` folder.
 
     Returns:
         dict[str, Any]: What `save_training_state` got as ``extra``.
@@ -141,15 +137,11 @@ def carry_over_hyperparameters(
 ) -> None:
     """Make a restored optimizer run the config's settings, its LR schedule going on smoothly.
 
-    Loading restores the saved hyperparameters and base lrs. Here the config's values are
-    set again, and the lr at the checkpoint's step becomes the saved one times (configured lr
-    / ``saved_lr``), going on along this run's schedule (a ``LambdaLR``'s base lrs are
-    rescaled to pass through it), so nothing jumps. A resume that changes nothing leaves every
-    value as loaded, bit for bit.
+    The lr at the checkpoint's step becomes the saved one times (configured lr / ``saved_lr``)
+    and goes on along this run's schedule, so nothing jumps. A resume that changes nothing
+    leaves every value as loaded, bit for bit.
 
     Args:
-        optimizer: Built from the config, its state loaded.
-        lr_scheduler: Its schedule, built for this run and its state loaded; None if none.
         saved_lr: The saving run's configured lr; None leaves lr and schedule as loaded.
     """
     for group in optimizer.param_groups:
