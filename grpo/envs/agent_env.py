@@ -4,8 +4,7 @@ An agent is ``async def solve(client: openai.AsyncOpenAI, example: dict)`` that 
 episode's reward (a float, rewards by name, or None for the run's reward functions). Its client
 talks to the collector's engine (`grpo.envs.openai_server`), and a call that continues the
 conversation continues the trajectory token-exact; anything else splits the episode into
-trajectories that share its reward. Agents run on an event loop apart from the engine's thread,
-so one that blocks stalls the other agents, never the engine. Details: docs/agents.md.
+trajectories that share its reward. Details: docs/agents.md.
 """
 
 from __future__ import annotations

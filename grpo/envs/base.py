@@ -4,7 +4,6 @@ scores it.
 An episode interleaves the policy's turns (trained) with the environment's (never trained); a
 subclass says what it answers after each policy turn (`MultiTurnEnv.env_response`) and may
 score the episode otherwise (`MultiTurnEnv.score`). How to write one: docs/environments.md.
-No Ray, no vLLM.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ class Episode:
 
     Args:
         example (dict): The dataset example, with the row's other columns.
-        prompt_ids (list[int]): Token ids of the rendered prompt.
         messages (list[Message]): The conversation as chat turns (assistant turns decoded, for
             the environment to read).
         state (dict): The environment's own per-episode state (`MultiTurnEnv.reset`).
@@ -133,12 +131,9 @@ class Episode:
 class PendingResponse:
     """The environment's answer to one policy turn, possibly still being computed.
 
-    The rollout asks `done` without blocking and takes `result` once it is.
-
     Args:
         answer (list[Message] | None): The turns (None: the episode ends); entries that wait on
             a job are filled by ``finish``.
-        futures (Sequence): Futures of the jobs the answer waits on.
         finish (Callable | None): Called once all futures are done, or at ``deadline``, to fill
             ``answer`` from them (it must treat unfinished futures as lost).
         deadline (float | Callable[[], float] | None): ``time.monotonic()`` after which the
@@ -331,9 +326,7 @@ class MultiTurnEnv(Environment):
     ) -> list[Message] | None:
         """The environment's turns after the policy's last turn (``messages[-1]``).
 
-        Args:
-            messages (list[Message]): The conversation so far; the last one is the assistant's.
-            state (dict): The episode's state, to read and update.
+        ``state`` is the episode's, to read and update.
 
         Returns:
             list[Message] | None: Turns to append (``{"role": "tool" | "user", "content"}``),

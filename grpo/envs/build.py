@@ -17,10 +17,6 @@ def build_environment(
     The node gets the run's ``reward_functions`` and ``reward_timeout_s`` unless it names its
     own; without a node the environment is a `grpo.envs.SingleTurnEnv` of the run's rewards.
 
-    Args:
-        environment: An `Environment`, its ``_component_`` node, or None.
-        reward_functions (Sequence): The run's reward functions (built, or their nodes).
-
     Raises:
         ConfigError: If it cannot be built, naming the key and the reason.
         TypeError: If ``environment`` is an object that is no `Environment`.

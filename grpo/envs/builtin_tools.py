@@ -1,11 +1,9 @@
 """Tools that come with the package: a calculator and a Python interpreter.
 
-Both run inside `grpo.envs.runner.ToolRunner` workers (a timeout per call). The Python tool
-starts a fresh interpreter per call in a new temporary folder, with resource limits and an
-audit hook that refuses network access, new processes and writes outside that folder; its
-standard output is the answer. The interpreter dies with the worker that started it (on Linux),
-so a call stopped at its timeout leaves nothing running, and the next call removes the folders
-such calls left behind.
+The Python tool starts a fresh interpreter per call in a new temporary folder, with resource
+limits and an audit hook that refuses network access, new processes and writes outside that
+folder; its standard output is the answer. The interpreter dies with the worker that started it
+(on Linux), so a call stopped at its timeout leaves nothing running.
 """
 
 from __future__ import annotations

@@ -80,10 +80,8 @@ class BatchDrops:
     """One generation batch's episodes and those the environment failed, for the driver's guard.
 
     Args:
-        episodes (int): Episodes the batch ran.
-        dropped (int): Of them, episodes the environment failed (dropped or ``scored``).
+        dropped (int): Of ``episodes``, those the environment failed (dropped or ``scored``).
         reason (str | None): The most common reason among them (None when none failed).
-        reason_count (int): Episodes failed for ``reason``.
         scored (int): Of the failed episodes, those kept in their groups with the failure
             rewards.
     """
@@ -110,9 +108,7 @@ class DroppedEpisodeLog:
     distinct reasons, new ones are counted together as `OTHER_REASONS`. Thread-safe.
 
     Args:
-        name (str): Who drops them, for the log lines (``"collector 0"``).
         every_s (float): Least seconds between two reports of the same reason's count.
-        max_reasons (int): Distinct reasons logged in full.
         clock (Callable[[], float]): The time (``time.monotonic``; tests pass their own).
     """
 

@@ -39,11 +39,8 @@ def evaluation_episodes(
     Args:
         env (Environment): A started environment (not the one training batches use: scoring
             counts reward calls, which the driver's guard reads).
-        engine: The turn engine (or a `grpo.envs.rollout.Sampler`) episodes sample on.
         prompt_ids (Sequence[list[int] | None]): Each example's prompt ids, None if it does not
             fit the engine's context.
-        seed (int): The run's seed; evaluation seeds are hashed apart from every training
-            group's.
         hold_engine (Callable): A context manager held while the episodes run (the engine's
             lock); scoring runs after it is released.
 
@@ -128,7 +125,6 @@ class EvaluationEnvironment:
 
     Args:
         spec: The run's ``environment`` (a node, None, or an `Environment`).
-        training (Environment): The started environment of training batches.
     """
 
     def __init__(

@@ -37,9 +37,7 @@ class GenerateRequest:
 
     Args:
         request_id (str): The client's id (or a new one), echoed in the response.
-        token_ids (list[int]): The prompt, already rendered by the client.
         max_tokens (int | None): The client's limit on new tokens (None: the server's).
-        stop (tuple[str, ...]): The client's stop strings.
         greedy (bool): The client asked for temperature 0.
         session (str | None): The client's ``X-Session-ID`` header (verifiers sends its trace id),
             which ties the requests of one episode together.
@@ -134,13 +132,6 @@ class GenerateServer:
             a prompt fits before they send it).
         answer_timeout_s (float): How long a connection waits for its answer before it gets
             HTTP 503 (the engine's thread stopped serving).
-
-    Example:
-        >>> server = GenerateServer()
-        >>> requests = server.take(timeout_s=1.0)  # in the engine's thread
-        >>> for request, sample in zip(requests, engine(requests)):
-        ...     server.answer(request, sample)
-        >>> server.close()
     """
 
     def __init__(

@@ -67,9 +67,7 @@ def generation_metrics(
     ``inference/generated_tokens`` counts the policy's tokens only, ``inference/prompt_tokens``
     each group's prompt once.
 
-    Args:
-        generation_s (float): Seconds the batch's episodes took.
-        episode_stats (dict[str, float]): Its `episode_metrics` (for the truncated count).
+    ``episode_stats`` is the batch's `episode_metrics` (for the truncated count).
     """
     trajectories = [t for group in groups for t in group.trajectories]
     response_lens = [t.response_len for t in trajectories] or [0]

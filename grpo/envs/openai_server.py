@@ -26,9 +26,7 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 class ApiError(Exception):
     """A request the endpoint refuses: answered with ``status`` and an OpenAI-style error.
 
-    Args:
-        message (str): Why, as the client shows it.
-        status (int): The HTTP status (400: the request, or the episode's limits).
+    ``status`` is the HTTP status (400: the request, or the episode's limits).
     """
 
     def __init__(self, message: str, status: int = 400) -> None:
@@ -81,8 +79,6 @@ class Choice:
         text (str): The decoded tokens (special tokens skipped).
         content (str | None): The message's content (the text without its tool calls).
         tool_calls (list[tuple[str, dict]]): ``(name, arguments)`` of each call parsed.
-        token_ids (list[int]): The sampled ids.
-        logprobs (list[float]): Their logprobs.
         finish_reason (str): ``stop``, ``length`` or ``tool_calls``.
     """
 
@@ -217,8 +213,7 @@ def tool_choice_problem(tool_choice: Any) -> str | None:
     ``required`` and a named function (``{"type": "function", "function": {"name": ...}}``)
     are refused, not ignored: vLLM's server enforces them by constraining sampling to the
     tools' schemas, and constrained tokens would be trained with logprobs the policy does not
-    give them. The run samples the policy as it is; the agent asks with ``auto`` and handles
-    an answer without a call.
+    give them.
     """
     if tool_choice in (None, "auto", "none"):
         return None
@@ -459,10 +454,7 @@ class _Server(http.server.ThreadingHTTPServer):
 class OpenAIServer:
     """OpenAI's routes on 127.0.0.1, a free port, served by ``backend``.
 
-    Args:
-        backend (Backend): Serves each parsed request of a session.
-        model_name (str): The model's id in ``GET /v1/models``.
-        max_model_len (int): The context, in ``GET /v1/models``.
+    ``model_name`` and ``max_model_len`` are what ``GET /v1/models`` reports.
     """
 
     def __init__(self, backend: Backend, model_name: str = "policy", max_model_len: int = 0):

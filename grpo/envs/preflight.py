@@ -106,9 +106,7 @@ def chat_template_problems(
     roles the environment answers with; plain templates need no check.
 
     Args:
-        key (str): The template node's config key (``dataset.template``).
         template (dict): The node; checked when it is a ``grpo.data.ChatTemplate``.
-        environment (dict): The ``environment:`` node (its class says its turns' roles).
         base_model_path (str | None): The model folder when the template names none.
     """
     component = template.get("_component_")

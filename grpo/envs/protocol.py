@@ -28,11 +28,9 @@ class EngineContext:
     """What an environment is told once, before its first episode, about the engine.
 
     Args:
-        model_dir (str): The model folder the engine serves.
         tokenizer: The model folder's tokenizer (`grpo.models.load_tokenizer`).
         max_model_len (int): The engine's context: prompt and response never exceed it.
         max_tokens_per_turn (int): ``inference.max_generated_tokens``.
-        prompt_template: The dataset's prompt template, or None.
     """
 
     model_dir: str
@@ -57,8 +55,6 @@ class EpisodeLimits:
     Args:
         max_turns (int): Most policy turns; an episode that reaches it ends (``hit_max_turns``
             when the environment would have gone on).
-        max_tokens_per_turn (int): Most tokens the policy samples in one turn.
-        max_model_len (int): The engine's context.
         max_episode_tokens (int | None): Most response tokens (policy and environment) of an
             episode; None: the context is the only bound.
     """
@@ -147,9 +143,7 @@ class Environment(ABC):
         """Run ``group_size`` episodes per prompt to their end on ``engine``.
 
         Args:
-            prompts (Sequence[Prompt]): ``(example, prompt_ids)`` per prompt.
             engine (TurnEngine): The collector's engine; a turn joins its running batch.
-            seeds (Sequence[int]): One seed per prompt.
 
         Returns:
             list[list[Episode]]: Per prompt, its finished episodes (a failed one has ``error``).

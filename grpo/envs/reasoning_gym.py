@@ -201,14 +201,11 @@ class ReasoningGymEnv(SingleTurnEnv):
 
     The environment brings its own rows (run with ``dataset: null``): ``size`` questions drawn
     from ``tasks`` by weight, and ``eval_size`` held-out ones from other seeds, none of them a
-    training question. Each response is scored by `ReasoningGymReward` (``reasoning_gym``) in
-    the reward worker pool; the ``reward_functions`` given are scored beside it.
+    training question. Each response is scored by `ReasoningGymReward` (``reasoning_gym``).
 
     Args:
         tasks (Mapping): Task name -> sampling weight, or -> ``{weight, config}`` where
             ``config`` holds the task's reasoning-gym options (``{min_terms: 2}``).
-        seed (int): Seed of the generation; the same options give the same rows.
-        eval_size (int): Held-out rows generated (0: none).
         template (Callable | None): The prompt template; None: the question on a line of its
             own (`QuestionLine`).
 

@@ -45,7 +45,6 @@ class ChatTurnRenderer:
     """Environment messages as the model's chat template renders them after an assistant turn.
 
     Args:
-        tokenizer: `grpo.models.Tokenizer` with a chat template.
         chat_template_kwargs (Mapping[str, Any] | None): Extra variables of the template, the
             same the prompts are rendered with.
         roles (Sequence[str]): Roles of the environment's turns: the template is checked on
@@ -58,10 +57,6 @@ class ChatTurnRenderer:
 
     Raises:
         ValueError: If the tokenizer has no chat template, or `chat_template_problem` finds one.
-
-    Example:
-        >>> tokenizer.decode(renderer.env_tokens([{"role": "tool", "content": "42"}], True))
-        '\\n<|im_start|>user\\n<tool_response>\\n42\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n'
     """
 
     def __init__(

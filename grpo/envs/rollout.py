@@ -1,10 +1,8 @@
 """Run multi-turn episodes on an inference engine, token-exact, batched across episodes.
 
-Each policy turn sends the episode's whole token sequence so far and joins the engine's running
-batch as soon as its episode is ready; one episode waiting on a tool holds no other. An episode
-ends when the environment says so, at ``max_turns`` (``hit_max_turns``), when a turn is cut by
-its token limit, or when no policy token would fit after the next environment turn
-(``truncated``). An environment that raises ends that episode only (``error`` says why).
+Each policy turn joins the engine's running batch as soon as its episode is ready; one episode
+waiting on a tool holds no other. An environment that raises ends that episode only (``error``
+says why).
 """
 
 from __future__ import annotations
@@ -107,12 +105,9 @@ def run_episodes(
     Args:
         engine (TurnEngine | Sampler): A continuous engine, or a `Sampler` (the turns ready
             together form a batch).
-        tokenizer: Decodes policy turns for the environment.
-        renderer: Turns environment messages into tokens (`grpo.envs.render`).
         prompts (Sequence): ``(example, prompt token ids)`` per prompt.
         max_tokens_per_turn (int): Tokens the policy may sample in one turn (the environment's
             ``max_tokens_per_turn`` wins when set).
-        max_model_len (int): The engine's context: prompt plus response never exceed it.
         seeds (Sequence[int]): One seed per prompt; turn ``t`` of its episode ``j`` samples
             with ``grpo.seeds.sample_seed(seed, j, t)``.
         gather_s (float): When the engine is idle and one episode's answer is in, how long to
@@ -254,7 +249,6 @@ def episode_groups(
     Args:
         rewards (Sequence[dict[str, float]]): One per episode kept, in order: those without
             ``error``, and ``failure_scored`` ones.
-        sequence_id (Callable[[], str]): Makes the next unique sequence id.
         policy_version (int): Version of the weights that sampled the oldest policy token of
             an episode whose engine did not say (empty ``version_runs``).
         last_policy_version (int | None): Version that sampled the newest, likewise; None:

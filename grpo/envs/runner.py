@@ -2,7 +2,7 @@
 collector.
 
 A call's timeout counts from when a worker takes it, an overrun stops its own worker only, and
-past ``memory_mb`` of data an allocation raises ``MemoryError`` in the tool. Pure Python.
+past ``memory_mb`` of data an allocation raises ``MemoryError`` in the tool.
 """
 
 from __future__ import annotations
@@ -103,9 +103,7 @@ class ToolRunner:
     ) -> list[ToolOutcome]:
         """Run ``calls`` concurrently and wait for them; one outcome per call, in order.
 
-        Args:
-            calls (Sequence[tuple[Tool, Mapping]]): A tool and its checked arguments, per call.
-            timeout_s (float): Limit of each call, from when a worker takes it.
+        ``timeout_s`` limits each call, from when a worker takes it.
         """
         jobs = [self.submit(tool, arguments, timeout_s) for tool, arguments in calls]
         wait_for_jobs(jobs)

@@ -14,11 +14,6 @@ from grpo.envs.protocol import EngineContext, Environment
 class SingleTurnEnv(MultiTurnEnv):
     """One policy turn per episode, scored by reward functions.
 
-    Args:
-        reward_functions (Sequence): Reward functions (`grpo.rewards`), built.
-        reward_timeout_s (float): Seconds one reward call may take before it scores its
-            failure reward.
-
     Raises:
         ValueError: Without reward functions (nothing would score the episodes).
     """

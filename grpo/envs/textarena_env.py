@@ -2,8 +2,7 @@
 
 Games are made from TextArena's unwrapped (``-raw``) registrations, so the policy's text goes
 to the game as written. TextArena seeds games through Python's global ``random``, so each game
-keeps its own random state and its calls are made one at a time. TextArena (the ``hub`` extra)
-is imported only when a game is checked or played.
+keeps its own random state and its calls are made one at a time.
 """
 
 from __future__ import annotations
@@ -36,11 +35,7 @@ _RANDOM_LOCK = threading.Lock()
 
 
 def _textarena() -> Any:
-    """The textarena module.
-
-    Raises:
-        ImportError: If it is not installed, naming the extra that installs it.
-    """
+    """The textarena module; ImportError naming the extra that installs it if missing."""
     try:
         import textarena
     except ImportError as error:
@@ -83,12 +78,8 @@ def game_problems(game: Any, key: str = "game") -> list[str]:
 
 
 class _Game:
-    """One TextArena game in play, with its own random state.
-
-    Args:
-        name (str): The registered game (its ``-raw`` variant is made when there is one).
-        seed (int): The game's seed.
-    """
+    """One TextArena game in play (its ``-raw`` variant when there is one), with its own
+    random state."""
 
     def __init__(self, name: str, seed: int) -> None:
         textarena = _textarena()
@@ -198,10 +189,8 @@ class TextArenaEnv(MultiTurnEnv):
     """A single-player TextArena game: the policy plays it, the game scores it.
 
     The environment brings its own rows (run with ``dataset: null``): ``size`` games, each a
-    seed, and ``eval_size`` held-out games on other seeds. Each policy turn is an action given
-    to the game's ``step`` and the game's new messages are the next user turn. The game's reward
-    is the reward ``textarena`` and its win (reward 1 or more) the success; an unfinished game
-    scores 0. The ``reward_functions`` given are scored beside it on the last turn.
+    seed, and ``eval_size`` held-out games on other seeds. The game's reward is the reward
+    ``textarena`` and its win (reward 1 or more) the success; an unfinished game scores 0.
 
     Args:
         game (str): A single-player TextArena game (``GuessTheNumber-v0``).

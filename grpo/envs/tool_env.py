@@ -48,7 +48,6 @@ class ToolEnv(MultiTurnEnv):
             fails with ``MemoryError``. None: no cap. Ignored with a ``runner`` of your own.
         tool_workers (int): Worker processes that run the calls, shared by every episode of
             the collector. Ignored with a ``runner`` of your own.
-        runner (ToolRunner | None): Worker processes for the calls; default a process-wide one.
         failed_episodes (str): As `MultiTurnEnv`; default ``"score"``: a turn that makes the
             call parser raise is the policy's doing, and is penalised.
         stop (Sequence[str] | None): Stop strings of a policy turn; default the end of a call,

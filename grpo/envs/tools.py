@@ -2,9 +2,7 @@
 
 A call's arguments are checked against the tool's type hints before it runs, so a bad call is an
 error turn for the model, not an exception in a worker. Each call format is the one a family's
-chat template teaches: ``json`` (Hermes ``<tool_call>``: Qwen), ``llama3_json``, ``deepseek``,
-and ``tag`` (``<calculator>2+3</calculator>``, the text its first parameter: small models).
-Pure Python: tools are unpickled in worker processes.
+chat template teaches. Pure Python: tools are unpickled in worker processes.
 """
 
 from __future__ import annotations
@@ -161,7 +159,6 @@ def check_tools(
     (checked when it is built).
 
     Args:
-        tools (Sequence): The specs.
         locate (Callable[[str], Any] | None): Imports a dotted path, raising with a message
             that names it; None: a plain import.
 
@@ -251,12 +248,6 @@ def _call_from_payload(payload: Any, arguments_key: str) -> ToolCall:
 
 def parse_tool_calls(text: str, call_format: str, tools: Mapping[str, Tool]) -> list[ToolCall]:
     """The tool calls in an assistant turn's text, in order.
-
-    Args:
-        text (str): The assistant turn, decoded.
-        call_format (str): One of `CALL_FORMATS`.
-        tools (Mapping[str, Tool]): The declared tools (the ``"tag"`` format looks for their
-            names).
 
     Returns:
         list[ToolCall]: Empty when the turn calls no tool; a call that does not parse has its

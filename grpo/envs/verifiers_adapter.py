@@ -4,8 +4,7 @@ The environment's client asks the collector's engine for completions on vLLM's t
 token-out endpoint (`grpo.envs.generate_server`). A finished episode's trace becomes one
 trajectory whose sampled tokens are trained and everything else masked; its sampled tokens are
 checked against what the engine returned, and a trace that differs is dropped, never trained.
-Where verifiers splits a trace, the last branch is trained (docs/environments.md). Needs the
-``verifiers`` extra.
+Where verifiers splits a trace, the last branch is trained (docs/environments.md).
 """
 
 from __future__ import annotations
@@ -43,10 +42,6 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "sampling")
 
 def verifiers_problems(key: str, node: Mapping[str, Any]) -> list[str]:
     """What is wrong with a ``grpo.envs.verifiers_env`` node, without loading the environment.
-
-    Args:
-        key (str): The node's config key (``environment``).
-        node (Mapping): The node's arguments.
 
     Returns:
         list[str]: Each problem as ``key: what is wrong``.
@@ -184,8 +179,7 @@ def verifiers_env(
         max_tasks (int): Most rows read from the taskset (a procedural one may never end).
         max_concurrent_episodes (int | None): Most episodes of this worker in flight at once
             (None: every episode of a batch); it bounds how many task tool servers run.
-        reward_functions (Sequence): Ignored: the taskset's rewards score its episodes.
-        reward_timeout_s (float): Ignored, likewise.
+        reward_functions, reward_timeout_s: Ignored: the taskset's rewards score its episodes.
 
     Raises:
         ValueError: If the extra is missing or an argument is wrong (the message names it).
@@ -393,7 +387,6 @@ class VerifiersEnv(Environment):
         """Run ``group_size`` episodes of each example's task to their end.
 
         Args:
-            prompts (Sequence[Prompt]): ``(row, [])`` per task, rows from `examples`.
             seeds (Sequence[int]): One per prompt; request ``n`` of the batch samples with
                 ``mix_seed(seeds[0], n)``.
 

@@ -1,13 +1,9 @@
 """A verifiers harness that runs the chat and tool loop in the collector's own process.
 
-verifiers' own harnesses launch an agent program (the ``null`` and ``bash`` loops install their
-dependencies with ``uv``, the others are agent CLIs in containers). Training a tiny or local
-model needs none of that: this loop asks the model through the episode's interception endpoint
-(so verifiers records every call in the trace, token-exact), calls the task's tools on their MCP
-servers, and stops when the model answers without a tool call or at ``max_turns``.
-
-Selected with ``harness: grpo.envs.verifiers_harness`` in a ``grpo.envs.verifiers_env`` node
-(the default). Importing this module imports verifiers (``pip install -e ".[verifiers]"``).
+verifiers' own harnesses launch an agent program (installed with ``uv``, or in containers);
+this loop asks the model through the episode's interception endpoint (so verifiers records every
+call in the trace, token-exact) and calls the task's tools on their MCP servers. The default
+harness of ``grpo.envs.verifiers_env``.
 """
 
 from __future__ import annotations

@@ -21,12 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def bridge_renderer_config(tool_parser: str, **chat_template_kwargs: Any) -> CustomRendererConfig:
-    """The ``renderers`` config that selects `TemplateBridgeRenderer` for a verifiers client.
-
-    Args:
-        tool_parser (str): The ``renderers.parsers`` tool parser for sampled turns.
-        **chat_template_kwargs: Extra variables of the chat template.
-    """
+    """The ``renderers`` config that selects `TemplateBridgeRenderer` for a verifiers client."""
     return CustomRendererConfig(
         import_path=f"{__name__}.{TemplateBridgeRenderer.__name__}",
         tool_parser=tool_parser,
