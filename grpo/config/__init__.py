@@ -1,22 +1,11 @@
 """Run configs: typed sections, YAML loading with overrides, checks, and ``_component_`` nodes.
 
-A config is a YAML file laid out like torchtune's async GRPO config. Its options are declared
-once, as pydantic models (`grpo.config.sections`, `grpo.config.run.RunConfig`), and everything
-else here is derived from those declarations. Nothing in this package imports torch, Ray or
-vLLM, nor any part of grpo but `grpo.choices`: components import their section from here,
-never the other way round. What a config names on disk (model folder, datasets, run folder,
-resume checkpoint) is checked above it, by `grpo.preflight`. The parts:
-
-* `schema`: how a section declares its options (`Section`, `Component`, `ComponentList`).
-* `sections`: one section per component; `run`: `RunConfig` and the checks across sections.
-* `loading`: find a config by name or path, apply ``key=value`` / ``~key`` overrides, fill
-  defaults (`compose_config`), and check it into a `RunConfig` (`load_config`).
-* `validation`: report every problem of a config at once, with did-you-mean hints
-  (`validate_config`; `check_config` returns them, for `grpo.preflight` to add its own).
-* `instantiate`: build a ``_component_`` node (`instantiate`).
-* `options`: options a component declares on its own signature (an environment's constructor,
-  a dataset factory), checked by the component and by `grpo.preflight` alike.
-* `reference`: the config reference, ``docs/config.md`` (`config_reference_markdown`).
+Options are declared once, as pydantic models (`grpo.config.sections`,
+`grpo.config.run.RunConfig`), and everything else here is derived from those declarations.
+Nothing in this package imports torch, Ray or vLLM, nor any part of grpo but `grpo.choices`:
+components import their section from here, never the other way round. What a config names on
+disk is checked above it, by `grpo.preflight`; options a component declares on its own
+signature live in `grpo.config.options`.
 
 Example:
     >>> cfg = load_config("tiny_arithmetic_cpu", ["inference.group_size=4"])

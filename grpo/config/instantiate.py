@@ -17,12 +17,6 @@ from grpo.config.errors import InstantiationError
 def locate(path: str) -> Any:
     """Import the object at a dotted path (``torch.optim.AdamW``).
 
-    Args:
-        path (str): Module path followed by attribute names.
-
-    Returns:
-        Any: The object.
-
     Raises:
         InstantiationError: Naming the path, what could not be found, and a close name if any.
     """
@@ -100,7 +94,6 @@ def instantiate(
     Args:
         node (DictConfig | Mapping[str, Any] | None): The node; None returns None, so optional
             components (``lr_scheduler: null``) need no special case.
-        *args (Any): Positional arguments, e.g. the parameters of an optimizer.
         _key_ (str | None): The node's config key for messages (``training.optimizer``); an
             OmegaConf node knows its own.
         _wrap_ (Callable | None): Applied to the imported object before it is called (the
@@ -108,17 +101,11 @@ def instantiate(
             function configurable (`grpo.rewards.build_reward_function`).
         **kwargs (Any): Keyword arguments that take precedence over the node's.
 
-    Returns:
-        Any: What the component returned.
-
     Raises:
         InstantiationError: If the node has no ``_component_``, the path does not import, or
             the keyword arguments do not fit its signature; the message names the config key
             and the component. An exception raised inside the component propagates with a
             note naming both.
-
-    Example:
-        >>> optimizer = instantiate(cfg.training.optimizer, model.parameters(), lr=1e-5)
     """
     if node is None:
         return None

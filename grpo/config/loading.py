@@ -14,8 +14,6 @@ Conventions (torchtune's):
 
 Relative paths in ``base_model_path``, ``output_dir`` and ``resume_from_checkpoint`` are made
 absolute when the config is loaded, because Ray actors may run in another working directory.
-They resolve against the current directory; ``base_model_path`` falls back to the repo root
-when it does not exist there, so the shipped demo model is found from any directory.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ def compose_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> D
         overrides (Sequence[str]): ``key.sub=value`` (value parsed as YAML) or ``~key``.
 
     Returns:
-        DictConfig: The composed config (interpolations unresolved), for `validate_config`.
+        DictConfig: Interpolations unresolved, for `validate_config`.
 
     Raises:
         ConfigError: If the file is missing or not a YAML mapping, or overrides are malformed
@@ -83,27 +81,11 @@ def load_config(
 ) -> RunConfig:
     """Load a config, apply command-line overrides, check it, and return it typed.
 
-    The config alone is checked (`validate_config`); a run about to start also has the files
-    it names checked (`grpo.preflight.load_run_config`).
-
-    Args:
-        name_or_path (str | Path): Config name (``configs/NAME.yaml``) or path to a YAML file.
-        overrides (Sequence[str]): ``key.sub=value`` (value parsed as YAML) or ``~key``.
-        check_components (bool): Check that every ``_component_`` exists and takes its
-            node's keywords.
-        import_components (bool): Check them by importing them (exact, slow: torch and the
-            like) rather than by reading their source.
-
-    Returns:
-        RunConfig: The typed config, interpolations resolved.
+    The config alone is checked; `grpo.preflight.load_run_config` also checks the files it
+    names. Arguments as `compose_config` and `validate_config`.
 
     Raises:
         ConfigError: Listing every problem at once, each as ``key: what is wrong``.
-
-    Example:
-        >>> cfg = load_config("tiny_arithmetic_cpu", ["inference.group_size=4", "~eval_dataset"])
-        >>> cfg.inference.group_size
-        4
     """
     return validate_config(
         compose_config(name_or_path, overrides),

@@ -5,7 +5,6 @@ of an environment's constructor or a dataset factory. The component (`checked_op
 ``__init__``, `checked_arguments` on a function) and ``grpo validate`` (`grpo.preflight`) check
 values with `option_problems`, strictly like every config section, so both refuse the same
 values with the same words. A subclass inherits its bases' options; its own declaration wins.
-No torch.
 """
 
 from __future__ import annotations
@@ -56,9 +55,7 @@ def option_declarations(component: Any) -> dict[str, Any]:
 def option_problems(component: Any, values: Mapping[str, Any]) -> list[str]:
     """What is wrong with the values of a component's options, one line per option.
 
-    Args:
-        component: An environment class, or a function that builds a component.
-        values (Mapping[str, Any]): Keyword arguments; those that are no option are ignored.
+    Keyword arguments in ``values`` that are no option are ignored.
 
     Returns:
         list[str]: ``name: expected <type and bounds>, got <value>``, in the order of

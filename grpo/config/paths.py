@@ -31,12 +31,6 @@ def list_configs() -> list[str]:
 def find_config(name_or_path: str | Path) -> Path:
     """Turn a config name (``configs/NAME.yaml``) or a path into the path of an existing file.
 
-    Args:
-        name_or_path (str | Path): A name such as ``tiny_arithmetic_cpu`` or a YAML path.
-
-    Returns:
-        Path: The config file.
-
     Raises:
         ConfigError: If no such file exists; the message lists the available names.
     """
@@ -58,15 +52,10 @@ def find_config(name_or_path: str | Path) -> Path:
 
 
 def resolve_path(path: str | Path, *, fall_back_to_repo: bool = False) -> Path:
-    """Make a config path absolute.
+    """Make a config path absolute (it may not exist), relative to the current directory.
 
-    Args:
-        path (str | Path): Absolute, or relative to the current directory.
-        fall_back_to_repo (bool): If the relative path does not exist in the current directory
-            but does under the repo root, use that one.
-
-    Returns:
-        Path: An absolute path (which may not exist).
+    With ``fall_back_to_repo``, a relative path missing there but present under the repo root
+    resolves there.
     """
     path = Path(path).expanduser()
     if path.is_absolute():

@@ -44,11 +44,7 @@ def _title(model: type[BaseModel]) -> str:
 
 
 def config_reference_markdown() -> str:
-    """Render every config key with its type, default and description as Markdown tables.
-
-    Returns:
-        str: One table per section (``docs/config.md``).
-    """
+    """Every config key with its type, default and description: one Markdown table per section."""
     lines: list[str] = []
 
     def table(model: type[Section], prefix: str, title: str) -> None:

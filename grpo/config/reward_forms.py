@@ -12,11 +12,7 @@ in one of two forms, told apart by its first parameter:
   first), returning a list of floats.
 
 A plain function of neither form is a factory when the node gives every parameter it
-requires (it is called with them and returns the reward function); otherwise it is refused in
-one line that says what to write. The keys a node may set on a reward function are ``name``,
-``failure_reward`` and the function's own keyword parameters (not those the call fills).
-
-Pure Python: reads `inspect.Parameter` lists, made by `inspect.signature` or from source.
+requires; otherwise it is refused in one line that says what to write.
 """
 
 from __future__ import annotations
@@ -57,7 +53,6 @@ def scoring_form(parameters: Sequence[inspect.Parameter], decorated: bool = Fals
     """How a function scores, read from its parameters; None if it is neither form.
 
     Args:
-        parameters (Sequence[inspect.Parameter]): The function's parameters, in order.
         decorated (bool): It is wrapped by ``reward_function``, which makes any function that
             is not batched a per-sample one (its first two parameters are the completion and
             the answer, whatever their names).
@@ -113,10 +108,7 @@ def plain_function_problem(
 ) -> str | None:
     """Why a plain function named by a reward function node cannot be used, or None.
 
-    Args:
-        target (str): The node's ``_component_`` (for the message).
-        parameters (Sequence[inspect.Parameter]): The function's parameters.
-        keys (Collection[str]): The node's keys other than ``_component_``.
+    ``keys`` are the node's keys other than ``_component_``.
 
     Returns:
         str | None: One line saying what to write; None for a function that scores (either
@@ -148,12 +140,6 @@ def reward_node_check(
     target: str, parameters: Sequence[inspect.Parameter], decorated: bool, keys: Collection[str]
 ) -> tuple[str | None, set[str] | None]:
     """Whether a reward function node naming a function is usable, and the keys it may set.
-
-    Args:
-        target (str): The node's ``_component_``.
-        parameters (Sequence[inspect.Parameter]): The function's parameters.
-        decorated (bool): It is wrapped by ``reward_function``.
-        keys (Collection[str]): The node's keys other than ``_component_``.
 
     Returns:
         tuple: The problem (one line, see `plain_function_problem`) or None, and the keys the

@@ -10,13 +10,9 @@ a frozen pydantic model that forbids unknown keys and takes values strictly (``3
         group_size: int = Field(8, ge=2)
         \"\"\"Responses per prompt; advantages are normalised within a group.\"\"\"
 
-A ``_component_`` node (built where it is used, with `grpo.config.instantiate`) is annotated
-with `Component` (``Component(OptimizerArgs)`` documents and checks some of its keywords), a
-list of them with `ComponentList`. From these declarations come the defaults `load_config`
-fills in, the checks of `validate_config`, and the config reference (`grpo.config.reference`).
-
-This module and the sections import pydantic and typing only: checking a config never loads
-torch, Ray or vLLM.
+A ``_component_`` node is annotated with `Component` (``Component(OptimizerArgs)`` documents
+and checks some of its keywords), a list of them with `ComponentList`. This module and the
+sections import pydantic and typing only: checking a config never loads torch, Ray or vLLM.
 """
 
 from __future__ import annotations
@@ -108,14 +104,7 @@ def _check_node_list(nodes: Any) -> list[dict[str, Any]]:
 
 
 def Component(args: type[ComponentArgs] | None = None) -> Any:  # noqa: N802 (a type factory)
-    """The type of a ``_component_`` node field.
-
-    Args:
-        args (type[ComponentArgs] | None): Its documented keyword arguments, if any.
-
-    Returns:
-        Any: An annotated type for a section field.
-    """
+    """The annotated type of a ``_component_`` node field, with its documented keywords."""
     return Annotated[Any, AfterValidator(_check_node), ComponentSpec(args)]
 
 

@@ -1,13 +1,8 @@
 """The keyword arguments of a ``_component_`` path, read from its source without importing it.
 
-``grpo validate`` checks every component of a config before anything runs; importing them
-(torch, torchtune, math-verify) would take seconds. This module finds the module file of a
-dotted path with `importlib.util.find_spec` on the top-level package only (which runs no code)
-and the file system below it, parses it, follows ``from x import name`` re-exports, and reads the
-parameters of the function, or of the class's ``__init__`` (a dataclass: its fields). Whatever
-it cannot tell statically (a class that inherits its ``__init__``, a name assigned at run time,
-a compiled module, ``from x import *``) is "unknown": the check is skipped, never guessed, and
-`grpo.config.instantiate` still names the key if building the component fails.
+Importing the components (torch, torchtune, math-verify) would take seconds. Whatever cannot be
+told statically (an inherited ``__init__``, a name assigned at run time, a compiled module,
+``from x import *``) is "unknown": the check is skipped, never guessed.
 """
 
 from __future__ import annotations
@@ -33,9 +28,6 @@ class _Unknown(Exception):
 def static_keyword_names(path: str) -> set[str] | None:
     """Keyword arguments the object at a dotted path accepts, read from source.
 
-    Args:
-        path (str): ``module.attribute`` path, e.g. ``torch.optim.AdamW``.
-
     Returns:
         set[str] | None: The parameter names; None when it takes ``**kwargs`` or the source
         does not tell.
@@ -56,9 +48,6 @@ def static_reward_name(path: str) -> str | None:
     A `grpo.rewards.RewardFunction` subclass's own ``name = "..."``, the name of a function
     decorated with ``reward_function`` (its ``name=`` argument, else the function's name), or
     that of a plain scoring function (`grpo.config.reward_forms.scoring_form`).
-
-    Args:
-        path (str): ``module.attribute`` path, e.g. ``grpo.rewards.FormatReward``.
 
     Returns:
         str | None: The name; None when the source does not tell (inherited, computed) or the
@@ -104,9 +93,6 @@ def static_reward_name(path: str) -> str | None:
 def static_function(path: str) -> tuple[list[inspect.Parameter], bool] | None:
     """The parameters of the function at a dotted path, read from source, and whether it is
     decorated with ``reward_function``.
-
-    Args:
-        path (str): ``module.attribute`` path of a function.
 
     Returns:
         tuple | None: The parameters (a default stands for any default) and the flag; None for
@@ -157,11 +143,6 @@ def _signature_parameters(args: ast.arguments) -> list[inspect.Parameter]:
 def static_overrides(path: str, method: str, base: str) -> bool | None:
     """Whether the class at a dotted path defines ``method`` itself rather than inheriting it
     from ``base``, read from source.
-
-    Args:
-        path (str): ``module.attribute`` path of a class.
-        method (str): The method's name.
-        base (str): The name of the base class that defines the default.
 
     Returns:
         bool | None: True if the class defines it; False if it does not and derives from

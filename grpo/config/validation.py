@@ -1,11 +1,7 @@
 """Check a config and report every problem at once, each as ``key: what is wrong``.
 
-One pass of pydantic over the declared sections (`grpo.config.sections`) checks types, ranges
-and choices and refuses unknown keys; the checks across keys (`RunConfig.relation_problems`)
-and of its ``_component_`` nodes run beside it, so a config with several mistakes gets all of
-them in one message. These checks read the config alone; what it names on disk (the model
-folder, dataset files, a resume's checkpoint) is checked above it, by `grpo.preflight`, which
-adds its problems to those of `check_config`.
+These checks read the config alone; what it names on disk is checked above it, by
+`grpo.preflight`, which adds its problems to those of `check_config`.
 """
 
 from __future__ import annotations
@@ -69,14 +65,10 @@ def check_config(
 ) -> CheckedConfig:
     """Check a config and return every problem, without raising.
 
-    Checks unknown and moved keys (with did-you-mean), types, value ranges and choices,
-    relations between keys (token budget, divisibility, buffer size), and that every
-    ``_component_`` imports and accepts its keyword arguments. Nothing is instantiated, no
-    file the config names is read, and the machine is not asked its size (`grpo.preflight`
-    checks a local Ray cluster against the actors).
+    Nothing is instantiated, no file the config names is read, and the machine is not asked
+    its size.
 
     Args:
-        cfg (DictConfig | Mapping[str, Any]): The config, e.g. from `compose_config`.
         check_components (bool): Check that every ``_component_`` exists and takes the keyword
             arguments its node gives.
         import_components (bool): Check by importing the components (exact; loads torch and
@@ -84,9 +76,6 @@ def check_config(
             skips what the source does not tell).
         importer (Callable[[str], Any]): Imports a dotted path when ``import_components``;
             `locate` unless the caller must prepare some imports first.
-
-    Returns:
-        CheckedConfig: The plain values, the typed config if it checked, and the problems.
 
     Raises:
         ConfigError: Only if `cfg` is not a mapping at all.
@@ -121,26 +110,13 @@ def validate_config(
 ) -> RunConfig:
     """Check a config and return it typed; report every problem at once.
 
-    The checks of `check_config`: the config alone, no file it names is read (`grpo.preflight`
-    adds those checks for a run that is about to start).
-
-    Args:
-        cfg (DictConfig | Mapping[str, Any]): The config, e.g. from `compose_config`.
-        check_components (bool): Check that every ``_component_`` exists and takes the keyword
-            arguments its node gives.
-        import_components (bool): Check by importing the components (exact; loads torch and
-            the like); False reads their source instead (`grpo.config.signatures`).
+    The checks of `check_config`, whose arguments it takes.
 
     Returns:
         RunConfig: The typed config, interpolations resolved.
 
     Raises:
         ConfigError: Listing every problem, each as ``key: what is wrong``.
-
-    Example:
-        >>> run = validate_config(compose_config("tiny_arithmetic_cpu"))
-        >>> run.inference.group_size
-        8
     """
     checked = check_config(
         cfg, check_components=check_components, import_components=import_components
@@ -157,13 +133,9 @@ def pydantic_problems(
     """Turn pydantic's errors into ``key: what is wrong`` lines, one per key.
 
     Args:
-        error (ValidationError): From ``model.model_validate``.
         model (type[BaseModel]): The model validated (to tell keys from union member tags).
         prefix (str): Dotted path of the model in the whole config, with a trailing dot.
         skip (list[str]): Keys whose value is already reported (failed interpolations).
-
-    Returns:
-        list[str]: The problems, in pydantic's order.
     """
     by_path: dict[str, list[tuple[dict, str | None]]] = {}
     for item in error.errors(include_url=False):

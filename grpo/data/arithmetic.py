@@ -78,9 +78,6 @@ def arithmetic_problem(
 ) -> str | None:
     """Why `arithmetic_dataset` would refuse these arguments together, or None.
 
-    The relations between them, which their one-option declarations cannot state: `grpo
-    validate` reports the line the dataset would raise.
-
     Returns:
         str | None: ``key: what is wrong``.
     """

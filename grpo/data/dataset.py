@@ -65,13 +65,10 @@ class PromptDataset(Sequence):
     dataset fails in the driver rather than in an actor.
 
     Args:
-        examples (list[dict]): The examples.
         template (PromptTemplate): Maps a question (or chat turns) to the prompt text; examples
             with ``messages`` need a chat template (``chat = True``).
-        name (str): Short description for logs, e.g. ``"gsm8k:data/train.jsonl"``.
         rows (list[int] | None): Source row number (from 1) of every example, for the reports
             of later filters; defaults to ``1..len(examples)``.
-        skipped (SkipReport | None): Rows dropped while building the dataset.
 
     Raises:
         ValueError: If an example lacks a string ``question`` or ``answer`` or has malformed
@@ -149,15 +146,11 @@ def filter_long_prompts(
 ) -> PromptDataset:
     """Drop the examples whose rendered prompt is longer than ``max_prompt_tokens`` tokens.
 
-    Dropped examples are added to the returned dataset's ``skipped`` report; ``dataset`` is not
-    modified.
+    Dropped examples are added to the returned dataset's ``skipped`` report.
 
     Args:
         tokenizer_encode (Callable[[str], list[int]]): Encodes a prompt exactly as the sampler
             will (the same special tokens).
-
-    Returns:
-        PromptDataset: The kept examples, same template and name.
 
     Raises:
         ValueError: If ``max_prompt_tokens < 1`` or no prompt fits.

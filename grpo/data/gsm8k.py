@@ -48,9 +48,8 @@ def gsm8k_dataset(
     Args:
         source (str | os.PathLike): A hub dataset name (``"openai/gsm8k"``) or a local file
             with columns ``question`` and ``answer``.
-        split (str): Hub split to load; ignored for a local file.
-        config (str | None): Hub configuration name (``"main"``, ``"socratic"``); ignored for
-            a local file.
+        split, config: Hub split and configuration name (``"main"``, ``"socratic"``);
+            ignored for a local file.
         template: Prompt template, a name, a ``_component_`` mapping or a callable; defaults to
             ``"think_answer"``.
         system_prompt (str | None): System turn before each question; needs a chat template.
@@ -62,11 +61,7 @@ def gsm8k_dataset(
         in its ``skipped`` report.
 
     Raises:
-        FileNotFoundError: If ``source`` looks like a path and no such file exists.
-        ValueError: On an unsupported extension, a file lacking the GSM8K columns, or a source
-            with no usable row.
-        ImportError: If a hub name is given and ``datasets`` is not installed.
-        RuntimeError: If the hub dataset cannot be loaded (e.g. offline).
+        ValueError: On a source with no usable row; and as `grpo.data.sources.open_source`.
     """
     return load_prompt_dataset(
         source,

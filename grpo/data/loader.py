@@ -41,10 +41,6 @@ class RegexAnswerExtractor:
 
     Raises:
         ValueError: If ``pattern`` is not a valid regular expression.
-
-    Example:
-        >>> RegexAnswerExtractor(r"The answer is (\\S+)\\.", remove=",")("The answer is 1,024.")
-        '1024'
     """
 
     def __init__(self, pattern: str, remove: str = "") -> None:
@@ -250,8 +246,7 @@ def prompt_dataset(
         prompt_key (str): Column of the prompt: a question string, or a list of chat turns
             (needs a chat template).
         answer_key (str): Column of the gold answer (a string or a number).
-        split (str): Hub split; ignored for a local file.
-        subset (str | None): Hub configuration name (``"main"``); ignored for a local file.
+        split, subset: Hub split and configuration name (``"main"``); ignored for a local file.
         answer_extractor: Maps the answer column to the gold final answer, or to ``None`` for a
             row to skip: a callable, a function's dotted path or a ``_component_`` node.
             ``None`` keeps the column as it is.
@@ -267,12 +262,9 @@ def prompt_dataset(
         plus the row's other columns under their own names (but an example's own keys).
 
     Raises:
-        FileNotFoundError: If ``source`` looks like a path and no such file exists.
-        ValueError: On an unsupported extension, a source lacking ``prompt_key`` or
-            ``answer_key``, chat turns or ``system_prompt`` with a plain template, or no usable
-            row.
-        ImportError: If a hub name is given and ``datasets`` is not installed.
-        RuntimeError: If the hub dataset cannot be loaded (e.g. offline).
+        ValueError: On a source lacking ``prompt_key`` or ``answer_key``, chat turns or
+            ``system_prompt`` with a plain template, or no usable row; and as
+            `grpo.data.sources.open_source`.
     """
     extractor_name = getattr(answer_extractor, "__name__", None) or repr(answer_extractor)
     return load_prompt_dataset(

@@ -1,8 +1,7 @@
 """Cheap checks of a dataset node, for ``grpo validate`` to run before any actor starts.
 
-They read no more than a file's header or first rows, never the network and never torch, and
-report every mistake at once as ``key: what is wrong``: a preview of the loader's own errors,
-which stay the authority.
+They read no more than a file's header or first rows, never the network and never torch: a
+preview of the loader's own errors, which stay the authority.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ def dataset_problems(key: str, node: dict, base_model_path: str | None) -> list[
 
     Args:
         key (str): Config key of the node, the prefix of every message (``"dataset"``).
-        node (dict): The node.
         base_model_path (str | None): The run's model folder: a `ChatTemplate` without
             ``model_dir`` is checked against it.
 

@@ -142,8 +142,7 @@ def open_source(
             ``../`` or ``~``, or names an existing file.
         columns (Sequence[str]): Columns the caller needs: all of them in a parquet file or hub
             dataset, each in at least one row of JSON. The rows hold every column.
-        split (str): Hub split; ignored for a local file.
-        subset (str | None): Hub configuration name; ignored for a local file.
+        split, subset: Hub split and configuration name; ignored for a local file.
         what (str): What is being loaded, for messages (``"GSM8K"``).
 
     Raises:

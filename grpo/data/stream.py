@@ -18,8 +18,6 @@ class PromptStream:
     Args:
         dataset (Sequence[dict]): Examples (e.g. a ``PromptDataset``); ``dataset[i]`` is a dict.
         worker_id (int): This worker's rank, in ``[0, num_workers)``.
-        num_workers (int): Number of workers sharing the dataset.
-        seed (int): Seed of the per-epoch shuffle.
         shuffle (bool): Shuffle the shard every epoch; if ``False`` read it in index order.
 
     Raises:

@@ -1,9 +1,7 @@
 """Prompt templates: turn a dataset question, or a list of chat turns, into the prompt text.
 
 A template is any callable ``prompt -> text``; the classes here also carry the ``stop`` strings
-a sampler may stop on once the answer is closed. Plain templates (for base and tiny models)
-render question strings only; `ChatTemplate` renders questions and chat turns with the model's
-own chat template.
+a sampler may stop on once the answer is closed.
 """
 
 from __future__ import annotations
@@ -119,7 +117,6 @@ class ChatTemplate:
     adding special tokens (``add_bos`` is False) or the prompt starts with two bos tokens.
 
     Args:
-        model_dir (str | os.PathLike): Model folder holding the chat template.
         system_prompt (str | None): System turn put first when a conversation has none; ``None``
             leaves that to the chat template.
         stop (Sequence[str]): Stop strings for the sampler; by default the end of the answer
@@ -238,7 +235,6 @@ def resolve_template(
     Args:
         spec: ``None`` (use ``default``), a registered name (see ``TEMPLATES``), a mapping with a
             ``_component_`` dotted path and keyword arguments, or a callable ``prompt -> str``.
-        default (str): Registered name used when ``spec`` is ``None``.
 
     Raises:
         ValueError: If a name is not registered, or a ``_component_`` cannot be imported.
