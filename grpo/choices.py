@@ -3,8 +3,7 @@
 The config sections (`grpo.config.sections`) type their options with these `Literal`s, and the
 components that take the same values (the loss, attention, the model builder, the weight
 transports) read their tuples from here, so a config that validates is a config the components
-accept. This module imports nothing but `typing`: compute modules and the light config package
-both import it.
+accept. Imports nothing but `typing`.
 """
 
 from __future__ import annotations

@@ -82,13 +82,7 @@ def list_recipes() -> list[str]:
 
 
 def find_recipe(name_or_path: str) -> Path:
-    """Turn a recipe name or a ``.py`` path into the path of an existing file.
-
-    Args:
-        name_or_path (str): ``async_grpo`` or ``path/to/recipe.py``.
-
-    Returns:
-        Path: The recipe file.
+    """Turn a recipe name (``async_grpo``) or a ``.py`` path into the path of an existing file.
 
     Raises:
         CommandError: If there is no such recipe; the message lists the known ones.
@@ -110,12 +104,6 @@ def find_recipe(name_or_path: str) -> Path:
 
 def load_recipe_main(path: Path):
     """Import a recipe file by path and return its ``recipe_main``.
-
-    Args:
-        path (Path): The recipe file.
-
-    Returns:
-        Callable[[RunConfig], Any]: The recipe's entry point.
 
     Raises:
         CommandError: If the file has no callable ``recipe_main``.
@@ -499,14 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``grpo`` console script.
-
-    Args:
-        argv (Sequence[str] | None): Arguments; None reads ``sys.argv[1:]``.
-
-    Returns:
-        int: The exit status.
-    """
+    """Entry point of the ``grpo`` console script; returns the exit status."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:

@@ -37,5 +37,4 @@ class RunStalledError(ActorFailedError):
 
 class WeightTransferError(RuntimeError):
     """A weight transfer to a collector failed or timed out (the collector did not receive, or
-    trainer rank 0 could not send). The driver retries it once on a fresh channel, then
-    replaces the collector; it never stops the run by itself."""
+    trainer rank 0 could not send); it never stops the run by itself."""

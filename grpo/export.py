@@ -82,10 +82,8 @@ def export_checkpoint(
     Args:
         checkpoint_dir: A LoRA checkpoint folder, a PEFT adapter folder, or a run folder or
             its ``checkpoints/latest`` (the newest checkpoint).
-        peft_dir: Where to write the PEFT folder.
         merged_dir: Where to write the merged Hugging Face folder (base weights from the
             adapter's ``base_model_name_or_path``).
-        overwrite: Replace an existing non-empty output folder.
 
     Returns:
         list[Path]: The folders written (PEFT first).

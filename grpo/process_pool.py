@@ -2,11 +2,9 @@
 own outcome, never the caller. Reward functions and tools run on it.
 
 A call's timeout counts from when a worker takes it, so queueing never eats it; the queue wait
-is kept (`Job.queue_wait_s`). An overrunning call's worker alone is stopped and replaced. With
-``memory_mb`` an allocation past the cap fails inside the call. Workers come from a
-``forkserver`` (or are spawned; never forked from a caller running Ray or torch threads), so a
-script that makes a pool needs the ``__main__`` guard, and never outlive their parent. Pure
-Python: ``grpo validate`` and the environments import it.
+is kept (`Job.queue_wait_s`). An overrunning call's worker alone is stopped and replaced.
+Workers are never forked from a caller running Ray or torch threads, so a script that makes a
+pool needs the ``__main__`` guard; they never outlive their parent.
 """
 
 from __future__ import annotations
@@ -178,7 +176,6 @@ class Job:
     """One submitted call: its future, and when it was submitted and taken by a worker.
 
     Args:
-        future: The call's pebble future.
         timeout_s: The call's limit, from when a worker takes it.
         queue_bound_s: How long it may wait for a worker before it counts as lost.
     """
@@ -266,8 +263,6 @@ class TimedProcessPool:
     """Worker processes that run calls with a per-call timeout; safe to use from any thread.
 
     Args:
-        num_workers: Worker processes (this many calls run at a time).
-        name: The pool's name, for errors.
         start_method: ``"forkserver"`` (default where available) or ``"spawn"``.
         memory_mb: Data memory one call may allocate; None: no cap.
         initializer: Module-level function each worker runs once before its first call (its
@@ -275,13 +270,6 @@ class TimedProcessPool:
 
     Raises:
         ValueError: ``num_workers`` is not an int >= 1, or a bad ``start_method``.
-
-    Example:
-        >>> with TimedProcessPool(2, name="squares") as pool:
-        ...     job = pool.submit(pow, 3, 2, timeout_s=5.0)
-        ...     wait_for_jobs([job])
-        ...     job.outcome()
-        JobOutcome(kind='value', value=9, error=None, exitcode=None)
     """
 
     def __init__(

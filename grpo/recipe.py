@@ -44,10 +44,6 @@ def run_recipe(
     to the log file). With ``overwrite_output_dir`` an earlier run is moved aside first.
 
     Args:
-        recipe_main: The recipe's entry point.
-        config: Config name or path.
-        overrides: ``key=value`` / ``~key`` overrides.
-        prog: Program name used in error messages.
         driver_log: One the caller entered already; None enters one here.
 
     Returns:
@@ -89,10 +85,6 @@ def run_recipe(
 def run_recipe_cli(recipe_main: Recipe, argv: Sequence[str] | None = None) -> NoReturn:
     """Command line of a recipe file: ``python recipes/x.py --config NAME key=value ...``.
 
-    Args:
-        recipe_main: The recipe's entry point.
-        argv: Arguments; None reads ``sys.argv[1:]``.
-
     Raises:
         SystemExit: Always, with the status of `run_recipe`.
     """
@@ -127,14 +119,7 @@ def split_overrides(
 ) -> list[str]:
     """Overrides after ``--config`` land in argparse's leftovers; accept those, reject flags.
 
-    Args:
-        parser: Reports a flag it does not know.
-        overrides: The parsed ``overrides`` positionals.
-        extra: argparse's leftovers.
-        verbose: ``--verbose`` was given: ``log_level=debug`` goes last, so it wins.
-
-    Returns:
-        list[str]: Every override, in order.
+    With ``verbose``, ``log_level=debug`` goes last, so it wins.
     """
     flags = [arg for arg in extra if arg.startswith("-")]
     if flags:

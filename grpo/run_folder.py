@@ -28,7 +28,6 @@ def find_checkpoint(run_dir: Path, resume: bool | str) -> Path | None:
     """The checkpoint to resume from: ``true`` means the latest in ``run_dir``.
 
     Args:
-        run_dir: The run folder.
         resume: ``resume_from_checkpoint``: false or None, true, or a folder.
 
     Returns:

@@ -45,10 +45,6 @@ def failure_reason(error: BaseException, machinery: Sequence[str] = ()) -> str:
     separator, or files); an exception raised in the machinery itself names its last frame. The
     exception it was raised from, if any, follows.
 
-    Args:
-        error (BaseException): What the user's code raised.
-        machinery (Sequence[str]): Where the framework's frames live.
-
     Returns:
         str: e.g. ``KeyError: 'anwser' (at /home/me/my_env.py:31 in env_response:
         return state["anwser"])``.
@@ -78,7 +74,6 @@ def cause_first(
     everything but the cause.
 
     Args:
-        name (str | None): The exception's type, kept in front of a long text's last line.
         where (str | None): Where it raised (``"/x/env.py:12 in env_response: ..."``).
         then (str | None): More to say on the first line (the exception it came from).
 

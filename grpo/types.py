@@ -82,16 +82,12 @@ class UnscoredTrajectory(_PicklesTensorsAsArrays):
         prompt_len: Number of prompt tokens (at least 1).
         response_len: Number of response tokens.
         logprobs: Behaviour (vLLM) logprobs of the response tokens, ``(response_len,)``.
-        answer: Ground-truth answer of the prompt.
-        sequence_id: Unique id of this sequence.
         policy_version: Training steps taken by the weights that generated its oldest token.
-        group_id: Id of the prompt group it belongs to.
         response_mask: Bool ``(response_len,)``: False on a multi-turn episode's environment
             tokens (never trained; their ``logprobs`` are 0). None: all are the policy's.
         env_rewards: Rewards the environment gave the episode, by name.
         env_successes: The reward functions' success flags, by name; None: a reward above 0
             counts as a success.
-        episode_stats: Counts of a multi-turn episode, for metrics.
         last_policy_version: Version of the weights that generated its newest token (newer
             after an in-flight update); None: ``policy_version``.
 
@@ -140,10 +136,7 @@ class UnscoredTrajectory(_PicklesTensorsAsArrays):
 class GroupedUnscoredTrajectories:
     """All samples generated for one prompt; the unit the reference actor scores.
 
-    Args:
-        trajectories: The group's samples.
-        group_id: Id shared by every trajectory in the group.
-        total_tokens: Sum of ``prompt_len + response_len`` over the group.
+    ``total_tokens`` is the sum of ``prompt_len + response_len`` over the group.
 
     Raises:
         ValueError: If the group is empty, ids disagree or ``total_tokens`` is wrong.
@@ -273,24 +266,17 @@ class PackedTrajectory:
     order of ``sequence_ids``, and ``hidden[logit_positions]`` lines up with it one to one.
 
     Args:
-        tokens: Shape ``(packed_seq_len,)``.
         attention_mask: Dense bool ``(L, L)`` (True = may attend), a ``BlockMask`` or a
             `VarlenMask`.
         position_ids: Shape ``(packed_seq_len,)``, restarting at 0 per sequence.
         response_mask: Bool, True on response tokens, ``(packed_seq_len,)``.
         sequence_mask: Index of each token's sequence (a shared prompt: the first sharing it),
             -1 on padding.
-        prompt_lens: Shape ``(num_sequences,)``.
-        response_lens: Shape ``(num_sequences,)``.
         sequence_map: ``[start, end)`` of each sequence's own tokens, ``(num_sequences, 2)``.
-        packed_seq_len: Length of ``tokens`` including padding.
         targets: Response tokens in sequence order, ``(total_response_tokens,)``.
         ref_logprobs: Reference logprobs, aligned with ``targets``.
         advantages: Per-token advantages, aligned with ``targets``.
         behavior_logprobs: vLLM logprobs, aligned with ``targets``.
-        sequence_ids: Ids of the packed sequences, in order.
-        group_ids: Group ids of the packed sequences, in order.
-        actual_total_tokens: Real (non-padding) tokens.
         logit_positions: Hidden row predicting each target; None: ``response_mask[1:]``'s
             positions (every sequence one contiguous block).
         shared_prompt_tokens: Prompt tokens not repeated thanks to shared prompts.
@@ -384,9 +370,6 @@ class GRPOStats:
     """Scalars describing one GRPO loss computation.
 
     Args:
-        loss: Total loss (policy + kl).
-        policy_loss: Clipped surrogate part.
-        kl_loss: ``kl_coeff`` times the KL estimate.
         ratios: Token mean of the clipped objective's ratio.
         clipfrac: Fraction of response tokens whose ratio was clipped.
         approx_policy_kls: Token mean of ``0.5 * (pi - behaviour)^2``.

@@ -46,16 +46,12 @@ def build_model(
     every size come from its ``config.json``.
 
     Args:
-        device (str | torch.device): Device to build on. ``"meta"`` needs
-            ``load_weights=False`` (for FSDP, which materialises and loads later).
-        load_weights (bool): Load the checkpoint's weights; otherwise keep torchtune's init.
+        device (str | torch.device): ``"meta"`` needs ``load_weights=False`` (for FSDP, which
+            materialises and loads later).
         max_seq_len (int | None): Longest sequence the model will see (sizes the RoPE cache);
             defaults to ``max_position_embeddings``.
         packed_len (int | None): Longest packed input (several sequences in one row, each
             with positions from 0), accepted even when longer than ``max_seq_len``.
-
-    Returns:
-        TransformerDecoder: The model, in training mode.
 
     Raises:
         FileNotFoundError: If the folder, config or weights are missing.

@@ -47,12 +47,8 @@ def llama(
 
     Args:
         embed_dim (int): Hidden size; the head dim is ``embed_dim // num_heads``.
-        tie_word_embeddings (bool): Output projection shares the embedding (Llama 3.2 1B/3B).
         rope_scaling (dict[str, float] | None): ``Llama3ScaledRoPE`` arguments, or None for
             plain RoPE.
-
-    Returns:
-        TransformerDecoder: The model (torchtune's default initialisation).
     """
     args = {
         "vocab_size": vocab_size,

@@ -108,10 +108,6 @@ def qwen3(
     Args:
         head_dim (int): Size of one head (not necessarily ``embed_dim // num_heads``).
         norm_eps (float): Epsilon of every RMSNorm, the q/k norms included.
-        tie_word_embeddings (bool): Output projection shares the embedding.
-
-    Returns:
-        TransformerDecoder: The model (torchtune's default initialisation).
     """
     rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
     layers = nn.ModuleList()

@@ -132,9 +132,8 @@ def save_hf_checkpoint(
 
     Args:
         tune_state_dict (dict[str, torch.Tensor]): Full (not FSDP-sharded) torchtune state
-            dict, e.g. ``model.state_dict()``; tensors may be on any device.
+            dict; tensors may be on any device.
         model_dir_src (str | os.PathLike): Folder of the model the state dict belongs to.
-        out_dir (str | os.PathLike): Folder to write.
         max_shard_bytes (int | None): Split the weights into ``model-0000i-of-0000n``
             safetensors files of at most this size with an index; default one file.
 

@@ -38,7 +38,6 @@ class Tokenizer:
 
     Attributes:
         bos_id (int | None): Begin-of-text id, or None for families without one (Qwen).
-        eos_id (int): The tokenizer's eos token id.
         pad_id (int): Pad token id (the eos id when the tokenizer has none, as in Llama 3).
         stop_tokens (list[int]): Ids generation stops on: ``generation_config.json``'s
             ``eos_token_id`` (what vLLM stops on), then ``eos_id`` if not among them.
@@ -92,7 +91,6 @@ class Tokenizer:
         Args:
             add_bos (bool): Start with the bos token when the tokenizer adds one by default
                 (Llama 3) and ``text`` does not already begin with it.
-            add_eos (bool): End with ``eos_id``.
         """
         ids = self.hf_tokenizer.encode(text, add_special_tokens=False)
         if add_bos and self._adds_bos and ids[:1] != [self.bos_id]:
@@ -115,10 +113,7 @@ class Tokenizer:
         """Render chat turns with the folder's chat template, as transformers does.
 
         Args:
-            messages (list[dict[str, str]]): ``{"role", "content"}`` turns.
-            add_generation_prompt (bool): End with the opening of the assistant's turn.
             tools (list[dict] | None): JSON tool schemas the template lists.
-            **chat_template_kwargs: Extra template variables (``enable_thinking=False``).
 
         Returns:
             str: The prompt text (it may start with the bos token).

@@ -50,8 +50,6 @@ class PlotSpec:
 
     Args:
         filename (str): File name without ``.png``.
-        title (str): Figure title.
-        ylabel (str): y axis label.
         patterns (tuple[str, ...]): Metric names or globs (``*``); matching series are drawn in
             the order of the patterns, then by name.
         one_panel_per_series (bool): Stack one panel per series (series with different scales
@@ -125,11 +123,9 @@ PLOTS: tuple[PlotSpec, ...] = (
 def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """Read a run's ``metrics.jsonl`` into one ``(step, value)`` list per metric.
 
-    Null values (non-finite when logged), strings and booleans are left out: only numbers are
-    plottable. Points keep the order of the file (actors' steps interleave; sort to plot).
-    A truncated last line, as a killed run can leave, is skipped with a warning. Values a
-    rewind superseded (a trainer restart redid their steps) are left out, and so are the
-    rewind lines themselves: each series holds the standing values.
+    Only numbers are kept, in file order (actors' steps interleave; sort to plot), and only
+    standing values (after a rewind). A truncated last line, as a killed run can leave, is
+    skipped with a warning.
 
     Args:
         run_dir (str | Path): The run folder, or the ``metrics.jsonl`` path itself.
@@ -140,11 +136,6 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     Raises:
         FileNotFoundError: If there is no ``metrics.jsonl`` (the message names the path).
         ValueError: If a line other than the last is not a JSON object with an int ``step``.
-
-    Example:
-        >>> series = read_metrics("runs/demo")
-        >>> series["eval/accuracy"][:2]
-        [(0, 0.12), (10, 0.25)]
     """
     path = Path(run_dir)
     if path.is_dir() or path.suffix != ".jsonl":
@@ -182,19 +173,8 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
 def moving_average(values: Sequence[float], window: int) -> np.ndarray:
     """Centred moving average; the window shrinks at the ends so the output keeps the length.
 
-    Args:
-        values (Sequence[float]): The series.
-        window (int): Points averaged (1 returns the series unchanged).
-
-    Returns:
-        np.ndarray: Smoothed series, same length as `values`.
-
     Raises:
         ValueError: If `window` < 1.
-
-    Example:
-        >>> moving_average([0.0, 3.0, 0.0, 3.0], 3).tolist()
-        [1.5, 1.0, 2.0, 1.5]
     """
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
@@ -226,7 +206,6 @@ def plot_run(
     skipped, and each skip is logged at INFO level with the metrics it looked for.
 
     Args:
-        run_dir (str | Path): The run folder holding ``metrics.jsonl``.
         out_dir (str | Path | None): Where to write; ``run_dir/plots`` by default.
         smoothing_window (int | None): Moving-average window; None picks one per series
             (`default_smoothing_window`).
@@ -236,10 +215,6 @@ def plot_run(
 
     Raises:
         FileNotFoundError: If ``run_dir/metrics.jsonl`` does not exist.
-
-    Example:
-        >>> [p.name for p in plot_run("runs/demo")]
-        ['rewards_per_function.png', 'kl.png', ...]
     """
     series = read_metrics(run_dir)
     out_path = Path(out_dir) if out_dir is not None else Path(run_dir) / "plots"

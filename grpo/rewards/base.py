@@ -337,10 +337,6 @@ def build_reward_function(node: Mapping[str, Any], key: str) -> Any:
     The node names a class, a decorated or plain reward function (its keys are options) or a
     factory that takes the keys and returns the reward function.
 
-    Args:
-        node (Mapping[str, Any]): The node (``_component_`` and its keys).
-        key (str): Its config key, for messages (``reward_functions[0]``).
-
     Raises:
         InstantiationError: Naming the key: a path that does not import, keys the function
             does not take, or a function that is no reward function (saying what to write).
@@ -378,13 +374,7 @@ def call_reward(
     answer: str,
     columns: Mapping[str, Any] | None = None,
 ) -> tuple[float, bool]:
-    """Call a reward function and check its result.
-
-    Args:
-        reward_fn (RewardFunction): The function.
-        completion (str): Model output.
-        answer (str): Gold answer.
-        columns (Mapping[str, Any] | None): Keyword arguments: the example's columns it takes.
+    """Call a reward function with the example's ``columns`` it takes and check its result.
 
     Returns:
         tuple[float, bool]: ``(reward, success)``; a float alone succeeds when above 0, a bool

@@ -50,7 +50,6 @@ class RewardBatch:
     Args:
         rewards (torch.Tensor): float32, shape ``(N, F)``.
         successes (torch.Tensor): float32 0/1, shape ``(N, F)``.
-        func_names (list[str]): Name of each column.
         num_timeouts (dict[str, int]): Calls that overran the timeout, per function.
         num_exceptions (dict[str, int]): Calls that raised (or whose worker died), per function.
         failure_reasons (dict[str, str]): Per function that failed a call, its first exception
@@ -168,8 +167,6 @@ def batched_rewards(
     Args:
         reward_fns (Sequence): Picklable reward functions with distinct names (a plain callable
             is wrapped with `reward_function`).
-        completions (Sequence[str]): N completions.
-        answers (Sequence[str]): N gold answers.
         timeout_s (float | None): Per-call limit in seconds. None runs the calls inline with
             no timeout (for debugging).
         pool (RewardPool | None): Pool to use; defaults to `default_reward_pool`.

@@ -21,10 +21,7 @@ class FormatReward(RewardFunction):
     ``answer_tag_reward``; else 0.0.
 
     Args:
-        think_required (bool): Require the think block.
         strict (bool): Require the blocks to be the whole completion.
-        format_reward (float): Reward for the full format.
-        answer_tag_reward (float): Partial reward for answer tags alone, e.g. 0.5.
     """
 
     name = "format"
@@ -67,11 +64,6 @@ class FormatReward(RewardFunction):
 
 class TokenPresenceReward(RewardFunction):
     """``reward`` if the completion contains ``token``, else ``absent_reward`` (a toy reward).
-
-    Args:
-        token (str): Substring to look for.
-        reward (float): Reward when present.
-        absent_reward (float): Reward when absent.
 
     Raises:
         ValueError: If ``token`` is empty.

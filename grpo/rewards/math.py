@@ -86,7 +86,6 @@ class MathCorrectnessReward(RewardFunction):
     according to math-verify; ``partial_credit`` if it parses but is wrong; else 0.0.
 
     Args:
-        partial_credit (float): Reward for a parsable but wrong answer.
         allow_last_number (bool): Fall back to the last number in the text. Off by default:
             paying for a number that ends an unformatted response teaches the policy to drop
             the format; turn it on only for data without a format.

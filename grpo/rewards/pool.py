@@ -87,8 +87,6 @@ class RewardPool:
         num_workers (int | None): Worker processes; defaults to ``min(4, os.cpu_count())``.
         start_method (str | None): ``"forkserver"`` (default where available) or ``"spawn"``.
             Not ``"fork"``: forking a process that runs Ray or torch threads is unsafe.
-        startup_timeout_s (float): Allowance for the workers to start and import the reward
-            functions' modules.
         max_calls_per_task (int): Most calls sent to a worker as one task (1: no chunks).
 
     Raises:

@@ -17,7 +17,6 @@ def logprobs_from_logits(logits: torch.Tensor, packed: PackedTrajectory) -> torc
 
     Args:
         logits (torch.Tensor): ``[L, V]`` or ``[1, L, V]``.
-        packed (PackedTrajectory): The pack the logits were computed on.
 
     Returns:
         torch.Tensor: fp32 ``(packed.num_response_tokens,)`` aligned with ``packed.targets``.
@@ -51,9 +50,6 @@ def pack_by_budget(
     """Plan packs with `plan_sequence_packs` and build them with `pack_sequences`.
 
     Args:
-        sequences: The batch, all `UnscoredTrajectory` or all `ScoredTrajectory`.
-        keep_groups_together (bool): Never split a ``group_id`` across packs (unless the group
-            alone exceeds the budget).
         pad_to_budget (bool): Pad every pack to exactly the budget (one static shape).
             Otherwise packs are padded only up to ``pad_to_multiple_of``, if given.
 

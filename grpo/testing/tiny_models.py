@@ -419,10 +419,6 @@ def build_tiny_qwen2(
         out_dir (str | os.PathLike): Folder to create (an existing one is replaced).
         num_heads (int): Number of query heads; the head dim ``embed_dim // num_heads`` must be
             64 or more for vLLM's CPU attention.
-        vocab_size (int): Rows of the embedding; BPE tokens plus the three special tokens.
-        max_seq_len (int): ``max_position_embeddings`` of the config.
-        tie_word_embeddings (bool): Share the embedding with the output projection; with
-            ``False`` the checkpoint stores ``lm_head.weight``.
         tool_calls (bool): Qwen2.5's tool calling: ``<tool_call>`` and ``</tool_call>`` are
             tokens of their own and the chat template renders tools as Qwen2.5's does.
 
@@ -523,12 +519,6 @@ def build_tiny_qwen3(
     ``embed_dim // num_heads``, as in Qwen3-0.6B, so loaders that derive the head dim from the
     hidden size fail.
 
-    Args:
-        head_dim (int): Size of one head, 64 or more (vLLM's CPU attention).
-
-    Returns:
-        Path: ``out_dir``.
-
     Raises:
         ValueError: If ``head_dim`` is below 64, ``num_kv_heads`` does not divide
             ``num_heads``, or ``vocab_size`` cannot hold the bytes and special tokens.
@@ -617,13 +607,8 @@ def build_tiny_llama(
     post-processor, ``<|eot_id|>`` as eos and no pad token.
 
     Args:
-        num_heads (int): Number of query heads; the head dim ``embed_dim // num_heads`` must be
-            64 or more (vLLM's CPU attention).
         rope_scaling (dict[str, Any] | None): ``rope_scaling`` of the config (default
             `TINY_LLAMA_ROPE_SCALING`); None for Llama 3.0's plain RoPE.
-
-    Returns:
-        Path: ``out_dir``.
 
     Raises:
         ValueError: If a dimension is inconsistent (see `build_tiny_qwen2`) or ``vocab_size``
@@ -708,11 +693,7 @@ def tiny_vllm_engine_kwargs(
 
     Call `set_vllm_cpu_env` in the process before constructing the engine.
 
-    Args:
-        max_model_len (int): Longest prompt plus response.
-        kv_cache_mib (int): KV cache size in MiB. The tiny model (2 layers, 1 kv head of dim 64,
-            fp32) needs 1 KiB per token, so 64 MiB holds 64k tokens.
-        seed (int): Sampling seed of the engine.
+    ``kv_cache_mib``: the tiny model needs 1 KiB per token, so 64 MiB holds 64k tokens.
     """
     return {
         "dtype": "float32",
