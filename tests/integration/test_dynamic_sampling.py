@@ -34,10 +34,14 @@ def test_synchronous_run_whose_rewards_never_differ_stops_naming_the_cause(
         2,
         "ref.filter_zero_variance_groups=true",
         "orchestration.synchronous=true",
-        "orchestration.equal_rewards_timeout_s=15",
+        # Waited out in full: short. One generation batch (16 prompts x 4) holds the first 64
+        # episodes, reported well before it; the queue holds a whole batch (a synchronous run
+        # scores only once the batch is generated).
+        "orchestration.equal_rewards_timeout_s=5",
         "training.batch_size=16",
         "inference.group_size=4",
-        "inference.batch_size=4",
+        "inference.batch_size=16",
+        "inference.queue_maxsize=16",
         "inference.max_generated_tokens=4",
         "reward_functions=[{_component_: grpo.rewards.TokenPresenceReward, token: '7', "
         "reward: 0.0}]",
