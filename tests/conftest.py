@@ -55,3 +55,18 @@ def ray_cleanup():
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_shared_by_module():
+    """Shut down, after the module's last test, the Ray cluster that its runs started.
+
+    A module whose runs all start the same cluster (``tiny_arithmetic_cpu``'s) overrides
+    `ray_cleanup` with it: each run joins the cluster the one before left up, a start-up of
+    seconds less; a test that needs a fresh one shuts it down itself.
+    """
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

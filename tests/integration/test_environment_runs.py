@@ -38,6 +38,11 @@ MULTI_TURN = [
 ]
 
 
+@pytest.fixture
+def ray_cleanup(ray_shared_by_module):
+    """The runs of this module share one Ray cluster (`ray_shared_by_module`)."""
+
+
 def trained_ids(run_dir: Path) -> list[str]:
     return [sid for r in read_jsonl(run_dir / "trained.jsonl") for sid in r["sequence_ids"]]
 

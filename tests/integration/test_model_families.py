@@ -25,6 +25,11 @@ from tests.unit.test_model_families import (
 family_dirs = fast.family_dirs
 
 
+@pytest.fixture
+def ray_cleanup(ray_shared_by_module):
+    """The runs of this module share one Ray cluster (`ray_shared_by_module`)."""
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def engine(request, family_dirs):
     """``(llm, model_dir, family)``: a vLLM CPU engine started as the collectors start theirs

@@ -133,6 +133,11 @@ def undisturbed(tiny_model_dir, tmp_path_factory) -> Undisturbed:
     return Undisturbed(run_dir, states_at)
 
 
+@pytest.fixture
+def ray_cleanup(ray_shared_by_module):
+    """The runs of this module share one Ray cluster (`ray_shared_by_module`)."""
+
+
 def descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)

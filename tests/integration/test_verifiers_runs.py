@@ -9,7 +9,6 @@ a process of its own) and the trajectories trained are the trace's tokens. The r
 from __future__ import annotations
 
 import pytest
-import ray
 
 pytest.importorskip("verifiers", reason="the verifiers extra: pip install -e '.[verifiers]'")
 
@@ -22,6 +21,11 @@ from grpo.testing import RANDOM_MODEL_OVERRIDES, read_jsonl  # noqa: E402
 from grpo.testing.tiny_models import build_tiny_qwen2  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def ray_cleanup(ray_shared_by_module):
+    """The runs of this module share one Ray cluster (`ray_shared_by_module`)."""
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,6 @@ def test_two_steps_on_a_verifiers_environment(
             "training.batch_size=16",
         ]
     )
-    ray.shutdown()
     assert status == 0
 
     trained = [sid for r in read_jsonl(run_dir / "trained.jsonl") for sid in r["sequence_ids"]]
