@@ -109,7 +109,7 @@ class PromptStream:
             skipped_in_a_row += 1
             if skipped_in_a_row >= len(self):
                 raise ValueError(
-                    f"collector {self.worker_id}: every prompt of its shard is longer than "
+                    f"inference[{self.worker_id}]: every prompt of its shard is longer than "
                     f"max_prompt_tokens={max_tokens}"
                 )
         return prompts, skipped

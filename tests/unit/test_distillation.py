@@ -367,5 +367,5 @@ def test_the_teachers_weights_are_on_the_reference_role(capsys, teacher_dir):
 
     overrides = [f"ref.teacher_model_path={teacher_dir}", "ref.num_gpus=1", "ray.num_gpus=1"]
     assert main(["validate", "tiny_arithmetic_cpu", *overrides, "--gpu-memory", "24GiB"]) == 0
-    (line,) = [line for line in capsys.readouterr().out.splitlines() if "reference 0" in line]
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "ref[0]" in line]
     assert ": teacher weights 2 MiB + forward ~" in line, line

@@ -86,7 +86,7 @@ def test_a_long_reason_is_kept_whole_and_leads_with_its_cause():
 
 def test_each_reason_is_logged_once_with_a_count_then_counted_now_and_then(caplog):
     now = [0.0]
-    drops = DroppedEpisodeLog("collector 0", every_s=30.0, clock=lambda: now[0])
+    drops = DroppedEpisodeLog("inference[0]", every_s=30.0, clock=lambda: now[0])
     typo = "KeyError: 'anwser' (at /x/env.py:3 in env_response: ...)"
     with caplog.at_level(logging.WARNING, logger="grpo.envs.dropped"):
         batch = drops.record([episode(typo)] * 7 + [episode()], "TypoEnv")
@@ -100,14 +100,14 @@ def test_each_reason_is_logged_once_with_a_count_then_counted_now_and_then(caplo
     assert (batch.episodes, batch.dropped, batch.reason, batch.reason_count) == (8, 7, typo, 7)
     lines = [record.getMessage() for record in caplog.records]
     assert lines[0] == (
-        "collector 0: 7 of the 8 episodes of a batch were dropped because TypoEnv failed (later "
+        "inference[0]: 7 of the 8 episodes of a batch were dropped because TypoEnv failed (later "
         f"ones for the same reason are counted in a line every 30 s): {typo}"
     )
-    assert lines[1].startswith("collector 0: 1 of the 9 episodes of a batch were dropped")
+    assert lines[1].startswith("inference[0]: 1 of the 9 episodes of a batch were dropped")
     assert lines[1].endswith("): ValueError: other")
     assert (
         lines[2]
-        == f"collector 0: 168 more episodes dropped for the same reason (175 in all): {typo}"
+        == f"inference[0]: 168 more episodes dropped for the same reason (175 in all): {typo}"
     )
     assert len(lines) == 3  # 176 episodes dropped, 3 lines
     assert drops.record([episode()], "TypoEnv").dropped == 0
@@ -135,7 +135,7 @@ def test_failed_episodes_scored_in_their_groups_are_logged_and_stop_a_run_that_f
     env, failed = typo_batch(8)
     kept, rewards = scored_episodes(env, failed)
     assert kept == failed and rewards == [{"math_correctness": -0.5}] * 8
-    drops = DroppedEpisodeLog("collector 0")
+    drops = DroppedEpisodeLog("inference[0]")
     with caplog.at_level(logging.WARNING, logger="grpo.envs.dropped"):
         batch = drops.record(failed, "TypoEnv")
         drops.record(failed, "TypoEnv")
@@ -143,11 +143,11 @@ def test_failed_episodes_scored_in_their_groups_are_logged_and_stop_a_run_that_f
     assert (batch.episodes, batch.dropped, batch.scored) == (8, 8, 8)
     first, more = (record.getMessage() for record in caplog.records)
     assert first.startswith(
-        "collector 0: 8 of the 8 episodes of a batch were scored with the failure reward "
+        "inference[0]: 8 of the 8 episodes of a batch were scored with the failure reward "
         "because TypoEnv failed (later ones"
     )
     assert "KeyError: 'anwser'" in first
-    assert more.startswith("collector 0: 8 more episodes scored with the failure reward for ")
+    assert more.startswith("inference[0]: 8 more episodes scored with the failure reward for ")
 
     guard = EpisodeDrops()
     for _ in range(3):
@@ -169,16 +169,16 @@ def test_failed_episodes_scored_in_their_groups_are_logged_and_stop_a_run_that_f
     _, failed = typo_batch(8)
     assert scored_episodes(dropping, failed) == ([], [])
     assert not any(e.failure_scored for e in failed)
-    assert DroppedEpisodeLog("collector 0").record(failed).scored == 0
+    assert DroppedEpisodeLog("inference[0]").record(failed).scored == 0
 
 
 def test_reasons_that_name_each_episode_are_logged_in_full_only_up_to_a_limit(caplog):
-    drops = DroppedEpisodeLog("collector 0", max_reasons=3)
+    drops = DroppedEpisodeLog("inference[0]", max_reasons=3)
     with caplog.at_level(logging.WARNING, logger="grpo.envs.dropped"):
         batch = drops.record([episode(f"ValueError: bad answer {i}") for i in range(50)])
     assert len(caplog.records) == 4  # three reasons in full, then the rest together
     other = caplog.records[-1].getMessage()
-    assert other.startswith("collector 0: 47 of the 50 episodes of a batch were dropped")
+    assert other.startswith("inference[0]: 47 of the 50 episodes of a batch were dropped")
     assert other.endswith(f"): {DroppedEpisodeLog.OTHER_REASONS}")
     assert drops.totals[DroppedEpisodeLog.OTHER_REASONS] == 47
     assert (batch.episodes, batch.dropped) == (50, 50)
