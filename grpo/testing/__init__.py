@@ -1,13 +1,7 @@
 """Test support: tiny checkpoints built on the fly, and helpers for tests and drills.
 
-Tests and the CPU demo cannot download a model, so they build one (`tiny_models`: Qwen2, Qwen3
-or Llama 3 architecture): a small
-randomly initialised decoder with a byte-level BPE tokenizer, written in the same Hugging Face
-layout as a real checkpoint, so the same loading code (``grpo.models``, vLLM) serves both.
-`helpers` holds what tests and drills need around it: a diverging loss, and helpers that run a
-tiny run and kill its actors. Everything here is imported by scripts or inside Ray workers (fault
-injectors, tools, rewards, agents and tasksets named by configs); helpers only the tests use live
-in ``tests/helpers``.
+Everything here is imported by scripts or inside Ray workers (fault injectors, tools, rewards,
+agents and tasksets named by configs); helpers only the tests use live in ``tests/helpers``.
 
 Example:
     >>> from grpo.testing import build_tiny_qwen2, tiny_vllm_engine_kwargs
@@ -19,7 +13,6 @@ Example:
 from grpo.testing.helpers import (
     RANDOM_MODEL_OVERRIDES,
     NonFiniteLoss,
-    assert_same_training_state,
     gathered_training_state,
     kill_at_steps,
     read_jsonl,
@@ -70,7 +63,6 @@ __all__ = [
     "TINY_LLAMA_ROPE_SCALING",
     "TOKENIZER_FILES",
     "NonFiniteLoss",
-    "assert_same_training_state",
     "build_tiny_llama",
     "build_tiny_qwen2",
     "build_tiny_qwen3",

@@ -1,4 +1,5 @@
 """Helpers that only the tests use: tiny models with a real family's chat template
-(`chat_families`) and the plain full-logits logprobs the chunked ones are checked against
-(`logprobs`). What must import inside Ray workers or in scripts stays in `grpo.testing`.
+(`chat_families`), the plain full-logits logprobs the chunked ones are checked against
+(`logprobs`), and the bit-for-bit comparison of two trainers' states (`training_state`). What
+must import inside Ray workers or in scripts stays in `grpo.testing`.
 """

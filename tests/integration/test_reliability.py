@@ -40,12 +40,12 @@ from grpo.orchestrator import ActorFailedError, Orchestrator, TrainingDivergedEr
 from grpo.orchestrator.state import CallKind
 from grpo.testing import (
     RANDOM_MODEL_OVERRIDES,
-    assert_same_training_state,
     gathered_training_state,
     kill_at_steps,
     read_jsonl,
     start_tiny_run,
 )
+from tests.helpers.training_state import assert_same_training_state
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.testing import assert_same_training_state, gathered_training_state
+from grpo.testing import gathered_training_state
 from grpo.types import ScoredTrajectory
 from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
+from tests.helpers.training_state import assert_same_training_state
 from tests.unit.test_trainer import (
     LOSS,
     assert_same_update,

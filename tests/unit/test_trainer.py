@@ -13,9 +13,10 @@ from grpo.observability.metric_names import (
     TRAIN_CORRECTION_MASKED_FRACTION,
     TRAIN_CORRECTION_MASKED_SEQUENCE_FRACTION,
 )
-from grpo.testing import assert_same_training_state, gathered_training_state
+from grpo.testing import gathered_training_state
 from grpo.types import ScoredTrajectory
 from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
+from tests.helpers.training_state import assert_same_training_state
 
 LOSS = {
     "_component_": "grpo.objective.loss.GRPOLoss",

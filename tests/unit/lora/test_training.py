@@ -18,11 +18,12 @@ from grpo.models.lora import is_adapter_key, load_peft_adapter, peft_adapter_sta
 from grpo.packing.attention import use_packed_attention
 from grpo.packing.logprobs import model_response_logprobs
 from grpo.packing.packs import pack_sequences
-from grpo.testing import assert_same_training_state, gathered_training_state
+from grpo.testing import gathered_training_state
 from grpo.types import ScoredTrajectory
 from grpo.weights.checksum import state_dict_checksum
 from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
 from grpo.workers.training_checkpoint import ADAPTER_SUBDIR, MODEL_SUBDIR, TRAINER_SUBDIR
+from tests.helpers.training_state import assert_same_training_state
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
 LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=TARGETS)
