@@ -6,7 +6,7 @@ An option lives in the section of the component that reads it. Imports: pydantic
 """
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
@@ -520,6 +520,15 @@ class LoRAConfig(Section):
     )
     """Linear layers to adapt, by Hugging Face name: q_proj, k_proj, v_proj, o_proj,
     gate_proj, up_proj, down_proj."""
+    serve: Literal["auto", "adapter", "merged"] = "auto"
+    """How the collectors' vLLM engines serve each synced adapter. adapter: as a vLLM LoRA
+    adapter (LoRA kernels at every step). merged: each collector folds it into its copy of the
+    base weights (W + (alpha / rank) * B @ A) and loads them in place; vLLM runs without LoRA
+    and the update is verified like a full one. The trainer sends the adapter either way, and
+    checkpoints hold only the adapter. auto: merged when the engine runs on CPU (no CUDA
+    device), adapter on GPU. On CPU vLLM's LoRA layers copy each scheduled token's adapter
+    matrices at every engine step (half the demo engine's time, profiled), while merging costs
+    one merge and one in-place load per update (docs/training.md#lora)."""
 
     @field_validator("dropout")
     @classmethod
@@ -564,9 +573,10 @@ class TrainingConfig(Section):
     Varlen and flex attention run outside the compiled graphs."""
     lora: LoRAConfig | None = None
     """Train low-rank adapters on the frozen base model instead of every weight; null: full
-    fine-tuning. Only the adapters go to the collectors (vLLM serves them as a LoRA adapter),
-    and the reference logprobs come from the base model with the adapter off (no reference
-    model is loaded)."""
+    fine-tuning. Keys: rank, alpha, dropout, target_modules, serve. Only the adapters go to the
+    collectors, which serve them as a vLLM LoRA adapter or merged into the base weights (serve:
+    auto, adapter or merged; auto is merged on CPU, adapter on GPU), and the reference logprobs
+    come from the base model with the adapter off (no reference model is loaded)."""
     num_gpus: float = Field(0, ge=0)
     """GPUs per training actor."""
     num_cpus: float = Field(1, ge=0)

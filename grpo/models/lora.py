@@ -38,6 +38,7 @@ __all__ = [
     "load_peft_adapter",
     "lora_modules",
     "merge_lora",
+    "merge_peft_adapter",
     "peft_adapter_config",
     "peft_adapter_state_dict",
     "reset_lora_parameters",
@@ -316,4 +317,43 @@ def merge_lora(
         weight, lora_a, lora_b = (tune_state[name] for name in names)
         delta = scale * (lora_b.float() @ lora_a.float())
         merged[names[0]] = (weight.float() + delta.to(weight.device)).to(weight.dtype)
+    return merged
+
+
+def merge_peft_adapter(
+    base: Mapping[str, torch.Tensor], peft_tensors: Mapping[str, torch.Tensor], scale: float
+) -> dict[str, torch.Tensor]:
+    """Fold a PEFT adapter into Hugging Face weights: the state dict vLLM loads without LoRA.
+
+    `merge_lora` under HF names: each adapted ``W`` becomes ``W + scale * B @ A`` (computed in
+    float32, stored in ``W``'s dtype); every other tensor is ``base``'s own (not copied), and
+    neither input is modified. PEFT's ``B`` rows are already in HF order (Llama's q/k too).
+
+    Args:
+        base: HF-named weights of the base model.
+        peft_tensors: The adapter under PEFT names (`peft_adapter_state_dict`).
+        scale: ``alpha / rank``.
+
+    Raises:
+        ValueError: If a tensor is not a LoRA A/B weight, an adapter lacks its A or B half, or
+            the base has no weight for it.
+    """
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in peft_tensors.items():
+        match = _PEFT_ADAPTER_KEY.match(name.removeprefix(_PEFT_PREFIX))
+        if not match or match.group(2) not in _TARGET_OF_HF_PATH:
+            raise ValueError(f"adapter tensor {name!r} is not a LoRA A/B weight")
+        prefix = f"model.layers.{match.group(1)}.{match.group(2)}"
+        halves.setdefault(prefix, {})[match.group(3)] = tensor
+    merged = dict(base)
+    for prefix, pair in sorted(halves.items()):
+        weight_name = f"{prefix}.weight"
+        missing = [f"lora_{half}" for half in "AB" if half not in pair]
+        if weight_name not in base:
+            missing.append("base weight")
+        if missing:
+            raise ValueError(f"cannot merge the adapter of {prefix!r}: no {', '.join(missing)}")
+        weight = base[weight_name]
+        delta = scale * (pair["B"].float() @ pair["A"].float())
+        merged[weight_name] = (weight.float() + delta.to(weight.device)).to(weight.dtype)
     return merged

@@ -1,4 +1,5 @@
-"""A collector's LoRA adapters: each policy version is a vLLM LoRA adapter of its own.
+"""A collector's LoRA adapters: each policy version is a vLLM LoRA adapter of its own, or, served
+merged (`MergedAdapters`), folded into the base weights that vLLM runs without LoRA.
 
 A request keeps the adapter it was added with to its end, so an update never changes the
 weights under a running sequence and a rejected update costs nothing to roll back. Version 0
@@ -27,6 +28,7 @@ from grpo.weights.checksum import (
     is_base_adapter,
     state_dict_checksum,
 )
+from grpo.weights.engine import WeightReceiver, WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,124 @@ def engine_adapters(
 
     config = peft_adapter_config(lora, model_dir)
     return EngineAdapters(llm, config, adapter_dir, policy_version)
+
+
+def serves_merged(lora: Any, on_cpu: bool | None = None) -> bool:
+    """Whether a collector serves ``training.lora`` merged into the base weights.
+
+    ``serve: auto`` is merged on CPU and adapter on GPU: vLLM's CPU LoRA layers gather a copy
+    of each scheduled token's adapter matrices at every engine step (half the demo engine's
+    time, profiled), while serving merged weights costs one merge and one in-place load per
+    update (docs/training.md#lora).
+
+    Args:
+        lora: ``training.lora``.
+        on_cpu: Whether the engine runs on CPU; None: whether CUDA is unavailable here.
+    """
+    if lora.serve != "auto":
+        return lora.serve == "merged"
+    return (not torch.cuda.is_available()) if on_cpu is None else on_cpu
+
+
+class MergedAdapters:
+    """A collector's adapters served merged: vLLM runs without LoRA on base + adapter weights.
+
+    Each update's adapter, once its checksum matches the sender's, is folded into this
+    collector's copy of the base weights (`merge_peft_adapter`) and the update goes on as a
+    full one: loaded in place, its checksum over the merged tensors checked on the worker,
+    its probe run, rolled back if rejected. `checksum` reports the adapter's (what the trainer
+    reports), the engine's own is the merged weights'.
+
+    Args:
+        model_dir: The base model folder.
+        lora: ``training.lora``.
+        verify: Check each adapter's checksum against the sender's.
+    """
+
+    def __init__(self, model_dir: str, lora: Any, verify: bool = True) -> None:
+        from grpo.models import load_hf_state_dict
+
+        self.base = load_hf_state_dict(model_dir)
+        self.scale = float(lora.alpha) / int(lora.rank)
+        self.verify = verify
+        self.initial_weights: dict[str, torch.Tensor] | None = None  # merged, if not the base
+        self._checksums: dict[int, str] = {}  # version -> its adapter's checksum
+
+    def start(self, llm: Any, adapter_dir: str | None, version: int) -> None:
+        """Load the adapter of a PEFT folder (None: nothing, the engine holds the base) merged
+        into the engine as ``version``.
+
+        Raises:
+            WeightSyncError: If the engine's checksum of what it loaded is not the merged one.
+        """
+        if adapter_dir is None:
+            return
+        from grpo.weights.verify import check_checksums
+
+        tensors = _read_safetensors(Path(adapter_dir) / "adapter_model.safetensors")
+        merged = self._merge(tensors, int(version))
+        checksums = llm.collective_rpc("grpo_update_weights", args=(merged, True))
+        llm.reset_prefix_cache()
+        check_checksums(checksums, state_dict_checksum(merged), int(version))
+        self.initial_weights = merged
+
+    def _merge(self, tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+        from grpo.models.lora import merge_peft_adapter
+
+        self._checksums[version] = (
+            NO_ADAPTER_CHECKSUM if is_base_adapter(tensors) else state_dict_checksum(tensors)
+        )
+        for old in sorted(self._checksums)[:-4]:  # the served, pending and probed ones stay
+            del self._checksums[old]
+        return merge_peft_adapter(self.base, tensors, self.scale)
+
+    def merged_update(self, update: WeightUpdate) -> WeightUpdate:
+        """The full update that serves ``update``'s adapter merged.
+
+        Raises:
+            WeightSyncError: If the adapter's checksum differs from the sender's.
+        """
+        check = self.verify and update.checksum is not None
+        if check:
+            received = state_dict_checksum(update.weights)
+            if received != update.checksum:
+                raise WeightSyncError(
+                    f"adapter of version {update.version}: received tensors with checksum "
+                    f"{received}, the sender's checksum is {update.checksum}"
+                )
+        merged = self._merge(update.weights, int(update.version))
+        return WeightUpdate(
+            version=update.version,
+            weights=merged,
+            checksum=state_dict_checksum(merged) if check else None,
+            probe=update.probe,
+        )
+
+    def checksum(self, version: int) -> str:
+        """The checksum of ``version``'s adapter, as the trainer computes it
+        (`NO_ADAPTER_CHECKSUM` for a fresh one)."""
+        return self._checksums.get(int(version), NO_ADAPTER_CHECKSUM)
+
+    def receiver(self) -> MergingReceiver:
+        """A `WeightReceiver` whose updates come out merged."""
+        return MergingReceiver(self)
+
+
+class MergingReceiver(WeightReceiver):
+    """`WeightReceiver` of adapter updates that hands them on merged (`MergedAdapters`)."""
+
+    def __init__(self, adapters: MergedAdapters) -> None:
+        super().__init__()
+        self.adapters = adapters
+
+    def take(self) -> WeightUpdate | None:
+        """The pending update merged, or None.
+
+        Raises:
+            WeightSyncError: If its adapter's checksum differs from the sender's.
+        """
+        update = super().take()
+        return None if update is None else self.adapters.merged_update(update)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 from grpo.choices import WeightUpdateMode
 from grpo.observability import metric_names as names
 from grpo.weights import verify as checks
-from grpo.weights.adapter import EngineAdapters
+from grpo.weights.adapter import EngineAdapters, MergedAdapters
 from grpo.weights.base import ReceivingEnd
 from grpo.weights.checksum import WeightSyncError
 from grpo.weights.engine import WeightReceiver, WeightUpdate
@@ -57,6 +57,8 @@ class EngineWeights:
         verify: Check the checksum of every update the engine loads.
         adapters: With ``training.lora``, each version is served as a LoRA adapter of its
             own; None: full weights, loaded in place.
+        merged: With ``training.lora`` served merged, what folds each adapter into the base
+            weights; the update then loads as full weights.
         tokens: The record of which version sampled each token (``mark(version)``,
             ``relabel(old, new)``); None: nothing records them.
     """
@@ -73,6 +75,7 @@ class EngineWeights:
         policy_version: int,
         verify: bool = True,
         adapters: EngineAdapters | None = None,
+        merged: MergedAdapters | None = None,
         tokens: Any = None,
     ) -> None:
         self.llm = llm
@@ -85,7 +88,9 @@ class EngineWeights:
         self.model_dir = model_dir
         self.verify = verify
         self.end: ReceivingEnd | None = None  # the transport's, built by the first receive
-        self.pending = WeightReceiver()
+        # Adapters served merged arrive as adapters and load as full weights.
+        self.merged = merged
+        self.pending = merged.receiver() if merged is not None else WeightReceiver()
         # sampling_version differs while new weights are being verified in flight.
         self.policy_version = int(policy_version)
         self.sampling_version = self.policy_version
@@ -94,7 +99,9 @@ class EngineWeights:
         self.current_probe: dict[str, Any] | None = None
         self.probed_version: int | None = None
         # None: roll back to the model folder's (while `_can_roll_back`).
-        self._loaded_weights: Mapping[str, torch.Tensor] | None = None
+        self._loaded_weights: Mapping[str, torch.Tensor] | None = (
+            merged.initial_weights if merged is not None else None
+        )
         self._can_roll_back = True
         self._rejected_in_a_row = 0
         # in_flight_keep_kv: old weights' prefix-cache blocks, dropped once the engine is idle.
@@ -360,6 +367,8 @@ class EngineWeights:
         with self._lock:
             if self.adapters is not None:
                 return self.adapters.current_checksum
+            if self.merged is not None:  # the adapter's, as the trainer reports it
+                return self.merged.checksum(self.policy_version)
             return self.llm.collective_rpc("grpo_weights_checksum")[0]
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:

@@ -28,7 +28,7 @@ from grpo.envs.rollout import episode_groups
 from grpo.observability import metric_names as names
 from grpo.seeds import group_seed
 from grpo.types import GroupedUnscoredTrajectories
-from grpo.weights.adapter import engine_adapters
+from grpo.weights.adapter import MergedAdapters, engine_adapters, serves_merged
 from grpo.weights.concurrency import COLLECTOR_CONCURRENCY_GROUPS
 from grpo.workers.engine_sleep import SleepMethods
 from grpo.workers.rollout_queue import put_all
@@ -56,7 +56,8 @@ class SyncLLMCollector(SleepMethods):
             environment of ``reward_functions``.
         reward_functions: The run's reward functions (nodes or objects).
         reward_timeout_s: Timeout of one reward call.
-        lora: ``training.lora``: updates are LoRA adapters on the base model.
+        lora: ``training.lora``: updates are LoRA adapters on the base model, served as vLLM
+            LoRA adapters or merged into the base weights (``lora.serve``).
         adapter_dir: With ``lora``, the adapter of ``policy_version``; None: the base model.
 
     Raises:
@@ -110,9 +111,18 @@ class SyncLLMCollector(SleepMethods):
             stop_token_ids=tuple(self.tokenizer.stop_tokens),
         )
         response_tokens = self.environment.response_budget(self.max_generated_tokens)
-        llm, self.max_model_len, self.max_prompt_tokens = build_engine(
-            self.model_dir, config, seed, response_tokens, lora.rank if lora else None
+        # training.lora.serve: merged, the engine runs without LoRA on base + adapter weights.
+        merged = (
+            MergedAdapters(self.model_dir, lora, verify_weights)
+            if lora and serves_merged(lora)
+            else None
         )
+        lora_rank = lora.rank if lora and merged is None else None
+        llm, self.max_model_len, self.max_prompt_tokens = build_engine(
+            self.model_dir, config, seed, response_tokens, lora_rank
+        )
+        if merged is not None:
+            merged.start(llm, adapter_dir, policy_version)
         self.engine = EngineLoop(
             llm,
             self.sampling,
@@ -121,7 +131,10 @@ class SyncLLMCollector(SleepMethods):
             model_dir=self.model_dir,
             policy_version=policy_version,
             verify=verify_weights,
-            adapters=engine_adapters(llm, lora, self.model_dir, adapter_dir, policy_version),
+            adapters=engine_adapters(
+                llm, lora if merged is None else None, self.model_dir, adapter_dir, policy_version
+            ),
+            merged=merged,
             sleep_while_training=config.sleep_while_training,
         )
         self.weights = self.engine.weights

@@ -22,7 +22,7 @@ import torch
 
 from grpo.choices import WeightUpdateMode
 from grpo.config.sections import InferenceConfig
-from grpo.weights.adapter import EngineAdapters, engine_lora_args
+from grpo.weights.adapter import EngineAdapters, MergedAdapters, engine_lora_args
 from grpo.weights.engine import WORKER_EXTENSION_CLS
 from grpo.weights.receiver import UNVERIFIED_VERSION, EngineWeights, in_flight
 from grpo.weights.verify import PROBE_ID_PREFIX
@@ -386,6 +386,7 @@ class EngineLoop:
         policy_version: The version of those weights.
         verify: Check the checksum of every update.
         adapters: With ``training.lora``, one adapter per policy version.
+        merged: With ``training.lora`` served merged, what folds each adapter into the base.
         sleep_while_training: The engine sleeps while the trainer steps.
     """
 
@@ -400,6 +401,7 @@ class EngineLoop:
         policy_version: int,
         verify: bool = True,
         adapters: EngineAdapters | None = None,
+        merged: MergedAdapters | None = None,
         sleep_while_training: bool = False,
     ) -> None:
         self.llm = llm
@@ -417,10 +419,13 @@ class EngineLoop:
             policy_version=policy_version,
             verify=verify,
             adapters=adapters,
+            merged=merged,
             tokens=self.tokens,
         )
+        # With LoRA, served either way, the engine keeps its weights while asleep.
+        lora = adapters is not None or merged is not None
         self.sleeper = (
-            EngineSleep(llm, self.weights, self.lock, sleep_level(adapters is not None), owner)
+            EngineSleep(llm, self.weights, self.lock, sleep_level(lora), owner)
             if sleep_while_training
             else None
         )

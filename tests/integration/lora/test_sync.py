@@ -1,7 +1,9 @@
 """Adapter-only weight sync: a collector's vLLM engine serves each policy version as a LoRA
-adapter, verified by checksum and probe, and never changes the adapter under a running request.
+adapter, verified by checksum and probe, and never changes the adapter under a running request;
+or, served merged, folds each adapter into the base weights and computes with exactly them.
 
-One real vLLM CPU engine (LoRA kernels: punica_cpu) with the tiny Qwen2 model serves the module.
+Real vLLM CPU engines with the tiny Qwen2 model: one with LoRA kernels (punica_cpu), one
+without (merged).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from grpo.weights.checksum import NO_ADAPTER_CHECKSUM, state_dict_checksum
 
 pytestmark = pytest.mark.slow  # a real vLLM engine
 
-LORA = LoRAConfig(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
+LORA = LoRAConfig(
+    rank=8, alpha=16.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], serve="adapter"
+)
+MERGED = LORA.model_copy(update={"serve": "merged"})
 
 
 def trainer_side(model_dir, seed: int):
@@ -68,8 +73,7 @@ def dataset():
     return PromptDataset(examples, AnswerOnlyTemplate())
 
 
-@pytest.fixture(scope="module")
-def collector(tiny_model_dir):
+def start_collector(model_dir, lora: LoRAConfig):
     from grpo.workers.collector import SyncLLMCollector
 
     config = InferenceConfig(
@@ -79,17 +83,22 @@ def collector(tiny_model_dir):
         max_prompt_tokens=128,
         weight_updates="in_flight",
     )
-    collector = SyncLLMCollector(
+    return SyncLLMCollector(
         0,
         1,
-        tiny_model_dir,
+        model_dir,
         dataset(),
         queue.Queue(),
         config,
         seed=0,
         reward_functions=[MathCorrectnessReward()],
-        lora=LORA,
+        lora=lora,
     )
+
+
+@pytest.fixture(scope="module")
+def collector(tiny_model_dir):
+    collector = start_collector(tiny_model_dir, LORA)
     yield collector
     collector.shutdown()
 
@@ -175,3 +184,72 @@ def test_running_requests_keep_their_adapter_and_are_labelled_with_its_version(
     assert version == start + 1
     # The old adapter left the engine once its last request finished.
     assert engine.llm.llm_engine.list_loras() == {start + 1}
+
+
+def merged_weights(model, hf_config) -> dict:
+    """The trainer's model with its adapter folded in by torchtune's own formula, under HF
+    names: what a collector serving it merged must load."""
+    from grpo.models import tune_to_hf_state_dict
+    from grpo.models.lora import merge_lora
+
+    return tune_to_hf_state_dict(merge_lora(model.state_dict(), LORA), hf_config)
+
+
+def test_served_merged_the_engine_computes_with_exactly_base_plus_scaled_b_a(tiny_model_dir):
+    """``serve: merged``: vLLM runs without LoRA; each verified adapter is folded into the base
+    weights, and the engine's checksum of what it loaded is that of W + (alpha / r) B A."""
+    from grpo.models import build_model
+
+    collector = start_collector(tiny_model_dir, MERGED)
+    try:
+        llm = collector.engine.llm
+        assert llm.llm_engine.vllm_config.lora_config is None  # no LoRA kernels
+        tokens = [(5 * i + 11) % 256 for i in range(24)]
+        base = forward_logprobs(build_model(tiny_model_dir).eval(), torch.tensor(tokens))
+        assert collector.get_weights_checksum() == NO_ADAPTER_CHECKSUM
+        assert torch.allclose(engine_logprobs(collector, tokens), base, atol=1e-3)
+
+        model_1, hf_config = trainer_side(tiny_model_dir, seed=1)
+        update_1 = update_of(model_1, hf_config, version=1)
+        assert collector.receive_weights(**update_1)
+        collector.apply_pending_weights()
+        assert collector.policy_version == 1
+        # The driver's check compares the adapter's checksum, as the trainer computes it...
+        assert collector.get_weights_checksum() == update_1["checksum"]
+        # ...and the engine holds exactly base + (alpha / rank) * B @ A.
+        expected_1 = state_dict_checksum(merged_weights(model_1, hf_config))
+        assert llm.collective_rpc("grpo_weights_checksum") == [expected_1]
+        served = engine_logprobs(collector, tokens)
+        assert (served - base).abs().max() > 0.05
+        assert torch.allclose(served, forward_logprobs(model_1, torch.tensor(tokens)), atol=1e-3)
+
+        # An adapter that is not the one the sender hashed is rejected before it is merged;
+        # one whose probe disagrees is loaded, rejected and rolled back.
+        model_2, _ = trainer_side(tiny_model_dir, seed=2)
+        corrupted = update_of(model_2, hf_config, version=2)
+        name = next(n for n in corrupted["weights"] if n.endswith("lora_B.weight"))
+        corrupted["weights"] = dict(corrupted["weights"])
+        corrupted["weights"][name] = corrupted["weights"][name] + 1e-3
+        wrong_probe = update_of(model_2, hf_config, version=3)
+        wrong_probe["probe"] = update_1["probe"]
+        for rejected, update in enumerate((corrupted, wrong_probe), start=1):
+            assert collector.receive_weights(**update)
+            with collector.engine.lock:  # in flight: the update loads before the next step
+                collector.engine.step()
+            assert collector.policy_version == 1
+            assert collector.weights.totals["weight_updates_rejected"] == rejected
+        assert llm.collective_rpc("grpo_weights_checksum") == [expected_1]
+        assert collector.get_weights_checksum() == update_1["checksum"]
+
+        model_4, _ = trainer_side(tiny_model_dir, seed=4)
+        update_4 = update_of(model_4, hf_config, version=4)
+        assert collector.receive_weights(**update_4)
+        collector.apply_pending_weights()
+        assert collector.policy_version == 4
+        assert llm.collective_rpc("grpo_weights_checksum") == [
+            state_dict_checksum(merged_weights(model_4, hf_config))
+        ]
+        served_4 = engine_logprobs(collector, tokens)
+        assert torch.allclose(served_4, forward_logprobs(model_4, torch.tensor(tokens)), atol=1e-3)
+    finally:
+        collector.shutdown()

@@ -30,6 +30,7 @@ from grpo.models.lora import (
     load_peft_adapter,
     lora_modules,
     merge_lora,
+    merge_peft_adapter,
     peft_adapter_config,
     peft_adapter_state_dict,
     reset_lora_parameters,
@@ -320,3 +321,67 @@ def test_merge_names_a_missing_half():
     state["layers.0.attn.q_proj.lora_a.weight"] = torch.zeros(2, 4)
     with pytest.raises(ValueError, match="layers.0.attn.q_proj.lora_b.weight"):
         merge_lora(state, LoRAConfig(rank=2))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_merging_the_peft_adapter_into_hf_weights_is_merge_lora_exactly(family, family_dirs):
+    """What a collector serving ``merged`` loads: the HF weights with the adapter folded in,
+    bit for bit torchtune's merge in HF names (Llama's permuted q/k rows included), computing
+    the LoRA model's logits."""
+    hf_config = models.load_hf_config(family_dirs[family])
+    model = lora_model(family_dirs[family])
+    train_adapter(model)
+    state = model.state_dict()
+    peft = peft_adapter_state_dict(adapter_state_dict(state), hf_config)
+    base_hf = models.load_hf_state_dict(family_dirs[family])
+    before = {name: t.clone() for name, t in base_hf.items()}
+    merged = merge_peft_adapter(base_hf, peft, CONFIG.alpha / CONFIG.rank)
+    expected = models.tune_to_hf_state_dict(merge_lora(state, CONFIG), hf_config)
+    assert merged.keys() == expected.keys()
+    assert all(torch.equal(merged[name], expected[name]) for name in expected)
+    assert all(torch.equal(base_hf[name], before[name]) for name in before)  # untouched
+    changed = {name for name in merged if not torch.equal(merged[name], base_hf[name])}
+    assert len(changed) == len(ALL_TARGETS) * NUM_LAYERS
+    plain = models.build_model(family_dirs[family], load_weights=False).eval()
+    plain.load_state_dict(models.hf_to_tune_state_dict(merged, hf_config), strict=True)
+    torch.testing.assert_close(logits(plain, tokens(seed=3)), logits(model, tokens(seed=3)))
+    # A wrong scale is another model.
+    assert not torch.equal(
+        merge_peft_adapter(base_hf, peft, 1.0)["model.layers.0.self_attn.q_proj.weight"],
+        merged["model.layers.0.self_attn.q_proj.weight"],
+    )
+
+
+def test_merging_a_peft_adapter_names_what_is_missing():
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    base = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(4, 4)}
+    half = {f"{prefix}.lora_A.weight": torch.zeros(2, 4)}
+    with pytest.raises(ValueError, match="q_proj'?: no lora_B"):
+        merge_peft_adapter(base, half, 1.0)
+    whole = {**half, f"{prefix}.lora_B.weight": torch.zeros(4, 2)}
+    with pytest.raises(ValueError, match="no base weight"):
+        merge_peft_adapter({}, whole, 1.0)
+    with pytest.raises(ValueError, match="embed_tokens"):
+        merge_peft_adapter(base, {"base_model.model.model.embed_tokens.lora_A.weight": 0}, 1.0)
+
+
+# ------------------------------------------------------------------------------ serving
+
+
+def test_auto_serves_merged_on_cpu_and_the_adapter_on_gpu(monkeypatch):
+    from grpo.weights.adapter import serves_merged
+
+    auto = LoRAConfig(rank=8)
+    assert auto.serve == "auto"
+    assert serves_merged(auto, on_cpu=True)
+    assert not serves_merged(auto, on_cpu=False)
+    for on_cpu in (True, False):  # a setting other than auto is kept wherever the engine runs
+        assert serves_merged(LoRAConfig(rank=8, serve="merged"), on_cpu=on_cpu)
+        assert not serves_merged(LoRAConfig(rank=8, serve="adapter"), on_cpu=on_cpu)
+    # Unsaid, the engine's device is where CUDA is.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert serves_merged(auto)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not serves_merged(auto)
+    with pytest.raises(ValueError, match="serve"):
+        LoRAConfig(rank=8, serve="both")
