@@ -208,7 +208,7 @@ class RefConfig(Section):
     filter_zero_variance_groups: bool = False
     """Dynamic sampling: drop groups whose rewards are all equal (zero advantages) before the
     replay buffer, and generate more until a batch of training.batch_size informative
-    trajectories is there (the extra generation shows in ref_actor_rewards/groups_scored)."""
+    trajectories is there (the extra generation shows in ref_rewards/groups_scored)."""
     reward_weights: dict[str, float] | None = None
     """Weight of each reward in the total reward, by reward name (a reward function's name, or
     a name in an environment's scores), e.g. {math_correctness: 1.0, format: 0.2}; a reward

@@ -159,7 +159,7 @@ class SyncLLMCollector(SleepMethods):
             {"queue_put_waits": 0.0, "skipped_long_prompts": 0.0, "episodes_dropped": 0.0},
             self.weights.totals,
         )
-        self.dropped_episodes = DroppedEpisodeLog(f"collector {worker_id}")
+        self.dropped_episodes = DroppedEpisodeLog(f"inference[{worker_id}]")
         self._batch_drops: BatchDrops | None = None
         self._batch_groups: list[GroupedUnscoredTrajectories] = []
         self._put_waiting_since: float | None = None
@@ -261,7 +261,7 @@ class SyncLLMCollector(SleepMethods):
         """Blocking puts of ``groups`` in order, retried on timeout until all are queued;
         ``put`` counts them (right even when a put raises), the timeouts and the time spent."""
         if self.rollout_queue is None:
-            raise RuntimeError(f"collector {self.worker_id} has no rollout_queue to put groups on")
+            raise RuntimeError(f"inference[{self.worker_id}] has no rollout_queue to put groups on")
         start = time.perf_counter()
         self._put_waiting_since = time.monotonic()
         try:
@@ -416,7 +416,7 @@ class SyncLLMCollector(SleepMethods):
         prompt_ids = [env.prompt_ids(item) for item in dataset_items]
         fitting = [ids if len(ids) < self.max_model_len else None for ids in prompt_ids]
         if too_long := fitting.count(None):
-            log.warning("collector %d: %d evaluation prompts do not fit", self.worker_id, too_long)
+            log.warning("inference[%d]: %d evaluation prompts do not fit", self.worker_id, too_long)
         engine = self.engine.turn_engine(max_tokens=max_generated_tokens, temperature=temperature)
         return evaluation_episodes(
             env, engine, dataset_items, fitting, samples_per_example, self.seed, self.engine.batch
