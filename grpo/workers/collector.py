@@ -338,7 +338,7 @@ class SyncLLMCollector(SleepMethods):
             }
             if (lost := len(groups) - queued) > 0:
                 log.warning(
-                    "collector %d: %d groups not queued: a put failed", self.worker_id, lost
+                    "inference[%d]: %d groups not queued: a put failed", self.worker_id, lost
                 )
         return metrics
 

@@ -62,7 +62,7 @@ def _write_synthetic_run(
                 TRAIN_PERF_TOKENS_PER_SECOND: 900 + rng.gauss(0, 50),
             },
             step=step,
-            actor="train",
+            actor="training",
         )
         if with_eval and step % 10 == 0:
             logger.log_dict(
@@ -148,8 +148,8 @@ def test_missing_metrics_file_names_the_path(tmp_path):
 
 def test_read_metrics_keeps_numbers_in_file_order(tmp_path):
     logger = MetricLogger(tmp_path, use_wandb=False, stdout_every_n=0)
-    logger.log_dict({"a": 1.0, "s": "text", "flag": True}, step=5, actor="train")
-    logger.log_dict({"a": float("nan"), "b": 2}, step=6, actor="train")
+    logger.log_dict({"a": 1.0, "s": "text", "flag": True}, step=5, actor="training")
+    logger.log_dict({"a": float("nan"), "b": 2}, step=6, actor="training")
     logger.log_dict({"a": 3.0}, step=1, actor="ref")
     logger.close()
     series = read_metrics(tmp_path)
@@ -162,12 +162,12 @@ def test_read_metrics_reads_only_the_standing_values_after_a_rewind(tmp_path):
     were logged twice; the plots read the redone values, once per step."""
     logger = MetricLogger(tmp_path, use_wandb=False, stdout_every_n=0)
     for step in (1, 2, 3):
-        logger.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="train")
+        logger.log_dict({TRAIN_LOSS: float(step)}, step=step, actor="training")
     logger.log_dict({REWARDS_MEAN: 0.5}, step=2, actor="ref")
     logger.rewound(1, from_step=3)
     logger.log_dict({FAULTS_STEPS_REDONE: 2.0}, step=1)
     for step in (2, 3, 4):
-        logger.log_dict({TRAIN_LOSS: 10.0 * step}, step=step, actor="train")
+        logger.log_dict({TRAIN_LOSS: 10.0 * step}, step=step, actor="training")
     logger.close()
     series = read_metrics(tmp_path)
     assert series == {
@@ -228,7 +228,7 @@ def test_plot_survives_single_points_and_constant_series(tmp_path):
     logger.log_dict(
         {TRAIN_KL_LOSS: 0.0, TRAIN_APPROX_POLICY_KLS: math.inf},
         step=0,
-        actor="train",
+        actor="training",
     )
     logger.close()
     paths = plot_run(tmp_path)
