@@ -63,11 +63,6 @@ class CommandError(Exception):
         self.exit_code = exit_code
 
 
-# --------------------------------------------------------------------------------------------
-# Recipes
-# --------------------------------------------------------------------------------------------
-
-
 def recipes_dir() -> Path:
     """Folder of named recipes: ``$GRPO_RECIPES_DIR`` if set, else ``<repo>/recipes``."""
     return Path(os.environ.get("GRPO_RECIPES_DIR") or repo_root() / "recipes")
@@ -125,11 +120,6 @@ def load_recipe_main(path: Path):
 def _config_recipe(path: Path) -> str | None:
     match = _LAUNCH_LINE.search(path.read_text(encoding="utf-8", errors="replace"))
     return match.group(1) if match else None
-
-
-# --------------------------------------------------------------------------------------------
-# Commands
-# --------------------------------------------------------------------------------------------
 
 
 def _run_cmd(args: argparse.Namespace) -> int:
@@ -372,11 +362,6 @@ def package_version() -> str:
         return importlib.metadata.version("grpo")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-# --------------------------------------------------------------------------------------------
-# Parser and entry point
-# --------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,16 +1,9 @@
 """Load a config: find its YAML, apply ``key=value`` / ``~key`` overrides, fill defaults, check.
 
-Conventions (torchtune's):
-
-* ``grpo run async_grpo --config NAME key=value ...``: NAME is a file in the repo's
-  ``configs/`` folder (``configs/NAME.yaml``) or a path to a YAML file.
-* ``key.sub=value`` overrides a nested key; values are parsed as YAML (``3``, ``1e-5``,
-  ``true``, ``null``, ``[1, 2]``, ``{_component_: pkg.Cls, arg: 1}``). Overriding a component
-  node with a string replaces its ``_component_`` (``dataset=grpo.data.gsm8k_dataset``).
-* ``~key`` removes a key. Keys the schema knows fall back to their default (so
-  ``~eval_dataset`` turns evaluation off); keys inside a component node fall back to the
-  component's own default.
-* ``${key}`` interpolation works as in OmegaConf (``log_dir: ${output_dir}``).
+Overrides follow torchtune: ``key.sub=value`` with values parsed as YAML; a string given to a
+component node replaces its ``_component_``. ``~key`` removes a key: a key the schema knows
+falls back to its default (``~eval_dataset`` turns evaluation off), a key inside a component
+node to the component's own default.
 
 Relative paths in ``base_model_path``, ``output_dir`` and ``resume_from_checkpoint`` are made
 absolute when the config is loaded, because Ray actors may run in another working directory.

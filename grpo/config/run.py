@@ -1,12 +1,8 @@
 """The run config: top-level options, one section per component, and checks across them.
 
-`RunConfig` is the whole YAML file as one typed object. Each section is the config of the
-component that reads it (`grpo.config.sections`). The checks that involve more than one section
-(token budget vs prompt and response lengths, batch divisibility, buffer size) are here, in one
-place; they read the plain values, so they run (and report) beside the per-option checks even
-when some option is invalid. What a config names on disk (the model folder, the datasets, the
-run folder) and whether its actors fit the machine are checked above the config, by
-`grpo.preflight`, from the one table of placed roles here (`ROLES`).
+The checks that involve more than one section read the plain values, so they run (and report)
+beside the per-option checks even when some option is invalid. `ROLES` is the one table of
+placed roles, which `grpo.preflight` reads.
 """
 
 import inspect
@@ -172,10 +168,6 @@ class RunConfig(Section):
         Each check skips when a key it needs is itself invalid (that key is reported on its
         own).
 
-        Args:
-            values (dict): The config as plain values, interpolations resolved (failed ones
-                are `UNRESOLVED`).
-
         Returns:
             list[str]: Each problem as ``key: what is wrong``.
         """
@@ -217,7 +209,6 @@ def longest_sequence(values: dict, max_positions: int | None = None) -> tuple[in
     (`_environment_sequence`).
 
     Args:
-        values (dict): The config as plain values.
         max_positions (int | None): The model's ``max_position_embeddings``, if read.
 
     Returns:
@@ -573,9 +564,6 @@ def loss_defaults(component: Any) -> dict[str, Any]:
     imports no loss; for a loss of your own, its signature's (imported as `instantiate` would
     import it).
 
-    Args:
-        component: The node's ``_component_``.
-
     Returns:
         dict[str, Any]: Keyword name -> default; {} if the component does not import (the
         component check reports that).
@@ -602,9 +590,6 @@ def reward_names(values: dict) -> list[str] | None:
     source. Other environments name their rewards as they score (a verifiers taskset's):
     their names are checked once the environment is built
     (`grpo.envs.MultiTurnEnv.reward_names`), or at the latest when it first scores.
-
-    Args:
-        values (dict): The config as plain values.
 
     Returns:
         list[str] | None: The names; None when the config does not tell (checked at start).
@@ -637,10 +622,6 @@ def reward_names(values: dict) -> list[str] | None:
 
 def reward_weights_problem(weights: Any, names: list[str]) -> str | None:
     """Why ``ref.reward_weights`` does not fit rewards named ``names``, or None if it does.
-
-    Args:
-        weights: The ``ref.reward_weights`` mapping.
-        names (list[str]): The names of the rewards the episodes are scored under.
 
     Returns:
         str | None: One line naming the unknown names and the known ones.

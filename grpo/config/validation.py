@@ -224,11 +224,6 @@ def _resolve_all(node: Any, path: str, problems: list[str], unresolved: list[str
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# _component_ nodes
-# --------------------------------------------------------------------------------------------
-
-
 def _component_nodes(values: dict, model: type[Section], prefix: str = ""):
     """(path, node, spec) of every component node the config sets, sections included."""
     for key, info in model.model_fields.items():

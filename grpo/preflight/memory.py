@@ -1,35 +1,14 @@
 """The GPU memory a run will need, per role and per device, before anything starts.
 
 ``grpo validate`` prints this plan and refuses a placement that cannot fit its GPUs. It is
-computed from the config and the model's ``config.json`` alone: no model is built, and torch
-is imported only to ask for the local GPUs' size (`local_gpu_memory`).
-
-What each role holds on its device:
-
-* training (the trainers, ``training.*``): the weights, gradients and optimizer state
-  (exact), the activations autograd saves for one micro-batch of ``target_tokens_per_batch``
-  tokens and the chunked logits of the logprob computation (estimates), a CUDA context
-  (estimate).
-  Gradients and AdamW's two moments are in the parameter dtype (torch keeps them so), plus a
-  4-byte ``step`` per parameter tensor. With ``training.lora`` the base weights are frozen:
-  gradients and optimizer state exist for the adapters only. With N trainers FSDP2 shards
-  weights, gradients and optimizer state N ways and all-gathers the root module and about two
-  decoder layers at a time.
-* ref (the reference actors, ``ref.*``): its weights, the distillation teacher's
-  (``ref.teacher_model_path``), and the working set of the larger no-grad forward; nothing
-  when it loads no model (``kl_coeff`` 0, or ``training.lora``, where the trainer computes the
-  reference logprobs with the adapter off, and no teacher).
-* inference (the collectors, ``inference.*``): vLLM takes ``gpu_memory_utilization``
-  (default 0.9) of the whole device, whatever else runs there; with ``kv_cache_memory_bytes``
-  set, its weights plus that cache instead.
+computed from the config and the model's ``config.json`` alone: no model is built. Weights,
+gradients and optimizer state are exact; activations, logits and CUDA contexts are estimates.
 
 Placement follows Ray's: actors start in the order ref, inference, training; one asking for a
-GPU or more gets whole devices of its own, fractional ones are packed first-fit
-onto shared devices. The roles on one device add up. With ``inference.sleep_while_training``
-vLLM sleeps while the trainer steps, freeing its weights and KV cache (sleep level 1 with
-LoRA moves the weights to CPU memory, level 2 drops them): a shared device then needs the
-larger of generation (vLLM's share beside the trainer's weights, gradients and optimizer
-state) and training (the trainer's peak beside vLLM's CUDA context).
+GPU or more gets whole devices of its own, fractional ones are packed first-fit onto shared
+devices. The roles on one device add up. With ``inference.sleep_while_training`` a shared
+device needs the larger of generation (vLLM's share beside the trainer's weights, gradients
+and optimizer state) and training (the trainer's peak beside vLLM's CUDA context).
 
 Example:
     >>> plan = memory_plan(cfg, load_hf_config(cfg.base_model_path), gpu_memory=24 * GiB)
@@ -83,11 +62,6 @@ ROLE_NAMES = tuple(role.name for role in ROLES)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
-# --------------------------------------------------------------------------------------------
-# Parameters
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -234,11 +208,6 @@ def lora_parameter_count(shape: ModelShape, lora: LoRAConfig) -> tuple[int, int]
     return per_layer * shape.layers, 2 * len(set(lora.target_modules)) * shape.layers
 
 
-# --------------------------------------------------------------------------------------------
-# Roles
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Part:
     """One share of a role's memory.
@@ -378,23 +347,12 @@ def activation_bytes(
 ) -> int:
     """Estimated bytes autograd saves for backward in one micro-batch of ``tokens`` tokens.
 
-    Per token and layer, what the decoder's forward keeps (flex or varlen attention, no
-    activation checkpointing): each RMSNorm its fp32 input and inverse RMS (and its fp32
-    output, below fp32 when its scale trains); the inputs of the linear layers that train
-    (under LoRA only the adapted ones, plus the rank-wide output of each adapter's A); RoPE's
-    cos and sin; attention's queries, keys and values (keys and values expanded to every
-    query head, as torchtune does for grouped-query attention), its output and log-sum-exp;
-    the MLP's gate and up outputs and the SiLU's. Plus the final norm's input and the
-    response rows the output projection reads.
+    Assumes flex or varlen attention and no activation checkpointing; keys and values count
+    expanded to every query head, as torchtune does for grouped-query attention.
 
     Args:
-        shape (ModelShape): The model's sizes.
-        tokens (int): Tokens of the micro-batch (``target_tokens_per_batch``).
         size (int): Bytes per element of the parameter dtype.
         lora (LoRAConfig | None): The adapters, when only they train.
-
-    Returns:
-        int: Bytes.
     """
     d, i, q, kv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
     targets = set(lora.target_modules) if lora else set(LORA_TARGETS)
@@ -439,15 +397,11 @@ def reference_memory(
 ) -> RoleMemory | None:
     """One reference actor's memory, or None when it loads no model.
 
-    It loads the reference model when the loss has a KL term (``kl_coeff`` above 0) and the
-    run trains every weight; under ``training.lora`` the trainer computes the reference
-    logprobs itself. It loads the distillation teacher (``ref.teacher_model_path``) whenever
-    one is configured, LoRA or not. The two forwards run one after the other, so the working
-    set is the larger of them.
+    It loads the reference model when the loss has a KL term and no LoRA (then the trainer
+    computes the reference logprobs), and the distillation teacher whenever one is configured.
+    The two forwards run one after the other, so the working set is the larger of them.
 
     Args:
-        cfg (RunConfig): The run config.
-        shape (ModelShape): The policy's (and reference model's) shape.
         teacher_shape (ModelShape | None): The teacher's, from its ``config.json``; needed
             when ``ref.teacher_model_path`` is set.
 
@@ -493,10 +447,8 @@ def _no_grad_forward_bytes(shape: ModelShape, tokens: int, size: int) -> int:
 def collector_memory(cfg: RunConfig, shape: ModelShape, hf_config: dict[str, Any]) -> RoleMemory:
     """One collector's vLLM engine on one of its devices.
 
-    vLLM takes ``gpu_memory_utilization`` of the device (weights, activations, CUDA graphs,
-    and the KV cache in what is left); with ``kv_cache_memory_bytes`` it takes its weights
-    plus that cache instead. With tensor parallelism each device holds its slice of the
-    weights.
+    vLLM takes ``gpu_memory_utilization`` of the whole device, whatever else runs there; with
+    ``kv_cache_memory_bytes``, its weights plus that cache instead.
     """
     engine = cfg.inference.engine_args
     size = _engine_dtype_bytes(engine.get("dtype", "auto"))
@@ -540,11 +492,6 @@ def _engine_dtype_bytes(name: Any, auto: int = 2) -> int:
     return dtype_bytes(str(name))
 
 
-# --------------------------------------------------------------------------------------------
-# Devices
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Placement:
     """One actor on one device: ``label`` (its name, ``"inference[1]"``), its memory, its GPU
@@ -570,11 +517,8 @@ class DeviceMemory:
     actors: tuple[Placement, ...]
 
     def need(self) -> int | None:
-        """Peak bytes of the actors together (the sleep rule of the module docstring).
-
-        Returns:
-            int | None: None when a vLLM share is a fraction of an unknown capacity.
-        """
+        """Peak bytes of the actors together (the sleep rule of the module docstring); None
+        when a vLLM share is a fraction of an unknown capacity."""
         sleeping = [p for p in self.actors if p.memory.asleep_bytes is not None]
         awake = [self.actors_total(p, resident=False) for p in self.actors]
         if None in awake:
@@ -626,17 +570,11 @@ def memory_plan(
     """Place every actor of a run on GPUs and total what each device needs.
 
     Args:
-        cfg (RunConfig): The run config.
-        hf_config (dict[str, Any]): The model's parsed ``config.json``.
         gpu_memory (int | None): Bytes of each GPU; None when unknown (the plan then has no
             capacities, and vLLM's share stays a fraction).
         capacity_source (str): Where ``gpu_memory`` comes from, for the printout.
         teacher_hf_config (dict[str, Any] | None): The distillation teacher's parsed
-            ``config.json``; needed when ``ref.teacher_model_path`` is set (its weights are
-            on the reference role).
-
-    Returns:
-        MemoryPlan: The roles' memory and the devices.
+            ``config.json``; needed when ``ref.teacher_model_path`` is set.
 
     Raises:
         ValueError: If a ``config.json`` lacks a size the plan needs, or a teacher is
@@ -684,20 +622,11 @@ def memory_plan(
     return MemoryPlan(roles, on_cpu, devices, capacity_source)
 
 
-# --------------------------------------------------------------------------------------------
-# Checking and printing
-# --------------------------------------------------------------------------------------------
-
-
 def memory_problems(plan: MemoryPlan) -> list[str]:
     """One line per role whose device cannot hold what is placed on it.
 
-    Each line starts with the key to change: the collector's ``gpu_memory_utilization`` (or
-    ``kv_cache_memory_bytes``), the reference actor's ``ref.num_gpus``, the trainer's
-    ``target_tokens_per_batch`` when activations are most of it, else
-    ``orchestration.num_training_workers``. A role that fits alone but not beside the others
-    on a shared device names its ``num_gpus`` (the collector: its share). Nothing is checked
-    where the capacity is unknown.
+    Each line starts with the key to change (`RoleMemory.key`; a role that fits alone but not
+    beside the others names its ``num_gpus``). Nothing is checked where the capacity is unknown.
 
     Returns:
         list[str]: The lines, in role start order; empty when everything fits.
@@ -864,7 +793,6 @@ def run_memory_plan(cfg: RunConfig, gpu_memory: int | None = None) -> MemoryPlan
     """The plan ``grpo validate`` prints: the config's model, on GPUs of ``gpu_memory`` bytes.
 
     Args:
-        cfg (RunConfig): A validated config (its model folder holds ``config.json``).
         gpu_memory (int | None): Bytes of each GPU (``--gpu-memory``); None: this machine's
             smallest GPU, or no capacity (nothing checked) on a machine without one.
 

@@ -1,7 +1,6 @@
 """Whether the actors of a run fit the local Ray cluster it would start.
 
-The roles and their keys come from the one table of placed roles, `grpo.config.run.ROLES`,
-which the memory plan (`grpo.preflight.memory`) reads too.
+The roles and their keys come from the one table of placed roles, `grpo.config.run.ROLES`.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ def local_cluster_problems(values: dict, this_machine: bool = True) -> list[str]
     """A local cluster must have room for every actor, or Ray waits forever to place one.
 
     Args:
-        values (dict): The config as plain values, interpolations resolved.
         this_machine (bool): A ``ray.num_cpus`` / ``ray.num_gpus`` left null is this
             machine's cores and GPUs; False (planning a run on another machine): only a
             size the config sets is checked.

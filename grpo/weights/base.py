@@ -1,9 +1,6 @@
 """The two ends of a weight transport: `SendingEnd` in trainer rank 0, `ReceivingEnd` in a
-collector.
-
-Per transfer the driver calls ``connect`` (once per collector, again after a failure), then
-``send`` on trainer rank 0 beside ``receive`` on the collector, which turns what ``publish``
-returned for the version into the weights.
+collector. ``connect`` is called once per collector (again after a failure), then ``send``
+beside ``receive``.
 """
 
 from __future__ import annotations
@@ -34,9 +31,7 @@ class SendingEnd(ABC):
     def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> Any:
         """Make ``weights`` the version this end sends, until the next one.
 
-        Args:
-            version: Their policy version.
-            weights: The full state dict under HF names.
+        ``weights`` is the full state dict under HF names.
 
         Returns:
             What every collector's `ReceivingEnd.receive` is handed for this version.
@@ -59,11 +54,7 @@ class SendingEnd(ABC):
 
 
 class ReceivingEnd(ABC):
-    """A transport's end inside a collector.
-
-    Args:
-        owner: The collector's name (``inference[0]``), for errors.
-    """
+    """A transport's end inside a collector; ``owner`` (``inference[0]``) names it in errors."""
 
     name: ClassVar[str]
 

@@ -72,9 +72,7 @@ class WeightSync:
     def sync(self, trainers: list[Any], collectors: list[Any]) -> tuple[int, dict[str, float]]:
         """Gather the trainers' weights once and send them to every collector.
 
-        Args:
-            trainers: Trainer actors (every rank takes part in the gather).
-            collectors: Collector actors.
+        Every trainer rank takes part in the gather.
 
         Returns:
             tuple[int, dict[str, float]]: The new policy version, and the gather, transfer and
@@ -106,11 +104,7 @@ class WeightSync:
     ) -> None:
         """Bring a replacement collector to a finished batch's ``state`` and the latest weights.
 
-        Args:
-            collector: The new collector.
-            state: The old collector's state after its last finished batch.
-            name: The collector's name, for errors.
-            index: Its index among the collectors.
+        ``state`` is the old collector's after its last finished batch.
         """
         if state is not None:
             # The stream position only: the version is that of the weights it holds.

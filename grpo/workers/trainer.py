@@ -96,12 +96,8 @@ def _select_logprobs(
 def compile_layers(decoder: nn.Module) -> nn.Module:
     """``torch.compile`` each decoder layer in place, as torchtune's ``compile_model`` does.
 
-    Per layer: dynamo traces the shared layer code once, and the chunked output projection
-    (a custom autograd function) stays out of the graph. ``Module.compile`` keeps the
-    parameter names, so checkpoints and weight sync see the same state dict.
-
-    Returns:
-        nn.Module: ``decoder`` itself.
+    Per layer, so the chunked output projection (a custom autograd function) stays out of the
+    graph; ``Module.compile`` keeps the parameter names. Returns ``decoder`` itself.
     """
     for layer in decoder.layers:
         layer.compile(backend="inductor", dynamic=None)
@@ -123,15 +119,9 @@ class PyTorchActorModel:
     """One training worker; `as_remote` makes it a Ray actor class.
 
     Args:
-        rank: This worker's rank.
-        world_size: Number of training workers.
-        model_dir: HF-format checkpoint folder of the starting policy.
         num_steps: Training steps of the run (sizes the LR schedule).
-        target_tokens_per_batch: Token budget of one packed micro-batch.
-        pad_token_id: Padding token id.
         share_prompts: Pack a prompt's responses after one copy of it, and shard by prompts.
         config: The ``training:`` options; None: their defaults.
-        seed: Seed of model-independent randomness.
         temperature: ``inference.temperature``, so the policy's logprobs match the engine's.
         empty_cache_after_step: Give cached GPU memory back after each step (vLLM wakes on
             the same GPU next).
@@ -186,11 +176,8 @@ class PyTorchActorModel:
 
     @classmethod
     def as_remote(cls, **options: Any) -> Any:
-        """This class as a Ray actor class, weight transfers in their own concurrency group.
-
-        Args:
-            **options: ``ray.remote`` options (``num_cpus``, ``num_gpus``, ...).
-        """
+        """This class as a Ray actor class with ``ray.remote`` ``options``, weight transfers in
+        their own concurrency group."""
         return ray.remote(**{"concurrency_groups": TRAINER_CONCURRENCY_GROUPS, **options})(cls)
 
     def setup(self, dist_init_method: str | None = None, checkpoint_dir: str | None = None) -> None:
@@ -346,7 +333,6 @@ class PyTorchActorModel:
 
         Args:
             batch: The whole batch (identical on every worker).
-            time_waiting_buffer: Seconds the orchestrator waited for this batch.
             debug_sequence_ids: Sequences whose first-epoch policy logprobs to return under
                 ``"debug_pi_logprobs"``.
 
@@ -636,9 +622,6 @@ class PyTorchActorModel:
         A version counts training steps (0: the base model), so staleness is in steps
         whatever ``weight_sync.every_n_steps`` is. With ``lora`` only the adapters are
         published. Collective.
-
-        Args:
-            transport: ``weight_sync.transport``.
 
         Returns:
             dict | None: On rank 0 ``{"version", "checksum", "probe", "weights"}``, with
