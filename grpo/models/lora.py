@@ -1,10 +1,8 @@
 """Low-rank adapters on a torchtune decoder, and their exchange format (PEFT).
 
-The adapters are torchtune's ``LoRALinear`` modules, not PEFT's wrappers: our models are
-torchtune decoders (PEFT wraps transformers models), FSDP2 shards a ``LoRALinear`` layer as it
-shards a plain one, and torchtune's ``disable_adapter(model)`` makes the KL term's reference
-model the same model with the adapter off. The PEFT layout is only the exchange format (vLLM's
-LoRA loader and ``grpo export``). A fresh adapter (``lora_b`` zeros) changes nothing.
+The adapters are torchtune's ``LoRALinear`` modules, not PEFT's wrappers (PEFT wraps
+transformers models); FSDP2 shards them as plain layers, and ``disable_adapter(model)`` gives the
+KL term's reference model. The PEFT layout is only the exchange format (vLLM, ``grpo export``).
 """
 
 from __future__ import annotations

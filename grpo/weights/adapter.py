@@ -56,11 +56,8 @@ def engine_adapters(
     """The adapters of an engine started with `engine_lora_args` (None without ``lora``).
 
     Args:
-        llm: The ``vllm.LLM``.
-        lora: ``training.lora``.
-        model_dir: The base model the adapters apply to.
-        adapter_dir: The PEFT folder of ``policy_version``; None: the base model.
-        policy_version: The version the engine starts with.
+        adapter_dir: The PEFT folder of ``policy_version``, the version the engine starts
+            with; None: the base model.
     """
     if lora is None:
         return None
@@ -201,10 +198,8 @@ class EngineAdapters:
 
     Args:
         llm: The ``vllm.LLM``, started with `engine_lora_args`.
-        adapter_config: ``adapter_config.json`` of every version.
         initial_dir: A PEFT folder to start from, served as ``policy_version``; None: the base
             model.
-        policy_version: The version of the initial adapter (0 without one).
     """
 
     def __init__(

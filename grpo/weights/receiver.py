@@ -48,13 +48,8 @@ class EngineWeights:
         llm: The collector's ``vllm.LLM``, started with
             ``worker_extension_cls=grpo.weights.engine.WORKER_EXTENSION_CLS``.
         engine_lock: The collector's lock around its engine, which is not thread-safe.
-        add_request: ``add_request(request_id, token_ids, params)`` on the engine.
-        engine_step: One engine step; returns the requests that finished.
-        owner: The collector's name, for errors and log lines.
         model_dir: The model folder the engine started from: what a rollback reloads before
             any update was kept.
-        policy_version: The policy version of those weights.
-        verify: Check the checksum of every update the engine loads.
         adapters: With ``training.lora``, each version is served as a LoRA adapter of its
             own; None: full weights, loaded in place.
         merged: With ``training.lora`` served merged, what folds each adapter into the base
@@ -122,11 +117,8 @@ class EngineWeights:
 
         Args:
             weights: What the trainer's sending end published.
-            version: Their policy version; must exceed the current one.
-            checksum: `state_dict_checksum` of the weights, checked on load.
             probe: Optional logprob check, see `WeightUpdate`.
             transport: ``weight_sync.transport``; the first receive builds its end.
-            connection: A new connection to the sending end, or None.
 
         Returns:
             bool: False (the update is ignored) if the version is not newer than both the

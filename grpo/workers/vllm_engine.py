@@ -50,12 +50,7 @@ def engine_kwargs(
     """The keyword arguments for ``vllm.LLM``: defaults, then ``engine_args`` on top.
 
     Args:
-        engine_args: User settings; they win over every default.
-        seed: Engine seed.
         on_cpu: Apply `CPU_ENGINE_DEFAULTS`; default: when CUDA is unavailable.
-
-    Returns:
-        dict[str, Any]: Arguments for ``vllm.LLM(model=..., **kwargs)``.
     """
     if on_cpu is None:
         on_cpu = not torch.cuda.is_available()
@@ -131,9 +126,6 @@ def build_engine(
     minus the response budget.
 
     Args:
-        model_dir: The model folder.
-        config: The ``inference:`` options.
-        seed: The engine seed.
         response_tokens: The longest response (one turn, or a whole episode); None: only the
             context bounds it.
         lora_rank: Serve LoRA adapters of this rank; None: full weights only.
@@ -179,8 +171,6 @@ class Sampling(NamedTuple):
     """How the run samples: the settings every policy turn shares.
 
     Args:
-        temperature: ``inference.temperature``.
-        top_p: ``inference.top_p``.
         stop: The prompt template's stop strings (kept in the turn).
         stop_token_ids: The tokenizer's stop tokens, in case the model folder's
             generation_config names only one.
@@ -255,11 +245,8 @@ class VLLMTurnEngine:
     ``generate`` call in between would run these requests to completion as its own.
 
     Args:
-        add_request: ``add_request(request_id, token_ids, params)`` on the engine.
         step: ``step(load_pending)``: the finished requests with their version runs.
-        sampling: The run's sampling settings.
         greedy: Temperature 0 (evaluation).
-        max_tokens: A cap on every turn, or None.
         hold_weights: Keep the weights the episodes started with; None: as ``greedy``.
     """
 
@@ -378,16 +365,10 @@ class EngineLoop:
     the driver's stall watch (`step_running_s`).
 
     Args:
-        llm: The ``vllm.LLM`` (`build_engine`).
-        sampling: The run's sampling settings.
-        weight_updates: ``inference.weight_updates``.
-        owner: The collector's name.
         model_dir: The folder the engine was started from (what a rollback reloads).
         policy_version: The version of those weights.
-        verify: Check the checksum of every update.
         adapters: With ``training.lora``, one adapter per policy version.
         merged: With ``training.lora`` served merged, what folds each adapter into the base.
-        sleep_while_training: The engine sleeps while the trainer steps.
     """
 
     def __init__(
@@ -518,7 +499,6 @@ class EngineLoop:
 
         Args:
             greedy: Greedy turns, on the weights the episodes started with.
-            max_tokens: A cap on every turn, or None.
             temperature: Evaluation's temperature (0: greedy), on the weights the episodes
                 started with; None: the run's sampling.
         """
