@@ -174,6 +174,25 @@ class GroupedUnscoredTrajectories:
 
 
 @dataclass
+class GroupRecord:
+    """What it takes to generate a group again after the actor holding it died.
+
+    Args:
+        group_id: The group's id (its sampling seeds follow from it).
+        prompt: ``(example, prompt token ids)`` as the collector's stream gave it.
+        sequence_ids: Its trajectories' ids, in order; a regenerated group reuses them.
+        policy_version: Version of its oldest policy token (staleness is counted from it).
+        exclude: Sequence ids trained on already, which the regenerated group leaves out.
+    """
+
+    group_id: int
+    prompt: tuple[dict[str, Any], list[int]]
+    sequence_ids: list[str]
+    policy_version: int
+    exclude: set[str] = field(default_factory=set)
+
+
+@dataclass
 class ScoredTrajectory(_PicklesTensorsAsArrays):
     """A trajectory with reference logprobs, rewards and its group-relative advantage.
 

@@ -19,8 +19,8 @@ parts, none of which knows the orchestrator:
   cause inside Ray's wrappers.
 - `supervisor`: `ActorSupervisor` starts every actor, names it, starts a replacement in a
   dead one's place, restarts them all from a checkpoint, and ends them.
-- `ledger`: `InFlightLedger`, what the driver holds (queued and taken groups, scored
-  batches, seen group ids, what the buffer holds until sampled), with its own ``state_dict()``.
+- `ledger`: `InFlightLedger`, where each group on its way to the trainers is (by id, with
+  what it takes to generate it again), with its own ``state_dict()``.
 - `checkpointer`: `Checkpointer` composes the parts' ``state_dict()``s into one atomic
   checkpoint and restores them; `find_checkpoint`.
 - `state`: `RunState` (step, policy version: tracked only there) and the kinds of call.

@@ -1,141 +1,151 @@
-"""The in-flight ledger: the data the driver holds between actors, and what became of it.
+"""The in-flight ledger: where each group between a collector and the trainers is, by id.
 
-Data that moves between actors is owned by the driver (Ray's ownership: objects a call
-returns belong to the caller) and never fetched by it. The ledger keeps those references:
-groups taken from the rollout queue until a reference actor scores them, scored batches until
-the replay buffer takes them, and, per trajectory in the buffer, the batch it came from until
-it is sampled. With them a dead reference actor's or buffer's work is redone and nothing is
-lost. It also remembers every group id it has seen, so the groups a replaced collector
-generates again are skipped, not trained twice.
+The groups themselves travel collector -> rollout queue -> reference actor -> replay buffer ->
+trainers, and the driver keeps no copy of them. Per group it keeps a `GroupRecord` (its prompt
+and ids) and where the group is; when the queue or the buffer dies, the ledger names the groups
+it held and a collector generates them again under the same ids, leaving out what was trained
+on already. Two kinds of call results are the driver's by Ray's ownership (objects a call
+returns belong to the caller) and pass through it unfetched: a take waiting for a reference
+actor (`unscored`) and scored groups waiting for room in the buffer (`to_buffer`). A dead
+reference actor's or buffer's call is redone from them.
 
-Groups reach the rollout queue from the collectors, not through the driver, so the ledger
-also holds each generation batch's groups, as the collector returned them, until every group
-of the batch has been scored (`generated`). When the queue dies, whatever of them is
-not scored yet is scored from these copies (`rescue_queued`); a group that was in fact taken
-before the queue died is then scored twice and skipped the second time, like a regenerated one.
-
-Groups a reference actor dropped for equal rewards (``ref.filter_zero_variance_groups``)
-never come back from it: the ledger only remembers their ids as seen, so nothing waits for
-them and a checkpoint holds none of them.
-
-Stale data is dropped in one place, the replay buffer (``max_policy_lag`` at sampling); the
-ledger only lets go of its references to what the buffer dropped (`release_stale`).
+A replaced collector generates its unfinished call again, and the groups of it that reached
+the queue before it died come twice. Only for such a call does the ledger remember ids: the
+first copy scored is kept and the second skipped (`collector_replaced`).
 """
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
+from grpo.types import GroupRecord
 
-@dataclass(eq=False)  # identity: the driver keys and deduplicates batches by object
+
+class Where(enum.Enum):
+    """Where a group is on its way to the trainers."""
+
+    QUEUED = "queued"  # on the rollout queue
+    TAKEN = "taken"  # in a take the driver holds, or being scored
+    SCORED = "scored"  # scored, waiting for room in the buffer
+    BUFFERED = "buffered"  # some of its trajectories are in the buffer
+    REGENERATING = "regenerating"  # lost with an actor; being generated again
+
+
+@dataclass(eq=False)  # identity: batches are told apart by object
 class ScoredBatch:
-    """Scored groups one reference call returned. The driver owns them until they are trained.
-
-    The buffer holds its own copy; the driver keeps the reference (not the data, which stays
-    in the object store) so that a replacement buffer can be rebuilt from it.
-    """
+    """Scored groups one reference call returned, until the buffer has taken them all."""
 
     groups_ref: Any
+    group_ids: list[int]
     sequence_ids: list[list[str]]
-    policy_version: int
-    skip: set[str] = field(default_factory=set)  # duplicates, and trajectories sampled since
+    skip: set[str] = field(default_factory=set)  # trajectories left out (duplicates, trained)
+    duplicate_groups: set[int] = field(default_factory=set)
     added: int = 0  # groups the buffer has taken so far
 
     @property
     def num_groups(self) -> int:
         return len(self.sequence_ids)
 
-    @staticmethod
-    def hold(groups: list[list[Any]]) -> ScoredBatch:
-        """Put ``groups`` of scored trajectories in the object store and hold them."""
-        return ScoredBatch(
-            ray.put(groups),
-            [[t.sequence_id for t in group] for group in groups],
-            max(t.policy_version for group in groups for t in group),
-        )
-
 
 class InFlightLedger:
-    """What the driver holds on its way from the rollout queue to a trainer.
+    """Where each generated group is until it is trained on or dropped.
 
-    Attributes:
-        unscored (deque): ObjectRefs of group lists waiting for a reference actor (groups
-            emptied from the queue for a checkpoint, or restored from one).
-        to_buffer (deque[ScoredBatch]): Scored batches not yet wholly taken by the buffer,
-            oldest first (they are offered in order).
-        in_buffer (dict[str, ScoredBatch]): Per sequence id in the buffer, its batch.
-        seen_group_ids (set[int]): Every group id scored so far.
-        buffer_full (bool): The last add found the buffer full; retried after a sample.
-        num_duplicate_groups (int): Groups skipped because their id was seen before.
-        queued (list[tuple[Any, set[int]]]): Per generation batch put onto the rollout queue,
-            the ObjectRef of its groups and the ids of those not scored yet.
+    Args:
+        num_collectors: Collectors of the run; group ``g`` is collector ``g % num_collectors``'s.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, num_collectors: int = 1) -> None:
+        self.num_collectors = num_collectors
+        self.records: dict[int, GroupRecord] = {}
+        self.where: dict[int, Where] = {}
+        self.in_buffer: dict[int, set[str]] = {}  # per buffered group, its ids still there
         self.unscored: deque[Any] = deque()
-        self.queued: list[tuple[Any, set[int]]] = []
         self.to_buffer: deque[ScoredBatch] = deque()
-        self.in_buffer: dict[str, ScoredBatch] = {}
-        self.seen_group_ids: set[int] = set()
         self.buffer_full = False
+        # Per collector, groups scored before the call that generated them came back.
+        self.open_scored: dict[int, set[int]] = {}
+        # A replaced collector's unfinished call: the first copy scored of these is kept ...
+        self.first_wins: set[int] = set()
+        # ... and the next copy of these is skipped.
+        self.duplicates: set[int] = set()
         self.num_duplicate_groups = 0
 
+    # ------------------------------------------------------------------ what became of groups
+
+    def generated(self, collector: int, records: list[GroupRecord]) -> None:
+        """A collector's call came back: its groups are on the queue (or passed it already)."""
+        scored_meanwhile = self.open_scored.pop(collector, set())
+        for record in records:
+            group_id = record.group_id
+            if old := self.records.get(group_id):
+                record.exclude |= old.exclude
+            if group_id in self.duplicates or group_id in scored_meanwhile:
+                if group_id in self.where:  # still on its way: keep the record for it
+                    self.records[group_id] = record
+                continue
+            self.records[group_id] = record
+            if self.where.get(group_id) in (None, Where.REGENERATING):
+                self.where[group_id] = Where.QUEUED
+
+    def collector_replaced(self, collector: int, group_ids: list[int]) -> None:
+        """Collector ``collector`` died in a call generating ``group_ids``, which its replacement
+        generates again: copies scored already stand, and of the others the first scored."""
+        scored = self.open_scored.pop(collector, set())
+        for group_id in group_ids:
+            (self.duplicates if group_id in scored else self.first_wins).add(group_id)
+
+    def taken(self, group_ids: list[int]) -> None:
+        """A take from the queue came back with these groups."""
+        for group_id in group_ids:
+            if group_id not in self.duplicates:
+                self.where[group_id] = Where.TAKEN
+
     def scored(self, groups_ref: Any, result: dict[str, Any]) -> ScoredBatch | None:
-        """Hold what a reference call returned, marking groups regenerated by a replacement.
+        """Hold what a reference call returned until the buffer takes it.
 
         Args:
             groups_ref: The call's scored-groups ObjectRef.
-            result (dict[str, Any]): The call's info: ``sequence_ids``, ``group_ids``,
-                ``dropped_group_ids`` (groups left out for equal rewards), ``policy_version``.
+            result: The call's info: ``group_ids``, ``sequence_ids``, ``dropped_group_ids``.
 
         Returns:
-            ScoredBatch | None: The batch, queued for the buffer; None when the call returned
-            no group (all were dropped), so nothing is queued.
+            ScoredBatch | None: The batch, queued for the buffer; None if it holds no group.
         """
-        batch = ScoredBatch(groups_ref, result["sequence_ids"], result["policy_version"])
+        batch = ScoredBatch(groups_ref, result["group_ids"], result["sequence_ids"])
         for group_id, ids in zip(result["group_ids"], result["sequence_ids"]):
-            if group_id in self.seen_group_ids:  # regenerated by a replaced collector
+            if self._is_duplicate(group_id):
                 batch.skip.update(ids)
-                self.num_duplicate_groups += 1
-            self.seen_group_ids.add(group_id)
-        # Seen too: a replaced collector's copy of a dropped group must not be trained on.
-        self.seen_group_ids.update(result["dropped_group_ids"])
-        for _, waiting in self.queued:
-            waiting.difference_update(result["group_ids"], result["dropped_group_ids"])
-        self.queued = [(ref, waiting) for ref, waiting in self.queued if waiting]
+                batch.duplicate_groups.add(group_id)
+                continue
+            if record := self.records.get(group_id):
+                batch.skip.update(record.exclude)
+            self.where[group_id] = Where.SCORED
+        for group_id in result["dropped_group_ids"]:
+            if not self._is_duplicate(group_id):
+                self._done(group_id)
         if not batch.num_groups:
             return None
         self.to_buffer.append(batch)
         return batch
 
-    def generated(self, groups_ref: Any, group_ids: list[int], lost: bool = False) -> None:
-        """A collector put a batch of groups onto the rollout queue; hold them until scored.
-
-        Args:
-            groups_ref: The ObjectRef of the batch's groups (the collector's second return).
-            group_ids (list[int]): Their ids.
-            lost (bool): The queue they went to has died since: score them from here now.
-        """
-        if lost:
-            self.unscored.append(groups_ref)
-        elif waiting := set(group_ids) - self.seen_group_ids:
-            self.queued.append((groups_ref, waiting))
-
-    def rescue_queued(self) -> int:
-        """The rollout queue died: its groups wait to be scored from the batches held here.
-
-        Returns:
-            int: How many groups were not scored yet (the dead queue held them, or a
-            reference actor had taken them already).
-        """
-        rescued = sum(len(waiting) for _, waiting in self.queued)
-        self.unscored.extend(ref for ref, _ in self.queued)
-        self.queued = []
-        return rescued
+    def _is_duplicate(self, group_id: int) -> bool:
+        """Counts a copy scored now; True if an earlier copy was kept."""
+        if group_id not in self.records or self.where.get(group_id) is Where.REGENERATING:
+            # The call that generated it has not come back: its collector could die yet.
+            collector = group_id % self.num_collectors
+            self.open_scored.setdefault(collector, set()).add(group_id)
+        if group_id in self.duplicates:
+            self.duplicates.discard(group_id)
+            self.num_duplicate_groups += 1
+            return True
+        if group_id in self.first_wins:
+            self.first_wins.discard(group_id)
+            self.duplicates.add(group_id)
+        return False
 
     def next_to_add(self) -> ScoredBatch | None:
         """The batch to offer the buffer now, or None (nothing waits, or the buffer is full)."""
@@ -145,96 +155,109 @@ class InFlightLedger:
 
     def added(self, batch: ScoredBatch, count: int) -> None:
         """The buffer took ``count`` more groups of ``batch`` (the oldest waiting one)."""
-        self.taken_by_buffer(batch, count)
+        first, last = batch.added, batch.added + count
+        for group_id, ids in zip(batch.group_ids[first:last], batch.sequence_ids[first:last]):
+            if group_id in batch.duplicate_groups:
+                continue
+            kept = {sid for sid in ids if sid not in batch.skip}
+            if kept:
+                self.in_buffer[group_id] = kept
+                self.where[group_id] = Where.BUFFERED
+            else:
+                self._done(group_id)
+        batch.added = last
         if batch.added == batch.num_groups:
             self.to_buffer.popleft()
         else:
             self.buffer_full = True  # retried after the next sample frees room
 
-    def taken_by_buffer(self, batch: ScoredBatch, count: int) -> None:
-        """The buffer took ``count`` more groups of ``batch``: hold them until sampled."""
-        for ids in batch.sequence_ids[batch.added : batch.added + count]:
-            for sid in ids:
-                if sid not in batch.skip:
-                    self.in_buffer[sid] = batch
-        batch.added += count
-
-    def sampled(self, sequence_ids: list[str]) -> None:
-        """Sampled trajectories leave the buffer: a rebuilt buffer must not get them again.
-
-        Args:
-            sequence_ids (list[str]): The sampled batch's ids, from the buffer's summary (the
-                driver never fetches the batch itself).
-        """
-        for sequence_id in sequence_ids:
-            batch = self.in_buffer.pop(sequence_id, None)
-            if batch is not None:
-                batch.skip.add(sequence_id)
+    def sampled(self, sequence_ids: list[str], group_ids: list[int]) -> None:
+        """Trajectories left the buffer for the trainers."""
+        for sequence_id, group_id in zip(sequence_ids, group_ids):
+            if (pending := self.in_buffer.get(group_id)) is None:
+                continue
+            pending.discard(sequence_id)
+            if record := self.records.get(group_id):
+                record.exclude.add(sequence_id)
+            if not pending:
+                self._done(group_id)
         self.buffer_full = False
 
     def release_stale(self, oldest_allowed_version: int) -> None:
-        """Stop holding scored batches the buffer drops as stale anyway."""
-        stale = [
-            sid for sid, b in self.in_buffer.items() if b.policy_version < oldest_allowed_version
-        ]
-        for sid in stale:
-            del self.in_buffer[sid]
+        """Forget buffered groups the buffer drops as stale anyway."""
+        for group_id in list(self.in_buffer):
+            record = self.records.get(group_id)
+            if record is not None and record.policy_version < oldest_allowed_version:
+                self._done(group_id)
 
-    def buffer_contents(self) -> list[tuple[Any, set[str]]]:
-        """What a rebuilt buffer must hold: ``(groups_ref, sequence ids to leave out)``.
+    def _done(self, group_id: int) -> None:
+        self.records.pop(group_id, None)
+        self.where.pop(group_id, None)
+        self.in_buffer.pop(group_id, None)
 
-        In order, once per batch; sampled trajectories and groups the old buffer had not
-        taken yet are left out.
-        """
+    # ------------------------------------------------------------------ losses
+
+    def lost_in_queue(self) -> list[GroupRecord]:
+        """The rollout queue died (and every take from it came back): the groups it held."""
+        return self._regenerate([g for g, where in self.where.items() if where is Where.QUEUED])
+
+    def lost_with_batch(self, records: list[GroupRecord]) -> list[GroupRecord]:
+        """A call came back after the queue it put onto died: those of its groups no take
+        reached."""
+        return self._regenerate(
+            [r.group_id for r in records if self.where.get(r.group_id) is Where.QUEUED]
+        )
+
+    def lost_in_buffer(self) -> list[GroupRecord]:
+        """The buffer died: the groups it held. Scored batches it had not wholly taken go to
+        the new one from where the old one stopped."""
         self.buffer_full = False
-        contents = []
-        for batch in dict.fromkeys(self.in_buffer.values()):
-            absent = {
-                sid
-                for ids in batch.sequence_ids
-                for sid in ids
-                if self.in_buffer.get(sid) is not batch
-            }
-            contents.append((batch.groups_ref, absent))
-        return contents
+        lost = list(self.in_buffer)
+        self.in_buffer.clear()
+        return self._regenerate(lost)
+
+    def _regenerate(self, group_ids: list[int]) -> list[GroupRecord]:
+        records = []
+        for group_id in group_ids:
+            if (record := self.records.get(group_id)) is not None:
+                self.where[group_id] = Where.REGENERATING
+                self.duplicates.discard(group_id)
+                self.first_wins.discard(group_id)
+                records.append(record)
+        return records
 
     # ------------------------------------------------------------------ Stateful
 
     def state_dict(self) -> dict[str, Any]:
-        """Groups not yet scored, scored groups not yet in the buffer, and the seen group ids.
-
-        What the buffer holds is in the buffer's own state (`load_state_dict` reads it there).
-        """
+        """Groups not scored yet, scored groups not in the buffer yet, and the records and
+        places of every group on its way. Called with the pipeline quiesced: every group is
+        taken (the queue emptied into ``unscored``), scored or buffered."""
         unscored = [group for groups in ray.get(list(self.unscored)) for group in groups]
         unbuffered = []
         for batch, groups in zip(self.to_buffer, ray.get([b.groups_ref for b in self.to_buffer])):
             for group in groups[batch.added :]:
                 kept = [t for t in group if t.sequence_id not in batch.skip]
-                if kept:
+                if kept and group[0].group_id not in batch.duplicate_groups:
                     unbuffered.append(kept)
         return {
             "unscored_groups": unscored,
             "unbuffered_groups": unbuffered,
-            "seen_group_ids": sorted(self.seen_group_ids),
+            "group_records": [r for g, r in self.records.items() if g in self.where],
+            "buffered_sequence_ids": {str(g): sorted(ids) for g, ids in self.in_buffer.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Hold the groups of a checkpoint again, as in a run that never stopped.
-
-        Args:
-            state (dict[str, Any]): The checkpoint's pipeline state: this ledger's keys, and
-                ``replay_buffer`` (the restored buffer's contents are held until sampled).
-        """
-        self._hold_buffered(state["replay_buffer"]["items"])
-        self.seen_group_ids = set(state["seen_group_ids"])
-        if state["unscored_groups"]:
-            self.unscored.append(ray.put(state["unscored_groups"]))
-        if state["unbuffered_groups"]:
-            self.to_buffer.append(ScoredBatch.hold(state["unbuffered_groups"]))
-
-    def _hold_buffered(self, items: list[tuple[Any, Any]]) -> None:
-        """Hold what a restored buffer holds (its state's ``items``) until it is sampled."""
-        in_buffer = [[trajectory] for trajectory, _ in items]
-        if in_buffer:
-            batch = ScoredBatch.hold(in_buffer)
-            self.taken_by_buffer(batch, batch.num_groups)
+        """Hold a checkpoint's groups again, as in a run that never stopped."""
+        self.records = {r.group_id: r for r in state.get("group_records", [])}
+        self.in_buffer = {
+            int(g): set(ids) for g, ids in state.get("buffered_sequence_ids", {}).items()
+        }
+        self.where = {g: Where.BUFFERED for g in self.in_buffer}
+        if unscored := state["unscored_groups"]:
+            self.unscored.append(ray.put(unscored))
+            self.where.update({group.group_id: Where.TAKEN for group in unscored})
+        if groups := state["unbuffered_groups"]:
+            group_ids = [group[0].group_id for group in groups]
+            sequence_ids = [[t.sequence_id for t in group] for group in groups]
+            self.to_buffer.append(ScoredBatch(ray.put(groups), group_ids, sequence_ids))
+            self.where.update({group_id: Where.SCORED for group_id in group_ids})

@@ -84,7 +84,7 @@ class Orchestrator:
             lambda: latest_checkpoint_text(self.run_dir),
         )
         self.weights = self._new_weight_sync()
-        inflight = InFlightLedger()
+        inflight = InFlightLedger(cfg.orchestration.num_inference_workers)
         self.checkpointer = Checkpointer(
             self.run_dir,
             self.state,
@@ -466,25 +466,23 @@ class Orchestrator:
         )
         if recovery is not None:
             try:
-                self._catch_up(role, index)
+                self._catch_up(role, index, failed.actor)
             finally:
                 self.actors.record_recovery(recovery)
         if failed.call is not None:
+            if failed.call.kind is CallKind.GENERATE:
+                # What the dead call had queued comes again from the redo: skipped once.
+                self.inflight.collector_replaced(index, failed.call.group_ids)
             self.scheduler.redo[failed.call.kind](failed.call)
 
-    def _catch_up(self, role: Role, index: int) -> None:
-        """What a replacement needs before it works, from what the driver holds.
+    def _catch_up(self, role: Role, index: int, dead: Any) -> None:
+        """What a replacement needs before it works.
 
         - A collector: the state of the old one's last finished batch, and the current weights.
-        - A replay buffer: what the old one held (scored groups not yet sampled).
-        - A rollout queue: the collectors put onto the new, empty one from now on, and the
-          groups the dead one may have held are scored from the driver's copies. The driver
-          holds every generation batch's groups (`Scheduler.launch_collector`) until each has
-          been scored; those not scored yet go to the reference actors as if taken from the
-          queue. Some were taken before the queue died and are being scored already: the copy
-          scored second is recognised by its ``group_id`` and skipped (`InFlightLedger.scored`),
-          so each group is trained on once. Logs ``faults/groups_rescued``: the groups not
-          scored yet when the queue died.
+        - A replay buffer or rollout queue: the groups the dead one held are generated again
+          under their ids, without the trajectories trained on already (`InFlightLedger`);
+          scored batches the buffer had not taken go to the new one. Logs
+          ``faults/groups_rescued`` (queue) or ``faults/buffer_groups_rescued`` (buffer).
         - A reference actor: nothing (its call is redone).
         """
         new = self.actors.actor(role, index)
@@ -492,13 +490,14 @@ class Orchestrator:
             state = self.actors.collector_states[index]
             self.weights.catch_up(new, state, actor_name(role, index), index)
         elif role is Role.REPLAY_BUFFER:
-            contents = self.inflight.buffer_contents()
-            calls = [new.add_groups.remote(ref, 0, absent) for ref, absent in contents]
-            self.actors.get_all(calls, "replay_buffer rebuild")
+            lost = self.inflight.lost_in_buffer()
+            self.scheduler.generate_again(lost)
+            self.scheduler.pump_buffer_adds()
+            self.actors.log_metrics(
+                {"faults/buffer_groups_rescued": float(len(lost))}, self.state.step
+            )
         elif role is Role.ROLLOUT_QUEUE:
-            for collector in range(len(self.collectors)):
-                self._ask(Role.INFERENCE, collector, "set_rollout_queue", new)
-            rescued = self.inflight.rescue_queued()
+            rescued = self.scheduler.queue_replaced(dead)
             self.actors.log_metrics({"faults/groups_rescued": float(rescued)}, self.state.step)
 
     def _ask(self, role: Role, index: int, method: str, *args: Any) -> Any:
@@ -616,7 +615,7 @@ class Orchestrator:
         for attempt in range(1, _RESTART_ATTEMPTS + 1):
             # The driver's in-flight state starts empty, and a new weight sync (the run's count
             # of retries goes on).
-            self.scheduler.reset(InFlightLedger())
+            self.scheduler.reset(InFlightLedger(self.cfg.orchestration.num_inference_workers))
             self.checkpointer.pipeline = [self.actors, self.inflight]
             retries, self.weights = self.weights.retries, self._new_weight_sync()
             self.weights.retries = retries
@@ -678,6 +677,7 @@ class Orchestrator:
         self._drain(held=held)
         if held:
             self.inflight.unscored.append(ray.put(held))
+            self.inflight.taken([group.group_id for group in held])
         for index in range(len(self.ref_actors)):
             self._ask(Role.REF, index, "__ray_ready__")
         self._ask(Role.REPLAY_BUFFER, 0, "__ray_ready__")

@@ -1,8 +1,9 @@
 """Scheduling: one call in flight per actor, and what each finished call leads to.
 
-Collectors generate onto the rollout queue, reference slots take groups from it and score
-them, scored batches go to the replay buffer one add at a time, a sample call waits in the
-buffer for a batch, and the trainers step on it. Each kind of call has one handler
+Collectors generate onto the rollout queue (or generate again what a dead queue or buffer
+lost), reference slots take groups from it and score them, scored batches go to the replay
+buffer one add at a time, a sample call waits in the buffer for a batch, and the trainers step
+on it. Each kind of call has one handler
 (`Scheduler.handlers`) and one way to be redone on a replacement actor (`Scheduler.redo`).
 
 The scheduler decides nothing about faults: a call that failed comes back from `finish` as a
@@ -118,6 +119,10 @@ class Scheduler:
     # Ids of actors that answered a call: started up (the stall watch waits for the others).
     answered: set[str] = field(default_factory=set)
     _idle_ref_slots: set[int] = field(default_factory=set)
+    # Per collector, lost groups it generates again before its next batch.
+    regenerate: dict[int, list[Any]] = field(default_factory=dict)
+    # Batches that came back from a queue that died, before its takes all came back.
+    lost_batches: list[list[Any]] = field(default_factory=list)
     # Per reference slot: when it started waiting for groups, and how long it waited.
     _waiting_since: dict[int, float] = field(default_factory=dict)
     _waited: dict[int, float] = field(default_factory=dict)
@@ -133,7 +138,7 @@ class Scheduler:
         }
         # A dead trainer restarts the run from a checkpoint: its calls are never redone.
         self.redo: dict[CallKind, Callable[[Call], None]] = {
-            CallKind.GENERATE: lambda call: self.launch_collector(call.index),
+            CallKind.GENERATE: lambda call: self.launch_collector(call.index, call.records),
             CallKind.TAKE: lambda call: self.feed_ref_slot(call.index),
             CallKind.SCORE: lambda call: self._launch_score(call.index, call.groups_ref),
             CallKind.ADD: lambda call: self.pump_buffer_adds(),
@@ -148,6 +153,8 @@ class Scheduler:
         self.batch, self.train_results = None, {}
         self.buffer_stats, self.answered = {}, set()
         self._idle_ref_slots.clear()
+        self.regenerate.clear()
+        self.lost_batches.clear()
         self._waiting_since.clear()
         self._waited.clear()
 
@@ -156,17 +163,29 @@ class Scheduler:
     def in_flight(self, kind: CallKind) -> bool:
         return any(call.kind is kind for call in self.calls.values())
 
-    def launch_collector(self, index: int) -> None:
-        actor = self.actors.collectors[index]
-        # The second return, the batch's groups, is held (never fetched) until they are
-        # scored: what a dead rollout queue held is scored from there (`rescue_queued`).
-        info_ref, groups_ref = actor.generate_batch_with_state.options(num_returns=2).remote(
-            self.cfg.inference.batch_size
+    def launch_collector(self, index: int, records: list[Any] | None = None) -> None:
+        """The collector's next batch; first the lost groups it was given to generate again
+        (``records``: redo a call that generated them)."""
+        actor, queue = self.actors.collectors[index], self.actors.rollout_queue
+        records = records or self.regenerate.pop(index, None)
+        if records:
+            ref = actor.regenerate.remote(records, queue)
+            group_ids = [record.group_id for record in records]
+        else:
+            batch_size = self.cfg.inference.batch_size
+            ref = actor.generate_batch_with_state.remote(batch_size, queue)
+            state = self.actors.collector_states[index] or {}
+            counter, workers = state.get("group_counter", 0), len(self.actors.collectors)
+            group_ids = [index + workers * (counter + i) for i in range(batch_size)]
+        self.calls[ref] = Call(
+            CallKind.GENERATE, index, actor, queue=queue, group_ids=group_ids, records=records
         )
-        queue = self.actors.rollout_queue
-        self.calls[info_ref] = Call(
-            CallKind.GENERATE, index, actor, groups_ref=groups_ref, queue=queue
-        )
+
+    def generate_again(self, records: list[Any]) -> None:
+        """Lost groups go to the collectors that made them, ahead of their next batch."""
+        for record in records:
+            index = record.group_id % len(self.actors.collectors)
+            self.regenerate.setdefault(index, []).append(record)
 
     def _launch_score(self, index: int, groups_ref: Any) -> None:
         now = time.perf_counter()
@@ -192,8 +211,8 @@ class Scheduler:
         else:
             queue = self.actors.rollout_queue
             timeout_s = 0.0 if self.cfg.orchestration.synchronous else 0.5
-            count_ref, groups_ref = queue.take(_GROUPS_PER_REF_CALL, timeout_s)
-            self.calls[count_ref] = Call(CallKind.TAKE, index, queue, groups_ref=groups_ref)
+            ids_ref, groups_ref = queue.take(_GROUPS_PER_REF_CALL, timeout_s)
+            self.calls[ids_ref] = Call(CallKind.TAKE, index, queue, groups_ref=groups_ref)
 
     def launch_sample(self) -> None:
         """Ask the buffer for a batch; it answers once it has one (or after a while, empty).
@@ -256,7 +275,7 @@ class Scheduler:
         self.reward_failures.check()
         self.busy.generation += result["metrics"].get(INFERENCE_TIME_GENERATION, 0.0)
         self.actors.collector_states[call.index] = result["state"]
-        queue = call.queue
+        queue, records = call.queue, result["records"]
         if (
             result["metrics"].get(INFERENCE_GROUPS_NOT_QUEUED)
             and queue is self.actors.rollout_queue
@@ -264,16 +283,19 @@ class Scheduler:
             # The collector found the queue dead before the loop did.
             name = actor_name(Role.INFERENCE, call.index)
             self._queue_died(queue, RuntimeError(f"{name} could not put groups on it"))
-        # A batch that began before the queue was replaced may have lost groups with it.
-        lost = queue is not self.actors.rollout_queue or any(
-            f.role is Role.ROLLOUT_QUEUE and f.actor is queue for f in self.failed
-        )
-        self.inflight.generated(call.groups_ref, result["group_ids"], lost)
+        self.inflight.generated(call.index, records)
+        # A batch that began before the queue was replaced may have lost groups with it:
+        # those no take reached, known once every take from that queue came back.
+        if any(f.role is Role.ROLLOUT_QUEUE and f.actor is queue for f in self.failed):
+            self.lost_batches.append(records)
+        elif queue is not self.actors.rollout_queue:
+            self.generate_again(self.inflight.lost_with_batch(records))
         if relaunch:
             self.launch_collector(call.index)
 
     def _on_taken(self, call: Call, result: Any, relaunch: bool) -> None:
         if result:
+            self.inflight.taken(result)
             self._launch_score(call.index, call.groups_ref)
         elif relaunch:
             self.feed_ref_slot(call.index)
@@ -326,7 +348,7 @@ class Scheduler:
             if relaunch:
                 self.launch_sample()  # it waited in the buffer already: no back-off here
         else:
-            self.inflight.sampled(summary["sequence_ids"])
+            self.inflight.sampled(summary["sequence_ids"], summary["group_ids"])
             self.pump_buffer_adds()
             self.batch = SampledBatch(call.batch_ref, summary)
 
@@ -352,6 +374,27 @@ class Scheduler:
                 held.extend(queue.get_nowait_batch(count))
         except RayActorError as error:
             self._queue_died(queue, error)
+
+    def queue_replaced(self, dead_queue: Any) -> int:
+        """After the rollout queue was replaced: once every take from the dead one came back,
+        the groups it held (and those of batches that came back meanwhile) are generated
+        again.
+
+        Returns:
+            int: How many groups are generated again.
+        """
+        takes = [
+            r for r, c in self.calls.items() if c.kind is CallKind.TAKE and c.actor is dead_queue
+        ]
+        if takes:
+            done, _ = ray.wait(takes, num_returns=len(takes), timeout=_SAMPLE_WAIT_S)
+            self.finish(done, relaunch=True)
+        lost = self.inflight.lost_in_queue()
+        for records in self.lost_batches:
+            lost += self.inflight.lost_with_batch(records)
+        self.lost_batches.clear()
+        self.generate_again(lost)
+        return len(lost)
 
     def _queue_died(self, queue: Any, error: Exception) -> None:
         failure = Failure(actor_name(Role.ROLLOUT_QUEUE), error)

@@ -66,8 +66,10 @@ class Call:
     index: int
     actor: Any
     # What each kind holds for its handler, or to be redone on a replacement:
-    groups_ref: Any = None  # GENERATE, TAKE, SCORE: the groups generated, taken or scored
+    groups_ref: Any = None  # TAKE, SCORE: the groups taken or scored
     queue: Any = None  # GENERATE: the rollout queue the batch puts onto
+    group_ids: list[int] = field(default_factory=list)  # GENERATE: the groups it generates
+    records: list[Any] | None = None  # GENERATE: the lost groups it generates again
     scored_ref: Any = None  # SCORE: the scored groups (its second return)
     scored: ScoredBatch | None = None  # ADD: the scored batch offered to the buffer
     batch_ref: Any = None  # SAMPLE: the sampled batch (its second return), for the trainers

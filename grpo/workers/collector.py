@@ -27,7 +27,7 @@ from grpo.envs.protocol import EngineContext, Prompt
 from grpo.envs.rollout import episode_groups
 from grpo.observability import metric_names as names
 from grpo.seeds import group_seed
-from grpo.types import GroupedUnscoredTrajectories
+from grpo.types import GroupedUnscoredTrajectories, GroupRecord
 from grpo.weights.adapter import MergedAdapters, engine_adapters, serves_merged
 from grpo.weights.concurrency import COLLECTOR_CONCURRENCY_GROUPS
 from grpo.workers.engine_sleep import SleepMethods
@@ -161,7 +161,7 @@ class SyncLLMCollector(SleepMethods):
         )
         self.dropped_episodes = DroppedEpisodeLog(f"inference[{worker_id}]")
         self._batch_drops: BatchDrops | None = None
-        self._batch_groups: list[GroupedUnscoredTrajectories] = []
+        self._batch_records: list[GroupRecord] = []
         self._put_waiting_since: float | None = None
 
     @classmethod
@@ -232,10 +232,17 @@ class SyncLLMCollector(SleepMethods):
         return sequence_id
 
     def _run_episodes(
-        self, prompts: list[Prompt], group_ids: list[int]
+        self,
+        prompts: list[Prompt],
+        group_ids: list[int],
+        sequence_ids: list[list[str]] | None = None,
     ) -> tuple[list[GroupedUnscoredTrajectories], dict[str, float], VersionRuns]:
         """The environment's episodes for ``prompts``, scored, as groups; their metrics, and
-        the ``(version, tokens)`` runs of each kept episode's policy tokens."""
+        the ``(version, tokens)`` runs of each kept episode's policy tokens.
+
+        ``sequence_ids``: per group, the ids its trajectories take (a regenerated group's);
+        None takes new ones.
+        """
         first_version = self.policy_version  # weights may change while the episodes run
         # Episode j of a group samples its first turn with seed + j (`grpo.seeds`).
         seeds = [group_seed(self.seed, group_id) for group_id in group_ids]
@@ -247,10 +254,18 @@ class SyncLLMCollector(SleepMethods):
         # Failed episodes stay in their groups with the failure rewards, or are left out
         # (the environment's failed_episodes).
         kept, rewards = scored_episodes(self.environment, every)
+        next_id = self._next_sequence_id
+        if sequence_ids is not None:
+            given: list[str] = []
+            for group, ids in zip(episodes, sequence_ids):
+                count = sum(e.error is None or e.failure_scored for e in group)
+                given += ids[:count]
+                given += [self._next_sequence_id() for _ in range(count - len(ids))]
+            next_id = iter(given).__next__
         self._batch_drops = self.dropped_episodes.record(every, type(self.environment).__name__)
         self.totals["episodes_dropped"] += (dropped := len(every) - len(kept))
         groups = episode_groups(
-            episodes, rewards, group_ids=group_ids, sequence_id=self._next_sequence_id,
+            episodes, rewards, group_ids=group_ids, sequence_id=next_id,
             policy_version=first_version, last_policy_version=self.policy_version,
         )  # fmt: skip
         metrics = episode_metrics(kept, dropped, self.totals["episodes_dropped"])
@@ -277,14 +292,14 @@ class SyncLLMCollector(SleepMethods):
             put["wait_s"] += time.perf_counter() - start
 
     def generate_batch(
-        self, num_prompts: int, *, caller_holds_groups: bool = False
+        self, num_prompts: int, *, tolerate_dead_queue: bool = False
     ) -> dict[str, float]:
         """Apply pending weights, play ``group_size`` episodes of the next prompts, queue them.
 
         Args:
             num_prompts: Prompts to take from the shard (one group each).
-            caller_holds_groups: The caller keeps this batch's groups, so a dead queue is no
-                error.
+            tolerate_dead_queue: The caller generates again what a dead queue lost, so a dead
+                queue is no error.
 
         Returns:
             dict[str, float]: This batch's ``inference/*`` and ``queues/*`` metrics.
@@ -296,9 +311,6 @@ class SyncLLMCollector(SleepMethods):
         """
         if num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-        check = self.engine.in_flight or self.batch_counter % self.weight_check_every_n_batches == 0
-        weight_update_s = self.apply_pending_weights() if check else 0.0
-        self.weights.start_batch()
         prompts, skipped = self.stream.next_fitting(
             num_prompts, self.environment.prompt_ids, self.max_prompt_tokens
         )
@@ -307,19 +319,40 @@ class SyncLLMCollector(SleepMethods):
             self.worker_id + self.num_workers * (self.group_counter + i) for i in range(num_prompts)
         ]
         self.group_counter += num_prompts
-        start = time.perf_counter()
-        groups, episode_metrics, runs = self._run_episodes(prompts, group_ids)
-        generation_s = time.perf_counter() - start
+        metrics = self._generate(prompts, group_ids, None, tolerate_dead_queue)
         self.batch_counter += 1
+        return metrics
 
-        self._batch_groups = groups
+    def _generate(
+        self,
+        prompts: list[Prompt],
+        group_ids: list[int],
+        sequence_ids: list[list[str]] | None,
+        tolerate_dead_queue: bool,
+    ) -> dict[str, float]:
+        check = self.engine.in_flight or self.batch_counter % self.weight_check_every_n_batches == 0
+        weight_update_s = self.apply_pending_weights() if check else 0.0
+        self.weights.start_batch()
+        start = time.perf_counter()
+        groups, episode_metrics, runs = self._run_episodes(prompts, group_ids, sequence_ids)
+        generation_s = time.perf_counter() - start
+        prompt_of = dict(zip(group_ids, prompts))
+        self._batch_records = [
+            GroupRecord(
+                group.group_id,
+                prompt_of[group.group_id],
+                [t.sequence_id for t in group.trajectories],
+                max(t.policy_version for t in group.trajectories),
+            )
+            for group in groups
+        ]
         put = {"waits": 0.0, "wait_s": 0.0, "queued": 0.0}
         try:
             self._put_groups(groups, put)
         except Exception as error:
             from ray.exceptions import RayActorError  # the queue died
 
-            if not (caller_holds_groups and isinstance(error, RayActorError)):
+            if not (tolerate_dead_queue and isinstance(error, RayActorError)):
                 raise
         finally:
             queued = int(put["queued"])
@@ -343,33 +376,50 @@ class SyncLLMCollector(SleepMethods):
         return metrics
 
     def generate_batch_with_state(
-        self, num_prompts: int
-    ) -> tuple[dict[str, Any], list[GroupedUnscoredTrajectories]]:
-        """`generate_batch`, then `state_dict` as it stands right after that batch.
+        self, num_prompts: int, rollout_queue: Any = None
+    ) -> dict[str, Any]:
+        """`generate_batch` onto ``rollout_queue`` (None: the last one given), then what the
+        driver keeps of it: the collector's state right after it and the groups' records.
 
-        The caller holds the second return, the groups, unfetched until each is scored, so a
-        dead queue is no error here.
+        The driver holds no copy of the groups: what a dead queue lost is generated again from
+        the records (`regenerate`), so a dead queue is no error here.
 
         Returns:
-            tuple: ``{"metrics", "state", "group_ids", "dropped_episodes", "reward_calls"}``
-            and the batch's groups.
+            dict: ``{"metrics", "state", "records", "dropped_episodes", "reward_calls"}``.
         """
         # No engine lock: it would block `evaluate` while the batch waits on a full queue.
+        if rollout_queue is not None:
+            self.rollout_queue = rollout_queue
         self._batch_drops = None
-        metrics = self.generate_batch(num_prompts, caller_holds_groups=True)
-        drops, groups = self._batch_drops, self._batch_groups
-        info = {
+        metrics = self.generate_batch(num_prompts, tolerate_dead_queue=True)
+        return self._batch_info(metrics)
+
+    def regenerate(self, records: list[GroupRecord], rollout_queue: Any) -> dict[str, Any]:
+        """Generate lost groups again, under their group and sequence ids, onto the queue.
+
+        Their trajectories are sampled anew (group ids fix the seeds, the weights are the
+        current ones). The stream does not move.
+
+        Returns:
+            dict: As `generate_batch_with_state`.
+        """
+        self.rollout_queue = rollout_queue
+        self._batch_drops = None
+        prompts = [record.prompt for record in records]
+        group_ids = [record.group_id for record in records]
+        sequence_ids = [record.sequence_ids for record in records]
+        metrics = self._generate(prompts, group_ids, sequence_ids, tolerate_dead_queue=True)
+        return self._batch_info(metrics)
+
+    def _batch_info(self, metrics: dict[str, float]) -> dict[str, Any]:
+        drops = self._batch_drops
+        return {
             "metrics": metrics,
             "state": self.state_dict(),
-            "group_ids": [group.group_id for group in groups],
+            "records": self._batch_records,
             "dropped_episodes": drops.as_dict() if drops is not None else None,
             "reward_calls": self.environment.take_reward_calls(),
         }
-        return info, groups
-
-    def set_rollout_queue(self, rollout_queue: Any) -> None:
-        """Put the next groups onto ``rollout_queue`` (the replacement of a queue that died)."""
-        self.rollout_queue = rollout_queue
 
     def shutdown(self) -> None:
         """Close the environment and shut the engine down now (idempotent).

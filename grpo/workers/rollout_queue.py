@@ -1,9 +1,9 @@
 """The bounded queue between the collectors and the reference actors.
 
 A ``ray.util.queue.Queue`` (collectors feel back-pressure when it is full) plus `put_all`, one
-round trip for a whole generation batch, and `take`, whose second return (the groups) the
-driver owns but never fetches: it hands it to a reference actor, and to its replacement if
-that actor dies, so nothing taken from the queue is lost with an actor.
+round trip for a whole generation batch, and `take`, whose first return names the groups taken
+and whose second (the groups) the driver hands to a reference actor unfetched, and to its
+replacement if that actor dies.
 """
 
 from __future__ import annotations
@@ -31,19 +31,20 @@ class _RolloutQueueActor(_QueueActor):
                 return count
         return len(items)
 
-    async def take(self, max_items: int, timeout_s: float) -> tuple[int, list[Any]]:
-        """Up to ``max_items`` items, waiting at most ``timeout_s`` for the first one."""
+    async def take(self, max_items: int, timeout_s: float) -> tuple[list[Any], list[Any]]:
+        """Up to ``max_items`` groups, waiting at most ``timeout_s`` for the first one, and
+        their group ids."""
         items: list[Any] = []
         if self.queue.empty():
             if timeout_s <= 0:
-                return 0, items
+                return [], items
             try:
                 items.append(await asyncio.wait_for(self.queue.get(), timeout_s))
             except asyncio.TimeoutError:
-                return 0, items
+                return [], items
         while len(items) < max_items and not self.queue.empty():
             items.append(self.queue.get_nowait())
-        return len(items), items
+        return [getattr(item, "group_id", None) for item in items], items
 
 
 class RolloutQueue(Queue):
@@ -62,7 +63,7 @@ class RolloutQueue(Queue):
         return ray.get(self.actor.put_all.remote(items, timeout_s))
 
     def take(self, max_items: int, timeout_s: float) -> tuple[Any, Any]:
-        """Start a take: ``(count_ref, groups_ref)``, both owned by the caller."""
+        """Start a take: ``(group_ids_ref, groups_ref)``, both owned by the caller."""
         return self.actor.take.options(num_returns=2).remote(max_items, timeout_s)
 
 

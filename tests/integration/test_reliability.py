@@ -369,19 +369,36 @@ def kill_queue_holding_groups(run: Orchestrator, from_step: int) -> list[int]:
     return held
 
 
+def kill_buffer_holding_groups(run: Orchestrator, from_step: int) -> list[int]:
+    """``ray.kill`` the replay buffer from the loop, right after an add at ``from_step`` or
+    later left it holding groups; returns ``[how many]``."""
+    held: list[int] = []
+    on_added = run._handlers[CallKind.ADD]
+
+    def kill_once_it_holds_groups(call, result, relaunch):
+        on_added(call, result, relaunch)
+        if not held and run.state.step >= from_step and (size := len(run.inflight.in_buffer)):
+            held.append(size)
+            ray.kill(run.replay_buffer, no_restart=True)
+
+    run._handlers[CallKind.ADD] = kill_once_it_holds_groups
+    return held
+
+
 def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
     tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
 ):
-    """Each restartable actor is killed once mid-run (the rollout queue while it holds
-    groups); the run finishes every step, no generated group is lost, none is trained twice,
-    and the replacements compute."""
+    """Each restartable actor is killed once mid-run (the buffer and the rollout queue while
+    they hold groups); the run finishes every step, no generated group is lost, none is
+    trained twice, and the replacements compute."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "run"
-    victims = [(2, "inference[0]"), (5, "ref[0]"), (8, "replay_buffer")]
+    victims = [(2, "inference[0]"), (5, "ref[0]")]
     # Generation batches of 8 groups, of which a reference call takes 4: the other 4 wait in
     # the queue while the first are scored, so the queue holds groups when it is killed.
     run = start_run(tiny_model_dir, run_dir, 14, "inference.batch_size=8")
     killed = kill_at_steps(run, victims)
+    buffer_held = kill_buffer_holding_groups(run, from_step=8)
     queue_held = kill_queue_holding_groups(run, from_step=10)
     try:
         state = run.run()
@@ -389,13 +406,18 @@ def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
         run.shutdown()
     assert state.step == 14
     assert len(queue_held) == 1 and queue_held[0] > 0
-    names = [name for _, name in victims] + ["rollout_queue"]
+    assert len(buffer_held) == 1 and buffer_held[0] > 0
+    names = [name for _, name in victims] + ["replay_buffer", "rollout_queue"]
     assert [r.actor for r in run.recoveries] == names
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert max(r[FAULTS_ACTOR_RESTARTS] for r in metrics if FAULTS_ACTOR_RESTARTS in r) == 4
-    # The dead queue's groups were scored from the driver's copies of their generation
-    # batches (the ledger checks below find none of them lost).
+    # The groups the dead queue and buffer held were generated again (the ledger checks below
+    # find none of them lost).
     assert len([r for r in metrics if "faults/groups_rescued" in r]) == 1
+    rescued = [
+        r["faults/buffer_groups_rescued"] for r in metrics if "faults/buffer_groups_rescued" in r
+    ]
+    assert rescued == [buffer_held[0]]
     for recovery in run.recoveries:
         # Noticed at the next call to the actor, and the replacement (a new vLLM engine on
         # CPU for the collector) did its first piece of work within a minute.
@@ -409,16 +431,17 @@ def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
     numbers = sorted({int(sid.split("-")[1]) for sid in scored})
     assert numbers == list(range(numbers[-1] + 1))
     # Nothing trained twice, though the replaced collector regenerated groups that had
-    # already reached the queue, the rebuilt buffer was refilled from the driver, and the
-    # groups of the dead queue were scored from the driver's copies.
+    # already reached the queue, and the groups of the dead buffer, some of whose
+    # trajectories were trained already, were generated and scored again under their ids.
+    assert len(set(scored)) < len(scored)
     assert len(trained) == len(set(trained)) == 14 * 32
     assert set(trained) <= set(scored)
-    # What the rebuilt buffer was given back was trained on after the kill, not dropped.
+    # What the dead buffer held was trained on after the kill, not dropped.
     trained_steps = {
         sid: r["step"] for r in read_jsonl(run_dir / "trained.jsonl") for sid in r["sequence_ids"]
     }
     assert max(trained_steps.values()) == 14
-    assert len(killed) == 3
+    assert len(killed) == 2
 
 
 def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(

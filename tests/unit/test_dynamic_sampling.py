@@ -20,7 +20,7 @@ from grpo.observability.metric_names import (
     REWARDS_MEAN,
     ZERO_VARIANCE_GROUPS,
 )
-from grpo.orchestrator import InFlightLedger, NoInformativeGroupsError
+from grpo.orchestrator import NoInformativeGroupsError
 from grpo.orchestrator.group_counts import GroupCounts
 from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
 
@@ -169,32 +169,6 @@ def test_without_a_kl_term_the_ref_actor_loads_no_model_and_scores_the_same(tiny
 
 
 # ---------------------------------------------------------------- the driver's bookkeeping
-
-
-def scored_info(group_ids: list[int], dropped: list[int], tag: str = "s") -> dict:
-    return {
-        "group_ids": group_ids,
-        "sequence_ids": [[f"{tag}{g}-{i}" for i in range(2)] for g in group_ids],
-        "dropped_group_ids": dropped,
-        "dropped_sequence_ids": [[f"{tag}{g}-{i}" for i in range(2)] for g in dropped],
-        "policy_version": 0,
-    }
-
-
-def test_ledger_remembers_dropped_groups_and_queues_no_empty_batch():
-    ledger = InFlightLedger()
-    assert ledger.scored("all-dropped", scored_info([], dropped=[0, 1])) is None
-    assert not ledger.to_buffer
-    batch = ledger.scored("mixed", scored_info([2], dropped=[3]))
-    assert batch is not None and batch.sequence_ids == [["s2-0", "s2-1"]]
-    assert ledger.seen_group_ids == {0, 1, 2, 3}
-    # A replaced collector's copy of a dropped group is not trained on either.
-    again = ledger.scored("again", scored_info([1], dropped=[], tag="r"))
-    assert again.skip == {"r1-0", "r1-1"}
-    # Nothing dropped is held: a checkpoint's ledger state has no trace of them.
-    ledger.added(batch, 1)
-    ledger.added(again, 1)
-    assert set(ledger.in_buffer) == {"s2-0", "s2-1"}
 
 
 def test_group_counts_per_step_and_reset():

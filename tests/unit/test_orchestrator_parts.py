@@ -1,4 +1,5 @@
-"""The orchestrator's parts on their own: the in-flight ledger, step metrics, call dispatch.
+"""The orchestrator's parts on their own: step metrics, call dispatch (the in-flight ledger:
+test_ledger.py).
 
 The loop that wires them runs in tests/test_pipeline.py and tests/test_reliability.py; these
 check each part's bookkeeping without Ray (object references are stand-in strings).
@@ -31,83 +32,8 @@ from grpo.observability.metrics import (
     step_metrics,
     step_time_breakdown,
 )
-from grpo.orchestrator import InFlightLedger, RunState
+from grpo.orchestrator import RunState
 from grpo.orchestrator.state import CallKind
-
-
-def scored_result(
-    tag: str, group_ids: list[int], policy_version: int = 0, dropped: list[int] = ()
-) -> dict:
-    """What a reference call reports: two sequences per group, ids ``{tag}{group}-{i}``;
-    ``dropped`` groups were left out for equal rewards."""
-    return {
-        "group_ids": group_ids,
-        "sequence_ids": [[f"{tag}{g}-{i}" for i in range(2)] for g in group_ids],
-        "dropped_group_ids": list(dropped),
-        "dropped_sequence_ids": [[f"{tag}{g}-{i}" for i in range(2)] for g in dropped],
-        "policy_version": policy_version,
-    }
-
-
-def test_ledger_marks_regenerated_groups_and_holds_batches_until_sampled():
-    ledger = InFlightLedger()
-    first = ledger.scored("ref-a", scored_result("a", [0, 1]))
-    # A replaced collector regenerated group 1 (new sequence ids, same group id): its
-    # trajectories are skipped, and counted once.
-    second = ledger.scored("ref-b", scored_result("b", [1, 2]))
-    assert ledger.num_duplicate_groups == 1
-    assert second.skip == {"b1-0", "b1-1"}
-    assert ledger.next_to_add() is first
-
-    ledger.added(first, 1)  # the buffer had room for one group only
-    assert ledger.buffer_full and ledger.next_to_add() is None
-    assert set(ledger.in_buffer) == {"a0-0", "a0-1"}
-
-    ledger.sampled(["a0-0"])
-    assert not ledger.buffer_full and ledger.next_to_add() is first
-    ledger.added(first, 1)
-    ledger.added(second, 2)
-    assert ledger.next_to_add() is None and not ledger.to_buffer
-    # Held until sampled: not the sampled one, not the duplicates.
-    assert set(ledger.in_buffer) == {"a0-1", "a1-0", "a1-1", "b2-0", "b2-1"}
-
-    # A rebuilt buffer gets each batch once, minus what was sampled or skipped.
-    contents = dict(ledger.buffer_contents())
-    assert contents["ref-a"] == {"a0-0"}
-    assert contents["ref-b"] == {"b1-0", "b1-1"}
-
-
-def test_ledger_holds_generated_batches_until_scored_and_rescues_them():
-    """The driver's copies of generation batches put onto the queue: held until every group
-    is scored (or dropped), and scored from there when the queue dies; the copy of a group
-    that a reference actor had taken already is skipped the second time."""
-    ledger = InFlightLedger()
-    ledger.generated("batch-a", [0, 1])
-    ledger.generated("batch-b", [2, 3])
-    ledger.scored("ref-1", scored_result("a", [0], dropped=[1]))
-    assert ledger.queued == [("batch-b", {2, 3})]  # batch-a's groups all came through
-    ledger.scored("ref-2", scored_result("b", [2]))
-
-    # The queue dies holding group 3 (group 2 came through already).
-    assert ledger.rescue_queued() == 1
-    assert list(ledger.unscored) == ["batch-b"] and not ledger.queued
-    rescued = ledger.scored("rescued", scored_result("b", [2, 3]))
-    assert rescued.skip == {"b2-0", "b2-1"}  # group 2 once, group 3 now
-    # A batch that put onto the dead queue and came back after it was replaced is scored
-    # from the driver's copy at once; a batch whose groups were all seen is not held.
-    ledger.generated("batch-c", [4], lost=True)
-    ledger.generated("batch-d", [3])
-    assert list(ledger.unscored) == ["batch-b", "batch-c"] and not ledger.queued
-
-
-def test_ledger_lets_go_of_stale_batches_only():
-    ledger = InFlightLedger()
-    old = ledger.scored("old", scored_result("o", [0], policy_version=0))
-    new = ledger.scored("new", scored_result("n", [1], policy_version=3))
-    ledger.added(old, 1)
-    ledger.added(new, 1)
-    ledger.release_stale(oldest_allowed_version=2)
-    assert set(ledger.in_buffer) == {"n1-0", "n1-1"}
 
 
 def test_step_metrics_adds_queue_sizes_and_time_shares():
