@@ -3,17 +3,15 @@
 A failed call is one of three things, and `FaultPolicy.decide` says which:
 
 - `Replace`: a collector, reference actor, replay buffer or rollout queue died; a new one
-  starts at its place, catches up, and the call is redone (nothing it held is lost: the
-  driver holds references to it, see `grpo.orchestrator.ledger`).
+  starts at its place, catches up, and the call is redone.
 - `Restart`: a trainer died, and the policy and optimizer state with it; every actor starts
   again from the latest checkpoint and the steps after it are redone.
 - `Stop`: the run cannot go on (an actor raised, its constructor failed, or it used up
   ``orchestration.max_actor_restarts``); the message names the actor and the root cause in
   one line.
 
-The loop carries decisions out (`grpo.orchestrator.loop.Orchestrator.carry_out`); this module
-only decides and keeps the restart counts. It imports no Ray: a failed call is described by
-the caller (`Failure`), so the policy is tested with a table of failures.
+The loop carries decisions out; this module only decides and keeps the restart counts. It
+imports no Ray, so the policy is tested with a table of failures.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The in-flight ledger: where each group between a collector and the trainers is, by id.
 
-The groups themselves travel collector -> rollout queue -> reference actor -> replay buffer ->
-trainers, and the driver keeps no copy of them. Per group it keeps a `GroupRecord` (its prompt
-and ids) and where the group is; when the queue or the buffer dies, the ledger names the groups
-it held and a collector generates them again under the same ids, leaving out what was trained
-on already. Two kinds of call results are the driver's by Ray's ownership (objects a call
-returns belong to the caller) and pass through it unfetched: a take waiting for a reference
-actor (`unscored`) and scored groups waiting for room in the buffer (`to_buffer`). A dead
-reference actor's or buffer's call is redone from them.
-
-A replaced collector generates its unfinished call again, and the groups of it that reached
-the queue before it died come twice. Only for such a call does the ledger remember ids: the
-first copy scored is kept and the second skipped (`collector_replaced`).
+The driver keeps no copy of the data: per group a `GroupRecord` (its prompt and ids) and where
+the group is. What a dead queue or buffer held is generated again under the same ids, without
+what was trained on already. The results of the driver's own take and score calls pass through
+it unfetched (`unscored`, `to_buffer`; Ray gives a call's result to its caller), so a dead
+reference actor's or buffer's call is redone from them. Of a replaced collector's unfinished
+call, which its replacement generates again, the first copy scored of each group is kept.
 """
 
 from __future__ import annotations
@@ -66,6 +60,8 @@ class InFlightLedger:
         self.in_buffer: dict[int, set[str]] = {}  # per buffered group, its ids still there
         self.unscored: deque[Any] = deque()
         self.to_buffer: deque[ScoredBatch] = deque()
+        # Per collector, the lost groups it generates again before its next batch.
+        self.to_regenerate: dict[int, list[GroupRecord]] = {}
         self.buffer_full = False
         # Per collector, groups scored before the call that generated them came back.
         self.open_scored: dict[int, set[int]] = {}
@@ -217,12 +213,15 @@ class InFlightLedger:
         return self._regenerate(lost)
 
     def _regenerate(self, group_ids: list[int]) -> list[GroupRecord]:
+        """Queue the groups for their collectors to generate again (`to_regenerate`)."""
         records = []
         for group_id in group_ids:
             if (record := self.records.get(group_id)) is not None:
                 self.where[group_id] = Where.REGENERATING
                 self.duplicates.discard(group_id)
                 self.first_wins.discard(group_id)
+                collector = group_id % self.num_collectors
+                self.to_regenerate.setdefault(collector, []).append(record)
                 records.append(record)
         return records
 
@@ -231,7 +230,8 @@ class InFlightLedger:
     def state_dict(self) -> dict[str, Any]:
         """Groups not scored yet, scored groups not in the buffer yet, and the records and
         places of every group on its way. Called with the pipeline quiesced: every group is
-        taken (the queue emptied into ``unscored``), scored or buffered."""
+        taken (the queue emptied into ``unscored``), scored, buffered, or waiting to be
+        generated again."""
         unscored = [group for groups in ray.get(list(self.unscored)) for group in groups]
         unbuffered = []
         for batch, groups in zip(self.to_buffer, ray.get([b.groups_ref for b in self.to_buffer])):
@@ -243,6 +243,7 @@ class InFlightLedger:
             "unscored_groups": unscored,
             "unbuffered_groups": unbuffered,
             "group_records": [r for g, r in self.records.items() if g in self.where],
+            "regenerate_records": [r for rs in self.to_regenerate.values() for r in rs],
             "buffered_sequence_ids": {str(g): sorted(ids) for g, ids in self.in_buffer.items()},
         }
 
@@ -256,6 +257,7 @@ class InFlightLedger:
         if unscored := state["unscored_groups"]:
             self.unscored.append(ray.put(unscored))
             self.where.update({group.group_id: Where.TAKEN for group in unscored})
+        self._regenerate([r.group_id for r in state.get("regenerate_records", [])])
         if groups := state["unbuffered_groups"]:
             group_ids = [group[0].group_id for group in groups]
             sequence_ids = [[t.sequence_id for t in group] for group in groups]

@@ -1,18 +1,8 @@
 """The loop: a training step at a time, with generation and scoring running beside it.
 
-`Orchestrator.run` is the whole loop; `_step` is one step: get a batch from the buffer
-(collectors and reference actors keep working meanwhile), train every rank on it, sync the
-weights on schedule, evaluate, checkpoint. The calls in flight and their handlers are the
-scheduler's (`grpo.orchestrator.scheduler`). Every wait goes through `_poll`, the one place
-faults are handled: a failed call is a `Failure`, the fault policy returns a decision
-(`grpo.orchestrator.faults`: replace the actor, restart from the latest checkpoint, or stop
-naming the actor and the root cause), and `_carry_out` does it. A dead trainer takes the policy
-with it: the step ends (`TrainerDiedError`, also raised by a weight gather or checkpoint that
-finds it dead) and `run` restarts every actor from the latest checkpoint.
-
-The policy version is tracked in one place, `RunState.policy_version`, set only from the
-trainer's weight payload (`_sync_weights`); stale data is dropped in one place, the replay
-buffer (see `grpo.orchestrator.ledger`).
+Every wait goes through `_poll`, the one place faults are handled: the fault policy turns a
+failed call into a decision (replace the actor, restart from the latest checkpoint, stop) and
+`_carry_out` does it. The policy version is set in one place, `_sync_weights`.
 """
 
 from __future__ import annotations
@@ -491,7 +481,6 @@ class Orchestrator:
             self.weights.catch_up(new, state, actor_name(role, index), index)
         elif role is Role.REPLAY_BUFFER:
             lost = self.inflight.lost_in_buffer()
-            self.scheduler.generate_again(lost)
             self.scheduler.pump_buffer_adds()
             self.actors.log_metrics(
                 {"faults/buffer_groups_rescued": float(len(lost))}, self.state.step

@@ -119,8 +119,6 @@ class Scheduler:
     # Ids of actors that answered a call: started up (the stall watch waits for the others).
     answered: set[str] = field(default_factory=set)
     _idle_ref_slots: set[int] = field(default_factory=set)
-    # Per collector, lost groups it generates again before its next batch.
-    regenerate: dict[int, list[Any]] = field(default_factory=dict)
     # Batches that came back from a queue that died, before its takes all came back.
     lost_batches: list[list[Any]] = field(default_factory=list)
     # Per reference slot: when it started waiting for groups, and how long it waited.
@@ -153,7 +151,6 @@ class Scheduler:
         self.batch, self.train_results = None, {}
         self.buffer_stats, self.answered = {}, set()
         self._idle_ref_slots.clear()
-        self.regenerate.clear()
         self.lost_batches.clear()
         self._waiting_since.clear()
         self._waited.clear()
@@ -167,7 +164,7 @@ class Scheduler:
         """The collector's next batch; first the lost groups it was given to generate again
         (``records``: redo a call that generated them)."""
         actor, queue = self.actors.collectors[index], self.actors.rollout_queue
-        records = records or self.regenerate.pop(index, None)
+        records = records or self.inflight.to_regenerate.pop(index, None)
         if records:
             ref = actor.regenerate.remote(records, queue)
             group_ids = [record.group_id for record in records]
@@ -180,12 +177,6 @@ class Scheduler:
         self.calls[ref] = Call(
             CallKind.GENERATE, index, actor, queue=queue, group_ids=group_ids, records=records
         )
-
-    def generate_again(self, records: list[Any]) -> None:
-        """Lost groups go to the collectors that made them, ahead of their next batch."""
-        for record in records:
-            index = record.group_id % len(self.actors.collectors)
-            self.regenerate.setdefault(index, []).append(record)
 
     def _launch_score(self, index: int, groups_ref: Any) -> None:
         now = time.perf_counter()
@@ -289,7 +280,7 @@ class Scheduler:
         if any(f.role is Role.ROLLOUT_QUEUE and f.actor is queue for f in self.failed):
             self.lost_batches.append(records)
         elif queue is not self.actors.rollout_queue:
-            self.generate_again(self.inflight.lost_with_batch(records))
+            self.inflight.lost_with_batch(records)
         if relaunch:
             self.launch_collector(call.index)
 
@@ -393,7 +384,6 @@ class Scheduler:
         for records in self.lost_batches:
             lost += self.inflight.lost_with_batch(records)
         self.lost_batches.clear()
-        self.generate_again(lost)
         return len(lost)
 
     def _queue_died(self, queue: Any, error: Exception) -> None:

@@ -1,15 +1,9 @@
 """The stall watch: a run with no trained step for ``orchestration.stall_timeout_s`` names the
 actor that holds it up.
 
-Progress is a trained step, nothing else: calls that come back empty (a queue take that found
-nothing, a sample that found no batch) say that an actor is alive, not that the run moves.
-Once no step was trained for the timeout, `StallWatch.diagnose` looks at the calls in flight
-and what the collectors report about themselves (`SyncLLMCollector.heartbeat`) and returns a
-`Stall`: the actor, what it is stuck in, and whether replacing it can help. The loop acts on
-it (`Orchestrator._on_stall`): it kills the actor, which the loop then replaces like
-one that died, or it stops the run with the stall's message.
-
-Pure Python: the loop gathers the observations, this module only decides.
+Progress is a trained step, nothing else: a call that comes back empty says an actor is alive,
+not that the run moves. `StallWatch.diagnose` returns a `Stall` (the actor, what it is stuck
+in, whether replacing it can help); the loop acts on it. Pure Python: it only decides.
 """
 
 from __future__ import annotations

@@ -599,7 +599,8 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(
 
     Then a reference actor and the buffer, killed after the run stopped (between calls),
     are replaced when another checkpoint asks them for their state, and that checkpoint still
-    holds every scored trajectory that was not trained on."""
+    holds every scored trajectory that was not trained on, or the record to generate its group
+    again (what the dead buffer held)."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "run"
     run = start_run(
@@ -642,10 +643,18 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(
     trained = trained_ids(run_dir)
     scored = {sid for r in read_jsonl(run_dir / "scored.jsonl") for sid in r["sequence_ids"]}
     held = in_buffer + waiting
+    again = [
+        sid
+        for r in pipeline["regenerate_records"]
+        for sid in r.sequence_ids
+        if sid not in r.exclude
+    ]
     assert len(held) == len(set(held)) and not set(held) & set(trained)
+    assert again and not set(again) & (set(held) | set(trained))
     # Nothing is stale after 2 steps (max_policy_lag 2), so every scored trajectory is
-    # either trained or held in the checkpoint, and the unscored ones are not scored yet.
-    assert set(held) | set(trained) == scored
+    # either trained, held in the checkpoint, or to be generated again under its id, and
+    # the unscored ones are not scored yet.
+    assert set(held) | set(trained) | set(again) == scored
     assert not set(unscored) & scored
 
 

@@ -58,6 +58,8 @@ def test_a_dead_queue_loses_only_the_groups_no_take_reached():
     lost = ledger.lost_in_queue()
     assert [r.group_id for r in lost] == [1, 2]
     assert ledger.where[0] is Where.TAKEN and ledger.where[1] is Where.REGENERATING
+    assert ledger.to_regenerate == {0: lost}  # for collector 0, ahead of its next batch
+    ledger.to_regenerate.clear()
     # Generated again under the same ids: on the new queue, followed as before.
     ledger.generated(0, [record(1), record(2)])
     assert ledger.where[1] is Where.QUEUED
