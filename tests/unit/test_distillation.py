@@ -34,6 +34,10 @@ POLICY = Path(__file__).resolve().parents[2] / "assets" / "tiny_arithmetic_qwen2
 TEMPERATURE = 0.7
 
 
+# A demo run in the shipped config's output_dir must not make validation refuse it.
+FRESH = "overwrite_output_dir=true"
+
+
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another tiny model with the policy's tokenizer (other weights, one more layer)."""
@@ -250,7 +254,9 @@ def _swap_zero_and_one(tokenizer: dict) -> None:
 
 def test_a_teacher_with_the_policys_tokenizer_validates(tmp_path):
     teacher = _teacher_copy(tmp_path)
-    assert main(["validate", "tiny_arithmetic_cpu", f"ref.teacher_model_path={teacher}"]) == 0
+    assert (
+        main(["validate", "tiny_arithmetic_cpu", f"ref.teacher_model_path={teacher}", FRESH]) == 0
+    )
 
 
 def test_distillation_settings_without_a_teacher_are_refused(capsys):
@@ -366,6 +372,8 @@ def test_the_teachers_weights_are_on_the_reference_role(capsys, teacher_dir):
         reference_memory(RunConfig.model_validate(values), shape)
 
     overrides = [f"ref.teacher_model_path={teacher_dir}", "ref.num_gpus=1", "ray.num_gpus=1"]
-    assert main(["validate", "tiny_arithmetic_cpu", *overrides, "--gpu-memory", "24GiB"]) == 0
+    assert (
+        main(["validate", "tiny_arithmetic_cpu", *overrides, FRESH, "--gpu-memory", "24GiB"]) == 0
+    )
     (line,) = [line for line in capsys.readouterr().out.splitlines() if "ref[0]" in line]
     assert ": teacher weights 2 MiB + forward ~" in line, line

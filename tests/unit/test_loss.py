@@ -37,6 +37,10 @@ RESPONSE_LENS = [3, 4]
 MAX_RESPONSE_LEN = 8
 
 
+# A demo run in the shipped config's output_dir must not make validation refuse it.
+FRESH = "overwrite_output_dir=true"
+
+
 def _hand_case():
     pi = [b + math.log(r) for b, r in zip(BEHAVIOUR, RATIOS)]
     ref = [p + d for p, d in zip(pi, REF_MINUS_PI)]
@@ -491,7 +495,7 @@ def test_grpo_validate_refuses_k1_as_a_loss_term_in_one_line(capsys):
     assert lines[0].startswith("grpo validate: error: training.loss.kl_estimator: k1 beside")
     assert "use k3" in lines[0] and "or k2" in lines[0]
     # Without a KL term k1 is only the kl_to_ref estimate: accepted.
-    assert main(["validate", "tiny_arithmetic_cpu", "training.loss.kl_estimator=k1"]) == 0
+    assert main(["validate", "tiny_arithmetic_cpu", "training.loss.kl_estimator=k1", FRESH]) == 0
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])

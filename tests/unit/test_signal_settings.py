@@ -11,6 +11,9 @@ import torch
 from grpo.cli import main
 from grpo.types import GroupedUnscoredTrajectories, UnscoredTrajectory
 
+# A demo run in the shipped config's output_dir must not make validation refuse it.
+FRESH = "overwrite_output_dir=true"
+
 
 def refusal(capsys: pytest.CaptureFixture, config: str, *overrides: str) -> str:
     """The one line `grpo validate` refuses ``config`` with."""
@@ -27,14 +30,14 @@ def test_lora_dropout_is_refused(capsys):
     failed verification and the run stopped."""
     line = refusal(capsys, "tiny_arithmetic_lora_cpu", "training.lora.dropout=0.3")
     assert line.startswith("training.lora.dropout: 0.3 is refused, only 0 trains"), line
-    assert main(["validate", "tiny_arithmetic_lora_cpu", "training.lora.dropout=0.0"]) == 0
+    assert main(["validate", "tiny_arithmetic_lora_cpu", "training.lora.dropout=0.0", FRESH]) == 0
 
 
 def test_a_temperature_vllm_would_raise_is_refused(capsys):
     line = refusal(capsys, "tiny_arithmetic_cpu", "inference.temperature=0.005")
     assert line.startswith("inference.temperature: 0.005 is below 0.01"), line
     assert "vLLM" in line
-    assert main(["validate", "tiny_arithmetic_cpu", "inference.temperature=0.01"]) == 0
+    assert main(["validate", "tiny_arithmetic_cpu", "inference.temperature=0.01", FRESH]) == 0
 
 
 def test_a_lag_below_the_sync_interval_is_refused(capsys):
@@ -49,9 +52,9 @@ def test_a_lag_below_the_sync_interval_is_refused(capsys):
     )
     assert line.startswith("orchestration.max_policy_lag: 0 is less than weight_sync."), line
     overrides = ["orchestration.max_policy_lag=1", "weight_sync.every_n_steps=2"]
-    assert main(["validate", "tiny_arithmetic_cpu", *overrides]) == 0
+    assert main(["validate", "tiny_arithmetic_cpu", *overrides, FRESH]) == 0
     overrides = ["orchestration.max_policy_lag=0", "weight_sync.every_n_steps=1"]
-    assert main(["validate", "tiny_arithmetic_cpu", *overrides]) == 0
+    assert main(["validate", "tiny_arithmetic_cpu", *overrides, FRESH]) == 0
 
 
 def scored_group(group_id: int, rewards: list[float]) -> GroupedUnscoredTrajectories:
