@@ -55,7 +55,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +67,7 @@ from typing import Any
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch  # noqa: E402
-from bench_common import load_average, print_table
+from bench_common import load_average, print_table, run_child
 
 from grpo.config import repo_root  # noqa: E402
 from grpo.models import build_model, load_hf_config, tune_to_hf_state_dict  # noqa: E402
@@ -240,26 +239,11 @@ def run_pipeline(
     ]
     env = {**os.environ, "WANDB_MODE": "disabled"}
     log_path = out_dir.parent / f"{out_dir.name}.log"
-    start = time.perf_counter()
-    with open(log_path, "w") as log_file:
-        try:
-            completed = subprocess.run(
-                command,
-                cwd=repo_root(),
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                timeout=timeout_s,
-            )
-            returncode = completed.returncode
-        except subprocess.TimeoutExpired:
-            returncode = None
-    seconds = time.perf_counter() - start
+    seconds = run_child(command, log_path, timeout_s, env)
     metrics_path = out_dir / "metrics.jsonl"
-    if returncode != 0 or not metrics_path.is_file():
+    if not metrics_path.is_file():
         tail = log_path.read_text(errors="replace")[-4000:]
-        status = f"timed out after {timeout_s:.0f} s" if returncode is None else f"rc={returncode}"
-        raise RuntimeError(f"pipeline run failed ({status}); end of {log_path}:\n{tail}")
+        raise RuntimeError(f"pipeline run wrote no metrics; end of {log_path}:\n{tail}")
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     return rows, seconds
 
