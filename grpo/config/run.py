@@ -423,6 +423,7 @@ def _check_relations(values: dict, problems: list[str]) -> None:
     _check_policy_lag(values, problems)
     _check_idle_clip(values, problems)
     _check_time_sharing(values, problems)
+    _check_synchronous_queue(values, problems)
     _check_shared_gpu_transport(values, problems)
 
 
@@ -492,6 +493,25 @@ def _check_time_sharing(values: dict, problems: list[str]) -> None:
         problems.append(
             "inference.sleep_while_training: needs orchestration.synchronous: true (vLLM "
             "sleeps while the trainer steps, so nothing may generate meanwhile)"
+        )
+
+
+def _check_synchronous_queue(values: dict, problems: list[str]) -> None:
+    """A synchronous round scores only once every collector finished its batch, so the rollout
+    queue must hold all their groups at once: a collector blocked on a full queue waits
+    forever."""
+    if value_at(values, "orchestration.synchronous", (bool,)) is not True:
+        return
+    defaults = InferenceConfig.model_fields
+    batch = value_at(values, "inference.batch_size", (int,)) or defaults["batch_size"].default
+    workers = value_at(values, "orchestration.num_inference_workers", (int,)) or 1
+    room = value_at(values, "inference.queue_maxsize", (int,)) or defaults["queue_maxsize"].default
+    if batch * workers > room:
+        problems.append(
+            f"inference.queue_maxsize: {room} groups is less than a synchronous round puts on "
+            f"the queue before any is scored (inference.batch_size {batch} x "
+            f"orchestration.num_inference_workers {workers} = {batch * workers}); raise "
+            "queue_maxsize or lower batch_size"
         )
 
 

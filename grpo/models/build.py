@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import grpo.models.torchao_compat  # noqa: F401  (first: torchtune.training needs it)
+
+# isort: split
+
 import os
 
 import torch

@@ -7,6 +7,10 @@ KL term's reference model. The PEFT layout is only the exchange format (vLLM, ``
 
 from __future__ import annotations
 
+import grpo.models.torchao_compat  # noqa: F401  (first: torchtune.training needs it)
+
+# isort: split
+
 import json
 import os
 import re

@@ -2,7 +2,7 @@
 
 Every wait goes through `_poll`, the one place faults are handled: the fault policy turns a
 failed call into a decision (replace the actor, restart from the latest checkpoint, stop) and
-`_carry_out` does it. The policy version is set in one place, `_sync_weights`.
+`_handle_failures` carries it out. The policy version is set in one place, `_sync_weights`.
 """
 
 from __future__ import annotations
@@ -43,9 +43,12 @@ log = logging.getLogger("grpo")
 
 # Tries at starting the actors again after a trainer died (see _restart_from_checkpoint).
 _RESTART_ATTEMPTS = 3
-# Once no step was trained for stall_timeout_s: seconds between two looks at who holds the
-# run up.
-_STALL_CHECK_EVERY_S = 10.0
+
+
+def _weight_sync(cfg: RunConfig, actors: ActorSupervisor) -> WeightSync:
+    return WeightSync(
+        actors.get_all, wait_for_receipt=cfg.orchestration.synchronous, config=cfg.weight_sync
+    )
 
 
 class Orchestrator:
@@ -73,7 +76,7 @@ class Orchestrator:
             self.actors.output_hint,
             lambda: latest_checkpoint_text(self.run_dir),
         )
-        self.weights = self._new_weight_sync()
+        self.weights = _weight_sync(cfg, self.actors)
         inflight = InFlightLedger(cfg.orchestration.num_inference_workers)
         self.checkpointer = Checkpointer(
             self.run_dir,
@@ -107,10 +110,8 @@ class Orchestrator:
             self.group_counts,
         )
         # Progress is a trained step; without one for stall_timeout_s, who holds the run up
-        # is named and replaced, or the run stops naming it (`_on_stall`).
+        # is named and replaced, or the run stops naming it (`_poll`).
         self.stall_watch = StallWatch(cfg.orchestration.stall_timeout_s)
-        self._next_stall_check = 0.0
-        self.stalls = 0  # actors killed because they held the run up
         # Where the actors started from (a resumed checkpoint, or None: the base model), their
         # pad id, and the steps redone after trainer restarts (see _restart_from_checkpoint).
         self.start_checkpoint: Path | None = None
@@ -125,20 +126,6 @@ class Orchestrator:
         self.checkpointed_step: int | None = None  # the step of the newest checkpoint
         self.synced_step = 0  # the step whose weights the collectors were sent last
 
-    def _new_weight_sync(self) -> WeightSync:
-        # A collector that cannot receive weights is killed and replaced like a dead one.
-        def replace_collector(index: int, collector: Any, error: Exception) -> None:
-            self.actors.kill(actor_name(Role.INFERENCE, index), str(error))
-            failure = Failure(actor_name(Role.INFERENCE, index), error)
-            self._carry_out(Failed(failure, Role.INFERENCE, index, collector))
-
-        return WeightSync(
-            self.actors.get_all,
-            wait_for_receipt=self.cfg.orchestration.synchronous,
-            config=self.cfg.weight_sync,
-            replace_collector=replace_collector,
-        )
-
     # The current actors (replacements included), for the recipe, evaluation and tests.
     collectors = property(lambda self: self.actors.collectors)
     ref_actors = property(lambda self: self.actors.ref_actors)
@@ -148,6 +135,7 @@ class Orchestrator:
     metric_logger = property(lambda self: self.actors.metric_logger)
     inflight = property(lambda self: self.scheduler.inflight)
     recoveries = property(lambda self: self.actors.recoveries)  # every replacement, in order
+    stalls = property(lambda self: self.stall_watch.stalls)  # actors killed for holding it up
     # Each kind of call's handler (tests wrap one to act at a given moment).
     _handlers = property(lambda self: self.scheduler.handlers)
 
@@ -256,7 +244,15 @@ class Orchestrator:
             return False
         if cfg.inference.sleep_while_training:  # synchronous: nothing generates meanwhile
             self._sleep_collectors()
-        metrics = self._train(batch, waited)
+        debug_ids = None
+        if cfg.debug_logging_enabled and self.tokenizer is not None:
+            debug_ids = batch.summary["sequence_ids"][: cfg.debug_num_samples_per_step]
+        self.scheduler.launch_train(batch, waited, debug_ids)
+        # Collectors and reference actors keep working while the trainers step.
+        while len(self.scheduler.train_results) < len(self.trainers):
+            self._poll(1.0, relaunch=not cfg.orchestration.synchronous)
+        self.run_ledger.trained(self.state.step + 1, batch.summary)
+        metrics = self.scheduler.train_results[0]  # rank 0's
         self._after_train_step(metrics, batch, step_start)
         step, dropped_stale = self.state.step, self.scheduler.buffer_stats.get("dropped_stale")
         if evaluate is not None and eval_every and step % eval_every == 0:
@@ -333,18 +329,6 @@ class Orchestrator:
             self.group_counts.check(waiting_since)
         return None, 0.0
 
-    def _train(self, batch: SampledBatch, waited: float) -> dict[str, Any]:
-        """Train every rank on ``batch``; rank 0's metrics."""
-        debug_ids = None
-        if self.cfg.debug_logging_enabled and self.tokenizer is not None:
-            debug_ids = batch.summary["sequence_ids"][: self.cfg.debug_num_samples_per_step]
-        self.scheduler.launch_train(batch, waited, debug_ids)
-        # Collectors and reference actors keep working while the trainers step.
-        while len(self.scheduler.train_results) < len(self.trainers):
-            self._poll(1.0, relaunch=not self.cfg.orchestration.synchronous)
-        self.run_ledger.trained(self.state.step + 1, batch.summary)
-        return self.scheduler.train_results[0]
-
     def _after_train_step(
         self, metrics: dict[str, Any], batch: SampledBatch, step_start: float
     ) -> None:
@@ -395,6 +379,7 @@ class Orchestrator:
         """Send the trainers' weights to every collector; the one place the version moves."""
         retries = self.weights.retries
         self.state.policy_version, timings = self.weights.sync(self.trainers, self.collectors)
+        self._handle_failures()  # collectors that could not receive: replaced, caught up
         self.synced_step = self.state.step
         if self.weights.retries != retries:
             self.actors.log_metrics(
@@ -415,55 +400,69 @@ class Orchestrator:
         Raises:
             ActorFailedError: The policy stopped the run (see `FaultPolicy.decide`).
             TrainerDiedError: A trainer died (`run` restarts from a checkpoint).
-            RunStalledError: See `_on_stall`.
+            RunStalledError: No step trained for ``stall_timeout_s`` and replacing an actor
+                cannot help (`StallWatch.diagnose`); the message names the actor.
         """
-        calls = self.scheduler.calls
-        ready, _ = ray.wait(list(calls), num_returns=1, timeout=timeout_s)
-        now = time.monotonic()
-        if self.stall_watch.overdue() and now >= self._next_stall_check:
-            self._next_stall_check = now + _STALL_CHECK_EVERY_S
-            self._on_stall()
+        ready, _ = ray.wait(list(self.scheduler.calls), num_returns=1, timeout=timeout_s)
+        if self.stall_watch.due():
+            calls, heartbeats = self.scheduler.stalled_calls()
+            lag, recovering = self.cfg.orchestration.max_policy_lag, bool(self.actors.recovering)
+            # A replacement's first samples carry the weights it started from until it caught
+            # up: drops as stale then say nothing about the lag.
+            stall = self.stall_watch.look(
+                calls, heartbeats, self.scheduler.buffer_stats, lag, recovering
+            )
+            if stall is not None and not stall.replaceable:
+                raise RunStalledError(stall.reason)
+            if stall is not None:  # killed, its call in flight fails and is carried out
+                stalls = {"faults/stalls": float(self.stall_watch.stalls)}
+                self.actors.log_metrics(stalls, self.state.step)
+                self.actors.kill(stall.actor, stall.reason)
         self.scheduler.finish(ready, relaunch)
         self._handle_failures()
 
     def _handle_failures(self) -> None:
-        """Carry out the fault policy's decision on each failure the scheduler found."""
-        while self.scheduler.failed:
-            self._carry_out(self.scheduler.failed.pop(0))
-
-    def _carry_out(self, failed: Failed) -> None:
-        """Do what the fault policy decides about ``failed``.
+        """Do what the fault policy decides about each failure found: a call that failed
+        (the scheduler's), or a collector that could not receive weights (the weight sync's;
+        killed first).
 
         Replace: start a new actor (unless an earlier failure of the same one did), catch it
         up (`_catch_up`), and redo the failed call. Restart: end the step with
         `TrainerDiedError` (`run` restarts). Stop: raise the policy's error.
         """
-        failure = failed.failure
-        current = failed.actor is self.actors.actor(failed.role, failed.index)
-        if not current:
-            failure = dataclasses.replace(failure, current=False)
-        decision = self.faults.decide(failure)
-        error = failure.error
-        if isinstance(decision, Stop):
-            raise decision.error from error
-        if isinstance(decision, Restart):
-            raise TrainerDiedError(decision.reason) from error
-        assert isinstance(decision, Replace)
-        self._stopping = self._stopping or decision.last
-        role, index = failed.role, failed.index
-        recovery = (
-            self.actors.replace(role, index, failed.actor, error) if failure.current else None
-        )
-        if recovery is not None:
-            try:
-                self._catch_up(role, index, failed.actor)
-            finally:
-                self.actors.record_recovery(recovery)
-        if failed.call is not None:
-            if failed.call.kind is CallKind.GENERATE:
-                # What the dead call had queued comes again from the redo: skipped once.
-                self.inflight.collector_replaced(index, failed.call.group_ids)
-            self.scheduler.redo[failed.call.kind](failed.call)
+        while self.scheduler.failed or self.weights.failed:
+            if self.scheduler.failed:
+                failed = self.scheduler.failed.pop(0)
+            else:
+                index, collector, error = self.weights.failed.pop(0)
+                name = actor_name(Role.INFERENCE, index)
+                if collector is self.actors.actor(Role.INFERENCE, index):
+                    self.actors.kill(name, str(error))
+                failed = Failed(Failure(name, error), Role.INFERENCE, index, collector)
+            failure = failed.failure
+            if failed.actor is not self.actors.actor(failed.role, failed.index):
+                failure = dataclasses.replace(failure, current=False)
+            decision = self.faults.decide(failure)
+            if isinstance(decision, Stop):
+                raise decision.error from failure.error
+            if isinstance(decision, Restart):
+                raise TrainerDiedError(decision.reason) from failure.error
+            assert isinstance(decision, Replace)
+            self._stopping = self._stopping or decision.last
+            role, index = failed.role, failed.index
+            recovery = None
+            if failure.current:
+                recovery = self.actors.replace(role, index, failed.actor, failure.error)
+            if recovery is not None:
+                try:
+                    self._catch_up(role, index, failed.actor)
+                finally:
+                    self.actors.record_recovery(recovery)
+            if failed.call is not None:
+                if failed.call.kind is CallKind.GENERATE:
+                    # What the dead call had queued comes again from the redo: skipped once.
+                    self.inflight.collector_replaced(index, failed.call.group_ids)
+                self.scheduler.redo[failed.call.kind](failed.call)
 
     def _catch_up(self, role: Role, index: int, dead: Any) -> None:
         """What a replacement needs before it works.
@@ -502,48 +501,8 @@ class Orchestrator:
             except (RayActorError, RayTaskError) as error:
                 died = isinstance(error, RayActorError)
                 failure = Failure(actor_name(role, index), error, died)
-                self._carry_out(Failed(failure, role, index, actor))
-
-    def _on_stall(self) -> None:
-        """No step trained for ``stall_timeout_s``: name who holds the run up, and replace it
-        (kill it: its call in flight then fails and is carried out like a death) or stop.
-
-        Raises:
-            RunStalledError: When replacing cannot help; the message names the actor.
-        """
-        timeout_s = self.stall_watch.timeout_s
-        calls, heartbeats = self.scheduler.stalled_calls()
-        stall = self.stall_watch.diagnose(
-            calls,
-            heartbeats,
-            self.scheduler.buffer_stats,
-            self.cfg.orchestration.max_policy_lag,
-            # A replacement's first samples carry the weights it started from until it caught
-            # up: drops as stale then say nothing about the lag.
-            recovering=bool(self.actors.recovering),
-        )
-        idle = self.stall_watch.idle_s()
-        if stall is None:
-            log.warning(
-                "no step trained for %.0f s (orchestration.stall_timeout_s=%g), but every actor "
-                "is working (calls in flight: %s); waiting",
-                idle,
-                timeout_s,
-                sorted({call.actor for call in calls} | set(heartbeats)),
-            )
-            return
-        message = (
-            f"no step trained for {idle:.0f} s (orchestration.stall_timeout_s={timeout_s:g}): "
-            f"{stall.actor} {stall.reason}"
-        )
-        if not stall.replaceable:
-            raise RunStalledError(message)
-        log.warning("%s; replacing it", message)
-        self.stalls += 1
-        self.actors.log_metrics({"faults/stalls": float(self.stalls)}, self.state.step)
-        self.actors.kill(stall.actor, message)
-        # Its replacement starts up before it works again: that is not a stall.
-        self.stall_watch.progressed(self.scheduler.buffer_stats.get("dropped_stale"))
+                self.scheduler.failed.append(Failed(failure, role, index, actor))
+                self._handle_failures()
 
     def _drain(self, held: list[Any] | None = None) -> None:
         """Let every call in flight finish, launching no new generation or queue take.
@@ -575,7 +534,8 @@ class Orchestrator:
                 metrics = self._ask(Role.INFERENCE, index, "sleep_engine")  # replaced first
             except RayTaskError as error:
                 failure = Failure(actor_name(Role.INFERENCE, index), error, died=False)
-                self._carry_out(Failed(failure, Role.INFERENCE, index, collector))  # a Stop
+                self.scheduler.failed.append(Failed(failure, Role.INFERENCE, index, collector))
+                self._handle_failures()  # a Stop
             # The sleep and wake that ended with this step's generation.
             self.actors.log_metrics(metrics, self.state.step)
 
@@ -606,7 +566,7 @@ class Orchestrator:
             # of retries goes on).
             self.scheduler.reset(InFlightLedger(self.cfg.orchestration.num_inference_workers))
             self.checkpointer.pipeline = [self.actors, self.inflight]
-            retries, self.weights = self.weights.retries, self._new_weight_sync()
+            retries, self.weights = self.weights.retries, _weight_sync(self.cfg, self.actors)
             self.weights.retries = retries
             try:
                 self.actors.restart_pipeline(self._pad_token_id, checkpoint)
@@ -688,6 +648,9 @@ class Orchestrator:
             bool: True if every collector's checksum equals the trainer's.
         """
         in_sync = self.weights.verify(self.trainers, self.collectors)
+        while self.weights.failed:  # replaced while settling: check with its replacement
+            self._handle_failures()
+            in_sync = self.weights.verify(self.trainers, self.collectors)
         self.actors.log_metrics({"weight_sync/in_sync": float(in_sync)}, self.state.step)
         return in_sync
 

@@ -8,6 +8,7 @@ in, whether replacing it can help); the loop acts on it. Pure Python: it only de
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,11 @@ ENGINE_STEP_STUCK_S = 60.0
 # Seconds a call may take at most when nothing is wrong, by kind: a queue take waits 0.5 s and
 # a buffer sample 5 s before they come back empty; the others have no bound of their own.
 _BOUNDED_CALL_S = {"TAKE": 0.5, "SAMPLE": 5.0}
+# Seconds between two looks at who holds the run up, once it is overdue (a look asks every
+# generating collector for a heartbeat); a short timeout looks three times within it.
+_LOOK_EVERY_S = 10.0
+
+log = logging.getLogger("grpo")
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,9 @@ class StallWatch:
         self.last_progress = clock()
         self._dropped_stale_at_progress: float | None = None
         self._dropped_stale_at_last_look: float | None = None
+        self.look_every_s = min(_LOOK_EVERY_S, self.timeout_s / 3)
+        self._next_look = 0.0
+        self.stalls = 0  # actors named to be replaced because they held the run up
 
     def progressed(self, dropped_stale: float | None = None) -> None:
         """A step was trained (or the run (re)started): the clock starts again.
@@ -84,6 +93,44 @@ class StallWatch:
     def overdue(self) -> bool:
         """Whether no step was trained for ``timeout_s``."""
         return self.idle_s() > self.timeout_s
+
+    def due(self) -> bool:
+        """Whether to `look` now: no step trained for ``timeout_s``, and no look for
+        ``look_every_s``."""
+        now = self.clock()
+        if not self.overdue() or now < self._next_look:
+            return False
+        self._next_look = now + self.look_every_s
+        return True
+
+    def look(
+        self,
+        calls: Sequence[CallInFlight],
+        heartbeats: Mapping[str, dict[str, Any] | None],
+        buffer_stats: Mapping[str, float] | None = None,
+        max_policy_lag: int | None = None,
+        recovering: bool = False,
+    ) -> Stall | None:
+        """`diagnose`, as the loop acts on it: the culprit with the whole message as its
+        reason, counted in ``stalls`` and logged when it is to be replaced (the clock then
+        starts again: a replacement starting up is not a stall); None, logged, when every
+        actor is working. Same arguments as `diagnose`."""
+        stall = self.diagnose(calls, heartbeats, buffer_stats, max_policy_lag, recovering)
+        idle, timeout = self.idle_s(), f"orchestration.stall_timeout_s={self.timeout_s:g}"
+        if stall is None:
+            working = sorted({call.actor for call in calls} | set(heartbeats))
+            log.warning(
+                "no step trained for %.0f s (%s), but every actor is working (calls in "
+                "flight: %s); waiting",
+                *(idle, timeout, working),
+            )
+            return None
+        message = f"no step trained for {idle:.0f} s ({timeout}): {stall.actor} {stall.reason}"
+        if stall.replaceable:
+            log.warning("%s; replacing it", message)
+            self.stalls += 1
+            self.progressed((buffer_stats or {}).get("dropped_stale"))
+        return Stall(stall.actor, message, stall.replaceable)
 
     def diagnose(
         self,

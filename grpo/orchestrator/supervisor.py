@@ -341,20 +341,24 @@ class ActorSupervisor:
 
         Collectors and reference actors are created first: their start-up (a vLLM engine)
         then runs while the trainers set up, which is the one start that is waited for.
+        With ``training.lora`` collectors load the checkpoint's adapter on the base model;
+        they label what they sample with the version of the weights their engine holds.
         """
-        self.start_rollout_queue()
-        self.start_replay_buffer()
+        self.rollout_queue = self._new_actor(Role.ROLLOUT_QUEUE)
+        self.replay_buffer = self._new_actor(Role.REPLAY_BUFFER)
+        orchestration = self.cfg.orchestration
         self.ref_actors = [
-            self._new_ref_actor(index) for index in range(self.cfg.orchestration.num_ref_workers)
+            self._new_actor(Role.REF, i) for i in range(orchestration.num_ref_workers)
         ]
         if checkpoint_dir is not None:
-            lora = self.cfg.training.lora is not None
-            weights = ADAPTER_SUBDIR if lora else MODEL_SUBDIR
-            self.start_collectors(
-                checkpoint_dir / weights, checkpoint_policy_version(checkpoint_dir)
-            )
-        else:
-            self.start_collectors()
+            if self.cfg.training.lora is not None:
+                self.collector_adapter_dir = str(checkpoint_dir / ADAPTER_SUBDIR)
+            else:
+                self.collector_model_dir = str(checkpoint_dir / MODEL_SUBDIR)
+            self.collector_weights_version = checkpoint_policy_version(checkpoint_dir)
+        num_collectors = orchestration.num_inference_workers
+        self.collectors = [self._new_actor(Role.INFERENCE, i) for i in range(num_collectors)]
+        self.collector_states = [None] * num_collectors
         self.start_trainers(pad_token_id=pad_token_id, checkpoint_dir=checkpoint_dir)
 
     def start_metric_logger(self) -> Any:
@@ -387,24 +391,6 @@ class ActorSupervisor:
         logger_cls = self._actor_class(logger_cls, actor_name(Role.METRIC_LOGGER))
         self.metric_logger = ray.remote(**_on_driver_node())(logger_cls).remote(**node)
         return self.metric_logger
-
-    def start_rollout_queue(self) -> RolloutQueue:
-        self.rollout_queue = RolloutQueue(
-            maxsize=self.cfg.inference.queue_maxsize, actor_options=_on_driver_node()
-        )
-        return self.rollout_queue
-
-    def start_replay_buffer(self) -> Any:
-        from grpo.workers.replay_buffer import ReplayBufferActor
-
-        orchestration = self.cfg.orchestration
-        actor_cls = self._actor_class(ReplayBufferActor, actor_name(Role.REPLAY_BUFFER))
-        self.replay_buffer = ray.remote(**_on_driver_node())(actor_cls).remote(
-            capacity=orchestration.replay_buffer_size,
-            max_policy_lag=orchestration.max_policy_lag,
-            seed=self.cfg.seed,
-        )
-        return self.replay_buffer
 
     def start_trainers(self, pad_token_id: int, checkpoint_dir: Path | None = None) -> list[Any]:
         from grpo.workers.trainer import PyTorchActorModel
@@ -441,36 +427,48 @@ class ActorSupervisor:
         )
         return self.trainers
 
-    def _new_ref_actor(self, index: int) -> Any:
-        from grpo.workers.ref import RefActor
-
+    def _new_actor(self, role: Role, index: int = 0) -> Any:
+        """A new actor for ``role``: the rollout queue, replay buffer, a reference actor or a
+        collector (trainers start together, in `start_trainers`)."""
         cfg = self.cfg
-        ref_cfg = cfg.ref
-        actor_cls = self._actor_class(RefActor, actor_name(Role.REF, index))
-        return ray.remote(**_resources(ref_cfg))(actor_cls).remote(
-            model_dir=cfg.base_model_path,
-            target_tokens_per_batch=cfg.target_tokens_per_batch,
-            share_prompts=cfg.share_prompts,
-            config=ref_cfg,
-            load_model=cfg.uses_reference_model() and cfg.training.lora is None,
-            temperature=cfg.inference.temperature,
-        )
+        if role is Role.ROLLOUT_QUEUE:
+            return RolloutQueue(
+                maxsize=cfg.inference.queue_maxsize, actor_options=_on_driver_node()
+            )
+        if role is Role.REPLAY_BUFFER:
+            from grpo.workers.replay_buffer import ReplayBufferActor
 
-    def _new_collector(self, worker_id: int) -> Any:
+            actor_cls = self._actor_class(ReplayBufferActor, actor_name(role))
+            return ray.remote(**_on_driver_node())(actor_cls).remote(
+                capacity=cfg.orchestration.replay_buffer_size,
+                max_policy_lag=cfg.orchestration.max_policy_lag,
+                seed=cfg.seed,
+            )
+        if role is Role.REF:
+            from grpo.workers.ref import RefActor
+
+            actor_cls = self._actor_class(RefActor, actor_name(role, index))
+            return ray.remote(**_resources(cfg.ref))(actor_cls).remote(
+                model_dir=cfg.base_model_path,
+                target_tokens_per_batch=cfg.target_tokens_per_batch,
+                share_prompts=cfg.share_prompts,
+                config=cfg.ref,
+                load_model=cfg.uses_reference_model() and cfg.training.lora is None,
+                temperature=cfg.inference.temperature,
+            )
+        assert role is Role.INFERENCE, role
         from grpo.workers.collector import SyncLLMCollector
 
-        cfg, inference = self.cfg, self.cfg.inference
         # Threaded actor (max_concurrency 4): evaluate and receive_weights must get through
         # while generate_batch waits on a full rollout queue, or evaluation deadlocks.
-        collector_cls = self._actor_class(SyncLLMCollector, actor_name(Role.INFERENCE, worker_id))
-        actor_cls = collector_cls.as_remote(**_resources(inference))
-        return actor_cls.remote(
-            worker_id=worker_id,
+        collector_cls = self._actor_class(SyncLLMCollector, actor_name(role, index))
+        return collector_cls.as_remote(**_resources(cfg.inference)).remote(
+            worker_id=index,
             num_workers=cfg.orchestration.num_inference_workers,
             model_dir=self.collector_model_dir,
             dataset=self.dataset,
             rollout_queue=self.rollout_queue,
-            config=inference,
+            config=cfg.inference,
             seed=cfg.seed,
             policy_version=self.collector_weights_version,
             environment=cfg.environment,
@@ -479,24 +477,6 @@ class ActorSupervisor:
             lora=cfg.training.lora,
             adapter_dir=self.collector_adapter_dir,
         )
-
-    def start_collectors(
-        self, weights_dir: Path | None = None, weights_version: int = 0
-    ) -> list[Any]:
-        """Start the vLLM collectors from ``weights_dir`` (a checkpoint's weights, of policy
-        version ``weights_version``; with ``training.lora`` its adapter, on the base model) or
-        the base model; they label what they sample with the version of the weights their
-        engine holds."""
-        if weights_dir is not None:
-            if self.cfg.training.lora is not None:
-                self.collector_adapter_dir = str(weights_dir)
-            else:
-                self.collector_model_dir = str(weights_dir)
-            self.collector_weights_version = weights_version
-        num_workers = self.cfg.orchestration.num_inference_workers
-        self.collectors = [self._new_collector(worker_id) for worker_id in range(num_workers)]
-        self.collector_states = [None] * num_workers
-        return self.collectors
 
     # ------------------------------------------------------------------ calls
 
@@ -576,14 +556,15 @@ class ActorSupervisor:
         log.warning(
             "%s died at step %d; replacing it%s: %s", name, step, self.output_hint(name), error
         )
+        new = self._new_actor(role, index)
         if role is Role.INFERENCE:
-            self.collectors[index] = self._new_collector(index)
+            self.collectors[index] = new
         elif role is Role.REF:
-            self.ref_actors[index] = self._new_ref_actor(index)
+            self.ref_actors[index] = new
         elif role is Role.ROLLOUT_QUEUE:
-            self.start_rollout_queue()
+            self.rollout_queue = new
         else:
-            self.start_replay_buffer()
+            self.replay_buffer = new
         return Recovery(name, step, 0.0, str(error))
 
     def kill(self, name: str, reason: str) -> None:

@@ -21,14 +21,14 @@ from grpo.preflight.teacher import teacher_problems
 def import_component(path: str) -> Any:
     """Import the object at a dotted path, as `grpo.config.locate` does.
 
-    `grpo.models` is imported first for a torchtune path: its compatibility aliases for torchao
-    let ``torchtune.training`` import.
+    For a torchtune path, `grpo.models.torchao_compat` is imported first: it lets
+    ``torchtune.training`` import.
 
     Raises:
         InstantiationError: Naming the path, what could not be found, and a close name if any.
     """
     if path.split(".")[0] == "torchtune":
-        import grpo.models  # noqa: F401  (torch: only when a torchtune path is imported)
+        import grpo.models.torchao_compat  # noqa: F401  (only for a torchtune path)
     return locate(path)
 
 

@@ -10,19 +10,28 @@ import time
 from typing import Any
 
 
-def fail_next_weight_receive(collector: Any) -> None:
-    """The collector's next weight transfer fails before it joins its channel (once): the
+def fail_next_weight_receive(collector: Any, times: int = 1) -> None:
+    """The collector's next ``times`` weight transfers fail before it joins its channel: the
     trainer's side then times out, as with a collector that never joined."""
     from grpo.weights.channel import WeightChannelError
 
     weights = collector.weights
     original = weights.receive
+    left = [times]
 
     def receive(*args: Any, **kwargs: Any) -> Any:
-        weights.receive = original
+        left[0] -= 1
+        if left[0] == 0:
+            weights.receive = original
         raise WeightChannelError(f"weight channel to {weights.owner}: did not join (injected)")
 
     weights.receive = receive
+
+
+def fail_next_two_weight_receives(collector: Any) -> None:
+    """`fail_next_weight_receive` twice: the transfer sent again fails too, and the collector is
+    replaced."""
+    fail_next_weight_receive(collector, times=2)
 
 
 def fail_next_batch(collector: Any) -> None:

@@ -30,12 +30,6 @@ HEARTBEAT_TIMEOUT_S = 10.0
 START_UP_LIMIT_S = 600.0
 
 GetAll = Callable[[list[Any], str], list[Any]]
-# ``replace_collector(index, collector, error)``: start a new collector and catch it up.
-ReplaceCollector = Callable[[int, Any, Exception], None]
-
-
-def _no_replacement(index: int, collector: Any, error: Exception) -> None:
-    raise error
 
 
 class WeightSync:
@@ -47,8 +41,10 @@ class WeightSync:
             synchronous (on-policy) runs need; otherwise a batch launched right after a sync
             may still generate with the old ones, labelled with their version.
         config: The ``weight_sync:`` options; None: the defaults.
-        replace_collector: Replaces a collector that cannot receive; None: its
-            `WeightTransferError` is raised.
+
+    A collector that cannot receive lands in ``failed`` as ``(index, collector, error)``;
+    nothing more is sent to it. The caller replaces it and catches the replacement up
+    (`catch_up`).
     """
 
     def __init__(
@@ -56,12 +52,11 @@ class WeightSync:
         get_all: GetAll,
         wait_for_receipt: bool = False,
         config: WeightSyncConfig | None = None,
-        replace_collector: ReplaceCollector | None = None,
     ) -> None:
         self._get_all = get_all
         self.wait_for_receipt = wait_for_receipt
         self.config = config or WeightSyncConfig()
-        self.replace_collector = replace_collector or _no_replacement
+        self.failed: list[tuple[int, Any, Exception]] = []
         self.retries = 0  # transfers sent again on a fresh connection
         self.last_payload: dict[str, Any] | None = None
         self._sender: Any = None  # trainer rank 0, which holds the gathered weights
@@ -223,11 +218,14 @@ class WeightSync:
                 ) from error
 
     def _settle(self, index: int, collector: Any) -> bool:
-        """Finish the transfer to ``collector``: retry once, then replace it.
+        """Finish the transfer to ``collector``: retry once, then put it in ``failed``.
 
         Returns:
-            bool: True when the latest payload was sent meanwhile (retry or replacement).
+            bool: True when nothing more is to be sent to it now: the latest payload was sent
+            again, or it failed.
         """
+        if any(failed is collector for _, failed, _ in self.failed):
+            return True
         name = f"inference[{index}]"
         self._wait_started(collector)
         try:
@@ -249,7 +247,7 @@ class WeightSync:
                 failure = error
         log.warning("%s; replacing %s", failure, name)
         self._forget(name)
-        self.replace_collector(index, collector, failure)
+        self.failed.append((index, collector, failure))
         return True
 
     @staticmethod
@@ -282,15 +280,17 @@ class WeightSync:
         Transfers in flight are finished and pending weights applied first.
 
         Returns:
-            bool: True if every collector's checksum equals the trainer's.
+            bool: True if every collector's checksum equals the trainer's; False also when a
+            collector could not receive (it is in ``failed``: check again once replaced).
         """
         trainer_sums = self._get_all(
             [t.weights_checksum.remote() for t in trainers], "trainer checksum"
         )
         expected = trainer_sums[0]
-        for index, collector in enumerate(list(collectors)):
-            if self._settle(index, collector):
-                self._settle(index, collectors[index])
+        for index, collector in enumerate(collectors):
+            self._settle(index, collector)
+        if self.failed:
+            return False
         self._get_all(
             [c.apply_pending_weights.remote() for c in collectors], "collector weight update"
         )

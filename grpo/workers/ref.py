@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from grpo.config.sections import RefConfig
-from grpo.models import build_model, load_tokenizer, torch_dtype
+from grpo.models import load_tokenizer
 from grpo.objective.advantages import (
     distillation_advantages,
     group_advantages,
@@ -76,6 +76,10 @@ class RefActor:
 
     def _frozen_model(self, model_dir: str, dtype: str) -> torch.nn.Module:
         """A model folder as a frozen eval-mode model on this actor's device."""
+        # Here, not at the top: without a KL term or a teacher no model is loaded, and the
+        # actor starts without importing torchtune.
+        from grpo.models import build_model, torch_dtype
+
         model = build_model(
             model_dir,
             dtype=torch_dtype(dtype),

@@ -2,7 +2,8 @@
 are named and handled, and the run trains all its steps with nothing lost or trained twice.
 
 One asynchronous run takes every fault in turn (a run per fault would cost a minute each):
-a collector that fails to receive its weights once (retried on a fresh channel), a collector
+a collector that fails to receive its weights once (retried on a fresh channel), one that
+fails twice (replaced, and the replacement caught up), a collector
 whose vLLM engine step never returns, a collector frozen for good with SIGSTOP (both named by
 the stall watch and replaced), and a trainer that hangs in a step (named, and the run
 restarted from its latest checkpoint).
@@ -21,6 +22,7 @@ import pytest
 from grpo.observability.metrics import records_after_rewinds
 from grpo.testing import read_jsonl, start_tiny_run
 from grpo.testing.faults import (
+    fail_next_two_weight_receives,
     fail_next_weight_receive,
     faults_at_steps,
     freeze,
@@ -41,13 +43,13 @@ def test_hangs_and_failed_transfers_are_named_and_handled(
 ) -> None:
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "run"
-    num_steps = 10
+    num_steps = 12
     run = start_tiny_run(
         tiny_model_dir,
         run_dir,
         num_steps,
         f"orchestration.stall_timeout_s={STALL_TIMEOUT_S}",
-        "orchestration.max_actor_restarts=4",
+        "orchestration.max_actor_restarts=5",
         "checkpoint.save_every_n_steps=3",
         "weight_sync.timeout_s=5",
         "inference.max_generated_tokens=8",
@@ -58,9 +60,12 @@ def test_hangs_and_failed_transfers_are_named_and_handled(
         run,
         [
             (2, "inference[0]", fail_next_weight_receive),
-            (4, "inference[0]", hang_engine_step),
-            (6, "inference[0]", freeze),
-            (7, "training[0]", hang_training_step),
+            (3, "inference[0]", fail_next_two_weight_receives),
+            # A transfer is finished at the next sync: this one fails at the sync after step 4
+            # or 5, and the retry fails there too; the next fault waits for step 6.
+            (6, "inference[0]", hang_engine_step),
+            (8, "inference[0]", freeze),
+            (9, "training[0]", hang_training_step),
         ],
     )
     started = time.monotonic()
@@ -71,11 +76,14 @@ def test_hangs_and_failed_transfers_are_named_and_handled(
     seconds = time.monotonic() - started
 
     assert state.step == num_steps, injected
-    assert len(injected) == 4, injected
-    # The failed transfer was sent again on a fresh channel, and the collector kept.
-    assert run.weights.retries >= 1
-    # The hung and the frozen collector and the hung trainer were each named and replaced.
-    assert [r.actor for r in run.recoveries] == ["inference[0]", "inference[0]", "training[0]"]
+    assert len(injected) == 5, injected
+    # Each failed transfer was sent again on a fresh channel; the collector that failed once
+    # was kept, the one that failed the second transfer too was replaced.
+    assert run.weights.retries >= 2
+    # That one, the hung and the frozen collector, and the hung trainer were each named and
+    # replaced (the trainer with every actor but the logger, from the latest checkpoint).
+    assert [r.actor for r in run.recoveries] == [*["inference[0]"] * 3, "training[0]"]
+    assert run.recoveries[0].step in (4, 5) and "did not join" in run.recoveries[0].error
     assert run.stalls >= 2
     # Nothing lost, nothing trained twice: the scored sequence ids (``w0-0, w0-1, ...`` in
     # generation order) have no gap, and the standing trained records name each trajectory once.

@@ -200,6 +200,37 @@ def test_stall_watch_counts_only_trained_steps_as_progress():
     assert not watch.overdue()
 
 
+def test_stall_watch_looks_when_overdue_at_most_every_look_interval_and_counts_replacements(
+    caplog,
+):
+    from grpo.orchestrator.stall import CallInFlight, StallWatch
+
+    clock = FakeClock()
+    watch = StallWatch(15.0, clock=clock)
+    assert watch.look_every_s == pytest.approx(5.0)  # a third of a short timeout
+    assert StallWatch(600.0).look_every_s == pytest.approx(10.0)
+    assert not watch.due()
+    clock.now += 16
+    assert watch.due() and not watch.due()  # one look, then the interval
+    clock.now += 5
+    assert watch.due()
+
+    # Every actor working: no culprit, and the log says the run waits.
+    generating = CallInFlight("GENERATE", "inference[0]", clock.now - 20)
+    moving = {"in_engine_step_s": 0.01, "queue_wait_s": 0.0}
+    with caplog.at_level("WARNING", logger="grpo"):
+        assert watch.look([generating], {"inference[0]": moving}) is None
+    assert "every actor is working" in caplog.text and "inference[0]" in caplog.text
+    assert watch.stalls == 0 and watch.overdue()
+    # A frozen collector: the message names the timeout and the actor, the stall is counted
+    # and the clock starts again (its replacement starting up is not a stall).
+    stall = watch.look([generating], {"inference[0]": None}, {"dropped_stale": 3.0})
+    assert stall.replaceable and stall.actor == "inference[0]"
+    assert stall.reason.startswith("no step trained for 21 s (orchestration.stall_timeout_s=15)")
+    assert "inference[0] does not answer" in stall.reason
+    assert watch.stalls == 1 and not watch.overdue() and not watch.due()
+
+
 def test_stall_watch_names_who_holds_the_run_up():
     from grpo.orchestrator.stall import ENGINE_STEP_STUCK_S, CallInFlight, StallWatch
 

@@ -300,3 +300,20 @@ def test_a_resume_may_not_change_what_its_checkpoint_was_made_for(config_path, t
     assert validate_run_config(compose_config(config_path, [*resume, *longer])).training.optimizer[
         "lr"
     ] == pytest.approx(1e-5)
+
+
+def test_a_synchronous_round_that_overfills_the_rollout_queue_is_refused(config_path):
+    """A synchronous round scores once every collector finished its batch: a collector blocked
+    on a full queue would wait forever, so the queue must hold every collector's batch."""
+    sync = ["orchestration.synchronous=true", "orchestration.num_inference_workers=2"]
+    overrides = [*sync, "inference.batch_size=5", "inference.queue_maxsize=9"]
+    problems = problems_of(compose_config(config_path, overrides))
+    assert problems == [
+        "inference.queue_maxsize: 9 groups is less than a synchronous round puts on the queue "
+        "before any is scored (inference.batch_size 5 x orchestration.num_inference_workers "
+        "2 = 10); raise queue_maxsize or lower batch_size"
+    ]
+    validate_run_config(compose_config(config_path, [*sync, "inference.batch_size=5"]))
+    # Asynchronous, the queue is taken from while the collectors generate.
+    asynchronous = ["inference.batch_size=5", "inference.queue_maxsize=9"]
+    validate_run_config(compose_config(config_path, asynchronous))
