@@ -20,33 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo.errors import ActorFailedError, TrainingDivergedError
-
-
-def root_cause(error: BaseException) -> BaseException:
-    """The user's exception inside Ray's wrappers: a remote call's ``RayTaskError`` holds the
-    exception its actor raised in ``cause`` (itself a ``RayTaskError`` when that actor's own
-    remote call failed), and Ray's text of it starts with the call, not the exception."""
-    seen = {id(error)}
-    while isinstance(cause := getattr(error, "cause", None), BaseException):
-        if id(cause) in seen:
-            break
-        seen.add(id(cause))
-        error = cause
-    return error
-
-
-def describe(error: BaseException) -> str:
-    """``Type: message`` of the root cause of ``error`` (`root_cause`), e.g.
-    ``WeightSyncError: 3 weight updates in a row failed verification``.
-
-    Example:
-        >>> describe(KeyError("anwser"))
-        "KeyError: 'anwser'"
-    """
-    cause = root_cause(error)
-    text = str(cause).strip()
-    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+from grpo.errors import ActorFailedError, TrainingDivergedError, describe
 
 
 @dataclass(frozen=True)
@@ -140,7 +114,7 @@ class FaultPolicy:
             # same traceback to the actor's log file). Ray keeps only the text of the cause.
             return Stop(ActorFailedError(f"{name} failed to start{hint}: {error}"))
         if name.startswith("training["):
-            return Restart(f"{name} died ({error}){hint}")
+            return Restart(f"{name} died ({describe(error)}){hint}")
         if not failure.current:
             return Replace(name, error)  # replaced already: the call is redone on the new one
         restarts = self.restarts[name] = self.restarts.get(name, 0) + 1

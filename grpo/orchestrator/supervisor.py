@@ -25,12 +25,11 @@ from ray.exceptions import RayActorError, RayTaskError
 from grpo.config import ConfigError, InstantiationError, RunConfig, locate
 from grpo.config.instantiate import keyword_names
 from grpo.config.run import ROLES
-from grpo.errors import ActorFailedError, TrainerDiedError
+from grpo.errors import ActorFailedError, TrainerDiedError, describe
 from grpo.observability import metric_names as names
 from grpo.observability.logs import actor_log_path, is_verbose, logs_dir, with_output_to
 from grpo.observability.metric_logger import DEFAULT_METRIC_LOGGER
 from grpo.orchestrator.checkpointer import checkpoint_policy_version, latest_checkpoint_text
-from grpo.orchestrator.faults import describe
 from grpo.workers.rollout_queue import RolloutQueue
 from grpo.workers.training_checkpoint import ADAPTER_SUBDIR, MODEL_SUBDIR
 
@@ -504,10 +503,12 @@ class ActorSupervisor:
             dead_trainer = self.dead_trainer()
             if dead_trainer is not None:
                 raise TrainerDiedError(
-                    f"{dead_trainer} died during {what}{self.output_hint(dead_trainer)}: {error}"
+                    f"{dead_trainer} died during {what}{self.output_hint(dead_trainer)}: "
+                    f"{describe(error)}"
                 ) from error
             raise ActorFailedError(
-                f"{what or 'an actor'} failed, an actor died ({error}){self.output_hint()}: "
+                f"{what or 'an actor'} failed, an actor died ({describe(error)})"
+                f"{self.output_hint()}: "
                 "resume from "
                 f"{latest_checkpoint_text(self.run_dir)}"
             ) from error
@@ -554,7 +555,8 @@ class ActorSupervisor:
         name = actor_name(role, index)
         step = self.current_step()
         log.warning(
-            "%s died at step %d; replacing it%s: %s", name, step, self.output_hint(name), error
+            "%s died at step %d; replacing it%s: %s",
+            *(name, step, self.output_hint(name), describe(error)),
         )
         new = self._new_actor(role, index)
         if role is Role.INFERENCE:
@@ -565,7 +567,7 @@ class ActorSupervisor:
             self.rollout_queue = new
         else:
             self.replay_buffer = new
-        return Recovery(name, step, 0.0, str(error))
+        return Recovery(name, step, 0.0, describe(error))
 
     def kill(self, name: str, reason: str) -> None:
         """Kill the actor ``name`` because it holds the run up (stuck, frozen, or unable to

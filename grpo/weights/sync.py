@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpo.config.sections import WeightSyncConfig
-from grpo.errors import ActorFailedError, TrainerDiedError, WeightTransferError
+from grpo.errors import ActorFailedError, TrainerDiedError, WeightTransferError, describe
 from grpo.observability import metric_names as names
 from grpo.weights.concurrency import (
     COLLECTOR_HEALTH_GROUP,
@@ -171,7 +171,7 @@ class WeightSync:
                 log.warning("%s died during a weight transfer; it will be replaced", name)
                 return
             raise TrainerDiedError(
-                f"training[0] died sending weights to {name}: {error}"
+                f"training[0] died sending weights to {name}: {describe(error)}"
             ) from error
         except Exception:
             self._connected.pop(key, None)

@@ -380,7 +380,8 @@ def test_a_stop_names_the_root_cause_not_rays_wrapper():
     not Ray's "ray::SyncLLMCollector.generate_batch_with_state() (pid=..., ...)" header."""
     from ray.exceptions import RayTaskError
 
-    from grpo.orchestrator.faults import Failure, describe, root_cause
+    from grpo.errors import describe, root_cause
+    from grpo.orchestrator.faults import Failure
 
     class WeightSyncError(RuntimeError):
         pass
@@ -399,6 +400,28 @@ def test_a_stop_names_the_root_cause_not_rays_wrapper():
     assert describe(KeyError("anwser")) == "KeyError: 'anwser'"
     stop = policy().decide(Failure("inference[0]", wrapped, died=False))
     assert str(stop.error) == f"inference[0] failed (its output: logs/inference[0].log): {line}"
+
+
+def test_an_actor_death_is_described_in_one_line():
+    """Ray's text of a killed actor spans lines (class, ids, pid, the reason); the log line of
+    its replacement and a trainer restart's reason keep the first line and the reason."""
+    from ray.exceptions import RayActorError
+
+    from grpo.errors import describe
+    from grpo.orchestrator.faults import Failure, Restart
+
+    text = (
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: RefActor\n"
+        "\tactor_id: 9eba7d\n\tpid: 19295\n\tip: 192.0.2.2\nThe actor is dead because its "
+        "worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: ..."
+    )
+    died = RayActorError(error_msg=text)
+    assert describe(died) == (
+        "RayActorError: The actor died unexpectedly before finishing this task: its worker "
+        "process has died"
+    )
+    restart = policy().decide(Failure("training[0]", died))
+    assert isinstance(restart, Restart) and "\n" not in restart.reason
 
 
 # ---------------------------------------------------------------- the failing-reward guard
