@@ -16,6 +16,7 @@ from grpo.config.schema import (
     component_spec,
     default_of,
     is_open_mapping,
+    optional_section_type,
     section_type,
 )
 
@@ -65,7 +66,7 @@ def schema_at(parts: Sequence[str]) -> Any:
             info = current.model_fields.get(part)
             if info is None:
                 return None
-            current = section_type(info) or info
+            current = optional_section_type(info) or info
         elif isinstance(current, FieldInfo) and (
             component_spec(current) is not None or is_open_mapping(current)
         ):

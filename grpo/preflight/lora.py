@@ -31,29 +31,12 @@ def lora_problems(values: dict) -> list[str]:
         return []
     problems = []
     rank = value_at(lora, "rank", (int,))
-    if rank is not None and rank > VLLM_MAX_LORA_RANKS[-1]:
-        problems.append(
-            f"training.lora.rank: {rank} is above {VLLM_MAX_LORA_RANKS[-1]}, the largest rank "
-            "vLLM serves"
-        )
-    engine_args = value_at(values, "inference.engine_args", (dict,)) or {}
-    if engine_args.get("enable_lora") is False:
-        problems.append(
-            "inference.engine_args.enable_lora: false, but training.lora trains an adapter the "
-            "collectors serve through vLLM's LoRA support; remove the key"
-        )
-    max_rank = engine_args.get("max_lora_rank")
-    if max_rank is not None and max_rank is not UNRESOLVED:
-        if max_rank not in VLLM_MAX_LORA_RANKS or isinstance(max_rank, bool):
-            problems.append(
-                f"inference.engine_args.max_lora_rank: {max_rank!r} is not one of vLLM's "
-                f"max_lora_rank values ({', '.join(map(str, VLLM_MAX_LORA_RANKS))})"
-            )
-        elif rank is not None and rank > max_rank:
-            problems.append(
-                f"training.lora.rank: {rank} is above inference.engine_args.max_lora_rank "
-                f"({max_rank}); raise max_lora_rank or remove it (the collectors then pick one)"
-            )
+    serve = value_at(lora, "serve", (str,)) or "auto"
+    collector_gpus = value_at(values, "inference.num_gpus", (int, float)) or 0
+    # Served merged (auto: collectors without a GPU, grpo.weights.adapter.serves_merged), the
+    # engine runs without LoRA: vLLM's LoRA limits and switch do not apply.
+    if serve == "adapter" or (serve == "auto" and collector_gpus > 0):
+        problems += _adapter_serving_problems(values, rank)
     model_path = values.get("base_model_path")
     targets = lora.get("target_modules")
     if isinstance(model_path, str) and model_path and isinstance(targets, list):
@@ -71,6 +54,37 @@ def lora_problems(values: dict) -> list[str]:
                     f"{', '.join(missing)} layer (no model.layers.0.<module>.weight in its "
                     "checkpoint)"
                 )
+    return problems
+
+
+def _adapter_serving_problems(values: dict, rank: int | None) -> list[str]:
+    """What keeps vLLM from serving the adapter: a rank above its largest, LoRA switched off
+    in ``inference.engine_args``, a ``max_lora_rank`` it does not take or below the rank."""
+    problems = []
+    if rank is not None and rank > VLLM_MAX_LORA_RANKS[-1]:
+        problems.append(
+            f"training.lora.rank: {rank} is above {VLLM_MAX_LORA_RANKS[-1]}, the largest rank "
+            "vLLM serves"
+        )
+    engine_args = value_at(values, "inference.engine_args", (dict,)) or {}
+    if engine_args.get("enable_lora") is False:
+        problems.append(
+            "inference.engine_args.enable_lora: false, but training.lora trains an adapter the "
+            "collectors serve through vLLM's LoRA support; remove the key, or serve it merged "
+            "(training.lora.serve: merged)"
+        )
+    max_rank = engine_args.get("max_lora_rank")
+    if max_rank is not None and max_rank is not UNRESOLVED:
+        if max_rank not in VLLM_MAX_LORA_RANKS or isinstance(max_rank, bool):
+            problems.append(
+                f"inference.engine_args.max_lora_rank: {max_rank!r} is not one of vLLM's "
+                f"max_lora_rank values ({', '.join(map(str, VLLM_MAX_LORA_RANKS))})"
+            )
+        elif rank is not None and rank > max_rank:
+            problems.append(
+                f"training.lora.rank: {rank} is above inference.engine_args.max_lora_rank "
+                f"({max_rank}); raise max_lora_rank or remove it (the collectors then pick one)"
+            )
     return problems
 
 

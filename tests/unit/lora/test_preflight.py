@@ -16,7 +16,14 @@ from grpo.config import ConfigError
 from grpo.preflight import load_run_config
 from grpo.preflight.lora import VLLM_MAX_LORA_RANKS, lora_problems
 
-LORA = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": ["q_proj", "gate_proj"]}
+# Served as a vLLM adapter, which vLLM's LoRA limits apply to.
+LORA = {
+    "rank": 8,
+    "alpha": 16.0,
+    "dropout": 0.0,
+    "target_modules": ["q_proj", "gate_proj"],
+    "serve": "adapter",
+}
 
 
 def model_folder(path: Path, modules: tuple[str, ...]) -> Path:
@@ -28,11 +35,16 @@ def model_folder(path: Path, modules: tuple[str, ...]) -> Path:
     return path
 
 
-def values(lora: dict | None = LORA, engine_args: dict | None = None, model: Path | None = None):
+def values(
+    lora: dict | None = LORA,
+    engine_args: dict | None = None,
+    model: Path | None = None,
+    collector_gpus: float = 0,
+):
     return {
         "base_model_path": str(model) if model else None,
         "training": {"lora": lora},
-        "inference": {"engine_args": engine_args or {}},
+        "inference": {"engine_args": engine_args or {}, "num_gpus": collector_gpus},
     }
 
 
@@ -69,6 +81,22 @@ def test_enable_lora_false_is_refused():
     assert lora_problems(values(engine_args={"enable_lora": True})) == []
 
 
+def test_served_merged_vllms_lora_limits_do_not_apply():
+    """Merged into the base weights (explicitly, or by auto on collectors without a GPU) the
+    engine runs without LoRA; auto on GPU collectors serves the adapter and is checked."""
+    off_and_capped = {"enable_lora": False, "max_lora_rank": 8}
+    merged = {**LORA, "rank": 1024, "serve": "merged"}
+    assert lora_problems(values(merged, off_and_capped)) == []
+    auto = {**LORA, "rank": 16, "serve": "auto"}
+    assert lora_problems(values(auto, off_and_capped)) == []
+    problems = lora_problems(values(auto, off_and_capped, collector_gpus=1))
+    assert [p.split(":")[0] for p in problems] == [
+        "inference.engine_args.enable_lora",
+        "training.lora.rank",
+    ]
+    assert "training.lora.serve: merged" in problems[0]
+
+
 def test_a_target_the_model_lacks(tmp_path):
     model = model_folder(tmp_path / "m", ("self_attn.q_proj",))
     [problem] = lora_problems(values(model=model))
@@ -82,7 +110,7 @@ def test_a_target_the_model_lacks(tmp_path):
 def test_grpo_validate_reports_it(tmp_path):
     overrides = [
         f"output_dir={tmp_path / 'out'}",
-        "training.lora={rank: 1024, target_modules: [q_proj]}",
+        "training.lora={rank: 1024, target_modules: [q_proj], serve: adapter}",
         "inference.engine_args.enable_lora=false",
     ]
     with pytest.raises(ConfigError) as info:
@@ -90,8 +118,27 @@ def test_grpo_validate_reports_it(tmp_path):
     assert info.value.problems == [
         "training.lora.rank: 1024 is above 512, the largest rank vLLM serves",
         "inference.engine_args.enable_lora: false, but training.lora trains an adapter the "
-        "collectors serve through vLLM's LoRA support; remove the key",
+        "collectors serve through vLLM's LoRA support; remove the key, or serve it merged "
+        "(training.lora.serve: merged)",
     ]
+
+
+def test_lora_keys_can_be_set_one_by_one_on_a_config_without_lora(tmp_path):
+    """``training.lora.rank=8`` on a config whose ``training.lora`` is unset creates the section
+    with the other options at their defaults; a typo below it gets a suggestion."""
+    from grpo.config import load_config
+
+    fresh = f"output_dir={tmp_path / 'out'}"
+    cfg = load_config("tiny_arithmetic_cpu", [fresh, "training.lora.rank=8"])
+    assert cfg.training.lora is not None and cfg.training.lora.rank == 8
+    # Served merged on CPU collectors: vLLM's LoRA switch does not matter.
+    load_run_config(
+        "tiny_arithmetic_cpu",
+        [fresh, "training.lora.rank=8", "inference.engine_args.enable_lora=false"],
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_arithmetic_cpu", [fresh, "training.lora.rnak=8"])
+    assert "did you mean training.lora.rank?" in info.value.problems[0]
 
 
 def test_schema_errors_below_training_lora_name_the_whole_key():
