@@ -363,7 +363,9 @@ def test_a_dead_trainer_restarts_the_run_until_the_budget_is_used_up():
 
     faults = policy(max_restarts=1)
     decision = faults.decide(Failure("training[1]", RuntimeError("killed")))
-    assert decision == Restart("training[1] died (RuntimeError: killed) (its output: logs/training[1].log)")
+    assert decision == Restart(
+        "training[1] died (RuntimeError: killed) (its output: logs/training[1].log)"
+    )
     # The budget is counted where the restart is carried out: a training call, a weight
     # gather or a checkpoint that found the trainer dead.
     assert faults.restart(decision.reason) == Restart(decision.reason)
