@@ -502,10 +502,13 @@ def _check_synchronous_queue(values: dict, problems: list[str]) -> None:
     forever."""
     if value_at(values, "orchestration.synchronous", (bool,)) is not True:
         return
-    defaults = InferenceConfig.model_fields
-    batch = value_at(values, "inference.batch_size", (int,)) or defaults["batch_size"].default
-    workers = value_at(values, "orchestration.num_inference_workers", (int,)) or 1
-    room = value_at(values, "inference.queue_maxsize", (int,)) or defaults["queue_maxsize"].default
+    inference, orchestration = InferenceConfig.model_fields, OrchestrationConfig.model_fields
+    batch = value_at(values, "inference.batch_size", (int,)) or inference["batch_size"].default
+    workers = (
+        value_at(values, "orchestration.num_inference_workers", (int,))
+        or orchestration["num_inference_workers"].default
+    )
+    room = value_at(values, "inference.queue_maxsize", (int,)) or inference["queue_maxsize"].default
     if batch * workers > room:
         problems.append(
             f"inference.queue_maxsize: {room} groups is less than a synchronous round puts on "

@@ -503,6 +503,13 @@ class LossArgs(ComponentArgs):
         return value
 
 
+def lora_served_merged(serve: str, on_cpu: bool) -> bool:
+    """Whether collectors serve ``training.lora`` merged into the base weights, for its
+    ``serve`` mode: ``auto`` is merged when their engine runs on CPU, the adapter on GPU
+    (`LoRAConfig.serve` says why)."""
+    return on_cpu if serve == "auto" else serve == "merged"
+
+
 class LoRAConfig(Section):
     """Low-rank adapters (``training.lora``): only they are trained, synced and checkpointed."""
 

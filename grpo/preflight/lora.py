@@ -14,6 +14,7 @@ from grpo.choices import LORA_HF_MODULES as _HF_MODULES
 from grpo.choices import VLLM_LORA_RANKS as VLLM_MAX_LORA_RANKS
 from grpo.config import resolve_path
 from grpo.config.run import UNRESOLVED, value_at
+from grpo.config.sections import InferenceConfig, LoRAConfig, lora_served_merged
 
 
 def lora_problems(values: dict) -> list[str]:
@@ -31,11 +32,12 @@ def lora_problems(values: dict) -> list[str]:
         return []
     problems = []
     rank = value_at(lora, "rank", (int,))
-    serve = value_at(lora, "serve", (str,)) or "auto"
-    collector_gpus = value_at(values, "inference.num_gpus", (int, float)) or 0
-    # Served merged (auto: collectors without a GPU, grpo.weights.adapter.serves_merged), the
-    # engine runs without LoRA: vLLM's LoRA limits and switch do not apply.
-    if serve == "adapter" or (serve == "auto" and collector_gpus > 0):
+    serve = value_at(lora, "serve", (str,)) or LoRAConfig.model_fields["serve"].default
+    collector_gpus = value_at(values, "inference.num_gpus", (int, float))
+    if collector_gpus is None:
+        collector_gpus = InferenceConfig.model_fields["num_gpus"].default
+    # Served merged, the engine runs without LoRA: vLLM's LoRA limits and switch do not apply.
+    if not lora_served_merged(serve, on_cpu=not collector_gpus):
         problems += _adapter_serving_problems(values, rank)
     model_path = values.get("base_model_path")
     targets = lora.get("target_modules")

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from grpo.choices import VLLM_LORA_RANKS
+from grpo.config.sections import lora_served_merged
 from grpo.weights.checksum import (
     NO_ADAPTER_CHECKSUM,
     WeightSyncError,
@@ -79,9 +80,8 @@ def serves_merged(lora: Any, on_cpu: bool | None = None) -> bool:
         lora: ``training.lora``.
         on_cpu: Whether the engine runs on CPU; None: whether CUDA is unavailable here.
     """
-    if lora.serve != "auto":
-        return lora.serve == "merged"
-    return (not torch.cuda.is_available()) if on_cpu is None else on_cpu
+    on_cpu = (not torch.cuda.is_available()) if on_cpu is None else on_cpu
+    return lora_served_merged(lora.serve, on_cpu)
 
 
 class MergedAdapters:
