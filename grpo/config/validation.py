@@ -39,6 +39,11 @@ _TYPE_NAMES = {
     "none": "null",
 }
 
+# Even when checking by import, the components of the libraries only the trainer uses are read
+# from source (`grpo.config.signatures`) unless it cannot tell: importing torchtune (and with it
+# torchao, datasets and pandas) would cost the driver seconds before its actors start.
+_READ_FROM_SOURCE = ("torchtune.", "torchao.")
+
 
 @dataclass(frozen=True)
 class CheckedConfig:
@@ -307,10 +312,12 @@ def _check_component(
         try:
             if is_reward_node_key(path):
                 problem, accepted = _reward_keywords(target, node, mode, importer)
-            elif mode == "import":
+            elif mode == "import" and not target.startswith(_READ_FROM_SOURCE):
                 accepted = keyword_names(importer(target))
             else:
                 accepted = static_keyword_names(target)
+                if accepted is None and mode == "import":
+                    accepted = keyword_names(importer(target))
         except InstantiationError as exc:
             problems.append(f"{path}._component_: {exc}")
         else:

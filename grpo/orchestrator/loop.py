@@ -622,14 +622,16 @@ class Orchestrator:
             # A checkpoint is a weight sync: its weights then are a version the collectors
             # received, and a run resumed from it labels what it samples with that version.
             self._sync_weights()
+        # Idle actors that died are replaced before the drain: what a new buffer is sent (the
+        # scored batches waiting for it) is then added, and recorded, before its state is read.
+        for index in range(len(self.ref_actors)):
+            self._ask(Role.REF, index, "__ray_ready__")
+        self._ask(Role.REPLAY_BUFFER, 0, "__ray_ready__")
         held: list[Any] = []
         self._drain(held=held)
         if held:
             self.inflight.unscored.append(ray.put(held))
             self.inflight.taken([group.group_id for group in held])
-        for index in range(len(self.ref_actors)):
-            self._ask(Role.REF, index, "__ray_ready__")
-        self._ask(Role.REPLAY_BUFFER, 0, "__ray_ready__")
         final = self.checkpointer.save(self.state.step)
         self.checkpointed_step = self.state.step
         self._saved_at = time.monotonic()

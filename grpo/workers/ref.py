@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from grpo.config.sections import RefConfig
-from grpo.models import load_tokenizer
 from grpo.objective.advantages import (
     distillation_advantages,
     group_advantages,
@@ -23,14 +22,6 @@ from grpo.objective.advantages import (
     zero_variance_groups,
 )
 from grpo.observability import metric_names as names
-from grpo.packing.attention import resolve_mask_kind, use_packed_attention
-from grpo.packing.logprobs import model_response_logprobs
-from grpo.packing.packs import (
-    FLEX_BUCKET,
-    pack_sequences,
-    plan_sequence_packs,
-    unpack_response_logprobs,
-)
 from grpo.rewards.batch import env_reward_batch
 from grpo.types import GroupedUnscoredTrajectories, ScoredTrajectory
 
@@ -59,15 +50,22 @@ class RefActor:
         config = config or RefConfig()
         self.temperature = float(temperature)
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self.mask_kind = resolve_mask_kind(config.mask_kind, self.device)
         self.target_tokens_per_batch = target_tokens_per_batch
-        self.model = self._frozen_model(model_dir, config.dtype) if load_model else None
-        self.teacher = None
+        self.model = self.teacher = self.mask_kind = self.pad_id = None
+        if load_model or config.teacher_model_path is not None:
+            # Imported here: an actor that loads no model (no KL term, no teacher: the demo's)
+            # starts without torch._dynamo, torchtune and transformers, seconds of its start.
+            from grpo.models import load_tokenizer
+            from grpo.packing.attention import resolve_mask_kind
+
+            self.mask_kind = resolve_mask_kind(config.mask_kind, self.device)
+            self.pad_id = load_tokenizer(model_dir).pad_id
+        if load_model:
+            self.model = self._frozen_model(model_dir, config.dtype)
         if config.teacher_model_path is not None:
             self.teacher = self._frozen_model(config.teacher_model_path, config.teacher_dtype)
         self.distillation_coeff = config.distillation_coeff
         self.distillation_only = config.distillation_only
-        self.tokenizer = load_tokenizer(model_dir)
         self.reward_weights = config.reward_weights
         self.filter_zero_variance_groups = config.filter_zero_variance_groups
         self.advantage_std_normalization = config.advantage_std_normalization
@@ -76,9 +74,8 @@ class RefActor:
 
     def _frozen_model(self, model_dir: str, dtype: str) -> torch.nn.Module:
         """A model folder as a frozen eval-mode model on this actor's device."""
-        # Here, not at the top: without a KL term or a teacher no model is loaded, and the
-        # actor starts without importing torchtune.
         from grpo.models import build_model, torch_dtype
+        from grpo.packing.attention import use_packed_attention
 
         model = build_model(
             model_dir,
@@ -122,6 +119,14 @@ class RefActor:
     ) -> tuple[dict[str, torch.Tensor], float]:
         """A frozen model's response logprobs at the sampling temperature, by ``sequence_id``,
         and the share (%) of tokens that shared-prompt packing did not compute."""
+        from grpo.packing.logprobs import model_response_logprobs
+        from grpo.packing.packs import (
+            FLEX_BUCKET,
+            pack_sequences,
+            plan_sequence_packs,
+            unpack_response_logprobs,
+        )
+
         plan = plan_sequence_packs(
             trajectories,
             self.target_tokens_per_batch,
@@ -135,7 +140,7 @@ class RefActor:
             packed = pack_sequences(
                 members,
                 self.device,
-                self.tokenizer.pad_id,
+                self.pad_id,
                 mask_kind=self.mask_kind,
                 pad_to_multiple_of=FLEX_BUCKET if self.mask_kind == "flex" else None,
                 share_prompts=self.share_prompts,
