@@ -79,9 +79,16 @@ def freeze(actor: Any) -> None:
     os.kill(pid, signal.SIGSTOP)
 
 
+# Handlings (a replacement, or a transfer sent again) a fault causes, when not one: a transfer
+# that fails twice is sent again, then its collector is replaced.
+_HANDLINGS = {fail_next_two_weight_receives: 2}
+
+
 def faults_at_steps(run: Any, faults: list[tuple[int, str, Any]]) -> list[str]:
     """In a background thread, inject each ``(step, actor name, fault)`` once the run reached
-    that step and every earlier fault was handled (a replacement, or a transfer retried).
+    that step, every earlier fault was handled (a replacement, or a transfer sent again) and one
+    more step ended: a transfer sent again is finished at the next sync, and a fault injected
+    before would fail that one instead of the transfer it is meant for.
 
     Args:
         faults (list): ``(step, name, fault)``: ``fault`` is `freeze` or a function run in
@@ -100,11 +107,13 @@ def faults_at_steps(run: Any, faults: list[tuple[int, str, Any]]) -> list[str]:
         return len(run.recoveries) + run.weights.retries
 
     def inject() -> None:
+        expected = 0  # handlings the faults injected so far cause
         for step, name, fault in faults:
             deadline = time.monotonic() + 300
-            while run.state.step < step or handled() < len(done):
-                if time.monotonic() > deadline:
-                    break
+            while handled() < expected and time.monotonic() < deadline:
+                time.sleep(0.05)
+            settled = run.state.step + 1 if expected else 0
+            while run.state.step < max(step, settled) and time.monotonic() < deadline:
                 time.sleep(0.05)
             actor = run.actors.actor(*role_and_index(name))
             try:
@@ -113,6 +122,7 @@ def faults_at_steps(run: Any, faults: list[tuple[int, str, Any]]) -> list[str]:
                 else:
                     ray.get(actor.__ray_call__.remote(fault))
                 done.append(f"{fault.__name__}@{run.state.step}")
+                expected += _HANDLINGS.get(fault, 1)
             except Exception as error:  # noqa: BLE001 - the caller's assertion reports it
                 done.append(f"{fault.__name__}@{step} failed: {error!r}")
 

@@ -43,7 +43,7 @@ def test_hangs_and_failed_transfers_are_named_and_handled(
 ) -> None:
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "run"
-    num_steps = 12
+    num_steps = 16
     run = start_tiny_run(
         tiny_model_dir,
         run_dir,
@@ -61,8 +61,9 @@ def test_hangs_and_failed_transfers_are_named_and_handled(
         [
             (2, "inference[0]", fail_next_weight_receive),
             (3, "inference[0]", fail_next_two_weight_receives),
-            # A transfer is finished at the next sync: this one fails at the sync after step 4
-            # or 5, and the retry fails there too; the next fault waits for step 6.
+            # Each fault waits for the one before it to be handled and one more step (a
+            # transfer sent again finishes at the next sync): this one fails at a sync after
+            # step 4, and the retry fails there too.
             (6, "inference[0]", hang_engine_step),
             (8, "inference[0]", freeze),
             (9, "training[0]", hang_training_step),
@@ -83,7 +84,7 @@ def test_hangs_and_failed_transfers_are_named_and_handled(
     # That one, the hung and the frozen collector, and the hung trainer were each named and
     # replaced (the trainer with every actor but the logger, from the latest checkpoint).
     assert [r.actor for r in run.recoveries] == [*["inference[0]"] * 3, "training[0]"]
-    assert run.recoveries[0].step in (4, 5) and "did not join" in run.recoveries[0].error
+    assert run.recoveries[0].step >= 4 and "did not join" in run.recoveries[0].error
     assert run.stalls >= 2
     # Nothing lost, nothing trained twice: the scored sequence ids (``w0-0, w0-1, ...`` in
     # generation order) have no gap, and the standing trained records name each trajectory once.
