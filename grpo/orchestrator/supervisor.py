@@ -30,6 +30,7 @@ from grpo.observability import metric_names as names
 from grpo.observability.logs import actor_log_path, is_verbose, logs_dir, with_output_to
 from grpo.observability.metric_logger import DEFAULT_METRIC_LOGGER
 from grpo.orchestrator.checkpointer import checkpoint_policy_version, latest_checkpoint_text
+from grpo.workers.gc_pause import PAUSE_GC_HOOK, resumes_gc
 from grpo.workers.rollout_queue import RolloutQueue
 from grpo.workers.training_checkpoint import ADAPTER_SUBDIR, MODEL_SUBDIR
 
@@ -55,6 +56,8 @@ def init_ray(cfg: RunConfig) -> None:
         # was fetched, and stopped the run naming its cause.
         os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     kwargs: dict[str, Any] = {
+        # The actors' processes import and build with garbage collection paused.
+        "runtime_env": {"worker_process_setup_hook": PAUSE_GC_HOOK},
         "include_dashboard": False,
         "log_to_driver": verbose,
         "configure_logging": verbose,
@@ -308,10 +311,11 @@ class ActorSupervisor:
     # ------------------------------------------------------------------ start
 
     def _actor_class(self, cls: type, name: str) -> type:
-        """``cls``, or a subclass whose process writes its output to the actor's log file."""
+        """A subclass of ``cls`` whose process writes its output to the actor's log file
+        (unless ``log_level`` is debug) and collects garbage again once the actor is built."""
         if self.log_files:
-            return with_output_to(cls, actor_log_path(self.run_dir, name))
-        return cls
+            cls = with_output_to(cls, actor_log_path(self.run_dir, name))
+        return resumes_gc(cls)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Send ``metrics`` of ``step`` to the metric logger (none yet: dropped)."""

@@ -15,6 +15,8 @@ from typing import Any
 import ray
 from ray.util.queue import Queue, _QueueActor
 
+from grpo.workers.gc_pause import resumes_gc
+
 
 class _RolloutQueueActor(_QueueActor):
     async def put_all(self, items: list[Any], timeout_s: float) -> int:
@@ -56,7 +58,8 @@ class RolloutQueue(Queue):
 
     def __init__(self, maxsize: int = 0, actor_options: dict[str, Any] | None = None) -> None:
         self.maxsize = maxsize
-        self.actor = ray.remote(_RolloutQueueActor).options(**(actor_options or {})).remote(maxsize)
+        actor_cls = ray.remote(resumes_gc(_RolloutQueueActor))
+        self.actor = actor_cls.options(**(actor_options or {})).remote(maxsize)
 
     def put_all(self, items: list[Any], timeout_s: float) -> int:
         """Queue ``items`` in one round trip; how many went in (`_RolloutQueueActor.put_all`)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import itertools
 import os
 import threading
@@ -152,6 +153,9 @@ def build_engine(
         kwargs.update(whole_prefills(kwargs, model_dir))
     if config.sleep_while_training:
         kwargs.update(sleep_engine_args())  # whatever engine_args say: sleeping needs it
+    # vLLM's loader runs full garbage collections, each scanning every object the imports of
+    # torch, transformers and vLLM left; frozen ones are skipped (and live for good anyway).
+    gc.freeze()
     llm = LLM(model=model_dir, **kwargs)
     if in_flight(config.weight_updates):
         check_in_flight_updates(llm.llm_engine)

@@ -8,6 +8,7 @@ the run that SIGTERM stops extends a copy of the undisturbed one under another l
 run stopped by its diverged losses has two actors die before a checkpoint after it.
 """
 
+import gc
 import json
 import os
 import shutil
@@ -385,6 +386,11 @@ def kill_buffer_holding_groups(run: Orchestrator, from_step: int) -> list[int]:
     return held
 
 
+def collects_garbage(actor: Any) -> bool:
+    """Whether ``actor``'s process collects garbage, with its imports frozen out of the scans."""
+    return gc.isenabled() and gc.get_freeze_count() > 0
+
+
 def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
     tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
 ):
@@ -402,8 +408,29 @@ def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
     queue_held = kill_queue_holding_groups(run, from_step=10)
     try:
         state = run.run()
+        # Every actor's process, the replacements' too, started with garbage collection paused
+        # (grpo.workers.gc_pause) and collects again now that its actor is built.
+        actors = [
+            getattr(actor, "actor", actor)  # the rollout queue's handle is inside it
+            for actor in (
+                *run.actors.collectors,
+                *run.actors.ref_actors,
+                *run.actors.trainers,
+                run.actors.replay_buffer,
+                run.actors.rollout_queue,
+                run.actors.metric_logger,
+            )
+        ]
+        collecting = ray.get([a.__ray_call__.remote(collects_garbage) for a in actors])
+
+        def worker_collects_garbage() -> bool:  # local: Ray's workers get it by value
+            return gc.isenabled()
+
+        # A process this run's job starts for anything else keeps the pause: Ray's set-up hook.
+        paused = not ray.get(ray.remote(num_cpus=0)(worker_collects_garbage).remote())
     finally:
         run.shutdown()
+    assert collecting == [True] * 6 and paused
     assert state.step == 14
     assert len(queue_held) == 1 and queue_held[0] > 0
     assert len(buffer_held) == 1 and buffer_held[0] > 0
@@ -565,8 +592,6 @@ def test_an_actor_that_raises_stops_the_run_naming_the_root_cause(
     the collector raised, not Ray's wrapper of it ("ray::SyncLLMCollector.generate_batch_...
     (pid=..., ip=...)"). Ray logs none of the remote tracebacks of the results the driver let
     go of unread ("Unhandled error"), which would reach the terminal after the stop line."""
-    import gc
-
     from grpo.observability.console import stop_reason
     from grpo.testing.faults import fail_next_batch, faults_at_steps
 
