@@ -47,26 +47,21 @@ def ray_cluster():
         ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def ray_shared_by_session():
+    """Shut down, at the end of the session, the Ray cluster that the last runs left up."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture
-def ray_cleanup():
-    """Shut down, after the test, the Ray cluster that the run under test started itself."""
-    yield
-    import ray
+def ray_shared(ray_shared_by_session):
+    """Leave up, after the test, the Ray cluster that its run started or joined.
 
-    if ray.is_initialized():
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ray_shared_by_module():
-    """Shut down, after the module's last test, the Ray cluster that its runs started.
-
-    A module whose runs all start the same cluster (``tiny_arithmetic_cpu``'s) overrides
-    `ray_cleanup` with it: each run joins the cluster the one before left up, a start-up of
-    seconds less; a test that needs a fresh one shuts it down itself.
+    The next run joins it: a start-up and a shutdown (seconds each) less. Runs end their
+    actors however they end; a test that needs a cluster of its own (other CPU slots, Ray
+    started under load) shuts the running one down first.
     """
-    yield
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()

@@ -19,7 +19,7 @@ from grpo.testing import read_jsonl
 
 @pytest.mark.slow
 def test_synchronous_run_whose_rewards_never_differ_stops_naming_the_cause(
-    tiny_model_dir, tmp_path, monkeypatch, caplog, ray_cleanup
+    tiny_model_dir, tmp_path, monkeypatch, caplog, ray_shared
 ):
     """A constant reward with the filter: a synchronous run generates round after round,
     warns with the first 64 episodes' rewards and what to change, then stops after

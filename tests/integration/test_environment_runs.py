@@ -38,11 +38,6 @@ MULTI_TURN = [
 ]
 
 
-@pytest.fixture
-def ray_cleanup(ray_shared_by_module):
-    """The runs of this module share one Ray cluster (`ray_shared_by_module`)."""
-
-
 def trained_ids(run_dir: Path) -> list[str]:
     return [sid for r in read_jsonl(run_dir / "trained.jsonl") for sid in r["sequence_ids"]]
 
@@ -60,7 +55,7 @@ SYNCHRONOUS = (
 )
 
 
-def test_multi_turn_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
+def test_multi_turn_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch, ray_shared):
     """A run resumed from step 2's checkpoint of a 4-step multi-turn run trains steps 3 and 4
     exactly as that run did: the same episodes, in the same order, and the same losses.
 
@@ -78,7 +73,7 @@ def test_multi_turn_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypat
     try:
         state = run.run()
     finally:
-        run.shutdown()  # Ray stays up for the resumed run (`ray_cleanup` ends it): one start less
+        run.shutdown()  # Ray stays up for the resumed run (`ray_shared`): one start less
     assert state.step == 4
     assert [r.actor for r in run.recoveries] == ["inference[0]"]
     scored = [sid for r in read_jsonl(straight / "scored.jsonl") for sid in r["sequence_ids"]]
@@ -137,7 +132,7 @@ TYPO_ENVIRONMENT = (
     ids=["no_filter_dropped", "dynamic_sampling_scored"],
 )
 def test_an_environment_that_fails_every_episode_stops_the_run_naming_its_error(
-    filtering, failed_episodes, tiny_model_dir, tmp_path, monkeypatch, capsys, ray_cleanup
+    filtering, failed_episodes, tiny_model_dir, tmp_path, monkeypatch, capsys, ray_shared
 ):
     """A typo in env_response: the run stops soon after its first batch, naming the KeyError
     and the line that raised it, with or without dynamic sampling (whose own guard would

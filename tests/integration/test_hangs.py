@@ -39,7 +39,7 @@ STALL_TIMEOUT_S = 15
 
 
 def test_hangs_and_failed_transfers_are_named_and_handled(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_cleanup: Any
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_shared: Any
 ) -> None:
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "run"
@@ -110,7 +110,7 @@ def _busy_loop() -> None:
 
 
 def test_the_demo_finishes_beside_cpu_bound_processes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_cleanup: Any
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_shared: Any
 ) -> None:
     """The demo, with fewer steps, while busy processes keep the load at 3x the cores
     (`scripts/load_test.py` runs the whole demo so, back to back): every step is trained.
@@ -118,9 +118,12 @@ def test_the_demo_finishes_beside_cpu_bound_processes(
     Four steps: the load weighs most on the start-up (Ray, the vLLM engine, the first weight
     transfer), which a run pays once; the three weight transfers after it overlap generation
     and training as in the rest of the demo, whose steps take about a second."""
+    import ray
+
     from grpo.cli import main as grpo_main
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
+    ray.shutdown()  # the run starts Ray itself, under the load
     num_steps = 4
     hogs = [
         multiprocessing.get_context("fork").Process(target=_busy_loop, daemon=True)

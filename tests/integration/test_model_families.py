@@ -25,11 +25,6 @@ from tests.unit.test_model_families import (
 family_dirs = fast.family_dirs
 
 
-@pytest.fixture
-def ray_cleanup(ray_shared_by_module):
-    """The runs of this module share one Ray cluster (`ray_shared_by_module`)."""
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def engine(request, family_dirs):
     """``(llm, model_dir, family)``: a vLLM CPU engine started as the collectors start theirs
@@ -132,7 +127,7 @@ def base_keys(model_dir: Path) -> set[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_short_grpo_run(family: str, family_dirs, tmp_path, monkeypatch, ray_cleanup) -> None:
+def test_short_grpo_run(family: str, family_dirs, tmp_path, monkeypatch, ray_shared) -> None:
     from grpo.cli import main as grpo_main
     from grpo.testing import read_jsonl
 

@@ -58,7 +58,7 @@ def run_cli(config: str, overrides: list[str]) -> None:
     assert grpo_main(["run", "async_grpo", "--config", config, *overrides]) == 0
 
 
-def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
+def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_shared):
     """A whole asynchronous run, with evaluation, a KL term, debug tables and dynamic sampling
     (ref.filter_zero_variance_groups): every step trains on ``batch_size`` unique trajectories
     from groups with differing rewards, and the counts add up. (One run serves both: the filter
@@ -223,7 +223,7 @@ def test_end_to_end_run(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
     assert len(output[0].outputs[0].token_ids) >= 1
 
 
-def test_learning_signal_on_a_toy_reward(tiny_model_dir, tmp_path, monkeypatch, ray_cleanup):
+def test_learning_signal_on_a_toy_reward(tiny_model_dir, tmp_path, monkeypatch, ray_shared):
     """A reward a random model earns sometimes rises well beyond noise in 30 steps."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     cfg = compose_config("tiny_arithmetic_cpu", list(RANDOM_MODEL_OVERRIDES))

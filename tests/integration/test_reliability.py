@@ -134,11 +134,6 @@ def undisturbed(tiny_model_dir, tmp_path_factory) -> Undisturbed:
     return Undisturbed(run_dir, states_at)
 
 
-@pytest.fixture
-def ray_cleanup(ray_shared_by_module):
-    """The runs of this module share one Ray cluster (`ray_shared_by_module`)."""
-
-
 def descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
@@ -266,7 +261,7 @@ def assert_refused_before_ray_starts(model_dir: Path, run_dir: Path, workers: in
 
 
 def test_resume_continues_exactly(
-    undisturbed, tiny_model_dir, tmp_path, monkeypatch, capsys, ray_cleanup
+    undisturbed, tiny_model_dir, tmp_path, monkeypatch, capsys, ray_shared
 ):
     """A run resumed from step 2's checkpoint of the undisturbed 4-step run trains steps 3
     and 4 exactly as it did: the same prompts, samples and policy versions, losses and
@@ -311,7 +306,7 @@ def test_resume_continues_exactly(
 
 
 def test_resume_with_two_fsdp_trainers_continues_exactly(
-    tiny_model_dir, tmp_path, monkeypatch, capsys, ray_cleanup
+    tiny_model_dir, tmp_path, monkeypatch, capsys, ray_shared
 ):
     """As `test_resume_continues_exactly`, with two trainers: each writes its own shards of
     the model and optimizer state and reads them back (no rank gathers the optimizer state).
@@ -319,6 +314,7 @@ def test_resume_with_two_fsdp_trainers_continues_exactly(
     The resumed run saves no periodic checkpoint, so the one it has proves that the end of a
     run saves one and that ``latest`` names the newest."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
+    ray.shutdown()  # two trainers need a cluster with a CPU slot more than one left up has
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert grpo_run(tiny_model_dir, straight, 4, workers=2, keep_ray=True) == 0
     from_checkpoint = straight / "checkpoints" / "step_000002"
@@ -392,7 +388,7 @@ def collects_garbage(actor: Any) -> bool:
 
 
 def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
-    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+    tiny_model_dir, tmp_path, monkeypatch, ray_shared
 ):
     """Each restartable actor is killed once mid-run (the buffer and the rollout queue while
     they hold groups); the run finishes every step, no generated group is lost, none is
@@ -472,7 +468,7 @@ def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
 
 
 def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
-    undisturbed, tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+    undisturbed, tiny_model_dir, tmp_path, monkeypatch, ray_shared
 ):
     """A trainer killed after step 3 of 4 (checkpoints every 2 steps): the run restarts from step
     2's checkpoint by itself, the restored weights and AdamW state are the checkpoint's, and
@@ -538,7 +534,7 @@ def test_dead_trainer_restarts_the_run_from_its_latest_checkpoint(
 
 
 def test_dead_trainer_past_the_restart_budget_stops_the_run_naming_it(
-    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+    tiny_model_dir, tmp_path, monkeypatch, ray_shared
 ):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run = start_run(tiny_model_dir, tmp_path / "run", 200, "orchestration.max_actor_restarts=0")
@@ -562,7 +558,7 @@ def test_dead_trainer_past_the_restart_budget_stops_the_run_naming_it(
 
 
 def test_actor_dying_too_often_stops_the_run_with_a_checkpoint(
-    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+    tiny_model_dir, tmp_path, monkeypatch, ray_shared
 ):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "run"
@@ -585,7 +581,7 @@ def test_actor_dying_too_often_stops_the_run_with_a_checkpoint(
 
 
 def test_an_actor_that_raises_stops_the_run_naming_the_root_cause(
-    tiny_model_dir, tmp_path, monkeypatch, caplog, ray_cleanup
+    tiny_model_dir, tmp_path, monkeypatch, caplog, ray_shared
 ):
     """A collector whose batch raises (`WeightSyncError`, as after weight updates that kept
     failing verification) is not replaced: the run stops, and its one line names the exception
@@ -617,7 +613,7 @@ def test_an_actor_that_raises_stops_the_run_naming_the_root_cause(
 
 
 def test_non_finite_losses_stop_the_run_with_a_checkpoint(
-    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+    tiny_model_dir, tmp_path, monkeypatch, ray_shared
 ):
     """Every step's loss is NaN: each is skipped and counted, the weights never move, and
     after max_nonfinite_steps_in_a_row the run stops with a checkpoint of where it was.

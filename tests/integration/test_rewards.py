@@ -13,7 +13,7 @@ import pytest
 
 @pytest.mark.slow
 def test_a_run_whose_reward_has_a_typo_stops_naming_the_error_and_its_line(
-    tiny_model_dir, tmp_path, monkeypatch, capsys, ray_cleanup
+    tiny_model_dir, tmp_path, monkeypatch, capsys, ray_shared
 ):
     """A plain reward with a typo in its body (NameError on every call): the run stops within
     a minute of its first batch, naming the function, the exception and the line."""

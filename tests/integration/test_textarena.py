@@ -12,7 +12,7 @@ from grpo.testing import RANDOM_MODEL_OVERRIDES, read_jsonl  # noqa: E402
 
 @pytest.mark.slow
 def test_a_short_run_plays_the_game_and_logs_its_reward(
-    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+    tiny_model_dir, tmp_path, monkeypatch, ray_shared
 ):
     from grpo.cli import main as grpo_main
 

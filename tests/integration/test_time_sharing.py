@@ -59,7 +59,7 @@ def metrics(run_dir: Path, name: str) -> list[float]:
 
 @pytest.mark.slow
 def test_a_run_that_sleeps_while_training_wakes_loads_and_probes_in_order(
-    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+    tiny_model_dir, tmp_path, monkeypatch, ray_shared
 ):
     """Three synchronous steps with the engine asleep while each trains: it sleeps before
     every training step and wakes before every generation as weights, load (or reload),

@@ -23,11 +23,6 @@ from grpo.testing.tiny_models import build_tiny_qwen2  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def ray_cleanup(ray_shared_by_module):
-    """The runs of this module share one Ray cluster (`ray_shared_by_module`)."""
-
-
 @pytest.fixture(scope="module")
 def tool_model_dir(tmp_path_factory):
     """A tiny Qwen2 folder whose tokenizer has Qwen2.5's tool tokens and template."""
@@ -38,7 +33,7 @@ def tool_model_dir(tmp_path_factory):
     "taskset", ["grpo.testing.verifiers_arithmetic", "grpo.testing.verifiers_add_tool"]
 )
 def test_two_steps_on_a_verifiers_environment(
-    taskset, tool_model_dir, tmp_path, monkeypatch, ray_cleanup
+    taskset, tool_model_dir, tmp_path, monkeypatch, ray_shared
 ):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "run"

@@ -48,7 +48,7 @@ def run(model_dir: Path, run_dir: Path, *overrides: str) -> None:
         *LORA_RUN,
         *overrides,
     ]
-    # Ray stays up for the next run (the `ray_cleanup` fixture ends it): one start-up less.
+    # Ray stays up for the next run (the `ray_shared` fixture ends it): one start-up less.
     assert grpo_main(argv) == 0
 
 
@@ -57,7 +57,7 @@ def by_step(run_dir: Path, name: str) -> dict[int, float]:
 
 
 def test_a_lora_run_syncs_adapters_sleeps_checkpoints_them_and_resumes_exactly(
-    tiny_model_dir, tmp_path, monkeypatch, ray_cleanup
+    tiny_model_dir, tmp_path, monkeypatch, ray_shared
 ):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
