@@ -612,6 +612,22 @@ def test_an_actor_that_raises_stops_the_run_naming_the_root_cause(
     assert not [r.getMessage() for r in caplog.records if "Unhandled error" in r.getMessage()]
 
 
+def kill_and_wait(actor: Any) -> None:
+    """``ray.kill`` ``actor``, and return once a call to it fails: the kill is asynchronous,
+    and a call sent right after it can still be answered."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.1)
+    pytest.fail(f"{actor} still answers 60 s after ray.kill")
+
+
 def test_non_finite_losses_stop_the_run_with_a_checkpoint(
     tiny_model_dir, tmp_path, monkeypatch, ray_shared
 ):
@@ -637,8 +653,8 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(
         checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
         state = json.loads((checkpoint / "state.json").read_text())
         saved = load_file(checkpoint / "model" / "model.safetensors")
-        ray.kill(run.ref_actors[0], no_restart=True)
-        ray.kill(run.replay_buffer, no_restart=True)
+        kill_and_wait(run.ref_actors[0])
+        kill_and_wait(run.replay_buffer)
         after_kills = run.save_checkpoint()
     finally:
         run.shutdown()
