@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from grpo.actor_class import with_constructor
+
 DRIVER_LOG = "driver.log"
 # A record with this attribute true goes to the log file only, never to the terminal.
 FILE_ONLY = "file_only"
@@ -105,14 +107,7 @@ def with_output_to(cls: type, path: str | os.PathLike) -> type:
         redirect_output(log_path)
         cls.__init__(self, *args, **kwargs)
 
-    # Same name and qualified name: Ray and error messages show the class the user knows.
-    namespace = {
-        "__init__": __init__,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
-    }
-    return type(cls.__name__, (cls,), namespace)
+    return with_constructor(cls, __init__)
 
 
 def log_traceback(error: BaseException, message: str) -> None:

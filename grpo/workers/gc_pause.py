@@ -8,14 +8,16 @@ when the actor's constructor returns (`resumes_gc`), after freezing what exists 
 the permanent generation, which later collections skip. Reference counting frees objects as
 usual throughout: only cycles wait.
 
-This module imports nothing but ``gc``: Ray runs the hook before the worker imports anything
-else.
+This module imports nothing but ``gc`` and `grpo.actor_class`: Ray runs the hook before the
+worker imports anything else.
 """
 
 from __future__ import annotations
 
 import gc
 from typing import Any
+
+from grpo.actor_class import with_constructor
 
 # Ray's ``runtime_env={"worker_process_setup_hook": ...}`` for the run's job: every worker
 # process Ray starts for it runs this before its actor's class is imported.
@@ -52,11 +54,4 @@ def resumes_gc(cls: type) -> type:
         finally:
             resume_gc()
 
-    # Same name and qualified name: Ray and error messages show the class the user knows.
-    namespace = {
-        "__init__": __init__,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
-    }
-    return type(cls.__name__, (cls,), namespace)
+    return with_constructor(cls, __init__)
