@@ -118,7 +118,7 @@ class SyncLLMCollector(SleepMethods):
             else None
         )
         lora_rank = lora.rank if lora and merged is None else None
-        llm, self.max_model_len, self.max_prompt_tokens = build_engine(
+        llm, self.max_model_len, self.max_prompt_tokens, eager_on_cpu = build_engine(
             self.model_dir, config, seed, response_tokens, lora_rank
         )
         if merged is not None:
@@ -136,6 +136,7 @@ class SyncLLMCollector(SleepMethods):
             ),
             merged=merged,
             sleep_while_training=config.sleep_while_training,
+            dynamo_off=eager_on_cpu,
         )
         self.weights = self.engine.weights
         self.environment.start(

@@ -106,11 +106,13 @@ VersionRuns = list[list[tuple[int, int]]]
 
 
 class Engine(NamedTuple):
-    """A built engine and the prompt limit that fits its context."""
+    """A built engine, the prompt limit that fits its context, and whether it runs its model
+    eagerly on CPU (`EngineLoop`'s ``dynamo_off``)."""
 
     llm: Any  # vllm.LLM
     max_model_len: int
     max_prompt_tokens: int
+    eager_on_cpu: bool = False
 
 
 def build_engine(
@@ -168,7 +170,8 @@ def build_engine(
             f"max_prompt_tokens={max_prompt_tokens} + max_generated_tokens="
             f"{max_generated_tokens} must fit in vLLM's max_model_len={max_model_len}"
         )
-    return Engine(llm, max_model_len, max_prompt_tokens)
+    eager_on_cpu = not torch.cuda.is_available() and bool(kwargs.get("enforce_eager"))
+    return Engine(llm, max_model_len, max_prompt_tokens, eager_on_cpu)
 
 
 class Sampling(NamedTuple):
@@ -362,6 +365,11 @@ class TokenVersions:
         self._held.clear()
 
 
+def _dynamo_off() -> contextlib.AbstractContextManager:
+    """TorchDynamo off while it is open: compiled functions run as plain Python."""
+    return torch._dynamo.config.patch(disable=True)
+
+
 class EngineLoop:
     """A collector's engine with its weights: one lock, and every step timed.
 
@@ -373,6 +381,9 @@ class EngineLoop:
         policy_version: The version of those weights.
         adapters: With ``training.lora``, one adapter per policy version.
         merged: With ``training.lora`` served merged, what folds each adapter into the base.
+        dynamo_off: Step with TorchDynamo off (`Engine.eager_on_cpu`): such an engine compiles
+            no model, but vLLM's sampler would ``torch.compile`` a helper on the first step
+            (the sampled token's rank), seconds of tracing and a C++ build in every process.
     """
 
     def __init__(
@@ -388,9 +399,11 @@ class EngineLoop:
         adapters: EngineAdapters | None = None,
         merged: MergedAdapters | None = None,
         sleep_while_training: bool = False,
+        dynamo_off: bool = False,
     ) -> None:
         self.llm = llm
         self.sampling = sampling
+        self._step_context = _dynamo_off if dynamo_off else contextlib.nullcontext
         self.weight_updates = weight_updates
         self.lock = threading.RLock()
         self.tokens = TokenVersions(llm)
@@ -486,7 +499,8 @@ class EngineLoop:
     def _timed_step(self) -> list[Any]:
         self._step_started = time.monotonic()
         try:
-            return self.llm.llm_engine.step()
+            with self._step_context():
+                return self.llm.llm_engine.step()
         finally:
             self._step_started = None
             self.steps += 1

@@ -146,6 +146,20 @@ def test_groups_have_the_expected_structure(collector):
         assert key in metrics, key
 
 
+def test_an_eager_cpu_engine_samples_without_compiling(collector):
+    """vLLM's sampler ``torch.compile``s a helper (the sampled token's rank) on its first step:
+    seconds of tracing and a C++ build in every collector. An eager engine on CPU steps with
+    Dynamo off, so sampling a batch compiles no frame."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # an engine an earlier test stepped itself may have compiled it
+    compiled_before = counters["frames"]["ok"]
+    collector.generate_batch(2)
+    drain(collector.rollout_queue, 2)
+    assert counters["frames"]["ok"] == compiled_before
+
+
 def test_behaviour_logprobs_match_a_torchtune_forward(collector, tune_model):
     collector.generate_batch(2)
     groups = drain(collector.rollout_queue, 2)
