@@ -98,6 +98,10 @@ def _exit_when_parent_dies(parent: Any) -> None:
     os._exit(1)
 
 
+def _do_nothing() -> None:
+    """A call that only makes the workers start (`TimedProcessPool.start`)."""
+
+
 def _start_worker(initializer: Callable[[], None] | None, modules: Sequence[str]) -> None:
     """Initializer of a worker process: exit with the parent, run the pool's initializer and
     import its modules before taking any call.
@@ -318,6 +322,11 @@ class TimedProcessPool:
             self._modules |= modules
             self._stop_workers()
         self._cancel_in_flight()
+
+    def start(self, timeout_s: float) -> None:
+        """Start the workers now rather than with the first call: one call that does nothing,
+        waited for (at most ``timeout_s`` once a worker takes it)."""
+        wait_for_jobs([self.submit(_do_nothing, timeout_s=timeout_s)])
 
     def submit(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Job:
         """Queue the call ``fn(*args)``; its `Job` gives the outcome once its future is done.

@@ -371,6 +371,14 @@ class MultiTurnEnv(Environment):
             for fn in self.reward_functions
         }
 
+    def start_scoring(self) -> None:
+        """Start the reward workers (`grpo.rewards.RewardPool.start`) with the reward
+        functions' modules imported."""
+        if self.reward_functions:
+            from grpo.rewards import default_reward_pool
+
+            default_reward_pool().start(self.reward_functions)
+
     def score(self, episodes: Sequence[Episode]) -> list[dict[str, float]]:
         """Rewards of finished episodes, by reward name.
 

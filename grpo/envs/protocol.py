@@ -87,8 +87,9 @@ class Environment(ABC):
     """What the collector calls to turn prompts into scored episodes.
 
     A subclass writes `run_groups` and `score`; the rest has defaults. The collector calls
-    `examples`, `response_budget` and `start` once, then per batch `prompt_ids`, `run_groups`,
-    `score`, `batch_metrics` and `take_reward_calls`, and `close` at the end.
+    `examples`, `response_budget` and `start` once (and `start_scoring`, on a thread of its
+    own, while its engine builds), then per batch `prompt_ids`, `run_groups`, `score`,
+    `batch_metrics` and `take_reward_calls`, and `close` at the end.
     """
 
     # Set by `start`; a class attribute, so that subclasses need not call a base __init__.
@@ -114,6 +115,10 @@ class Environment(ABC):
     def start(self, context: EngineContext) -> None:
         """Learn what the engine is; called once before the first episode."""
         self.context = context
+
+    def start_scoring(self) -> None:  # noqa: B027 (optional: most score in-process)
+        """Start what `score` runs on (worker processes), so the first batch's scores wait
+        for none of it. Called at most once, maybe while `start` runs on another thread."""
 
     def prompt_ids(self, example: Mapping[str, Any]) -> list[int]:
         """The token ids of an example's rendered ``prompt``.

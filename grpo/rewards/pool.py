@@ -15,13 +15,14 @@ import math
 import os
 import pickle
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from grpo.process_pool import STOP_GRACE_S, Job, TimedProcessPool, process_wide
 from grpo.rewards.base import (
     FunctionReward,
     RewardFunction,
+    as_reward_function,
     call_reward,
     reward_failure_reason,
     short_error,
@@ -73,6 +74,11 @@ def _score_chunk(pickled_fns: Sequence[bytes], calls: Sequence[Call]) -> list[Ou
 def _module_of(reward_fn: RewardFunction) -> str:
     fn = reward_fn.fn if isinstance(reward_fn, FunctionReward) else reward_fn
     return getattr(fn, "__module__", None) or type(fn).__module__
+
+
+def _modules_of(reward_fns: Sequence[RewardFunction]) -> set[str]:
+    """The modules the workers import for ``reward_fns`` (not a script's ``__main__``)."""
+    return {_module_of(fn) for fn in reward_fns} - {"__main__", "builtins"}
 
 
 class RewardPool:
@@ -132,6 +138,22 @@ class RewardPool:
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
+    def start(self, reward_fns: Sequence[RewardFunction | Callable[..., Any]]) -> None:
+        """Start the workers now, with the modules of ``reward_fns`` imported, instead of on
+        the first `run` (which then waits for neither).
+
+        Raises:
+            RuntimeError: If the pool is closed or belongs to another process.
+        """
+        modules = _modules_of([as_reward_function(fn) for fn in reward_fns])
+        with self._lock:
+            if not self.pool.usable:
+                raise RuntimeError(
+                    "RewardPool.start: the pool is closed or belongs to another process"
+                )
+            self.pool.preload(modules)
+            self.pool.start(self.startup_timeout_s)
+
     def run(
         self, reward_fns: Sequence[RewardFunction], calls: list[Call], timeout_s: float
     ) -> list[Outcome]:
@@ -152,7 +174,7 @@ class RewardPool:
                 "reward functions must be picklable (module-level classes or functions) to run "
                 f"in worker processes: {short_error(error)}"
             ) from error
-        modules = {_module_of(fn) for fn in reward_fns} - {"__main__", "builtins"}
+        modules = _modules_of(reward_fns)
         with self._lock:
             if not self.pool.usable:
                 raise RuntimeError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import ChainMap
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -35,6 +36,15 @@ from grpo.workers.rollout_queue import put_all
 from grpo.workers.vllm_engine import EngineLoop, Sampling, VersionRuns, build_engine
 
 log = logging.getLogger(__name__)
+
+
+def _start_scoring(environment: Any) -> None:
+    """`Environment.start_scoring`, on the thread that runs it: a failure is only logged (the
+    first batch's scoring starts the workers again, and raises what stops it)."""
+    try:
+        environment.start_scoring()
+    except Exception as error:
+        log.warning("starting the reward workers early failed: %s", error)
 
 
 class SyncLLMCollector(SleepMethods):
@@ -98,6 +108,11 @@ class SyncLLMCollector(SleepMethods):
         self.weight_check_every_n_batches = config.weight_check_every_n_batches
 
         self.environment = build_environment(environment, reward_functions, reward_timeout_s)
+        # The reward workers start (a process that imports torch, then the workers) beside the
+        # engine's build, not in the first batch's scoring, which would wait for them.
+        threading.Thread(
+            target=_start_scoring, args=(self.environment,), name="start-scoring", daemon=True
+        ).start()
         if dataset is None:  # the environment's own rows (a verifiers taskset)
             dataset = self.environment.examples()
         self.dataset = resolve_dataset(dataset)

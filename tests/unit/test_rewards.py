@@ -346,6 +346,22 @@ def test_slow_rewards_shrink_the_chunks_and_are_not_timeouts():
         torch.testing.assert_close(again.rewards, batch.rewards)
 
 
+def test_a_started_pool_scores_on_the_workers_it_started():
+    # RewardPool.start starts the workers with the reward functions' modules imported: the
+    # first batch starts no process (neither the forkserver nor a worker) and restarts none.
+    import psutil
+
+    reward_fns = [has_digit_reward, MathCorrectnessReward()]
+    this_process = psutil.Process()
+    with RewardPool(num_workers=2) as pool:
+        pool.start(reward_fns)
+        started = {child.pid for child in this_process.children(recursive=True)}
+        batch = batched_rewards(reward_fns, ["\\boxed{7}", "\\boxed{2}"], ["7", "2"], pool=pool)
+        assert {child.pid for child in this_process.children(recursive=True)} == started
+    assert len(started) >= 2  # the two workers (and the forkserver, unless already running)
+    torch.testing.assert_close(batch.rewards, torch.tensor([[1.0, 1.0], [1.0, 1.0]]))
+
+
 def test_batched_rewards_worker_crash_is_counted(pool):
     completions = ["ok 1", "CRASH", "ok 3"]
     batch = batched_rewards(
