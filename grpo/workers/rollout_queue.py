@@ -19,6 +19,13 @@ from grpo.workers.gc_pause import resumes_gc
 
 
 class _RolloutQueueActor(_QueueActor):
+    def __init__(self, maxsize: int) -> None:
+        # The groups it holds unpickle into torch tensors: torch and the trajectory types are
+        # imported while the run starts, not in the collector's first put, which waits on it.
+        import grpo.types  # noqa: F401
+
+        super().__init__(maxsize)
+
     async def put_all(self, items: list[Any], timeout_s: float) -> int:
         """Queue ``items`` in order, waiting up to ``timeout_s`` for room for each one.
 

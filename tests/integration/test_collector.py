@@ -233,6 +233,23 @@ def test_two_workers_read_disjoint_shards(collectors, dataset):
     assert prompts_by_worker[0] | prompts_by_worker[1] == all_prompts
 
 
+def test_the_rollout_queue_imports_what_it_holds_as_it_starts(ray_cluster):
+    # Groups unpickle into torch tensors: the queue's actor imports them while the run starts,
+    # so the collector's first put (which waits for it) waits for no import.
+    from grpo.workers.rollout_queue import RolloutQueue
+
+    def imported(actor):
+        import sys
+
+        return "grpo.types" in sys.modules
+
+    rollout_queue = RolloutQueue()
+    try:
+        assert ray_cluster.get(rollout_queue.actor.__ray_call__.remote(imported), timeout=120)
+    finally:
+        ray_cluster.kill(rollout_queue.actor)
+
+
 @pytest.mark.parametrize("queue_kind", ["ray_queue", "rollout_queue"])
 def test_full_ray_queue_blocks_the_collector_and_loses_nothing(collector, ray_cluster, queue_kind):
     # ray's Queue takes one put per group; RolloutQueue the whole batch with `put_all`, which
