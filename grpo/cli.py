@@ -39,7 +39,6 @@ from pathlib import Path
 from types import ModuleType
 
 from grpo.config import ConfigError, configs_dir, list_configs, repo_root
-from grpo.config.run import has_own_held_out_rows
 from grpo.observability.logs import DriverLog
 from grpo.preflight import load_run_config, used_output_dir_problem
 from grpo.preflight.memory import (
@@ -318,7 +317,9 @@ def _eval_cmd(args: argparse.Namespace) -> int:
     # The run's own resume setting is not this command's business: it trains nothing.
     overrides = ["resume_from_checkpoint=false", *args.overrides]
     cfg = load_run_config(config, overrides, check_components=True)
-    if cfg.eval_dataset is None and not has_own_held_out_rows(cfg.environment):
+    from grpo.envs.preflight import brings_held_out_rows  # no torch
+
+    if cfg.eval_dataset is None and not brings_held_out_rows(cfg.environment):
         raise ConfigError("eval_dataset: null; grpo eval evaluates on the held-out set")
     checkpoint = args.checkpoint
     if checkpoint is not None and not Path(checkpoint).is_dir():

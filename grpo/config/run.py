@@ -6,7 +6,6 @@ placed roles, which `grpo.preflight` reads.
 """
 
 import inspect
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from pydantic import Field
@@ -33,26 +32,6 @@ from grpo.config.signatures import static_overrides, static_reward_name
 # Marks a value whose interpolation failed; the failure is already reported.
 UNRESOLVED = object()
 NUMBER = (int, float)
-# The reasoning-gym environment's full path (it brings its own tasks, as verifiers_env does).
-REASONING_GYM_ENV = "grpo.envs.reasoning_gym.ReasoningGymEnv"
-# Environments that generate their own rows and held-out rows (a hub's tasks or games).
-OWN_ROWS_ENVS = (
-    "grpo.envs.ReasoningGymEnv",
-    REASONING_GYM_ENV,
-    "grpo.envs.TextArenaEnv",
-    "grpo.envs.textarena_env.TextArenaEnv",
-)
-
-
-def has_own_held_out_rows(environment: Any) -> bool:
-    """Whether an ``environment`` node generates held-out rows of its own (one of
-    `OWN_ROWS_ENVS` with ``eval_size`` above 0): the held-out set of a run whose
-    ``eval_dataset`` is null."""
-    return (
-        isinstance(environment, Mapping)
-        and environment.get("_component_") in OWN_ROWS_ENVS
-        and environment.get("eval_size") != 0
-    )
 
 
 class Role(NamedTuple):
@@ -344,64 +323,26 @@ def _check_relations(values: dict, problems: list[str]) -> None:
             f"training.batch_size ({train_batch}); a batch could never be sampled"
         )
 
-    environment = values.get("environment")
-    plays_verifiers = (
-        isinstance(environment, dict)
-        and environment.get("_component_") == "grpo.envs.verifiers_env"
-    )
-    plays_own_rows = (
-        isinstance(environment, dict) and environment.get("_component_") in OWN_ROWS_ENVS
-    )
-    if (
-        value_at(values, "eval_every_n_steps", (int,)) is not None
-        and values.get("eval_dataset") is None
-        and not plays_own_rows  # its own held-out rows (eval_size) are the eval set
-    ):
-        problems.append("eval_every_n_steps: set, but eval_dataset is null")
-    if (
-        plays_own_rows
-        and value_at(values, "eval_every_n_steps", (int,)) is not None
-        and values.get("eval_dataset") is None
-        and environment.get("eval_size") == 0
-    ):
-        problems.append(
-            "eval_every_n_steps: set, but environment.eval_size is 0 and eval_dataset is null: "
-            "there is no held-out row to evaluate on; give eval_size > 0 (or eval_every_n_steps: "
-            "null)"
-        )
-    if values.get("reward_functions") == [] and not (
-        isinstance(environment, dict) and environment.get("_component_") == "grpo.envs.AgentEnv"
-    ):
-        problems.append(
-            "reward_functions: empty, but nothing else scores the episodes; give at least one "
-            "(only grpo.envs.AgentEnv, whose agent returns each episode's reward, runs without)"
-        )
-    if values.get("dataset") is None and not (plays_verifiers or plays_own_rows):
-        problems.append(
-            "dataset: required key is missing (only an environment with its own tasks, "
-            "grpo.envs.verifiers_env, grpo.envs.ReasoningGymEnv or grpo.envs.TextArenaEnv, "
-            "runs without one)"
-        )
-    if plays_verifiers and values.get("dataset") is not None:
-        # The episodes are the taskset's: a dataset's rows would be played as the tasks at
-        # their indices, with the wrong prompts and answers.
-        problems.append(
-            "dataset: environment._component_ grpo.envs.verifiers_env plays its taskset's own "
-            "tasks, which are the data; set dataset: null (or dataset=null on the command line)"
-        )
-    if plays_own_rows and values.get("dataset") is not None:
-        # Its rows carry the task and metadata its scorer reads; a dataset's would not.
-        problems.append(
-            f"dataset: environment._component_ {environment['_component_']} generates its own "
-            "tasks, which are the data; set dataset: null (or dataset=null on the command line)"
-        )
-    if plays_verifiers and value_at(values, "eval_every_n_steps", (int,)) is not None:
-        problems.append(
-            "eval_every_n_steps: held-out evaluation scores eval_dataset's examples, but a "
-            "verifiers environment plays only its taskset's own tasks, which have no held-out "
-            "split here; set eval_every_n_steps: null (the taskset's reward is in the training "
-            "metrics)"
-        )
+    # With an environment, what it brings decides what the run must give (a dataset, held-out
+    # rows, reward functions): its class says so, checked beside it (`grpo.preflight`).
+    if not isinstance(values.get("environment"), dict):
+        if (
+            value_at(values, "eval_every_n_steps", (int,)) is not None
+            and values.get("eval_dataset") is None
+        ):
+            problems.append("eval_every_n_steps: set, but eval_dataset is null")
+        if values.get("reward_functions") == []:
+            problems.append(
+                "reward_functions: empty, but nothing else scores the episodes; give at least "
+                "one (only an environment that scores its own episodes, such as "
+                "grpo.envs.AgentEnv, runs without)"
+            )
+        if values.get("dataset") is None:
+            problems.append(
+                "dataset: required key is missing (only an environment with its own tasks, "
+                "such as grpo.envs.verifiers_env, grpo.envs.ReasoningGymEnv or "
+                "grpo.envs.TextArenaEnv, runs without one)"
+            )
     samples = value_at(values, "eval_samples_per_example", (int,))
     temperature = value_at({"eval_temperature": 0.0, **values}, "eval_temperature")
     if samples is not None and samples > 1 and temperature == 0:
@@ -566,18 +507,6 @@ def _check_idle_clip(values: dict, problems: list[str]) -> None:
             f"policy gradient); remove them, set ppo_epochs >= 2 (decoupled PPO) or {key}: "
             f"{off} (the ratio to the behaviour policy is clipped)"
         )
-
-
-def bound_advice(environment: Any) -> str:
-    """The keys that bound a sequence's length, for a run with ``environment`` (or None)."""
-    if not isinstance(environment, dict):
-        return "inference.max_prompt_tokens"
-    if environment.get("_component_") == "grpo.envs.verifiers_env":  # no episode budget
-        return "inference.engine_args.max_model_len"
-    return (
-        "environment.max_episode_tokens and inference.max_prompt_tokens, or "
-        "inference.engine_args.max_model_len"
-    )
 
 
 def loss_defaults(component: Any) -> dict[str, Any]:

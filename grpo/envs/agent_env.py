@@ -151,6 +151,8 @@ class AgentEnv(MultiTurnEnv):
             ``async def`` or does not take ``(client, example)``.
     """
 
+    scored_by_reward_functions = False  # the agent returns each episode's reward
+
     env_roles = ("user", "tool")
 
     @checked_options

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from grpo.config.options import option_problems
+from grpo.envs.protocol import Environment
 from grpo.envs.tools import call_format_problem, check_tools
 
 
@@ -76,6 +78,118 @@ def _default(component: Any, name: str) -> Any:
     if parameter is None or parameter.default is inspect.Parameter.empty:
         return None
     return parameter.default
+
+
+def environment_class(
+    node: Any, locate: Callable[[str], Any] | None = None
+) -> type[Environment] | None:
+    """The `Environment` class an ``environment:`` node builds: its ``_component_``, or the
+    return annotation of a factory (``grpo.envs.verifiers_env`` -> `VerifiersEnv`).
+
+    Returns:
+        type[Environment] | None: None without a node, or when the component does not import
+        or names no environment class (the component check reports that).
+    """
+    if not isinstance(node, Mapping):
+        return None
+    component = _component(node.get("_component_"), locate)
+    if component is not None and not inspect.isclass(component):
+        try:
+            component = typing.get_type_hints(component).get("return")
+        except Exception:  # unresolvable annotations: nothing to read
+            return None
+    if inspect.isclass(component) and issubclass(component, Environment):
+        return component
+    return None
+
+
+def brings_held_out_rows(node: Any, locate: Callable[[str], Any] | None = None) -> bool:
+    """Whether an ``environment:`` node generates held-out rows of its own (its class
+    `Environment.brings_held_out`, with an ``eval_size`` above 0): the held-out set of a run
+    whose ``eval_dataset`` is null."""
+    environment = environment_class(node, locate)
+    return (
+        environment is not None
+        and environment.brings_held_out
+        and node.get("eval_size", _default(environment, "eval_size")) != 0
+    )
+
+
+def data_problems(
+    values: Mapping[str, Any], locate: Callable[[str], Any] | None = None
+) -> list[str]:
+    """What a run with an environment lacks or has too much of, by what its class says it
+    brings (`Environment.brings_tasks`, ``brings_held_out``, ``scored_by_reward_functions``):
+    ``dataset``, ``eval_dataset`` for ``eval_every_n_steps``, and ``reward_functions``.
+
+    Args:
+        values (Mapping): The run config as plain values; ``environment`` is a node.
+
+    Returns:
+        list[str]: Each problem as ``key: what is wrong``; [] when the component does not
+        import (the component check reports that).
+    """
+    node = values.get("environment")
+    environment = environment_class(node, locate)
+    if environment is None:
+        return []
+    path = node["_component_"]
+    problems = []
+    if values.get("dataset") is None and not environment.brings_tasks:
+        problems.append(
+            f"dataset: required key is missing (environment._component_ {path} plays the "
+            "dataset's rows; only an environment with its own tasks, such as "
+            "grpo.envs.ReasoningGymEnv, runs without one)"
+        )
+    if values.get("dataset") is not None and environment.brings_tasks:
+        # Its rows carry the task and metadata its scorer reads; a dataset's would not (a
+        # verifiers taskset's would be played as the tasks at their indices).
+        problems.append(
+            f"dataset: environment._component_ {path} generates its own tasks, which are the "
+            "data; set dataset: null (or dataset=null on the command line)"
+        )
+    evaluates = isinstance(values.get("eval_every_n_steps"), int)
+    if evaluates and environment.brings_tasks and not environment.brings_held_out:
+        # Evaluation plays held-out rows beside the training tasks; it has none, and an
+        # eval_dataset's rows would lack what its scorer reads.
+        problems.append(
+            f"eval_every_n_steps: held-out evaluation scores eval_dataset's examples, but "
+            f"environment._component_ {path} plays only its own tasks, which have no "
+            "held-out split here; set eval_every_n_steps: null (their reward is in the "
+            "training metrics)"
+        )
+    elif evaluates and values.get("eval_dataset") is None:
+        if not environment.brings_held_out:
+            problems.append("eval_every_n_steps: set, but eval_dataset is null")
+        elif not brings_held_out_rows(node, locate):
+            problems.append(
+                "eval_every_n_steps: set, but environment.eval_size is 0 and eval_dataset is "
+                "null: there is no held-out row to evaluate on; give eval_size > 0 (or "
+                "eval_every_n_steps: null)"
+            )
+    if values.get("reward_functions") == [] and environment.scored_by_reward_functions:
+        problems.append(
+            f"reward_functions: empty, but environment._component_ {path} scores its episodes "
+            "with them; give at least one"
+        )
+    return problems
+
+
+def bound_advice(environment: Any, locate: Callable[[str], Any] | None = None) -> str:
+    """The keys that bound a sequence's length, for a run with ``environment`` (a node, or
+    None): the episode budget only where the environment has one (a `MultiTurnEnv`'s
+    ``max_episode_tokens``)."""
+    if not isinstance(environment, Mapping):
+        return "inference.max_prompt_tokens"
+    from grpo.envs.base import MultiTurnEnv
+
+    kind = environment_class(environment, locate)
+    if kind is not None and not issubclass(kind, MultiTurnEnv):
+        return "inference.engine_args.max_model_len"
+    return (
+        "environment.max_episode_tokens and inference.max_prompt_tokens, or "
+        "inference.engine_args.max_model_len"
+    )
 
 
 def _component(path: Any, locate: Callable[[str], Any] | None) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
     from grpo.envs.base import Episode
@@ -97,6 +97,18 @@ class Environment(ABC):
     # What becomes of an episode the environment failed: "drop" leaves it out of its group;
     # "score" keeps it there, scored with `failure_rewards`.
     failed_episodes: FailedEpisodes = "drop"
+
+    # What the run's config gives beside it, which `grpo validate` checks before any actor
+    # starts (`grpo.envs.preflight.data_problems`). A subclass inherits its base's answers.
+    # Brings its own tasks (`examples`): the run's ``dataset`` is null, since a dataset's rows
+    # would lack the task data its scorer reads.
+    brings_tasks: ClassVar[bool] = False
+    # Brings its own held-out rows (`eval_examples`, as many as its ``eval_size`` option):
+    # evaluation needs no ``eval_dataset``.
+    brings_held_out: ClassVar[bool] = False
+    # Its episodes are scored by the run's ``reward_functions``; False: they come back scored
+    # (an agent's own reward, a taskset's rubric), and the list may be empty.
+    scored_by_reward_functions: ClassVar[bool] = True
 
     def examples(self) -> list[dict[str, Any]] | None:
         """The rows the run samples from when it names no ``dataset`` (a taskset's), or None."""

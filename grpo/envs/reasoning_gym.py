@@ -214,6 +214,9 @@ class ReasoningGymEnv(SingleTurnEnv):
             refuses, a template that is not callable, or reasoning-gym not installed.
     """
 
+    brings_tasks = True  # the generated rows carry the metadata its scorer reads
+    brings_held_out = True  # eval_size rows on other seeds
+
     @checked_options
     def __init__(
         self,

@@ -206,6 +206,9 @@ class TextArenaEnv(MultiTurnEnv):
             is not callable, or textarena not installed.
     """
 
+    brings_tasks = True  # the generated rows carry the metadata its scorer reads
+    brings_held_out = True  # eval_size rows on other seeds
+
     @checked_options
     def __init__(
         self,

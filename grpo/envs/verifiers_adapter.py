@@ -219,6 +219,9 @@ class VerifiersEnv(Environment):
     are empty (the client renders its own prompts).
     """
 
+    brings_tasks = True  # the taskset's rows are the data; no held-out split here
+    scored_by_reward_functions = False  # the taskset's rubric scores its episodes
+
     def __init__(
         self,
         taskset: str,

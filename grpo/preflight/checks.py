@@ -167,10 +167,11 @@ def _environment_problems(values: dict[str, Any], this_machine: bool = True) -> 
     if not isinstance(node, dict) or any(value is UNRESOLVED for value in node.values()):
         return []
     # Beside the tools they check; only a config with an environment imports them.
-    from grpo.envs.preflight import chat_template_problems, environment_problems
+    from grpo.envs.preflight import chat_template_problems, data_problems, environment_problems
 
     # `locate` names the close match of a mistyped tool path, as for every other dotted path.
-    problems = environment_problems("environment", node, locate)
+    problems = data_problems(values, locate)
+    problems += environment_problems("environment", node, locate)
     dataset = values.get("dataset")
     template = dataset.get("template") if isinstance(dataset, dict) else None
     if this_machine and not problems and isinstance(template, dict):

@@ -14,12 +14,7 @@ from pathlib import Path
 
 from grpo.choices import MODEL_TYPES
 from grpo.config import RunConfig, resolve_path
-from grpo.config.run import (
-    bound_advice,
-    environment_context,
-    longest_sequence,
-    value_at,
-)
+from grpo.config.run import environment_context, longest_sequence, value_at
 from grpo.run_folder import STATE_FILE, find_checkpoint, run_records
 
 # Files a model folder must hold; weights are checked separately (*.safetensors).
@@ -144,6 +139,8 @@ def _check_model_config(config_path: Path, values: dict, problems: list[str]) ->
         longest = longest_sequence(values, max_positions)
         budget = value_at(values, "target_tokens_per_batch", (int,))
         if longest is not None and budget is not None and budget < longest[0]:
+            from grpo.envs.preflight import bound_advice  # no torch
+
             problems.append(
                 f"target_tokens_per_batch: {budget} cannot hold the longest sequence, "
                 f"{longest[1]} in {config_path}; set " + bound_advice(values.get("environment"))

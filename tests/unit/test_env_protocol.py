@@ -8,6 +8,7 @@ import pytest
 
 from grpo.config import ConfigError
 from grpo.envs import (
+    AgentEnv,
     EngineContext,
     Environment,
     EpisodeLimits,
@@ -19,6 +20,8 @@ from grpo.envs import (
     build_environment,
     episode_groups,
 )
+from grpo.envs.preflight import brings_held_out_rows, data_problems, environment_class
+from grpo.envs.reasoning_gym import ReasoningGymEnv
 from grpo.models import load_tokenizer
 from grpo.rewards import MathCorrectnessReward, reward_function
 from grpo.testing.tools import EchoUserEnv
@@ -152,3 +155,51 @@ def test_rewards_are_computed_while_the_episodes_run_and_score_collects_them(tok
     # Episodes it did not see (or a second call) are scored when asked.
     assert [r["math_correctness"] for r in env.score(group[:2])] == [0.0, 1.0]
     assert sum(scored_now) == 6
+
+
+# ------------------------------------------------------- what an environment brings to the config
+
+
+class _OwnGym(ReasoningGymEnv):
+    """A user's subclass at a path of its own: it brings what its base brings."""
+
+
+_PATHS = {"my.OwnGym": _OwnGym, "my.Tools": ToolEnv, "my.Agent": AgentEnv}
+
+
+def _data_problems(node, **values):
+    values.setdefault("dataset", {"_component_": "grpo.data.arithmetic_dataset"})
+    values.setdefault("reward_functions", [{"_component_": "grpo.rewards.MathCorrectnessReward"}])
+    locate = _PATHS.get if node["_component_"] in _PATHS else None
+    return data_problems({"environment": node, **values}, locate)
+
+
+def test_an_environment_class_says_what_the_run_must_give():
+    own = {"_component_": "my.OwnGym", "tasks": {"chain_sum": 1.0}}
+    assert _data_problems(own, dataset=None, eval_every_n_steps=5) == []
+    assert brings_held_out_rows(own, _PATHS.get)
+    [problem] = _data_problems(own)
+    assert problem.startswith("dataset: environment._component_ my.OwnGym generates its own tasks")
+    [problem] = _data_problems({**own, "eval_size": 0}, dataset=None, eval_every_n_steps=5)
+    assert problem.startswith("eval_every_n_steps: set, but environment.eval_size is 0")
+    assert not brings_held_out_rows({**own, "eval_size": 0}, _PATHS.get)
+
+    tools = {"_component_": "my.Tools", "tools": ["grpo.envs.calculator"]}
+    [problem] = _data_problems(tools, dataset=None)
+    assert problem.startswith("dataset: required key is missing (environment._component_ my.Tools")
+    assert _data_problems(tools, eval_every_n_steps=5) == [
+        "eval_every_n_steps: set, but eval_dataset is null"
+    ]
+    [problem] = _data_problems(tools, reward_functions=[])
+    assert problem.startswith("reward_functions: empty, but environment._component_ my.Tools")
+    assert _data_problems({"_component_": "my.Agent", "agent": "a.b"}, reward_functions=[]) == []
+
+    # A factory's class is its return annotation: verifiers_env builds a VerifiersEnv, whose
+    # taskset brings the tasks and scores them, with no held-out split.
+    verifiers = {"_component_": "grpo.envs.verifiers_env", "taskset": "my_tasks"}
+    assert environment_class(verifiers) is VerifiersEnv
+    assert _data_problems(verifiers, dataset=None, reward_functions=[]) == []
+    [problem] = _data_problems(verifiers, dataset=None, eval_every_n_steps=5, eval_dataset={})
+    assert problem.startswith("eval_every_n_steps: held-out evaluation scores eval_dataset's")
+    # What does not import is the component check's to report.
+    assert _data_problems({"_component_": "my.Missing"}, dataset=None) == []

@@ -591,8 +591,8 @@ def test_grpo_validate_refuses_a_dataset_beside_a_verifiers_environment(
     err = capsys.readouterr().err
     assert status == 2 and "config has" not in err  # the one problem
     assert (
-        "dataset: environment._component_ grpo.envs.verifiers_env plays its taskset's own "
-        "tasks, which are the data; set dataset: null (or dataset=null on the command line)"
+        "dataset: environment._component_ grpo.envs.verifiers_env generates its own tasks, "
+        "which are the data; set dataset: null (or dataset=null on the command line)"
     ) in err
 
 
