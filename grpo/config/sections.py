@@ -46,6 +46,14 @@ the keyword of every environment that scores with reward functions."""
 REWARD_TIMEOUT_S = 10.0
 """Its default, for the run config and every environment alike."""
 
+# Options that a component checks as the config does: one declaration for both.
+BufferCapacity = Annotated[int, Field(ge=1)]
+"""Trajectories the replay buffer holds: ``orchestration.replay_buffer_size``."""
+PolicyLag = Annotated[int, Field(ge=0)]
+"""Training steps a trajectory may lag: ``orchestration.max_policy_lag``."""
+StdoutEveryN = Annotated[int, Field(ge=0)]
+"""Print every n-th step of each actor to stdout (0: nothing): ``metric_logger.stdout_every_n``."""
+
 # --------------------------------------------------------------------------------------------
 # ray: and orchestration: (the driver)
 # --------------------------------------------------------------------------------------------
@@ -89,10 +97,10 @@ class OrchestrationConfig(Section):
     """Reference-model actors (ref logprobs and group advantages)."""
     num_training_workers: int = Field(1, ge=1)
     """Training actors; more than one shards the model with FSDP2."""
-    replay_buffer_size: int = Field(512, ge=1)
+    replay_buffer_size: BufferCapacity = 512
     """Most trajectories the replay buffer holds; when it is full, scored groups wait for room
     (nothing is dropped)."""
-    max_policy_lag: int = Field(1, ge=0)
+    max_policy_lag: PolicyLag = 1
     """Staleness bound, in training steps: a trajectory is dropped, and counted, when its
     oldest token was sampled by weights more than this many steps older than those the trainer
     is about to update (0: strictly on-policy, every batch sampled by the current weights;
@@ -638,5 +646,5 @@ class MetricLoggerArgs(ComponentArgs):
     """W&B project."""
     log_dir: str = COMPONENT_DEFAULT  # type: ignore[assignment]
     """Folder for local logs."""
-    stdout_every_n: int = Field(COMPONENT_DEFAULT, ge=0)  # type: ignore[arg-type]
+    stdout_every_n: StdoutEveryN = COMPONENT_DEFAULT  # type: ignore[assignment]
     """Print every n-th step of each actor to stdout; 0 prints nothing."""

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo.choices import WANDB_MODES
+from grpo.config.options import checked_options
+from grpo.config.sections import StdoutEveryN
 from grpo.observability.metric_names import (
     EVAL_ACCURACY,
     GLOBAL_STEP,
@@ -135,6 +137,7 @@ class MetricLogger:
         ValueError: On an unknown W&B mode or a negative `stdout_every_n`.
     """
 
+    @checked_options  # the bound the config declares for stdout_every_n
     def __init__(
         self,
         log_dir: str | Path,
@@ -142,12 +145,10 @@ class MetricLogger:
         run_name: str | None = None,
         mode: str = "online",
         config: Mapping[str, Any] | None = None,
-        stdout_every_n: int = 1,
+        stdout_every_n: StdoutEveryN = 1,
         stdout_keys: Collection[str] | None = None,
         use_wandb: bool = True,
     ) -> None:
-        if stdout_every_n < 0:
-            raise ValueError(f"stdout_every_n must be >= 0, got {stdout_every_n}")
         self.log_dir = Path(log_dir).expanduser().resolve()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.stdout_every_n = stdout_every_n

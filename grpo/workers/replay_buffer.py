@@ -13,6 +13,8 @@ import time
 from collections import deque
 from typing import Any
 
+from grpo.config.options import checked_options
+from grpo.config.sections import BufferCapacity, PolicyLag
 from grpo.types import ScoredTrajectory
 
 
@@ -30,18 +32,15 @@ class ReplayBuffer:
             sampling mode.
     """
 
+    @checked_options  # the bounds the config declares for its options
     def __init__(
         self,
-        capacity: int,
-        max_policy_lag: int,
+        capacity: BufferCapacity,
+        max_policy_lag: PolicyLag,
         sampling: str = "fifo",
         seed: int = 0,
         reuse_count: int = 1,
     ) -> None:
-        if capacity < 1:
-            raise ValueError(f"replay_buffer_size must be >= 1, got {capacity}")
-        if max_policy_lag < 0:
-            raise ValueError(f"max_policy_lag must be >= 0, got {max_policy_lag}")
         if sampling not in ("fifo", "random"):
             raise ValueError(f"sampling must be 'fifo' or 'random', got {sampling!r}")
         if reuse_count < 1:

@@ -150,8 +150,8 @@ def test_state_dict_round_trip_continues_identically():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"capacity": 0, "max_policy_lag": 0}, "replay_buffer_size"),
-        ({"capacity": 4, "max_policy_lag": -1}, "max_policy_lag"),
+        ({"capacity": 0, "max_policy_lag": 0}, "capacity: expected an int >= 1, got 0"),
+        ({"capacity": 4, "max_policy_lag": -1}, "max_policy_lag: expected an int >= 0, got -1"),
         ({"capacity": 4, "max_policy_lag": 0, "sampling": "lifo"}, "sampling"),
     ],
 )

@@ -1,7 +1,7 @@
-"""Where a component guards an option that the config also bounds, the two agree: the value
-`grpo validate` refuses at the bound the component refuses, and the next the component takes,
-so a config that validates never fails in an actor's constructor, and a bound changed in one
-home fails here."""
+"""Where a component guards an option that the config also bounds, both read one declaration
+(`grpo.config.sections.BufferCapacity`, ...): the value `grpo validate` refuses at the bound
+the component refuses, and the next the component takes, so a config that validates never
+fails in an actor's constructor."""
 
 from __future__ import annotations
 
