@@ -480,3 +480,27 @@ def test_an_episode_is_not_cut_to_one_turn_when_max_model_len_is_unset(tiny_mode
     )
     assert episode.num_turns > 2 and episode.truncated
     assert 8 < len(episode.response_ids) <= 48
+
+
+def test_a_turn_is_detokenized_only_to_find_its_stop_strings(collector, dataset):
+    """vLLM decodes text token by token only for a turn with stop strings (the text is never
+    read, only the tokens); a turn with a stop string still ends at it."""
+    from vllm.inputs import TokensPrompt
+
+    from grpo.workers.vllm_engine import Sampling
+
+    sampling = Sampling(temperature=1.0, top_p=1.0)
+    assert sampling.params(0, 8).detokenize is False
+    prompt = TokensPrompt(prompt_token_ids=collector.environment.prompt_ids(dataset[0]))
+    with collector.engine.lock:
+        [free] = collector.llm.generate(prompt, sampling.params(7, 16), use_tqdm=False)
+        tokens = list(free.outputs[0].token_ids)
+        # A stop string the free turn wrote after its first token: the same seed stops there.
+        text = collector.tokenizer.decode(tokens)
+        stop = text[len(collector.tokenizer.decode(tokens[:1])) :][:1]
+        assert stop, text
+        params = sampling.params(7, 16, extra_stop=(stop,))
+        assert params.detokenize is True
+        [stopped] = collector.llm.generate(prompt, params, use_tqdm=False)
+    assert stopped.outputs[0].finish_reason == "stop"
+    assert len(stopped.outputs[0].token_ids) < len(tokens)
