@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from grpo.config.options import option_problems
+from grpo.config.run import value_at
 from grpo.envs.protocol import Environment
 from grpo.envs.tools import call_format_problem, check_tools
 
@@ -108,9 +109,13 @@ def brings_held_out_rows(node: Any, locate: Callable[[str], Any] | None = None) 
     `Environment.brings_held_out`, with an ``eval_size`` above 0): the held-out set of a run
     whose ``eval_dataset`` is null."""
     environment = environment_class(node, locate)
+    return environment is not None and _held_out_rows(environment, node)
+
+
+def _held_out_rows(environment: type[Environment], node: Mapping[str, Any]) -> bool:
+    """`brings_held_out_rows` of a node whose class is known."""
     return (
-        environment is not None
-        and environment.brings_held_out
+        environment.brings_held_out
         and node.get("eval_size", _default(environment, "eval_size")) != 0
     )
 
@@ -148,7 +153,7 @@ def data_problems(
             f"dataset: environment._component_ {path} generates its own tasks, which are the "
             "data; set dataset: null (or dataset=null on the command line)"
         )
-    evaluates = isinstance(values.get("eval_every_n_steps"), int)
+    evaluates = value_at(values, "eval_every_n_steps", (int,)) is not None
     if evaluates and environment.brings_tasks and not environment.brings_held_out:
         # Evaluation plays held-out rows beside the training tasks; it has none, and an
         # eval_dataset's rows would lack what its scorer reads.
@@ -161,7 +166,7 @@ def data_problems(
     elif evaluates and values.get("eval_dataset") is None:
         if not environment.brings_held_out:
             problems.append("eval_every_n_steps: set, but eval_dataset is null")
-        elif not brings_held_out_rows(node, locate):
+        elif not _held_out_rows(environment, node):
             problems.append(
                 "eval_every_n_steps: set, but environment.eval_size is 0 and eval_dataset is "
                 "null: there is no held-out row to evaluate on; give eval_size > 0 (or "
