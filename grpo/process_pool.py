@@ -23,7 +23,9 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 import pebble
 
 # The one forkserver is shared by every pool and only the first to start it decides what it
-# preloads, so every pool asks for this list (else each restarted reward worker reimports torch).
+# preloads, so every pool asks for this list (else each restarted worker imports the reward
+# code again). It imports no torch: two forkservers start with every run (the collector's and
+# the reference actor's), and workers that call a reward or a tool never need it.
 FORKSERVER_PRELOAD = ["grpo.rewards"]
 # Beyond a call's timeout, for pebble to notice the overrun (it checks every 0.1 s) and stop
 # the worker (SIGTERM, SIGKILL after 3 s).

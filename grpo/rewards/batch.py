@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+# torch is imported where a batch is built: reward worker processes import this package (the
+# forkserver preloads it) and need none of torch.
+if TYPE_CHECKING:
+    import torch
 
 from grpo.rewards.base import (
     RewardFunction,
@@ -29,6 +32,8 @@ def total_reward(
     Raises:
         ValueError: If the number of weights is not F.
     """
+    import torch
+
     if rewards.dim() != 2:
         raise ValueError(
             f"total_reward: rewards must have shape (N, F), got {tuple(rewards.shape)}"
@@ -127,6 +132,8 @@ def env_reward_batch(trajectories: Sequence[Any]) -> RewardBatch:
             if flags is not None
             else [float(reward > 0) for reward in rows[-1]]
         )
+    import torch
+
     rewards = torch.tensor(rows, dtype=torch.float32).reshape(len(trajectories), len(names))
     return RewardBatch(
         rewards=rewards,
@@ -208,6 +215,8 @@ def batched_rewards(
         outcomes = _run_inline(functions, calls)
     else:
         outcomes = (pool or default_reward_pool()).run(functions, calls, timeout_s)
+
+    import torch
 
     rewards = torch.zeros(len(completions), num_funcs, dtype=torch.float32)
     successes = torch.zeros(len(completions), num_funcs, dtype=torch.float32)

@@ -156,6 +156,24 @@ def test_reading_configs_and_environments_loads_no_torch(package):
     assert result.stdout.strip() == "[]", result.stdout
 
 
+def test_reward_and_tool_workers_load_no_torch():
+    """A run starts two forkservers (the collector's and the reference actor's), each importing
+    what every reward and tool worker shares; torch there would cost each of them seconds, and
+    workers that call a reward or a tool never use it. The test suite's own tools and rewards
+    run in such workers too."""
+    from grpo.process_pool import FORKSERVER_PRELOAD
+
+    modules = [*FORKSERVER_PRELOAD, "grpo.envs", "grpo.testing.tools", "grpo.testing.rewards"]
+    code = (
+        f"import sys, {', '.join(modules)}; "
+        "print(sorted(m for m in ('torch', 'ray', 'vllm') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]", result.stdout
+
+
 def test_no_module_of_the_config_package_imports_torch_ray_or_vllm_anywhere():
     """Not even inside a function: a check that needs torch (the machine's GPUs) belongs to
     `grpo.preflight`, above the config."""
