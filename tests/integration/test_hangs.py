@@ -143,6 +143,8 @@ def test_the_demo_finishes_beside_cpu_bound_processes(
     finally:
         for hog in hogs:
             hog.kill()
+        for hog in hogs:
+            hog.join()  # reaped: no zombie left for the rest of the session
     assert code == 0
     trained = records_after_rewinds(read_jsonl(tmp_path / "demo" / "trained.jsonl"))
     assert [r["step"] for r in trained] == list(range(1, num_steps + 1))
