@@ -15,6 +15,9 @@ import contextlib
 import importlib
 import multiprocessing
 import os
+import re
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -72,6 +75,44 @@ class _Raised(NamedTuple):
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid runs (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_orphaned_folders(prefix: str, root: str | os.PathLike | None = None) -> list[str]:
+    """Delete the folders ``{prefix}{pid}-*`` in ``root`` whose pid runs no process.
+
+    A process that keeps files in a folder named after its pid deletes them itself, unless it
+    is killed; the next process of its kind to start calls this.
+
+    Args:
+        prefix: The folders' common prefix.
+        root: Where they are; None: the temporary directory.
+
+    Returns:
+        list[str]: The paths of the folders deleted.
+    """
+    folder_name = re.compile(rf"{re.escape(prefix)}(\d+)-[A-Za-z0-9_]+")
+    try:
+        entries = list(os.scandir(root or tempfile.gettempdir()))
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        match = folder_name.fullmatch(entry.name)
+        if match and entry.is_dir() and not process_alive(int(match[1])):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
 
 
 def _worker_context(start_method: str | None, owner: str) -> multiprocessing.context.BaseContext:

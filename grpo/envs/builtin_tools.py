@@ -12,12 +12,12 @@ import ast
 import ctypes
 import operator
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+
+from grpo.process_pool import remove_orphaned_folders
 
 _BINARY = {
     ast.Add: operator.add,
@@ -109,7 +109,6 @@ _PR_SET_PDEATHSIG = 1
 # A call's folder names the worker that made it: a folder of a worker that is gone was left by
 # a call stopped at its timeout (its cleanup never ran).
 _FOLDER_PREFIX = "grpo-python-tool-"
-_FOLDER = re.compile(rf"{_FOLDER_PREFIX}(\d+)-[A-Za-z0-9_]+")
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -132,31 +131,10 @@ def _start_child(libc: ctypes.CDLL | None, worker: int) -> None:
     _limit_resources(memory_mb=512, cpu_s=10)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def _remove_stale_folders() -> None:
-    """Remove the folders of calls whose worker was stopped mid-call."""
-    try:
-        entries = list(os.scandir(tempfile.gettempdir()))
-    except OSError:
-        return
-    for entry in entries:
-        match = _FOLDER.fullmatch(entry.name)
-        if match and not _alive(int(match[1])):
-            shutil.rmtree(entry.path, ignore_errors=True)
-
-
 def python(code: str) -> str:
     """Run Python code and return what it prints (no network; files only in a temporary folder)."""
-    _remove_stale_folders()
+    # The folders of calls whose worker was stopped mid-call.
+    remove_orphaned_folders(_FOLDER_PREFIX)
     worker, libc = os.getpid(), _libc()
     with tempfile.TemporaryDirectory(prefix=f"{_FOLDER_PREFIX}{worker}-") as folder:
         try:

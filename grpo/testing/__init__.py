@@ -69,34 +69,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = [
-    "RANDOM_MODEL_OVERRIDES",
-    "BEGIN_OF_TEXT",
-    "CHATML_TEMPLATE",
-    "END_HEADER_ID",
-    "END_OF_TEXT",
-    "ENDOFTEXT",
-    "EOT_ID",
-    "IM_END",
-    "IM_START",
-    "LLAMA3_CHAT_TEMPLATE",
-    "LLAMA3_PRETOKENIZE_REGEX",
-    "LLAMA3_SPECIAL_TOKENS",
-    "QWEN2_PRETOKENIZE_REGEX",
-    "SPECIAL_TOKENS",
-    "START_HEADER_ID",
-    "TINY_LLAMA_ROPE_SCALING",
-    "TOKENIZER_FILES",
-    "NonFiniteLoss",
-    "build_tiny_llama",
-    "build_tiny_qwen2",
-    "build_tiny_qwen3",
-    "gathered_training_state",
-    "kill_at_steps",
-    "make_fake_model_dir",
-    "read_jsonl",
-    "set_vllm_cpu_env",
-    "start_tiny_run",
-    "tiny_corpus",
-    "tiny_vllm_engine_kwargs",
-]
+__all__ = sorted(_HOME)

@@ -24,6 +24,7 @@ import torch
 
 from grpo.choices import VLLM_LORA_RANKS
 from grpo.config.sections import lora_served_merged
+from grpo.process_pool import remove_orphaned_folders
 from grpo.weights.checksum import (
     NO_ADAPTER_CHECKSUM,
     WeightSyncError,
@@ -38,37 +39,6 @@ log = logging.getLogger(__name__)
 # Adapter folders live in the temporary directory under this prefix and the collector's pid; a
 # collector that is killed (a stall, a lost node, a test) cannot delete its own.
 ADAPTER_DIR_PREFIX = "grpo-adapters-"
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def remove_orphaned_adapter_dirs(root: str | os.PathLike | None = None) -> list[Path]:
-    """Delete the adapter folders of collectors that are gone (their pid runs no process).
-
-    A collector calls this as it starts, so a run that replaces killed collectors leaves one
-    folder per live collector, not one per collector it ever started.
-
-    Args:
-        root: Where the folders are; None: the temporary directory.
-
-    Returns:
-        list[Path]: The folders deleted.
-    """
-    removed = []
-    for folder in Path(root or tempfile.gettempdir()).glob(f"{ADAPTER_DIR_PREFIX}*-*"):
-        pid = folder.name[len(ADAPTER_DIR_PREFIX) :].split("-", 1)[0]
-        if folder.is_dir() and pid.isdigit() and not _process_alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
 
 
 def engine_lora_args(rank: int) -> dict[str, Any]:
@@ -248,7 +218,7 @@ class EngineAdapters:
     ) -> None:
         self.llm = llm
         self.adapter_config = dict(adapter_config)
-        remove_orphaned_adapter_dirs()
+        remove_orphaned_folders(ADAPTER_DIR_PREFIX)
         self.root = Path(tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-"))
         self.current_checksum = NO_ADAPTER_CHECKSUM
         self._requests: dict[int, Any] = {}  # version -> its LoRARequest

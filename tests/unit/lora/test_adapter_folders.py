@@ -6,7 +6,8 @@ import os
 import subprocess
 import sys
 
-from grpo.weights.adapter import ADAPTER_DIR_PREFIX, remove_orphaned_adapter_dirs
+from grpo.process_pool import remove_orphaned_folders
+from grpo.weights.adapter import ADAPTER_DIR_PREFIX
 
 
 def test_the_folders_of_dead_collectors_go_and_the_live_ones_stay(tmp_path):
@@ -24,7 +25,7 @@ def test_the_folders_of_dead_collectors_go_and_the_live_ones_stay(tmp_path):
         (folder / "v3").mkdir(parents=True)
         (folder / "v3" / "adapter_model.safetensors").write_bytes(b"weights")
 
-    assert remove_orphaned_adapter_dirs(tmp_path) == [dead]
+    assert remove_orphaned_folders(ADAPTER_DIR_PREFIX, tmp_path) == [str(dead)]
     assert not dead.exists()
     assert (live / "v3" / "adapter_model.safetensors").is_file()
     assert unrelated.is_dir()
