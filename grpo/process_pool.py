@@ -77,7 +77,7 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def process_alive(pid: int) -> bool:
+def _process_alive(pid: int) -> bool:
     """Whether a process with this pid runs (another user's counts)."""
     try:
         os.kill(pid, 0)
@@ -109,7 +109,7 @@ def remove_orphaned_folders(prefix: str, root: str | os.PathLike | None = None) 
     removed = []
     for entry in entries:
         match = folder_name.fullmatch(entry.name)
-        if match and entry.is_dir() and not process_alive(int(match[1])):
+        if match and entry.is_dir() and not _process_alive(int(match[1])):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     return removed
