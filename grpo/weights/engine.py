@@ -80,8 +80,8 @@ class WeightUpdate:
 
     Args:
         weights: ``dict[str, Tensor]`` under HF names, or a Ray ``ObjectRef`` to one.
-        probe: Optional ``{"token_ids", "logprobs", "atol"}``: after loading, the engine's
-            logprobs of ``token_ids[1:]`` must match the trainer's ``logprobs``.
+        probe: Optional ``{"token_ids", "logprobs", "atol", "rtol"}``: after loading, the
+            engine's logprobs of ``token_ids[1:]`` must match the trainer's ``logprobs``.
     """
 
     version: int

@@ -51,3 +51,14 @@ def test_steady_state_leaves_out_the_warm_up_steps():
 def test_steady_state_rejects_bad_input(ends, tokens, warmup, message):
     with pytest.raises(ValueError, match=message):
         load_script().steady_state(ends, tokens, warmup_steps=warmup)
+
+
+def test_bf16_precision_sets_bfloat16_weights_in_the_trainer_and_the_engine():
+    script = load_script()
+    assert script.PRECISION_OVERRIDES["fp32"] == ()
+    overrides = [*script.DEMO_OVERRIDES, *script.PRECISION_OVERRIDES["bf16"]]
+    cfg = script.load_workload_config(overrides)
+    assert cfg.training.dtype == "bf16" and cfg.ref.dtype == "bf16"
+    assert cfg.inference.engine_args["dtype"] == "bfloat16"
+    default = script.load_workload_config(list(script.DEMO_OVERRIDES))
+    assert default.training.dtype == "fp32" and default.inference.engine_args["dtype"] == "float32"

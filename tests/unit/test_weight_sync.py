@@ -121,3 +121,22 @@ def test_an_engine_that_cannot_preempt_is_refused_naming_the_option():
 
     with pytest.raises(ValueError, match="inference.weight_updates=between_batches"):
         check_in_flight_updates(OldEngine())
+
+
+def test_probe_tolerance_grows_with_the_logprob_under_rtol():
+    from grpo.weights.checksum import WeightSyncError
+    from grpo.weights.verify import check_probe
+
+    sender = [-0.05, -2.0, -20.0]
+    bf16 = {"token_ids": [1, 2, 3, 4], "logprobs": sender, "atol": 0.1, "rtol": 1.6e-2}
+    # 0.08 at -0.05 (under atol) and 0.3 at -20 (under 0.1 + 0.32): rounding, accepted.
+    check_probe([-0.13, -2.1, -20.3], bf16, version=3)
+    # 0.15 at -0.05 is over 0.1 + 0.0008; 0.5 at -20 is over 0.42; NaN is never close.
+    for got in ([-0.2, -2.0, -20.0], [-0.05, -2.0, -20.5], [-0.05, float("nan"), -20.0]):
+        with pytest.raises(WeightSyncError, match="version 3.*atol 0.1, rtol 0.016"):
+            check_probe(got, bf16, version=3)
+    # Without rtol (fp32) the absolute bound alone applies, at every size.
+    fp32 = {"token_ids": [1, 2, 3, 4], "logprobs": sender, "atol": 1e-3}
+    check_probe([-0.0505, -2.0005, -20.0009], fp32, version=1)
+    with pytest.raises(WeightSyncError, match=r"by 0.002 \(atol 0.001\)"):
+        check_probe([-0.05, -2.0, -20.002], fp32, version=1)
