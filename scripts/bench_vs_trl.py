@@ -474,7 +474,7 @@ def run_trl(
     repeat: int,
     threads: int | None,
     timeout_s: float,
-    precision: str = "fp32",
+    precision: str,
 ) -> RunResult:
     """TRL's GRPOTrainer in a child process (this script with ``--trl-child``); ``threads``
     None leaves torch's thread count at its default, as TRL's users get it."""
@@ -546,7 +546,7 @@ def trl_child(
     steps: int,
     overrides: list[str],
     threads: int | None,
-    precision: str = "fp32",
+    precision: str,
 ) -> None:
     """Train with TRL's GRPOTrainer on a workload's job; write timing.json and final/.
     ``precision`` ``"bf16"`` is TRL's default (``bf16=True``), ``"fp32"`` turns it off."""

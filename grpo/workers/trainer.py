@@ -615,9 +615,8 @@ class PyTorchActorModel:
         # fp32 on both sides agrees to ~1e-5. bf16 rounding differs between kernels, and more
         # for larger logprobs: torch.testing's bf16 rtol on top of 0.1 (vLLM's CPU kernels were
         # 0.127 off on the probe of a demo model trained for 30 steps).
-        if self.dtype == torch.float32:
-            return {"token_ids": token_ids, "logprobs": logprobs, "atol": 1e-3, "rtol": 0.0}
-        return {"token_ids": token_ids, "logprobs": logprobs, "atol": 0.1, "rtol": 1.6e-2}
+        atol, rtol = (1e-3, 0.0) if self.dtype == torch.float32 else (0.1, 1.6e-2)
+        return {"token_ids": token_ids, "logprobs": logprobs, "atol": atol, "rtol": rtol}
 
     def publish_weights(self, transport: str) -> dict[str, Any] | None:
         """Gather the full weights and publish them (rank 0), as version ``steps_run``.
