@@ -209,17 +209,68 @@ def _varlen_attention(
     q_rows, k_rows, v_rows = (_token_rows(x) for x in (q, k, v))
     outputs = []
     for bucket in buckets:
-        out = F.scaled_dot_product_attention(
-            q_rows[bucket.query_index].transpose(1, 2),  # [n, b * h, q, d]
-            k_rows[bucket.key_index].transpose(1, 2),
-            v_rows[bucket.key_index].transpose(1, 2),
-            attn_mask=bucket.attn_mask,
-            dropout_p=dropout_p,
+        out = _bucket_attention(
+            _gather_rows(q_rows, bucket.query_index).transpose(1, 2),  # [n, b * h, q, d]
+            _gather_rows(k_rows, bucket.key_index).transpose(1, 2),
+            _gather_rows(v_rows, bucket.key_index).transpose(1, 2),
+            bucket.attn_mask,
+            dropout_p,
         )
         # Back to rows [n * q, b * h, d], real tokens only.
-        outputs.append(out.transpose(1, 2).flatten(0, 1)[bucket.token_rows])
-    packed = torch.cat(outputs)[inverse].unflatten(1, (batch, heads))  # [s, b, h, d]
+        outputs.append(_gather_rows(out.transpose(1, 2).flatten(0, 1), bucket.token_rows))
+    packed = _gather_rows(torch.cat(outputs), inverse).unflatten(1, (batch, heads))  # [s, b, h, d]
     return packed.permute(1, 2, 0, 3)
+
+
+def _gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows[index]`` for an integer ``index`` of any shape, by ``index_select``: its backward
+    (``index_add_``) is about 3x faster on CPU than advanced indexing's (``index_put_``)."""
+    return rows.index_select(0, index.flatten()).unflatten(0, index.shape)
+
+
+# Scores (blocks x heads x queries x keys) that one `_matmul_attention` call builds at most: a
+# bucket with more runs in chunks of blocks, and a block with more alone goes to SDPA.
+MATMUL_ATTENTION_MAX_SCORES = 1 << 21
+
+
+def _bucket_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, dropout_p: float
+) -> torch.Tensor:
+    """SDPA over one bucket, or `_matmul_attention` where that is faster: on CPU in bf16/fp16.
+
+    torch's CPU flash kernel runs half precision slower than float32, its backward above all:
+    1.3-2.7x slower than two bf16 matmuls and a softmax over packs of 16- to 512-token blocks
+    (``scripts/bench_attention.py``). Chunks of at most `MATMUL_ATTENTION_MAX_SCORES` scores
+    stay in cache (fewer, larger calls were slower). In float32 the flash kernel is as fast.
+    """
+    scores_per_block = q.shape[1] * q.shape[2] * k.shape[2]
+    if (
+        q.device.type != "cpu"
+        or q.dtype not in (torch.bfloat16, torch.float16)
+        or dropout_p
+        or scores_per_block > MATMUL_ATTENTION_MAX_SCORES
+    ):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+    chunk = MATMUL_ATTENTION_MAX_SCORES // scores_per_block  # blocks per call
+    outputs = [
+        _matmul_attention(
+            q[i : i + chunk], k[i : i + chunk], v[i : i + chunk], attn_mask[i : i + chunk]
+        )
+        for i in range(0, q.shape[0], chunk)
+    ]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _matmul_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor
+) -> torch.Tensor:
+    """Attention as written (scores, masked float32 softmax, weighted sum), as HF's eager path.
+
+    Every query row must see at least one key (a fully masked row is NaN, as in SDPA).
+    """
+    scores = q @ k.transpose(-1, -2)
+    scores = scores.mul_(q.shape[-1] ** -0.5).masked_fill_(~attn_mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:

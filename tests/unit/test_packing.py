@@ -11,11 +11,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torchtune.models.qwen2 import qwen2
 
+from grpo.packing import attention
 from grpo.packing.attention import (
     VarlenMask,
     packed_attention,
@@ -683,6 +685,51 @@ def test_varlen_attention_equals_dense_attention_with_gradients():
     # The plan is built once per mask and device: every layer reuses it.
     assert mask.sdpa_plan(q.device) is mask.sdpa_plan(q.device)
     assert len(mask.sdpa_plan(q.device)[0]) == 3
+
+
+@pytest.mark.parametrize(
+    ("max_scores", "num_matmul_calls"),
+    [(attention.MATMUL_ATTENTION_MAX_SCORES, 3), (3000, 3), (0, 0)],
+)
+def test_varlen_attention_in_bf16_is_as_close_as_sdpa(monkeypatch, max_scores, num_matmul_calls):
+    # bf16 on CPU takes the matmul path (scores, float32 softmax): one call per length bucket
+    # under the cap on scores; at 3000 the shortest bucket (5 blocks x 6 heads x 9 queries x 26
+    # keys) runs in 3 chunks of 2 and the longer two go to SDPA; at 0 all go to SDPA. Either
+    # way output and gradients are as close to a float64 reference as SDPA's own bf16 kernel.
+    monkeypatch.setattr(attention, "MATMUL_ATTENTION_MAX_SCORES", max_scores)
+    matmul_calls, matmul_attention = [], attention._matmul_attention
+    monkeypatch.setattr(
+        attention,
+        "_matmul_attention",
+        lambda *args: matmul_calls.append(1) or matmul_attention(*args),
+    )
+    mask = VarlenMask((9, 3, 20, 1, 40, 17, 5, 6), prefix_blocks=(-1, 0, 0, -1, 3, -1, 5, -1))
+    generator = torch.Generator().manual_seed(0)
+    shape = (2, 3, mask.seq_len, 16)
+    inputs = [torch.randn(shape, generator=generator).bfloat16() for _ in range(3)]
+    weights = torch.randn(shape, generator=generator)
+    dense = mask_from_blocks(mask)
+
+    def output_and_grads(dtype, attend):
+        q, k, v = (x.to(dtype).requires_grad_() for x in inputs)
+        out = attend(q, k, v)
+        return [out, *torch.autograd.grad((out.double() * weights).sum(), (q, k, v))]
+
+    reference = output_and_grads(
+        torch.float64, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    )
+    sdpa_bf16 = output_and_grads(
+        torch.bfloat16, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    )
+    packed_bf16 = output_and_grads(
+        torch.bfloat16, lambda q, k, v: packed_attention(q, k, v, mask, 0.0, is_causal=False)
+    )
+    assert len(matmul_calls) == num_matmul_calls
+    for name, ref, sdpa, ours in zip(["out", "dq", "dk", "dv"], reference, sdpa_bf16, packed_bf16):
+        assert ours.dtype == torch.bfloat16, name
+        sdpa_error = (sdpa.double() - ref).abs().max()
+        our_error = (ours.double() - ref).abs().max()
+        assert our_error <= 2 * sdpa_error + 1e-3, (name, float(our_error), float(sdpa_error))
 
 
 @pytest.mark.parametrize("mask_kind", ["dense", "varlen", "flex"])

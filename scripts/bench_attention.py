@@ -1,0 +1,92 @@
+"""Packed (varlen) attention on CPU: SDPA's flash kernel against the matmul path, per block length.
+
+`grpo.packing.attention` runs each bucket of similar-length blocks as one batched attention call.
+On CPU in bf16/fp16 it writes attention as two matmuls and a float32 softmax, because torch's
+flash kernel is several times slower there than in float32 for short blocks (its backward above
+all). This script measures that choice side by side: for each block length (shared prompts of
+``--prompt-len`` tokens in front of each response block, as GRPO packs them) and dtype, the
+forward and backward of `packed_attention` over one pack, once with the matmul path allowed and
+once forced to SDPA, interleaved, medians of ``--repeats``.
+
+Usage:
+    python scripts/bench_attention.py                    # heads 6, head_dim 64, 1 thread
+    python scripts/bench_attention.py --heads 16 --head-dim 128 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from grpo.packing import attention
+from grpo.packing.attention import VarlenMask, packed_attention
+
+BLOCK_LENS = (16, 32, 64, 128, 256, 512)
+
+
+def pack_mask(block_len: int, prompt_len: int, tokens: int, group_size: int) -> VarlenMask:
+    """Groups of one prompt block and ``group_size`` response blocks seeing it, ~``tokens`` long."""
+    lens, prefixes = [], []
+    while sum(lens) < tokens:
+        prompt_index = len(lens)
+        lens.append(prompt_len)
+        prefixes.append(-1)
+        for _ in range(group_size):
+            lens.append(block_len)
+            prefixes.append(prompt_index)
+    return VarlenMask(tuple(lens), tuple(prefixes))
+
+
+def time_pass(mask: VarlenMask, dtype: torch.dtype, heads: int, head_dim: int) -> float:
+    """Seconds of one forward and backward of `packed_attention` over ``mask``."""
+    q, k, v = (
+        torch.randn(1, heads, mask.seq_len, head_dim, dtype=dtype, requires_grad=True)
+        for _ in range(3)
+    )
+    start = time.perf_counter()
+    out = packed_attention(q, k, v, mask, dropout_p=0.0, is_causal=False)
+    out.float().sum().backward()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32, help="shared prompt block length")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per pack")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cap = attention.MATMUL_ATTENTION_MAX_SCORES
+    print(
+        f"{args.heads} heads x {args.head_dim}, packs of ~{args.tokens} tokens (groups of a "
+        f"{args.prompt_len}-token prompt and 8 responses), {args.threads} thread(s); ms per "
+        "forward + backward, median of "
+        f"{args.repeats}"
+    )
+    print(f"{'dtype':>9} {'block':>6} {'sdpa':>8} {'ours':>8} {'sdpa/ours':>10}")
+    for dtype in (torch.bfloat16, torch.float32):
+        for block_len in BLOCK_LENS:
+            mask = pack_mask(block_len, args.prompt_len, args.tokens, group_size=8)
+            times: dict[str, list[float]] = {"sdpa": [], "ours": []}
+            for repeat in range(args.repeats + 1):  # the first round warms up
+                for name, limit in (("sdpa", 0), ("ours", cap)):
+                    attention.MATMUL_ATTENTION_MAX_SCORES = limit
+                    seconds = time_pass(mask, dtype, args.heads, args.head_dim)
+                    if repeat:
+                        times[name].append(seconds)
+            attention.MATMUL_ATTENTION_MAX_SCORES = cap
+            sdpa, ours = (statistics.median(times[name]) for name in ("sdpa", "ours"))
+            print(
+                f"{str(dtype).removeprefix('torch.'):>9} {block_len:>6} {sdpa * 1e3:>8.1f} "
+                f"{ours * 1e3:>8.1f} {sdpa / ours:>9.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()
