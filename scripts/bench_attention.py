@@ -8,16 +8,26 @@ all). This script measures that choice side by side: for each block length (shar
 forward and backward of `packed_attention` over one pack, once with the matmul path allowed and
 once forced to SDPA, interleaved, medians of ``--repeats``.
 
+``--trainer demo|generation`` times whole bf16 trainer steps instead (`PyTorchActorModel`
+in this process, forward, backward and AdamW step) on a batch shaped like `bench_vs_trl.py`'s
+workload: the demo model with 8 prompts of ~15 tokens x 8 responses of ~10, or its generation
+model (random, built in a temporary folder) with 8 prompts of ~100 tokens x 8 responses of
+~190; SDPA against ours, interleaved.
+
 Usage:
     python scripts/bench_attention.py                    # heads 6, head_dim 64, 1 thread
     python scripts/bench_attention.py --heads 16 --head-dim 128 --threads 2
+    python scripts/bench_attention.py --trainer demo
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -52,6 +62,86 @@ def time_pass(mask: VarlenMask, dtype: torch.dtype, heads: int, head_dim: int) -
     return time.perf_counter() - start
 
 
+def trainer_batch(prompt_len: int, response_len: int, vocab_size: int) -> list:
+    """8 prompts x 8 responses of lengths around the given ones (seeded), scored."""
+    from grpo.types import ScoredTrajectory
+
+    generator = torch.Generator().manual_seed(0)
+
+    def around(length: int) -> int:
+        spread = max(1, length // 3)
+        return max(1, length + int(torch.randint(-spread, spread + 1, (1,), generator=generator)))
+
+    batch = []
+    for group in range(8):
+        prompt = torch.randint(0, vocab_size, (around(prompt_len),), generator=generator)
+        for sample in range(8):
+            length = around(response_len)
+            batch.append(
+                ScoredTrajectory(
+                    prompt_tokens=prompt,
+                    response_tokens=torch.randint(0, vocab_size, (length,), generator=generator),
+                    prompt_len=prompt.numel(),
+                    response_len=length,
+                    logprobs=-torch.rand(length, generator=generator) * 3,
+                    ref_logprobs=None,
+                    rewards=torch.tensor([float(sample % 2)]),
+                    advantages=torch.randn((), generator=generator),
+                    successes=torch.tensor([float(sample % 2)]),
+                    answer="-",
+                    sequence_id=f"{group}-{sample}",
+                    group_id=group,
+                    reward_metadata={"func_names": ["toy"]},
+                    policy_version=0,
+                )
+            )
+    return batch
+
+
+def time_trainer_steps(workload: str, repeats: int) -> None:
+    """Median bf16 trainer step on a ``workload``-shaped batch, SDPA against ours."""
+    from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_vs_trl import GENERATION_MODEL
+
+    with tempfile.TemporaryDirectory() as folder:
+        if workload == "demo":
+            model_dir = Path(__file__).resolve().parents[1] / "assets" / "tiny_arithmetic_qwen2"
+            batch = trainer_batch(prompt_len=15, response_len=10, vocab_size=500)
+        else:
+            from grpo.testing import build_tiny_qwen2
+
+            model_dir = build_tiny_qwen2(Path(folder) / "model", **GENERATION_MODEL)
+            batch = trainer_batch(prompt_len=100, response_len=190, vocab_size=500)
+        trainer = PyTorchActorModel(
+            rank=0,
+            world_size=1,
+            model_dir=str(model_dir),
+            num_steps=1000,
+            target_tokens_per_batch=2048,
+            pad_token_id=0,
+            config=TrainingConfig(dtype="bf16"),
+        )
+        trainer.setup()
+        tokens = sum(t.prompt_len + t.response_len for t in batch)
+        cap = attention.MATMUL_ATTENTION_MAX_SCORES
+        times: dict[str, list[float]] = {"sdpa": [], "ours": []}
+        for repeat in range(repeats + 1):  # the first round warms up
+            for name, limit in (("sdpa", 0), ("ours", cap)):
+                attention.MATMUL_ATTENTION_MAX_SCORES = limit
+                start = time.perf_counter()
+                trainer.train_step(batch)
+                if repeat:
+                    times[name].append(time.perf_counter() - start)
+        attention.MATMUL_ATTENTION_MAX_SCORES = cap
+    sdpa, ours = (statistics.median(times[name]) for name in ("sdpa", "ours"))
+    print(
+        f"{workload}: bf16 trainer step on 64 sequences ({tokens:,} tokens), median of "
+        f"{repeats}: SDPA {sdpa * 1e3:.1f} ms, ours {ours * 1e3:.1f} ms, {sdpa / ours:.2f}x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=6)
@@ -60,8 +150,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per pack")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--trainer", choices=["demo", "generation"], help="time whole trainer steps instead"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.trainer:
+        time_trainer_steps(args.trainer, args.repeats)
+        return
     cap = attention.MATMUL_ATTENTION_MAX_SCORES
     print(
         f"{args.heads} heads x {args.head_dim}, packs of ~{args.tokens} tokens (groups of a "

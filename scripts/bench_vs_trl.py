@@ -7,11 +7,11 @@ same warm-up + half-cosine schedule (TRL's ``"cosine"``), gradient clipping at 1
 epsilon 0.2 / 0.28, no KL (``beta=0.0``), one epoch per batch, CPU. The rewards are the
 workload's reward functions summed with weight 1.
 
-Precision (``--precision``): ``fp32`` (the default) runs both in float32, ours at its CPU
-default and TRL with ``bf16=False``. ``bf16`` runs TRL at its own default (``bf16=True``:
-float32 weights, matmuls autocast to bfloat16) and ours with ``PRECISION_OVERRIDES["bf16"]``:
-bfloat16 weights in the trainer and in the vLLM engine. On CPUs with AVX-512 BF16 the
-bfloat16 matmuls run several times faster than float32 ones.
+Precision (``--precision``): ``bf16`` (the default) runs TRL at its own default
+(``bf16=True``: float32 weights, matmuls autocast to bfloat16) and ours with
+``PRECISION_OVERRIDES["bf16"]``: bfloat16 weights in the trainer and in the vLLM engine. On CPUs
+with AVX-512 BF16 the bfloat16 matmuls run several times faster than float32 ones. ``fp32``
+runs both in float32, ours at its CPU default and TRL with ``bf16=False`` (not TRL's default).
 
 * ``demo`` (target: our async steps/s >= 1.5x TRL's): the shipped demo model
   (``assets/tiny_arithmetic_qwen2``) on the arithmetic train split with the ``answer_only``
@@ -893,9 +893,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--precision",
         choices=sorted(PRECISION_OVERRIDES),
-        default="fp32",
-        help="fp32: both in float32; bf16: TRL at its default (bf16=True) and ours with "
-        "bfloat16 weights in the trainer and vLLM",
+        default="bf16",
+        help="bf16: TRL at its default (bf16=True) and ours with bfloat16 weights in the "
+        "trainer and vLLM; fp32: both in float32 (TRL with bf16=False)",
     )
     parser.add_argument("--trl-child", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
