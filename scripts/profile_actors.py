@@ -12,6 +12,11 @@ window, stops the run, and prints per process:
 Percentages are of that process's samples; a process that waits (on a queue, a lock, Ray)
 shows its waiting frame. ``--idle`` keeps idle frames (``epoll_wait``, ``sleep``, ...) in.
 
+Before py-spy starts (its sampling costs CPU too), a ``--cpu-seconds`` window counts the CPU
+time of each process from ``/proc`` and the steps trained in it, and prints core-milliseconds
+per step: per actor, for the driver, and busy and idle for the whole machine. On a small
+machine this says whether a step is bound by one process or by the cores all of them share.
+
 py-spy is installed with Ray. Usage:
     python scripts/profile_actors.py                       # 40 s window after 60 s
     python scripts/profile_actors.py --seconds 60 -- inference.max_generated_tokens=64
@@ -57,6 +62,50 @@ def actor_pids() -> dict[str, list[int]]:
     return found
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 once it has exited)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_seconds() -> tuple[float, float]:
+    """Busy and idle CPU seconds of the whole machine so far, all cores (``/proc/stat``)."""
+    ticks = [int(value) for value in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK"), idle / os.sysconf("SC_CLK_TCK")
+
+
+def trained_steps(metrics: Path) -> int:
+    """Rows of the run's metrics.jsonl that a training step logged."""
+    if not metrics.exists():
+        return 0
+    return sum('"training/loss"' in line for line in metrics.read_text().splitlines())
+
+
+def cpu_per_step(targets: dict[str, list[int]], metrics: Path, seconds: float) -> None:
+    """Print core-milliseconds per trained step of each process over ``seconds``."""
+    pids = [(role, pid) for role, ids in targets.items() for pid in ids]
+    before = {key: cpu_seconds(key[1]) for key in pids}
+    machine_before, steps_before, start = machine_cpu_seconds(), trained_steps(metrics), time.time()
+    time.sleep(seconds)
+    after = {key: cpu_seconds(key[1]) for key in pids}
+    machine_after, steps = machine_cpu_seconds(), trained_steps(metrics) - steps_before
+    if steps < 1:
+        print(f"no step trained in the {seconds:.0f} s CPU window")
+        return
+    wall = time.time() - start
+    busy, idle = (1e3 * (a - b) / steps for a, b in zip(machine_after, machine_before))
+    print(
+        f"CPU per step over {wall:.0f} s, {steps} steps ({1e3 * wall / steps:.1f} ms a step, "
+        f"{os.cpu_count()} cores): machine busy {busy:.1f} core-ms, idle {idle:.1f}"
+    )
+    for (role, pid), used in sorted(after.items(), key=lambda item: before[item[0]] - item[1]):
+        print(f"  {role:14s} (pid {pid}) {1e3 * (used - before[(role, pid)]) / steps:7.1f} core-ms")
+
+
 def record(pid: int, seconds: float, out: Path, py_spy: str) -> subprocess.Popen:
     """Start ``py-spy record`` of ``pid`` (all threads, native frames off) in raw format."""
     command = [py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds))]
@@ -98,6 +147,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=40.0, help="recording window")
     parser.add_argument("--delay", type=float, default=60.0, help="seconds before recording")
+    parser.add_argument(
+        "--cpu-seconds", type=float, default=20.0, help="CPU-per-step window before recording"
+    )
     parser.add_argument("--top", type=int, default=12, help="rows per table")
     parser.add_argument("--idle", action="store_true", help="keep waiting frames")
     parser.add_argument("--keep", type=Path, default=None, help="keep the raw profiles here")
@@ -129,6 +181,7 @@ def main() -> None:
         if run.poll() is not None or not pids:
             sys.exit(f"the run is not running (exit {run.poll()}); see {work / 'run.log'}")
         targets = {"driver": [run.pid], **pids}
+        cpu_per_step(targets, work / "run" / "metrics.jsonl", args.cpu_seconds)
         print(
             f"recording {args.seconds:.0f} s of: "
             + ", ".join(f"{role} {pid}" for role, ids in targets.items() for pid in ids),
