@@ -12,6 +12,21 @@ from grpo.weights.checksum import WeightSyncError
 
 PROBE_ID_PREFIX = "probe-"  # of a probe's request id, which no episode's request has
 _PROBE_IDS = itertools.count()
+# (atol, rtol) of a probe's logprobs. float32 on both ends agrees to ~1e-5. bf16 rounding
+# differs between kernels, and more for larger logprobs: torch.testing's bf16 rtol on top of
+# 0.1 (vLLM's CPU kernels were 0.127 off on the probe of a demo model trained for 30 steps).
+FP32_PROBE_TOLERANCE = (1e-3, 0.0)
+REDUCED_PRECISION_PROBE_TOLERANCE = (0.1, 1.6e-2)
+
+
+def probe_token_ids(vocab_size: int) -> list[int]:
+    """The fixed 16-token sequence that every probe scores (ids below 256 and ``vocab_size``)."""
+    return [(7 * i + 3) % min(vocab_size, 256) for i in range(16)]
+
+
+def probe_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """``(atol, rtol)`` of a probe whose sender computes in ``dtype``."""
+    return FP32_PROBE_TOLERANCE if dtype == torch.float32 else REDUCED_PRECISION_PROBE_TOLERANCE
 
 
 def check_checksums(checksums: Sequence[str | None], expected: str, version: int) -> None:
@@ -74,27 +89,31 @@ def check_probe(logprobs: Sequence[float], probe: Mapping[str, Any], version: in
 
     Args:
         logprobs: `probe_logprobs` of ``probe["token_ids"]``.
-        probe: ``{"token_ids", "logprobs", "atol", "rtol"}`` (``atol`` 1e-3 and ``rtol`` 0
-            if absent).
+        probe: ``{"token_ids", "logprobs", "atol", "rtol"}`` (`FP32_PROBE_TOLERANCE` if
+            absent).
         version: The version probed, for the error.
 
     Raises:
         WeightSyncError: If one differs by more than that, or is NaN.
     """
-    atol, rtol = float(probe.get("atol", 1e-3)), float(probe.get("rtol", 0.0))
+    atol = float(probe.get("atol", FP32_PROBE_TOLERANCE[0]))
+    rtol = float(probe.get("rtol", FP32_PROBE_TOLERANCE[1]))
     got = torch.tensor(logprobs)
     expected = torch.tensor(probe["logprobs"], dtype=torch.float32)
-    same_shape = got.shape == expected.shape
-    diff = (got - expected).abs() if same_shape else torch.zeros(0)
+    if got.shape != expected.shape:
+        raise WeightSyncError(
+            f"weights of version {version}: the engine returned {got.numel()} probe logprobs, "
+            f"the sender {expected.numel()}"
+        )
+    diff = (got - expected).abs()
     excess = float((diff - rtol * expected.abs()).max()) if diff.numel() else 0.0
     # "not <=" so NaN logprobs (e.g. memory a wake did not restore) fail too.
-    if not same_shape or not excess <= atol:
-        max_diff = float(diff.max()) if diff.numel() else float("nan")
+    if not excess <= atol:
         tolerance = f"atol {atol}" + (f", rtol {rtol}" if rtol else "")
         raise WeightSyncError(
             f"weights of version {version}: the engine's probe logprobs differ from the "
-            f"sender's by {max_diff:.3g} ({tolerance}); the engine does not compute with the "
-            "sent weights"
+            f"sender's by {float(diff.max()):.3g} ({tolerance}); the engine does not compute "
+            "with the sent weights"
         )
 
 

@@ -20,6 +20,7 @@ import torch
 
 from grpo.observability import metric_names as names
 from grpo.weights.checksum import WeightSyncError
+from grpo.weights.verify import FP32_PROBE_TOLERANCE, probe_token_ids
 
 if TYPE_CHECKING:
     from grpo.weights.engine import WeightUpdate
@@ -232,10 +233,11 @@ class EngineSleep:
     def _own_probe(self) -> dict[str, Any]:
         """The engine's logprobs of a fixed sequence (the trainer's probe tokens)."""
         vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
-        token_ids = [(7 * i + 3) % min(vocab_size, 256) for i in range(16)]
+        token_ids = probe_token_ids(vocab_size)
         logprobs = self.weights.probe_logprobs(token_ids)
         # The same engine and weights: only the order of floating-point sums may differ.
-        return {"token_ids": token_ids, "logprobs": logprobs, "atol": 1e-3}
+        atol, rtol = FP32_PROBE_TOLERANCE
+        return {"token_ids": token_ids, "logprobs": logprobs, "atol": atol, "rtol": rtol}
 
 
 def _on_host(weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

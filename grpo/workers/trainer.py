@@ -56,6 +56,7 @@ from grpo.weights.base import SendingEnd
 from grpo.weights.checksum import adapter_checksum, state_dict_checksum
 from grpo.weights.concurrency import TRAINER_CONCURRENCY_GROUPS
 from grpo.weights.transports import sending_end
+from grpo.weights.verify import probe_token_ids, probe_tolerance
 from grpo.workers.training_checkpoint import (
     ADAPTER_SUBDIR,
     MODEL_SUBDIR,
@@ -596,7 +597,7 @@ class PyTorchActorModel:
         A collector that loaded the same weights must reproduce them. Collective.
         """
         vocab_size = int(self.hf_config["vocab_size"])
-        token_ids = [(7 * i + 3) % min(vocab_size, 256) for i in range(16)]
+        token_ids = probe_token_ids(vocab_size)
         probe = UnscoredTrajectory(
             prompt_tokens=torch.tensor(token_ids[:1]),
             response_tokens=torch.tensor(token_ids[1:]),
@@ -612,10 +613,7 @@ class PyTorchActorModel:
         # Temperature 1: the engine scores the probe with prompt logprobs, which are always
         # those of the unscaled logits.
         logprobs = self.policy(packed).float().cpu().tolist()
-        # fp32 on both sides agrees to ~1e-5. bf16 rounding differs between kernels, and more
-        # for larger logprobs: torch.testing's bf16 rtol on top of 0.1 (vLLM's CPU kernels were
-        # 0.127 off on the probe of a demo model trained for 30 steps).
-        atol, rtol = (1e-3, 0.0) if self.dtype == torch.float32 else (0.1, 1.6e-2)
+        atol, rtol = probe_tolerance(self.dtype)
         return {"token_ids": token_ids, "logprobs": logprobs, "atol": atol, "rtol": rtol}
 
     def publish_weights(self, transport: str) -> dict[str, Any] | None:

@@ -140,3 +140,15 @@ def test_probe_tolerance_grows_with_the_logprob_under_rtol():
     check_probe([-0.0505, -2.0005, -20.0009], fp32, version=1)
     with pytest.raises(WeightSyncError, match=r"by 0.002 \(atol 0.001\)"):
         check_probe([-0.05, -2.0, -20.002], fp32, version=1)
+    # A probe cut short says so, rather than a difference.
+    with pytest.raises(WeightSyncError, match="version 1: the engine returned 2 probe logprobs"):
+        check_probe([-0.05, -2.0], fp32, version=1)
+
+
+def test_probe_tolerance_is_tight_only_in_float32():
+    from grpo.weights.verify import FP32_PROBE_TOLERANCE, probe_token_ids, probe_tolerance
+
+    assert probe_tolerance(torch.float32) == FP32_PROBE_TOLERANCE == (1e-3, 0.0)
+    assert probe_tolerance(torch.bfloat16) == probe_tolerance(torch.float16) == (0.1, 1.6e-2)
+    # Ids the smallest vocabulary holds, the same on both ends.
+    assert probe_token_ids(300) == probe_token_ids(512) and max(probe_token_ids(50)) < 50
