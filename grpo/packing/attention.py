@@ -3,7 +3,7 @@
 A pack's block-causal mask (plus, for shared prompts, a response block seeing its whole prompt
 block) comes in three forms: ``"dense"`` (bool ``[L, L]``), ``"flex"`` (FlexAttention
 ``BlockMask``, O(L) memory) and ``"varlen"`` (`VarlenMask`: each block attends alone, blocks of
-similar length batched into one SDPA call).
+similar length batched into one SDPA call, or on CPU in bf16/fp16 two matmuls and a softmax).
 
 torchtune sends a mask to SDPA, which cannot serve a ``BlockMask`` or `VarlenMask`, except on
 recent CUDA GPUs; `use_packed_attention` swaps in `packed_attention`, which serves all three on
@@ -193,7 +193,8 @@ def _varlen_buckets(
 def _varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, dropout_p: float
 ) -> torch.Tensor:
-    """Block-causal attention, one batched SDPA call per bucket of similar-length blocks.
+    """Block-causal attention, one batched call per bucket of similar-length blocks
+    (`_bucket_attention`).
 
     A call per block would cost more in overhead than arithmetic; power-of-two buckets at most
     double the ``sum(len_i^2)`` work.
@@ -229,7 +230,9 @@ def _gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 # Scores (blocks x heads x queries x keys) that one `_matmul_attention` call builds at most: a
-# bucket with more runs in chunks of blocks, and a block with more alone goes to SDPA.
+# bucket with more runs in chunks of blocks, and a block with more alone goes to SDPA. Unlike
+# flash, the matmul path keeps every score for the backward (6 bytes each); the cap bounds
+# that to under 2M / queries x 6 bytes per query token and layer.
 MATMUL_ATTENTION_MAX_SCORES = 1 << 21
 
 
