@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,7 +233,9 @@ class InFlightLedger:
         places of every group on its way. Called with the pipeline quiesced: every group is
         taken (the queue emptied into ``unscored``), scored, buffered, or waiting to be
         generated again."""
-        unscored = [group for groups in ray.get(list(self.unscored)) for group in groups]
+        unscored = self._unscored_to_keep(
+            group for groups in ray.get(list(self.unscored)) for group in groups
+        )
         unbuffered = []
         for batch, groups in zip(self.to_buffer, ray.get([b.groups_ref for b in self.to_buffer])):
             for group in groups[batch.added :]:
@@ -246,6 +249,21 @@ class InFlightLedger:
             "regenerate_records": [r for rs in self.to_regenerate.values() for r in rs],
             "buffered_sequence_ids": {str(g): sorted(ids) for g, ids in self.in_buffer.items()},
         }
+
+    def _unscored_to_keep(self, groups: Iterable[Any]) -> list[Any]:
+        """The taken, unscored groups a checkpoint holds: one copy of each, and none of a group
+        whose kept copy was scored already (a replaced collector's, `duplicates`).
+
+        The checkpoint does not hold which copies a live run would skip: restored, a second
+        copy would be scored and trained again.
+        """
+        kept, seen = [], set()
+        for group in groups:
+            if group.group_id in self.duplicates or group.group_id in seen:
+                continue
+            seen.add(group.group_id)
+            kept.append(group)
+        return kept
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Hold a checkpoint's groups again, as in a run that never stopped."""

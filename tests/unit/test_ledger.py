@@ -136,3 +136,33 @@ def test_stale_groups_are_let_go_of_by_their_newest_version():
     ledger.added(batch, 2)
     ledger.release_stale(oldest_allowed_version=2)
     assert set(ledger.in_buffer) == {1} and set(ledger.records) == {1}
+
+
+def test_a_checkpoint_holds_no_second_copy_of_a_replaced_collectors_groups(monkeypatch):
+    """A frozen collector's groups 0 and 1 were scored and buffered; its replacement generated
+    them again, and a checkpoint is saved while those copies are taken but not scored. Restored,
+    the checkpoint would score and train them a second time: it holds only group 2's copy, the
+    one no earlier copy stands for, and of two copies of a group one."""
+    from types import SimpleNamespace
+
+    from grpo.orchestrator import ledger as ledger_module
+
+    ledger = InFlightLedger()
+    # The frozen collector's call never comes back; groups 0 and 1 reached the queue.
+    ledger.taken([0, 1])
+    kept = ledger.scored("old", scored([0, 1]))
+    ledger.added(kept, 2)
+    ledger.collector_replaced(0, [0, 1, 2, 3])  # groups 2 and 3 never reached a take
+    ledger.generated(0, [record(0), record(1), record(2), record(3)])
+    takes = {
+        "take": [SimpleNamespace(group_id=g) for g in (0, 1, 2, 3)],
+        "old-3": [SimpleNamespace(group_id=3)],  # the dead one's copy of group 3, late
+    }
+    ledger.unscored.extend(takes)
+    ledger.taken([0, 1, 2, 3])
+    monkeypatch.setattr(ledger_module.ray, "get", lambda refs: [takes[ref] for ref in refs])
+
+    state = ledger.state_dict()
+
+    assert [group.group_id for group in state["unscored_groups"]] == [2, 3]
+    assert state["buffered_sequence_ids"] == {"0": ["g0-0", "g0-1"], "1": ["g1-0", "g1-1"]}
