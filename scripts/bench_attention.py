@@ -62,58 +62,23 @@ def time_pass(mask: VarlenMask, dtype: torch.dtype, heads: int, head_dim: int) -
     return time.perf_counter() - start
 
 
-def trainer_batch(prompt_len: int, response_len: int, vocab_size: int) -> list:
-    """8 prompts x 8 responses of lengths around the given ones (seeded), scored."""
-    from grpo.types import ScoredTrajectory
-
-    generator = torch.Generator().manual_seed(0)
-
-    def around(length: int) -> int:
-        spread = max(1, length // 3)
-        return max(1, length + int(torch.randint(-spread, spread + 1, (1,), generator=generator)))
-
-    batch = []
-    for group in range(8):
-        prompt = torch.randint(0, vocab_size, (around(prompt_len),), generator=generator)
-        for sample in range(8):
-            length = around(response_len)
-            batch.append(
-                ScoredTrajectory(
-                    prompt_tokens=prompt,
-                    response_tokens=torch.randint(0, vocab_size, (length,), generator=generator),
-                    prompt_len=prompt.numel(),
-                    response_len=length,
-                    logprobs=-torch.rand(length, generator=generator) * 3,
-                    ref_logprobs=None,
-                    rewards=torch.tensor([float(sample % 2)]),
-                    advantages=torch.randn((), generator=generator),
-                    successes=torch.tensor([float(sample % 2)]),
-                    answer="-",
-                    sequence_id=f"{group}-{sample}",
-                    group_id=group,
-                    reward_metadata={"func_names": ["toy"]},
-                    policy_version=0,
-                )
-            )
-    return batch
-
-
 def time_trainer_steps(workload: str, repeats: int) -> None:
     """Median bf16 trainer step on a ``workload``-shaped batch, SDPA against ours."""
     from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_common import scored_groups
     from bench_vs_trl import GENERATION_MODEL
 
     with tempfile.TemporaryDirectory() as folder:
         if workload == "demo":
             model_dir = Path(__file__).resolve().parents[1] / "assets" / "tiny_arithmetic_qwen2"
-            batch = trainer_batch(prompt_len=15, response_len=10, vocab_size=500)
+            batch = scored_groups(8, 8, prompt_len=15, response_len=10, vocab_size=500, spread=3)
         else:
             from grpo.testing import build_tiny_qwen2
 
             model_dir = build_tiny_qwen2(Path(folder) / "model", **GENERATION_MODEL)
-            batch = trainer_batch(prompt_len=100, response_len=190, vocab_size=500)
+            batch = scored_groups(8, 8, prompt_len=100, response_len=190, vocab_size=500, spread=3)
         trainer = PyTorchActorModel(
             rank=0,
             world_size=1,

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: the machine's load, a plain-text table, a logged child run.
+"""What the benchmark scripts share: the machine's load, a plain-text table, a logged child run,
+a batch of scored groups.
 
 The scripts run as ``python scripts/NAME.py``, so this folder is on ``sys.path`` and they
 import it as ``bench_common``.
@@ -59,3 +60,59 @@ def run_child(command: list[str], log_path: Path, timeout_s: float, env: dict[st
         status = f"timed out after {timeout_s:.0f} s" if returncode is None else f"rc={returncode}"
         raise RuntimeError(f"{command[:6]}... failed ({status}); end of {log_path}:\n{tail}")
     return time.perf_counter() - start
+
+
+def scored_groups(
+    num_groups: int,
+    group_size: int,
+    *,
+    prompt_len: int,
+    response_len: int,
+    vocab_size: int,
+    spread: int | None = None,
+    seed: int = 0,
+) -> list:
+    """A seeded trainer batch: ``num_groups`` prompts, each answered by ``group_size`` responses.
+
+    Args:
+        spread: Lengths vary uniformly by up to ``length // spread`` either way; None: exact.
+
+    Returns:
+        list[ScoredTrajectory]: With random tokens, behaviour logprobs and advantages.
+    """
+    import torch
+
+    from grpo.types import ScoredTrajectory
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def around(length: int) -> int:
+        if spread is None:
+            return length
+        width = max(1, length // spread)
+        return max(1, length + int(torch.randint(-width, width + 1, (1,), generator=generator)))
+
+    batch = []
+    for group in range(num_groups):
+        prompt = torch.randint(0, vocab_size, (around(prompt_len),), generator=generator)
+        for sample in range(group_size):
+            length = around(response_len)
+            batch.append(
+                ScoredTrajectory(
+                    prompt_tokens=prompt,
+                    response_tokens=torch.randint(0, vocab_size, (length,), generator=generator),
+                    prompt_len=prompt.numel(),
+                    response_len=length,
+                    logprobs=-torch.rand(length, generator=generator) * 3,
+                    ref_logprobs=None,
+                    rewards=torch.tensor([float(sample % 2)]),
+                    advantages=torch.randn((), generator=generator),
+                    successes=torch.tensor([float(sample % 2)]),
+                    answer="-",
+                    sequence_id=f"{group}-{sample}",
+                    group_id=group,
+                    reward_metadata={"func_names": ["toy"]},
+                    policy_version=0,
+                )
+            )
+    return batch

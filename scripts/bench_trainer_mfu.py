@@ -1,0 +1,192 @@
+"""The trainer alone: tokens/s and MFU of `PyTorchActorModel.train_step` (no Ray, no vLLM).
+
+Builds a random model of ``--shape`` into a temporary folder (``qwen3-1.7b``: Qwen3-1.7B's
+shape, 28 layers, hidden 2048, 16 query / 8 KV heads of 128, MLP 6144, vocabulary 151,936;
+``tiny``: a few layers, for a check on CPU), and trains it in bf16 on batches of GRPO groups
+(``--groups`` prompts of ``--prompt-len`` tokens, each answered by ``--group-size`` responses of
+``--response-len``), packed with shared prompts into one pack of ``--tokens`` tokens
+(``training.mask_kind=auto``: FlexAttention ``BlockMask`` on CUDA, varlen on CPU). It times
+``train_step`` with ``torch.compile`` off and on (``--compile``), after ``--warmup`` steps.
+
+MFU is the model's FLOPs per second over the chip's bf16 matmul rate, measured in the same run
+(square bf16 matmuls of ``--peak-size``). Model FLOPs per step, forward and backward, no
+recomputation:
+
+* 6 x (weights of every linear layer of the decoder) x (tokens in the pack, padding excluded);
+* 6 x vocabulary x hidden x (response tokens): the output projection runs only where a
+  logprob is needed;
+* 12 x layers x query heads x head dim x (query-key pairs the block-causal mask lets attend:
+  a response sees its prompt and itself causally).
+
+Usage:
+    python scripts/bench_trainer_mfu.py                        # Qwen3-1.7B shape, 16k tokens
+    python scripts/bench_trainer_mfu.py --shape tiny --compile off --tokens 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import print_table, scored_groups  # noqa: E402
+
+SHAPES = {
+    "qwen3-1.7b": dict(
+        num_layers=28,
+        embed_dim=2048,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_dim=6144,
+        vocab_size=151_936,
+        max_seq_len=40_960,
+    ),
+    "tiny": dict(
+        num_layers=4,
+        embed_dim=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_dim=768,
+        vocab_size=512,
+        max_seq_len=4096,
+    ),
+}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_peak(device: torch.device, size: int, repeats: int = 10) -> float:
+    """The chip's measured bf16 matmul rate in FLOP/s: the best of ``repeats`` square matmuls."""
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    best = float("inf")
+    for _ in range(repeats + 2):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def model_flops(shape: dict, batch: list) -> float:
+    """Forward + backward FLOPs of one step on ``batch`` (module docstring)."""
+    dim, heads, kv_heads = shape["embed_dim"], shape["num_heads"], shape["num_kv_heads"]
+    head_dim, layers = shape["head_dim"], shape["num_layers"]
+    per_layer = dim * head_dim * (2 * heads + 2 * kv_heads) + 3 * dim * shape["intermediate_dim"]
+    prompts = {t.group_id: t.prompt_len for t in batch}  # one copy of each shared prompt
+    tokens = sum(prompts.values()) + sum(t.response_len for t in batch)
+    responses = sum(t.response_len for t in batch)
+    pairs = sum(p * (p + 1) // 2 for p in prompts.values())
+    pairs += sum(
+        t.prompt_len * t.response_len + t.response_len * (t.response_len + 1) // 2 for t in batch
+    )
+    linear = 6 * layers * per_layer * tokens + 6 * shape["vocab_size"] * dim * responses
+    return linear + 12 * layers * heads * head_dim * pairs
+
+
+def time_steps(
+    model_dir: Path, batch: list, tokens: int, compile_layers: bool, args
+) -> list[float]:
+    """Seconds of each measured `train_step` of a fresh trainer."""
+    from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
+
+    trainer = PyTorchActorModel(
+        rank=0,
+        world_size=1,
+        model_dir=str(model_dir),
+        num_steps=1000,
+        target_tokens_per_batch=tokens,
+        pad_token_id=0,
+        config=TrainingConfig(dtype="bf16", compile=compile_layers),
+    )
+    trainer.setup()
+    times = []
+    for step in range(args.warmup + args.steps):
+        synchronize(trainer.device)
+        start = time.perf_counter()
+        metrics = trainer.train_step(batch)
+        synchronize(trainer.device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    if metrics["training/num_micro_batches"] != 1:
+        raise SystemExit(f"the batch did not fit one pack of {tokens} tokens; raise --tokens")
+    del trainer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    parser.add_argument("--tokens", type=int, default=16_384, help="tokens per pack")
+    parser.add_argument("--groups", type=int, default=8, help="prompts per batch")
+    parser.add_argument("--group-size", type=int, default=8, help="responses per prompt")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--response-len", type=int, default=224)
+    parser.add_argument("--compile", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--warmup", type=int, default=2, help="steps not timed")
+    parser.add_argument("--steps", type=int, default=5, help="steps timed")
+    parser.add_argument("--peak-size", type=int, default=None, help="default 8192 GPU, 2048 CPU")
+    args = parser.parse_args()
+    from grpo.testing import build_tiny_qwen3
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = SHAPES[args.shape]
+    batch = scored_groups(
+        args.groups,
+        args.group_size,
+        prompt_len=args.prompt_len,
+        response_len=args.response_len,
+        vocab_size=min(shape["vocab_size"], 50_000),
+    )
+    real_tokens = args.groups * args.prompt_len + len(batch) * args.response_len
+    if real_tokens > args.tokens:
+        raise SystemExit(f"the batch has {real_tokens} tokens, over --tokens {args.tokens}")
+    flops = model_flops(shape, batch)
+    peak = matmul_peak(device, args.peak_size or (8192 if device.type == "cuda" else 2048))
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(
+        f"{args.shape} ({', '.join(f'{k}={v}' for k, v in shape.items())}) on {name}, bf16; "
+        f"{len(batch)} sequences ({args.groups} prompts of {args.prompt_len} + "
+        f"{args.group_size} x {args.response_len}), {real_tokens:,} tokens in a pack of "
+        f"{args.tokens:,}; {flops / 1e12:.2f} TFLOP a step; measured bf16 matmul peak "
+        f"{peak / 1e12:.1f} TFLOP/s"
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        model_dir = build_tiny_qwen3(Path(folder) / "model", **shape)
+        print(f"random model written in {time.perf_counter() - start:.0f} s")
+        for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
+            times = time_steps(model_dir, batch, args.tokens, compiled, args)
+            step = statistics.median(times)
+            rows.append(
+                [
+                    "on" if compiled else "off",
+                    f"{step:.3f}",
+                    f"{real_tokens / step:,.0f}",
+                    f"{flops / step / 1e12:.1f}",
+                    f"{100 * flops / step / peak:.1f}%",
+                ]
+            )
+    print_table(
+        f"train_step, median of {args.steps} after {args.warmup} warm-up steps",
+        ["torch.compile", "s/step", "tokens/s", "model TFLOP/s", "MFU"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
