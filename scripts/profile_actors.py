@@ -13,8 +13,9 @@ Percentages are of that process's samples; a process that waits (on a queue, a l
 shows its waiting frame. ``--idle`` keeps idle frames (``epoll_wait``, ``sleep``, ...) in.
 
 Before py-spy starts (its sampling costs CPU too), a ``--cpu-seconds`` window counts the CPU
-time of each process from ``/proc`` and the steps trained in it, and prints core-milliseconds
-per step: per actor, for the driver, and busy and idle for the whole machine. On a small
+time of every process from ``/proc`` and the steps trained in it, and prints core-milliseconds
+per step: busy and idle for the whole machine, and for the busiest processes (the actors and
+the driver by role; reward pools, the metric logger, W&B and Ray by command line). On a small
 machine this says whether a step is bound by one process or by the cores all of them share.
 
 py-spy is installed with Ray. Usage:
@@ -85,13 +86,29 @@ def trained_steps(metrics: Path) -> int:
     return sum('"training/loss"' in line for line in metrics.read_text().splitlines())
 
 
-def cpu_per_step(targets: dict[str, list[int]], metrics: Path, seconds: float) -> None:
-    """Print core-milliseconds per trained step of each process over ``seconds``."""
-    pids = [(role, pid) for role, ids in targets.items() for pid in ids]
-    before = {key: cpu_seconds(key[1]) for key in pids}
+def process_names() -> dict[int, str]:
+    """Every process's pid and its command line (Ray's title for a worker: ``ray::Class``)."""
+    names = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:  # gone meanwhile
+                continue
+            names[int(entry.name)] = command
+    return names
+
+
+def cpu_per_step(targets: dict[str, list[int]], metrics: Path, seconds: float, top: int) -> None:
+    """Print core-milliseconds per trained step over ``seconds``: the machine's, and those of
+    the ``top`` busiest processes (the roles in ``targets`` by name; reward pools, the metric
+    logger, W&B and Ray's own processes by command line)."""
+    roles = {pid: role for role, ids in targets.items() for pid in ids}
+    before = {pid: cpu_seconds(pid) for pid in process_names()}
     machine_before, steps_before, start = machine_cpu_seconds(), trained_steps(metrics), time.time()
     time.sleep(seconds)
-    after = {key: cpu_seconds(key[1]) for key in pids}
+    names = process_names()
+    used = {pid: cpu_seconds(pid) - before.get(pid, 0.0) for pid in names}
     machine_after, steps = machine_cpu_seconds(), trained_steps(metrics) - steps_before
     if steps < 1:
         print(f"no step trained in the {seconds:.0f} s CPU window")
@@ -100,10 +117,34 @@ def cpu_per_step(targets: dict[str, list[int]], metrics: Path, seconds: float) -
     busy, idle = (1e3 * (a - b) / steps for a, b in zip(machine_after, machine_before))
     print(
         f"CPU per step over {wall:.0f} s, {steps} steps ({1e3 * wall / steps:.1f} ms a step, "
-        f"{os.cpu_count()} cores): machine busy {busy:.1f} core-ms, idle {idle:.1f}"
+        f"{os.cpu_count()} cores): machine busy {busy:.1f} core-ms, idle {idle:.1f}; the "
+        f"{top} busiest processes:"
     )
-    for (role, pid), used in sorted(after.items(), key=lambda item: before[item[0]] - item[1]):
-        print(f"  {role:14s} (pid {pid}) {1e3 * (used - before[(role, pid)]) / steps:7.1f} core-ms")
+    for pid in sorted(used, key=used.get, reverse=True)[:top]:
+        print(f"  {1e3 * used[pid] / steps:7.1f} core-ms  {process_label(pid, roles, names)}")
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_label(pid: int, roles: dict[int, str], names: dict[int, str]) -> str:
+    """A role, or a command line and the role whose process started it (a reward pool's
+    workers descend from the actor that scores)."""
+    if pid in roles:
+        return f"{roles[pid]} (pid {pid})"
+    label = f"{names.get(pid, '')[:50] or '?'} (pid {pid})"
+    if label.startswith("ray::"):  # an actor or Ray's own: raylet started it
+        return label
+    ancestor = parent_pid(pid)
+    for _ in range(3):  # a pool's workers are its forkserver's children
+        if ancestor is None or ancestor in roles:
+            break
+        ancestor = parent_pid(ancestor)
+    return f"{label}, started by {roles[ancestor]}" if ancestor in roles else label
 
 
 def record(pid: int, seconds: float, out: Path, py_spy: str) -> subprocess.Popen:
@@ -181,7 +222,7 @@ def main() -> None:
         if run.poll() is not None or not pids:
             sys.exit(f"the run is not running (exit {run.poll()}); see {work / 'run.log'}")
         targets = {"driver": [run.pid], **pids}
-        cpu_per_step(targets, work / "run" / "metrics.jsonl", args.cpu_seconds)
+        cpu_per_step(targets, work / "run" / "metrics.jsonl", args.cpu_seconds, args.top)
         print(
             f"recording {args.seconds:.0f} s of: "
             + ", ".join(f"{role} {pid}" for role, ids in targets.items() for pid in ids),
