@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -64,10 +63,7 @@ def time_pass(mask: VarlenMask, dtype: torch.dtype, heads: int, head_dim: int) -
 
 def time_trainer_steps(workload: str, repeats: int) -> None:
     """Median bf16 trainer step on a ``workload``-shaped batch, SDPA against ours."""
-    from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_common import scored_groups
+    from bench_common import scored_groups, single_trainer
     from bench_vs_trl import GENERATION_MODEL
 
     with tempfile.TemporaryDirectory() as folder:
@@ -79,16 +75,7 @@ def time_trainer_steps(workload: str, repeats: int) -> None:
 
             model_dir = build_tiny_qwen2(Path(folder) / "model", **GENERATION_MODEL)
             batch = scored_groups(8, 8, prompt_len=100, response_len=190, vocab_size=500, spread=3)
-        trainer = PyTorchActorModel(
-            rank=0,
-            world_size=1,
-            model_dir=str(model_dir),
-            num_steps=1000,
-            target_tokens_per_batch=2048,
-            pad_token_id=0,
-            config=TrainingConfig(dtype="bf16"),
-        )
-        trainer.setup()
+        trainer = single_trainer(model_dir, 2048, dtype="bf16")
         tokens = sum(t.prompt_len + t.response_len for t in batch)
         cap = attention.MATMUL_ATTENTION_MAX_SCORES
         times: dict[str, list[float]] = {"sdpa": [], "ours": []}

@@ -1,5 +1,5 @@
 """What the benchmark scripts share: the machine's load, a plain-text table, a logged child run,
-a batch of scored groups.
+a batch of scored groups and a trainer to train on it.
 
 The scripts run as ``python scripts/NAME.py``, so this folder is on ``sys.path`` and they
 import it as ``bench_common``.
@@ -116,3 +116,21 @@ def scored_groups(
                 )
             )
     return batch
+
+
+def single_trainer(model_dir: str | Path, target_tokens_per_batch: int, **training: Any):
+    """A set-up `PyTorchActorModel` of one rank in this process (no Ray), for ``num_steps``
+    1000, with ``TrainingConfig(**training)``."""
+    from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
+
+    trainer = PyTorchActorModel(
+        rank=0,
+        world_size=1,
+        model_dir=str(model_dir),
+        num_steps=1000,
+        target_tokens_per_batch=target_tokens_per_batch,
+        pad_token_id=0,
+        config=TrainingConfig(**training),
+    )
+    trainer.setup()
+    return trainer

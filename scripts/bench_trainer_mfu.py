@@ -27,15 +27,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import print_table, scored_groups  # noqa: E402
+from bench_common import print_table, scored_groups, single_trainer
 
 SHAPES = {
     "qwen3-1.7b": dict(
@@ -99,18 +96,7 @@ def time_steps(
     model_dir: Path, batch: list, tokens: int, compile_layers: bool, args
 ) -> list[float]:
     """Seconds of each measured `train_step` of a fresh trainer."""
-    from grpo.workers.trainer import PyTorchActorModel, TrainingConfig
-
-    trainer = PyTorchActorModel(
-        rank=0,
-        world_size=1,
-        model_dir=str(model_dir),
-        num_steps=1000,
-        target_tokens_per_batch=tokens,
-        pad_token_id=0,
-        config=TrainingConfig(dtype="bf16", compile=compile_layers),
-    )
-    trainer.setup()
+    trainer = single_trainer(model_dir, tokens, dtype="bf16", compile=compile_layers)
     times = []
     for step in range(args.warmup + args.steps):
         synchronize(trainer.device)

@@ -12,12 +12,12 @@ import torch
 
 from grpo.models import build_model, load_tokenizer
 from grpo.testing import set_vllm_cpu_env, tiny_vllm_engine_kwargs
+from tests.helpers.scripts import load_script
 from tests.unit import test_demo_model as fast
 from tests.unit.test_demo_model import (
     ACCURACY_RANGE,
     MODEL_DIR,
     accuracy_and_format,
-    load_build_script,
 )
 
 # Fixtures shared with the tests without Ray or vLLM.
@@ -60,7 +60,9 @@ def test_vllm_greedy_accuracy_in_range(eval_items: list[dict[str, str]]) -> None
     # vLLM and torchtune compute the same model: greedy answers agree on almost every prompt.
     model = build_model(MODEL_DIR).eval()
     with torch.no_grad():
-        tune_completions = load_build_script().greedy_completions(model, prompts, tokenizer)
+        tune_completions = load_script("build_tiny_arithmetic_model").greedy_completions(
+            model, prompts, tokenizer
+        )
     tune_answers = [c.replace("<|im_end|>", "") for c in tune_completions]
     agree = sum(a == b for a, b in zip(completions, tune_answers))
     assert agree >= 0.95 * len(prompts), agree

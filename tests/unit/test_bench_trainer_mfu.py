@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
-from types import ModuleType
 
 import pytest
 
-from grpo.config import repo_root
+from tests.helpers.scripts import SCRIPTS, load_script
 
-SCRIPT = repo_root() / "scripts" / "bench_trainer_mfu.py"
-
-
-def load_script() -> ModuleType:
-    if str(SCRIPT.parent) not in sys.path:
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_trainer_mfu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = SCRIPTS / "bench_trainer_mfu.py"
 
 
 def test_model_flops_counts_linear_layers_response_logits_and_attended_pairs():
-    script = load_script()
+    script = load_script("bench_trainer_mfu")
     from bench_common import scored_groups
 
     shape = dict(

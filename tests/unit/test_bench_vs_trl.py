@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from types import ModuleType
-
 import pytest
 
-from grpo.config import repo_root
-
-SCRIPT = repo_root() / "scripts" / "bench_vs_trl.py"
-
-
-def load_script() -> ModuleType:
-    # The script imports its neighbour bench_common, as it does when run from scripts/.
-    if str(SCRIPT.parent) not in sys.path:
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_vs_trl", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers.scripts import load_script
 
 
 def test_steady_state_leaves_out_the_warm_up_steps():
-    steady_state = load_script().steady_state
+    steady_state = load_script("bench_vs_trl").steady_state
     # Step 1 ends after a long start-up; step 2 is slow too; steps 3-5 take 1, 2 and 1 s.
     ends = [100.0, 110.0, 111.0, 113.0, 114.0]
     tokens = [999.0, 999.0, 100.0, 200.0, 300.0]
@@ -50,11 +33,11 @@ def test_steady_state_leaves_out_the_warm_up_steps():
 )
 def test_steady_state_rejects_bad_input(ends, tokens, warmup, message):
     with pytest.raises(ValueError, match=message):
-        load_script().steady_state(ends, tokens, warmup_steps=warmup)
+        load_script("bench_vs_trl").steady_state(ends, tokens, warmup_steps=warmup)
 
 
 def test_bf16_precision_sets_bfloat16_weights_in_the_trainer_and_the_engine():
-    script = load_script()
+    script = load_script("bench_vs_trl")
     assert script.PRECISION_OVERRIDES["fp32"] == ()
     overrides = [*script.DEMO_OVERRIDES, *script.PRECISION_OVERRIDES["bf16"]]
     cfg = script.load_workload_config(overrides)

@@ -10,11 +10,9 @@ The tests that start a Ray cluster or a vLLM engine: tests/integration/test_demo
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import re
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -22,9 +20,9 @@ import torch
 from grpo.config import instantiate, load_config, repo_root
 from grpo.models import build_model, load_hf_config, load_tokenizer
 from grpo.rewards import FormatReward, MathCorrectnessReward
+from tests.helpers.scripts import load_script
 
 MODEL_DIR = repo_root() / "assets" / "tiny_arithmetic_qwen2"
-BUILD_SCRIPT = repo_root() / "scripts" / "build_tiny_arithmetic_model.py"
 CONFIG_NAME = "tiny_arithmetic_cpu"
 # Greedy held-out accuracy of the shipped model on the demo's eval set. The build script's 700
 # supervised steps give ~17% on other held-out questions; this band leaves room for the
@@ -32,14 +30,6 @@ CONFIG_NAME = "tiny_arithmetic_cpu"
 ACCURACY_RANGE = (0.10, 0.26)
 # The folder ships in the repository: keep it small.
 MAX_FOLDER_BYTES = 8 * 2**20
-
-
-def load_build_script() -> ModuleType:
-    """``scripts/build_tiny_arithmetic_model.py`` as a module (``scripts/`` is no package)."""
-    spec = importlib.util.spec_from_file_location("build_tiny_arithmetic_model", BUILD_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +71,7 @@ def test_demo_config_points_at_the_shipped_model() -> None:
 
 
 def test_torchtune_greedy_accuracy_in_range(eval_items: list[dict[str, str]]) -> None:
-    build_script = load_build_script()
+    build_script = load_script("build_tiny_arithmetic_model")
     tokenizer = load_tokenizer(MODEL_DIR)
     model = build_model(MODEL_DIR).eval()
     prompts = [tokenizer.encode(item["prompt"], add_bos=True, add_eos=False) for item in eval_items]
@@ -110,7 +100,7 @@ def test_tool_demo_config_points_at_its_model_and_a_tool_environment() -> None:
 
 
 def test_tool_examples_train_the_calls_and_the_answer_but_not_the_result() -> None:
-    build_script = load_build_script()
+    build_script = load_script("build_tiny_arithmetic_model")
     tokenizer = load_tokenizer(TOOL_MODEL_DIR)
     dataset = instantiate(load_config("tiny_calculator_cpu").eval_dataset)
     [example] = build_script.encode_examples(
@@ -130,7 +120,7 @@ def test_tool_model_answers_calls_and_copies_the_result(eval_items: list[dict[st
     """What GRPO builds on: greedy, it answers directly (so it starts where the demo model
     does); sampling, it sometimes calls the calculator; given a call and its result, it copies
     the result into its answer."""
-    build_script = load_build_script()
+    build_script = load_script("build_tiny_arithmetic_model")
     tokenizer = load_tokenizer(TOOL_MODEL_DIR)
     model = build_model(TOOL_MODEL_DIR).eval()
     items = eval_items[:64]
