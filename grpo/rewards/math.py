@@ -81,6 +81,14 @@ def _parse_gold(answer: str) -> tuple[Any, ...]:
     return tuple(_parse_math(normalize_gold_answer(answer)))
 
 
+@functools.lru_cache(maxsize=16384)
+def _parse_candidate(candidate: str) -> tuple[Any, ...]:
+    # Cached: parsing is nearly all of a call's time (about 0.2 ms, against 0.01 ms for the
+    # comparison), and the samples of a group, and the questions of a dataset, reach the same
+    # answers again and again. The parsed expressions are immutable sympy objects.
+    return tuple(_parse_math(candidate))
+
+
 class MathCorrectnessReward(RewardFunction):
     """1.0 if the completion's final answer (:func:`extract_answer`) equals the gold answer
     according to math-verify; ``partial_credit`` if it parses but is wrong; else 0.0.
@@ -115,9 +123,9 @@ class MathCorrectnessReward(RewardFunction):
         candidate = extract_answer(completion, allow_last_number=self.allow_last_number)
         if candidate is None:
             return RewardResult(0.0, False)
-        predicted = _parse_math(candidate)
+        predicted = _parse_candidate(candidate)
         if not predicted:
             return RewardResult(0.0, False)
-        if math_verify_verify(list(gold), predicted, timeout_seconds=None):
+        if math_verify_verify(list(gold), list(predicted), timeout_seconds=None):
             return RewardResult(1.0, True)
         return RewardResult(self.partial_credit, False)

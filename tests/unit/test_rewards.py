@@ -95,6 +95,26 @@ def test_math_correctness_defaults_and_unparsable_gold():
         reward_fn("<answer>85</answer>", "not a number")
 
 
+def test_math_correctness_parses_each_answer_once_and_still_compares_with_each_gold(
+    monkeypatch,
+):
+    from grpo.rewards import math as math_reward
+
+    math_reward._parse_candidate.cache_clear()
+    parsed: list[str] = []
+    real_parse = math_reward.math_verify_parse
+
+    def counting_parse(text, **kwargs):
+        parsed.append(text)
+        return real_parse(text, **kwargs)
+
+    monkeypatch.setattr(math_reward, "math_verify_parse", counting_parse)
+    reward = MathCorrectnessReward(partial_credit=0.25)
+    scores = [reward("<answer>\\frac{1}{2}</answer>", gold).reward for gold in ("0.5", "3", "1/2")]
+    assert scores == [1.0, 0.25, 1.0]  # the cached answer meets three different golds
+    assert parsed.count("$\\frac{1}{2}$") == 1
+
+
 def test_extract_answer_order_of_preference():
     assert extract_answer("<answer> 7 </answer> \\boxed{8} 9") == "7"
     assert extract_answer("<answer> </answer> \\boxed{8} 9") == "8"
