@@ -161,6 +161,45 @@ def test_update_is_applied_between_batches_and_used(engines, kind):
     )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_cpu_engines_reload_their_packed_layers_in_place(engines, kind, monkeypatch):
+    """A CPU engine's update fills its packed linear layers itself, not through vLLM's generic
+    layerwise reload; a state dict that leaves a packed layer unfilled goes to vLLM's."""
+    from grpo.weights import engine as engine_module
+
+    model_dir, collector = engines[kind]
+    _, new_model, weights = base_and_new_weights(collector, model_dir, seed=14)
+    real_reload, outcomes = engine_module.reload_cpu_linear_weights, []
+
+    def recorded_reload(runner, state_dict):
+        outcomes.append(real_reload(runner, state_dict))
+        return outcomes[-1]
+
+    monkeypatch.setattr(engine_module, "reload_cpu_linear_weights", recorded_reload)
+    checksum = state_dict_checksum(weights)
+    assert collector.receive_weights(weights, collector.policy_version + 1, checksum)
+    collector.apply_pending_weights()
+    assert outcomes == [True]
+    probe = probe_of(new_model)
+
+    def assert_engine_computes_new_model():
+        torch.testing.assert_close(
+            torch.tensor(collector.probe_logprobs(probe["token_ids"])),
+            torch.tensor(probe["logprobs"]),
+            atol=1e-3,
+            rtol=0,
+        )
+
+    assert_engine_computes_new_model()
+    unfilled = {k: v for k, v in weights.items() if not k.endswith("layers.0.mlp.down_proj.weight")}
+    assert collector.llm.collective_rpc(
+        lambda worker: real_reload(worker.model_runner, unfilled)
+    ) == [False]
+    collector.llm.reset_prefix_cache()
+    assert_engine_computes_new_model()  # its packed layers as they were
+
+
 @contextlib.contextmanager
 def weight_updates(collector, mode: str):
     """The collector loads weights ``mode`` (in_flight, between_batches) inside the block."""
