@@ -6,6 +6,7 @@ three actors later inside a forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,36 +43,118 @@ def count_per_sequence(mask: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(lens).index_add_(0, index, mask.long())
 
 
+# Where a pickled trajectory keeps its tensors until one of them is read (`_PackedTensors`).
+_PACKED = "_packed_tensors"
+# Offsets of the tensors in a pack: float64 and int64 views need 8-byte alignment.
+_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class _PackedTensors:
+    """CPU tensors in one writable buffer: per tensor ``(name, dtype, shape, offset)``."""
+
+    specs: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
+    data: bytearray
+
+    @classmethod
+    def pack(cls, tensors: dict[str, torch.Tensor]) -> _PackedTensors:
+        specs, offset = [], 0
+        for name, tensor in tensors.items():
+            specs.append((name, tensor.dtype, tuple(tensor.shape), offset))
+            offset += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+        data = bytearray(offset)
+        for (_, _, _, start), tensor in zip(specs, tensors.values()):
+            flat = tensor.detach().reshape(-1).view(torch.uint8)  # any dtype, bool and bf16 too
+            if flat.numel():
+                torch.frombuffer(data, dtype=torch.uint8, count=flat.numel(), offset=start).copy_(
+                    flat
+                )
+        return cls(tuple(specs), data)
+
+    def names(self) -> set[str]:
+        return {name for name, _, _, _ in self.specs}
+
+    def unpack(self) -> dict[str, torch.Tensor]:
+        """The tensors, as views of the buffer (no copy)."""
+        tensors = {}
+        for name, dtype, shape, offset in self.specs:
+            numel = int(np.prod(shape, dtype=np.int64))
+            tensors[name] = (
+                torch.frombuffer(self.data, dtype=dtype, count=numel, offset=offset).view(shape)
+                if numel
+                else torch.empty(shape, dtype=dtype)
+            )
+        return tensors
+
+
 class _PicklesTensorsAsArrays:
-    """Pickles tensor attributes as numpy arrays, much faster through Ray than torch's own
-    storage protocol (docs/benchmarks.md); they come back as tensors."""
+    """Pickles its CPU tensor attributes as one buffer, unpacked when one of them is first read.
+
+    Through Ray this is much faster than torch's storage protocol (docs/benchmarks.md), and an
+    actor that only passes trajectories on (the rollout queue, the replay buffer) reads their
+    ids and versions without ever unpacking their tensors, and passes the buffer on as it came.
+    Tensors on a GPU or requiring grad pickle as torch pickles them.
+    """
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            name: _as_array(value) if isinstance(value, torch.Tensor) else value
-            for name, value in self.__dict__.items()
+        state = dict(self.__dict__)
+        if _PACKED in state:  # never unpacked here: passed on as it came
+            return state
+        tensors = {
+            name: value
+            for name, value in state.items()
+            if isinstance(value, torch.Tensor)
+            and value.device.type == "cpu"
+            and not value.requires_grad
         }
+        for name in tensors:
+            del state[name]
+        if tensors:
+            state[_PACKED] = _PackedTensors.pack(tensors)
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # numpy arrays: pickled by an earlier version (a checkpoint's unscored groups).
         self.__dict__.update(
             {
                 name: _as_tensor(value) if isinstance(value, np.ndarray) else value
                 for name, value in state.items()
             }
         )
+        packed = self.__dict__.get(_PACKED)
+        if packed is not None and any(hasattr(type(self), name) for name in packed.names()):
+            # A class attribute of that name would hide a packed tensor from `__getattr__`
+            # (see `_tensor_defaults_off_the_class`): unpack now.
+            self._unpack()
 
+    def _unpack(self) -> None:
+        self.__dict__.update(self.__dict__.pop(_PACKED).unpack())
 
-def _as_array(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
-    # numpy has no bfloat16; such a tensor (and any not on the CPU) pickles as torch does.
-    if tensor.device.type != "cpu" or tensor.dtype == torch.bfloat16 or tensor.requires_grad:
-        return tensor
-    return tensor.numpy()
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes not set: a packed tensor, read for the first time.
+        packed = self.__dict__.get(_PACKED)
+        if packed is None or name not in packed.names():
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self._unpack()
+        return self.__dict__[name]
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
+def _tensor_defaults_off_the_class(cls: type) -> type:
+    """Class decorator, over ``@dataclass``: drop the class attributes that hold the defaults
+    of tensor fields (``response_mask = None``), which ``__init__`` does not use, so that a
+    packed tensor of that name reaches `_PicklesTensorsAsArrays.__getattr__` instead of
+    reading as the default."""
+    for spec in dataclasses.fields(cls):
+        if "Tensor" in str(spec.type) and spec.name in vars(cls):
+            delattr(cls, spec.name)
+    return cls
+
+
+@_tensor_defaults_off_the_class
 @dataclass
 class UnscoredTrajectory(_PicklesTensorsAsArrays):
     """One generated sequence: an unpadded prompt, its response and the sampler's logprobs.
@@ -192,6 +275,7 @@ class GroupRecord:
     exclude: set[str] = field(default_factory=set)
 
 
+@_tensor_defaults_off_the_class
 @dataclass
 class ScoredTrajectory(_PicklesTensorsAsArrays):
     """A trajectory with reference logprobs, rewards and its group-relative advantage.
