@@ -201,6 +201,9 @@ class Sampling(NamedTuple):
             temperature=0.0 if greedy else self.temperature,
             top_p=1.0 if greedy else self.top_p,
             logprobs=0,  # the sampled token's logprob only
+            # Three flat lists per sample instead of a dict and a Logprob object per token:
+            # 5% of a small model's generation on CPU, and less for the garbage collector.
+            flat_logprobs=True,
             seed=seed,
             stop=stop or None,
             include_stop_str_in_output=True,
@@ -223,7 +226,13 @@ def sampled_logprobs(completion: Any, where: str) -> list[float]:
         raise RuntimeError(
             f"vLLM returned {len(entries)} logprobs for {len(token_ids)} tokens ({where})"
         )
-    return [entry[token].logprob for token, entry in zip(token_ids, entries)]
+    starts = getattr(entries, "start_indices", None)
+    if starts is None:  # a dict per token
+        return [entry[token].logprob for token, entry in zip(token_ids, entries)]
+    # FlatLogprobs (``flat_logprobs=True``): the sampled token comes first at each position.
+    if [entries.token_ids[start] for start in starts] != list(token_ids):
+        raise RuntimeError(f"vLLM's logprobs are not those of the sampled tokens ({where})")
+    return [entries.logprobs[start] for start in starts]
 
 
 def add_request(

@@ -122,6 +122,8 @@ def test_vllm_prompt_logprobs_match_torchtune(engine) -> None:
 def test_vllm_sampled_logprobs_match_torchtune(engine) -> None:
     from vllm import SamplingParams
 
+    from grpo.workers.vllm_engine import sampled_logprobs
+
     llm, model_dir = engine
     model = models.build_model(model_dir).eval()
     tune_tok = models.load_tokenizer(model_dir)
@@ -135,11 +137,24 @@ def test_vllm_sampled_logprobs_match_torchtune(engine) -> None:
         SamplingParams(n=3, max_tokens=24, temperature=1.0, logprobs=0, seed=1),
         use_tqdm=False,
     )
-    for sample in outputs[0].outputs:
+    # The collector's reading of them: FlatLogprobs (``flat_logprobs=True``, three lists).
+    flat = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt_ids)],
+        SamplingParams(n=3, max_tokens=24, temperature=1.0, logprobs=0, seed=1, flat_logprobs=True),
+        use_tqdm=False,
+    )
+    for sample, flat_sample in zip(outputs[0].outputs, flat[0].outputs):
         response = list(sample.token_ids)
         vllm_lp = torch.tensor([lp[t].logprob for lp, t in zip(sample.logprobs, response)])
         tune_lp = torchtune_logprobs(model, prompt_ids + response)[len(prompt_ids) - 1 :]
         torch.testing.assert_close(vllm_lp, tune_lp, rtol=0, atol=1e-3)
+        assert type(flat_sample.logprobs).__name__ == "FlatLogprobs"
+        assert list(flat_sample.token_ids) == response
+        flat_lp = torch.tensor(sampled_logprobs(flat_sample, "test"))
+        torch.testing.assert_close(flat_lp, vllm_lp, rtol=0, atol=0)
+    flat_sample.logprobs.token_ids[0] += 1  # no longer the sampled token's entry
+    with pytest.raises(RuntimeError, match="not those of the sampled tokens"):
+        sampled_logprobs(flat_sample, "test")
 
 
 def _reload_weights_in_worker(worker, hf_pairs: list[tuple[str, torch.Tensor]]) -> None:
