@@ -17,6 +17,7 @@ reference, next to a small summary (ids, buffer stats) that the ledger and metri
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,8 +47,6 @@ from grpo.orchestrator.supervisor import ActorSupervisor, Role, actor_name, acto
 from grpo.weights.concurrency import COLLECTOR_HEALTH_GROUP
 from grpo.weights.sync import HEARTBEAT_TIMEOUT_S, START_UP_LIMIT_S
 
-# Most groups one reference call scores (they are packed together for the forward).
-_GROUPS_PER_REF_CALL = 4
 # Most seconds one sample call waits inside the buffer for a batch before it returns empty and
 # is asked again. Short enough that a buffer that died or a stop is noticed soon.
 _SAMPLE_WAIT_S = 5.0
@@ -202,8 +201,15 @@ class Scheduler:
         else:
             queue = self.actors.rollout_queue
             timeout_s = 0.0 if self.cfg.orchestration.synchronous else 0.5
-            ids_ref, groups_ref = queue.take(_GROUPS_PER_REF_CALL, timeout_s)
+            ids_ref, groups_ref = queue.take(self.groups_per_ref_call(), timeout_s)
             self.calls[ids_ref] = Call(CallKind.TAKE, index, queue, groups_ref=groups_ref)
+
+    def groups_per_ref_call(self) -> int:
+        """Most groups one reference call takes: a collector's generation batch, shared among
+        the reference actors. Each call costs a take, a score, an add and a log round trip
+        whatever its size, and the actor packs what it takes into forwards of its token
+        budget."""
+        return math.ceil(self.cfg.inference.batch_size / len(self.actors.ref_actors))
 
     def launch_sample(self) -> None:
         """Ask the buffer for a batch; it answers once it has one (or after a while, empty).
