@@ -87,7 +87,7 @@ class _PackedTensors:
         return tensors
 
 
-class _PicklesTensorsAsArrays:
+class _PacksTensorsWhenPickled:
     """Pickles its CPU tensor attributes as one buffer, unpacked when one of them is first read.
 
     Through Ray this is much faster than torch's storage protocol (docs/benchmarks.md), and an
@@ -128,15 +128,25 @@ class _PicklesTensorsAsArrays:
             self._unpack()
 
     def _unpack(self) -> None:
-        self.__dict__.update(self.__dict__.pop(_PACKED).unpack())
+        packed = self.__dict__.get(_PACKED)
+        if packed is None:
+            return
+        for name, tensor in packed.unpack().items():
+            self.__dict__.setdefault(name, tensor)  # a field set since keeps its new value
+        # Dropped only once the tensors are in place, for a reader on another thread.
+        self.__dict__.pop(_PACKED, None)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes not set: a packed tensor, read for the first time.
         packed = self.__dict__.get(_PACKED)
-        if packed is None or name not in packed.names():
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        self._unpack()
-        return self.__dict__[name]
+        if packed is not None and name in packed.names():
+            self._unpack()
+        try:
+            return self.__dict__[name]
+        except KeyError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+            ) from None
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:
@@ -146,7 +156,7 @@ def _as_tensor(array: np.ndarray) -> torch.Tensor:
 def _tensor_defaults_off_the_class(cls: type) -> type:
     """Class decorator, over ``@dataclass``: drop the class attributes that hold the defaults
     of tensor fields (``response_mask = None``), which ``__init__`` does not use, so that a
-    packed tensor of that name reaches `_PicklesTensorsAsArrays.__getattr__` instead of
+    packed tensor of that name reaches `_PacksTensorsWhenPickled.__getattr__` instead of
     reading as the default."""
     for spec in dataclasses.fields(cls):
         if "Tensor" in str(spec.type) and spec.name in vars(cls):
@@ -156,7 +166,7 @@ def _tensor_defaults_off_the_class(cls: type) -> type:
 
 @_tensor_defaults_off_the_class
 @dataclass
-class UnscoredTrajectory(_PicklesTensorsAsArrays):
+class UnscoredTrajectory(_PacksTensorsWhenPickled):
     """One generated sequence: an unpadded prompt, its response and the sampler's logprobs.
 
     Args:
@@ -277,7 +287,7 @@ class GroupRecord:
 
 @_tensor_defaults_off_the_class
 @dataclass
-class ScoredTrajectory(_PicklesTensorsAsArrays):
+class ScoredTrajectory(_PacksTensorsWhenPickled):
     """A trajectory with reference logprobs, rewards and its group-relative advantage.
 
     The fields shared with `UnscoredTrajectory` mean the same.

@@ -57,6 +57,10 @@ class WeightSyncWorkerExtension:
         return self._grpo_weights_checksum
 
 
+# Most bytes of unpacked linear weights `reload_cpu_linear_weights` allocates at once.
+FAST_RELOAD_MAX_BYTES = 1 << 30
+
+
 def reload_cpu_linear_weights(runner: Any, weights: Mapping[str, torch.Tensor]) -> bool:
     """Load a full HF state dict into an unquantized CPU engine, in place; False if it is not one.
 
@@ -67,7 +71,9 @@ def reload_cpu_linear_weights(runner: Any, weights: Mapping[str, torch.Tensor]) 
     shapes vLLM recorded at load), loads the state dict with the model's own loaders (which
     fuse q/k/v and gate/up), and repacks those layers through vLLM's post-load step, which
     drops the weights again. The weights start as NaN: a layer the state dict does not fill
-    completely sends the whole update down vLLM's generic path instead.
+    completely sends the whole update down vLLM's generic path instead. So does a model whose
+    packed weights exceed `FAST_RELOAD_MAX_BYTES`: this holds all of them unpacked at once,
+    vLLM's path one layer at a time.
 
     Args:
         runner: The vLLM worker's model runner.
@@ -89,6 +95,7 @@ def reload_cpu_linear_weights(runner: Any, weights: Mapping[str, torch.Tensor]) 
     ):
         return False
     packed: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
+    recorded_weights: list[torch.Tensor] = []
     for layer in model.modules():
         if not isinstance(layer, LinearBase):
             continue
@@ -101,6 +108,10 @@ def reload_cpu_linear_weights(runner: Any, weights: Mapping[str, torch.Tensor]) 
         if recorded is None:
             return False
         packed.append((layer, layer.weight))
+        recorded_weights.append(recorded)
+    if sum(w.numel() * w.element_size() for w in recorded_weights) > FAST_RELOAD_MAX_BYTES:
+        return False
+    for (layer, _), recorded in zip(packed, recorded_weights):
         # The recorded parameter class and attributes (its weight_loader) are what the
         # model's loaders use.
         weight = restore_layer_refs(materialize_meta_tensor(recorded), layer)

@@ -198,6 +198,11 @@ def test_cpu_engines_reload_their_packed_layers_in_place(engines, kind, monkeypa
     ) == [False]
     collector.llm.reset_prefix_cache()
     assert_engine_computes_new_model()  # its packed layers as they were
+    # Packed weights larger than the cap: vLLM's path, one layer at a time.
+    monkeypatch.setattr(engine_module, "FAST_RELOAD_MAX_BYTES", 1024)
+    assert collector.llm.collective_rpc(
+        lambda worker: real_reload(worker.model_runner, weights)
+    ) == [False]
 
 
 @contextlib.contextmanager

@@ -116,6 +116,15 @@ def test_a_tensor_field_with_a_default_reads_as_sent_first():
     assert copy.response_mask is None and PACKED in copy.__dict__  # still packed, unread
 
 
+def test_a_field_set_on_a_packed_copy_keeps_its_new_value():
+    copy = pickle.loads(pickle.dumps(scored()))
+    copy.advantages = torch.tensor(-1.0)  # set while the others are still packed
+    assert torch.equal(copy.logprobs, torch.tensor([-0.5, -1.0]))  # unpacks the others
+    assert float(copy.advantages) == -1.0
+    again = pickle.loads(pickle.dumps(copy))
+    assert float(again.advantages) == -1.0 and torch.equal(again.rewards, scored().rewards)
+
+
 def test_unpacked_tensors_are_writable_and_apart():
     original = unscored(0)
     copy, stored = out_of_band_round_trip(original)
