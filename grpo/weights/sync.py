@@ -62,6 +62,8 @@ class WeightSync:
         self._sender: Any = None  # trainer rank 0, which holds the gathered weights
         # By actor id, since a replacement keeps the name of the collector it replaces.
         self._connected: dict[str, str] = {}
+        # Collectors seen started (`_wait_started`): Ray's GCS is asked once per collector.
+        self._started: set[str] = set()
         self._transfers: dict[str, tuple[str, Any, Any]] = {}
 
     def sync(self, trainers: list[Any], collectors: list[Any]) -> tuple[int, dict[str, float]]:
@@ -250,17 +252,27 @@ class WeightSync:
         self.failed.append((index, collector, failure))
         return True
 
-    @staticmethod
-    def _wait_started(collector: Any) -> None:
-        """Wait (at most `START_UP_LIMIT_S`) for a collector whose constructor still runs."""
+    def _wait_started(self, collector: Any) -> None:
+        """Wait (at most `START_UP_LIMIT_S`) for a collector whose constructor still runs.
+
+        Ray's GCS is asked once per collector, not at every sync (its actor table was a tenth
+        of the demo driver's Python time): a collector that started stays started, and its
+        replacement is another actor.
+        """
         import ray
 
+        key = collector._actor_id.hex()
+        if key in self._started:
+            return
         try:
-            if ray._private.state.actors(collector._actor_id.hex()).get("State") == "ALIVE":
+            if ray._private.state.actors(key).get("State") == "ALIVE":
+                self._started.add(key)
                 return
         except Exception:  # noqa: BLE001 - a private API: if it moved, do not wait
             return
-        ray.wait([collector.__ray_ready__.remote()], timeout=START_UP_LIMIT_S)
+        ready, _ = ray.wait([collector.__ray_ready__.remote()], timeout=START_UP_LIMIT_S)
+        if ready:
+            self._started.add(key)
 
     @staticmethod
     def _answers(collector: Any) -> bool:

@@ -635,7 +635,9 @@ def test_collective_sync_from_a_trainer_actor_and_a_replacement_joins_a_new_pair
 
 
 @pytest.mark.slow
-def test_object_store_sync_from_a_trainer_actor_builds_only_its_own_ends(engines, ray_cluster):
+def test_object_store_sync_from_a_trainer_actor_builds_only_its_own_ends(
+    engines, ray_cluster, monkeypatch
+):
     """The driver makes the same calls for the object store as for the collective transport:
     the trainer's reference reaches the collector, checksum and probe hold, and each actor
     holds the end of that transport only."""
@@ -677,6 +679,10 @@ def test_object_store_sync_from_a_trainer_actor_builds_only_its_own_ends(engines
     config = WeightSyncConfig(transport="object_store")
     sync = WeightSync(lambda refs, what: ray.get(refs), wait_for_receipt=True, config=config)
     batch = ray.put(scored_batch())
+    asked, actor_state = [], ray._private.state.actors
+    monkeypatch.setattr(
+        ray._private.state, "actors", lambda key: asked.append(key) or actor_state(key)
+    )
     try:
         ray.get(trainer.setup.remote())
         ray.get(trainer.train_step.remote(batch))
@@ -684,6 +690,7 @@ def test_object_store_sync_from_a_trainer_actor_builds_only_its_own_ends(engines
         ray.get(trainer.train_step.remote(batch))
         assert sync.sync([trainer], [collector])[0] == 2
         assert sync.verify([trainer], [collector])
+        assert len(asked) == 1  # whether it started: once, not at every sync
         assert ray.get(collector.get_policy_version.remote()) == 2
         ends = [
             ray.get(trainer.__ray_call__.remote(lambda t: type(t.weight_sender).__name__)),
