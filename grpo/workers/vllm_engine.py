@@ -217,20 +217,21 @@ class Sampling(NamedTuple):
 def sampled_logprobs(completion: Any, where: str) -> list[float]:
     """vLLM's logprob of each sampled token of a completion (one per token, checked).
 
+    The completion's logprobs are FlatLogprobs (`Sampling.params` asks for ``flat_logprobs``),
+    whose first entry at each position is the sampled token's.
+
     Raises:
-        RuntimeError: If vLLM returned another number of logprobs than tokens.
+        RuntimeError: If vLLM returned another number of logprobs than tokens, or entries of
+            other tokens.
     """
-    token_ids = completion.token_ids
-    entries = completion.logprobs or ()
-    if len(entries) != len(token_ids):
+    token_ids = list(completion.token_ids)
+    entries = completion.logprobs
+    starts = entries.start_indices if entries is not None else []
+    if len(starts) != len(token_ids):
         raise RuntimeError(
-            f"vLLM returned {len(entries)} logprobs for {len(token_ids)} tokens ({where})"
+            f"vLLM returned {len(starts)} logprobs for {len(token_ids)} tokens ({where})"
         )
-    starts = getattr(entries, "start_indices", None)
-    if starts is None:  # a dict per token
-        return [entry[token].logprob for token, entry in zip(token_ids, entries)]
-    # FlatLogprobs (``flat_logprobs=True``): the sampled token comes first at each position.
-    if [entries.token_ids[start] for start in starts] != list(token_ids):
+    if [entries.token_ids[start] for start in starts] != token_ids:
         raise RuntimeError(f"vLLM's logprobs are not those of the sampled tokens ({where})")
     return [entries.logprobs[start] for start in starts]
 
