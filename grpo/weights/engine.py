@@ -151,8 +151,9 @@ class WeightUpdate:
 
     Args:
         weights: ``dict[str, Tensor]`` under HF names, or a Ray ``ObjectRef`` to one.
-        probe: Optional ``{"token_ids", "logprobs", "atol", "rtol"}``: after loading, the
-            engine's logprobs of ``token_ids[1:]`` must match the trainer's ``logprobs``.
+        probe: Optional ``{"token_ids", "logprobs"}`` and a `ProbeTolerance`'s fields: after
+            loading, the engine's logprobs of ``token_ids[1:]`` must match the trainer's
+            ``logprobs`` (`check_probe`).
     """
 
     version: int

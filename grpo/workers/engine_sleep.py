@@ -236,8 +236,7 @@ class EngineSleep:
         token_ids = probe_token_ids(vocab_size)
         logprobs = self.weights.probe_logprobs(token_ids)
         # The same engine and weights: only the order of floating-point sums may differ.
-        atol, rtol = FP32_PROBE_TOLERANCE
-        return {"token_ids": token_ids, "logprobs": logprobs, "atol": atol, "rtol": rtol}
+        return {"token_ids": token_ids, "logprobs": logprobs, **FP32_PROBE_TOLERANCE._asdict()}
 
 
 def _on_host(weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

@@ -613,8 +613,11 @@ class PyTorchActorModel:
         # Temperature 1: the engine scores the probe with prompt logprobs, which are always
         # those of the unscaled logits.
         logprobs = self.policy(packed).float().cpu().tolist()
-        atol, rtol = probe_tolerance(self.dtype)
-        return {"token_ids": token_ids, "logprobs": logprobs, "atol": atol, "rtol": rtol}
+        return {
+            "token_ids": token_ids,
+            "logprobs": logprobs,
+            **probe_tolerance(self.dtype)._asdict(),
+        }
 
     def publish_weights(self, transport: str) -> dict[str, Any] | None:
         """Gather the full weights and publish them (rank 0), as version ``steps_run``.

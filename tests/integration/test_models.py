@@ -204,3 +204,73 @@ def test_saved_checkpoint_loads_in_vllm(tiny_model_dir: Path, tmp_path: Path) ->
     finally:
         del llm
         gc.collect()
+
+
+@pytest.mark.slow
+def test_bf16_probe_tolerance_passes_kernel_rounding_and_fails_other_weights(tmp_path: Path):
+    """The weight probe in bf16: torchtune (the trainer) against vLLM's CPU kernels.
+
+    The demo model with its logits made 3x larger (as training sharpens them) rounds some
+    tokens' logprobs apart by over half a nat between the two. Every probe-like sequence must
+    pass `probe_tolerance`'s bound; the logprobs of the model before that change must not.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from vllm import LLM
+
+    from grpo.packing.logprobs import model_response_logprobs
+    from grpo.packing.packs import pack_sequences
+    from grpo.types import UnscoredTrajectory
+    from grpo.weights.checksum import WeightSyncError
+    from grpo.weights.verify import check_probe, probe_token_ids, probe_tolerance
+
+    demo = Path(__file__).resolve().parents[2] / "assets" / "tiny_arithmetic_qwen2"
+    sharp = tmp_path / "sharp"
+    shutil.copytree(demo, sharp)
+    weights = load_file(sharp / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 3
+    save_file(weights, sharp / "model.safetensors", metadata={"format": "pt"})
+
+    vocab_size = models.load_hf_config(demo)["vocab_size"]
+    generator = torch.Generator().manual_seed(0)
+    sequences = [probe_token_ids(vocab_size)] + [
+        torch.randint(0, vocab_size, (16,), generator=generator).tolist() for _ in range(24)
+    ]
+
+    def trainer_probes(model_dir: Path) -> list[list[float]]:
+        model = models.build_model(model_dir, dtype=torch.bfloat16).eval()
+        probes = []
+        for ids in sequences:
+            sequence = UnscoredTrajectory(
+                prompt_tokens=torch.tensor(ids[:1]),
+                response_tokens=torch.tensor(ids[1:]),
+                prompt_len=1,
+                response_len=len(ids) - 1,
+                logprobs=torch.zeros(len(ids) - 1),
+                answer="",
+                sequence_id="probe",
+                policy_version=0,
+                group_id=-1,
+            )
+            with torch.no_grad():
+                logprobs = model_response_logprobs(model, pack_sequences([sequence], "cpu", 0))
+            probes.append(logprobs.float().tolist())
+        return probes
+
+    set_vllm_cpu_env()
+    llm = LLM(
+        model=str(sharp), **{**tiny_vllm_engine_kwargs(max_model_len=64), "dtype": "bfloat16"}
+    )
+    engine = vllm_prompt_logprobs(llm, sequences)
+    del llm
+    gc.collect()
+    tolerance = probe_tolerance(torch.bfloat16)._asdict()
+    sharp_probes, demo_probes = trainer_probes(sharp), trainer_probes(demo)
+    largest = max(float((torch.tensor(p) - e).abs().max()) for p, e in zip(sharp_probes, engine))
+    assert largest > 0.25  # kernel rounding alone moves a token this far
+    for ids, sent, got in zip(sequences, sharp_probes, engine):
+        check_probe(got.tolist(), {"token_ids": ids, "logprobs": sent, **tolerance}, version=1)
+    for ids, sent, got in zip(sequences, demo_probes, engine):
+        with pytest.raises(WeightSyncError, match="version 2"):
+            check_probe(got.tolist(), {"token_ids": ids, "logprobs": sent, **tolerance}, version=2)
