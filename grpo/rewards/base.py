@@ -73,12 +73,32 @@ class RewardFunction:
     def select_columns(self, columns: Mapping[str, Any]) -> dict[str, Any]:
         """The example's columns (but its answer) that ``__call__`` names after
         ``(completion, answer)``, or all of them when it takes ``**kwargs``."""
-        parameters = list(inspect.signature(self.__call__).parameters.values())
-        return _selected(columns, parameters, "per_sample", set())
+        return _selected(columns, call_parameters(self.__call__), "per_sample", set())
 
     def __repr__(self) -> str:
         options = ", ".join(f"{key}={value!r}" for key, value in vars(self).items())
         return f"{type(self).__name__}({options})"
+
+
+_PARAMETERS: dict[tuple[Any, bool], tuple[inspect.Parameter, ...]] = {}
+
+
+def call_parameters(fn: Callable[..., Any]) -> tuple[inspect.Parameter, ...]:
+    """The parameters of ``fn``'s signature, computed once per function.
+
+    `select_columns` runs for every completion a reward function scores; ``inspect.signature``
+    was most of its time. A bound method's parameters are its function's without the first,
+    whatever the instance, so those are kept by function.
+    """
+    function = getattr(fn, "__func__", fn)
+    key = (function, function is not fn)
+    try:
+        parameters = _PARAMETERS.get(key)
+    except TypeError:  # an unhashable callable object
+        return tuple(inspect.signature(fn).parameters.values())
+    if parameters is None:
+        parameters = _PARAMETERS[key] = tuple(inspect.signature(fn).parameters.values())
+    return parameters
 
 
 def _selected(
@@ -135,8 +155,7 @@ class FunctionReward(RewardFunction):
 
     def select_columns(self, columns: Mapping[str, Any]) -> dict[str, Any]:
         """The example's columns the function takes but those a configured option sets."""
-        parameters = list(inspect.signature(self.fn).parameters.values())
-        return _selected(columns, parameters, self.form, set(self.options))
+        return _selected(columns, call_parameters(self.fn), self.form, set(self.options))
 
     def configure(
         self, *, name: str | None = None, failure_reward: float | None = None, **options: Any
@@ -219,7 +238,7 @@ class BatchedFunctionReward(FunctionReward):
 
     def select_columns(self, columns: Mapping[str, Any]) -> dict[str, Any]:
         """The columns the function takes, and the prompt if it takes ``prompts``."""
-        parameters = list(inspect.signature(self.fn).parameters.values())
+        parameters = call_parameters(self.fn)
         selected = _selected(columns, parameters, self.form, set(self.options) | {"prompt"})
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
         if "prompt" in columns and (takes_any or any(p.name == "prompts" for p in parameters)):

@@ -117,7 +117,12 @@ def reload_cpu_linear_weights(runner: Any, weights: Mapping[str, torch.Tensor]) 
         layer.weight = weight
     with torch.no_grad():
         model.load_weights(weights=iter(weights.items()))
-    if any(bool(layer.weight.isnan().any()) for layer, _, _ in packed):
+        # A NaN left anywhere makes the sum NaN: one vectorised pass, where isnan().any() on
+        # one thread took 13x as long for the demo model's bf16 layers (1.2 against 0.09 ms;
+        # 1.45 of the 6.7 CPU ms a reload took inside a collector). +inf beside -inf makes
+        # NaN too; such an update takes vLLM's path, which is still correct.
+        unfilled = any(bool(layer.weight.sum().isnan()) for layer, _, _ in packed)
+    if unfilled:
         for layer, emptied, _ in packed:  # as they were: vLLM's path loads the update again
             layer.weight = emptied
         return False

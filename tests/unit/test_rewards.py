@@ -679,3 +679,40 @@ def test_a_plain_function_in_an_environment_node_is_built_as_a_reward(user_rewar
     node["reward_functions"] = [{"_component_": f"{user_rewards}.text_and_gold"}]
     with pytest.raises(ConfigError, match=r"^environment\.reward_functions\[0\]: .* is not a"):
         build_environment(node, [], 5.0)
+
+
+def test_reward_signatures_are_read_once_per_function(monkeypatch):
+    """`select_columns` runs per completion; the signature behind it is read once."""
+    import dataclasses
+    import inspect
+
+    from grpo.rewards import base
+
+    @dataclasses.dataclass  # eq=True: instances are unhashable
+    class Unhashable:
+        def __call__(self, completion, answer, difficulty=None):
+            return 1.0
+
+    class WithColumn(base.RewardFunction):
+        def __call__(self, completion, answer, difficulty=None):
+            return base.RewardResult(1.0, True)
+
+    reads = []
+    signature = inspect.signature
+    monkeypatch.setattr(base.inspect, "signature", lambda fn: reads.append(fn) or signature(fn))
+    row = {"difficulty": 3, "source": "x"}
+    first, second = WithColumn(), WithColumn()
+    for reward in (first, second, first):
+        assert reward.select_columns(row) == {"difficulty": 3}
+    # Bound to two instances, one function: read once, without ``self``.
+    assert len(reads) == 1
+    assert [p.name for p in base.call_parameters(second.__call__)] == [
+        "completion",
+        "answer",
+        "difficulty",
+    ]
+    # An unhashable callable object is read every time, and still right.
+    callable_object = Unhashable()
+    for _ in range(2):
+        assert [p.name for p in base.call_parameters(callable_object)][-1] == "difficulty"
+    assert len(reads) == 3
