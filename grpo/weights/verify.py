@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from grpo.types import UnscoredTrajectory
 from grpo.weights.checksum import WeightSyncError
 
 PROBE_ID_PREFIX = "probe-"  # of a probe's request id, which no episode's request has
@@ -47,6 +48,22 @@ REDUCED_PRECISION_PROBE_TOLERANCE = ProbeTolerance(1.0, 0.05, 0.05, 0.02)
 def probe_token_ids(vocab_size: int) -> list[int]:
     """The fixed 16-token sequence that every probe scores (ids below 256 and ``vocab_size``)."""
     return [(7 * i + 3) % min(vocab_size, 256) for i in range(16)]
+
+
+def probe_sequence(token_ids: Sequence[int], policy_version: int = 0) -> UnscoredTrajectory:
+    """``token_ids`` as the sequence a trainer scores for a probe: its first token the prompt,
+    the others the response whose logprobs the engine must reproduce."""
+    return UnscoredTrajectory(
+        prompt_tokens=torch.tensor(token_ids[:1]),
+        response_tokens=torch.tensor(token_ids[1:]),
+        prompt_len=1,
+        response_len=len(token_ids) - 1,
+        logprobs=torch.zeros(len(token_ids) - 1),
+        answer="",
+        sequence_id="weight-sync-probe",
+        policy_version=policy_version,
+        group_id=-1,
+    )
 
 
 def probe_tolerance(dtype: torch.dtype) -> ProbeTolerance:

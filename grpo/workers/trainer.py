@@ -51,12 +51,12 @@ from grpo.packing.packs import (
     shard_batch,
     unpack_response_logprobs,
 )
-from grpo.types import GRPOStats, PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
+from grpo.types import GRPOStats, PackedTrajectory, ScoredTrajectory
 from grpo.weights.base import SendingEnd
 from grpo.weights.checksum import adapter_checksum, state_dict_checksum
 from grpo.weights.concurrency import TRAINER_CONCURRENCY_GROUPS
 from grpo.weights.transports import sending_end
-from grpo.weights.verify import probe_token_ids, probe_tolerance
+from grpo.weights.verify import probe_sequence, probe_token_ids, probe_tolerance
 from grpo.workers.training_checkpoint import (
     ADAPTER_SUBDIR,
     MODEL_SUBDIR,
@@ -598,17 +598,7 @@ class PyTorchActorModel:
         """
         vocab_size = int(self.hf_config["vocab_size"])
         token_ids = probe_token_ids(vocab_size)
-        probe = UnscoredTrajectory(
-            prompt_tokens=torch.tensor(token_ids[:1]),
-            response_tokens=torch.tensor(token_ids[1:]),
-            prompt_len=1,
-            response_len=len(token_ids) - 1,
-            logprobs=torch.zeros(len(token_ids) - 1),
-            answer="",
-            sequence_id="weight-sync-probe",
-            policy_version=self.policy_version,
-            group_id=-1,
-        )
+        probe = probe_sequence(token_ids, self.policy_version)
         packed = pack_sequences([probe], self.device, self.pad_token_id)
         # Temperature 1: the engine scores the probe with prompt logprobs, which are always
         # those of the unscaled logits.

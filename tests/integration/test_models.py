@@ -221,9 +221,13 @@ def test_bf16_probe_tolerance_passes_kernel_rounding_and_fails_other_weights(tmp
 
     from grpo.packing.logprobs import model_response_logprobs
     from grpo.packing.packs import pack_sequences
-    from grpo.types import UnscoredTrajectory
     from grpo.weights.checksum import WeightSyncError
-    from grpo.weights.verify import check_probe, probe_token_ids, probe_tolerance
+    from grpo.weights.verify import (
+        check_probe,
+        probe_sequence,
+        probe_token_ids,
+        probe_tolerance,
+    )
 
     demo = Path(__file__).resolve().parents[2] / "assets" / "tiny_arithmetic_qwen2"
     sharp = tmp_path / "sharp"
@@ -242,19 +246,10 @@ def test_bf16_probe_tolerance_passes_kernel_rounding_and_fails_other_weights(tmp
         model = models.build_model(model_dir, dtype=torch.bfloat16).eval()
         probes = []
         for ids in sequences:
-            sequence = UnscoredTrajectory(
-                prompt_tokens=torch.tensor(ids[:1]),
-                response_tokens=torch.tensor(ids[1:]),
-                prompt_len=1,
-                response_len=len(ids) - 1,
-                logprobs=torch.zeros(len(ids) - 1),
-                answer="",
-                sequence_id="probe",
-                policy_version=0,
-                group_id=-1,
-            )
             with torch.no_grad():
-                logprobs = model_response_logprobs(model, pack_sequences([sequence], "cpu", 0))
+                logprobs = model_response_logprobs(
+                    model, pack_sequences([probe_sequence(ids)], "cpu", 0)
+                )
             probes.append(logprobs.float().tolist())
         return probes
 
