@@ -272,6 +272,13 @@ class Scheduler:
         self.reward_failures.check()
         self.busy.generation += result["metrics"].get(INFERENCE_TIME_GENERATION, 0.0)
         self.actors.collector_states[call.index] = result["state"]
+        if (collector := self.actors.collectors[call.index]) is not call.actor:
+            # The batch finished just before its collector was killed (a weight transfer
+            # failed, a stall was named): the replacement was caught up to the batch before
+            # this one and would generate this one's groups again under the same ids, to be
+            # trained twice. It goes on from here instead (Ray runs one caller's calls in
+            # order: before the next batch this loop launches on it).
+            collector.load_state_dict.remote(result["state"])
         queue, records = call.queue, result["records"]
         if (
             result["metrics"].get(INFERENCE_GROUPS_NOT_QUEUED)
