@@ -6,7 +6,9 @@ shape, 28 layers, hidden 2048, 16 query / 8 KV heads of 128, MLP 6144, vocabular
 (``--groups`` prompts of ``--prompt-len`` tokens, each answered by ``--group-size`` responses of
 ``--response-len``), packed with shared prompts into one pack of ``--tokens`` tokens
 (``training.mask_kind=auto``: FlexAttention ``BlockMask`` on CUDA, varlen on CPU). It times
-``train_step`` with ``torch.compile`` off and on (``--compile``), after ``--warmup`` steps.
+``train_step`` with ``torch.compile`` off and on (``--compile``), AdamW foreach or fused
+(``--fused-adamw``), after ``--warmup`` steps. ``--spread`` and ``--batches`` vary the lengths
+from step to step, as a run's packs do (a compiled model sees new shapes).
 
 MFU is the model's FLOPs per second over the chip's bf16 matmul rate, measured in the same run
 (square bf16 matmuls of ``--peak-size``). Model FLOPs per step, forward and backward, no
@@ -20,7 +22,10 @@ recomputation:
 
 Usage:
     python scripts/bench_trainer_mfu.py                        # Qwen3-1.7B shape, 16k tokens
-    python scripts/bench_trainer_mfu.py --shape tiny --compile off --tokens 2048
+    python scripts/bench_trainer_mfu.py --compile on --fused-adamw both --spread 4 --batches 4 \
+        --tokens 18432
+    python scripts/bench_trainer_mfu.py --shape tiny --compile off --groups 2 --group-size 4 \
+        --tokens 2048 --profile 15
 """
 
 from __future__ import annotations
@@ -92,25 +97,54 @@ def model_flops(shape: dict, batch: list) -> float:
     return linear + 12 * layers * heads * head_dim * pairs
 
 
+def print_profile(trainer, batch: list, top: int) -> None:
+    """One more step under ``torch.profiler``: the ``top`` operators by device time (CPU time
+    on a CPU), to say where a step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if trainer.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        trainer.train_step(batch)
+        synchronize(trainer.device)
+    key = "self_device_time_total" if trainer.device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
+
+
 def time_steps(
-    model_dir: Path, batch: list, tokens: int, compile_layers: bool, args
+    model_dir: Path, batches: list[list], tokens: int, variant: tuple[bool, bool], args
 ) -> list[float]:
-    """Seconds of each measured `train_step` of a fresh trainer."""
-    trainer = single_trainer(model_dir, tokens, dtype="bf16", compile=compile_layers)
+    """Seconds of every `train_step` of a fresh trainer, warm-up steps first (the first one
+    compiles, when on), cycling through ``batches``."""
+    compiled, fused = variant
+    optimizer = {"_component_": "torch.optim.AdamW", "lr": 1e-6, "fused": fused}
+    trainer = single_trainer(model_dir, tokens, dtype="bf16", compile=compiled, optimizer=optimizer)
     times = []
     for step in range(args.warmup + args.steps):
+        batch = batches[step % len(batches)]
         synchronize(trainer.device)
         start = time.perf_counter()
         metrics = trainer.train_step(batch)
         synchronize(trainer.device)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-    if metrics["training/num_micro_batches"] != 1:
-        raise SystemExit(f"the batch did not fit one pack of {tokens} tokens; raise --tokens")
+        times.append(time.perf_counter() - start)
+        if metrics["training/num_micro_batches"] != 1:
+            raise SystemExit(f"a batch did not fit one pack of {tokens} tokens; raise --tokens")
+    if trainer.device.type == "cuda":
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        print(f"{variant_name(variant)}: peak memory {peak_gib:.1f} GiB")
+        torch.cuda.reset_peak_memory_stats()
+    if args.profile:
+        print_profile(trainer, batches[0], args.profile)
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return times
+
+
+def variant_name(variant: tuple[bool, bool]) -> str:
+    compiled, fused = variant
+    return f"compile {'on' if compiled else 'off'}, AdamW {'fused' if fused else 'foreach'}"
 
 
 def main() -> None:
@@ -121,55 +155,94 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8, help="responses per prompt")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--response-len", type=int, default=224)
+    parser.add_argument(
+        "--spread",
+        type=int,
+        default=None,
+        help="lengths vary by up to length // SPREAD either way (default: exact lengths)",
+    )
+    parser.add_argument(
+        "--batches", type=int, default=1, help="distinct seeded batches the steps cycle through"
+    )
     parser.add_argument("--compile", choices=["off", "on", "both"], default="both")
+    parser.add_argument(
+        "--fused-adamw",
+        choices=["off", "on", "both"],
+        default="off",
+        help="torch.optim.AdamW(fused=True) instead of its foreach default",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="steps not timed")
     parser.add_argument("--steps", type=int, default=5, help="steps timed")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="print this many top operators of one more step"
+    )
     parser.add_argument("--peak-size", type=int, default=None, help="default 8192 GPU, 2048 CPU")
     args = parser.parse_args()
     from grpo.testing import build_tiny_qwen3
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = SHAPES[args.shape]
-    batch = scored_groups(
-        args.groups,
-        args.group_size,
-        prompt_len=args.prompt_len,
-        response_len=args.response_len,
-        vocab_size=min(shape["vocab_size"], 50_000),
-    )
-    real_tokens = args.groups * args.prompt_len + len(batch) * args.response_len
-    if real_tokens > args.tokens:
-        raise SystemExit(f"the batch has {real_tokens} tokens, over --tokens {args.tokens}")
-    flops = model_flops(shape, batch)
+    batches = [
+        scored_groups(
+            args.groups,
+            args.group_size,
+            prompt_len=args.prompt_len,
+            response_len=args.response_len,
+            vocab_size=min(shape["vocab_size"], 50_000),
+            spread=args.spread,
+            seed=seed,
+        )
+        for seed in range(args.batches)
+    ]
+    # Tokens in the pack, each shared prompt once (padding excluded).
+    real_tokens = [
+        sum({t.group_id: t.prompt_len for t in b}.values()) + sum(t.response_len for t in b)
+        for b in batches
+    ]
+    if max(real_tokens) > args.tokens:
+        raise SystemExit(f"a batch has {max(real_tokens)} tokens, over --tokens {args.tokens}")
+    flops = [model_flops(shape, b) for b in batches]
     peak = matmul_peak(device, args.peak_size or (8192 if device.type == "cuda" else 2048))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(
         f"{args.shape} ({', '.join(f'{k}={v}' for k, v in shape.items())}) on {name}, bf16; "
-        f"{len(batch)} sequences ({args.groups} prompts of {args.prompt_len} + "
-        f"{args.group_size} x {args.response_len}), {real_tokens:,} tokens in a pack of "
-        f"{args.tokens:,}; {flops / 1e12:.2f} TFLOP a step; measured bf16 matmul peak "
-        f"{peak / 1e12:.1f} TFLOP/s"
+        f"{len(batches[0])} sequences ({args.groups} prompts of {args.prompt_len} + "
+        f"{args.group_size} x {args.response_len}"
+        f"{f', lengths +-1/{args.spread}' if args.spread else ''}), "
+        f"{min(real_tokens):,}-{max(real_tokens):,} tokens in a pack of {args.tokens:,} "
+        f"({args.batches} distinct batches); {statistics.mean(flops) / 1e12:.2f} TFLOP a step; "
+        f"measured bf16 matmul peak {peak / 1e12:.1f} TFLOP/s"
     )
     rows = []
+    variants = [
+        (compiled, fused)
+        for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+        for fused in {"off": [False], "on": [True], "both": [False, True]}[args.fused_adamw]
+    ]
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         model_dir = build_tiny_qwen3(Path(folder) / "model", **shape)
         print(f"random model written in {time.perf_counter() - start:.0f} s")
-        for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
-            times = time_steps(model_dir, batch, args.tokens, compiled, args)
-            step = statistics.median(times)
-            rows.append(
-                [
-                    "on" if compiled else "off",
-                    f"{step:.3f}",
-                    f"{real_tokens / step:,.0f}",
-                    f"{flops / step / 1e12:.1f}",
-                    f"{100 * flops / step / peak:.1f}%",
-                ]
-            )
+        for variant in variants:
+            times = time_steps(model_dir, batches, args.tokens, variant, args)
+            timed = range(args.warmup, args.warmup + args.steps)
+            seconds = sum(times[i] for i in timed)
+            step_flops = sum(flops[i % len(batches)] for i in timed)
+            step_tokens = sum(real_tokens[i % len(batches)] for i in timed)
+            row = [
+                variant_name(variant),
+                f"{times[0]:.1f}",
+                f"{statistics.median(times[i] for i in timed):.3f}",
+                f"{max(times[i] for i in timed):.3f}",
+                f"{step_tokens / seconds:,.0f}",
+                f"{step_flops / seconds / 1e12:.1f}",
+                f"{100 * step_flops / seconds / peak:.1f}%",
+            ]
+            print(f"{row[0]}: {row[2]} s/step (slowest {row[3]}), {row[4]} tokens/s, MFU {row[6]}")
+            rows.append(row)
     print_table(
-        f"train_step, median of {args.steps} after {args.warmup} warm-up steps",
-        ["torch.compile", "s/step", "tokens/s", "model TFLOP/s", "MFU"],
+        f"train_step: {args.steps} steps timed after {args.warmup} warm-up steps",
+        ["variant", "first step s", "median s", "slowest s", "tokens/s", "TFLOP/s", "MFU"],
         rows,
     )
 

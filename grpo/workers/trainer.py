@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -179,6 +178,8 @@ class PyTorchActorModel:
     def as_remote(cls, **options: Any) -> Any:
         """This class as a Ray actor class with ``ray.remote`` ``options``, weight transfers in
         their own concurrency group."""
+        import ray
+
         return ray.remote(**{"concurrency_groups": TRAINER_CONCURRENCY_GROUPS, **options})(cls)
 
     def setup(self, dist_init_method: str | None = None, checkpoint_dir: str | None = None) -> None:
