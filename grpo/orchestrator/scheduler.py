@@ -52,6 +52,11 @@ from grpo.weights.sync import HEARTBEAT_TIMEOUT_S, START_UP_LIMIT_S
 _SAMPLE_WAIT_S = 5.0
 
 
+# Calls whose result describes the state of the actor that ran them: read after that actor
+# was replaced, they would describe a state that is gone.
+_UNDONE_BY_REPLACEMENT = (CallKind.ADD, CallKind.SAMPLE)
+
+
 @dataclass(frozen=True)
 class SampledBatch:
     """A batch the buffer sampled: its reference (for the trainers) and its summary (ids,
@@ -259,6 +264,16 @@ class Scheduler:
                 died = isinstance(error, RayActorError)
                 init_failed = died and bool(error.actor_init_failed)
                 failure = Failure(actor_name(role, call.index), error, died, init_failed)
+                self.failed.append(Failed(failure, role, call.index, call.actor, call))
+                continue
+            if call.kind in _UNDONE_BY_REPLACEMENT and call.actor is not self.actors.actor(role):
+                # It finished on a buffer that was replaced before this result was read: the
+                # groups it added or sampled went with that buffer, and the ledger generates
+                # them again (`InFlightLedger.lost_in_buffer`). Read as done, an add would
+                # count groups the new buffer lacks (lost) and a sample would train groups
+                # that come again (trained twice): redone on the new buffer instead.
+                error = RuntimeError(f"finished on a {role.value} that was replaced since")
+                failure = Failure(actor_name(role, call.index), error, current=False)
                 self.failed.append(Failed(failure, role, call.index, call.actor, call))
                 continue
             self.actors.returned(role, call.index, call.actor)
