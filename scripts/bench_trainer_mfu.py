@@ -7,7 +7,8 @@ shape, 28 layers, hidden 2048, 16 query / 8 KV heads of 128, MLP 6144, vocabular
 ``--response-len``), packed with shared prompts into one pack of ``--tokens`` tokens
 (``training.mask_kind=auto``: FlexAttention ``BlockMask`` on CUDA, varlen on CPU). It times
 ``train_step`` with ``torch.compile`` off and on (``--compile``), AdamW foreach or fused
-(``--fused-adamw``), after ``--warmup`` steps. ``--spread`` and ``--batches`` vary the lengths
+(``--fused-adamw``), every weight trained or LoRA adapters (``--lora RANK``), after
+``--warmup`` steps. ``--spread`` and ``--batches`` vary the lengths
 from step to step, as a run's packs do (a compiled model sees new shapes).
 
 MFU is the model's FLOPs per second over the chip's bf16 matmul rate, measured in the same run
@@ -16,7 +17,7 @@ recomputation:
 
 * 6 x (weights of every linear layer of the decoder) x (tokens in the pack, padding excluded);
 * 6 x vocabulary x hidden x (response tokens): the output projection runs only where a
-  logprob is needed;
+  logprob is needed (4 x for both under LoRA: frozen weights get no gradient);
 * 12 x layers x query heads x head dim x (query-key pairs the block-causal mask lets attend:
   a response sees its prompt and itself causally).
 
@@ -81,8 +82,9 @@ def matmul_peak(device: torch.device, size: int, repeats: int = 10) -> float:
     return 2 * size**3 / best
 
 
-def model_flops(shape: dict, batch: list) -> float:
-    """Forward + backward FLOPs of one step on ``batch`` (module docstring)."""
+def model_flops(shape: dict, batch: list, lora: bool = False) -> float:
+    """Forward + backward FLOPs of one step on ``batch`` (module docstring); with ``lora`` the
+    frozen weights take 4 x, not 6 x (no weight gradients; the adapters are left out)."""
     dim, heads, kv_heads = shape["embed_dim"], shape["num_heads"], shape["num_kv_heads"]
     head_dim, layers = shape["head_dim"], shape["num_layers"]
     per_layer = dim * head_dim * (2 * heads + 2 * kv_heads) + 3 * dim * shape["intermediate_dim"]
@@ -93,7 +95,8 @@ def model_flops(shape: dict, batch: list) -> float:
     pairs += sum(
         t.prompt_len * t.response_len + t.response_len * (t.response_len + 1) // 2 for t in batch
     )
-    linear = 6 * layers * per_layer * tokens + 6 * shape["vocab_size"] * dim * responses
+    weight_passes = 4 if lora else 6
+    linear = weight_passes * (layers * per_layer * tokens + shape["vocab_size"] * dim * responses)
     return linear + 12 * layers * heads * head_dim * pairs
 
 
@@ -119,7 +122,10 @@ def time_steps(
     compiles, when on), cycling through ``batches``."""
     compiled, fused = variant
     optimizer = {"_component_": "torch.optim.AdamW", "lr": 1e-6, "fused": fused}
-    trainer = single_trainer(model_dir, tokens, dtype="bf16", compile=compiled, optimizer=optimizer)
+    lora = {"rank": args.lora, "alpha": 2.0 * args.lora} if args.lora else None
+    trainer = single_trainer(
+        model_dir, tokens, dtype="bf16", compile=compiled, optimizer=optimizer, lora=lora
+    )
     times = []
     for step in range(args.warmup + args.steps):
         batch = batches[step % len(batches)]
@@ -171,6 +177,13 @@ def main() -> None:
         default="off",
         help="torch.optim.AdamW(fused=True) instead of its foreach default",
     )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="train LoRA adapters of this rank on q/k/v/o (alpha 2 x rank) instead of every weight",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="steps not timed")
     parser.add_argument("--steps", type=int, default=5, help="steps timed")
     parser.add_argument(
@@ -201,7 +214,7 @@ def main() -> None:
     ]
     if max(real_tokens) > args.tokens:
         raise SystemExit(f"a batch has {max(real_tokens)} tokens, over --tokens {args.tokens}")
-    flops = [model_flops(shape, b) for b in batches]
+    flops = [model_flops(shape, b, lora=bool(args.lora)) for b in batches]
     peak = matmul_peak(device, args.peak_size or (8192 if device.type == "cuda" else 2048))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(
@@ -210,7 +223,8 @@ def main() -> None:
         f"{args.group_size} x {args.response_len}"
         f"{f', lengths +-1/{args.spread}' if args.spread else ''}), "
         f"{min(real_tokens):,}-{max(real_tokens):,} tokens in a pack of {args.tokens:,} "
-        f"({args.batches} distinct batches); {statistics.mean(flops) / 1e12:.2f} TFLOP a step; "
+        f"({args.batches} distinct batches){f'; LoRA rank {args.lora}' if args.lora else ''}; "
+        f"{statistics.mean(flops) / 1e12:.2f} TFLOP a step; "
         f"measured bf16 matmul peak {peak / 1e12:.1f} TFLOP/s"
     )
     rows = []

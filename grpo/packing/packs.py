@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from grpo.packing.attention import VarlenMask
+from grpo.packing.attention import FLEX_BLOCK_SIZE, VarlenMask
 from grpo.types import PackedTrajectory, ScoredTrajectory, UnscoredTrajectory
 
 __all__ = [
@@ -37,9 +37,10 @@ __all__ = [
 
 MASK_KINDS = ("dense", "flex", "varlen")
 
-# FlexAttention compiles once per pack length (after 8, dynamo falls back to the slow path), so
-# flex packs are padded to a multiple of its block size, 128, which never adds a mask block.
-FLEX_BUCKET = 128
+# FlexAttention compiles once per pack length on CPU (after 8, dynamo falls back to the slow
+# path), so flex packs are padded to a multiple of its block size, which never adds a mask block
+# (and on CUDA spares the kernel its bounds checks: `flex_kernel_options`).
+FLEX_BUCKET = FLEX_BLOCK_SIZE
 
 
 def _check_sequences(sequences: Sequence[Any]) -> bool:

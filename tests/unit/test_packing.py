@@ -30,6 +30,7 @@ from grpo.packing.logprobs import (
     packed_logprobs_from_hidden,
 )
 from grpo.packing.packs import (
+    FLEX_BUCKET,
     pack_sequences,
     packed_forward_inputs,
     plan_packs,
@@ -437,6 +438,21 @@ def test_mixed_trajectory_types_raise():
 def test_unknown_mask_kind_raises():
     with pytest.raises(ValueError, match="mask_kind"):
         pack_sequences([make_unscored("x", 2, 2)], "cpu", PAD_ID, mask_kind="sparse")
+
+
+def test_padded_flex_packs_spare_the_cuda_kernel_its_bounds_checks():
+    """A flex pack's length is a multiple of the kernel's block: said so on CUDA, where a
+    dynamic-length compile cannot prove it (CPU compiles each length and infers it)."""
+    packed = pack_sequences(
+        [make_unscored("a", 5, 7), make_unscored("b", 30, 100)], "cpu", PAD_ID,
+        mask_kind="flex", pad_to_multiple_of=FLEX_BUCKET,
+    )  # fmt: skip
+    length = packed.packed_seq_len
+    assert length == 256 and FLEX_BUCKET == attention.FLEX_BLOCK_SIZE
+    assert attention.flex_kernel_options("cuda", length, length) == {"IS_DIVISIBLE": True}
+    assert attention.flex_kernel_options("cuda", length - 1, length - 1) is None
+    assert attention.flex_kernel_options("cuda", length, length + 64) is None
+    assert attention.flex_kernel_options("cpu", length, length) is None
 
 
 def test_auto_mask_kind_is_varlen_on_cpu_and_flex_on_cuda():
