@@ -1,16 +1,18 @@
 """FlexAttention over GRPO packs whose length changes from step to step, as a run's do (CUDA).
 
-Builds ``--packs`` block-causal masks the way the trainer does (`grpo.packing.packs`: each of
-``--groups`` prompts of about ``--prompt-len`` tokens is one block, each of its
-``--group-size`` responses of about ``--response-len`` another that also sees the prompt;
-lengths vary by up to a quarter, padded to a multiple of `FLEX_BUCKET`), and times forward and
-backward of compiled ``flex_attention`` on each, three ways:
+Packs ``--packs`` seeded batches as the trainer does (`grpo.packing.packs.pack_sequences`:
+``--groups`` prompts of about ``--prompt-len`` tokens, each held once and seen by its
+``--group-size`` responses of about ``--response-len``; lengths vary by up to a quarter;
+padded to a multiple of `FLEX_BUCKET`), and times forward and backward of compiled
+``flex_attention`` on each pack's BlockMask, three ways:
 
 * ``dynamic``: ``torch.compile(dynamic=None)``, which compiles the first length statically and
   the second for any length, with inductor's defaults;
 * ``dynamic, divisible``: the same, told that each length is a multiple of the kernel's block
   (`grpo.packing.attention.flex_kernel_options`: what the trainer and reference actor pass);
 * ``static``: ``dynamic=False``, one compile per length (at most 8, dynamo's recompile limit).
+
+The packs have ``--packs`` different lengths (seeds whose length repeats are skipped).
 
 Usage:
     python scripts/bench_flex_lengths.py                 # 16 heads of 128, 3 packs of ~16k
@@ -24,43 +26,29 @@ import statistics
 import time
 
 import torch
-from bench_common import print_table
+from bench_common import print_table, scored_groups
 from torch.nn.attention.flex_attention import flex_attention
 
 from grpo.packing.attention import flex_kernel_options
-from grpo.packing.packs import FLEX_BUCKET, _block_causal_block_mask
+from grpo.packing.packs import FLEX_BUCKET, pack_sequences
 
 
-def pack_mask(seed: int, args: argparse.Namespace) -> tuple[object, int]:
-    """A seeded block-causal BlockMask of shared-prompt groups, and its padded length."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def around(length: int) -> int:
-        width = length // 4
-        return length + int(torch.randint(-width, width + 1, (1,), generator=generator))
-
-    block_ids: list[int] = []
-    prefix_ids: list[int] = []
-    block = 0
-    for _ in range(args.groups):
-        prompt_block = block
-        length = around(args.prompt_len)
-        block_ids += [block] * length
-        prefix_ids += [-1] * length
-        block += 1
-        for _ in range(args.group_size):
-            length = around(args.response_len)
-            block_ids += [block] * length
-            prefix_ids += [prompt_block] * length
-            block += 1
-    padded = -(-len(block_ids) // FLEX_BUCKET) * FLEX_BUCKET
-    block_ids += [block] * (padded - len(block_ids))
-    prefix_ids += [-1] * (padded - len(prefix_ids))
-    device = torch.device("cuda")
-    mask = _block_causal_block_mask(
-        torch.tensor(block_ids, device=device), torch.tensor(prefix_ids, device=device), device
+def pack_mask(seed: int, args: argparse.Namespace, device: str = "cuda") -> tuple[object, int]:
+    """The BlockMask the trainer builds for a seeded batch (shared prompts, flex padding), and
+    the pack's length."""
+    batch = scored_groups(
+        args.groups,
+        args.group_size,
+        prompt_len=args.prompt_len,
+        response_len=args.response_len,
+        vocab_size=1000,
+        spread=4,
+        seed=seed,
     )
-    return mask, padded
+    packed = pack_sequences(
+        batch, device, 0, mask_kind="flex", pad_to_multiple_of=FLEX_BUCKET, share_prompts=True
+    )
+    return packed.attention_mask, packed.packed_seq_len
 
 
 def time_pack(compiled, mask, length: int, options, args, repeats: int) -> list[float]:
@@ -95,7 +83,13 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_flex_lengths.py needs a CUDA device (FlexAttention's backward)")
-    masks = [pack_mask(seed, args) for seed in range(args.packs)]
+    by_length: dict[int, object] = {}  # a pack of a length seen already adds nothing
+    seed = 0
+    while len(by_length) < args.packs:
+        mask, length = pack_mask(seed, args)
+        by_length.setdefault(length, mask)
+        seed += 1
+    masks = [(mask, length) for length, mask in sorted(by_length.items())]
     lengths = [length for _, length in masks]
     print(
         f"{torch.cuda.get_device_name()}: {args.heads} heads of {args.head_dim}, bf16; packs of {lengths}"

@@ -64,6 +64,10 @@ SHAPES = {
 }
 
 
+# ``--compile`` and ``--fused-adamw``: the settings each one times.
+SETTINGS = {"off": [False], "on": [True], "both": [False, True]}
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -82,6 +86,12 @@ def matmul_peak(device: torch.device, size: int, repeats: int = 10) -> float:
     return 2 * size**3 / best
 
 
+def pack_tokens(batch: list) -> int:
+    """Tokens of ``batch``'s pack with shared prompts, padding excluded: each prompt once."""
+    prompts = {t.group_id: t.prompt_len for t in batch}
+    return sum(prompts.values()) + sum(t.response_len for t in batch)
+
+
 def model_flops(shape: dict, batch: list, lora: bool = False) -> float:
     """Forward + backward FLOPs of one step on ``batch`` (module docstring); with ``lora`` the
     frozen weights take 4 x, not 6 x (no weight gradients; the adapters are left out)."""
@@ -89,7 +99,7 @@ def model_flops(shape: dict, batch: list, lora: bool = False) -> float:
     head_dim, layers = shape["head_dim"], shape["num_layers"]
     per_layer = dim * head_dim * (2 * heads + 2 * kv_heads) + 3 * dim * shape["intermediate_dim"]
     prompts = {t.group_id: t.prompt_len for t in batch}  # one copy of each shared prompt
-    tokens = sum(prompts.values()) + sum(t.response_len for t in batch)
+    tokens = pack_tokens(batch)
     responses = sum(t.response_len for t in batch)
     pairs = sum(p * (p + 1) // 2 for p in prompts.values())
     pairs += sum(
@@ -170,10 +180,10 @@ def main() -> None:
     parser.add_argument(
         "--batches", type=int, default=1, help="distinct seeded batches the steps cycle through"
     )
-    parser.add_argument("--compile", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--compile", choices=sorted(SETTINGS), default="both")
     parser.add_argument(
         "--fused-adamw",
-        choices=["off", "on", "both"],
+        choices=sorted(SETTINGS),
         default="off",
         help="torch.optim.AdamW(fused=True) instead of its foreach default",
     )
@@ -207,11 +217,7 @@ def main() -> None:
         )
         for seed in range(args.batches)
     ]
-    # Tokens in the pack, each shared prompt once (padding excluded).
-    real_tokens = [
-        sum({t.group_id: t.prompt_len for t in b}.values()) + sum(t.response_len for t in b)
-        for b in batches
-    ]
+    real_tokens = [pack_tokens(b) for b in batches]
     if max(real_tokens) > args.tokens:
         raise SystemExit(f"a batch has {max(real_tokens)} tokens, over --tokens {args.tokens}")
     flops = [model_flops(shape, b, lora=bool(args.lora)) for b in batches]
@@ -230,8 +236,8 @@ def main() -> None:
     rows = []
     variants = [
         (compiled, fused)
-        for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-        for fused in {"off": [False], "on": [True], "both": [False, True]}[args.fused_adamw]
+        for compiled in SETTINGS[args.compile]
+        for fused in SETTINGS[args.fused_adamw]
     ]
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
