@@ -366,20 +366,44 @@ def kill_queue_holding_groups(run: Orchestrator, from_step: int) -> list[int]:
     return held
 
 
-def kill_buffer_holding_groups(run: Orchestrator, from_step: int) -> list[int]:
-    """``ray.kill`` the replay buffer from the loop, right after an add at ``from_step`` or
-    later left it holding groups; returns ``[how many]``."""
-    held: list[int] = []
-    on_added = run._handlers[CallKind.ADD]
+def kill_buffer_holding_groups(run: Orchestrator, from_step: int) -> tuple[set, list[set]]:
+    """``ray.kill`` the replay buffer from the loop, right after it yielded a batch at
+    ``from_step`` or later and still held groups the next weight sync keeps (older ones the
+    loop forgets as stale, dead buffer or not). Then no sample is in flight: one that finished
+    before the kill would take groups the buffer held, trained rather than lost.
+
+    Returns:
+        tuple: the group ids the buffer held then that the next sync keeps, and ``[the group
+        ids the loop found lost]`` once it replaced the buffer (adds read before it noticed
+        the death count too).
+    """
+    held: set = set()
+    found_lost: list[set] = []
+    on_sampled = run._handlers[CallKind.SAMPLE]
+    lost_in_buffer = run.inflight.lost_in_buffer
 
     def kill_once_it_holds_groups(call, result, relaunch):
-        on_added(call, result, relaunch)
-        if not held and run.state.step >= from_step and (size := len(run.inflight.in_buffer)):
-            held.append(size)
+        on_sampled(call, result, relaunch)
+        oldest_kept = run.state.policy_version + 1 - run.cfg.orchestration.max_policy_lag
+        fresh = {
+            group_id
+            for group_id in run.inflight.in_buffer
+            if run.inflight.records[group_id].policy_version >= oldest_kept
+        }
+        if not held and run.state.step >= from_step and fresh:
+            assert run.scheduler.batch is not None
+            assert not run.scheduler.in_flight(CallKind.SAMPLE)
+            held.update(fresh)
             ray.kill(run.replay_buffer, no_restart=True)
 
-    run._handlers[CallKind.ADD] = kill_once_it_holds_groups
-    return held
+    def recording_lost_in_buffer():
+        lost = lost_in_buffer()
+        found_lost.append({record.group_id for record in lost})
+        return lost
+
+    run._handlers[CallKind.SAMPLE] = kill_once_it_holds_groups
+    run.inflight.lost_in_buffer = recording_lost_in_buffer
+    return held, found_lost
 
 
 def collects_garbage(actor: Any) -> bool:
@@ -400,7 +424,7 @@ def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
     # the queue while the first are scored, so the queue holds groups when it is killed.
     run = start_run(tiny_model_dir, run_dir, 14, "inference.batch_size=8")
     killed = kill_at_steps(run, victims)
-    buffer_held = kill_buffer_holding_groups(run, from_step=8)
+    buffer_held, buffer_lost = kill_buffer_holding_groups(run, from_step=8)
     queue_held = kill_queue_holding_groups(run, from_step=10)
     try:
         state = run.run()
@@ -429,9 +453,11 @@ def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
     assert collecting == [True] * 6 and paused
     assert state.step == 14
     assert len(queue_held) == 1 and queue_held[0] > 0
-    assert len(buffer_held) == 1 and buffer_held[0] > 0
-    names = [name for _, name in victims] + ["replay_buffer", "rollout_queue"]
-    assert [r.actor for r in run.recoveries] == names
+    assert buffer_held and len(buffer_lost) == 1 and buffer_held <= buffer_lost[0]
+    # The buffer and the queue die in either order, after the collector and the ref actor.
+    names = [name for _, name in victims]
+    assert [r.actor for r in run.recoveries[:2]] == names
+    assert sorted(r.actor for r in run.recoveries[2:]) == ["replay_buffer", "rollout_queue"]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert max(r[FAULTS_ACTOR_RESTARTS] for r in metrics if FAULTS_ACTOR_RESTARTS in r) == 4
     # The groups the dead queue and buffer held were generated again (the ledger checks below
@@ -440,7 +466,7 @@ def test_dead_collector_ref_actor_buffer_and_queue_are_replaced_losing_nothing(
     rescued = [
         r["faults/buffer_groups_rescued"] for r in metrics if "faults/buffer_groups_rescued" in r
     ]
-    assert rescued == [buffer_held[0]]
+    assert rescued == [len(buffer_lost[0])]
     for recovery in run.recoveries:
         # Noticed at the next call to the actor, and the replacement (a new vLLM engine on
         # CPU for the collector) did its first piece of work within a minute.
