@@ -384,13 +384,16 @@ def kill_buffer_holding_groups(run: Orchestrator, from_step: int) -> tuple[set, 
 
     def kill_once_it_holds_groups(call, result, relaunch):
         on_sampled(call, result, relaunch)
+        if held or run.state.step < from_step:
+            return
+        # What the loop's `release_stale` keeps after the next sync (one version later).
         oldest_kept = run.state.policy_version + 1 - run.cfg.orchestration.max_policy_lag
         fresh = {
             group_id
             for group_id in run.inflight.in_buffer
             if run.inflight.records[group_id].policy_version >= oldest_kept
         }
-        if not held and run.state.step >= from_step and fresh:
+        if fresh:
             assert run.scheduler.batch is not None
             assert not run.scheduler.in_flight(CallKind.SAMPLE)
             held.update(fresh)
